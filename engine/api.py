@@ -1,0 +1,116 @@
+"""The engine's public types: what callers hand in and what comes back.
+
+The consumer talks to the engine only through these and `Engine`'s methods; nothing here knows of
+Kafka, Redis or SQL. Times are integer microseconds so that the shares of one step add up to the
+measured step time exactly (billing converts to milliseconds at the edge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "eos"]
+
+
+class EngineError(Exception):
+    """An operational failure of the engine, with a stable `code` and a message that says how to fix it."""
+
+    code = "engine_error"
+    retriable = False
+
+    def __init__(self, message: str, *, code: str | None = None, retriable: bool | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if retriable is not None:
+            self.retriable = retriable
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class AdapterError(EngineError):
+    """An adapter cannot be loaded or does not fit the base model."""
+
+    code = "adapter_invalid"
+
+
+class RequestError(EngineError):
+    """A request is malformed for this engine (prompt too long, unknown adapter, ...)."""
+
+    code = "invalid_request"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top-k log-probabilities per generated token, as OpenAI returns them
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    # Exactly one of prompt / messages / input_ids.
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    input_ids: tuple[int, ...] | None = None
+    adapter: str | None = None  # key of a loaded adapter (`Engine.load_adapter`), None for the base model
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    tenant: str = ""  # for KV isolation and quotas; the engine attaches no other meaning to it
+    arrival_us: int | None = None  # monotonic clock (time.monotonic_ns() // 1000) when the job arrived
+
+
+@dataclass
+class RequestTimings:
+    """Measured per request, in integer microseconds; a step's shares sum to the step's time exactly."""
+
+    base_us: int = 0  # share of the base model's compute in the steps this request took part in
+    lora_us: int = 0  # share of the LoRA compute of those steps
+    kv_saved_us: int = 0  # prefill time the cached prefix tokens saved (a credit)
+    adapter_load_us: int = 0  # time spent loading this request's adapter for it (cold start), if any
+    queue_us: int = 0  # arrival to first scheduled step
+    ttft_us: int = 0  # arrival to first generated token
+    total_us: int = 0  # arrival to finish
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    adapter: str | None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    logprobs: dict | None = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    error: EngineError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    key: str  # the name the caller loaded it under, e.g. "tenant/name@3"
+    sha256: str  # of the adapter's content (config + weights), the identity used for dedupe and KV keys
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    nbytes: int
+    load_us: int  # measured load time
+    tier: str  # where it was loaded from: "disk" (L3), "host" (L2) or "gpu" (already resident)
