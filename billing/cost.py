@@ -1,0 +1,35 @@
+"""GPU time to money: the one place the price formula and the rounding live.
+
+Times arrive as integer microseconds, so milliseconds with three places are exact and the only rounding
+is the final one to nine places of currency (ROUND_HALF_EVEN, so that rounding over many rows has no
+bias). Floats never take part.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_HALF_EVEN, Decimal, localcontext
+
+US_PER_HOUR = 3_600_000_000
+MONEY_PLACES = 9  # the ledger's Numeric(18, 9)
+_MONEY_QUANTUM = Decimal(1).scaleb(-MONEY_PLACES)  # 0.000000001
+_MS_QUANTUM = Decimal("0.001")
+
+
+def gpu_cost(gpu_us: int, price_per_hour: Decimal) -> Decimal:
+    """Cost of `gpu_us` microseconds of GPU time at `price_per_hour`, rounded to nine places.
+
+    Multiplying before dividing keeps the product exact; 60 digits of precision then make the single
+    division exact to far beyond the ninth place (a year of GPU time is ~3.2e13 us).
+    """
+    assert isinstance(gpu_us, int), gpu_us
+    assert isinstance(price_per_hour, Decimal), f"price_per_hour must be a Decimal, got {price_per_hour!r}"
+    with localcontext() as ctx:
+        ctx.prec = 60
+        ctx.rounding = ROUND_HALF_EVEN
+        return (Decimal(gpu_us) * price_per_hour / US_PER_HOUR).quantize(_MONEY_QUANTUM)
+
+
+def us_to_ms(us: int) -> Decimal:
+    """Integer microseconds as milliseconds with exactly three places (exact, no rounding)."""
+    assert isinstance(us, int), us
+    return (Decimal(us) / 1000).quantize(_MS_QUANTUM)

@@ -1,0 +1,114 @@
+"""Engines, sessions and schema migrations for the ledger database.
+
+Two backends, chosen by the URL and nothing else: SQLite (the embedded default, a file) and PostgreSQL
+through psycopg 3 (production). Alembic owns the schema; `upgrade` and `downgrade` run it in-process
+from the `migrations` package, so an installed wheel needs no alembic.ini.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+import migrations
+from billing.errors import LedgerConfigError
+
+# Seconds a SQLite writer waits for another process's write lock before failing: workers of one host
+# share the file, and a ledger flush holds the lock for milliseconds.
+SQLITE_BUSY_TIMEOUT_S = 30
+
+_MIGRATIONS_DIR = str(Path(migrations.__file__).parent)
+
+
+def _resolve_url(url: str | URL) -> URL:
+    """The URL with its driver made explicit; anything but SQLite and PostgreSQL/psycopg 3 is refused."""
+    parsed = make_url(url)
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "sqlite" and driver in ("", "pysqlite"):
+        return parsed
+    if backend == "postgresql" and driver in ("", "psycopg"):
+        # A bare postgresql:// would make SQLAlchemy pick psycopg2, which lorabatch does not install.
+        return parsed.set(drivername="postgresql+psycopg")
+    raise LedgerConfigError(
+        f"ledger url {parsed.render_as_string(hide_password=True)!r} uses driver {parsed.drivername!r}; "
+        f"the ledger runs on sqlite:///PATH/ledger.db or postgresql+psycopg://USER@HOST:PORT/DB, change the url to one of those"
+    )
+
+
+def _is_memory_sqlite(url: URL) -> bool:
+    return url.database in (None, "", ":memory:") or (url.database or "").startswith("file::memory:")
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """An Engine for the ledger at `url`.
+
+    SQLite: the file's folder is created, and every connection enforces foreign keys, uses WAL (readers
+    never block the writer) and waits up to SQLITE_BUSY_TIMEOUT_S for a writer's lock. An in-memory
+    database is kept on one shared connection so that it outlives a single checkout.
+    """
+    parsed = _resolve_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(parsed, **kwargs)
+    if _is_memory_sqlite(parsed):
+        kwargs.setdefault("poolclass", StaticPool)
+        kwargs.setdefault("connect_args", {"check_same_thread": False})
+    else:
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, **kwargs)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    return engine
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+    finally:
+        cursor.close()
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions on `engine` whose objects stay readable after commit (callers get detached rows)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str | URL) -> Config:
+    """An Alembic Config for the packaged migrations, aimed at `url` (read by migrations/env.py)."""
+    config = Config()
+    config.set_main_option("script_location", _MIGRATIONS_DIR)
+    config.attributes["url"] = _resolve_url(url)
+    return config
+
+
+def upgrade(url: str | URL, revision: str = "head") -> None:
+    """Migrate the ledger at `url` up to `revision` (default: the newest)."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str | URL, revision: str) -> None:
+    """Migrate the ledger at `url` down to `revision` ("base" removes every ledger table)."""
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str:
+    """The newest schema revision this code ships."""
+    head = ScriptDirectory(_MIGRATIONS_DIR).get_current_head()
+    assert head is not None, "migrations/versions holds no revision"
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision the database at `engine` is at; None when it was never migrated."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()

@@ -1,0 +1,31 @@
+"""The ledger's operational failures: typed, with a `retriable` flag and a message that says how to fix them."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base of every failure the ledger reports to its callers."""
+
+    retriable = False
+
+
+class LedgerConfigError(LedgerError):
+    """The ledger URL names a database or driver the ledger does not support."""
+
+
+class LedgerRecordError(LedgerError, ValueError):
+    """A usage or adapter-load record cannot be written as it is; nothing of its batch was written."""
+
+
+class InvalidPeriodError(LedgerError, ValueError):
+    """A billing period is not written as YYYY-MM."""
+
+
+class LedgerSchemaError(LedgerError):
+    """The database has no ledger schema (or an older one): migrations have not been run against it."""
+
+
+class LedgerUnavailableError(LedgerError):
+    """The database did not answer or refused the write; the write is idempotent, so retrying is safe."""
+
+    retriable = True

@@ -1,0 +1,166 @@
+"""The ledger: one row per (tenant, request_id) with its measured GPU time and cost, written idempotently.
+
+Workers consume Kafka at least once, so the same request can arrive twice, in one flush or in two,
+from one worker or from two racing over a rebalanced partition. Every write is an
+INSERT ... ON CONFLICT (tenant_id, request_id) DO NOTHING: the first row stays, later copies add nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import fields
+from datetime import datetime
+from typing import Any, NoReturn
+
+from sqlalchemy import BigInteger, Engine, Integer, String, Table, func, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError, ProgrammingError
+
+from billing.config import LedgerConfig
+from billing.cost import gpu_cost
+from billing.db import current_revision, head_revision, session_factory
+from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
+from billing.models import AdapterLoad, Usage
+from billing.periods import period_of
+from billing.records import AdapterLoadRecord, UsageRecord
+
+# Chosen once per engine: both dialects spell the upsert the same way but through their own insert().
+_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+_STATUSES = ("succeeded", "failed")
+_ADAPTER = re.compile(r"[^@\s]+@\d+")  # "name@version"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_INT_MAX = {Integer: 2**31 - 1, BigInteger: 2**63 - 1}
+
+
+class Ledger:
+    """Writes usage and adapter-load records to the ledger database and reads single rows back."""
+
+    def __init__(self, engine: Engine, config: LedgerConfig):
+        assert engine.dialect.name in _DIALECT_INSERT, f"no ledger support for dialect {engine.dialect.name!r}"
+        self._engine = engine
+        self._config = config
+        self._sessions = session_factory(engine)
+        self._insert = _DIALECT_INSERT[engine.dialect.name]
+
+    def record_usage(self, records: Sequence[UsageRecord]) -> int:
+        """Write `records` in one statement batch; return how many rows are new.
+
+        A record whose (tenant_id, request_id) is already in the ledger, or earlier in `records`, adds
+        no row. Every record is checked before anything is written, so a bad one fails the whole batch
+        with LedgerRecordError and leaves the ledger untouched.
+        """
+        # Sorted by the unique key, two workers writing overlapping batches take row locks in the same
+        # order, so PostgreSQL makes one wait for the other instead of failing one as a deadlock.
+        rows = sorted((self._usage_row(r) for r in records), key=lambda row: (row["tenant_id"], row["request_id"]))
+        if not rows:
+            return 0
+        statement = (
+            self._insert(Usage)
+            .on_conflict_do_nothing(index_elements=[Usage.tenant_id, Usage.request_id])
+            .returning(Usage.id)  # only rows actually inserted come back
+        )
+        with self._database_errors(), self._sessions.begin() as session:
+            return len(session.execute(statement, rows).all())
+
+    def record_adapter_loads(self, records: Sequence[AdapterLoadRecord]) -> int:
+        """Write one row per adapter load; return how many were written."""
+        rows = [self._load_row(r) for r in records]
+        if not rows:
+            return 0
+        with self._database_errors(), self._sessions.begin() as session:
+            session.execute(insert(AdapterLoad), rows)
+        return len(rows)
+
+    def usage_for(self, tenant_id: str, request_id: str) -> Usage | None:
+        """The ledger row of one request, or None when it was never recorded."""
+        statement = select(Usage).where(Usage.tenant_id == tenant_id, Usage.request_id == request_id)
+        with self._database_errors(), self._sessions() as session:
+            return session.scalars(statement).one_or_none()
+
+    def count_usage(self, tenant_id: str | None = None) -> int:
+        """Number of usage rows, of one tenant or of all."""
+        statement = select(func.count()).select_from(Usage)
+        if tenant_id is not None:
+            statement = statement.where(Usage.tenant_id == tenant_id)
+        with self._database_errors(), self._sessions() as session:
+            return session.scalar(statement) or 0
+
+    def _usage_row(self, record: UsageRecord) -> dict[str, Any]:
+        row = {f.name: getattr(record, f.name) for f in fields(record)}
+        what = f"usage record tenant_id={record.tenant_id!r} request_id={record.request_id!r}"
+        _check_row(Usage.__table__, row, what)
+        if record.status not in _STATUSES:
+            _reject(what, "status", record.status, f"use one of {', '.join(_STATUSES)}")
+        if record.adapter is not None and not _ADAPTER.fullmatch(record.adapter):
+            _reject(what, "adapter", record.adapter, "write the resolved adapter as name@version, or None for the base model")
+        if record.adapter_sha256 is not None and not _SHA256.fullmatch(record.adapter_sha256):
+            _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
+        net_us = record.base_us + record.lora_us + record.routing_us - record.kv_saved_us
+        row["cost"] = gpu_cost(net_us, self._config.gpu_price_per_hour)
+        row["period"] = period_of(record.created_at)
+        return row
+
+    def _load_row(self, record: AdapterLoadRecord) -> dict[str, Any]:
+        row = {f.name: getattr(record, f.name) for f in fields(record)}
+        what = f"adapter load record adapter={record.adapter!r} worker_id={record.worker_id!r}"
+        _check_row(AdapterLoad.__table__, row, what)
+        if not _ADAPTER.fullmatch(record.adapter):
+            _reject(what, "adapter", record.adapter, "write the adapter as name@version")
+        if not _SHA256.fullmatch(record.adapter_sha256):
+            _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
+        row["period"] = period_of(record.created_at)
+        return row
+
+    @contextmanager
+    def _database_errors(self) -> Iterator[None]:
+        """Database failures as the ledger's typed errors, each saying what to do about it."""
+        url = self._engine.url.render_as_string(hide_password=True)
+        try:
+            yield
+        except (OperationalError, ProgrammingError) as exc:
+            try:
+                at, want = current_revision(self._engine), head_revision()
+            except OperationalError:
+                at = want = None  # the database cannot be reached at all
+            if at != want:
+                raise LedgerSchemaError(
+                    f"the ledger database at {url} is at schema revision {at} but this code needs {want}; "
+                    f"migrate it with billing.db.upgrade(url) or `alembic -x url=URL upgrade head` from the repository root"
+                ) from exc
+            if isinstance(exc, ProgrammingError):
+                raise
+            raise LedgerUnavailableError(
+                f"the ledger database at {url} failed: {exc.orig}; check that it is running and reachable, "
+                f"then retry (ledger writes are idempotent, a retry adds no duplicate row)"
+            ) from exc
+
+
+def _check_row(table: Table, row: Mapping[str, Any], what: str) -> None:
+    """Every value fits its column: timestamps aware, counts non-negative integers, text within its length."""
+    for column in table.columns:
+        if column.name not in row:
+            continue
+        value = row[column.name]
+        if column.name == "created_at":
+            if not isinstance(value, datetime) or value.utcoffset() is None:
+                _reject(what, "created_at", value, "pass a timezone-aware datetime, e.g. datetime.now(timezone.utc)")
+        elif isinstance(column.type, Integer):
+            limit = _INT_MAX[BigInteger if isinstance(column.type, BigInteger) else Integer]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+                _reject(what, column.name, value, f"pass an integer from 0 to {limit} (times in microseconds)")
+        elif isinstance(column.type, String):
+            if value is None:
+                if not column.nullable:
+                    _reject(what, column.name, value, "pass a string")
+            elif not isinstance(value, str) or (column.type.length is not None and len(value) > column.type.length):
+                _reject(what, column.name, value, f"pass a string of at most {column.type.length} characters")
+    for key in ("tenant_id", "request_id"):
+        if key in row and not row[key]:
+            _reject(what, key, row[key], "pass a non-empty id")
+
+
+def _reject(what: str, field: str, value: object, fix: str) -> NoReturn:
+    raise LedgerRecordError(f"{what}: {field}={value!r} cannot be written to the ledger; {fix}")

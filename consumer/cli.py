@@ -1,0 +1,360 @@
+"""`lorabatch`: the one command that fronts the service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from consumer.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(help="Multi-tenant LoRA batch inference fed by Kafka, with an exact GPU cost ledger.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu), for the demo and tests.", no_args_is_help=True)
+db_app = typer.Typer(help="The ledger database schema (Alembic).", no_args_is_help=True)
+tenants_app = typer.Typer(help="Tenants of the service.", no_args_is_help=True)
+adapters_app = typer.Typer(help="LoRA adapters in the registry.", no_args_is_help=True)
+config_app = typer.Typer(help="The configuration.", no_args_is_help=True)
+for sub, name in ((broker_app, "broker"), (db_app, "db"), (tenants_app, "tenants"), (adapters_app, "adapters"), (config_app, "config")):
+    app.add_typer(sub, name=name)
+
+console = Console(stderr=True)
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (default: $LORABATCH_CONFIG or ./lorabatch.toml)")]
+
+
+def _settings(config: Path | None, **overrides) -> Settings:
+    try:
+        return load_settings(config, {k: v for k, v in overrides.items() if v is not None})
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _fail(message: str, code: int = 2):
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":%(message)r}')
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+
+
+# ------------------------------------------------------------------------- config
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None) -> None:
+    """Print the effective configuration as TOML."""
+    typer.echo(_settings(config).to_toml())
+
+
+# ------------------------------------------------------------------------- broker
+
+
+def _daemon(s: Settings, port: int | None):
+    from consumer.broker import BrokerDaemon
+
+    return BrokerDaemon(Path(s.broker.state_dir), s.broker.host, port or s.broker.port)
+
+
+@broker_app.command("start")
+def broker_start(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option(help="listen port")] = None,
+                 partitions: Annotated[Optional[int], typer.Option(help="partitions per topic")] = None) -> None:
+    """Start the broker in the background on 127.0.0.1 and create the topics."""
+    from consumer.broker import BrokerError
+
+    s = _settings(config)
+    d = _daemon(s, port)
+    k = s.kafka
+    try:
+        pid = d.start([k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], partitions or k.partitions, s.broker.start_timeout_s)
+    except BrokerError as e:
+        _fail(str(e))
+    typer.echo(f"broker running: pid {pid}, {d.host}:{d.port} (log {d.log_file})")
+
+
+@broker_app.command("stop")
+def broker_stop(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+    """Stop the background broker (its messages are in memory and go with it)."""
+    d = _daemon(_settings(config), port)
+    typer.echo("broker stopped" if d.stop() else f"no broker of ours runs on port {d.port}")
+
+
+@broker_app.command("status")
+def broker_status(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+    """Say whether the broker runs and answers, and list its topics."""
+    d = _daemon(_settings(config), port)
+    pid = d.pid()
+    if pid is None:
+        typer.echo(f"broker: not running (port {d.port})")
+        raise typer.Exit(1)
+    topics = asyncio.run(d.topics())
+    typer.echo(f"broker: running, pid {pid}, {d.host}:{d.port}; topics: {', '.join(topics)}")
+
+
+# ------------------------------------------------------------------------- model, database, registry
+
+
+@app.command("make-demo-model")
+def make_demo_model(out_dir: Path, seed: int = 0) -> None:
+    """Write a tiny random-weight Llama (HF format) and 8 PEFT adapters of mixed ranks under OUT_DIR."""
+    from engine.demo_model import write_demo_set
+
+    paths = write_demo_set(out_dir, seed=seed)
+    typer.echo(f"model: {out_dir / 'model'}")
+    for name, p in paths.items():
+        typer.echo(f"adapter {name}: {p}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(config: ConfigOpt = None, revision: str = "head") -> None:
+    """Migrate the ledger database to REVISION (default: the newest)."""
+    from billing.db import upgrade
+
+    s = _settings(config)
+    upgrade(s.ledger.url, revision)
+    typer.echo(f"ledger at {s.ledger.url}: upgraded to {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str, config: ConfigOpt = None) -> None:
+    """Migrate the ledger database down to REVISION ("base" drops every table)."""
+    from billing.db import downgrade
+
+    s = _settings(config)
+    downgrade(s.ledger.url, revision)
+    typer.echo(f"ledger at {s.ledger.url}: downgraded to {revision}")
+
+
+def _services(s: Settings):
+    from consumer.services import SchemaMissing, open_services
+
+    try:
+        return open_services(s)
+    except SchemaMissing as e:
+        _fail(str(e))
+
+
+@tenants_app.command("add")
+def tenants_add(tenant_id: str, config: ConfigOpt = None, name: Optional[str] = None, tier: str = "standard", weight: int = 1) -> None:
+    """Register a tenant."""
+    from consumer.registry import RegistryError
+
+    svc = _services(_settings(config))
+    try:
+        t = svc.registry.add_tenant(tenant_id, name, tier, weight)
+    except RegistryError as e:
+        _fail(str(e))
+    typer.echo(f"tenant {t.id} added (tier {t.tier}, weight {t.weight})")
+
+
+@tenants_app.command("list")
+def tenants_list(config: ConfigOpt = None) -> None:
+    """List the tenants."""
+    svc = _services(_settings(config))
+    table = Table("tenant", "name", "tier", "weight")
+    for t in svc.registry.list_tenants():
+        table.add_row(t.id, t.display_name, t.tier, str(t.weight))
+    Console().print(table)
+
+
+@adapters_app.command("add")
+def adapters_add(name: str, directory: Path, tenant: Annotated[str, typer.Option(help="owner tenant")],
+                 default: Annotated[bool, typer.Option("--default", help="the tenant's default adapter")] = False,
+                 public: Annotated[bool, typer.Option("--public", help="usable by every tenant")] = False,
+                 config: ConfigOpt = None) -> None:
+    """Store a PEFT adapter folder by content and register it as NAME for a tenant."""
+    from consumer.registry import RegistryError
+    from engine.api import AdapterError
+
+    svc = _services(_settings(config))
+    try:
+        a, created = svc.registry.add_adapter(tenant, name, directory, default=default, public=public)
+    except (RegistryError, AdapterError) as e:
+        _fail(str(e))
+    what = "registered" if created else "unchanged (same content)"
+    typer.echo(f"adapter {tenant}/{a.ref} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}")
+
+
+@adapters_app.command("list")
+def adapters_list(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
+    """List the registered adapters."""
+    svc = _services(_settings(config))
+    table = Table("tenant", "adapter", "rank", "targets", "public", "default", "sha256")
+    for a in svc.registry.list_adapters(tenant):
+        table.add_row(a.tenant_id, a.ref, str(a.rank), ",".join(a.target_modules), "yes" if a.is_public else "",
+                      "yes" if a.is_default else "", a.sha256[:12])
+    Console().print(table)
+
+
+# ------------------------------------------------------------------------- offline generation
+
+
+@app.command("generate")
+def generate(jobs: Annotated[Path, typer.Option("--jobs", help="JSONL of jobs (prompt or input_ids)")],
+             model: Annotated[Optional[Path], typer.Option("--model", help="HF model folder")] = None,
+             adapter: Annotated[Optional[list[str]], typer.Option("--adapter", help="NAME=DIR, repeatable")] = None,
+             config: ConfigOpt = None) -> None:
+    """Run a JSONL batch on the engine offline (no Kafka); one result line per job, in input order."""
+    from consumer.offline import run_offline
+
+    s = _settings(config, **({"engine.model_dir": str(model)} if model else {}))
+    adapters = {}
+    for spec in adapter or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            _fail(f"--adapter {spec!r}: write it as NAME=DIR")
+        adapters[name] = Path(path)
+    try:
+        for line in run_offline(s.engine, adapters, jobs):
+            typer.echo(line)
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+# ------------------------------------------------------------------------- worker
+
+
+@app.command("worker")
+def worker(config: ConfigOpt = None, log_level: str = "INFO") -> None:
+    """Consume jobs, run them on the engine, publish results, bill them, commit. SIGTERM drains and exits."""
+    from consumer.worker import Worker
+    from engine.engine import Engine
+
+    _setup_logging(log_level)
+    s = _settings(config)
+    svc = _services(s)
+    engine = Engine(s.engine)
+    w = Worker(s, engine, svc.registry, svc.ledger)
+    if s.worker.metrics_port:
+        w.metrics.serve(s.worker.metrics_port)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, w.stop)
+        await w.run()
+
+    logging.getLogger("lorabatch.worker").info("worker %s starting on %s", w.worker_id, s.kafka.bootstrap_servers)
+    asyncio.run(main())
+    svc.close()
+
+
+# ------------------------------------------------------------------------- submit and results
+
+
+@app.command("submit")
+def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs belong to")],
+           batch_id: Annotated[Optional[str], typer.Option("--batch-id")] = None,
+           key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter or request")] = None,
+           config: ConfigOpt = None) -> None:
+    """Produce jobs from a native or OpenAI Batch API JSONL file."""
+    from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs
+
+    s = _settings(config, **({"kafka.partition_key": key} if key else {}))
+    bid = batch_id or new_batch_id()
+    try:
+        prepared = prepare(file, tenant, bid)
+    except SubmitError as e:
+        _fail(str(e))
+    for err in prepared.errors:
+        console.print(f"[yellow]rejected[/yellow] {file}: {err}", highlight=False)
+    if prepared.jobs:
+        with progress_bar() as bar:
+            task = bar.add_task("submitting", total=len(prepared.jobs))
+            asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
+                                     progress=lambda n: bar.advance(task, n)))
+    typer.echo(json.dumps({"batch_id": bid, "submitted": len(prepared.jobs), "rejected": len(prepared.errors)}))
+    if prepared.errors:
+        raise typer.Exit(1)
+
+
+@app.command("results")
+def results(batch_id: Annotated[str, typer.Option("--batch-id")],
+            output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write JSONL here instead of stdout")] = None,
+            fmt: Annotated[str, typer.Option("--format", help="native or openai")] = "native",
+            timeout: Annotated[float, typer.Option(help="seconds to wait for the batch to complete")] = 600.0,
+            config: ConfigOpt = None) -> None:
+    """Collect a batch's results until every job has one, as JSONL in submission order."""
+    from consumer.submit import collect_results, read_manifest, to_openai_line
+
+    if fmt not in ("native", "openai"):
+        _fail(f"--format {fmt!r}: use native or openai")
+    s = _settings(config)
+    manifest = asyncio.run(read_manifest(s.kafka, batch_id))
+    if manifest is None:
+        _fail(f"no batch {batch_id!r} was submitted to {s.kafka.bootstrap_servers}; check the id `lorabatch submit` printed")
+    with progress_bar() as bar:
+        task = bar.add_task(f"batch {batch_id}", total=len(manifest.request_ids))
+        got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=lambda n: bar.advance(task, n)))
+    lines = []
+    for rid in manifest.request_ids:
+        if rid in got:
+            lines.append(json.dumps(to_openai_line(got[rid]) if fmt == "openai" else got[rid].model_dump(mode="json")))
+        elif rid in dlq:
+            lines.append(json.dumps({"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()}))
+    text = "\n".join(lines) + ("\n" if lines else "")
+    if output:
+        output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    missing = len(manifest.request_ids) - len(lines)
+    if missing:
+        _fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running?", 1)
+
+
+# ------------------------------------------------------------------------- billing
+
+
+@app.command("invoice")
+def invoice(tenant: Annotated[str, typer.Option()], period: Annotated[str, typer.Option(help="YYYY-MM (UTC month)")],
+            fmt: Annotated[str, typer.Option("--format", help="table, json or csv")] = "table",
+            config: ConfigOpt = None) -> None:
+    """A tenant's invoice for a month: per adapter, tokens, GPU milliseconds by component, cost."""
+    from billing.errors import LedgerError
+    from billing.invoice import build_invoice, render_csv, render_json, render_table
+
+    renderers = {"table": render_table, "json": render_json, "csv": render_csv}
+    if fmt not in renderers:
+        _fail(f"--format {fmt!r}: use table, json or csv")
+    s = _settings(config)
+    svc = _services(s)
+    try:
+        inv = build_invoice(svc.db, tenant, period, s.ledger.gpu_price_per_hour)
+    except LedgerError as e:
+        _fail(str(e))
+    typer.echo(renderers[fmt](inv))
+
+
+# ------------------------------------------------------------------------- demo
+
+
+@app.command("demo")
+def demo(jobs: int = 200, port: Annotated[Optional[int], typer.Option(help="broker port (default: a free one)")] = None,
+         home: Annotated[Path, typer.Option(help="where the demo keeps its model, ledger and store")] = Path(".lorabatch/demo")) -> None:
+    """The whole service end to end on embedded defaults: broker, worker, ~200 jobs, invoices."""
+    from consumer.demo import run_demo
+
+    sys.exit(run_demo(home, jobs, port, console))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

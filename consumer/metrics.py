@@ -1,0 +1,38 @@
+"""Prometheus metrics of one worker (DESIGN.md, "Metrics"), on a registry of its own.
+
+Label values are bounded: tenants and adapters come from the registry (not from job payloads), and
+anything unregistered is counted under "unknown".
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lora_request_total", "Requests finished", ["tenant", "adapter", "status"], registry=r)
+        self.duration = Histogram(
+            "lora_request_duration_seconds", "Arrival to result, per request", ["tenant"], registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.route_decisions = Counter("lora_route_decision_total", "Routing decisions", ["reason"], registry=r)
+        self.routing_cost = Counter("lora_routing_cost_ms_total", "Routing decision plus LoRA GPU ms", ["tenant"], registry=r)
+        self.cold_start = Histogram(
+            "lora_cold_start_duration_ms", "Adapter load time", ["tier"], registry=r,
+            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
+        )
+        self.memory_used = Gauge("lora_memory_used_bytes", "Bytes of adapters resident on the device", registry=r)
+        self.dlq = Counter("lorabatch_dlq_total", "Messages sent to the DLQ", ["code"], registry=r)
+        self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting in adapter buckets", registry=r)
+        self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
+        self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)
+        self.batch_size = Histogram(
+            "lorabatch_batch_size", "Requests per engine batch", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128)
+        )
+        self.consumer_lag = Gauge("lorabatch_consumer_lag", "Messages behind the log end", ["partition"], registry=r)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="0.0.0.0", registry=self.registry)

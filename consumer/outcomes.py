@@ -1,0 +1,115 @@
+"""Translations between the job contract, the engine's types and the ledger's records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from billing.records import UsageRecord
+from consumer.schemas import Cost, ErrorInfo, Job, Result, Timings, Usage
+from engine.api import GenerationRequest, GenerationResult, SamplingParams
+
+
+def to_request(job: Job, adapter_key: str | None, arrival_us: int | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=job.request_id,
+        prompt=job.prompt,
+        messages=tuple(m.model_dump() for m in job.messages) if job.messages is not None else None,
+        input_ids=tuple(job.input_ids) if job.input_ids is not None else None,
+        adapter=adapter_key,
+        sampling=SamplingParams(
+            max_new_tokens=job.max_new_tokens,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            top_k=job.top_k,
+            seed=job.seed,
+            stop=tuple(job.stop),
+            logprobs=job.logprobs,
+        ),
+        priority=job.priority,
+        tenant=job.tenant_id,
+        arrival_us=arrival_us,
+    )
+
+
+def _ms(us: int) -> float:
+    return round(us / 1000, 3)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One job's way through the service, enough to write its result and its ledger row."""
+
+    job: Job
+    adapter_ref: str | None  # "name@version"
+    adapter_sha256: str | None
+    route_reason: str
+    routing_us: int
+    received_at: datetime
+
+
+def succeeded_or_failed(served: Served, out: GenerationResult, worker_id: str) -> tuple[Result, UsageRecord]:
+    job, t = served.job, out.timings
+    error = None
+    if out.error is not None:
+        error = ErrorInfo(code=out.error.code, message=out.error.message, retriable=out.error.retriable)
+    result = Result(
+        request_id=job.request_id,
+        tenant_id=job.tenant_id,
+        batch_id=job.batch_id,
+        adapter=served.adapter_ref,
+        status="succeeded" if error is None else "failed",
+        text=out.text,
+        output_ids=out.output_ids,
+        finish_reason=out.finish_reason,
+        logprobs=out.logprobs,
+        usage=Usage(input_tokens=out.prompt_tokens, output_tokens=len(out.output_ids), cached_tokens=t.cached_tokens),
+        cost=Cost(base_ms=_ms(t.base_us), routing_ms=_ms(served.routing_us + t.lora_us), kv_saved_ms=_ms(t.kv_saved_us)),
+        timings=Timings(queue_ms=_ms(t.queue_us), ttft_ms=_ms(t.ttft_us), total_ms=_ms(t.total_us)),
+        route=served.route_reason,
+        error=error,
+        worker_id=worker_id,
+    )
+    usage = UsageRecord(
+        tenant_id=job.tenant_id,
+        request_id=job.request_id,
+        status=result.status,
+        created_at=served.received_at,
+        adapter=served.adapter_ref,
+        adapter_sha256=served.adapter_sha256,
+        batch_id=job.batch_id,
+        route_reason=served.route_reason,
+        error_code=error.code if error else None,
+        input_tokens=result.usage.input_tokens,
+        output_tokens=result.usage.output_tokens,
+        cached_tokens=result.usage.cached_tokens,
+        base_us=t.base_us,
+        lora_us=t.lora_us,
+        routing_us=served.routing_us,
+        kv_saved_us=t.kv_saved_us,
+        queue_us=t.queue_us,
+        ttft_us=t.ttft_us,
+        total_us=t.total_us,
+        worker_id=worker_id,
+    )
+    return result, usage
+
+
+def failed_before_engine(
+    job_ids: tuple[str, str, str | None], error: ErrorInfo, received_at: datetime, worker_id: str,
+    route_reason: str = "", routing_us: int = 0, bill: bool = True,
+) -> tuple[Result, UsageRecord | None]:
+    """A job that never reached the engine: a failed result and, for a known tenant, a zero-cost row."""
+    request_id, tenant_id, batch_id = job_ids
+    result = Result(
+        request_id=request_id, tenant_id=tenant_id, batch_id=batch_id, status="failed",
+        route=route_reason, error=error, worker_id=worker_id, cost=Cost(routing_ms=_ms(routing_us)),
+    )
+    usage = None
+    if bill:
+        usage = UsageRecord(
+            tenant_id=tenant_id, request_id=request_id, status="failed", created_at=received_at,
+            batch_id=batch_id, route_reason=route_reason, error_code=error.code, routing_us=routing_us,
+            worker_id=worker_id,
+        )
+    return result, usage

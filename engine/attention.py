@@ -1,0 +1,93 @@
+"""Attention over the paged KV cache for a flat batch of sequences, and the metadata it reads.
+
+v0 backend: for each sequence, gather its blocks into contiguous K/V and call torch SDPA, one call per
+sequence (a later issue replaces the loop with a Triton paged-attention kernel that reads the same
+metadata). The metadata is built once per step and shared by every layer, so the per-layer cost is
+the KV write plus the SDPA calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: KVCache
+    query_lens: list[int]  # [B] new tokens of each sequence in this step, in flat-batch order
+    context_lens: list[int]  # [B] tokens of each sequence already in the cache before this step
+    block_tables: list[torch.Tensor]  # B x [blocks of that sequence] int64, on the cache's device
+    slot_mapping: torch.Tensor  # [N] int64: flat pool slot of each new token
+    masks: list[torch.Tensor | None]  # B x [q_len, context + q_len] bool, None where SDPA's own modes suffice
+
+
+def build_attention_metadata(
+    kv_cache: KVCache,
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+) -> AttentionMetadata:
+    """Metadata for one step; each block table must already cover context + query tokens."""
+    assert len(query_lens) == len(context_lens) == len(block_tables), (len(query_lens), len(context_lens), len(block_tables))
+    bs = kv_cache.block_size
+    device = kv_cache.k[0].device
+    slots: list[int] = []
+    masks: list[torch.Tensor | None] = []
+    for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
+        assert q_len > 0 and len(table) * bs >= ctx + q_len, (q_len, ctx, len(table), bs)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + q_len))
+        if q_len == 1 or ctx == 0:
+            masks.append(None)  # decode sees every cached key; a fresh prefill is plain causal
+        else:
+            # Query i sits at position ctx + i and sees keys 0 .. ctx + i: a causal mask shifted by ctx
+            # (SDPA's is_causal aligns the top-left corner, which is only right when ctx == 0).
+            q_pos = torch.arange(ctx, ctx + q_len, device=device)[:, None]  # [q, 1]
+            k_pos = torch.arange(ctx + q_len, device=device)[None, :]  # [1, ctx + q]
+            masks.append(k_pos <= q_pos)  # [q, ctx + q]
+    return AttentionMetadata(
+        kv_cache=kv_cache,
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        block_tables=[torch.tensor(t, dtype=torch.int64, device=device) for t in block_tables],
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        masks=masks,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, H, D] rotated queries of the step's new tokens
+    k: torch.Tensor,  # [N, KV, D] rotated keys of the new tokens
+    v: torch.Tensor,  # [N, KV, D]
+    layer: int,
+    attn: AttentionMetadata,
+) -> torch.Tensor:
+    """Write the new K/V into the layer's pools, then attend each sequence's queries over its whole cache."""
+    n, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    assert n == attn.slot_mapping.numel(), (n, attn.slot_mapping.numel())
+    k_pool, v_pool = attn.kv_cache.k[layer], attn.kv_cache.v[layer]  # [blocks, bs, KV, D]
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
+
+    out = torch.empty_like(q)  # [N, H, D]
+    start = 0
+    for q_len, ctx, table, mask in zip(attn.query_lens, attn.context_lens, attn.block_tables, attn.masks):
+        total = ctx + q_len
+        k_seq = k_pool[table].flatten(0, 1)[:total]  # [T, KV, D]
+        v_seq = v_pool[table].flatten(0, 1)[:total]  # [T, KV, D]
+        o = F.scaled_dot_product_attention(
+            q[start : start + q_len].transpose(0, 1)[None],  # [1, H, q, D]
+            k_seq.transpose(0, 1)[None],  # [1, KV, T, D]
+            v_seq.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None and q_len > 1,
+            enable_gqa=kv_heads != heads,  # query heads h*G .. h*G+G-1 share KV head h, as HF's repeat_kv
+        )  # [1, H, q, D]
+        out[start : start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out
