@@ -20,8 +20,8 @@ class PartitionOffsets:
 
     def fetched(self, offset: int) -> bool:
         """Note a fetched offset; False when it is a redelivery of work already done here."""
-        if self.next_commit is None:
-            self.next_commit = offset
+        if self.next_commit is None:  # the group resumed us here, so this is what is committed already
+            self.next_commit = self.committed = offset
         if offset < self.next_commit or offset in self.done:
             return False
         self.pending.add(offset)

@@ -1,0 +1,50 @@
+"""Configuration: validated once, errors name the key, `config show` round-trips."""
+
+import tomllib
+
+import pytest
+
+from consumer.config import ConfigError, Settings, load_settings
+
+
+def test_defaults_validate():
+    s = load_settings(None)
+    assert s.kafka.jobs_topic == "lorabatch.jobs"
+    assert s.worker.max_batch_size <= s.engine.max_batch_size
+
+
+def test_show_round_trips(tmp_path):
+    s = Settings()
+    p = tmp_path / "c.toml"
+    p.write_text(s.to_toml())
+    assert load_settings(p) == s
+    assert tomllib.loads(s.to_toml())["kafka"]["group_id"] == "lorabatch-workers"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[worker]\nmax_batch_size = 0\n", "worker.max_batch_size"),
+        ("[kafka]\nbootstrap = 'x'\n", "kafka.bootstrap"),
+        ("[engine]\ndevice = 'tpu'\n", "engine.device"),
+        ("[worker]\nmax_batch_size = 64\n[engine]\nmax_batch_size = 8\n", "lower the first or raise the second"),
+        ("[ledger]\ngpu_price_per_hour = -1\n", "ledger.gpu_price_per_hour"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, text, says):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        load_settings(p)
+    assert says in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_overrides_apply():
+    s = load_settings(None, {"kafka.bootstrap_servers": "h:1", "engine.device": "cpu"})
+    assert s.kafka.bootstrap_servers == "h:1" and s.engine.device == "cpu"
