@@ -13,6 +13,7 @@ US_PER_HOUR = 3_600_000_000
 MONEY_PLACES = 9  # the ledger's Numeric(18, 9)
 _MONEY_QUANTUM = Decimal(1).scaleb(-MONEY_PLACES)  # 0.000000001
 _MS_QUANTUM = Decimal("0.001")
+ZERO_COST = Decimal(0).quantize(_MONEY_QUANTUM)  # 0.000000000: a sum of costs starts here, keeping nine places
 
 
 def gpu_cost(gpu_us: int, price_per_hour: Decimal) -> Decimal:

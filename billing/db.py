@@ -16,6 +16,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -31,7 +32,12 @@ _MIGRATIONS_DIR = str(Path(migrations.__file__).parent)
 
 def _resolve_url(url: str | URL) -> URL:
     """The URL with its driver made explicit; anything but SQLite and PostgreSQL/psycopg 3 is refused."""
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise LedgerConfigError(
+            f"ledger url {url!r} is not a database URL ({exc}); write sqlite:///PATH/ledger.db or postgresql+psycopg://USER@HOST:PORT/DB"
+        ) from exc
     backend, _, driver = parsed.drivername.partition("+")
     if backend == "sqlite" and driver in ("", "pysqlite"):
         return parsed

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from billing.errors import InvalidPeriodError
 
-_PERIOD = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
+_PERIOD = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # [0-9], not \d: \d also takes "２０２６"
 
 
 def period_of(moment: datetime) -> str:

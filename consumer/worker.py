@@ -328,11 +328,12 @@ class Worker:
             self._outbox_event.clear()
             if not self.outbox:
                 continue
-            batch, self.outbox = self.outbox, []
+            batch = self.outbox[:]  # stays in the outbox until delivered, so a drain waits for it
             delay = 0.1
             while True:
                 try:
                     await self._deliver(batch)
+                    del self.outbox[: len(batch)]
                     break
                 except (KafkaError, OSError) as e:
                     log.warning("delivery of %d outcomes failed (%s); retrying in %.1fs", len(batch), e, delay)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig
 
 # Sizes of the demo Llama. head_dim 32 = 128 / 4 heads; 2 KV heads make it GQA (2 query heads share
 # one KV head), so the engine's head grouping is exercised.
@@ -171,21 +171,21 @@ def write_demo_adapter(
     """
     assert rank >= 1, rank
     targets = tuple(target_modules)
-    assert targets and set(targets) <= set(ALL_TARGETS), targets
+    assert targets and set(targets) <= set(LORA_TARGETS), targets
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base_config = json.loads((Path(base_dir) / "config.json").read_text())
-    shapes = _projection_shapes(base_config)
+    shapes = ModelConfig.from_hf(base_config).projection_shapes()
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
     gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for layer in range(base_config["num_hidden_layers"]):
-        for module in ALL_TARGETS:  # fixed order, so the generator's draws do not depend on the caller's
+        for module in LORA_TARGETS:  # fixed order, so the generator's draws do not depend on the caller's
             if module not in targets:
                 continue
             in_f, out_f = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{_parent(module)}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
             # x A^T has entries of about |x|; B std 0.2 / (scaling * sqrt(r)) makes s * (x A^T) B^T
             # about 0.2 |x| per output entry for every rank and alpha.
             weights[f"{prefix}.lora_A.weight"] = _randn((rank, in_f), 1.0 / math.sqrt(in_f), gen)  # [r, in]
@@ -222,9 +222,9 @@ def write_demo_adapter(
 _DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], float, bool]] = {
     "qv-r4": (4, ("q_proj", "v_proj"), 8.0, False),
     "qkvo-r8": (8, ("q_proj", "k_proj", "v_proj", "o_proj"), 16.0, False),
-    "all-r16": (16, ALL_TARGETS, 32.0, False),
+    "all-r16": (16, LORA_TARGETS, 32.0, False),
     "mlp-r64": (64, ("gate_proj", "up_proj", "down_proj"), 64.0, False),
-    "all-r8-rslora": (8, ALL_TARGETS, 16.0, True),
+    "all-r8-rslora": (8, LORA_TARGETS, 16.0, True),
     "qkvo-r64-rslora": (64, ("q_proj", "k_proj", "v_proj", "o_proj"), 16.0, True),
     "qv-r16": (16, ("q_proj", "v_proj"), 16.0, False),
     "mlp-r4": (4, ("gate_proj", "up_proj", "down_proj"), 8.0, False),
@@ -291,23 +291,6 @@ def _model_weights(vocab: int, seed: int) -> dict[str, torch.Tensor]:
     w["model.norm.weight"] = 1.0 + _randn((h,), 0.1, gen)
     w["lm_head.weight"] = _randn((vocab, h), 0.15, gen)  # [V, hidden]
     return w
-
-
-def _projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each LoRA-targetable projection, from an HF Llama config."""
-    h = config["hidden_size"]
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    q = config["num_attention_heads"] * head_dim
-    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
-    inter = config["intermediate_size"]
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
-    }  # fmt: skip
-
-
-def _parent(module: str) -> str:
-    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 
 
 def _randn(shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:

@@ -24,6 +24,9 @@ from engine.api import EngineError
 from engine.attention import AttentionMetadata, paged_attention
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Each projection's parent module in a decoder layer (HF names): layers.N.<parent>.<projection>
+PROJECTION_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class ModelConfig:
             raise EngineError(f"{source}: hidden_act={cfg['hidden_act']!r}; only 'silu' is supported", code="model_unsupported")
         # transformers 5 writes rope settings as `rope_parameters`, older versions as rope_theta + rope_scaling.
         rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or (cfg.get("rope_scaling") or {}).get("type")
+        scaling = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
         if rope_type not in (None, "default"):
             raise EngineError(
                 f"{source}: rope scaling {rope_type!r} is not supported yet; only plain RoPE (rope_type 'default')",
@@ -200,7 +204,10 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise EngineError(f"{path} is missing; engine.model_dir must be a Hugging Face model folder", code="model_missing")
-    return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"{path} is not a usable Llama config ({type(e).__name__}: {e}); re-save it with transformers", code="model_invalid") from e
 
 
 def read_eos_ids(model_dir: Path) -> tuple[int, ...]:

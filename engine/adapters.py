@@ -1,0 +1,184 @@
+"""Reading a PEFT LoRA adapter and validating it against the base model before it is admitted.
+
+An adapter that passes here can be copied into any slot and computed by the LoRA op without further
+checks: every tensor has the base projection's shape at the adapter's rank, every key maps to a known
+(layer, module), and the scaling is known. Everything else is refused with an AdapterError that names
+the file or module, what was expected and what was found.
+
+Scaling follows PEFT: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora` (rank-stabilised
+LoRA, Kalajdzievski 2023, arXiv:2312.03732).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from engine.api import AdapterError
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig
+from engine.store import adapter_files, content_sha256
+
+# PEFT's saved key for one LoRA matrix of a Llama projection (the adapter name is stripped on save).
+_KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter in host memory, ready to copy into a slot."""
+
+    sha256: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    scaling: float
+    target_modules: tuple[str, ...]  # in LORA_TARGETS order
+    # (layer, module) -> (A [r, in], B [out, r]) on the CPU, in the file's dtype
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def load_adapter_dir(path: Path, model: ModelConfig, *, max_lora_rank: int, max_bytes: int) -> LoraAdapter:
+    """Read, hash and validate a PEFT adapter folder against the base model `model`."""
+    config_path, weights_path = adapter_files(path, max_bytes)
+    config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
+    return parse_adapter(
+        config_bytes,
+        weight_bytes,
+        model,
+        max_lora_rank=max_lora_rank,
+        sha256=content_sha256(config_bytes, weight_bytes),
+        source=Path(path),
+    )
+
+
+def parse_adapter(
+    config_bytes: bytes,
+    weight_bytes: bytes,
+    model: ModelConfig,
+    *,
+    max_lora_rank: int,
+    sha256: str,
+    source: Path,
+) -> LoraAdapter:
+    """Validate the two files' bytes (already read, so what is hashed is what is loaded)."""
+    cfg = _parse_config(config_bytes, source / "adapter_config.json", max_lora_rank)
+    rank, alpha, rslora, targets = cfg
+    try:
+        tensors = load_safetensors(weight_bytes)
+    except SafetensorError as e:
+        raise AdapterError(
+            f"{source / 'adapter_model.safetensors'} is corrupt or truncated ({e}); re-save or re-download the adapter",
+            code="adapter_corrupt",
+        ) from e
+
+    shapes = model.projection_shapes()
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None or m.group(3) not in PROJECTION_PARENT or PROJECTION_PARENT[m.group(3)] != m.group(2):
+            module = m.group(3) if m else None
+            hint = (
+                f"'{module}' is not a LoRA-targetable projection (supported: {', '.join(LORA_TARGETS)})"
+                if module and module not in PROJECTION_PARENT
+                else "expected base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight"
+            )
+            raise AdapterError(f"{source}: unexpected key {key}: {hint}", code="adapter_invalid")
+        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+        name = f"layers.{layer}.{m.group(2)}.{module}"
+        if layer >= model.num_layers:
+            raise AdapterError(f"{source}: {name} is past the base model's {model.num_layers} layers; the adapter was trained for another base", code="adapter_invalid")
+        if module not in targets:
+            raise AdapterError(f"{source}: {name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}", code="adapter_invalid")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"{source}: {name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16 or float32", code="adapter_invalid")
+        in_f, out_f = shapes[module]
+        want = [rank, in_f] if which == "A" else [out_f, rank]
+        if list(tensor.shape) != want:
+            raise AdapterError(
+                f"{source}: {name} lora_{which}: expected {want} (r={rank}, base {module} {in_f} -> {out_f}), "
+                f"found {list(tensor.shape)}; the adapter does not fit this base model",
+                code="adapter_invalid",
+            )
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{source}: {name} lora_{which} holds NaN or infinite values; retrain or re-export the adapter", code="adapter_invalid")
+        parts.setdefault((layer, module), {})[which] = tensor
+
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(parts.items(), key=lambda kv: (kv[0][0], LORA_TARGETS.index(kv[0][1]))):
+        if set(ab) != {"A", "B"}:
+            lacking = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"{source}: layers.{layer}.{PROJECTION_PARENT[module]}.{module} has no {lacking}.weight; the file is incomplete", code="adapter_invalid")
+        weights[(layer, module)] = (ab["A"], ab["B"])
+    present = {module for _, module in weights}
+    unused = [t for t in targets if t not in present]
+    if unused:
+        raise AdapterError(f"{source}: adapter_config.json targets {unused} but adapter_model.safetensors holds no weights for them", code="adapter_invalid")
+    return LoraAdapter(
+        sha256=sha256,
+        rank=rank,
+        alpha=alpha,
+        use_rslora=rslora,
+        scaling=alpha / math.sqrt(rank) if rslora else alpha / rank,
+        target_modules=tuple(t for t in LORA_TARGETS if t in targets),
+        weights=weights,
+    )
+
+
+def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, float, bool, tuple[str, ...]]:
+    """(rank, alpha, use_rslora, target_modules) of a LoRA adapter_config.json this engine can run."""
+    try:
+        cfg = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path} is not valid JSON ({e}); re-save the adapter with peft", code="adapter_corrupt") from e
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{path} must hold a JSON object; re-save the adapter with peft", code="adapter_corrupt")
+
+    def refuse(what: str) -> AdapterError:
+        return AdapterError(f"{path}: {what}", code="adapter_invalid")
+
+    if cfg.get("peft_type") != "LORA":
+        raise refuse(f"peft_type={cfg.get('peft_type')!r}; only LORA adapters are served")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse(f"r={rank!r}; the rank must be a positive integer")
+    if rank > max_lora_rank:
+        raise AdapterError(
+            f"{path}: r={rank} is over engine.max_lora_rank={max_lora_rank}; raise max_lora_rank or use an adapter of rank <= {max_lora_rank}",
+            code="adapter_rank_too_large",
+        )
+    alpha = cfg.get("lora_alpha", 8)  # PEFT's default
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise refuse(f"lora_alpha={alpha!r}; it must be a number")
+    if cfg.get("fan_in_fan_out", False):
+        raise refuse("fan_in_fan_out=true is for GPT-2 style Conv1D layers; Llama projections need false")
+    if cfg.get("bias", "none") != "none":
+        raise refuse(f"bias={cfg['bias']!r}; only 'none' is supported (trained biases would change the base model)")
+    if cfg.get("use_dora", False):
+        raise refuse("use_dora=true: DoRA adapters are not supported; merge or retrain as plain LoRA")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(field):
+            raise refuse(f"{field} is set; per-module ranks or alphas are not supported yet, use one r and lora_alpha")
+    if cfg.get("modules_to_save"):
+        raise refuse(f"modules_to_save={cfg['modules_to_save']!r}: fully trained extra modules cannot share one base; drop them")
+    raw = cfg.get("target_modules")
+    if isinstance(raw, str):
+        if raw not in PROJECTION_PARENT:  # PEFT reads a string as a regex (or 'all-linear'); only plain names are accepted
+            raise refuse(f"target_modules={raw!r} is a pattern; list the module names instead, from {list(LORA_TARGETS)}")
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise refuse(f"target_modules={raw!r}; list the targeted modules, from {list(LORA_TARGETS)}")
+    unknown = [t for t in raw if t not in PROJECTION_PARENT]
+    if unknown:
+        raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
+    return rank, float(alpha), bool(cfg.get("use_rslora", False)), tuple(raw)

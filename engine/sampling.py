@@ -1,0 +1,93 @@
+"""Choosing the next token of each row, and the log-probabilities reported for it.
+
+Order of the filters, as in HF's generate and vLLM: temperature, then top-k, then top-p (nucleus),
+then one draw. Temperature 0 is greedy (argmax, first index on ties, as torch and HF break them).
+
+Reproducibility: every sampled request draws from its own torch.Generator, seeded by the request's
+seed, and takes exactly one draw per token. A request's tokens thus depend on its seed and its own
+logits only, not on which other requests share the batch or in what order.
+
+Logprobs are taken from the raw logits (before temperature and filters), as OpenAI reports them: the
+chosen token's log-probability plus the `n` most likely tokens, in the chat-completions shape
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.api import SamplingParams
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [M, V] fp32, one row per request
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],  # one per row; None only for greedy rows
+) -> list[int]:
+    """The next token of every row."""
+    m = logits.shape[0]
+    assert len(params) == len(generators) == m, (len(params), len(generators), m)
+    chosen = logits.argmax(dim=-1)  # [M]; stays for greedy rows
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            g = generators[i]
+            assert g is not None, f"row {i} samples with temperature {p.temperature} but has no generator"
+            probs = filtered_probs(logits[i], p)  # [V]
+            chosen[i] = torch.multinomial(probs, 1, generator=g)[0]
+    return chosen.tolist()
+
+
+def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] of one row after temperature, top-k and top-p; at least one token survives."""
+    assert p.temperature > 0, p
+    scaled = row / p.temperature  # [V]
+    if 0 < p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)  # [V] each
+        # Drop a token when the more likely tokens before it already reach top_p; the first always stays.
+        drop_sorted = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p  # [V]
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [M, V] fp32, raw
+    chosen: Sequence[int],  # [M]
+    top_n: Sequence[int],  # [M] how many top entries each row wants (0: the chosen token's only)
+) -> list[TokenLogprobs]:
+    """Log-probabilities of the chosen tokens and each row's top_n, from log_softmax of the raw logits."""
+    assert logits.shape[0] == len(chosen) == len(top_n), (logits.shape, len(chosen), len(top_n))
+    logp = torch.log_softmax(logits, dim=-1)  # [M, V]
+    k = min(max(top_n, default=0), logp.shape[1])
+    top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [M, k] each
+    picked = logp.gather(1, torch.tensor(chosen, device=logp.device)[:, None])[:, 0].tolist()  # [M]
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(t, lp, tuple(zip(ids[:n], vals[:n])))
+        for t, lp, ids, vals, n in zip(chosen, picked, top_ids, top_vals, top_n)
+    ]
+
+
+def openai_logprob_entry(lp: TokenLogprobs, token_bytes: Callable[[int], bytes]) -> dict:
+    """One element of OpenAI's `logprobs.content` list."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {**item(lp.token_id, lp.logprob), "top_logprobs": [item(t, v) for t, v in lp.top]}

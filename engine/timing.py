@@ -1,0 +1,119 @@
+"""Measuring a step's device time and splitting it among the step's requests, to the microsecond.
+
+Clock, chosen once per device: on CPU the kernels run synchronously, so `time.perf_counter_ns` around
+a section is its compute time; on CUDA launches are asynchronous, so a section records a pair of CUDA
+events and the elapsed time is read once, after the step's results have synchronised the stream.
+
+Split: DESIGN.md's cost model gives request r the share base_us(s) * tokens_r(s) / tokens(s) of step s,
+and lora_us(s) * tokens_r(s) / lora_tokens(s) if it used an adapter. Rounding each share on its own
+would lose or invent microseconds (3 requests of 1 token sharing 100 us: 33 + 33 + 33 = 99), so shares
+are apportioned by largest remainder (Hamilton's method): they sum to the measured total exactly,
+which is the ledger's conservation invariant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+class DeviceTimer:
+    """Accumulates the device time of any number of sections; `reset` between steps."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = torch.device(device).type == "cuda"
+        self._ns = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def reset(self) -> None:
+        self._ns = 0
+        self._events.clear()
+
+    @contextmanager
+    def section(self) -> Iterator[None]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            t0 = time.perf_counter_ns()
+            try:
+                yield
+            finally:
+                self._ns += time.perf_counter_ns() - t0
+
+    def elapsed_us(self) -> int:
+        """Total of the sections so far, in whole microseconds (waits for the last CUDA event)."""
+        if not self._events:
+            return self._ns // 1000
+        self._events[-1][1].synchronize()
+        return round(sum(s.elapsed_time(e) for s, e in self._events) * 1000)
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """Split integer `total` in proportion to non-negative integer `weights`; the parts sum to `total`.
+
+    Largest remainder: each part gets floor(total * w / W), then the leftover units go one each to
+    the largest remainders, ties to the earlier entry (deterministic).
+    """
+    assert total >= 0 and all(w >= 0 for w in weights), (total, weights)
+    w_sum = sum(weights)
+    if w_sum == 0:
+        assert total == 0, f"cannot split {total} over zero weights"
+        return [0] * len(weights)
+    parts = [total * w // w_sum for w in weights]
+    remainders = [total * w % w_sum for w in weights]
+    leftover = total - sum(parts)
+    for i in sorted(range(len(weights)), key=lambda i: (-remainders[i], i))[:leftover]:
+        parts[i] += 1
+    return parts
+
+
+@dataclass(frozen=True)
+class RequestShare:
+    request_id: str
+    tokens: int  # tokens of this request in the step's forward
+    has_lora: bool
+    base_us: int
+    lora_us: int
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as measured and attributed; base_us + lora_us == total_us and the shares sum to each."""
+
+    step_id: int
+    total_us: int
+    base_us: int
+    lora_us: int
+    tokens: int
+    lora_tokens: int
+    shares: tuple[RequestShare, ...]
+
+
+def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[str, int, bool]]) -> StepRecord:
+    """Split a step's measured time among its (request_id, tokens, has_lora) rows."""
+    assert 0 <= lora_us <= total_us, (lora_us, total_us)
+    tokens = [t for _, t, _ in rows]
+    lora_tokens = [t if has_lora else 0 for _, t, has_lora in rows]
+    assert lora_us == 0 or sum(lora_tokens) > 0, f"{lora_us} us of LoRA time in a step without adapter tokens"
+    base_us = total_us - lora_us
+    base = apportion(base_us, tokens)
+    lora = apportion(lora_us, lora_tokens)
+    return StepRecord(
+        step_id=step_id,
+        total_us=total_us,
+        base_us=base_us,
+        lora_us=lora_us,
+        tokens=sum(tokens),
+        lora_tokens=sum(lora_tokens),
+        shares=tuple(RequestShare(rid, t, h, b, lo) for (rid, t, h), b, lo in zip(rows, base, lora)),
+    )

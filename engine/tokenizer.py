@@ -1,0 +1,153 @@
+"""The model's tokenizer: `tokenizer.json` through the `tokenizers` library, plus tokenizer_config.json.
+
+Behaves as Hugging Face's PreTrainedTokenizerFast does for the same folder, which the tests check:
+`encode` runs the tokenizer.json post-processor (Llama's adds BOS), chat prompts are rendered with the
+folder's jinja2 `chat_template` and encoded without special tokens (the template writes its own BOS),
+and `decode` skips special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.api import EngineError, RequestError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise EngineError(f"{path} is missing; the engine needs a fast tokenizer (tokenizer.json) in engine.model_dir", code="model_missing")
+        self._tok = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.special_tokens = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
+        self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
+        self.chat_template: str | None = config.get("chat_template")
+        self._template: jinja2.Template | None = None
+        self._byte_decoder = _byte_level_decoder() if _decoder_type(self._tok) == "ByteLevel" else None
+        self._added_ids = set(self._tok.get_added_tokens_decoder())  # special/added tokens are literal text
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI's logprobs `bytes`); may be part of a UTF-8 character."""
+        piece = self._tok.id_to_token(token_id)
+        assert piece is not None, token_id
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece marks spaces with U+2581
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render a chat with the model's template, as HF's apply_chat_template(tokenize=False) does."""
+        if self.chat_template is None:
+            raise RequestError("this model has no chat_template in tokenizer_config.json; send prompt or input_ids instead", code="no_chat_template")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template rejected the messages: {e}; fix the messages' roles or content", code="invalid_messages") from e
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of generated ids, extended one token at a time.
+
+    Decoding token by token goes wrong in two ways: a byte-level token can end inside a UTF-8
+    character (decoding it alone gives U+FFFD), and SentencePiece decoders drop the leading space of
+    a text's first piece. So each step decodes a short window starting a few tokens back (`_prefix`)
+    and emits only what the new tokens add beyond the window's old text, holding back a trailing
+    U+FFFD until the character is complete (the scheme of HF's TextStreamer and vLLM).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this are already in `text`
+
+    def push(self, token_id: int) -> str:
+        """Append one token; return the text it completes (may be empty)."""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            new = after[len(before) :]
+            self.text += new
+            self._prefix, self._read = self._read, len(self.ids)
+            return new
+        return ""
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken dicts {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _decoder_type(tok: HFTokenizer) -> str | None:
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        types = {d.get("type") for d in decoder.get("decoders", [])}
+        return "ByteLevel" if "ByteLevel" in types else None
+    return decoder.get("type")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable char -> the byte it stands for."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    # Chat templates come with model folders, i.e. from outside: render them sandboxed, with the same
+    # settings and helpers HF gives them so that templates written for HF render identically.
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

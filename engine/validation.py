@@ -1,0 +1,85 @@
+"""Checking one request against the engine's limits and turning its input into prompt token ids.
+
+Every failure is a RequestError with a stable code, so that one bad request becomes one failed result
+and never fails its batch. Codes: invalid_request, empty_prompt, invalid_input_ids, prompt_too_long,
+max_new_tokens_too_large, invalid_sampling_params, invalid_messages, no_chat_template.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.api import GenerationRequest, RequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.tokenizer import Tokenizer
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+def check_sampling(sp: SamplingParams, config: EngineConfig) -> None:
+    def bad(what: str) -> RequestError:
+        return RequestError(f"sampling: {what}", code="invalid_sampling_params")
+
+    if not isinstance(sp.max_new_tokens, int) or sp.max_new_tokens < 1:
+        raise bad(f"max_new_tokens={sp.max_new_tokens!r}; ask for at least 1 token")
+    if sp.max_new_tokens > config.max_new_tokens:
+        raise RequestError(
+            f"max_new_tokens={sp.max_new_tokens} is over this engine's limit of {config.max_new_tokens} "
+            "(engine.max_new_tokens); ask for fewer",
+            code="max_new_tokens_too_large",
+        )
+    if not (isinstance(sp.temperature, (int, float)) and math.isfinite(sp.temperature) and sp.temperature >= 0):
+        raise bad(f"temperature={sp.temperature!r}; use 0 (greedy) or a positive number")
+    if not (0 < sp.top_p <= 1):
+        raise bad(f"top_p={sp.top_p!r}; it must be in (0, 1]")
+    if not isinstance(sp.top_k, int) or sp.top_k < 0:
+        raise bad(f"top_k={sp.top_k!r}; use 0 (no cut) or a positive integer")
+    if sp.logprobs is not None and not (isinstance(sp.logprobs, int) and 0 <= sp.logprobs <= MAX_TOP_LOGPROBS):
+        raise bad(f"logprobs={sp.logprobs!r}; use None or 0..{MAX_TOP_LOGPROBS} top log-probabilities")
+    if sp.seed is not None and not isinstance(sp.seed, int):
+        raise bad(f"seed={sp.seed!r}; use an integer")
+    if not isinstance(sp.stop, tuple) or any(not isinstance(s, str) or not s for s in sp.stop):
+        raise bad(f"stop={sp.stop!r}; use a tuple of non-empty strings")
+
+
+def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfig, *, vocab_size: int, max_positions: int) -> list[int]:
+    """The request's prompt as token ids, checked for emptiness, vocabulary and length."""
+    given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise RequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}", code="invalid_request")
+    if req.prompt is not None:
+        if not isinstance(req.prompt, str):
+            raise RequestError(f"prompt must be a string, got {type(req.prompt).__name__}", code="invalid_request")
+        if not req.prompt:
+            raise RequestError("prompt is empty; send some text", code="empty_prompt")
+        ids = tokenizer.encode(req.prompt)
+    elif req.messages is not None:
+        if not req.messages:
+            raise RequestError("messages is empty; send at least one message", code="empty_prompt")
+        for i, m in enumerate(req.messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RequestError(f"messages[{i}] must be {{'role': str, 'content': str}}, got {m!r}", code="invalid_messages")
+        ids = tokenizer.encode_chat(req.messages)
+    else:
+        ids = list(req.input_ids)
+        if not ids:
+            raise RequestError("input_ids is empty; send at least one token", code="empty_prompt")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"input_ids holds {len(bad)} ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]!r}; "
+                "tokenize with this model's tokenizer",
+                code="invalid_input_ids",
+            )
+    if len(ids) > config.max_prompt_tokens:
+        raise RequestError(
+            f"prompt is {len(ids)} tokens, over engine.max_prompt_tokens={config.max_prompt_tokens}; shorten it",
+            code="prompt_too_long",
+        )
+    if len(ids) + req.sampling.max_new_tokens > max_positions:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({req.sampling.max_new_tokens}) is over the model's "
+            f"{max_positions} positions; shorten the prompt or ask for fewer tokens",
+            code="prompt_too_long",
+        )
+    return ids

@@ -1,0 +1,89 @@
+"""Heterogeneous multi-LoRA, pure torch: every row of a batch with its own adapter, or none.
+
+Semantics: y[i] += scale[idx[i]] * (x[i] @ A[idx[i]]^T) @ B[idx[i]]^T for every row i with idx[i] >= 0;
+rows with idx[i] == -1 are left untouched, bit for bit.
+
+This is Punica's BGMV ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547) split,
+as vLLM splits it, into a shrink (x -> h, down to the rank) and an expand (h -> y, back up and added).
+Adapters live in preallocated slots: `a_stack [slots, max_rank, in]` and `b_stack [slots, out, max_rank]`,
+zero-padded beyond each adapter's own rank, so a rank-4 adapter in a max-rank-64 slot yields h with 60
+zero columns and adds exactly the rank-4 product. Mixed ranks therefore need no special case, at the
+cost of computing max_rank columns for every row.
+
+The reference gathers each row's slot weights and runs one batched matmul per chunk of rows: no Python
+loop over adapters, so its cost does not grow with how many distinct adapters the batch holds. Gathered
+weights cost rows x max_rank x features elements: a 8192-token prefill of a 4096 -> 14336 projection at
+rank 64 in bf16 would gather 8192 * 64 * 14336 * 2 B = 15 GB, so rows go in chunks of at most
+`_GATHER_BYTES` (256 MiB: 146 rows in that example, all of a typical decode batch in one chunk).
+
+The launchers of a Triton kernel (a later issue) take the same arguments: `lora_shrink(x, a_stack, idx)`
+returning h, and `lora_expand(y, h, b_stack, idx, scale)` adding into y in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GATHER_BYTES = 256 * 1024 * 1024
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,  # [N, in]
+    a_stack: torch.Tensor,  # [slots, max_rank, in]
+    idx: torch.Tensor,  # [N] int slot of each row, -1 for none
+) -> torch.Tensor:
+    """h [N, max_rank] = x[i] @ A[idx[i]]^T per row; zero for rows with idx -1."""
+    n, in_features = x.shape
+    slots, max_rank, a_in = a_stack.shape
+    assert a_in == in_features, f"a_stack {tuple(a_stack.shape)} does not match x {tuple(x.shape)}"
+    _check_idx(idx, n)
+    h = x.new_zeros(n, max_rank)  # [N, R]
+    for rows in _row_chunks(idx, max_rank * in_features * a_stack.element_size()):
+        a = a_stack[idx[rows]]  # [m, R, in]
+        h[rows] = torch.bmm(a, x[rows].unsqueeze(-1)).squeeze(-1)  # [m, R]
+    return h
+
+
+def lora_expand_ref(
+    y: torch.Tensor,  # [N, out], updated in place
+    h: torch.Tensor,  # [N, max_rank] from lora_shrink_ref
+    b_stack: torch.Tensor,  # [slots, out, max_rank]
+    idx: torch.Tensor,  # [N] int slot of each row, -1 for none
+    scale: torch.Tensor,  # [slots] scaling of each slot's adapter (alpha / r, or alpha / sqrt(r))
+) -> None:
+    """y[i] += scale[idx[i]] * h[i] @ B[idx[i]]^T for rows with idx >= 0."""
+    n, out_features = y.shape
+    slots, b_out, max_rank = b_stack.shape
+    assert b_out == out_features, f"b_stack {tuple(b_stack.shape)} does not match y {tuple(y.shape)}"
+    assert h.shape == (n, max_rank), f"h {tuple(h.shape)}, expected {(n, max_rank)}"
+    assert scale.shape == (slots,), f"scale {tuple(scale.shape)}, expected ({slots},)"
+    _check_idx(idx, n)
+    for rows in _row_chunks(idx, max_rank * out_features * b_stack.element_size()):
+        slot = idx[rows]  # [m]
+        delta = torch.bmm(b_stack[slot], h[rows].unsqueeze(-1)).squeeze(-1)  # [m, out]
+        delta = delta * scale[slot].to(delta.dtype)[:, None]
+        y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def lora_ref(
+    y: torch.Tensor,  # [N, out], updated in place
+    x: torch.Tensor,  # [N, in]
+    a_stack: torch.Tensor,  # [slots, max_rank, in]
+    b_stack: torch.Tensor,  # [slots, out, max_rank]
+    idx: torch.Tensor,  # [N] int slot of each row, -1 for none
+    scale: torch.Tensor,  # [slots]
+) -> None:
+    """The whole op (see Semantics): shrink then expand."""
+    lora_expand_ref(y, lora_shrink_ref(x, a_stack, idx), b_stack, idx, scale)
+
+
+def _check_idx(idx: torch.Tensor, n: int) -> None:
+    assert idx.shape == (n,), f"idx {tuple(idx.shape)}, expected ({n},)"
+    assert not idx.is_floating_point() and not idx.is_complex(), idx.dtype
+
+
+def _row_chunks(idx: torch.Tensor, bytes_per_row: int) -> list[torch.Tensor]:
+    """Indices of the rows with an adapter, in chunks whose gathered weights fit in _GATHER_BYTES."""
+    rows = (idx >= 0).nonzero().squeeze(1)  # [M]
+    per_chunk = max(1, _GATHER_BYTES // max(1, bytes_per_row))
+    return list(rows.split(per_chunk)) if rows.numel() else []

@@ -1,0 +1,134 @@
+"""Fixtures for tests that run the service's real parts: the broker process, the ledger, a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from aiokafka import TopicPartition
+
+from consumer.broker import EmbeddedBroker, ensure_topics, free_port
+from consumer.config import Settings, load_settings
+from consumer.kafka import make_consumer, make_producer
+from consumer.schemas import DlqRecord, Result
+from consumer.services import Services, open_services
+from consumer.worker import Worker
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    """One Tansu broker process for the session, on a free port; tests use topics of their own."""
+    b = EmbeddedBroker(free_port(), log_path=tmp_path_factory.mktemp("broker") / "tansu.log")
+    b.start([], 1)
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_engine(demo_set):
+    """The tiny model on the CPU, loaded once; adapters are keyed by tenant/name@version."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(EngineConfig(model_dir=str(demo_set["model"]), device="cpu", max_new_tokens=32, max_prompt_tokens=200))
+
+
+async def service_settings(broker: EmbeddedBroker, tmp_path, ledger_url: str, model_dir, **extra) -> Settings:
+    run = uuid.uuid4().hex[:8]
+    overrides = {
+        "kafka.bootstrap_servers": broker.bootstrap,
+        "kafka.jobs_topic": f"{run}.jobs",
+        "kafka.results_topic": f"{run}.results",
+        "kafka.dlq_topic": f"{run}.dlq",
+        "kafka.batches_topic": f"{run}.batches",
+        "kafka.group_id": f"workers-{run}",
+        "kafka.partitions": 3,
+        "store.adapter_dir": str(tmp_path / "store"),
+        "engine.model_dir": str(model_dir),
+        "engine.device": "cpu",
+        "engine.max_new_tokens": 32,
+        "engine.max_prompt_tokens": 200,
+        "worker.max_wait_ms": 20,
+        "worker.commit_interval_ms": 50,
+        "ledger.url": ledger_url,
+        **extra,
+    }
+    s = load_settings(None, overrides)
+    k = s.kafka
+    await ensure_topics(k.bootstrap_servers, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
+    return s
+
+
+@dataclass
+class RunningWorker:
+    worker: Worker
+    task: asyncio.Task
+
+    async def stop(self) -> None:
+        self.worker.stop()
+        await asyncio.wait_for(self.task, 60)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, services: Services, engine):
+    w = Worker(settings, engine, services.registry, services.ledger)
+    task = asyncio.create_task(w.run())
+    rw = RunningWorker(w, task)
+    try:
+        yield rw
+    finally:
+        if not task.done():
+            await rw.stop()
+        else:
+            task.result()
+
+
+async def produce_raw(settings: Settings, values: list[bytes]) -> None:
+    p = make_producer(settings.kafka)
+    await p.start()
+    try:
+        for v in values:
+            await p.send_and_wait(settings.kafka.jobs_topic, v)
+    finally:
+        await p.stop()
+
+
+async def read_all(settings: Settings, topic: str, model, until, timeout_s: float = 120.0) -> list:
+    """Every message of a topic parsed with `model`, reading until `until(list)` holds or the time is up."""
+    c = make_consumer(settings.kafka, group_id=None)
+    await c.start()
+    out: list = []
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline and not until(out):
+            for messages in (await c.getmany(*tps, timeout_ms=200)).values():
+                out.extend(model.model_validate_json(m.value) for m in messages)
+    finally:
+        await c.stop()
+    return out
+
+
+async def committed_vs_end(settings: Settings) -> tuple[dict, dict]:
+    k = settings.kafka
+    c = make_consumer(k, group_id=k.group_id)
+    await c.start()
+    try:
+        tps = [TopicPartition(k.jobs_topic, p) for p in sorted(c.partitions_for_topic(k.jobs_topic) or ())]
+        committed = {tp.partition: await c.committed(tp) for tp in tps}
+        end = {tp.partition: o for tp, o in (await c.end_offsets(tps)).items()}
+    finally:
+        await c.stop()
+    return committed, end
+
+
+__all__ = [
+    "broker", "cpu_engine", "service_settings", "running_worker", "produce_raw", "read_all", "committed_vs_end",
+    "open_services", "Result", "DlqRecord",
+]

@@ -1,0 +1,207 @@
+"""Adapter validation against the base (errors name the module and the shapes) and the content-addressed store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.adapters import load_adapter_dir
+from engine.api import AdapterError
+from engine.model import read_model_config
+from engine.store import AdapterStore, content_sha256
+
+MB = 1 << 20
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+def _copy(demo_set, tmp_path: Path, name: str = "qkvo-r8") -> Path:
+    return Path(shutil.copytree(demo_set["adapters"][name], tmp_path / "adapter"))
+
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _edit_weights(d: Path, fn: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    w = load_file(str(d / "adapter_model.safetensors"))
+    fn(w)
+    save_file(w, str(d / "adapter_model.safetensors"))
+
+
+def _truncate(d: Path) -> None:
+    p = d / "adapter_model.safetensors"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+# (case id, how to break the qkvo-r8 adapter (r=8, q,k,v,o), error code, substrings the message must hold)
+BROKEN: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
+    (
+        "wrong A shape",
+        lambda d: _edit_weights(d, lambda w: w.__setitem__(f"{Q0}.lora_A.weight", torch.randn(8, 96))),
+        "adapter_invalid",
+        ["layers.0.self_attn.q_proj lora_A", "expected [8, 128]", "found [8, 96]"],
+    ),
+    (
+        "wrong B shape",
+        lambda d: _edit_weights(d, lambda w: w.__setitem__("base_model.model.model.layers.2.self_attn.k_proj.lora_B.weight", torch.randn(128, 8))),
+        "adapter_invalid",
+        ["layers.2.self_attn.k_proj lora_B", "expected [64, 8]", "found [128, 8]"],
+    ),
+    (
+        "rank differs from config",
+        lambda d: _edit_config(d, r=4),
+        "adapter_invalid",
+        ["lora_A", "expected [4, 128]", "found [8, 128]"],
+    ),
+    ("unknown target module in config", lambda d: _edit_config(d, target_modules=["q_proj", "lm_head"]), "adapter_invalid", ["unknown target module 'lm_head'"]),
+    (
+        "unknown module in weights",
+        lambda d: _edit_weights(d, lambda w: w.__setitem__("base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight", torch.randn(8, 128))),
+        "adapter_invalid",
+        ["qkv_proj", "not a LoRA-targetable projection"],
+    ),
+    (
+        "weights for an untargeted module",
+        lambda d: _edit_config(d, target_modules=["q_proj", "k_proj", "v_proj"]),
+        "adapter_invalid",
+        ["o_proj", "target_modules"],
+    ),
+    (
+        "layer past the base",
+        lambda d: _edit_weights(d, lambda w: w.update({k.replace("layers.0.", "layers.9."): v.clone() for k, v in w.items() if ".layers.0." in k})),
+        "adapter_invalid",
+        ["layers.9", "4 layers"],
+    ),
+    ("missing B", lambda d: _edit_weights(d, lambda w: w.pop(f"{Q0}.lora_B.weight")), "adapter_invalid", ["layers.0.self_attn.q_proj", "no lora_B"]),
+    ("integer dtype", lambda d: _edit_weights(d, lambda w: w.__setitem__(f"{Q0}.lora_A.weight", torch.ones(8, 128, dtype=torch.int32))), "adapter_invalid", ["torch.int32"]),
+    (
+        "NaN weights",
+        lambda d: _edit_weights(d, lambda w: w[f"{Q0}.lora_B.weight"].__setitem__((0, 0), float("nan"))),
+        "adapter_invalid",
+        ["layers.0.self_attn.q_proj lora_B", "NaN"],
+    ),
+    ("rank over max_lora_rank", lambda d: None, "adapter_rank_too_large", ["r=64", "max_lora_rank=32"]),
+    ("truncated safetensors", _truncate, "adapter_corrupt", ["adapter_model.safetensors", "corrupt or truncated"]),
+    ("config not JSON", lambda d: (d / "adapter_config.json").write_text("{not json"), "adapter_corrupt", ["adapter_config.json", "not valid JSON"]),
+    ("pickle .bin beside", lambda d: (d / "adapter_model.bin").write_bytes(b"\x80\x04pickle"), "adapter_unsafe", ["adapter_model.bin", "pickle"]),
+    ("missing config", lambda d: (d / "adapter_config.json").unlink(), "adapter_missing", ["adapter_config.json is missing"]),
+    ("missing weights", lambda d: (d / "adapter_model.safetensors").unlink(), "adapter_missing", ["adapter_model.safetensors is missing"]),
+    ("not LoRA", lambda d: _edit_config(d, peft_type="IA3"), "adapter_invalid", ["peft_type='IA3'"]),
+    ("fan_in_fan_out", lambda d: _edit_config(d, fan_in_fan_out=True), "adapter_invalid", ["fan_in_fan_out"]),
+    ("trained bias", lambda d: _edit_config(d, bias="all"), "adapter_invalid", ["bias='all'"]),
+    ("DoRA", lambda d: _edit_config(d, use_dora=True), "adapter_invalid", ["DoRA"]),
+    ("regex targets", lambda d: _edit_config(d, target_modules=".*proj"), "adapter_invalid", ["pattern"]),
+]
+
+
+@pytest.mark.parametrize(("case", "breaks", "code", "needles"), BROKEN, ids=[c[0] for c in BROKEN])
+def test_broken_adapters_are_refused_with_a_message_naming_what_and_where(demo_set, tmp_path, case, breaks, code, needles):
+    """Each kind of broken adapter raises AdapterError with its code, and the message names the module/file and shapes."""
+    d = _copy(demo_set, tmp_path, "qkvo-r64-rslora" if case == "rank over max_lora_rank" else "qkvo-r8")
+    breaks(d)
+    model = read_model_config(demo_set["model"])
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert e.value.code == code, e.value
+    for needle in needles:
+        assert needle in str(e.value), f"{needle!r} not in: {e.value}"
+
+
+def test_a_valid_adapter_loads_with_its_scaling_and_shapes(demo_set):
+    """The rsLoRA demo adapter loads: scaling alpha/sqrt(r), A [r, in] and B [out, r] for every targeted (layer, module)."""
+    model = read_model_config(demo_set["model"])
+    a = load_adapter_dir(demo_set["adapters"]["all-r8-rslora"], model, max_lora_rank=64, max_bytes=64 * MB)
+    assert a.rank == 8 and a.use_rslora and a.scaling == pytest.approx(16 / 8**0.5)
+    assert len(a.weights) == model.num_layers * 7
+    shapes = model.projection_shapes()
+    for (layer, module), (wa, wb) in a.weights.items():
+        assert tuple(wa.shape) == (8, shapes[module][0]) and tuple(wb.shape) == (shapes[module][1], 8)
+
+
+def test_too_large_and_escaping_symlinks_are_refused(demo_set, tmp_path):
+    model = read_model_config(demo_set["model"])
+    d = _copy(demo_set, tmp_path)
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=64, max_bytes=1000)
+    assert e.value.code == "adapter_too_large" and "1000" in str(e.value)
+
+    outside = tmp_path / "elsewhere.safetensors"
+    (d / "adapter_model.safetensors").rename(outside)
+    os.symlink(outside, d / "adapter_model.safetensors")
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=64, max_bytes=64 * MB)
+    assert e.value.code == "adapter_unsafe" and "outside the adapter folder" in str(e.value)
+
+
+# ---- the store
+
+
+def test_store_put_path_verify_and_dedupe(demo_set, tmp_path):
+    """put returns the content hash of the module docstring; the same content twice (any folder, extra files)
+    is one entry; path holds exactly the two files; verify passes on an untouched entry."""
+    store = AdapterStore(tmp_path / "store", max_bytes=64 * MB)
+    src = demo_set["adapters"]["qv-r4"]
+    sha = store.put(src)
+    want = content_sha256((src / "adapter_config.json").read_bytes(), (src / "adapter_model.safetensors").read_bytes())
+    assert sha == want and len(sha) == 64
+    copy = _copy(demo_set, tmp_path, "qv-r4")
+    (copy / "README.md").write_text("not part of the identity")
+    os.utime(copy / "adapter_model.safetensors", (1, 1))
+    assert store.put(copy) == sha
+    assert sorted(p.name for p in store.path(sha).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [p.name for p in store.root.iterdir()] == [sha]  # one entry, no temp folders left
+    assert sha in store
+    store.verify(sha)
+    other = store.put(demo_set["adapters"]["qv-r16"])
+    assert other != sha and other in store
+
+
+def test_store_verify_detects_tampering(demo_set, tmp_path):
+    store = AdapterStore(tmp_path / "store", max_bytes=64 * MB)
+    sha = store.put(demo_set["adapters"]["mlp-r4"])
+    weights = store.path(sha) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AdapterError) as e:
+        store.verify(sha)
+    assert e.value.code == "adapter_corrupt" and sha in str(e.value) and "put the adapter again" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("breaks", "code"),
+    [
+        (_truncate, "adapter_corrupt"),
+        (lambda d: (d / "adapter_config.json").write_text("[1, 2]"), "adapter_corrupt"),
+        (lambda d: (d / "sub").mkdir() or (d / "sub" / "weights.pt").write_bytes(b"x"), "adapter_unsafe"),
+        (lambda d: (d / "adapter_config.json").unlink(), "adapter_missing"),
+    ],
+    ids=["truncated weights", "config not an object", "pickle in a subfolder", "missing config"],
+)
+def test_store_refuses_bad_folders_and_leaves_nothing_behind(demo_set, tmp_path, breaks, code):
+    store = AdapterStore(tmp_path / "store", max_bytes=64 * MB)
+    d = _copy(demo_set, tmp_path)
+    breaks(d)
+    with pytest.raises(AdapterError) as e:
+        store.put(d)
+    assert e.value.code == code
+    assert list(store.root.iterdir()) == []
+
+
+@pytest.mark.parametrize("sha", ["../etc", "a" * 63, "A" * 64, "0" * 64])
+def test_store_paths_only_for_well_formed_present_hashes(tmp_path, sha):
+    """Malformed names never reach the filesystem; well-formed unknown ones say the adapter is missing."""
+    store = AdapterStore(tmp_path / "store", max_bytes=MB)
+    assert sha not in store
+    with pytest.raises(AdapterError) as e:
+        store.path(sha)
+    assert e.value.code == "adapter_missing"

@@ -1,0 +1,323 @@
+"""Engine behaviour on the demo model: determinism, sampling, stopping, logprobs, errors, timings, adapters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from engine.api import AdapterError, GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.runner import BatchItem
+from engine.timing import apportion
+
+PROMPTS = [
+    "The lighthouse keeper climbed",
+    "A good recipe for soup needs",
+    "The river runs through",
+    "Numbers are everywhere",
+    "The library was open",
+]
+
+
+def _config(demo_set, **kw) -> EngineConfig:
+    base = dict(model_dir=str(demo_set["model"]), device="cpu", max_prompt_tokens=64, max_new_tokens=32, max_batch_size=16, kv_block_size=8)
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engine(demo_set):
+    eng = Engine(_config(demo_set))
+    for name, path in demo_set["adapters"].items():
+        eng.load_adapter(name, path)
+    return eng
+
+
+def _req(rid: str, prompt: str = PROMPTS[0], adapter: str | None = None, **sampling) -> GenerationRequest:
+    sampling.setdefault("max_new_tokens", 12)
+    return GenerationRequest(request_id=rid, prompt=prompt, adapter=adapter, sampling=SamplingParams(**sampling))
+
+
+def _companions(prefix: str) -> list[GenerationRequest]:
+    """Other traffic: mixed adapters, prompts, greedy and sampled."""
+    return [
+        _req(f"{prefix}-c0", PROMPTS[1], "all-r16"),
+        _req(f"{prefix}-c1", PROMPTS[2], "mlp-r64", temperature=1.0, seed=5),
+        _req(f"{prefix}-c2", PROMPTS[3], None, max_new_tokens=3),
+        _req(f"{prefix}-c3", PROMPTS[4], "qv-r4", temperature=0.8, top_p=0.9),
+    ]
+
+
+# ---- determinism and sampling
+
+
+@pytest.mark.parametrize("adapter", [None, "qkvo-r64-rslora"])
+def test_greedy_is_deterministic_whatever_the_batch(engine, adapter):
+    """The same greedy request gives the same tokens alone, among companions, and again."""
+    alone = engine.generate([_req("g-a", adapter=adapter)])[0]
+    mixed = engine.generate(_companions("g") + [_req("g-b", adapter=adapter)])[-1]
+    again = engine.generate([_req("g-c", adapter=adapter)])[0]
+    assert alone.ok and alone.output_ids == mixed.output_ids == again.output_ids
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.9), dict(temperature=1.0, top_k=50, top_p=0.95)],
+    ids=["temp", "top_k", "top_p", "top_k+top_p"],
+)
+def test_seeded_sampling_is_reproducible_and_independent_of_companions(engine, sampling):
+    """Same seed + prompt -> same tokens, alone or in a busy mixed batch; another seed -> other tokens."""
+    alone = engine.generate([_req("s-a", adapter="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[0]
+    mixed = engine.generate(_companions("s") + [_req("s-b", adapter="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[-1]
+    other = engine.generate([_req("s-c", adapter="all-r8-rslora", seed=99, ignore_eos=True, **sampling)])[0]
+    assert alone.output_ids == mixed.output_ids
+    assert alone.output_ids != other.output_ids
+
+
+def test_top_k_1_equals_greedy(engine):
+    """Sampling with top_k=1 at a high temperature returns the greedy tokens."""
+    greedy = engine.generate([_req("k-g", adapter="qv-r16")])[0]
+    topk1 = engine.generate([_req("k-1", adapter="qv-r16", temperature=1.5, top_k=1, seed=3)])[0]
+    assert greedy.output_ids == topk1.output_ids
+
+
+# ---- stopping
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_length_stops_at_max_new_tokens(engine, max_new_tokens):
+    """Without EOS or stop strings a request ends with exactly max_new_tokens tokens, finish_reason 'length'."""
+    res = engine.generate([_req("len", PROMPTS[2], max_new_tokens=max_new_tokens, ignore_eos=True)])[0]
+    assert res.finish_reason == "length" and len(res.output_ids) == max_new_tokens
+    assert res.timings.prefill_tokens == res.prompt_tokens and res.timings.decode_tokens == max_new_tokens - 1
+
+
+@pytest.mark.parametrize("start", [3, 8])
+def test_stop_string_truncates_text_before_it(engine, start):
+    """The text ends right before the first occurrence of a stop string; generation ends early with 'stop'."""
+    full = engine.generate([_req("st-full", PROMPTS[1], max_new_tokens=24, ignore_eos=True)])[0]
+    stop = full.text[start : start + 3]
+    assert len(stop) == 3, full.text
+    res = engine.generate([_req("st", PROMPTS[1], max_new_tokens=24, ignore_eos=True, stop=("never-in-output", stop))])[0]
+    assert res.finish_reason == "stop"
+    assert res.text == full.text[: full.text.find(stop)]
+    assert res.output_ids == full.output_ids[: len(res.output_ids)] and len(res.output_ids) < 24
+
+
+def test_eos_ends_generation_and_ignore_eos_runs_on(engine, demo_set, tmp_path):
+    """When the model samples an EOS id, the request ends with 'eos' (EOS in output_ids, not in text);
+    ignore_eos keeps going to max_new_tokens."""
+    full = engine.generate([_req("e-full", PROMPTS[0], max_new_tokens=10, ignore_eos=True)])[0]
+    k = next(i for i, t in enumerate(full.output_ids) if i >= 2 and t not in full.output_ids[:i])
+    # A copy of the model whose EOS is the token greedy decoding emits at step k.
+    model_dir = tmp_path / "model"
+    shutil.copytree(demo_set["model"], model_dir)
+    gen_cfg = json.loads((model_dir / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = full.output_ids[k]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen_cfg))
+    eng = Engine(_config(demo_set, model_dir=str(model_dir)))
+
+    res = eng.generate([_req("e", PROMPTS[0], max_new_tokens=10)])[0]
+    assert res.finish_reason == "eos"
+    assert res.output_ids == full.output_ids[: k + 1]
+    assert res.text == eng.tokenizer.decode(full.output_ids[:k])
+    ignored = eng.generate([_req("e-i", PROMPTS[0], max_new_tokens=10, ignore_eos=True)])[0]
+    assert ignored.finish_reason == "length" and ignored.output_ids == full.output_ids
+
+
+# ---- logprobs
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.5, seed=8)], ids=["greedy", "sampled"])
+def test_logprobs_shape_and_values(engine, sampling):
+    """One OpenAI-shaped entry per token; the chosen token's logprob is log_softmax of the raw (untempered) logits."""
+    res = engine.generate([_req("lp", PROMPTS[3], "qkvo-r8", logprobs=3, max_new_tokens=6, ignore_eos=True, **sampling)])[0]
+    content = res.logprobs["content"]
+    assert len(content) == len(res.output_ids) == 6
+    prompt = engine.tokenizer.encode(PROMPTS[3])
+    slot = engine.adapters.acquire(engine.adapters.sha_of("qkvo-r8"))[0]
+    try:
+        logits = engine.runner.forward([BatchItem("lp-check", tuple(prompt + res.output_ids), 0, slot)], all_logits=True)
+    finally:
+        engine.runner.free("lp-check")
+        engine.adapters.release(engine.adapters.sha_of("qkvo-r8"))
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [6, V]: the distribution each token was drawn from
+    for i, (entry, token) in enumerate(zip(content, res.output_ids)):
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert bytes(entry["bytes"]) == engine.tokenizer.token_bytes(token)
+        assert entry["logprob"] == pytest.approx(float(logp[i, token]), abs=1e-4)
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert tops[0]["logprob"] == pytest.approx(float(logp[i].max()), abs=1e-4)
+        if not sampling:
+            assert tops[0]["bytes"] == entry["bytes"]
+
+
+# ---- per-request errors
+
+
+BAD = [
+    (dict(prompt="word " * 200), "prompt_too_long"),
+    (dict(prompt="hi", sampling=SamplingParams(max_new_tokens=33)), "max_new_tokens_too_large"),
+    (dict(prompt="hi", adapter="no-such-adapter"), "unknown_adapter"),
+    (dict(prompt=""), "empty_prompt"),
+    (dict(input_ids=()), "empty_prompt"),
+    (dict(messages=()), "empty_prompt"),
+    (dict(input_ids=(1, 5, 10**6)), "invalid_input_ids"),
+    (dict(input_ids=(1, -3)), "invalid_input_ids"),
+    (dict(prompt="hi", input_ids=(1, 2)), "invalid_request"),
+    (dict(), "invalid_request"),
+    (dict(prompt="hi", sampling=SamplingParams(max_new_tokens=8, temperature=-1.0)), "invalid_sampling_params"),
+    (dict(prompt="hi", sampling=SamplingParams(max_new_tokens=8, top_p=0.0)), "invalid_sampling_params"),
+    (dict(prompt="hi", sampling=SamplingParams(max_new_tokens=8, stop=("",))), "invalid_sampling_params"),
+    (dict(messages=({"role": "wizard", "content": "hi"},)), "invalid_messages"),
+    (dict(messages=({"role": "user"},)), "invalid_messages"),
+]
+
+
+def test_bad_requests_fail_alone_and_good_ones_are_unaffected(engine):
+    """Each invalid request yields a result with its error code; the valid requests in the same call
+    produce exactly what they produce alone."""
+    good = [_req(f"ok{i}", p, a) for i, (p, a) in enumerate(zip(PROMPTS, ["qv-r4", None, "mlp-r4", "all-r16", None]))]
+    bad = [GenerationRequest(request_id=f"bad{i}", **{"sampling": SamplingParams(max_new_tokens=8), **kw}) for i, (kw, _) in enumerate(BAD)]
+    mixed = [r for pair in zip(good, bad) for r in pair] + bad[len(good) :]
+    results = engine.generate(mixed)
+    assert [r.request_id for r in results] == [r.request_id for r in mixed]
+    by_id = {r.request_id: r for r in results}
+    for req, (_, code) in zip(bad, BAD):
+        res = by_id[req.request_id]
+        assert res.error is not None and res.error.code == code, (req, res.error)
+        assert res.error.message and not res.output_ids
+    for req in good:
+        alone = engine.generate([GenerationRequest(request_id=req.request_id + "-alone", prompt=req.prompt, adapter=req.adapter, sampling=req.sampling)])[0]
+        assert by_id[req.request_id].ok and by_id[req.request_id].output_ids == alone.output_ids
+    assert not engine.has_unfinished()
+
+
+def test_duplicate_request_id_in_one_generate_fails_only_the_second(engine):
+    res = engine.generate([_req("dup"), _req("dup", PROMPTS[1])])
+    assert res[0].ok and res[1].error.code == "duplicate_request_id"
+
+
+def test_chat_messages_equal_their_rendered_input_ids(engine):
+    """A messages request runs the chat template: same output as sending the template's token ids."""
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is soup?"})
+    sp = SamplingParams(max_new_tokens=8)
+    a = engine.generate([GenerationRequest(request_id="chat", messages=messages, adapter="qv-r16", sampling=sp)])[0]
+    ids = tuple(engine.tokenizer.encode_chat(messages))
+    b = engine.generate([GenerationRequest(request_id="chat-ids", input_ids=ids, adapter="qv-r16", sampling=sp)])[0]
+    assert a.ok and a.prompt_tokens == len(ids) and a.output_ids == b.output_ids
+
+
+# ---- timings
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "parts"),
+    [
+        (100, [1, 1, 1], [34, 33, 33]),
+        (10, [5, 0, 5], [5, 0, 5]),
+        (7, [3], [7]),
+        (0, [2, 3], [0, 0]),
+        (0, [], []),
+        (1, [1, 1], [1, 0]),
+        (999, [6, 1, 1, 1], [666, 111, 111, 111]),
+        (1001, [2, 3, 5], [200, 300, 501]),
+    ],
+)
+def test_apportion_sums_exactly(total, weights, parts):
+    """Largest remainder: parts are floor shares plus one unit to the largest remainders, summing to total."""
+    assert apportion(total, weights) == parts
+    assert sum(parts) == total
+
+
+def test_step_shares_sum_exactly_to_measured_step_times(demo_set):
+    """Per step: base shares sum to base_us, LoRA shares to lora_us (only adapter rows get any), base + lora = total;
+    per request: its timings are the sum of its shares, and its tokens the sum of its step tokens."""
+    eng = Engine(_config(demo_set, max_batch_size=3))
+    for name in ("qv-r4", "mlp-r64"):
+        eng.load_adapter(name, demo_set["adapters"][name])
+    reqs = [_req(f"t{i}", PROMPTS[i % 5], [None, "qv-r4", "mlp-r64"][i % 3], max_new_tokens=3 + i, ignore_eos=True) for i in range(7)]
+    results = eng.generate(reqs)
+    records = eng.pop_step_records()
+    assert records and not eng.step_records
+    for rec in records:
+        assert rec.base_us + rec.lora_us == rec.total_us
+        assert sum(s.base_us for s in rec.shares) == rec.base_us
+        assert sum(s.lora_us for s in rec.shares) == rec.lora_us
+        assert rec.tokens == sum(s.tokens for s in rec.shares)
+        assert rec.lora_tokens == sum(s.tokens for s in rec.shares if s.has_lora)
+        assert all(s.lora_us == 0 for s in rec.shares if not s.has_lora)
+        assert (rec.lora_us > 0) == (rec.lora_tokens > 0)  # base-only steps skip LoRA entirely
+    for res in results:
+        mine = [s for rec in records for s in rec.shares if s.request_id == res.request_id]
+        t = res.timings
+        assert t.base_us == sum(s.base_us for s in mine) and t.lora_us == sum(s.lora_us for s in mine)
+        assert t.steps == len(mine) and t.prefill_tokens + t.decode_tokens == sum(s.tokens for s in mine)
+        assert 0 <= t.queue_us <= t.ttft_us <= t.total_us
+    assert sum(r.timings.base_us + r.timings.lora_us for r in results) == sum(rec.total_us for rec in records)
+
+
+def test_queue_time_counts_from_arrival(engine):
+    """arrival_us (monotonic) in the past is counted into queue, ttft and total time."""
+    past = time.monotonic_ns() // 1000 - 5_000_000
+    res = engine.generate([GenerationRequest(request_id="arr", prompt="hi", arrival_us=past, sampling=SamplingParams(max_new_tokens=2))])[0]
+    assert res.timings.queue_us >= 5_000_000 and res.timings.total_us >= res.timings.ttft_us >= res.timings.queue_us
+
+
+# ---- adapters
+
+
+def test_same_content_under_two_keys_is_loaded_once(engine, demo_set, tmp_path):
+    """A copy of an adapter under a new key shares the sha, the slot and the outputs; nothing new is loaded."""
+    copy = shutil.copytree(demo_set["adapters"]["all-r16"], tmp_path / "copy")
+    (copy / "README.md").write_text("extra files do not change the identity\n")
+    resident = dict(engine.adapters.resident())
+    info = engine.load_adapter("tenant-b/alias@1", copy)
+    orig = engine.adapters.info("all-r16")
+    assert info.sha256 == orig.sha256 and info.tier == "gpu" and info.nbytes == orig.nbytes
+    assert engine.adapters.resident() == resident
+    a, b = engine.generate([_req("k1", adapter="all-r16"), _req("k2", adapter="tenant-b/alias@1")])
+    assert a.output_ids == b.output_ids
+    assert b.timings.adapter_load_us == 0
+    engine.unload_adapter("tenant-b/alias@1")
+    assert not engine.has_adapter("tenant-b/alias@1") and engine.has_adapter("all-r16")
+    assert engine.adapters.resident() == resident
+
+
+def test_few_slots_evict_and_page_in_without_changing_results(engine, demo_set):
+    """With 2 slots and 3 adapters in one call, requests wait for a slot, adapters are evicted and paged back,
+    and every output equals the one computed with all adapters resident; the disk load is charged once."""
+    eng = Engine(_config(demo_set, max_loras=2))
+    names = ["qv-r4", "all-r8-rslora", "mlp-r64"]
+    infos = [eng.load_adapter(n, demo_set["adapters"][n]) for n in names]
+    assert [i.tier for i in infos] == ["disk"] * 3 and len(eng.adapters.resident()) == 2
+    reqs = [_req(f"ev{i}", PROMPTS[i % 5], names[i % 3], max_new_tokens=4 + i % 3) for i in range(9)]
+    got = eng.generate(reqs)
+    want = engine.generate([_req(r.request_id + "-ref", r.prompt, r.adapter, max_new_tokens=r.sampling.max_new_tokens) for r in reqs])
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    charged = [g.timings.adapter_load_us for g in got[:3]]
+    assert all(c > 0 for c in charged), charged  # the first request of each adapter pays its load
+    assert all(g.timings.adapter_load_us == 0 for g in got[3:6] if g.adapter == "qv-r4")
+
+
+def test_unload_refuses_adapters_in_use_and_abort_frees_everything(engine, demo_set):
+    """An adapter with unfinished requests cannot be unloaded; abort returns the partial result and frees KV and pins."""
+    eng = Engine(_config(demo_set, max_loras=1))
+    eng.load_adapter("a", demo_set["adapters"]["qv-r4"])
+    free_blocks = eng.runner.blocks.num_free
+    eng.add_request(_req("ab", adapter="a", max_new_tokens=20, ignore_eos=True))
+    eng.step()
+    with pytest.raises(AdapterError) as e:
+        eng.unload_adapter("a")
+    assert e.value.code == "adapter_in_use"
+    res = eng.abort("ab")
+    assert res.error.code == "aborted" and len(res.output_ids) == 1
+    assert eng.abort("ab") is None
+    assert eng.runner.blocks.num_free == free_blocks and not eng.has_unfinished()
+    eng.unload_adapter("a")
+    assert not eng.has_adapter("a") and eng.adapters.resident() == {}

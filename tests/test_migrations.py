@@ -1,0 +1,250 @@
+"""The ledger schema under Alembic, on SQLite (a temp file) and the machine's PostgreSQL.
+
+This module also holds the database fixtures that test_ledger.py and test_invoice.py import:
+`db_url` (an empty database per test, once per backend), `migrated_url` and `engine` (migrated to head).
+PostgreSQL gets one fresh database per test session, dropped at the end, and one schema per test inside it.
+Deselect PostgreSQL with `-m "not postgres"`; when it is selected but down, the tests error, not skip.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from billing import db
+from billing.errors import LedgerConfigError
+from billing.models import Base
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+LEDGER_TABLES = {"tenants", "adapters", "usage", "adapter_loads"}
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[URL]:
+    """A fresh PostgreSQL database for this test session, dropped (connections and all) at the end."""
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"lorabatch_test_{secrets.token_hex(6)}"
+    try:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    except OperationalError as exc:
+        admin.dispose()
+        pytest.fail(
+            f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({exc.orig}); start it with "
+            f"`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
+            f'or deselect these tests with -m "not postgres"',
+            pytrace=False,
+        )
+    try:
+        yield make_url(PG_ADMIN_URL).set(database=name)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@contextmanager
+def fresh_pg_schema(database: URL) -> Iterator[str]:
+    """The URL of an empty schema of `database` (first on every connection's search_path), dropped after."""
+    schema = f"t_{secrets.token_hex(6)}"
+    admin = create_engine(database, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        yield database.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty ledger database, one per backend; the SQLite file's folder does not exist yet."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'not-yet' / 'ledger.db'}"
+        return
+    with fresh_pg_schema(request.getfixturevalue("pg_database")) as url:
+        yield url
+
+
+@pytest.fixture
+def migrated_url(db_url: str) -> str:
+    db.upgrade(db_url)
+    return db_url
+
+
+@pytest.fixture
+def engine(migrated_url: str) -> Iterator[Engine]:
+    engine = db.make_engine(migrated_url)
+    yield engine
+    engine.dispose()
+
+
+def _tables(url: str) -> set[str]:
+    engine = db.make_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def _revision(url: str) -> str | None:
+    engine = db.make_engine(url)
+    try:
+        return db.current_revision(engine)
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_downgrade_upgrade(db_url: str) -> None:
+    """Every revision has a working downgrade: head -> base removes the ledger, base -> head rebuilds it."""
+    db.upgrade(db_url)
+    assert _revision(db_url) == db.head_revision()
+    assert LEDGER_TABLES <= _tables(db_url)
+
+    db.downgrade(db_url, "base")
+    assert _revision(db_url) is None
+    assert _tables(db_url) & LEDGER_TABLES == set()
+
+    db.upgrade(db_url)
+    assert _revision(db_url) == db.head_revision()
+    engine = db.make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO tenants (id, display_name) VALUES ('acme', 'Acme')"))
+            row = connection.execute(text("SELECT tier, weight FROM tenants")).one()
+        assert tuple(row) == ("standard", 1)  # server defaults came back with the rebuilt schema
+    finally:
+        engine.dispose()
+
+
+def test_migrated_schema_matches_models(migrated_url: str) -> None:
+    """The migrations and billing/models.py describe the same schema: autogenerate finds no difference."""
+    engine = db.make_engine(migrated_url)
+    try:
+        with engine.connect() as connection:
+            diffs = compare_metadata(MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata)
+    finally:
+        engine.dispose()
+    assert diffs == []
+
+
+def test_constraint_names_follow_the_convention(engine: Engine) -> None:
+    """Constraints and indexes carry the naming convention's names, so later revisions can drop them by name."""
+    inspector = inspect(engine)
+    assert {uq["name"] for uq in inspector.get_unique_constraints("usage")} == {"uq_usage_tenant_id_request_id"}
+    assert {uq["name"] for uq in inspector.get_unique_constraints("adapters")} == {"uq_adapters_tenant_id_name_version"}
+    assert {ck["name"] for ck in inspector.get_check_constraints("usage")} == {"ck_usage_status"}
+    assert {ck["name"] for ck in inspector.get_check_constraints("tenants")} == {"ck_tenants_weight_positive"}
+    assert [fk["name"] for fk in inspector.get_foreign_keys("adapters")] == ["fk_adapters_tenant_id_tenants"]
+    assert {ix["name"] for ix in inspector.get_indexes("usage")} >= {"ix_usage_tenant_id_period", "ix_usage_period_adapter"}
+    assert {ix["name"] for ix in inspector.get_indexes("adapter_loads")} >= {"ix_adapter_loads_period_adapter"}
+    for table in LEDGER_TABLES:
+        assert inspector.get_pk_constraint(table)["name"] == f"pk_{table}"
+
+
+def test_foreign_keys_are_enforced(engine: Engine) -> None:
+    """An adapter cannot name a tenant that does not exist, on SQLite as on PostgreSQL."""
+    with pytest.raises(IntegrityError), engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO adapters (tenant_id, name, version, sha256, rank, alpha, target_modules, nbytes) "
+                "VALUES ('nobody', 'x', 1, :sha, 8, 16, '[]', 1)"
+            ),
+            {"sha": "0" * 64},
+        )
+
+
+@pytest.mark.postgres
+def test_concurrent_upgrades_on_postgresql(pg_database: URL) -> None:
+    """Worker processes that start together and all migrate leave one schema at head, and none of them fails."""
+    # Processes, not threads: Alembic keeps its running context in module globals, one per process.
+    with fresh_pg_schema(pg_database) as url:
+        script = "import sys; from billing import db; db.upgrade(sys.argv[1])"
+        workers = [
+            subprocess.Popen([sys.executable, "-c", script, url], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+            for _ in range(6)
+        ]
+        outcomes = [(worker.communicate(timeout=120)[1], worker.returncode) for worker in workers]
+        assert [stderr for stderr, returncode in outcomes if returncode != 0] == []
+        assert _revision(url) == db.head_revision()
+
+
+def _alembic(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k != "LORABATCH_LEDGER_URL"} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_alembic_command_line_from_the_repository_root(tmp_path: Path) -> None:
+    """`alembic upgrade/downgrade` from the repo root find the migrations and take the URL from -x or the environment."""
+    url = f"sqlite:///{tmp_path / 'cli' / 'ledger.db'}"
+    done = _alembic("-x", f"url={url}", "upgrade", "head")
+    assert done.returncode == 0, done.stderr
+    assert _revision(url) == db.head_revision()
+
+    done = _alembic("downgrade", "base", env={"LORABATCH_LEDGER_URL": url})
+    assert done.returncode == 0, done.stderr
+    assert _tables(url) & LEDGER_TABLES == set()
+
+    done = _alembic("upgrade", "head")
+    assert done.returncode != 0
+    assert "-x url=" in done.stderr and "LORABATCH_LEDGER_URL" in done.stderr
+
+
+def test_offline_sql_names_constraints() -> None:
+    """`alembic upgrade head --sql` renders the PostgreSQL DDL, constraint names included, without a database."""
+    done = _alembic("-x", "url=postgresql+psycopg://nobody@127.0.0.1:1/none", "upgrade", "head", "--sql")
+    assert done.returncode == 0, done.stderr
+    assert "CREATE TABLE usage" in done.stdout
+    assert "CONSTRAINT uq_usage_tenant_id_request_id UNIQUE (tenant_id, request_id)" in done.stdout
+    assert "pg_advisory_xact_lock" not in done.stdout  # the lock is for live runs only
+
+
+def test_make_engine_prepares_sqlite(tmp_path: Path) -> None:
+    """A SQLite ledger gets its folder created, enforces foreign keys and runs in WAL mode on every connection."""
+    path = tmp_path / "a" / "b" / "ledger.db"
+    engine = db.make_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == db.SQLITE_BUSY_TIMEOUT_S * 1000
+        assert path.is_file()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("url", "driver"),
+    [("postgresql://u@h/db", "postgresql+psycopg"), ("postgresql+psycopg://u@h/db", "postgresql+psycopg"), ("sqlite://", "sqlite")],
+)
+def test_make_engine_picks_the_driver(url: str, driver: str) -> None:
+    """PostgreSQL always goes through psycopg 3, even from a bare postgresql:// URL."""
+    engine = db.make_engine(url)
+    try:
+        assert engine.url.drivername == driver
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("url", ["mysql://u@h/db", "postgresql+psycopg2://u@h/db", "sqlite+aiosqlite:///x.db", ".lorabatch/ledger.db"])
+def test_make_engine_refuses_other_databases(url: str) -> None:
+    """An unsupported URL fails at once with an error that names the URLs the ledger does take."""
+    with pytest.raises(LedgerConfigError, match=r"sqlite:///.*postgresql\+psycopg://"):
+        db.make_engine(url)
