@@ -334,7 +334,7 @@ def invoice(tenant: Annotated[str, typer.Option()], period: Annotated[str, typer
     s = _settings(config)
     svc = _services(s)
     try:
-        inv = build_invoice(svc.db, tenant, period, s.ledger.gpu_price_per_hour)
+        inv = build_invoice(svc.db, tenant, period, s.ledger.gpu_price_per_hour, currency=s.ledger.currency)
     except LedgerError as e:
         _fail(str(e))
     typer.echo(renderers[fmt](inv))

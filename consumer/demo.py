@@ -209,7 +209,7 @@ def print_invoices(settings: Settings, console: Console) -> None:
     period = datetime.now(UTC).strftime("%Y-%m")
     try:
         for tenant in TENANTS:
-            inv = build_invoice(svc.db, tenant, period, settings.ledger.gpu_price_per_hour)
+            inv = build_invoice(svc.db, tenant, period, settings.ledger.gpu_price_per_hour, currency=settings.ledger.currency)
             console.print(f"\n[bold]invoice: {tenant}, {period}[/bold]")
             console.print(render_table(inv), highlight=False)
     finally:

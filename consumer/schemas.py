@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 CONTRACT_VERSION = 1
 
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/\-]+$")]
+TenantId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
 AdapterRef = Annotated[str, StringConstraints(min_length=1, max_length=160, pattern=r"^[A-Za-z0-9_.\-/]+(@[0-9]+)?$")]
 
 
@@ -29,7 +30,7 @@ class Job(BaseModel):
 
     v: Literal[1] = CONTRACT_VERSION
     request_id: Ident
-    tenant_id: Ident
+    tenant_id: TenantId
     batch_id: Ident | None = None
     adapter: AdapterRef | None = Field(None, description="name or name@version; absent: route it")
     user_id: Ident | None = None

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import Engine as SqlEngine
-from sqlalchemy import inspect
 
-from billing.db import make_engine, session_factory
+from billing.db import current_revision, head_revision, make_engine, session_factory
 from billing.ledger import Ledger
 from consumer.config import Settings
 from consumer.registry import Registry
@@ -31,11 +30,10 @@ class Services:
 
 def open_services(settings: Settings, *, check_schema: bool = True) -> Services:
     db = make_engine(settings.ledger.url)
-    if check_schema and not inspect(db).has_table("usage"):
+    if check_schema and (found := current_revision(db)) != head_revision():
         db.dispose()
-        raise SchemaMissing(
-            f"the ledger database {settings.ledger.url} has no schema yet; run `lorabatch db upgrade` first"
-        )
+        state = "has no schema yet" if found is None else f"is at revision {found}, not {head_revision()}"
+        raise SchemaMissing(f"the ledger database {settings.ledger.url} {state}; run `lorabatch db upgrade` first")
     store = AdapterStore(Path(settings.store.adapter_dir), max_bytes=settings.engine.max_adapter_bytes)
     sessions = session_factory(db)
     return Services(db=db, registry=Registry(sessions, store), ledger=Ledger(db, settings.ledger))

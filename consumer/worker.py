@@ -22,11 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from billing.errors import LedgerError
 from billing.records import AdapterLoadRecord, UsageRecord
 from consumer.buckets import AdapterBuckets, Pending
 from consumer.config import Settings
@@ -354,7 +354,12 @@ class Worker:
         await asyncio.gather(*sends)
         rows = [o.usage for o in batch if o.usage is not None]
         if rows:
-            await asyncio.to_thread(self.ledger.record_usage, rows)
+            try:
+                await asyncio.to_thread(self.ledger.record_usage, rows)
+            except LedgerError as e:
+                if e.retriable:
+                    raise
+                await self._record_one_by_one([o for o in batch if o.usage is not None])
         for o in batch:
             self.offsets.finished(o.tp, o.offset)
             if o.result is not None:
@@ -365,6 +370,24 @@ class Worker:
                 if r.status == "succeeded":
                     self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
                     self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
+
+    async def _record_one_by_one(self, batch: list[Outcome]) -> None:
+        """The ledger refused a batch for a bad record: write the others, send the refused ones to the DLQ."""
+        for o in batch:
+            try:
+                await asyncio.to_thread(self.ledger.record_usage, [o.usage])
+            except LedgerError as e:
+                if e.retriable:
+                    raise
+                raw = (o.result.model_dump_json() if o.result else "").encode()
+                record = DlqRecord(
+                    error=ErrorInfo(code="ledger_rejected", message=str(e)), source_topic=o.tp.topic,
+                    source_partition=o.tp.partition, source_offset=o.offset, raw=raw.decode(),
+                    raw_b64=base64.b64encode(raw).decode(), request_id=o.usage.request_id,
+                    tenant_id=o.usage.tenant_id, batch_id=o.usage.batch_id, worker_id=self.worker_id)
+                log.error("ledger refused %s/%s: %s; sent to the DLQ", o.usage.tenant_id, o.usage.request_id, e)
+                self.metrics.dlq.labels("ledger_rejected").inc()
+                await self.producer.send_and_wait(self.s.kafka.dlq_topic, record.model_dump_json().encode())
 
     async def _commit_loop(self) -> None:
         while True:

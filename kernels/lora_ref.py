@@ -11,10 +11,13 @@ zero columns and adds exactly the rank-4 product. Mixed ranks therefore need no 
 cost of computing max_rank columns for every row.
 
 The reference gathers each row's slot weights and runs one batched matmul per chunk of rows: no Python
-loop over adapters, so its cost does not grow with how many distinct adapters the batch holds. Gathered
-weights cost rows x max_rank x features elements: a 8192-token prefill of a 4096 -> 14336 projection at
-rank 64 in bf16 would gather 8192 * 64 * 14336 * 2 B = 15 GB, so rows go in chunks of at most
-`_GATHER_BYTES` (256 MiB: 146 rows in that example, all of a typical decode batch in one chunk).
+loop over adapters, so its cost does not grow with how many distinct adapters the batch holds. Rows
+without an adapter are computed with slot 0 and masked out rather than filtered out, so the op never
+waits on the device to learn which rows those are (no `nonzero()` sync, and it can be captured in a
+CUDA graph with the indices as an input); a kernel can skip them instead. Gathered weights cost
+rows x max_rank x features elements: a 8192-token prefill of a 4096 -> 14336 projection at rank 64 in
+bf16 would gather 8192 * 64 * 14336 * 2 B = 15 GB, so rows go in chunks of at most `_GATHER_BYTES`
+(256 MiB: 146 rows in that example, all of a typical decode batch in one chunk).
 
 The launchers of a Triton kernel (a later issue) take the same arguments: `lora_shrink(x, a_stack, idx)`
 returning h, and `lora_expand(y, h, b_stack, idx, scale)` adding into y in place.
@@ -37,10 +40,12 @@ def lora_shrink_ref(
     slots, max_rank, a_in = a_stack.shape
     assert a_in == in_features, f"a_stack {tuple(a_stack.shape)} does not match x {tuple(x.shape)}"
     _check_idx(idx, n)
-    h = x.new_zeros(n, max_rank)  # [N, R]
-    for rows in _row_chunks(idx, max_rank * in_features * a_stack.element_size()):
-        a = a_stack[idx[rows]]  # [m, R, in]
-        h[rows] = torch.bmm(a, x[rows].unsqueeze(-1)).squeeze(-1)  # [m, R]
+    h = x.new_empty(n, max_rank)  # [N, R]
+    for rows in _row_chunks(n, max_rank * in_features * a_stack.element_size()):
+        slot = idx[rows]  # [m]
+        a = a_stack[slot.clamp(min=0)]  # [m, R, in]; rows without an adapter read slot 0, zeroed below
+        h_rows = torch.bmm(a, x[rows].unsqueeze(-1)).squeeze(-1)  # [m, R]
+        h[rows] = h_rows.masked_fill((slot < 0)[:, None], 0)
     return h
 
 
@@ -58,11 +63,14 @@ def lora_expand_ref(
     assert h.shape == (n, max_rank), f"h {tuple(h.shape)}, expected {(n, max_rank)}"
     assert scale.shape == (slots,), f"scale {tuple(scale.shape)}, expected ({slots},)"
     _check_idx(idx, n)
-    for rows in _row_chunks(idx, max_rank * out_features * b_stack.element_size()):
+    for rows in _row_chunks(n, max_rank * out_features * b_stack.element_size()):
         slot = idx[rows]  # [m]
-        delta = torch.bmm(b_stack[slot], h[rows].unsqueeze(-1)).squeeze(-1)  # [m, out]
-        delta = delta * scale[slot].to(delta.dtype)[:, None]
-        y.index_add_(0, rows, delta.to(y.dtype))
+        safe = slot.clamp(min=0)
+        delta = torch.bmm(b_stack[safe], h[rows].unsqueeze(-1)).squeeze(-1)  # [m, out]
+        delta = delta * scale[safe].to(delta.dtype)[:, None]
+        y_rows = y[rows]  # [m, out]
+        # where(), not y + 0: rows without an adapter keep their exact bits (-0.0 + 0 would turn into +0.0).
+        y[rows] = torch.where((slot >= 0)[:, None], y_rows + delta.to(y.dtype), y_rows)
 
 
 def lora_ref(
@@ -82,8 +90,7 @@ def _check_idx(idx: torch.Tensor, n: int) -> None:
     assert not idx.is_floating_point() and not idx.is_complex(), idx.dtype
 
 
-def _row_chunks(idx: torch.Tensor, bytes_per_row: int) -> list[torch.Tensor]:
-    """Indices of the rows with an adapter, in chunks whose gathered weights fit in _GATHER_BYTES."""
-    rows = (idx >= 0).nonzero().squeeze(1)  # [M]
+def _row_chunks(n: int, bytes_per_row: int) -> list[slice]:
+    """Row ranges whose gathered weights fit in _GATHER_BYTES."""
     per_chunk = max(1, _GATHER_BYTES // max(1, bytes_per_row))
-    return list(rows.split(per_chunk)) if rows.numel() else []
+    return [slice(start, min(start + per_chunk, n)) for start in range(0, n, per_chunk)]

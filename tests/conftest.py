@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
+
 
 @pytest.fixture(scope="session")
 def demo_set(tmp_path_factory: pytest.TempPathFactory) -> dict:

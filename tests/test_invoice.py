@@ -1,6 +1,6 @@
 """Invoices: lines and totals, the cold-start spread, UTC month boundaries, renderings, bad periods.
 
-Runs on SQLite and the machine's PostgreSQL (fixtures from test_migrations.py). The worked example
+Runs on SQLite and the machine's PostgreSQL (fixtures from tests/db_fixtures.py). The worked example
 below is computed by hand in the comments; the price makes one microsecond cost exactly 2e-9.
 """
 
@@ -25,7 +25,6 @@ from billing.errors import InvalidPeriodError
 from billing.invoice import Invoice, build_invoice, render_csv, render_json, render_table
 from billing.ledger import Ledger
 from tests.test_ledger import load_record, usage_record
-from tests.test_migrations import db_url, engine, migrated_url, pg_database  # noqa: F401  (fixtures)
 
 PRICE = Decimal("7.20")  # per GPU hour: 7.20 / 3.6e9 = 2e-9 per microsecond
 S1, S2, S3 = "11" * 32, "22" * 32, "33" * 32

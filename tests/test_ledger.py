@@ -1,6 +1,6 @@
 """The ledger's writes: idempotent rows, exact Decimal money, checked records and typed errors.
 
-Runs on SQLite and the machine's PostgreSQL (fixtures from test_migrations.py).
+Runs on SQLite and the machine's PostgreSQL (fixtures from tests/db_fixtures.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailab
 from billing.ledger import Ledger
 from billing.models import AdapterLoad
 from billing.records import AdapterLoadRecord, UsageRecord
-from tests.test_migrations import db_url, engine, migrated_url, pg_database  # noqa: F401  (fixtures)
 
 PRICE = Decimal("2.50")
 JAN = datetime(2026, 1, 15, 12, 0, tzinfo=timezone.utc)

@@ -1,97 +1,29 @@
 """The ledger schema under Alembic, on SQLite (a temp file) and the machine's PostgreSQL.
 
-This module also holds the database fixtures that test_ledger.py and test_invoice.py import:
-`db_url` (an empty database per test, once per backend), `migrated_url` and `engine` (migrated to head).
-PostgreSQL gets one fresh database per test session, dropped at the end, and one schema per test inside it.
-Deselect PostgreSQL with `-m "not postgres"`; when it is selected but down, the tests error, not skip.
+The database fixtures (`db_url`, `migrated_url`, `engine`) are in tests/db_fixtures.py.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, text
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Engine, inspect, text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import IntegrityError
 
 from billing import db
 from billing.errors import LedgerConfigError
 from billing.models import Base
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from tests.db_fixtures import fresh_pg_schema
 LEDGER_TABLES = {"tenants", "adapters", "usage", "adapter_loads"}
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def pg_database() -> Iterator[URL]:
-    """A fresh PostgreSQL database for this test session, dropped (connections and all) at the end."""
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"lorabatch_test_{secrets.token_hex(6)}"
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.fail(
-            f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({exc.orig}); start it with "
-            f"`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
-            f'or deselect these tests with -m "not postgres"',
-            pytrace=False,
-        )
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name)
-    finally:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-@contextmanager
-def fresh_pg_schema(database: URL) -> Iterator[str]:
-    """The URL of an empty schema of `database` (first on every connection's search_path), dropped after."""
-    schema = f"t_{secrets.token_hex(6)}"
-    admin = create_engine(database, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        yield database.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-    finally:
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty ledger database, one per backend; the SQLite file's folder does not exist yet."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'not-yet' / 'ledger.db'}"
-        return
-    with fresh_pg_schema(request.getfixturevalue("pg_database")) as url:
-        yield url
-
-
-@pytest.fixture
-def migrated_url(db_url: str) -> str:
-    db.upgrade(db_url)
-    return db_url
-
-
-@pytest.fixture
-def engine(migrated_url: str) -> Iterator[Engine]:
-    engine = db.make_engine(migrated_url)
-    yield engine
-    engine.dispose()
 
 
 def _tables(url: str) -> set[str]:
