@@ -138,6 +138,8 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
             return
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        # Tansu answers ListOffsets with the last batch's base offset + 1, so reaching "the end" is
+        # judged by that offset *and* a poll that brings nothing more.
         end = await consumer.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -147,7 +149,7 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
                     handlers[tp.topic](m.key, m.value)
             if stop():
                 return
-            if until_end and all(await consumer.position(tp) >= end[tp] for tp in tps):
+            if until_end and not batches and all(await consumer.position(tp) >= end[tp] for tp in tps):
                 return
     finally:
         await consumer.stop()

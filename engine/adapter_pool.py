@@ -50,7 +50,10 @@ class AdapterPool:
     def load(self, key: str, path: Path) -> AdapterInfo:
         """Load (or alias) the adapter folder `path` under `key`; place it in a slot if one can be had."""
         if key in self._key_sha:
-            raise AdapterError(f"adapter key {key!r} is already loaded; unload it first or use a new key (e.g. name@version)", code="adapter_key_in_use")
+            raise AdapterError(
+                f"adapter key {key!r} is already loaded; unload it first or use a new key (e.g. name@version)",
+                code="adapter_key_in_use",
+            )
         t0 = time.perf_counter_ns()
         config_path, weights_path = adapter_files(path, self._max_bytes)
         config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()

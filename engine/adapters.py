@@ -82,9 +82,12 @@ def parse_adapter(
             code="adapter_corrupt",
         ) from e
 
+    def invalid(what: str) -> AdapterError:
+        return AdapterError(f"{source}: {what}", code="adapter_invalid")
+
     shapes = model.projection_shapes()
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in sorted(tensors.items()):  # sorted: the first error reported does not depend on file order
         m = _KEY_RE.match(key)
         if m is None or m.group(3) not in PROJECTION_PARENT or PROJECTION_PARENT[m.group(3)] != m.group(2):
             module = m.group(3) if m else None
@@ -93,37 +96,36 @@ def parse_adapter(
                 if module and module not in PROJECTION_PARENT
                 else "expected base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight"
             )
-            raise AdapterError(f"{source}: unexpected key {key}: {hint}", code="adapter_invalid")
+            raise invalid(f"unexpected key {key}: {hint}")
         layer, module, which = int(m.group(1)), m.group(3), m.group(4)
         name = f"layers.{layer}.{m.group(2)}.{module}"
         if layer >= model.num_layers:
-            raise AdapterError(f"{source}: {name} is past the base model's {model.num_layers} layers; the adapter was trained for another base", code="adapter_invalid")
+            raise invalid(f"{name} is past the base model's {model.num_layers} layers; the adapter was trained for another base")
         if module not in targets:
-            raise AdapterError(f"{source}: {name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}", code="adapter_invalid")
+            raise invalid(f"{name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}")
         if tensor.dtype not in _FLOAT_DTYPES:
-            raise AdapterError(f"{source}: {name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16 or float32", code="adapter_invalid")
+            raise invalid(f"{name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16 or float32")
         in_f, out_f = shapes[module]
         want = [rank, in_f] if which == "A" else [out_f, rank]
         if list(tensor.shape) != want:
-            raise AdapterError(
-                f"{source}: {name} lora_{which}: expected {want} (r={rank}, base {module} {in_f} -> {out_f}), "
-                f"found {list(tensor.shape)}; the adapter does not fit this base model",
-                code="adapter_invalid",
+            raise invalid(
+                f"{name} lora_{which}: expected {want} (r={rank}, base {module} {in_f} -> {out_f}), "
+                f"found {list(tensor.shape)}; the adapter does not fit this base model"
             )
         if not torch.isfinite(tensor).all():
-            raise AdapterError(f"{source}: {name} lora_{which} holds NaN or infinite values; retrain or re-export the adapter", code="adapter_invalid")
+            raise invalid(f"{name} lora_{which} holds NaN or infinite values; retrain or re-export the adapter")
         parts.setdefault((layer, module), {})[which] = tensor
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(parts.items(), key=lambda kv: (kv[0][0], LORA_TARGETS.index(kv[0][1]))):
         if set(ab) != {"A", "B"}:
             lacking = "lora_B" if "A" in ab else "lora_A"
-            raise AdapterError(f"{source}: layers.{layer}.{PROJECTION_PARENT[module]}.{module} has no {lacking}.weight; the file is incomplete", code="adapter_invalid")
+            raise invalid(f"layers.{layer}.{PROJECTION_PARENT[module]}.{module} has no {lacking}.weight; the file is incomplete")
         weights[(layer, module)] = (ab["A"], ab["B"])
     present = {module for _, module in weights}
     unused = [t for t in targets if t not in present]
     if unused:
-        raise AdapterError(f"{source}: adapter_config.json targets {unused} but adapter_model.safetensors holds no weights for them", code="adapter_invalid")
+        raise invalid(f"adapter_config.json targets {unused} but adapter_model.safetensors holds no weights for them")
     return LoraAdapter(
         sha256=sha256,
         rank=rank,
@@ -154,7 +156,8 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
         raise refuse(f"r={rank!r}; the rank must be a positive integer")
     if rank > max_lora_rank:
         raise AdapterError(
-            f"{path}: r={rank} is over engine.max_lora_rank={max_lora_rank}; raise max_lora_rank or use an adapter of rank <= {max_lora_rank}",
+            f"{path}: r={rank} is over engine.max_lora_rank={max_lora_rank}; "
+            f"raise max_lora_rank or use an adapter of rank <= {max_lora_rank}",
             code="adapter_rank_too_large",
         )
     alpha = cfg.get("lora_alpha", 8)  # PEFT's default

@@ -9,9 +9,10 @@ those that hit EOS, a stop string or max_new_tokens, and returns them.
 KV admission reserves a request's worst case (prompt + max_new_tokens - 1 tokens) up front, so a running request
 never runs out of blocks and v0 needs no preemption; chunked prefill and preemption are later issues.
 
-Timings: each step's time is measured around the whole step, its LoRA part around the LoRA ops
-(engine.timing), and both are split exactly among the step's requests; `step_records` keeps each step's
-split for billing's conservation checks (drain it with `pop_step_records`).
+Timings: each step's time is measured around the whole step after admission (forward, sampling,
+stop checks), its LoRA part around the LoRA ops (engine.timing), and both are split exactly among the
+step's requests; `step_records` keeps each step's split for billing's conservation checks (drain it
+with `pop_step_records`). Adapter loads and page-ins are measured apart and charged as adapter_load_us.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from engine.sampling import openai_logprob_entry, sample_tokens, token_logprobs
 from engine.sequence import Sequence
 from engine.timing import DeviceTimer, StepRecord, attribute_step
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.validation import check_sampling, prompt_ids
+from engine.validation import check_context, check_sampling, prompt_ids
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +42,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = _pick_device(config.device)
-        self.dtype = _DTYPES[config.dtype] if config.dtype != "auto" else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        auto_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = auto_dtype if config.dtype == "auto" else _DTYPES[config.dtype]
         model_dir = Path(config.model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.eos_ids = read_eos_ids(model_dir)
@@ -96,9 +98,8 @@ class Engine:
         try:
             seq = self._new_sequence(req, arrival)
         except RequestError as e:
-            self._done.append(
-                GenerationResult(request_id=req.request_id, adapter=req.adapter, error=e, timings=RequestTimings(total_us=max(0, now - arrival)))
-            )
+            timings = RequestTimings(total_us=max(0, now - arrival))
+            self._done.append(GenerationResult(request_id=req.request_id, adapter=req.adapter, error=e, timings=timings))
             return
         self._waiting.append(seq)
         self._unfinished[seq.request_id] = seq
@@ -121,12 +122,13 @@ class Engine:
         """Run one engine step; return the requests that finished in it (and failed validations)."""
         self._step_timer.reset()
         self.runner.lora.timer.reset()
-        start_us = _now_us()
-        with self._step_timer.section():
-            self._admit(start_us)
-            batch = list(self._running)
-            items = [BatchItem(s.request_id, s.next_tokens(), s.num_computed, s.lora_slot) for s in batch]
-            if batch:
+        # Admission runs outside the measured step: the adapter copies it may do are charged to the
+        # requests that needed them (adapter_load_us), so counting them in the step too would bill them twice.
+        self._admit(_now_us())
+        batch = list(self._running)
+        items = [BatchItem(s.request_id, s.next_tokens(), s.num_computed, s.lora_slot) for s in batch]
+        if batch:
+            with self._step_timer.section():
                 self._run(batch, items)
         end_us = _now_us()
         if batch:
@@ -184,15 +186,14 @@ class Engine:
     def _new_sequence(self, req: GenerationRequest, arrival: int) -> Sequence:
         if req.request_id in self._unfinished:
             raise _duplicate(req.request_id)
-        check_sampling(req.sampling, self.config)
         sha = None
         if req.adapter is not None:
             if not self.adapters.has(req.adapter):
                 raise RequestError(f"adapter {req.adapter!r} is not loaded; load it with load_adapter first", code="unknown_adapter")
             sha = self.adapters.sha_of(req.adapter)
-        ids = prompt_ids(
-            req, self.tokenizer, self.config, vocab_size=self.runner.config.vocab_size, max_positions=self.runner.config.max_position_embeddings
-        )
+        ids = prompt_ids(req, self.tokenizer, self.config, vocab_size=self.runner.config.vocab_size)
+        check_sampling(req.sampling, self.config)
+        check_context(len(ids), req.sampling, self.runner.config.max_position_embeddings)
         generator = None
         if req.sampling.temperature > 0:
             seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
@@ -227,7 +228,6 @@ class Engine:
                     continue  # every slot is pinned by running requests; others may still fit
                 seq.lora_slot, seq.timings.adapter_load_us = got
             reserved += need
-            seq.first_scheduled_us = now_us
             seq.timings.queue_us = max(0, now_us - seq.arrival_us)
             self._waiting.remove(seq)
             self._running.append(seq)
@@ -242,11 +242,11 @@ class Engine:
             for i, lp in zip(want, lps):
                 batch[i].logprobs.append(openai_logprob_entry(lp, self.tokenizer.token_bytes))
         for seq, it, token in zip(batch, items, chosen):
-            seq.num_computed += len(it.token_ids)
-            if seq.num_computed == len(it.token_ids):
+            if seq.num_computed == 0:
                 seq.timings.prefill_tokens += len(it.token_ids)
             else:
-                seq.timings.decode_tokens += len(it.token_ids)
+                seq.timings.decode_tokens += len(it.token_ids)  # tokens fed back, one per decode step
+            seq.num_computed += len(it.token_ids)
             seq.append_token(token, self.eos_ids)
             if seq.finish_reason is not None:
                 self._running.remove(seq)

@@ -86,7 +86,8 @@ class ModelConfig:
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each LoRA-targetable projection."""
-        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, inter = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),

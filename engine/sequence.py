@@ -26,7 +26,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: list[dict] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
-    first_scheduled_us: int | None = None
 
     @property
     def request_id(self) -> str:

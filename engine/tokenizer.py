@@ -29,7 +29,8 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.special_tokens = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        self.special_tokens = {name: _token_text(config.get(name)) for name in names}  # the chat template sees these
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
         self.chat_template: str | None = config.get("chat_template")

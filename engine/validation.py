@@ -1,7 +1,8 @@
 """Checking one request against the engine's limits and turning its input into prompt token ids.
 
 Every failure is a RequestError with a stable code, so that one bad request becomes one failed result
-and never fails its batch. Codes: invalid_request, empty_prompt, invalid_input_ids, prompt_too_long,
+and never fails its batch. The engine checks the adapter, then the prompt, then the sampling limits,
+then that both fit the model's positions: a request with several faults reports the first of these. Codes: invalid_request, empty_prompt, invalid_input_ids, prompt_too_long,
 max_new_tokens_too_large, invalid_sampling_params, invalid_messages, no_chat_template.
 """
 
@@ -42,7 +43,7 @@ def check_sampling(sp: SamplingParams, config: EngineConfig) -> None:
         raise bad(f"stop={sp.stop!r}; use a tuple of non-empty strings")
 
 
-def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfig, *, vocab_size: int, max_positions: int) -> list[int]:
+def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfig, *, vocab_size: int) -> list[int]:
     """The request's prompt as token ids, checked for emptiness, vocabulary and length."""
     given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
     if len(given) != 1:
@@ -76,10 +77,14 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
             f"prompt is {len(ids)} tokens, over engine.max_prompt_tokens={config.max_prompt_tokens}; shorten it",
             code="prompt_too_long",
         )
-    if len(ids) + req.sampling.max_new_tokens > max_positions:
+    return ids
+
+
+def check_context(prompt_len: int, sp: SamplingParams, max_positions: int) -> None:
+    """The prompt and every token asked for must fit the model's positions (after check_sampling)."""
+    if prompt_len + sp.max_new_tokens > max_positions:
         raise RequestError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({req.sampling.max_new_tokens}) is over the model's "
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({sp.max_new_tokens}) is over the model's "
             f"{max_positions} positions; shorten the prompt or ask for fewer tokens",
             code="prompt_too_long",
         )
-    return ids

@@ -116,15 +116,30 @@ async def read_all(settings: Settings, topic: str, model, until, timeout_s: floa
 
 
 async def committed_vs_end(settings: Settings) -> tuple[dict, dict]:
+    """The group's committed offset and the true log end (last offset + 1) of each jobs partition.
+
+    The log end is found by reading: Tansu's ListOffsets answers the last *batch's* base offset + 1,
+    not the last record's, so `end_offsets` undercounts batched topics there.
+    """
     k = settings.kafka
-    c = make_consumer(k, group_id=k.group_id)
-    await c.start()
+    reader = make_consumer(k, group_id=None)
+    await reader.start()
     try:
-        tps = [TopicPartition(k.jobs_topic, p) for p in sorted(c.partitions_for_topic(k.jobs_topic) or ())]
-        committed = {tp.partition: await c.committed(tp) for tp in tps}
-        end = {tp.partition: o for tp, o in (await c.end_offsets(tps)).items()}
+        tps = [TopicPartition(k.jobs_topic, p) for p in sorted(reader.partitions_for_topic(k.jobs_topic) or ())]
+        reader.assign(tps)
+        await reader.seek_to_beginning(*tps)
+        end = {tp.partition: 0 for tp in tps}
+        while batches := await reader.getmany(*tps, timeout_ms=500):
+            for tp, messages in batches.items():
+                end[tp.partition] = messages[-1].offset + 1
     finally:
-        await c.stop()
+        await reader.stop()
+    group = make_consumer(k, group_id=k.group_id)
+    await group.start()
+    try:
+        committed = {tp.partition: await group.committed(tp) for tp in tps}
+    finally:
+        await group.stop()
     return committed, end
 
 

@@ -18,6 +18,7 @@ def _register(svc, demo_set):
     names = sorted(demo_set["adapters"])
     svc.registry.add_tenant("acme")
     svc.registry.add_tenant("globex")
+    svc.registry.add_tenant("hooli")  # no adapters at all: its jobs run on the base where they allow it
     svc.registry.add_adapter("acme", "support", demo_set["adapters"][names[0]], default=True)
     svc.registry.add_adapter("acme", "legal", demo_set["adapters"][names[1]])
     svc.registry.add_adapter("globex", "chat", demo_set["adapters"][names[2]], default=True)
@@ -37,6 +38,7 @@ def _jobs() -> tuple[list[Job], dict[str, str]]:
         elif kind == 1:
             d["adapter"] = "shared"  # globex's public adapter, open to acme too
         elif kind == 2:
+            d["tenant_id"] = "hooli"
             d["allow_base_fallback"] = True
         if i % 4 == 0:
             d["messages"] = [{"role": "user", "content": f"question {i}"}]
