@@ -22,8 +22,8 @@ from rich.console import Console
 from consumer.broker import EmbeddedBroker, free_port
 from consumer.config import Settings, load_settings
 from consumer.kafka import make_producer
-from consumer.schemas import DlqRecord, Job
-from consumer.submit import collect_results, produce_jobs, read_manifest
+from consumer.schemas import BatchManifest, DlqRecord, Job
+from consumer.submit import collect_results, produce_jobs
 
 TENANTS = ("acme", "globex", "initech")
 PROMPTS = (
@@ -168,7 +168,8 @@ def run_demo(home: Path, n_jobs: int, port: int | None, console: Console) -> int
             for tenant, tj in jobs.items():
                 await produce_jobs(k, tj, f"{run}-{tenant}", tenant, "demo", k.partition_key)
             garbage = await produce_garbage(settings, run)
-            manifests = [await read_manifest(k, f"{run}-{t}") for t in TENANTS]
+            manifests = [BatchManifest(batch_id=f"{run}-{t}", tenant_id=t, request_ids=[j.request_id for j in jobs[t]])
+                         for t in TENANTS]
             collected = await asyncio.gather(*(collect_results(k, m, 300, progress) for m in manifests))
             return {"garbage": garbage, "results": [r for got, _ in collected for r in got.values()]}
 
@@ -210,7 +211,6 @@ def print_invoices(settings: Settings, console: Console) -> None:
     try:
         for tenant in TENANTS:
             inv = build_invoice(svc.db, tenant, period, settings.ledger.gpu_price_per_hour, currency=settings.ledger.currency)
-            console.print(f"\n[bold]invoice: {tenant}, {period}[/bold]")
-            console.print(render_table(inv), highlight=False)
+            print(f"\n{render_table(inv)}", flush=True)  # plain stdout: a console would wrap the wide table
     finally:
         svc.close()

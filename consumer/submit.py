@@ -149,8 +149,10 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
                     handlers[tp.topic](m.key, m.value)
             if stop():
                 return
-            if until_end and not batches and all(await consumer.position(tp) >= end[tp] for tp in tps):
-                return
+            if until_end and not batches:
+                positions = [await consumer.position(tp) for tp in tps]
+                if all(pos >= end[tp] for pos, tp in zip(positions, tps)):
+                    return
     finally:
         await consumer.stop()
 
