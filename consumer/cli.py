@@ -12,10 +12,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from consumer.config import ConfigError, Settings, load_settings
+from consumer.cli_common import ConfigOpt, _fail, _services, _settings, _setup_logging, console, progress_bar
+from consumer.config import Settings
 
 app = typer.Typer(help="Multi-tenant LoRA batch inference fed by Kafka, with an exact GPU cost ledger.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -26,32 +26,6 @@ adapters_app = typer.Typer(help="LoRA adapters in the registry.", no_args_is_hel
 config_app = typer.Typer(help="The configuration.", no_args_is_help=True)
 for sub, name in ((broker_app, "broker"), (db_app, "db"), (tenants_app, "tenants"), (adapters_app, "adapters"), (config_app, "config")):
     app.add_typer(sub, name=name)
-
-console = Console(stderr=True)
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (default: $LORABATCH_CONFIG or ./lorabatch.toml)")]
-
-
-def _settings(config: Path | None, **overrides) -> Settings:
-    try:
-        return load_settings(config, {k: v for k, v in overrides.items() if v is not None})
-    except ConfigError as e:
-        _fail(str(e))
-
-
-def _fail(message: str, code: int = 2):
-    console.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(code)
-
-
-def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":%(message)r}')
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
-
-
-def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
-
 
 # ------------------------------------------------------------------------- config
 
@@ -138,15 +112,6 @@ def db_downgrade(revision: str, config: ConfigOpt = None) -> None:
     s = _settings(config)
     downgrade(s.ledger.url, revision)
     typer.echo(f"ledger at {s.ledger.url}: downgraded to {revision}")
-
-
-def _services(s: Settings):
-    from consumer.services import SchemaMissing, open_services
-
-    try:
-        return open_services(s)
-    except SchemaMissing as e:
-        _fail(str(e))
 
 
 @tenants_app.command("add")
@@ -317,29 +282,6 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
         _fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running?", 1)
 
 
-# ------------------------------------------------------------------------- billing
-
-
-@app.command("invoice")
-def invoice(tenant: Annotated[str, typer.Option()], period: Annotated[str, typer.Option(help="YYYY-MM (UTC month)")],
-            fmt: Annotated[str, typer.Option("--format", help="table, json or csv")] = "table",
-            config: ConfigOpt = None) -> None:
-    """A tenant's invoice for a month: per adapter, tokens, GPU milliseconds by component, cost."""
-    from billing.errors import LedgerError
-    from billing.invoice import build_invoice, render_csv, render_json, render_table
-
-    renderers = {"table": render_table, "json": render_json, "csv": render_csv}
-    if fmt not in renderers:
-        _fail(f"--format {fmt!r}: use table, json or csv")
-    s = _settings(config)
-    svc = _services(s)
-    try:
-        inv = build_invoice(svc.db, tenant, period, s.ledger.gpu_price_per_hour, currency=s.ledger.currency)
-    except LedgerError as e:
-        _fail(str(e))
-    typer.echo(renderers[fmt](inv))
-
-
 # ------------------------------------------------------------------------- demo
 
 
@@ -350,6 +292,17 @@ def demo(jobs: int = 200, port: Annotated[Optional[int], typer.Option(help="brok
     from consumer.demo import run_demo
 
     sys.exit(run_demo(home, jobs, port, console))
+
+
+def _mount_subcommands() -> None:
+    from consumer.cli_bench import bench_app
+    from consumer.cli_billing import register_billing
+
+    app.add_typer(bench_app, name="bench")
+    register_billing(app)
+
+
+_mount_subcommands()
 
 
 def main() -> None:
