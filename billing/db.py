@@ -7,6 +7,7 @@ from the `migrations` package, so an installed wheel needs no alembic.ini.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
@@ -118,3 +120,13 @@ def current_revision(engine: Engine) -> str | None:
     """The schema revision the database at `engine` is at; None when it was never migrated."""
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+# Both dialects spell INSERT ... ON CONFLICT the same way, each through its own insert().
+_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+
+def dialect_insert(dialect_name: str) -> Callable[..., Any]:
+    """The insert() of `dialect_name` that has on_conflict_do_nothing / on_conflict_do_update."""
+    assert dialect_name in _DIALECT_INSERT, f"no ledger support for dialect {dialect_name!r}"
+    return _DIALECT_INSERT[dialect_name]

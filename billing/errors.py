@@ -29,3 +29,11 @@ class LedgerUnavailableError(LedgerError):
     """The database did not answer or refused the write; the write is idempotent, so retrying is safe."""
 
     retriable = True
+
+
+class PriceError(LedgerError, ValueError):
+    """A price-list entry cannot be written as given (negative, too precise, bad name)."""
+
+
+class PeriodNotEndedError(LedgerError, ValueError):
+    """A period cannot be closed before it has ended: its usage is still arriving."""

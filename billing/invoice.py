@@ -1,36 +1,37 @@
-"""Per-tenant invoices for one billing period, and their table, JSON and CSV renderings.
+"""Per-tenant invoices for one billing period: drafts computed from live usage, closed ones read as frozen.
 
-A line per adapter the tenant used (base-model requests under "base"), each carrying the four cost
-components of DESIGN.md's cost attribution:
+A line per (adapter, adjustment, GPU price) the tenant was billed for (base-model requests under
+"base"), each carrying the four cost components of DESIGN.md's cost attribution and what it earned:
 
     gpu_ms = base_ms + routing_ms - kv_saved_ms + cold_start_ms,   cost = gpu_ms * price / 3_600_000
+    revenue = succeeded input tokens * input price / 1e6 + output tokens * output price / 1e6
 
-routing_ms is the routing decision plus the LoRA compute. Cold start: an adapter's load time in the
-period is spread over all its requests of the period, of every tenant that used it (public adapters are
-shared), in proportion to their tokens, in whole microseconds that add up to the measured load time
-exactly. It is computed when the invoice is built, so the invoice is a "draft".
+routing_ms is the routing decision plus the LoRA compute. Failed requests cost GPU time but earn
+nothing. Sums are in integer microseconds and tokens until each line is priced (billing/tally.py).
+
+Lifecycle: an invoice is a "draft" while its period is open; closing (billing/closing.py) freezes it,
+and from then on it is read from the stored lines, never recomputed. Usage that arrives for it later
+is billed on the tenant's next open period, as lines marked "adjustment for" its own month.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-from collections import defaultdict
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import Engine, case, func, select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from billing.apportion import apportion
 from billing.config import LedgerConfig
 from billing.cost import ZERO_COST, gpu_cost, us_to_ms
-from billing.models import AdapterLoad, Usage
+from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine
 from billing.periods import check_period
+from billing.prices import PriceBook
+from billing.tally import BASE_MODEL, LineKey, Tally, add_cold_start, frozen_spread, live_spread, tenant_tiers, usage_tallies
 
-BASE_MODEL = "base"  # the line of requests served by the base model alone
-_DEFAULT_CURRENCY: str = LedgerConfig.model_fields["currency"].default
+__all__ = ["BASE_MODEL", "Invoice", "InvoiceAmounts", "InvoiceLine", "build_invoice", "period_invoices"]
 
 
 @dataclass(frozen=True)
@@ -48,232 +49,163 @@ class InvoiceAmounts:
     cold_start_ms: Decimal
     gpu_ms: Decimal
     cost: Decimal
+    revenue: Decimal
 
 
 @dataclass(frozen=True)
 class InvoiceLine(InvoiceAmounts):
     adapter: str = field(kw_only=True)  # "name@version", or BASE_MODEL
+    adjustment_for: str | None = field(kw_only=True, default=None)  # own month of late usage billed here
+    gpu_price_per_hour: Decimal = field(kw_only=True)
+
+    @property
+    def label(self) -> str:
+        """The line as a reader sees it: `x@1`, or `x@1 (adjustment for 2026-10)`."""
+        return self.adapter if self.adjustment_for is None else f"{self.adapter} (adjustment for {self.adjustment_for})"
 
 
 @dataclass(frozen=True)
 class Invoice:
     tenant: str
     period: str  # "YYYY-MM", a UTC month
-    status: str  # "draft" until period close freezes it
+    status: str  # "draft" until closing freezes it, then "closed"
     currency: str
-    price_per_hour: Decimal
+    tier: str | None  # the tenant's tier (its token prices); None when the registry does not hold the tenant
     lines: tuple[InvoiceLine, ...]
-    totals: InvoiceAmounts  # each field the sum of the lines' (cost: of the rounded line costs)
-
-
-@dataclass
-class _Tally:
-    """A line's sums in integer microseconds, so that nothing is rounded before the end."""
-
-    requests: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    base_us: int = 0
-    routing_us: int = 0
-    kv_saved_us: int = 0
-    cold_start_us: int = 0
-
-    def add(self, other: _Tally) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+    totals: InvoiceAmounts  # each field the sum of the lines' (cost and revenue: of the rounded line amounts)
+    unpriced_requests: int = 0  # succeeded requests that earned nothing: their tier had no token price
+    closed_at: datetime | None = None
 
     @property
     def gpu_us(self) -> int:
-        return self.base_us + self.routing_us - self.kv_saved_us + self.cold_start_us
-
-    def amounts(self, cost: Decimal) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "failed": self.failed,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "cached_tokens": self.cached_tokens,
-            "base_ms": us_to_ms(self.base_us),
-            "routing_ms": us_to_ms(self.routing_us),
-            "kv_saved_ms": us_to_ms(self.kv_saved_us),
-            "cold_start_ms": us_to_ms(self.cold_start_us),
-            "gpu_ms": us_to_ms(self.gpu_us),
-            "cost": cost,
-        }
+        return int(self.totals.gpu_ms * 1000)
 
 
-def build_invoice(
-    session_or_engine: Session | Engine,
-    tenant_id: str,
-    period: str,
-    price_per_hour: Decimal,
-    *,
-    currency: str = _DEFAULT_CURRENCY,
-) -> Invoice:
-    """The draft invoice of `tenant_id` for `period` ("YYYY-MM", UTC) at `price_per_hour`.
+def _amounts(t: Tally, cost: Decimal) -> dict[str, object]:
+    return {
+        "requests": t.requests, "failed": t.failed, "input_tokens": t.input_tokens, "output_tokens": t.output_tokens,
+        "cached_tokens": t.cached_tokens, "base_ms": us_to_ms(t.base_us), "routing_ms": us_to_ms(t.routing_us),
+        "kv_saved_ms": us_to_ms(t.kv_saved_us), "cold_start_ms": us_to_ms(t.cold_start_us), "gpu_ms": us_to_ms(t.gpu_us),
+        "cost": cost, "revenue": t.revenue,
+    }
 
-    Given an Engine, the invoice is read in one snapshot (REPEATABLE READ on PostgreSQL); given a
-    Session, it is read in that session's transaction.
+
+def _line_order(key: LineKey) -> tuple[object, ...]:
+    return (key.adjustment_for is not None, key.adjustment_for or "", key.adapter != BASE_MODEL, key.adapter, key.gpu_price_per_hour)
+
+
+def assemble(tenant: str, period: str, tier: str | None, currency: str, tallies: Mapping[LineKey, Tally]) -> Invoice:
+    """A draft invoice from its lines' sums: each line priced once, totals the sums of the lines."""
+    lines: list[InvoiceLine] = []
+    total = Tally()
+    total_cost = ZERO_COST
+    for key in sorted(tallies, key=_line_order):
+        tally = tallies[key]
+        cost = gpu_cost(tally.gpu_us, key.gpu_price_per_hour)
+        lines.append(InvoiceLine(adapter=key.adapter, adjustment_for=key.adjustment_for, gpu_price_per_hour=key.gpu_price_per_hour,
+                                 **_amounts(tally, cost)))
+        total.add(tally)
+        total_cost += cost
+    return Invoice(tenant=tenant, period=period, status="draft", currency=currency, tier=tier, lines=tuple(lines),
+                   totals=InvoiceAmounts(**_amounts(total, total_cost)), unpriced_requests=total.unpriced_requests)
+
+
+def _snapshot(db: Session | Engine) -> Session:
+    """A session over `db` that reads one consistent snapshot (REPEATABLE READ on PostgreSQL)."""
+    if isinstance(db, Session):
+        return db
+    if db.dialect.name == "postgresql":
+        db = db.execution_options(isolation_level="REPEATABLE READ")
+    return Session(db)
+
+
+def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: LedgerConfig) -> Invoice:
+    """The invoice of `tenant_id` for `period` ("YYYY-MM", UTC): the frozen one once closed, else the draft.
+
+    Given an Engine, it is read in one snapshot; given a Session, in that session's transaction. The
+    draft prices GPU time with the price lists of config.gpu_kind (config.gpu_price_per_hour where none
+    applies) and tokens with the tenant tier's list.
     """
     check_period(period)
     assert tenant_id, "tenant_id must name a tenant"
-    assert isinstance(price_per_hour, Decimal), f"price_per_hour must be a Decimal, got {price_per_hour!r}"
-    if isinstance(session_or_engine, Session):
-        return _build(session_or_engine, tenant_id, period, price_per_hour, currency)
-    engine = session_or_engine
-    if engine.dialect.name == "postgresql":
-        engine = engine.execution_options(isolation_level="REPEATABLE READ")
-    with Session(engine) as session:
-        return _build(session, tenant_id, period, price_per_hour, currency)
+    session = _snapshot(db)
+    try:
+        closed = read_closed(session, period, tenant_id)
+        if tenant_id in closed:
+            return closed[tenant_id]
+        if session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period)) is not None:
+            # Closed with the period but never billed anything: an empty closed invoice.
+            tier = tenant_tiers(session, {tenant_id})[tenant_id]
+            return replace(assemble(tenant_id, period, tier, config.currency, {}), status="closed")
+        return draft_invoices(session, period, config, tenant_id)[tenant_id]
+    finally:
+        if session is not db:
+            session.close()
 
 
-def _build(session: Session, tenant_id: str, period: str, price_per_hour: Decimal, currency: str) -> Invoice:
-    tallies = _tenant_tallies(session, tenant_id, period)
-    cold = _cold_start_us(session, tenant_id, period, [a for a in tallies if a != BASE_MODEL])
-    lines: list[InvoiceLine] = []
-    total = _Tally()
-    total_cost = ZERO_COST
-    for adapter in sorted(tallies, key=lambda a: (a != BASE_MODEL, a)):
-        tally = tallies[adapter]
-        tally.cold_start_us = cold.get(adapter, 0)
-        cost = gpu_cost(tally.gpu_us, price_per_hour)
-        lines.append(InvoiceLine(adapter=adapter, **tally.amounts(cost)))
-        total.add(tally)
-        total_cost += cost
-    return Invoice(
-        tenant=tenant_id,
-        period=period,
-        status="draft",
-        currency=currency,
-        price_per_hour=price_per_hour,
-        lines=tuple(lines),
-        totals=InvoiceAmounts(**total.amounts(total_cost)),
-    )
+def draft_invoices(session: Session, period: str, config: LedgerConfig, tenant_id: str | None = None) -> dict[str, Invoice]:
+    """Draft invoices computed from the ledger now: of one tenant (always returned), or of every tenant billed in `period`."""
+    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour)
+    tallies = usage_tallies(session, period, prices, tenant_id)
+    frozen = session.scalar(select(BillingPeriod.spread_frozen_at).where(BillingPeriod.period == period)) is not None
+    if frozen:
+        shares = frozen_spread(session, period, tenant_id)
+    elif tenant_id is not None:
+        used = sorted({key.adapter for key in tallies.get(tenant_id, {}) if key.adapter != BASE_MODEL})
+        shares = [s for s in live_spread(session, period, prices, used) if s.tenant_id == tenant_id]
+    else:
+        shares = live_spread(session, period, prices)
+    add_cold_start(tallies, shares)
+    if tenant_id is not None:
+        tallies.setdefault(tenant_id, {})
+    tiers = tenant_tiers(session, set(tallies))
+    return {tenant: assemble(tenant, period, tiers[tenant], config.currency, lines) for tenant, lines in tallies.items()}
 
 
-def _tenant_tallies(session: Session, tenant_id: str, period: str) -> dict[str, _Tally]:
-    statement = (
-        select(
-            Usage.adapter,
-            func.count().label("requests"),
-            func.sum(case((Usage.status == "failed", 1), else_=0)).label("failed"),
-            func.sum(Usage.input_tokens).label("input_tokens"),
-            func.sum(Usage.output_tokens).label("output_tokens"),
-            func.sum(Usage.cached_tokens).label("cached_tokens"),
-            func.sum(Usage.base_us).label("base_us"),
-            func.sum(Usage.routing_us + Usage.lora_us).label("routing_us"),
-            func.sum(Usage.kv_saved_us).label("kv_saved_us"),
-        )
-        .where(Usage.tenant_id == tenant_id, Usage.period == period)
-        .group_by(Usage.adapter)
-    )
-    tallies = {}
-    for row in session.execute(statement):
-        sums = dict(row._mapping)
-        adapter = sums.pop("adapter")
-        # PostgreSQL's SUM(bigint) is numeric, read back as an integral Decimal: int() is exact.
-        tallies[adapter or BASE_MODEL] = _Tally(**{key: int(value) for key, value in sums.items()})
-    return tallies
+_LINE_INTS = ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens")
 
 
-def _cold_start_us(session: Session, tenant_id: str, period: str, adapters: list[str]) -> dict[str, int]:
-    """This tenant's share, in us, of the load time of each of `adapters` in `period`.
+def _stored_amounts(row: ClosedInvoice | ClosedInvoiceLine) -> dict[str, object]:
+    tally = Tally(**{name: getattr(row, name) for name in (*_LINE_INTS, "base_us", "routing_us", "kv_saved_us", "cold_start_us")}, revenue=row.revenue)
+    return _amounts(tally, row.cost)
 
-    Loads are grouped by (adapter, content hash); a request shares in a group's load time when it used
-    that name@version and, if its row records a hash, the same content. Two tenants' private adapters
-    that share a name@version but not content so never pay for each other's loads.
-    """
-    if not adapters:
+
+def read_closed(session: Session, period: str, tenant_id: str | None = None) -> dict[str, Invoice]:
+    """The closed invoices of `period` (of one tenant, or all), exactly as they were frozen."""
+    statement = select(ClosedInvoice).where(ClosedInvoice.period == period).order_by(ClosedInvoice.tenant_id)
+    if tenant_id is not None:
+        statement = statement.where(ClosedInvoice.tenant_id == tenant_id)
+    invoices = list(session.scalars(statement))
+    if not invoices:
         return {}
-    loads = session.execute(
-        select(AdapterLoad.adapter, AdapterLoad.adapter_sha256, func.sum(AdapterLoad.load_us))
-        .where(AdapterLoad.period == period, AdapterLoad.adapter.in_(adapters))
-        .group_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256)
-    ).all()
-    if not loads:
-        return {}
-    users = session.execute(
-        select(
-            Usage.adapter,
-            Usage.adapter_sha256,
-            Usage.tenant_id,
-            func.sum(Usage.input_tokens + Usage.output_tokens),
-            func.count(),
+    lines = session.scalars(
+        select(ClosedInvoiceLine).where(ClosedInvoiceLine.invoice_id.in_([i.id for i in invoices])).order_by(ClosedInvoiceLine.invoice_id, ClosedInvoiceLine.position)
+    )
+    by_invoice: dict[int, list[InvoiceLine]] = {i.id: [] for i in invoices}
+    for line in lines:
+        by_invoice[line.invoice_id].append(
+            InvoiceLine(adapter=line.adapter, adjustment_for=line.adjustment_for, gpu_price_per_hour=line.gpu_price_per_hour, **_stored_amounts(line))
         )
-        .where(Usage.period == period, Usage.adapter.in_(sorted({adapter for adapter, _, _ in loads})))
-        .group_by(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id)
-    ).all()
-    shares: dict[str, int] = defaultdict(int)
-    for adapter, sha256, load_us in loads:
-        tokens: dict[str, int] = defaultdict(int)
-        requests: dict[str, int] = defaultdict(int)
-        for used, used_sha256, tenant, n_tokens, n_requests in users:
-            if used == adapter and used_sha256 in (None, sha256):
-                tokens[tenant] += int(n_tokens)
-                requests[tenant] += n_requests
-        if not requests:
-            continue  # loaded but never used in the period: no request to carry it
-        # Requests that produced no token at all (e.g. all failed early) share the load time equally.
-        weights = tokens if sum(tokens.values()) > 0 else requests
-        shares[adapter] += apportion(int(load_us), weights).get(tenant_id, 0)
-    return shares
-
-
-# ---- renderings -------------------------------------------------------------------------------------
-
-_AMOUNT_KEYS = tuple(f.name for f in fields(InvoiceAmounts))
-
-
-def _decimal_text(value: Decimal) -> str:
-    """Fixed-point text of a Decimal ("0.000000000", never "0E-9" or "-0.000")."""
-    return format(value if value else abs(value), "f")
-
-
-def _amounts(amounts: InvoiceAmounts) -> dict[str, int | str]:
-    values = {key: getattr(amounts, key) for key in _AMOUNT_KEYS}
-    return {key: _decimal_text(v) if isinstance(v, Decimal) else v for key, v in values.items()}
-
-
-def render_json(invoice: Invoice) -> str:
-    """The invoice as JSON: tenant, period, status, currency, lines and totals; decimals as strings."""
-    document = {
-        "tenant": invoice.tenant,
-        "period": invoice.period,
-        "status": invoice.status,
-        "currency": invoice.currency,
-        "lines": [{"adapter": line.adapter, **_amounts(line)} for line in invoice.lines],
-        "totals": _amounts(invoice.totals),
+    return {
+        i.tenant_id: Invoice(
+            tenant=i.tenant_id, period=i.period, status="closed", currency=i.currency, tier=i.tier, lines=tuple(by_invoice[i.id]),
+            totals=InvoiceAmounts(**_stored_amounts(i)), unpriced_requests=i.unpriced_requests, closed_at=i.closed_at,
+        )
+        for i in invoices
     }
-    return json.dumps(document, indent=2)
 
 
-def render_csv(invoice: Invoice) -> str:
-    """One row per line and a final TOTAL row, each with the tenant, period and currency (RFC 4180)."""
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(("tenant", "period", "status", "currency", "adapter", *_AMOUNT_KEYS))
-    head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
-    for line in invoice.lines:
-        writer.writerow((*head, line.adapter, *_amounts(line).values()))
-    writer.writerow((*head, "TOTAL", *_amounts(invoice.totals).values()))
-    return out.getvalue()
-
-
-def render_table(invoice: Invoice) -> str:
-    """The invoice as an aligned text table: adapters left-aligned, numbers right-aligned, totals last."""
-    header = ("adapter", *_AMOUNT_KEYS)
-    body = [(line.adapter, *map(str, _amounts(line).values())) for line in invoice.lines]
-    total = ("total", *map(str, _amounts(invoice.totals).values()))
-    widths = [max(len(row[i]) for row in (header, *body, total)) for i in range(len(header))]
-
-    def row_text(row: tuple[str, ...]) -> str:
-        return "  ".join([row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:]))])
-
-    rule = "  ".join("-" * w for w in widths)
-    title = (
-        f"Invoice {invoice.tenant} {invoice.period} ({invoice.status}), {invoice.currency} "
-        f"at {_decimal_text(invoice.price_per_hour)} per GPU hour"
-    )
-    return "\n".join([title, row_text(header), rule, *map(row_text, body), rule, row_text(total)]) + "\n"
+def period_invoices(db: Session | Engine, period: str, config: LedgerConfig) -> list[Invoice]:
+    """Every invoice of `period`, by tenant: the closed ones as frozen, the others as drafts now."""
+    check_period(period)
+    session = _snapshot(db)
+    try:
+        invoices = read_closed(session, period)
+        period_closed = session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period)) is not None
+        if not period_closed:
+            for tenant, draft in draft_invoices(session, period, config).items():
+                invoices.setdefault(tenant, draft)
+        return [invoices[tenant] for tenant in sorted(invoices)]
+    finally:
+        if session is not db:
+            session.close()

@@ -3,6 +3,11 @@
 Workers consume Kafka at least once, so the same request can arrive twice, in one flush or in two,
 from one worker or from two racing over a rebalanced partition. Every write is an
 INSERT ... ON CONFLICT (tenant_id, request_id) DO NOTHING: the first row stays, later copies add nothing.
+Adapter loads (key: worker, adapter, time) and GPU busy records (key: worker, start) are written the
+same way, so a retried flush adds nothing either.
+
+Each write files its rows into the invoice that bills them (billing/filing.py): a row that arrives
+after its tenant's invoice of its month was closed is billed on the next open period instead.
 """
 
 from __future__ import annotations
@@ -11,23 +16,21 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
-from sqlalchemy import BigInteger, Engine, Integer, String, Table, func, insert, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import BigInteger, Engine, Integer, String, Table, func, select
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
-from billing.db import current_revision, head_revision, session_factory
+from billing.db import current_revision, dialect_insert, head_revision, session_factory
 from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
-from billing.models import AdapterLoad, Usage
+from billing.filing import file_loads, file_usage
+from billing.models import AdapterLoad, Busy, Usage
 from billing.periods import period_of
-from billing.records import AdapterLoadRecord, UsageRecord
-
-# Chosen once per engine: both dialects spell the upsert the same way but through their own insert().
-_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+from billing.prices import PriceBook, gpu_price_list
+from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 
 _STATUSES = ("succeeded", "failed")
 _ADAPTER = re.compile(r"[^@\s]+@\d+")  # "name@version"
@@ -39,18 +42,18 @@ class Ledger:
     """Writes usage and adapter-load records to the ledger database and reads single rows back."""
 
     def __init__(self, engine: Engine, config: LedgerConfig):
-        assert engine.dialect.name in _DIALECT_INSERT, f"no ledger support for dialect {engine.dialect.name!r}"
         self._engine = engine
         self._config = config
         self._sessions = session_factory(engine)
-        self._insert = _DIALECT_INSERT[engine.dialect.name]
+        self._insert = dialect_insert(engine.dialect.name)
 
     def record_usage(self, records: Sequence[UsageRecord]) -> int:
-        """Write `records` in one statement batch; return how many rows are new.
+        """Write `records` in one transaction of multi-row INSERTs; return how many rows are new.
 
         A record whose (tenant_id, request_id) is already in the ledger, or earlier in `records`, adds
         no row. Every record is checked before anything is written, so a bad one fails the whole batch
-        with LedgerRecordError and leaves the ledger untouched.
+        with LedgerRecordError and leaves the ledger untouched. Each row's `cost` is its net GPU time at
+        the GPU price in effect at its created_at (informational: invoices price the sums).
         """
         # Sorted by the unique key, two workers writing overlapping batches take row locks in the same
         # order, so PostgreSQL makes one wait for the other instead of failing one as a deadlock (two
@@ -58,22 +61,51 @@ class Ledger:
         rows = sorted((self._usage_row(r) for r in records), key=lambda row: (row["tenant_id"], row["request_id"]))
         if not rows:
             return 0
+        table = Usage.__table__
         statement = (
-            self._insert(Usage)
-            .on_conflict_do_nothing(index_elements=[Usage.tenant_id, Usage.request_id])
-            .returning(Usage.id)  # only rows actually inserted come back
+            self._insert(table)
+            .on_conflict_do_nothing(index_elements=[table.c.tenant_id, table.c.request_id])
+            .returning(table.c.id)  # only rows actually inserted come back
         )
         with self._database_errors(), self._sessions.begin() as session:
+            filed = file_usage(session, {(row["tenant_id"], row["period"]) for row in rows})
+            prices = PriceBook(gpu_price_list(session, self._config.gpu_kind), (), self._config.gpu_price_per_hour)
+            for row in rows:
+                row["invoice_period"] = filed[(row["tenant_id"], row["period"])]
+                net_us = row["base_us"] + row["lora_us"] + row["routing_us"] - row["kv_saved_us"]
+                row["cost"] = gpu_cost(net_us, prices.gpu_price_at(row["created_at"]))
             return len(session.execute(statement, rows).all())
 
     def record_adapter_loads(self, records: Sequence[AdapterLoadRecord]) -> int:
-        """Write one row per adapter load; return how many were written."""
+        """Write one row per adapter load; return how many are new (a load written twice counts once)."""
         rows = [self._load_row(r) for r in records]
         if not rows:
             return 0
+        table = AdapterLoad.__table__
+        statement = (
+            self._insert(table)
+            .on_conflict_do_nothing(index_elements=[table.c.worker_id, table.c.adapter, table.c.created_at])
+            .returning(table.c.id)
+        )
         with self._database_errors(), self._sessions.begin() as session:
-            session.execute(insert(AdapterLoad), rows)
-        return len(rows)
+            filed = file_loads(session, {row["period"] for row in rows})
+            for row in rows:
+                row["invoice_period"] = filed[row["period"]]
+            return len(session.execute(statement, rows).all())
+
+    def record_busy(self, records: Sequence[BusyRecord]) -> int:
+        """Write GPU busy records; return how many are new (key: worker_id, started_at)."""
+        rows = sorted((self._busy_row(r) for r in records), key=lambda row: (row["worker_id"], row["started_at"]))
+        if not rows:
+            return 0
+        table = Busy.__table__
+        statement = (
+            self._insert(table)
+            .on_conflict_do_nothing(index_elements=[table.c.worker_id, table.c.started_at])
+            .returning(table.c.id)
+        )
+        with self._database_errors(), self._sessions.begin() as session:
+            return len(session.execute(statement, rows).all())
 
     def usage_for(self, tenant_id: str, request_id: str) -> Usage | None:
         """The ledger row of one request, or None when it was never recorded."""
@@ -99,8 +131,6 @@ class Ledger:
             _reject(what, "adapter", record.adapter, "write the resolved adapter as name@version, or None for the base model")
         if record.adapter_sha256 is not None and not _SHA256.fullmatch(record.adapter_sha256):
             _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
-        net_us = record.base_us + record.lora_us + record.routing_us - record.kv_saved_us
-        row["cost"] = gpu_cost(net_us, self._config.gpu_price_per_hour)
         row["period"] = period_of(record.created_at)
         return row
 
@@ -113,6 +143,24 @@ class Ledger:
         if not _SHA256.fullmatch(record.adapter_sha256):
             _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
         row["period"] = period_of(record.created_at)
+        return row
+
+    def _busy_row(self, record: BusyRecord) -> dict[str, Any]:
+        row = {f.name: getattr(record, f.name) for f in fields(record)}
+        what = f"busy record worker_id={record.worker_id!r} started_at={record.started_at!r}"
+        _check_row(Busy.__table__, row, what)
+        for key in ("worker_id", "gpu_kind"):
+            if not row[key]:
+                _reject(what, key, row[key], "pass a non-empty name")
+        span_us = (record.ended_at - record.started_at) // timedelta(microseconds=1)
+        if span_us < 0:
+            _reject(what, "ended_at", record.ended_at, "pass an ended_at at or after started_at")
+        # Step times are rounded to whole microseconds one by one, so their sum may pass the wall span
+        # by up to one microsecond per step; more than that is a clock or accounting error.
+        if record.busy_us > span_us + record.steps:
+            _reject(what, "busy_us", record.busy_us, f"the GPU cannot be busy longer than the record's wall span of {span_us} us; "
+                    "stamp started_at before the first step and ended_at after the last")
+        row["period"] = period_of(record.started_at)
         return row
 
     @contextmanager
@@ -145,9 +193,9 @@ def _check_row(table: Table, row: Mapping[str, Any], what: str) -> None:
         if column.name not in row:
             continue
         value = row[column.name]
-        if column.name == "created_at":
+        if column.name in ("created_at", "started_at", "ended_at"):
             if not isinstance(value, datetime) or value.utcoffset() is None:
-                _reject(what, "created_at", value, "pass a timezone-aware datetime, e.g. datetime.now(timezone.utc)")
+                _reject(what, column.name, value, "pass a timezone-aware datetime, e.g. datetime.now(timezone.utc)")
         elif isinstance(column.type, Integer):
             limit = _INT_MAX[BigInteger if isinstance(column.type, BigInteger) else Integer]
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from billing.types import UTCDateTime
+from billing.types import Money, UTCDateTime
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -95,8 +95,9 @@ class Usage(Base):
     __table_args__ = (
         UniqueConstraint("tenant_id", "request_id"),  # idempotency: redeliveries add no row
         CheckConstraint("status IN ('succeeded', 'failed')", name="status"),
-        Index(None, "tenant_id", "period"),  # a tenant's invoice
-        Index(None, "period", "adapter"),  # an adapter's requests of a period, for the cold-start spread
+        Index(None, "tenant_id", "invoice_period"),  # a tenant's invoice
+        Index(None, "invoice_period", "adapter"),  # an adapter's requests on a period's invoices: the cold-start spread
+        Index(None, "period", "adapter"),  # an adapter's requests of a month: the SRE report, conservation
     )
 
     id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
@@ -121,6 +122,9 @@ class Usage(Base):
     total_us: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[Decimal] = mapped_column(_MONEY)  # (base + lora + routing - kv_saved) at the price of the day
     period: Mapped[str] = mapped_column(CHAR(7))  # "YYYY-MM", the UTC month of created_at
+    # The period whose invoice bills the row: its own period, or, for a row that arrived after its
+    # tenant's invoice of that period was closed, the next period still open (an adjustment line there).
+    invoice_period: Mapped[str] = mapped_column(CHAR(7))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     worker_id: Mapped[str] = mapped_column(String(128))
 
@@ -129,7 +133,11 @@ class AdapterLoad(Base):
     """One adapter load (a cold start), spread over the adapter's requests of its period."""
 
     __tablename__ = "adapter_loads"
-    __table_args__ = (Index(None, "period", "adapter"),)
+    __table_args__ = (
+        UniqueConstraint("worker_id", "adapter", "created_at"),  # a retried write adds no second load
+        Index(None, "period", "adapter"),
+        Index(None, "invoice_period", "adapter"),
+    )
 
     id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
     adapter: Mapped[str] = mapped_column(String(200))  # "name@version"
@@ -141,3 +149,132 @@ class AdapterLoad(Base):
     worker_id: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     period: Mapped[str] = mapped_column(CHAR(7))
+    # Its own period, or the next one whose cold-start spread is not frozen yet, when it arrived after
+    # its own period's spread was (a load is billed once, in exactly one period's spread).
+    invoice_period: Mapped[str] = mapped_column(CHAR(7))
+
+
+class Busy(Base):
+    """GPU busy time of one worker over one engine batch or flush interval: the sum of its measured steps."""
+
+    __tablename__ = "gpu_busy"
+    __table_args__ = (
+        UniqueConstraint("worker_id", "started_at"),  # idempotency: a retried flush adds no second record
+        Index(None, "period", "worker_id"),
+    )
+
+    id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
+    worker_id: Mapped[str] = mapped_column(String(128))
+    gpu_kind: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    busy_us: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(Integer)
+    period: Mapped[str] = mapped_column(CHAR(7))  # the UTC month of started_at
+
+
+class GpuPrice(Base):
+    """The cost side: what one hour of a GPU kind costs, from a UTC day on until the next entry."""
+
+    __tablename__ = "gpu_prices"
+    __table_args__ = (UniqueConstraint("gpu_kind", "effective_from"), CheckConstraint("price_per_hour >= 0", name="price_not_negative"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu_kind: Mapped[str] = mapped_column(String(64))
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime)  # midnight UTC of the first day it applies
+    price_per_hour: Mapped[Decimal] = mapped_column(Money)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
+
+
+class TokenPrice(Base):
+    """The revenue side: what a tenant tier pays per million input and per million output tokens."""
+
+    __tablename__ = "token_prices"
+    __table_args__ = (UniqueConstraint("tier", "effective_from"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime)
+    input_per_million: Mapped[Decimal] = mapped_column(Money)
+    output_per_million: Mapped[Decimal] = mapped_column(Money)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
+
+
+class BillingPeriod(Base):
+    """A billing period's state, and the row that writers and closers lock to agree on it.
+
+    Writers hold it FOR SHARE while they file rows into the period; closing takes it FOR UPDATE, so a
+    close waits for writes in flight and later writes see the period (or the tenant's invoice) closed.
+    """
+
+    __tablename__ = "billing_periods"
+
+    period: Mapped[str] = mapped_column(CHAR(7), primary_key=True)
+    spread_frozen_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # cold-start spread computed and stored
+    closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # every tenant's invoice closed
+
+
+class ColdStartShare(Base):
+    """A tenant's frozen share, in us, of an adapter's load time billed to a period (at the load's GPU price)."""
+
+    __tablename__ = "cold_start_shares"
+    __table_args__ = (Index(None, "period", "tenant_id"),)
+
+    id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
+    period: Mapped[str] = mapped_column(CHAR(7))
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    adapter: Mapped[str] = mapped_column(String(200))
+    adapter_sha256: Mapped[str] = mapped_column(CHAR(64))
+    gpu_price_per_hour: Mapped[Decimal] = mapped_column(Money)
+    share_us: Mapped[int] = mapped_column(BigInteger)
+
+
+class ClosedInvoice(Base):
+    """A closed (frozen) invoice: its totals as they were at close. Drafts are computed, never stored."""
+
+    __tablename__ = "invoices"
+    __table_args__ = (UniqueConstraint("tenant_id", "period"), Index(None, "period"))
+
+    id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    period: Mapped[str] = mapped_column(CHAR(7))
+    tier: Mapped[str | None] = mapped_column(String(32))  # the tenant's tier at close; None: not registered
+    currency: Mapped[str] = mapped_column(CHAR(3))
+    closed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    failed: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    base_us: Mapped[int] = mapped_column(BigInteger)
+    routing_us: Mapped[int] = mapped_column(BigInteger)
+    kv_saved_us: Mapped[int] = mapped_column(BigInteger)
+    cold_start_us: Mapped[int] = mapped_column(BigInteger)
+    unpriced_requests: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[Decimal] = mapped_column(Money)
+    revenue: Mapped[Decimal] = mapped_column(Money)
+
+
+class ClosedInvoiceLine(Base):
+    """One frozen line of a closed invoice, in the order it is rendered."""
+
+    __tablename__ = "invoice_lines"
+    __table_args__ = (UniqueConstraint("invoice_id", "position"),)
+
+    id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
+    invoice_id: Mapped[int] = mapped_column(ForeignKey("invoices.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    adapter: Mapped[str] = mapped_column(String(200))  # "name@version" or "base"
+    adjustment_for: Mapped[str | None] = mapped_column(CHAR(7))  # the period of late usage billed here
+    gpu_price_per_hour: Mapped[Decimal] = mapped_column(Money)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    failed: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    base_us: Mapped[int] = mapped_column(BigInteger)
+    routing_us: Mapped[int] = mapped_column(BigInteger)
+    kv_saved_us: Mapped[int] = mapped_column(BigInteger)
+    cold_start_us: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[Decimal] = mapped_column(Money)
+    revenue: Mapped[Decimal] = mapped_column(Money)

@@ -24,3 +24,20 @@ def check_period(period: str) -> str:
             f"a four-digit year and a zero-padded month 01-12, e.g. '2026-01'"
         )
     return period
+
+
+def period_start(period: str) -> datetime:
+    """The first instant of `period`: midnight UTC of its first day."""
+    year, month = map(int, check_period(period).split("-"))
+    return datetime(year, month, 1, tzinfo=timezone.utc)
+
+
+def next_period(period: str) -> str:
+    """The month after `period` ("2026-12" -> "2027-01")."""
+    year, month = map(int, check_period(period).split("-"))
+    return f"{year + month // 12:04d}-{month % 12 + 1:02d}"
+
+
+def period_end(period: str) -> datetime:
+    """The first instant after `period`: midnight UTC of the next month's first day."""
+    return period_start(next_period(period))

@@ -44,3 +44,20 @@ class AdapterLoadRecord:
     load_us: int
     worker_id: str
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class BusyRecord:
+    """GPU busy time of one worker over one engine batch (or one flush interval).
+
+    busy_us is the sum of the measured times of the `steps` engine steps run between started_at and
+    ended_at: exactly what the engine split over those steps' requests as base_us + lora_us, so the
+    ledger can check per-period conservation, and ended_at - started_at - busy_us is the GPU's idle time.
+    """
+
+    worker_id: str
+    gpu_kind: str  # price-list key of the GPU, e.g. "h100-80g" (LedgerConfig.gpu_kind of the worker)
+    started_at: datetime  # timezone-aware; with worker_id, the record's idempotency key
+    ended_at: datetime  # timezone-aware, not before started_at
+    busy_us: int  # sum of the steps' measured device time, integer microseconds
+    steps: int  # engine steps measured

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
 
-from sqlalchemy import DateTime
+from sqlalchemy import DateTime, Numeric, String
 from sqlalchemy.engine import Dialect
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+_NINE_PLACES = Decimal("0.000000001")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -33,3 +37,34 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
         return value.astimezone(timezone.utc)
+
+
+class Money(TypeDecorator[Decimal]):
+    """An exact amount of money, nine places: `numeric(18, 9)` on PostgreSQL, fixed-point text on SQLite.
+
+    SQLite has no decimal type; a NUMERIC column there keeps a double, exact to only ~15 significant
+    digits, and a frozen invoice total of 1_234_567.123456789 would read back changed. Text keeps every
+    digit. Money is never summed in SQL (sums are taken from integer microseconds and token counts), so
+    the text form costs nothing.
+    """
+
+    impl = Numeric(18, 9)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(String(40))
+        return dialect.type_descriptor(Numeric(18, 9))
+
+    def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> Decimal | str | None:
+        if value is None:
+            return None
+        assert isinstance(value, Decimal), f"money must be a Decimal, got {value!r}"
+        exact = value.quantize(_NINE_PLACES)
+        assert exact == value, f"{value} has more than nine decimal places; round it with billing.cost first"
+        return format(exact, "f") if dialect.name == "sqlite" else exact
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Decimal | None:
+        if value is None:
+            return None
+        return Decimal(value).quantize(_NINE_PLACES)

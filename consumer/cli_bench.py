@@ -1,8 +1,68 @@
-"""`lorabatch bench ...`: benchmarks are commands that print figures (tests never time things)."""
+"""`lorabatch bench ...`: benchmarks are commands that print figures (tests never time things).
+
+Each prints a short table, then one JSON line with the figures, so runs can be compared by machine.
+The work lives beside what it measures (`engine.bench`, `kernels.bench`, `billing.bench`,
+`consumer.bench_pipeline`); these are only the command lines.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
 
 import typer
 
 bench_app = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights built on the device)")] = "tiny",
+    adapters: Annotated[int, typer.Option(help="distinct adapters in the mixed batch")] = 8,
+    rank: Annotated[int, typer.Option(help="adapter rank")] = 16,
+    batch: Annotated[int, typer.Option(help="requests in the batch")] = 8,
+    prompt: Annotated[int, typer.Option(help="prompt tokens per request")] = 32,
+    new: Annotated[int, typer.Option(help="new tokens per request (EOS ignored)")] = 16,
+    mixed_ranks: Annotated[Optional[str], typer.Option(help="comma-separated ranks, e.g. 8,16,32,64, cycled over the adapters")] = None,
+    peer: Annotated[bool, typer.Option("--peer", help="also run HF transformers + peft on the same model and batch")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """Decode and prefill speed of the engine, base-only and mixed-adapter, against the peer and the roofline."""
+    from engine.bench import bench_engine as run
+
+    run(shape=shape, adapters=adapters, rank=rank, batch=batch, prompt=prompt, new=new, mixed_ranks=mixed_ranks,
+        peer=peer, device=device, json_only=json_out)
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """The Triton kernels against their torch references and the memory roofline."""
+    from kernels.bench import bench_kernels as run
+
+    run(json_only=json_out)
+
+
+@bench_app.command("ledger")
+def bench_ledger(
+    db: Annotated[str, typer.Option("--db", help="SQLAlchemy URL of a database the bench may fill")],
+    rows: Annotated[int, typer.Option(help="usage rows to insert")] = 1_000_000,
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """Ledger insert rate, one tenant's invoice time, and the month's close time."""
+    from billing.bench import bench_ledger as run
+
+    run(url=db, rows=rows, json_only=json_out)
+
+
+@bench_app.command("pipeline")
+def bench_pipeline(
+    jobs: Annotated[int, typer.Option(help="jobs to run through both paths")] = 400,
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis for the routing caches (default: in-process LRU)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """The same jobs through broker and worker against the engine alone: the pipeline's cost, routing p99."""
+    from consumer.bench_pipeline import bench_pipeline as run
+
+    run(jobs=jobs, redis_url=redis_url, json_only=json_out)

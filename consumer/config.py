@@ -69,6 +69,24 @@ class WorkerConfig(_Section):
     commit_interval_ms: int = Field(200, ge=0, description="how often finished offsets are committed")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 disables the server")
     registry_refresh_s: float = Field(5.0, gt=0, description="how often the adapter registry is re-read")
+    max_queued_tokens: int = Field(1_000_000, ge=1, description="partitions pause while more tokens than this wait")
+    affinity_slack_tokens: float = Field(512.0, ge=0, description="fairness slack within which a batch prefers resident adapters")
+    max_defer_ms: float = Field(250.0, ge=0, description="longest a job is passed over for adapter affinity")
+    static_membership: bool = Field(True, description="join with group.instance.id = worker_id, so restarts cause no rebalance")
+    revoke_deadline_s: float = Field(10.0, gt=0, description="revoked partitions' running work may finish this long")
+
+
+class RoutingConfig(_Section):
+    cache: Literal["lru", "redis"] = Field("lru", description="where the L1 user / L2 session maps live")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when cache = \"redis\"")
+    cache_entries: int = Field(100_000, ge=1, description="bound per tenant and level (Redis) or in all (LRU)")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="a user's or session's adapter is forgotten after this")
+    redis_timeout_ms: float = Field(50.0, gt=0, description="a Redis call slower than this counts as Redis down")
+    redis_backoff_s: float = Field(1.0, gt=0, description="after a Redis error, route without it for this long")
+    breaker_failure_rate: float = Field(0.5, gt=0, le=1, description="an adapter's circuit opens at this failure rate")
+    breaker_min_requests: int = Field(5, ge=1, description="... over at least this many requests in the window")
+    breaker_window_s: float = Field(60.0, gt=0)
+    breaker_cooldown_s: float = Field(15.0, gt=0, description="open this long before a half-open probe")
 
 
 class StoreConfig(_Section):
@@ -79,12 +97,18 @@ class Settings(_Section):
     kafka: KafkaConfig = KafkaConfig()
     broker: BrokerConfig = BrokerConfig()
     worker: WorkerConfig = WorkerConfig()
+    routing: RoutingConfig = RoutingConfig()
     store: StoreConfig = StoreConfig()
     engine: EngineConfig = EngineConfig()
     ledger: LedgerConfig = LedgerConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
+        if self.worker.max_adapters_per_batch > self.engine.max_loras:
+            raise ValueError(
+                f"worker.max_adapters_per_batch={self.worker.max_adapters_per_batch} exceeds engine.max_loras="
+                f"{self.engine.max_loras}: a batch could not fit its adapters; lower the first or raise the second"
+            )
         if self.worker.max_batch_size > self.engine.max_batch_size:
             raise ValueError(
                 f"worker.max_batch_size={self.worker.max_batch_size} exceeds engine.max_batch_size="

@@ -203,14 +203,15 @@ def run_demo(home: Path, n_jobs: int, port: int | None, console: Console) -> int
 
 
 def print_invoices(settings: Settings, console: Console) -> None:
-    from billing.invoice import build_invoice, render_table
+    from billing.invoice import build_invoice
+    from billing.invoice_render import render_table
     from consumer.services import open_services
 
     svc = open_services(settings)
     period = datetime.now(UTC).strftime("%Y-%m")
     try:
         for tenant in TENANTS:
-            inv = build_invoice(svc.db, tenant, period, settings.ledger.gpu_price_per_hour, currency=settings.ledger.currency)
+            inv = build_invoice(svc.db, tenant, period, settings.ledger)
             print(f"\n{render_table(inv)}", flush=True)  # plain stdout: a console would wrap the wide table
     finally:
         svc.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.models import Adapter, Tenant
+from consumer.rules import RouteRule
 from engine.store import AdapterStore
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -35,6 +36,8 @@ class TenantView:
     display_name: str
     tier: str
     weight: int
+    requests_per_minute: int = 0  # 0: unlimited
+    tokens_per_minute: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class AdapterView:
     nbytes: int
     is_public: bool
     is_default: bool
+    traffic_weight: int = 100  # share of an unversioned name's traffic (canary); 0: only by explicit version
 
     @property
     def ref(self) -> str:
@@ -74,6 +78,7 @@ class RegistrySnapshot:
     tenants: dict[str, TenantView]
     adapters: dict[tuple[str, str], tuple[AdapterView, ...]]  # (owner, name) -> versions, ascending
     defaults: dict[str, AdapterView]
+    rules: tuple[RouteRule, ...] = ()
 
     def versions(self, tenant_id: str, name: str) -> tuple[AdapterView, ...]:
         """The tenant's own adapter of that name, else a public one of another tenant."""
@@ -171,4 +176,6 @@ class Registry:
             for v in versions:
                 if v.is_default:
                     defaults[v.tenant_id] = v
+        for key, versions in adapters.items():  # until weights are stored: the newest version takes all traffic
+            adapters[key] = [replace(v, traffic_weight=100 if v is versions[-1] else 0) for v in versions]
         return RegistrySnapshot(tenants, {k: tuple(v) for k, v in adapters.items()}, defaults)

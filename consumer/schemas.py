@@ -46,6 +46,7 @@ class Job(BaseModel):
     stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
     priority: int = Field(0, ge=-100, le=100)
     allow_base_fallback: bool = False
+    on_quota: Literal["wait", "fail"] = Field("wait", description="over the tenant's rate limit: wait, or fail with quota_exceeded")
     logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")

@@ -1,10 +1,10 @@
 """The worker: Kafka jobs in, engine batches, results and ledger rows out, offsets committed last.
 
 Four tasks share one event loop:
-- fetch: `getmany`, parse, route, and put each job in its adapter's bucket (or answer it at once
-  when it cannot run: a DLQ record or a failed result);
-- dispatch: cut batches from closed buckets and run them on the engine in its own thread, so the
-  loop (and aiokafka's heartbeats) never waits on the GPU;
+- fetch: `getmany`, parse, route the whole fetched batch (one cache round trip), and queue each job in
+  the fair scheduler (or answer it at once when it cannot run: a DLQ record or a failed result);
+- dispatch: take batches from the scheduler in fair order and run them on the engine in its own
+  thread, so the loop (and aiokafka's heartbeats) never waits on the GPU;
 - deliver: publish results and DLQ records, write ledger rows, then mark the offsets done;
 - commit: commit, per partition, the highest contiguous done offset + 1.
 A crash anywhere before the commit means redelivery; the ledger's (tenant, request_id) key keeps a
@@ -20,78 +20,62 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from billing.errors import LedgerError
-from billing.records import AdapterLoadRecord, UsageRecord
-from consumer.buckets import AdapterBuckets, Pending
+from consumer.breaker import BreakerBoard
 from consumer.config import Settings
+from consumer.delivery import Deliverer, Outcome
+from consumer.executor import BatchExecutor, Routed
 from consumer.kafka import make_consumer, make_producer
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
-from consumer.outcomes import Served, failed_before_engine, succeeded_or_failed, to_request
+from consumer.outcomes import failed_before_engine
 from consumer.registry import Registry, RegistrySnapshot
-from consumer.routing import Route, RouteError, route
-from consumer.schemas import DlqRecord, ErrorInfo, Job, Rejection, Result, parse_job
-from engine.api import AdapterError, EngineError, GenerationResult
+from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
+from consumer.routing import RouteError, Router
+from consumer.rules import RuleClassifier
+from consumer.scheduler import Pending, Scheduler, TenantPolicy
+from consumer.schemas import DlqRecord, ErrorInfo, Job, Rejection, parse_job
 
 log = logging.getLogger("lorabatch.worker")
 
 
-@dataclass
-class Outcome:
-    """What one message produced; delivered before its offset counts as done."""
-
-    tp: TopicPartition
-    offset: int
-    result: Result | None = None
-    usage: UsageRecord | None = None
-    dlq: DlqRecord | None = None
-    received_mono: float = 0.0
-
-
-@dataclass
-class Routed:
-    job: Job
-    route: Route
-    tp: TopicPartition
-    offset: int
-    received_at: datetime
-    received_mono_us: int
-
-
-@dataclass
-class BatchOutput:
-    outcomes: list[Outcome] = field(default_factory=list)
-    loads: list[AdapterLoadRecord] = field(default_factory=list)
+def make_route_cache(s: Settings) -> RouteCache:
+    r = s.routing
+    if r.cache == "redis":
+        return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, timeout_s=r.redis_timeout_ms / 1000,
+                               backoff_s=r.redis_backoff_s)
+    return LruRouteCache(r.cache_entries, r.cache_ttl_s)
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine, registry: Registry, ledger, *, metrics: WorkerMetrics | None = None):
+    def __init__(self, settings: Settings, engine, registry: Registry, ledger, *, metrics: WorkerMetrics | None = None,
+                 route_cache: RouteCache | None = None):
         self.s = settings
         self.engine = engine
         self.registry = registry
         self.ledger = ledger
         self.metrics = metrics or WorkerMetrics()
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        w = settings.worker
-        self.buckets = AdapterBuckets(w.max_batch_size, w.max_batch_tokens, w.max_wait_ms, w.max_adapters_per_batch)
+        w, r = settings.worker, settings.routing
+        self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
+                                   affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms)
+        self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
+        self.router = Router(route_cache or make_route_cache(settings), self.breakers)
         self.offsets = OffsetTracker()
-        self.outbox: list[Outcome] = []
-        self._outbox_event = asyncio.Event()
+        self.executor = BatchExecutor(engine, registry.store, self.worker_id)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._engine_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._snapshot: RegistrySnapshot = registry.snapshot()
-        self._snapshot_at = time.monotonic()
-        self._running_batch = 0
+        self._snapshot_at = 0.0
+        self._apply_snapshot(registry.snapshot())
+        self._running: list[Routed] = []
         self._paused = False
         self.consumer = None
-        self.producer = None
+        self.deliverer: Deliverer | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -102,10 +86,13 @@ class Worker:
 
     async def run(self) -> None:
         k = self.s.kafka
-        self.producer = make_producer(k, client_id=self.worker_id)
-        self.consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500)
+        producer = make_producer(k, client_id=self.worker_id)
+        static = {"group_instance_id": self.worker_id} if self.s.worker.static_membership and self.s.worker.worker_id else {}
+        self.consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
         self.consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
-        await self.producer.start()
+        self.deliverer = Deliverer(k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
+                                   lambda t: t in self._snapshot.tenants)
+        await producer.start()
         try:
             await self.consumer.start()
             try:
@@ -114,101 +101,120 @@ class Worker:
                 await self._commit()
                 await self.consumer.stop()
         finally:
-            await self.producer.stop()
+            await producer.stop()
             self._engine_pool.shutdown(wait=True)
+            close = getattr(self.router.cache, "close", None)
+            if close is not None:
+                await close()
 
     async def _run_tasks(self) -> None:
+        assert self.deliverer is not None
         fetch = asyncio.create_task(self._fetch_loop(), name="fetch")
         dispatch = asyncio.create_task(self._dispatch_loop(), name="dispatch")
-        deliver = asyncio.create_task(self._deliver_loop(), name="deliver")
+        deliver = asyncio.create_task(self.deliverer.run(), name="deliver")
         commit = asyncio.create_task(self._commit_loop(), name="commit")
         tasks = [fetch, dispatch, deliver, commit]
         try:
-            # The fetch loop ends on stop; the dispatcher then drains the buckets, the deliverer the outbox.
-            done, _ = await asyncio.wait([fetch, dispatch], return_when=asyncio.FIRST_EXCEPTION)
+            # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
+            done, _ = await asyncio.wait([fetch, dispatch, deliver], return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
                 t.result()
             await fetch
             await dispatch
-            self._outbox_event.set()
-            while self.outbox:
-                await asyncio.sleep(0.01)
-                if deliver.done():
-                    deliver.result()
+            await asyncio.wait_for(self.deliverer.drain(), timeout=60)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if self.outbox:  # a last attempt, so that what ran is published and billed
-                await self._deliver(self.outbox)
-                self.outbox.clear()
 
-    # ---------------------------------------------------------------- fetch
+    # ---------------------------------------------------------------- fetch, route, queue
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
             self._backpressure()
             batches = await self.consumer.getmany(timeout_ms=100, max_records=500)
-            for tp, messages in batches.items():
-                for m in messages:
-                    self._ingest(tp, m)
+            if batches:
+                await self._ingest([(tp, m) for tp, messages in batches.items() for m in messages])
             self._refresh_registry()
-            self.metrics.queue_depth.set(len(self.buckets))
-            self.metrics.in_flight.set(self.offsets.in_flight())
+            self._gauges()
 
     def _backpressure(self) -> None:
-        over = len(self.buckets) + self._running_batch >= self.s.worker.max_queued_jobs
+        w = self.s.worker
+        over = len(self.scheduler) + len(self._running) >= w.max_queued_jobs or self.scheduler.queued_tokens >= w.max_queued_tokens
         assigned = self.consumer.assignment()
         if over and not self._paused and assigned:
             self.consumer.pause(*assigned)
             self._paused = True
+            log.info("backpressure: %d jobs, %d tokens queued; partitions paused", len(self.scheduler), self.scheduler.queued_tokens)
         elif not over and self._paused:
             self.consumer.resume(*self.consumer.paused())
             self._paused = False
 
+    def _apply_snapshot(self, snapshot: RegistrySnapshot) -> None:
+        self._snapshot = snapshot
+        self._classifier = RuleClassifier(snapshot.rules)
+        for t in snapshot.tenants.values():
+            self.scheduler.set_policy(t.id, TenantPolicy(t.weight, t.requests_per_minute, t.tokens_per_minute))
+        self._snapshot_at = time.monotonic()
+
     def _refresh_registry(self) -> None:
         if time.monotonic() - self._snapshot_at >= self.s.worker.registry_refresh_s:
-            self._snapshot_at = time.monotonic()
             try:
-                self._snapshot = self.registry.snapshot()
+                self._apply_snapshot(self.registry.snapshot())
             except Exception:  # the database is away: keep routing on the last snapshot
+                self._snapshot_at = time.monotonic()
                 log.exception("registry refresh failed; routing on the previous snapshot")
 
-    def _ingest(self, tp: TopicPartition, m) -> None:
-        if not self.offsets.fetched(tp, m.offset):
-            return  # redelivered after we finished it: already published and billed
+    async def _ingest(self, messages: list) -> None:
         now = datetime.now(UTC)
-        if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
-            parsed: Job | Rejection = Rejection(
-                ErrorInfo(code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
-                          f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
-        else:
-            parsed = parse_job(m.value)
-        if isinstance(parsed, Rejection):
-            self._reject(tp, m, parsed, now)
+        jobs: list[tuple[TopicPartition, object, Job]] = []
+        for tp, m in messages:
+            if not self.offsets.fetched(tp, m.offset):
+                continue  # redelivered after we finished it: already published and billed
+            if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
+                parsed: Job | Rejection = Rejection(ErrorInfo(
+                    code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
+                    f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
+            else:
+                parsed = parse_job(m.value)
+            if isinstance(parsed, Rejection):
+                self._reject(tp, m, parsed, now)
+            else:
+                jobs.append((tp, m, parsed))
+        if not jobs:
             return
-        job = parsed
-        try:
-            r = route(self._snapshot, job)
-        except RouteError as e:
-            self.metrics.route_decisions.labels(e.info.code).inc()
-            known = job.tenant_id in self._snapshot.tenants
-            result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), e.info, now,
-                                                 self.worker_id, route_reason=e.info.code, bill=known)
-            self._emit(Outcome(tp, m.offset, result=result, usage=usage))
-            return
-        self.metrics.route_decisions.labels(r.reason).inc()
-        item = Routed(job, r, tp, m.offset, now, time.monotonic_ns() // 1000)
-        key = r.adapter.key if r.adapter else None
-        self.buckets.add(Pending(key, _estimate_tokens(job), time.monotonic(), item, partition=tp))
+        routes = await self.router.route_batch(self._snapshot, self._classifier, [j for _, _, j in jobs])
+        mono_us = time.monotonic_ns() // 1000
+        for (tp, m, job), route in zip(jobs, routes):
+            if isinstance(route, RouteError):
+                self._fail(tp, m.offset, job, route.info, now, route.info.code)
+                continue
+            self.metrics.route_decisions.labels(route.reason).inc()
+            tokens = _estimate_tokens(job)
+            if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
+                t = self._snapshot.tenants[job.tenant_id]
+                self._fail(tp, m.offset, job, ErrorInfo(
+                    code="quota_exceeded", retriable=True, message=f"tenant {job.tenant_id!r} is over its rate limit "
+                    f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
+                    f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label)
+                continue
+            item = Routed(job, route, tp, m.offset, now, mono_us)
+            self.scheduler.push(Pending(job.tenant_id, route.adapter.key if route.adapter else None, tokens,
+                                        time.monotonic(), item, partition=tp, priority=job.priority))
         self._work_event.set()
+
+    def _fail(self, tp: TopicPartition, offset: int, job: Job, error: ErrorInfo, now: datetime, reason: str) -> None:
+        if error.code not in ("quota_exceeded",):
+            self.metrics.route_decisions.labels(error.code).inc()
+        result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
+                                             route_reason=reason, bill=job.tenant_id in self._snapshot.tenants)
+        self.deliverer.emit(Outcome(tp, offset, result=result, usage=usage))
 
     def _reject(self, tp: TopicPartition, m, rej: Rejection, now: datetime) -> None:
         if rej.addressable:
-            known = rej.tenant_id in self._snapshot.tenants
             result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
-                                                 self.worker_id, bill=known)
-            self._emit(Outcome(tp, m.offset, result=result, usage=usage))
+                                                 self.worker_id, bill=rej.tenant_id in self._snapshot.tenants)
+            self.deliverer.emit(Outcome(tp, m.offset, result=result, usage=usage))
             return
         raw = m.value or b""
         record = DlqRecord(
@@ -219,175 +225,54 @@ class Worker:
         )
         self.metrics.dlq.labels(rej.error.code).inc()
         log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message)
-        self._emit(Outcome(tp, m.offset, dlq=record))
-
-    def _emit(self, outcome: Outcome) -> None:
-        self.outbox.append(outcome)
-        self._outbox_event.set()
+        self.deliverer.emit(Outcome(tp, m.offset, dlq=record))
 
     # ---------------------------------------------------------------- dispatch
 
     async def _dispatch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            stopping = self._stopping.is_set()
-            deadline = self.buckets.next_deadline(time.monotonic())
-            if deadline is None:
-                if stopping:
+            wait = self.scheduler.next_eligible_in()
+            if wait is None:
+                if self._stopping.is_set():
                     return
                 self._work_event.clear()
                 await self._work_event.wait()
                 continue
-            if deadline > 0 and not stopping:
+            batch = self.scheduler.pop_batch(resident=self._resident())
+            if not batch:  # everyone queued is waiting for quota
                 self._work_event.clear()
                 try:
-                    await asyncio.wait_for(self._work_event.wait(), timeout=deadline)
+                    await asyncio.wait_for(self._work_event.wait(), timeout=max(wait, 0.01))
                 except TimeoutError:
                     pass
                 continue
-            batch = self.buckets.take_batch(time.monotonic(), force=stopping)
-            if not batch:
-                continue
-            self._running_batch = len(batch)
+            self._running = [p.payload for p in batch]
             try:
-                out = await loop.run_in_executor(self._engine_pool, self._execute, [p.payload for p in batch])
+                out = await loop.run_in_executor(self._engine_pool, self.executor.run, self._running)
             finally:
-                self._running_batch = 0
+                self._running = []
+                for p in batch:
+                    self.scheduler.finished(p)
             self.metrics.batches.inc()
             self.metrics.batch_size.observe(len(batch))
+            for key, ok in out.adapter_ok:
+                self.breakers.record(key, ok)
+            for load in out.loads:
+                self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
             for outcome in out.outcomes:
-                self._emit(outcome)
+                self.deliverer.emit(outcome)
             if out.loads:
                 try:
                     await asyncio.to_thread(self.ledger.record_adapter_loads, out.loads)
                 except Exception:
                     log.exception("could not record %d adapter loads", len(out.loads))
 
-    def _execute(self, items: list[Routed]) -> BatchOutput:
-        """In the engine thread: load the batch's adapters, run it, turn results into outcomes."""
-        out = BatchOutput()
-        runnable: list[tuple[Routed, str | None, str]] = []
-        failed_loads: dict[str, EngineError] = {}
-        for item in items:
-            a = item.route.adapter
-            reason = item.route.reason
-            if a is not None and a.key not in failed_loads and not self.engine.has_adapter(a.key):
-                try:
-                    info = self.engine.load_adapter(a.key, self.registry.store.path(a.sha256))
-                except (AdapterError, OSError) as e:
-                    err = e if isinstance(e, EngineError) else AdapterError(f"cannot read adapter {a.ref}: {e}", code="adapter_unavailable")
-                    failed_loads[a.key] = err
-                    log.error("adapter %s failed to load: %s", a.key, err)
-                else:
-                    self.metrics.cold_start.labels(info.tier).observe(info.load_us / 1000)
-                    out.loads.append(AdapterLoadRecord(
-                        adapter=a.ref, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=info.tier,
-                        nbytes=info.nbytes, load_us=info.load_us, worker_id=self.worker_id,
-                        created_at=datetime.now(UTC)))
-            if a is not None and a.key in failed_loads:
-                err = failed_loads[a.key]
-                if item.job.allow_base_fallback:
-                    runnable.append((item, None, f"{reason}:load_failed:base_fallback"))
-                else:
-                    info = ErrorInfo(code=err.code, message=f"adapter {a.ref} could not be loaded: {err.message}",
-                                     field="adapter", retriable=err.retriable)
-                    result, usage = failed_before_engine(
-                        (item.job.request_id, item.job.tenant_id, item.job.batch_id), info, item.received_at,
-                        self.worker_id, route_reason=reason, routing_us=item.route.decision_us)
-                    out.outcomes.append(Outcome(item.tp, item.offset, result=result, usage=usage))
-                continue
-            runnable.append((item, a.key if a else None, reason))
-        if runnable:
-            results = self._generate(runnable)
-            for (item, key, reason), res in zip(runnable, results):
-                a = item.route.adapter if key is not None else None
-                served = Served(item.job, a.ref if a else None, a.sha256 if a else None, reason,
-                                item.route.decision_us, item.received_at)
-                result, usage = succeeded_or_failed(served, res, self.worker_id)
-                out.outcomes.append(Outcome(item.tp, item.offset, result=result, usage=usage))
-        return out
+    def _resident(self) -> set[str | None]:
+        has = getattr(self.engine, "resident_adapters", None)
+        return set(has()) | {None} if has is not None else {None}
 
-    def _generate(self, runnable: list[tuple[Routed, str | None, str]]) -> list[GenerationResult]:
-        requests = [to_request(item.job, key, item.received_mono_us) for item, key, _ in runnable]
-        try:
-            return self.engine.generate(requests)
-        except Exception:
-            if len(requests) == 1:
-                log.exception("engine failed on request %s", requests[0].request_id)
-                return [GenerationResult(request_id=requests[0].request_id, adapter=requests[0].adapter,
-                                         error=EngineError("the engine failed on this request; it was logged",
-                                                           code="engine_error", retriable=True))]
-            log.exception("engine failed on a batch of %d; running its requests one by one", len(requests))
-            return [self._generate([r])[0] for r in runnable]
-
-    # ---------------------------------------------------------------- deliver and commit
-
-    async def _deliver_loop(self) -> None:
-        while True:
-            await self._outbox_event.wait()
-            self._outbox_event.clear()
-            if not self.outbox:
-                continue
-            batch = self.outbox[:]  # stays in the outbox until delivered, so a drain waits for it
-            delay = 0.1
-            while True:
-                try:
-                    await self._deliver(batch)
-                    del self.outbox[: len(batch)]
-                    break
-                except (KafkaError, OSError) as e:
-                    log.warning("delivery of %d outcomes failed (%s); retrying in %.1fs", len(batch), e, delay)
-                except Exception as e:  # the ledger: keep the outcomes, retry; offsets stay uncommitted
-                    log.exception("ledger write of %d outcomes failed (%s); retrying in %.1fs", len(batch), e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def _deliver(self, batch: list[Outcome]) -> None:
-        k = self.s.kafka
-        sends = []
-        for o in batch:
-            if o.result is not None:
-                sends.append(await self.producer.send(
-                    k.results_topic, o.result.model_dump_json().encode(), key=o.result.request_id.encode()))
-            if o.dlq is not None:
-                sends.append(await self.producer.send(k.dlq_topic, o.dlq.model_dump_json().encode()))
-        await asyncio.gather(*sends)
-        rows = [o.usage for o in batch if o.usage is not None]
-        if rows:
-            try:
-                await asyncio.to_thread(self.ledger.record_usage, rows)
-            except LedgerError as e:
-                if e.retriable:
-                    raise
-                await self._record_one_by_one([o for o in batch if o.usage is not None])
-        for o in batch:
-            self.offsets.finished(o.tp, o.offset)
-            if o.result is not None:
-                r = o.result
-                tenant = r.tenant_id if r.tenant_id in self._snapshot.tenants else "unknown"
-                adapter = r.adapter or ("base" if r.route.endswith("base_fallback") else "none")
-                self.metrics.requests.labels(tenant, adapter, r.status).inc()
-                if r.status == "succeeded":
-                    self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
-                    self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
-
-    async def _record_one_by_one(self, batch: list[Outcome]) -> None:
-        """The ledger refused a batch for a bad record: write the others, send the refused ones to the DLQ."""
-        for o in batch:
-            try:
-                await asyncio.to_thread(self.ledger.record_usage, [o.usage])
-            except LedgerError as e:
-                if e.retriable:
-                    raise
-                raw = (o.result.model_dump_json() if o.result else "").encode()
-                record = DlqRecord(
-                    error=ErrorInfo(code="ledger_rejected", message=str(e)), source_topic=o.tp.topic,
-                    source_partition=o.tp.partition, source_offset=o.offset, raw=raw.decode(),
-                    raw_b64=base64.b64encode(raw).decode(), request_id=o.usage.request_id,
-                    tenant_id=o.usage.tenant_id, batch_id=o.usage.batch_id, worker_id=self.worker_id)
-                log.error("ledger refused %s/%s: %s; sent to the DLQ", o.usage.tenant_id, o.usage.request_id, e)
-                self.metrics.dlq.labels("ledger_rejected").inc()
-                await self.producer.send_and_wait(self.s.kafka.dlq_topic, record.model_dump_json().encode())
+    # ---------------------------------------------------------------- commit, rebalance, metrics
 
     async def _commit_loop(self) -> None:
         while True:
@@ -408,11 +293,24 @@ class Worker:
         self.offsets.mark_committed(offsets)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Finish what runs for the revoked partitions within the deadline, commit it, drop the queue."""
+        deadline = time.monotonic() + self.s.worker.revoke_deadline_s
+        while any(r.tp in revoked for r in self._running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.deliverer is not None:
+            try:
+                await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
         await self._commit(only=set(revoked))
-        dropped = self.buckets.drop(set(revoked))
+        dropped = self.scheduler.drop(set(revoked))
         self.offsets.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self.scheduler))
+        self.metrics.in_flight.set(self.offsets.in_flight())
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -427,7 +325,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 def _estimate_tokens(job: Job) -> int:
-    """Tokens a job can occupy, for cutting batches (the engine counts exactly)."""
+    """Tokens a job can occupy, for cutting batches and fair shares (the engine counts exactly)."""
     if job.input_ids is not None:
         prompt = len(job.input_ids)
     elif job.prompt is not None:
@@ -435,3 +333,6 @@ def _estimate_tokens(job: Job) -> int:
     else:
         prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
     return prompt + job.max_new_tokens
+
+
+

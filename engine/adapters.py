@@ -7,6 +7,13 @@ the file or module, what was expected and what was found.
 
 Scaling follows PEFT: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora` (rank-stabilised
 LoRA, Kalajdzievski 2023, arXiv:2312.03732).
+
+Base fingerprint: an adapter may record the fingerprint of the base it was trained on
+(`engine.model.ModelConfig.fingerprint`) under the key `lorabatch_base_fingerprint`, either in
+adapter_config.json or in the safetensors header's `__metadata__` (PEFT passes the latter through
+silently; it warns about unknown adapter_config.json keys but loads them). Where it is recorded it must
+equal the serving base's; where it is not, the shape checks are all there is. PEFT's
+`base_model_name_or_path` is not used: it is a local path or hub name, often both for one base.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,7 @@ from engine.store import adapter_files, content_sha256
 # PEFT's saved key for one LoRA matrix of a Llama projection (the adapter name is stripped on save).
 _KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FINGERPRINT_KEY = "lorabatch_base_fingerprint"
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,9 @@ class LoraAdapter:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
-def load_adapter_dir(path: Path, model: ModelConfig, *, max_lora_rank: int, max_bytes: int) -> LoraAdapter:
+def load_adapter_dir(
+    path: Path, model: ModelConfig, *, max_lora_rank: int, max_bytes: int, base_fingerprint: str | None = None
+) -> LoraAdapter:
     """Read, hash and validate a PEFT adapter folder against the base model `model`."""
     config_path, weights_path = adapter_files(path, max_bytes)
     config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
@@ -59,6 +70,7 @@ def load_adapter_dir(path: Path, model: ModelConfig, *, max_lora_rank: int, max_
         max_lora_rank=max_lora_rank,
         sha256=content_sha256(config_bytes, weight_bytes),
         source=Path(path),
+        base_fingerprint=base_fingerprint,
     )
 
 
@@ -70,10 +82,13 @@ def parse_adapter(
     max_lora_rank: int,
     sha256: str,
     source: Path,
+    base_fingerprint: str | None = None,
 ) -> LoraAdapter:
-    """Validate the two files' bytes (already read, so what is hashed is what is loaded)."""
+    """Validate the two files' bytes (already read, so what is hashed is what is loaded).
+
+    `base_fingerprint` is the serving base's; None skips the fingerprint check (tests of shapes alone)."""
     cfg = _parse_config(config_bytes, source / "adapter_config.json", max_lora_rank)
-    rank, alpha, rslora, targets = cfg
+    rank, alpha, rslora, targets, config_fp = cfg
     try:
         tensors = load_safetensors(weight_bytes)
     except SafetensorError as e:
@@ -81,6 +96,8 @@ def parse_adapter(
             f"{source / 'adapter_model.safetensors'} is corrupt or truncated ({e}); re-save or re-download the adapter",
             code="adapter_corrupt",
         ) from e
+    if base_fingerprint is not None:
+        _check_fingerprint(config_fp, _safetensors_metadata(weight_bytes).get(FINGERPRINT_KEY), base_fingerprint, source)
 
     def invalid(what: str) -> AdapterError:
         return AdapterError(f"{source}: {what}", code="adapter_invalid")
@@ -137,8 +154,30 @@ def parse_adapter(
     )
 
 
-def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, float, bool, tuple[str, ...]]:
-    """(rank, alpha, use_rslora, target_modules) of a LoRA adapter_config.json this engine can run."""
+def _check_fingerprint(in_config: str | None, in_weights: str | None, base: str, source: Path) -> None:
+    if in_config is not None and in_weights is not None and in_config != in_weights:
+        raise AdapterError(
+            f"{source}: adapter_config.json records {FINGERPRINT_KEY}={in_config} but the safetensors metadata "
+            f"records {in_weights}; re-export the adapter with one base",
+            code="adapter_base_mismatch",
+        )
+    recorded = in_config or in_weights
+    if recorded is not None and recorded != base:
+        raise AdapterError(
+            f"{source}: the adapter was trained for base fingerprint {recorded}, but this engine serves {base}; "
+            "load it on the base it was trained for, or retrain it on this one",
+            code="adapter_base_mismatch",
+        )
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    # Layout: 8-byte little-endian header length, then the JSON header (already parsed once by load above).
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+
+
+def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, float, bool, tuple[str, ...], str | None]:
+    """(rank, alpha, use_rslora, target_modules, base fingerprint or None) of a LoRA adapter_config.json this engine can run."""
     try:
         cfg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -184,4 +223,7 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
     unknown = [t for t in raw if t not in PROJECTION_PARENT]
     if unknown:
         raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
-    return rank, float(alpha), bool(cfg.get("use_rslora", False)), tuple(raw)
+    fingerprint = cfg.get(FINGERPRINT_KEY)
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise refuse(f"{FINGERPRINT_KEY}={fingerprint!r}; it must be the base fingerprint, a hex string")
+    return rank, float(alpha), bool(cfg.get("use_rslora", False)), tuple(raw), fingerprint

@@ -64,9 +64,12 @@ class GenerationRequest:
     input_ids: tuple[int, ...] | None = None
     adapter: str | None = None  # key of a loaded adapter (`Engine.load_adapter`), None for the base model
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: int = 0  # higher runs first; under KV pressure the lowest priority running request is preempted
     tenant: str = ""  # for KV isolation and quotas; the engine attaches no other meaning to it
     arrival_us: int | None = None  # monotonic clock (time.monotonic_ns() // 1000) when the job arrived
+    # When the adapter cannot be loaded (missing, corrupt, refused by validation), run on the base model
+    # instead of failing; the result says so with base_fallback=True.
+    allow_base_fallback: bool = False
 
 
 @dataclass
@@ -82,8 +85,9 @@ class RequestTimings:
     total_us: int = 0  # arrival to finish
     prefill_tokens: int = 0
     cached_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # generated tokens fed back (recomputed ones after a preemption included)
     steps: int = 0
+    preemptions: int = 0  # times its KV was freed under memory pressure and recomputed later
 
 
 @dataclass
@@ -97,6 +101,7 @@ class GenerationResult:
     logprobs: dict | None = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: EngineError | None = None
+    base_fallback: bool = False  # the adapter failed to load and the request ran on the base model (adapter is None)
 
     @property
     def ok(self) -> bool:
@@ -114,3 +119,8 @@ class AdapterInfo:
     nbytes: int
     load_us: int  # measured load time
     tier: str  # where it was loaded from: "disk" (L3), "host" (L2) or "gpu" (already resident)
+    dest: str = "gpu"  # where it went: "gpu" (an L1 slot) or "host" (L2 only)
+    reason: str = "load_adapter"  # "load_adapter" (eager), "request" (a request waited for it) or "warm_pool"
+    tenant: str = ""
+    error_code: str | None = None  # set on a failed load: the code its requests failed with
+    skip_reason: str | None = None  # why nothing was read, e.g. "duplicate_content" (seed 002, incident 5)

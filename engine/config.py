@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+GiB = 1 << 30
+MiB = 1 << 20
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -13,14 +16,49 @@ class EngineConfig(BaseModel):
     model_dir: str = Field(".lorabatch/demo-model", description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
+
+    # ---- continuous batching
     max_batch_size: int = Field(32, ge=1, le=4096, description="most requests running at once")
     max_prompt_tokens: int = Field(1024, ge=1, description="longer prompts fail with prompt_too_long")
     max_new_tokens: int = Field(256, ge=1, description="largest max_new_tokens a job may ask for")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens one step computes at most; longer prefills are split into chunks across steps"
+    )
+
+    # ---- paged KV cache
     kv_block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     kv_num_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; None sizes it for max_batch_size full-length sequences")
-    max_loras: int = Field(8, ge=1, description="adapters resident at once")
-    max_lora_rank: int = Field(64, ge=1, le=512, description="largest adapter rank accepted")
-    max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1, description="adapter files larger than this are refused")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of full blocks computed before for the same tenant, adapter and tokens")
+    kv_tenant_quota: float = Field(
+        1.0, gt=0, le=1, description="share of the KV pool the running requests of one tenant may hold together"
+    )
+
+    # ---- adapter pool (L1 GPU slots, L2 host cache, L3 store)
+    max_loras: int = Field(8, ge=1, description="L1: adapter slots preallocated on the device at start")
+    max_lora_rank: int = Field(64, ge=1, le=512, description="largest adapter rank accepted (the slots' rank)")
+    max_adapter_bytes: int = Field(512 * MiB, ge=1, description="adapter files larger than this are refused")
+    host_cache_bytes: int = Field(2 * GiB, ge=0, description="L2: pinned host memory for adapters, an LRU bounded in bytes")
+    adapter_loads_per_s: float = Field(
+        4.0, gt=0, description="token-bucket rate of adapter reads from the store (L3) (seed 002, incident 1: adapter storms)"
+    )
+    adapter_load_burst: int = Field(8, ge=1, description="token-bucket depth: store reads allowed back to back")
+    adapter_slo_weights: dict[str, float] = Field(
+        default_factory=lambda: {"premium": 4.0, "standard": 1.0, "batch": 0.25},
+        description="slo_tier -> keep weight in the L1 eviction score; a stricter tier stays resident longer",
+    )
+    adapter_mem_weight: float = Field(
+        1.0, ge=0, description="weight of an adapter's reload cost (its bytes over a slot's) in the eviction score"
+    )
+
+    # ---- warm pool (prefetch by predicted traffic, seed 003)
+    warm_pool_interval_s: float = Field(60.0, gt=0, description="how often the predictor re-plans the warm set")
+    warm_pool_host_bytes: int = Field(512 * MiB, ge=0, description="L2 bytes the warm pool may fill ahead of requests")
+    warm_pool_slots: int = Field(2, ge=0, description="free L1 slots the warm pool may fill ahead of requests (it never evicts)")
+    warm_pool_min_per_hour: float = Field(1.0, gt=0, description="predicted requests in the next hour below which nothing is prefetched")
+    warm_pool_alpha: float = Field(0.3, gt=0, le=1, description="EWMA weight of the latest hour's count")
+    warm_pool_recent_weight: float = Field(
+        0.6, ge=0, le=1, description="prediction = w * EWMA + (1 - w) * mean count of the same hour on past days"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -32,4 +70,25 @@ class EngineConfig(BaseModel):
                     f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens + self.max_new_tokens} tokens "
                     f"at kv_block_size={self.kv_block_size}; set it to at least {need}"
                 )
+        if self.warm_pool_slots > self.max_loras:
+            raise ValueError(
+                f"engine.warm_pool_slots={self.warm_pool_slots} exceeds engine.max_loras={self.max_loras}; "
+                "the warm pool can only fill slots that exist"
+            )
+        if "standard" not in self.adapter_slo_weights:
+            raise ValueError(
+                f"engine.adapter_slo_weights={self.adapter_slo_weights} lacks 'standard', the tier of adapters registered without one"
+            )
+        bad = {k: v for k, v in self.adapter_slo_weights.items() if not v > 0}
+        if bad:
+            raise ValueError(f"engine.adapter_slo_weights must be positive, got {bad}")
         return self
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """KV blocks one sequence of max_prompt_tokens + max_new_tokens tokens needs."""
+        return -(-(self.max_prompt_tokens + self.max_new_tokens) // self.kv_block_size)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_num_blocks or self.max_batch_size * self.blocks_per_sequence

@@ -1,4 +1,13 @@
-"""A plain Llama decoder over a flat token batch, loaded from a Hugging Face folder.
+"""A plain Llama-family decoder over a flat token batch, loaded from a Hugging Face folder.
+
+Architectures: Llama 2/3 (`model_type` llama, with default, linear or llama3 RoPE scaling), Mistral
+(mistral) and Qwen2 (qwen2: biases on q, k and v), tied embeddings or not. They differ only in the
+config fields read below; the layer code is one.
+
+Sliding-window attention (Mistral, Qwen2 with use_sliding_window) is not implemented: attention always
+sees the whole context, which equals sliding-window attention exactly while a sequence fits in the
+window. The engine refuses a model whose window is shorter than its longest possible sequence
+(max_prompt_tokens + max_new_tokens) rather than compute something else (`check_sliding_window`).
 
 The forward takes every scheduled token of every sequence as one flat batch (`input_ids [N]`,
 `positions [N]`, no padding): prefill chunks and single decode tokens sit side by side, and only the
@@ -7,10 +16,19 @@ attention needs to know where one sequence ends (`AttentionMetadata`). Parameter
 
 The model knows nothing of LoRA: `engine.lora.apply_lora` wraps the projections after the build, as
 gpt-fast applies tensor parallelism (STYLE item 3).
+
+Base fingerprint (`ModelConfig.fingerprint`): sha256 over b"lorabatch-base-v1\n", the canonical JSON of
+the fields that define what the network computes (everything in ModelConfig but
+max_position_embeddings, normalised, so transformers 4's `rope_scaling` and 5's `rope_parameters`
+spellings agree), and the sha256 of tokenizer.json. It names the architecture and the vocabulary an
+adapter was trained against (its shapes and token ids mean nothing elsewhere), not one checkpoint of
+weights: hashing 16 GB of weights at every start would cost more than the check is worth.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +40,19 @@ from torch import nn
 
 from engine.api import EngineError
 from engine.attention import AttentionMetadata, paged_attention
+from engine.rope import ROPE_TYPES, RopeConfig, apply_rope, inv_frequencies, rope_cos_sin
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Each projection's parent module in a decoder layer (HF names): layers.N.<parent>.<projection>
 PROJECTION_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                      "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+_FINGERPRINT_DOMAIN = b"lorabatch-base-v1\n"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The few fields of an HF Llama `config.json` the engine uses."""
+    """The fields of an HF `config.json` the engine uses, normalised over the supported architectures."""
 
     vocab_size: int
     hidden_size: int
@@ -40,34 +61,42 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
+    rope: RopeConfig
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
+    model_type: str = "llama"
+    sliding_window: int | None = None  # None: full attention in every layer
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
 
     @classmethod
     def from_hf(cls, cfg: dict, *, source: str = "config.json") -> "ModelConfig":
         model_type = cfg.get("model_type")
-        if model_type != "llama":
+        if model_type not in MODEL_TYPES:
             raise EngineError(
-                f"{source}: model_type={model_type!r} is not supported; this engine runs Llama-family "
-                "models with model_type 'llama' (point engine.model_dir at one)",
+                f"{source}: model_type={model_type!r} is not supported; this engine runs {', '.join(MODEL_TYPES)} "
+                "models (point engine.model_dir at one)",
                 code="model_unsupported",
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise EngineError(f"{source}: hidden_act={cfg['hidden_act']!r}; only 'silu' is supported", code="model_unsupported")
-        # transformers 5 writes rope settings as `rope_parameters`, older versions as rope_theta + rope_scaling.
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-        if rope_type not in (None, "default"):
-            raise EngineError(
-                f"{source}: rope scaling {rope_type!r} is not supported yet; only plain RoPE (rope_type 'default')",
-                code="model_unsupported",
-            )
         heads = cfg["num_attention_heads"]
+        if model_type == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2Attention: bias on q, k, v only
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        elif model_type == "mistral":
+            qkv_bias = o_bias = mlp_bias = False
+            window = cfg.get("sliding_window")
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            mlp_bias = bool(cfg.get("mlp_bias", False))
+            window = None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -76,12 +105,15 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope=_rope_config(cfg, source),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            model_type=model_type,
+            sliding_window=int(window) if window is not None else None,
         )
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
@@ -92,6 +124,52 @@ class ModelConfig:
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
         }  # fmt: skip
+
+    def fingerprint(self, tokenizer_json: bytes) -> str:
+        """The base fingerprint of the module docstring."""
+        fields = dataclasses.asdict(self)
+        del fields["max_position_embeddings"]
+        h = hashlib.sha256(_FINGERPRINT_DOMAIN)
+        h.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+        h.update(hashlib.sha256(tokenizer_json).digest())
+        return h.hexdigest()
+
+    def check_sliding_window(self, max_sequence_tokens: int) -> None:
+        """Refuse a window shorter than the longest sequence the engine may run (see the module docstring)."""
+        if self.sliding_window is not None and self.sliding_window < max_sequence_tokens:
+            raise EngineError(
+                f"the model uses sliding-window attention over {self.sliding_window} tokens, but sequences may reach "
+                f"{max_sequence_tokens} tokens (engine.max_prompt_tokens + engine.max_new_tokens) and this engine "
+                f"attends over the whole context; lower those limits to at most {self.sliding_window} tokens together",
+                code="model_unsupported",
+            )
+
+
+def _rope_config(cfg: dict, source: str) -> RopeConfig:
+    # transformers 5 writes rope settings as `rope_parameters`, older versions as rope_theta + rope_scaling.
+    rope = dict(cfg.get("rope_scaling") or {})
+    rope.update(cfg.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type not in ROPE_TYPES:
+        raise EngineError(
+            f"{source}: rope scaling {rope_type!r} is not supported; only {', '.join(ROPE_TYPES)} RoPE",
+            code="model_unsupported",
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise EngineError(f"{source}: partial_rotary_factor={rope['partial_rotary_factor']} is not supported", code="model_unsupported")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(rope["factor"]))
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
 
 
 class RMSNorm(nn.Module):
@@ -107,39 +185,23 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, head_dim] for each token's position (HF's non-interleaved half-split layout)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)  # [head_dim / 2]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, head_dim / 2], fp32: positions up to 1e5 stay exact
-    emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [N, heads, head_dim]; cos, sin [N, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]  # x [N, hidden]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H, D]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KV, D]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KV, D]
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, self.layer_idx, attn)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [N, hidden]
 
@@ -182,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.inv_freq: torch.Tensor | None = None  # [head_dim / 2] fp32, set by build_model on the weights' device
 
     def forward(
         self,
@@ -192,8 +255,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [M, vocab] in fp32 for the selected rows (usually each sequence's last token)."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
+        assert self.inv_freq is not None, "build the model with build_model or load_model"
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)  # [N, D] each
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # [N, D] each
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         if logit_rows is not None:
@@ -208,7 +272,15 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise EngineError(f"{path} is not a usable Llama config ({type(e).__name__}: {e}); re-save it with transformers", code="model_invalid") from e
+        raise EngineError(f"{path} is not a usable model config ({type(e).__name__}: {e}); re-save it with transformers", code="model_invalid") from e
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    """The base fingerprint (module docstring) of a model folder: its config.json and tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise EngineError(f"{path} is missing; the base fingerprint covers the tokenizer", code="model_missing")
+    return read_model_config(model_dir).fingerprint(path.read_bytes())
 
 
 def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
@@ -223,21 +295,28 @@ def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and load its safetensors with a strict key check."""
+    """Build the model of `model_dir` on `device` in `dtype` from its safetensors, with a strict key check."""
     model_dir = Path(model_dir)
     cfg = read_model_config(model_dir)
     state = _read_safetensors(model_dir)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints carry it
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    try:
+        return build_model(cfg, state, device, dtype)
+    except EngineError as e:
+        raise EngineError(f"{model_dir}: {e}", code=e.code) from e
 
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model of `cfg` holding `state` (HF names; lm_head.weight may be absent when tied), on `device` in `dtype`."""
+    if cfg.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise EngineError(
-            f"{model_dir}: checkpoint does not match a Llama with this config.json: missing {missing[:5]}, "
+            f"checkpoint does not match a {cfg.model_type} model with this config.json: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; check that config.json and the safetensors belong together",
             code="model_invalid",
         )
@@ -245,10 +324,11 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
     for key, tensor in state.items():
         want = shapes[key]
         if tensor.shape != want:
-            raise EngineError(f"{model_dir}: {key} expected {list(want)}, found {list(tensor.shape)}", code="model_invalid")
+            raise EngineError(f"{key} expected {list(want)}, found {list(tensor.shape)}", code="model_invalid")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, device=device)
     return model.eval()
 
 

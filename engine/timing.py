@@ -58,6 +58,54 @@ class DeviceTimer:
         return round(sum(s.elapsed_time(e) for s, e in self._events) * 1000)
 
 
+class Stopwatch:
+    """The duration of one piece of work, possibly asynchronous on a CUDA stream, read later.
+
+    On CPU it is the host time between start and stop. On CUDA it is the time between two events
+    recorded on `stream` (the side stream of adapter copies), so the host need not wait for the copy
+    to learn how long it took; `elapsed_us` waits for the end event only when asked before it is done.
+    """
+
+    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
+        self._stream = stream if torch.device(device).type == "cuda" else None
+        self._t0 = time.perf_counter_ns()
+        self._ns: int | None = None
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if self._stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
+            self._events = (start, torch.cuda.Event(enable_timing=True))
+
+    def stop(self) -> "Stopwatch":
+        if self._events is not None:
+            self._events[1].record(self._stream)
+        else:
+            self._ns = time.perf_counter_ns() - self._t0
+        return self
+
+    def done(self) -> bool:
+        return self._events is None or self._events[1].query()
+
+    def elapsed_us(self) -> int:
+        if self._events is None:
+            assert self._ns is not None, "stop() first"
+            return self._ns // 1000
+        self._events[1].synchronize()
+        return round(self._events[0].elapsed_time(self._events[1]) * 1000)
+
+
+class Ewma:
+    """An exponentially weighted mean of samples (None until the first sample)."""
+
+    def __init__(self, alpha: float):
+        assert 0 < alpha <= 1, alpha
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def update(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
+
+
 def apportion(total: int, weights: list[int]) -> list[int]:
     """Split integer `total` in proportion to non-negative integer `weights`; the parts sum to `total`.
 

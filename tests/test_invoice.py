@@ -22,11 +22,13 @@ from sqlalchemy.orm import Session
 from billing.apportion import apportion
 from billing.config import LedgerConfig
 from billing.errors import InvalidPeriodError
-from billing.invoice import Invoice, build_invoice, render_csv, render_json, render_table
+from billing.invoice import Invoice, build_invoice
+from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
 from tests.test_ledger import load_record, usage_record
 
 PRICE = Decimal("7.20")  # per GPU hour: 7.20 / 3.6e9 = 2e-9 per microsecond
+CONFIG = LedgerConfig(gpu_price_per_hour=PRICE)  # no price list entries: the fallback price applies
 S1, S2, S3 = "11" * 32, "22" * 32, "33" * 32
 MARCH = datetime(2026, 3, 10, 9, 0, tzinfo=timezone.utc)
 
@@ -97,33 +99,34 @@ ACME_MARCH_JSON = {
     "currency": "USD",
     "lines": [
         {   # a1: gpu = 40_000 + 1_000 = 41_000 us
-            "adapter": "base", "requests": 1, "failed": 0, "input_tokens": 100, "output_tokens": 50, "cached_tokens": 0,
+            "adapter": "base", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 100, "output_tokens": 50, "cached_tokens": 0,
             "base_ms": "40.000", "routing_ms": "1.000", "kv_saved_ms": "0.000", "cold_start_ms": "0.000",
-            "gpu_ms": "41.000", "cost": "0.000082000",
+            "gpu_ms": "41.000", "cost": "0.000082000", "revenue": "0.000000000",
         },
         {   # a2 + a3: base 125_000, routing (30_000 + 2_000) + (1_000 + 500) = 33_500, kv 10_000, cold 33_333
             # gpu = 125_000 + 33_500 - 10_000 + 33_333 = 181_833 us
-            "adapter": "summarize@1", "requests": 2, "failed": 1, "input_tokens": 350, "output_tokens": 100, "cached_tokens": 64,
+            "adapter": "summarize@1", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 2, "failed": 1, "input_tokens": 350, "output_tokens": 100, "cached_tokens": 64,
             "base_ms": "125.000", "routing_ms": "33.500", "kv_saved_ms": "10.000", "cold_start_ms": "33.333",
-            "gpu_ms": "181.833", "cost": "0.000363666",
+            "gpu_ms": "181.833", "cost": "0.000363666", "revenue": "0.000000000",
         },
         {   # a4: gpu = 80_000 + 21_500 - 5_000 + 50_000 = 146_500 us
-            "adapter": "support@2", "requests": 1, "failed": 0, "input_tokens": 200, "output_tokens": 200, "cached_tokens": 0,
+            "adapter": "support@2", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 200, "output_tokens": 200, "cached_tokens": 0,
             "base_ms": "80.000", "routing_ms": "21.500", "kv_saved_ms": "5.000", "cold_start_ms": "50.000",
-            "gpu_ms": "146.500", "cost": "0.000293000",
+            "gpu_ms": "146.500", "cost": "0.000293000", "revenue": "0.000000000",
         },
     ],
     "totals": {
         "requests": 4, "failed": 1, "input_tokens": 650, "output_tokens": 350, "cached_tokens": 64,
         "base_ms": "245.000", "routing_ms": "56.000", "kv_saved_ms": "15.000", "cold_start_ms": "83.333",
-        "gpu_ms": "369.333", "cost": "0.000738666",
+        "gpu_ms": "369.333", "cost": "0.000738666", "revenue": "0.000000000",
+        "unpriced_requests": 3,  # a1, a2, a4 succeeded; acme has no tier with a token price, so they earned nothing
     },
 }  # fmt: skip
 
 
 def test_invoice_lines_and_totals_by_hand(march: Ledger, engine: Engine) -> None:
     """Each line is base + routing (decision + LoRA) - KV credit + its share of cold start; totals are the lines' sums."""
-    invoice = build_invoice(engine, "acme", "2026-03", PRICE)
+    invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     assert json.loads(render_json(invoice)) == ACME_MARCH_JSON
     assert all(isinstance(line.cost, Decimal) and isinstance(line.gpu_ms, Decimal) for line in invoice.lines)
     assert invoice.totals.cost == sum(line.cost for line in invoice.lines)
@@ -131,7 +134,7 @@ def test_invoice_lines_and_totals_by_hand(march: Ledger, engine: Engine) -> None
 
 def test_cold_start_is_conserved_across_tenants(march: Ledger, engine: Engine) -> None:
     """Conservation: the tenants' cold-start shares of an adapter add up to its measured load time of the period, exactly."""
-    acme, globex = (build_invoice(engine, tenant, "2026-03", PRICE) for tenant in ("acme", "globex"))
+    acme, globex = (build_invoice(engine, tenant, "2026-03", CONFIG) for tenant in ("acme", "globex"))
     cold = {(inv.tenant, line.adapter): line.cold_start_ms for inv in (acme, globex) for line in inv.lines}
     assert cold[("acme", "summarize@1")] == Decimal("33.333")
     assert cold[("globex", "summarize@1")] == Decimal("66.667")
@@ -145,14 +148,14 @@ def test_cold_start_is_conserved_across_tenants(march: Ledger, engine: Engine) -
 
 def test_invoice_is_tenant_scoped(march: Ledger, engine: Engine) -> None:
     """Tenant isolation: globex's invoice shows only globex's requests, with its own share of the shared adapter."""
-    invoice = build_invoice(engine, "globex", "2026-03", PRICE)
+    invoice = build_invoice(engine, "globex", "2026-03", CONFIG)
     assert [(line.adapter, line.requests, line.input_tokens) for line in invoice.lines] == [("summarize@1", 1, 700), ("support@2", 1, 10)]
 
 
 def test_session_and_engine_give_the_same_invoice(march: Ledger, engine: Engine) -> None:
     """build_invoice reads the same numbers inside a caller's Session as from an Engine."""
     with Session(engine) as session:
-        assert build_invoice(session, "acme", "2026-03", PRICE) == build_invoice(engine, "acme", "2026-03", PRICE)
+        assert build_invoice(session, "acme", "2026-03", CONFIG) == build_invoice(engine, "acme", "2026-03", CONFIG)
 
 
 def test_tokenless_requests_share_load_time_equally(ledger: Ledger, engine: Engine) -> None:
@@ -165,18 +168,18 @@ def test_tokenless_requests_share_load_time_equally(ledger: Ledger, engine: Engi
         ]
     )
     ledger.record_adapter_loads([load_record(adapter="a@1", load_us=90, created_at=MARCH)])
-    shares = [build_invoice(engine, tenant, "2026-03", PRICE).totals.cold_start_ms for tenant in ("x", "y")]
+    shares = [build_invoice(engine, tenant, "2026-03", CONFIG).totals.cold_start_ms for tenant in ("x", "y")]
     assert shares == [Decimal("0.060"), Decimal("0.030")]
 
 
 def test_empty_invoice(migrated_url: str, engine: Engine) -> None:
     """A tenant without usage in the period gets no lines and zero totals, rendered as plain zeros."""
-    invoice = build_invoice(engine, "acme", "2026-03", PRICE)
+    invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     assert invoice.lines == ()
     document = json.loads(render_json(invoice))
     assert document["lines"] == []
     assert document["totals"]["gpu_ms"] == "0.000" and document["totals"]["cost"] == "0.000000000"
-    assert render_table(invoice).splitlines()[-1].split() == ["total"] + ["0"] * 5 + ["0.000"] * 5 + ["0.000000000"]
+    assert render_table(invoice).splitlines()[-1].split() == ["total"] + ["0"] * 5 + ["0.000"] * 5 + ["0.000000000"] * 2
 
 
 # ---- UTC month boundaries ----------------------------------------------------------------------------
@@ -193,8 +196,8 @@ def test_period_is_the_utc_month(ledger: Ledger, engine: Engine) -> None:
             usage_record("jan-local-feb-utc", created_at=datetime(2026, 1, 31, 20, 0, tzinfo=minus_5), base_us=1_000),
         ]
     )
-    january = build_invoice(engine, "acme", "2026-01", PRICE)
-    february = build_invoice(engine, "acme", "2026-02", PRICE)
+    january = build_invoice(engine, "acme", "2026-01", CONFIG)
+    february = build_invoice(engine, "acme", "2026-02", CONFIG)
     assert (january.totals.requests, january.totals.base_ms) == (2, Decimal("0.101"))  # 1 + 100 us
     assert (february.totals.requests, february.totals.base_ms) == (2, Decimal("1.010"))  # 10 + 1_000 us
 
@@ -204,35 +207,41 @@ def test_period_is_the_utc_month(ledger: Ledger, engine: Engine) -> None:
 
 def test_render_json_has_exactly_the_contract_keys(march: Ledger, engine: Engine) -> None:
     """The JSON carries tenant, period, status, currency, lines, totals and nothing else; every decimal is a string."""
-    document = json.loads(render_json(build_invoice(engine, "acme", "2026-03", PRICE)))
+    document = json.loads(render_json(build_invoice(engine, "acme", "2026-03", CONFIG)))
     assert list(document) == ["tenant", "period", "status", "currency", "lines", "totals"]
-    line_keys = ["adapter", "requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "routing_ms",
-                 "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost"]  # fmt: skip
-    assert all(list(line) == line_keys for line in document["lines"])
-    assert list(document["totals"]) == line_keys[1:]
+    amount_keys = ["requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "routing_ms",
+                   "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"]  # fmt: skip
+    assert all(list(line) == ["adapter", "adjustment_for", "gpu_price_per_hour", *amount_keys] for line in document["lines"])
+    assert list(document["totals"]) == [*amount_keys, "unpriced_requests"]
     for amounts in [*document["lines"], document["totals"]]:
         for key, value in amounts.items():
-            assert isinstance(value, str if key.endswith(("_ms", "cost")) or key == "adapter" else int), (key, value)
+            if key == "adjustment_for":
+                assert value is None
+                continue
+            money_or_text = key.endswith(("_ms", "cost", "revenue", "_per_hour")) or key == "adapter"
+            assert isinstance(value, str if money_or_text else int), (key, value)
 
 
 def test_render_csv(march: Ledger, engine: Engine) -> None:
     """The CSV has a header, one row per line and a TOTAL row, with the same values as the JSON."""
-    invoice = build_invoice(engine, "acme", "2026-03", PRICE)
+    invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     rows = list(csv.DictReader(io.StringIO(render_csv(invoice))))
     assert [row["adapter"] for row in rows] == ["base", "summarize@1", "support@2", "TOTAL"]
     assert all((row["tenant"], row["period"], row["status"], row["currency"]) == ("acme", "2026-03", "draft", "USD") for row in rows)
     expected = [*ACME_MARCH_JSON["lines"], {"adapter": "TOTAL", **ACME_MARCH_JSON["totals"]}]  # type: ignore[dict-item]
     for row, want in zip(rows, expected):
-        assert {key: row[key] for key in want} == {key: str(value) for key, value in want.items()}
+        want = {key: "" if value is None else str(value) for key, value in want.items() if key != "unpriced_requests"}
+        assert {key: row[key] for key in want} == want
 
 
 def test_render_table_is_aligned(march: Ledger, engine: Engine) -> None:
     """The table's rows are equally wide, numbers end in the same column, and the totals row comes last."""
-    text = render_table(build_invoice(engine, "acme", "2026-03", PRICE))
-    title, header, *rows = text.rstrip("\n").splitlines()
+    text = render_table(build_invoice(engine, "acme", "2026-03", CONFIG))
+    title, header, *rows, note = text.rstrip("\n").splitlines()
     assert title == "Invoice acme 2026-03 (draft), USD at 7.20 per GPU hour"
+    assert note.startswith("note: 3 succeeded requests earned nothing: no tier (tenant not registered)")
     assert len({len(header), *map(len, rows)}) == 1
-    assert header.endswith(" cost") and rows[-1].endswith(" 0.000738666")
+    assert header.split()[-2:] == ["cost", "revenue"] and rows[-1].endswith(" 0.000738666  0.000000000")
     assert rows[-1].split()[:2] == ["total", "4"] and "369.333" in rows[-1]
     summarize = next(row for row in rows if row.startswith("summarize@1"))
     assert summarize.index("181.833") + len("181.833") == header.index("gpu_ms") + len("gpu_ms")
@@ -245,7 +254,7 @@ def test_render_table_is_aligned(march: Ledger, engine: Engine) -> None:
 def test_bad_period_is_refused(migrated_url: str, engine: Engine, period: str | None) -> None:
     """A period not written YYYY-MM is refused with an error that names the field and the expected form."""
     with pytest.raises(InvalidPeriodError, match=r"period=.*YYYY-MM.*'2026-01'"):
-        build_invoice(engine, "acme", period, PRICE)  # type: ignore[arg-type]
+        build_invoice(engine, "acme", period, CONFIG)  # type: ignore[arg-type]
 
 
 # ---- apportionment -----------------------------------------------------------------------------------
@@ -284,6 +293,6 @@ def test_apportion_conserves_and_stays_within_one_unit(total: int, weights: dict
 
 def test_invoice_type_is_frozen(march: Ledger, engine: Engine) -> None:
     """An invoice, once built, cannot be changed in place."""
-    invoice: Invoice = build_invoice(engine, "acme", "2026-03", PRICE)
+    invoice: Invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     with pytest.raises(AttributeError):
         invoice.status = "closed"  # type: ignore[misc]

@@ -22,7 +22,10 @@ from billing.errors import LedgerConfigError
 from billing.models import Base
 
 from tests.db_fixtures import fresh_pg_schema
-LEDGER_TABLES = {"tenants", "adapters", "usage", "adapter_loads"}
+LEDGER_TABLES = {
+    "tenants", "adapters", "usage", "adapter_loads", "gpu_busy", "gpu_prices", "token_prices", "billing_periods",
+    "cold_start_shares", "invoices", "invoice_lines",
+}
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,8 +86,13 @@ def test_constraint_names_follow_the_convention(engine: Engine) -> None:
     assert {ck["name"] for ck in inspector.get_check_constraints("usage")} == {"ck_usage_status"}
     assert {ck["name"] for ck in inspector.get_check_constraints("tenants")} == {"ck_tenants_weight_positive"}
     assert [fk["name"] for fk in inspector.get_foreign_keys("adapters")] == ["fk_adapters_tenant_id_tenants"]
-    assert {ix["name"] for ix in inspector.get_indexes("usage")} >= {"ix_usage_tenant_id_period", "ix_usage_period_adapter"}
-    assert {ix["name"] for ix in inspector.get_indexes("adapter_loads")} >= {"ix_adapter_loads_period_adapter"}
+    assert {ix["name"] for ix in inspector.get_indexes("usage")} >= {
+        "ix_usage_tenant_id_invoice_period", "ix_usage_invoice_period_adapter", "ix_usage_period_adapter"
+    }
+    assert {ix["name"] for ix in inspector.get_indexes("adapter_loads")} >= {"ix_adapter_loads_period_adapter", "ix_adapter_loads_invoice_period_adapter"}
+    assert {uq["name"] for uq in inspector.get_unique_constraints("adapter_loads")} == {"uq_adapter_loads_worker_id_adapter_created_at"}
+    assert {uq["name"] for uq in inspector.get_unique_constraints("gpu_busy")} == {"uq_gpu_busy_worker_id_started_at"}
+    assert [fk["name"] for fk in inspector.get_foreign_keys("invoice_lines")] == ["fk_invoice_lines_invoice_id_invoices"]
     for table in LEDGER_TABLES:
         assert inspector.get_pk_constraint(table)["name"] == f"pk_{table}"
 

@@ -1,0 +1,90 @@
+"""An invoice as JSON, CSV (RFC 4180) and an aligned text table; decimals always in fixed-point text."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import fields
+from decimal import Decimal
+
+from billing.invoice import Invoice, InvoiceAmounts
+
+AMOUNT_KEYS = tuple(f.name for f in fields(InvoiceAmounts))
+
+
+def decimal_text(value: Decimal) -> str:
+    """Fixed-point text of a Decimal ("0.000000000", never "0E-9" or "-0.000")."""
+    return format(value if value else abs(value), "f")
+
+
+def price_text(value: Decimal) -> str:
+    """A unit price with its trailing zeros cut down to two places: 7.200000000 -> "7.20", 0.0001 -> "0.0001"."""
+    exponent = value.normalize().as_tuple().exponent
+    assert isinstance(exponent, int), value
+    return decimal_text(value.quantize(Decimal(1).scaleb(min(exponent, -2))))
+
+
+def _amounts(amounts: InvoiceAmounts) -> dict[str, int | str]:
+    values = {key: getattr(amounts, key) for key in AMOUNT_KEYS}
+    return {key: decimal_text(v) if isinstance(v, Decimal) else v for key, v in values.items()}
+
+
+def invoice_document(invoice: Invoice) -> dict[str, object]:
+    """The invoice as plain JSON values: tenant, period, status, currency, lines, totals."""
+    return {
+        "tenant": invoice.tenant,
+        "period": invoice.period,
+        "status": invoice.status,
+        "currency": invoice.currency,
+        "lines": [
+            {"adapter": line.adapter, "adjustment_for": line.adjustment_for, "gpu_price_per_hour": price_text(line.gpu_price_per_hour), **_amounts(line)}
+            for line in invoice.lines
+        ],
+        "totals": {**_amounts(invoice.totals), "unpriced_requests": invoice.unpriced_requests},
+    }
+
+
+def render_json(invoice: Invoice) -> str:
+    """The invoice as JSON; decimals as strings."""
+    return json.dumps(invoice_document(invoice), indent=2)
+
+
+def render_csv(invoice: Invoice) -> str:
+    """One row per line and a final TOTAL row, each with the tenant, period, status and currency."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS))
+    head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
+    for line in invoice.lines:
+        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values()))
+    writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values()))
+    return out.getvalue()
+
+
+def _title(invoice: Invoice) -> str:
+    status = invoice.status
+    if invoice.closed_at is not None:
+        status += " " + invoice.closed_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    prices = sorted({line.gpu_price_per_hour for line in invoice.lines})
+    at = f" at {', '.join(map(price_text, prices))} per GPU hour" if prices else ""
+    return f"Invoice {invoice.tenant} {invoice.period} ({status}), {invoice.currency}{at}"
+
+
+def render_table(invoice: Invoice) -> str:
+    """The invoice as an aligned text table: labels left-aligned, numbers right-aligned, totals last."""
+    header = ("adapter", "gpu_price", *AMOUNT_KEYS)
+    body = [(line.label, price_text(line.gpu_price_per_hour), *map(str, _amounts(line).values())) for line in invoice.lines]
+    total = ("total", "", *map(str, _amounts(invoice.totals).values()))
+    widths = [max(len(row[i]) for row in (header, *body, total)) for i in range(len(header))]
+
+    def row_text(row: tuple[str, ...]) -> str:
+        return "  ".join([row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:]))])
+
+    rule = "  ".join("-" * w for w in widths)
+    notes = []
+    if invoice.unpriced_requests:
+        tier = "no tier (tenant not registered)" if invoice.tier is None else f"tier {invoice.tier!r}"
+        notes.append(f"note: {invoice.unpriced_requests} succeeded requests earned nothing: {tier} had no token price then "
+                     f"(set one with `lorabatch prices set-tokens`)")
+    return "\n".join([_title(invoice), row_text(header), rule, *map(row_text, body), rule, row_text(total), *notes]) + "\n"

@@ -1,0 +1,168 @@
+"""Price lists with effective dates: GPU hours (the cost side) and tenant-tier tokens (the revenue side).
+
+An entry applies from midnight UTC of its day until the next entry of the same GPU kind (or tier). The
+price that applies to a usage row is the one in effect at its created_at; for GPU time, where no entry
+of this deployment's kind applies, LedgerConfig.gpu_price_per_hour does (the fallback, named in the
+invoice by its price like any other). A tier with no entry in effect has no token price: its tokens
+earn nothing and are counted as unpriced, never priced at a guess.
+
+Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
+the prices they were closed with; only drafts follow a change.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+
+from sqlalchemy import ColumnElement, Engine, case, literal, select
+from sqlalchemy.orm import Session
+
+from billing.db import dialect_insert, session_factory
+from billing.errors import PriceError
+from billing.models import GpuPrice, TokenPrice
+
+_MAX_PLACES = 9  # prices are stored as Numeric(18, 9)
+
+
+@dataclass(frozen=True)
+class GpuPriceEntry:
+    gpu_kind: str
+    effective_from: datetime
+    price_per_hour: Decimal
+
+
+@dataclass(frozen=True)
+class TokenPriceEntry:
+    tier: str
+    effective_from: datetime
+    input_per_million: Decimal
+    output_per_million: Decimal
+
+
+def _midnight(day: date) -> datetime:
+    assert isinstance(day, date) and not isinstance(day, datetime), f"pass a date, got {day!r}"
+    return datetime.combine(day, time(0), tzinfo=timezone.utc)
+
+
+def _check_price(what: str, value: Decimal) -> Decimal:
+    if not isinstance(value, Decimal) or not value.is_finite():
+        raise PriceError(f"{what}={value!r} is not a price; pass a decimal number such as 2.50")
+    if value < 0:
+        raise PriceError(f"{what}={value} is negative; a price is 0 or more (credits go in as adjustments)")
+    if value != value.quantize(Decimal(1).scaleb(-_MAX_PLACES)):
+        raise PriceError(f"{what}={value} has more than {_MAX_PLACES} decimal places; round it to at most {_MAX_PLACES}")
+    if value >= 10**9:
+        raise PriceError(f"{what}={value} is too large; prices are stored with 9 integer digits, pass less than 1000000000")
+    return value
+
+
+def _check_name(what: str, value: str, limit: int) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > limit or value != value.strip():
+        raise PriceError(f"{what}={value!r} cannot name a price list; pass 1 to {limit} characters without surrounding spaces")
+    return value
+
+
+def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date) -> GpuPriceEntry:
+    """Make `price_per_hour` the price of one hour of `gpu_kind` from midnight UTC of `effective_from` on."""
+    entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), _check_price("price_per_hour", price_per_hour))
+    statement = dialect_insert(engine.dialect.name)(GpuPrice).values(
+        gpu_kind=entry.gpu_kind, effective_from=entry.effective_from, price_per_hour=entry.price_per_hour
+    )
+    statement = statement.on_conflict_do_update(
+        index_elements=[GpuPrice.gpu_kind, GpuPrice.effective_from], set_={"price_per_hour": statement.excluded.price_per_hour}
+    )
+    with session_factory(engine).begin() as session:
+        session.execute(statement)
+    return entry
+
+
+def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, output_per_million: Decimal, effective_from: date) -> TokenPriceEntry:
+    """Make these the prices per million input and output tokens of `tier` from midnight UTC of `effective_from` on."""
+    entry = TokenPriceEntry(
+        _check_name("tier", tier, 32), _midnight(effective_from),
+        _check_price("input_per_million", input_per_million), _check_price("output_per_million", output_per_million),
+    )
+    statement = dialect_insert(engine.dialect.name)(TokenPrice).values(
+        tier=entry.tier, effective_from=entry.effective_from,
+        input_per_million=entry.input_per_million, output_per_million=entry.output_per_million,
+    )
+    statement = statement.on_conflict_do_update(
+        index_elements=[TokenPrice.tier, TokenPrice.effective_from],
+        set_={"input_per_million": statement.excluded.input_per_million, "output_per_million": statement.excluded.output_per_million},
+    )
+    with session_factory(engine).begin() as session:
+        session.execute(statement)
+    return entry
+
+
+def gpu_price_list(session: Session, gpu_kind: str | None = None) -> list[GpuPriceEntry]:
+    """GPU price entries (of one kind, or all), by kind and date."""
+    statement = select(GpuPrice).order_by(GpuPrice.gpu_kind, GpuPrice.effective_from)
+    if gpu_kind is not None:
+        statement = statement.where(GpuPrice.gpu_kind == gpu_kind)
+    return [GpuPriceEntry(p.gpu_kind, p.effective_from, p.price_per_hour) for p in session.scalars(statement)]
+
+
+def token_price_list(session: Session) -> list[TokenPriceEntry]:
+    """Token price entries of every tier, by tier and date."""
+    statement = select(TokenPrice).order_by(TokenPrice.tier, TokenPrice.effective_from)
+    return [TokenPriceEntry(p.tier, p.effective_from, p.input_per_million, p.output_per_million) for p in session.scalars(statement)]
+
+
+def _entry_at(starts: Sequence[datetime], moment: datetime | None) -> int | None:
+    """Index of the last entry starting at or before `moment` (None: before every entry, or no moment)."""
+    if moment is None:
+        return None
+    i = bisect.bisect_right(starts, moment) - 1
+    return i if i >= 0 else None
+
+
+class PriceBook:
+    """The price lists as read in one transaction, and the time segments over which no price changes.
+
+    Segments: the sorted effective dates of every entry (GPU entries of this kind, token entries of
+    every tier) cut time into segments; segment 0 lies before the first date, segment i starts at the
+    i-th date. Within one segment every price is constant, so usage can be summed per segment in SQL
+    and priced once per sum.
+    """
+
+    def __init__(self, gpu: Sequence[GpuPriceEntry], tokens: Sequence[TokenPriceEntry], fallback_per_hour: Decimal):
+        assert isinstance(fallback_per_hour, Decimal), fallback_per_hour
+        self._gpu = list(gpu)
+        self._gpu_starts = [e.effective_from for e in self._gpu]
+        self._tiers: dict[str, list[TokenPriceEntry]] = defaultdict(list)
+        for entry in tokens:
+            self._tiers[entry.tier].append(entry)
+        self._fallback = fallback_per_hour
+        self.boundaries: tuple[datetime, ...] = tuple(sorted({e.effective_from for e in (*self._gpu, *tokens)}))
+
+    @classmethod
+    def load(cls, session: Session, gpu_kind: str, fallback_per_hour: Decimal) -> PriceBook:
+        return cls(gpu_price_list(session, gpu_kind), token_price_list(session), fallback_per_hour)
+
+    def gpu_price_at(self, moment: datetime | None) -> Decimal:
+        """Price per GPU hour in effect at `moment` (None: before any entry), else the fallback."""
+        i = _entry_at(self._gpu_starts, moment)
+        return self._fallback if i is None else self._gpu[i].price_per_hour
+
+    def token_price_at(self, tier: str | None, moment: datetime | None) -> TokenPriceEntry | None:
+        """The tier's token prices in effect at `moment`; None when the tier has none then."""
+        entries = self._tiers.get(tier or "", [])
+        i = _entry_at([e.effective_from for e in entries], moment)
+        return None if i is None else entries[i]
+
+    def segment_start(self, segment: int) -> datetime | None:
+        assert 0 <= segment <= len(self.boundaries), segment
+        return None if segment == 0 else self.boundaries[segment - 1]
+
+    def segment_of(self, column: ColumnElement[datetime]) -> ColumnElement[int]:
+        """SQL: the segment index of `column` (a UTCDateTime), the number of boundaries at or before it."""
+        if not self.boundaries:
+            return literal(0)
+        whens = [(column >= start, i + 1) for i, start in reversed(list(enumerate(self.boundaries)))]
+        return case(*whens, else_=0)

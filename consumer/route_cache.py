@@ -1,0 +1,152 @@
+"""The routing caches: L1 (tenant, user) -> adapter and L2 (tenant, session) -> adapter.
+
+Two implementations of one interface: an in-process LRU (the embedded default) and Redis (shared by
+all workers, so a session sticks to its adapter whichever worker serves it). Both are bounded and
+expire entries after a TTL. Lookups for a whole fetched batch go in one round trip.
+
+Redis being away must never stop routing: every Redis error marks the cache unavailable for a short
+backoff (so a dead server costs one timeout, not one per job), lookups answer "unavailable" and the
+router goes on to its rules and defaults; the next lookup after the backoff tries again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    level: str  # "l1" (user) or "l2" (session)
+    tenant_id: str
+    subject: str  # the user id or session id
+
+    def redis_key(self, prefix: str) -> str:
+        return f"{prefix}:{self.level}:{self.tenant_id}:{self.subject}"
+
+
+class RouteCache(Protocol):
+    name: str
+
+    async def get_many(self, keys: list[CacheKey]) -> dict[CacheKey, str] | None:
+        """Values found (missing keys absent); None when the cache is unavailable."""
+
+    async def set_many(self, items: dict[CacheKey, str]) -> bool:
+        """Write back decisions; False when the cache is unavailable."""
+
+
+class LruRouteCache:
+    """In-process, bounded by entries, with a TTL: the embedded default."""
+
+    name = "lru"
+
+    def __init__(self, max_entries: int, ttl_s: float, clock=time.monotonic):
+        assert max_entries >= 1 and ttl_s > 0
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._data: OrderedDict[CacheKey, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    async def get_many(self, keys: list[CacheKey]) -> dict[CacheKey, str]:
+        now = self._clock()
+        found = {}
+        for k in keys:
+            entry = self._data.get(k)
+            if entry is None:
+                continue
+            if entry[1] <= now:
+                del self._data[k]
+                continue
+            self._data.move_to_end(k)
+            found[k] = entry[0]
+        return found
+
+    async def set_many(self, items: dict[CacheKey, str]) -> bool:
+        expires = self._clock() + self.ttl_s
+        for k, v in items.items():
+            self._data[k] = (v, expires)
+            self._data.move_to_end(k)
+        while len(self._data) > self.max_entries:
+            self._data.popitem(last=False)
+        return True
+
+
+class RedisRouteCache:
+    """Redis, shared by the workers. Entries expire after the TTL; each tenant's keys of one level are
+    indexed in a sorted set by last write and trimmed to `max_entries`, so one tenant's churn cannot
+    grow the cache without bound."""
+
+    name = "redis"
+
+    def __init__(self, url: str, max_entries: int, ttl_s: float, *, prefix: str = "lorabatch:route",
+                 timeout_s: float = 0.05, backoff_s: float = 1.0, clock=time.monotonic):
+        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                              decode_responses=True, retry_on_timeout=False)
+        self.max_entries = max_entries
+        self.ttl_ms = int(ttl_s * 1000)
+        self.prefix = prefix
+        self.backoff_s = backoff_s
+        self._clock = clock
+        self._down_until = 0.0
+        self.errors = 0
+
+    @property
+    def available(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def _failed(self) -> None:
+        self.errors += 1
+        self._down_until = self._clock() + self.backoff_s
+
+    async def get_many(self, keys: list[CacheKey]) -> dict[CacheKey, str] | None:
+        if not keys:
+            return {}
+        if not self.available:
+            return None
+        try:
+            values = await self.client.mget([k.redis_key(self.prefix) for k in keys])
+        except (RedisError, OSError):
+            self._failed()
+            return None
+        return {k: v for k, v in zip(keys, values) if v is not None}
+
+    async def set_many(self, items: dict[CacheKey, str]) -> bool:
+        if not items:
+            return True
+        if not self.available:
+            return False
+        now_ms = int(time.time() * 1000)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                indexes: dict[str, None] = {}  # insertion-ordered set
+                for k, v in items.items():
+                    rk = k.redis_key(self.prefix)
+                    index = f"{self.prefix}:index:{k.level}:{k.tenant_id}"
+                    pipe.set(rk, v, px=self.ttl_ms)  # 3 replies per item ...
+                    pipe.zadd(index, {rk: now_ms})
+                    pipe.pexpire(index, self.ttl_ms)
+                    indexes[index] = None
+                for index in indexes:  # ... then 2 per index: drop expired members, count the rest
+                    pipe.zremrangebyscore(index, "-inf", now_ms - self.ttl_ms)
+                    pipe.zcard(index)
+                replies = await pipe.execute()
+            cards = replies[3 * len(items) + 1 :: 2]
+            for index, card in zip(indexes, cards):
+                if card > self.max_entries:  # the least recently written keys go
+                    evicted = await self.client.zpopmin(index, card - self.max_entries)
+                    await self.client.delete(*[member for member, _score in evicted])
+        except (RedisError, OSError):
+            self._failed()
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()

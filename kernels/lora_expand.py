@@ -1,0 +1,223 @@
+"""Multi-LoRA expand: every row's rank-r vector projected back up by its own adapter and added, in one launch.
+
+Semantics: y[i, off_s : off_s + w_s] += scale[slot_i] * t[s, i, :r] @ B[slot_i, :r, off_s : off_s + w_s]
+with r = rank[slot_i], for every slice s and every row i whose slot_i >= 0; rows with slot -1 are not
+written at all (bit for bit as they were).
+
+Punica's SGMV/BGMV expand ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547),
+the second half of `y += s * (x A^T) B^T` after kernels/lora_shrink.py. Rows are grouped as for the
+shrink (kernels/lora_segments.py); one program adds one (row tile, column tile) of one slice, looping
+over its slot's rank in BLOCK_R = 16 steps up to rank[slot] and no further (mixed ranks at their true
+cost, S-LoRA, Sheng et al., 2023, arXiv:2311.03285). A one-row group runs as a GEMV on CUDA cores
+(BLOCK_M = 1), a longer one as tensor-core tiles; same kernel, same launcher.
+
+Layout of B, and why it differs from PEFT's `lora_B [out, r]`: `b_stack [slots, R, out]`, rank-major,
+the S slices side by side along `out` (q | k | v, or gate | up; the engine copies `lora_B.T` of slice s
+into `b_stack[slot, :r, off_s : off_s + w_s]`). Row j of a slot is then `out` contiguous elements, so
+stopping at rank r reads exactly r * out elements. In the `[slots, out, R]` layout a rank-8 adapter in a
+max-rank-64 bf16 slot would read 16 B out of every 128 B row: half of each 32 B sector wasted, and more
+where DRAM fetches 64 B. One buffer for all slices (rather than one per slice) lets one launch cover
+q, k and v of different widths (2048, 512, 512 at llama-1b) through a table of slice offsets, with no
+pointer arrays.
+
+Grid: (slice x column tile, row tile, group). Column tiles past a narrow slice's width return at once
+(at 1b with BLOCK_N 256, k and v have 2 live tiles of 8); that waste is a few empty programs.
+Products: B tiles are widened to fp32 and multiplied with t (fp32) on TF32 tensor cores for fp16/bf16
+(B exact, t rounded to TF32's 11-bit significand: finer than rounding it to bf16), IEEE fp32 for fp32
+inputs; sums and the scale are fp32 and y is rounded once when stored. The op is memory-bound, and the
+same code runs in the Triton interpreter, which cannot multiply bf16 in `tl.dot` (triton-lang/triton#11584).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_segments import LoraSegments, rows_of
+
+_BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at which ranks are skipped
+
+
+@triton.jit
+def _kernel(
+    t_ptr,  # [S, N, R] fp32
+    b_ptr,  # [slots, R, out]
+    y_ptr,  # [N, out]
+    rank_ptr,  # [slots]
+    scale_ptr,  # [slots] fp32
+    slot_ptr,  # [G]
+    start_ptr,  # [G + 1], unused when HAS_START is False
+    slice_ptr,  # [S + 1] first column of each slice, then out
+    num_ntiles,
+    stride_ti, stride_tm, stride_tr,
+    stride_bs, stride_br, stride_bn,
+    stride_ym, stride_yn,
+    HAS_START: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)  # slice x column tile
+    pid_m = tl.program_id(1)  # row tile within the group
+    group = tl.program_id(2)
+    sl = pid_n // num_ntiles
+    n0 = (pid_n % num_ntiles) * BLOCK_N
+
+    slot = tl.load(slot_ptr + group)
+    if slot < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return  # y += 0 would still turn -0.0 into +0.0: an empty slot writes nothing
+    col_begin = tl.load(slice_ptr + sl)
+    width = tl.load(slice_ptr + sl + 1) - col_begin
+    if n0 >= width:
+        return
+    if HAS_START:
+        row_begin = tl.load(start_ptr + group)
+        row_end = tl.load(start_ptr + group + 1)
+    else:
+        row_begin = group
+        row_end = group + 1
+    m0 = row_begin + pid_m * BLOCK_M
+    if m0 >= row_end:
+        return
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] column within the slice
+    n_mask = offs_n < width
+    cols = col_begin + offs_n  # [BN] column of y and B
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    t_base = t_ptr + sl * stride_ti
+    scale = tl.load(scale_ptr + slot).to(tl.float32)
+
+    if BLOCK_M == 1:
+        acc_v = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t_row = t_base + m0.to(tl.int64) * stride_tm
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+            r_mask = offs_r < rank
+            tv = tl.load(t_row + offs_r * stride_tr, mask=r_mask, other=0.0)  # [BR] fp32
+            bt = tl.load(
+                b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+                mask=r_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )  # [BR, BN]
+            acc_v += tl.sum(tv[:, None] * bt.to(tl.float32), axis=0)
+        y_ptrs = y_ptr + m0.to(tl.int64) * stride_ym + cols * stride_yn  # [BN]
+        yv = tl.load(y_ptrs, mask=n_mask, other=0.0)
+        tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc_v).to(yv.dtype), mask=n_mask)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
+        m_mask = offs_m < row_end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+            r_mask = offs_r < rank
+            tt = tl.load(
+                t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )  # [BM, BR] fp32
+            bt = tl.load(
+                b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+                mask=r_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )  # [BR, BN]
+            acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
+        mask = m_mask[:, None] & n_mask[None, :]
+        yt = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=mask)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [N, out], updated in place
+    t: torch.Tensor,  # [S, N, R] fp32, from lora_shrink
+    b_stack: torch.Tensor,  # [slots, R, out]: B transposed, rank-major, slices side by side along out
+    rank: torch.Tensor,  # [slots] int: each slot's true rank
+    scale: torch.Tensor,  # [slots] fp32: each slot's scaling (alpha / r, or alpha / sqrt(r))
+    segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py), as given to lora_shrink
+    *,
+    slices: Sequence[int] | None = None,  # output width of each slice, summing to out; None: one slice
+) -> None:
+    """y += scale * t B^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
+    n, out_features = y.shape
+    slots, max_rank, b_out = b_stack.shape
+    widths = tuple(int(w) for w in slices) if slices is not None else (out_features,)
+    num_slices = len(widths)
+    assert b_out == out_features, f"b_stack {tuple(b_stack.shape)} does not match y {tuple(y.shape)}"
+    assert sum(widths) == out_features and min(widths) > 0, f"slices {widths} do not split {out_features} columns"
+    assert t.shape == (num_slices, n, max_rank) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, (num_slices, n, max_rank))
+    assert y.dtype == b_stack.dtype and y.dtype in (torch.float32, torch.float16, torch.bfloat16), (y.dtype, b_stack.dtype)
+    assert rank.shape == (slots,) and not rank.is_floating_point(), (tuple(rank.shape), rank.dtype, slots)
+    assert scale.shape == (slots,) and scale.dtype == torch.float32, (tuple(scale.shape), scale.dtype, slots)
+    assert y.device == t.device == b_stack.device == rank.device == scale.device == segments.slot.device
+    assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, y has {n}"
+    if n == 0 or segments.num_groups == 0:
+        return
+    block_m, block_n, num_warps = _config(segments)
+    num_ntiles = triton.cdiv(max(widths), block_n)
+    grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
+    _kernel[grid](
+        t, b_stack, y, rank, scale, segments.slot, start, _slice_starts(widths, y.device),
+        num_ntiles,
+        t.stride(0), t.stride(1), t.stride(2),
+        b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        y.stride(0), y.stride(1),
+        HAS_START=segments.start is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=_BLOCK_R,
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # B exact, t to 11 bits
+        num_warps=num_warps,
+    )
+
+
+def _config(segments: LoraSegments) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for this batch."""
+    if segments.start is None:
+        return 1, 256, 4
+    if segments.max_len <= 16:
+        return 16, 128, 4
+    return 64, 128, 4
+
+
+@functools.lru_cache(maxsize=64)
+def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
+    """Built once per (slices, device): a later call, inside a CUDA-graph capture too, copies nothing."""
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + w)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def lora_expand_ref(
+    y: torch.Tensor,  # [N, out], updated in place
+    t: torch.Tensor,  # [S, N, R] fp32
+    b_stack: torch.Tensor,  # [slots, R, out]
+    rank: torch.Tensor,  # [slots]
+    scale: torch.Tensor,  # [slots]
+    segments: LoraSegments,
+    *,
+    slices: Sequence[int] | None = None,
+) -> None:
+    """Pure torch, fp32, one matmul per distinct slot and slice; rows of slot -1 and empty slots untouched."""
+    widths = tuple(slices) if slices is not None else (y.shape[1],)
+    slot = rows_of(segments).to(y.device)  # [N]
+    for s in slot.unique().tolist():
+        r = int(rank[s]) if s >= 0 else 0
+        if r == 0:
+            continue
+        rows = slot == s
+        col = 0
+        delta = torch.empty(int(rows.sum()), y.shape[1], dtype=torch.float32, device=y.device)  # [m, out]
+        for i, w in enumerate(widths):
+            delta[:, col : col + w] = t[i, rows, :r] @ b_stack[s, :r, col : col + w].float()
+            col += w
+        y[rows] = (y[rows].float() + float(scale[s]) * delta).to(y.dtype)

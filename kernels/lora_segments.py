@@ -1,0 +1,101 @@
+"""Row groups for the multi-LoRA kernels: which rows of a flat batch share an adapter slot.
+
+Semantics: group g covers rows start[g] .. start[g+1] - 1, all with adapter slot[g] (-1: no adapter), or
+row g alone when `start` is None.
+
+The shrink and expand kernels (kernels/lora_shrink.py, kernels/lora_expand.py) launch one program per
+(group, tile of BLOCK_M rows of that group), so every weight tile of a slot is read once per row tile
+rather than once per row. Two ways to build the groups:
+
+- `segments_per_row(slot_idx)`: every row its own group, the slot taken straight from the per-row index
+  on the device (Punica's BGMV). No host work and no sync, so it serves CUDA-graph decode where the
+  per-row slot index is the graph's input.
+- `segments_from_indices(slot_idx, device=...)`: runs of equal consecutive indices (Punica's SGMV
+  segments), built on the host from the scheduler's own lists; nothing waits on the device. Rows need not
+  be sorted: an unsorted batch just has more, shorter runs. Prefill tokens of one sequence are consecutive
+  and share an adapter, so a prefill of B sequences is at most B runs; ordering sequences by slot (the
+  engine may) merges runs of the same adapter into one.
+
+Running example, per-token slots of three prompts and one decode token:
+
+    slot_idx = [2, 2, 2, -1, -1, 0, 0, 2]    # 3 tokens of slot 2, 2 with no adapter, 2 of slot 0, 1 of slot 2
+    start    = [0, 3, 5, 7, 8]               # G = 4 groups; the last entry is N = 8
+    slot     = [2, -1, 0, 2]
+    max_len  = 3                             # sizes the row-tile grid axis: cdiv(3, BLOCK_M) tiles per group
+
+The kernels launch 4 x cdiv(3, BLOCK_M) programs per column tile; group 1 (slot -1) returns at once and
+leaves its rows untouched. Sorted by slot (0, 0, 2, 2, 2, 2, -1, -1) the batch is 3 groups, and slot 2's
+weights are read once for its 4 rows instead of twice.
+
+For CUDA graphs, `pad_to` gives a fixed group count (empty groups `start == end`, slot -1, at the end)
+and sets max_len to N, so the grid depends on N alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    slot: torch.Tensor  # [G] int32 or int64, on the kernels' device: adapter slot of each group, -1 for none
+    start: torch.Tensor | None  # [G + 1] int32: group g is rows start[g] .. start[g+1] - 1; None: group g is row g
+    max_len: int  # rows in the longest group, or an upper bound of it (it sizes the grid, nothing more)
+    num_rows: int  # N: rows of the batch the groups cover
+
+    @property
+    def num_groups(self) -> int:
+        return self.slot.numel()
+
+
+def segments_per_row(slot_idx: torch.Tensor) -> LoraSegments:  # slot_idx: [N] int, on the device
+    """Each row its own group (BGMV): no host work, no sync, safe inside a CUDA graph."""
+    assert slot_idx.dim() == 1 and slot_idx.dtype in (torch.int32, torch.int64), (slot_idx.shape, slot_idx.dtype)
+    return LoraSegments(slot=slot_idx, start=None, max_len=1, num_rows=slot_idx.numel())
+
+
+def segments_from_indices(
+    slot_idx: Sequence[int] | torch.Tensor,  # [N] per-row slot, -1 for none; a host list or a CPU tensor
+    *,
+    device: torch.device | str,
+    pad_to: int | None = None,
+) -> LoraSegments:
+    """Runs of equal consecutive slots (SGMV segments), built on the host and copied to `device` once."""
+    if isinstance(slot_idx, torch.Tensor):
+        # A device tensor would make this wait on the device (nonzero, max); the scheduler has host lists.
+        assert slot_idx.device.type == "cpu" and slot_idx.dim() == 1, (slot_idx.device, slot_idx.shape)
+        idx = slot_idx.to(torch.int64)
+    else:
+        idx = torch.tensor(list(slot_idx), dtype=torch.int64)
+    n = idx.numel()
+    assert n == 0 or int(idx.min()) >= -1, f"slot indices below -1: {int(idx.min())}"
+    if n == 0:
+        start = torch.zeros(1, dtype=torch.int64)
+    else:
+        change = torch.nonzero(idx[1:] != idx[:-1]).flatten() + 1  # [G - 1] first row of every group but the first
+        start = torch.cat([torch.zeros(1, dtype=torch.int64), change, torch.tensor([n])])  # [G + 1]
+    slot = idx[start[:-1]]  # [G]
+    max_len = int((start[1:] - start[:-1]).max()) if n else 0
+    if pad_to is not None:
+        groups = slot.numel()
+        assert pad_to >= groups, f"pad_to {pad_to} is below the {groups} groups of this batch"
+        start = torch.cat([start, torch.full((pad_to - groups,), n, dtype=torch.int64)])
+        slot = torch.cat([slot, torch.full((pad_to - groups,), -1, dtype=torch.int64)])
+        max_len = n
+    return LoraSegments(
+        slot=slot.to(device=device, dtype=torch.int32),
+        start=start.to(device=device, dtype=torch.int32),
+        max_len=max_len,
+        num_rows=n,
+    )
+
+
+def rows_of(segments: LoraSegments) -> torch.Tensor:
+    """[N] slot of every row, the inverse of the builders above (for references and tests)."""
+    if segments.start is None:
+        return segments.slot.to(torch.int64)
+    lengths = (segments.start[1:] - segments.start[:-1]).to(torch.int64)  # [G]
+    return torch.repeat_interleave(segments.slot.to(torch.int64), lengths, output_size=segments.num_rows)

@@ -1,0 +1,227 @@
+"""Multi-LoRA shrink: every row of a flat batch projected down to its own adapter's rank, in one launch.
+
+Semantics: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T with r = rank[slot_i], for every slice s and every row i
+whose slot_i >= 0; nothing else of t is written.
+
+Punica's SGMV/BGMV shrink ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547):
+rows are grouped by adapter (kernels/lora_segments.py: runs of rows for prefill, one row per group for
+decode), and one program computes a tile of one group's rows against its slot's A. The two forms share
+this kernel and this launcher: a one-row group is just a segment of length 1, computed as a GEMV
+(BLOCK_M = 1, CUDA cores) instead of a tensor-core tile.
+
+Heterogeneous ranks (S-LoRA, Sheng et al., 2023, arXiv:2311.03285) without padding to the largest: the
+rank axis is cut into BLOCK_R = 16 tiles, and a program whose tile starts at or beyond its slot's rank
+returns before loading anything. Slots hold max_rank rows, so a rank-8 adapter in a max-rank-64 slot
+runs 1 of 4 rank tiles and reads 8 rows of A (masked loads fetch nothing), the same bytes it would read
+in a rank-8 slot. Entries of t beyond a row's rank are never written and never read by the expand.
+
+Fused projections: A holds S slices (q, k, v: S = 3; gate, up: S = 2; others S = 1), all reading the
+same x. Layout `a_stack [slots, S, R, in]`, slice-major within a slot, rank-major within a slice: a
+PEFT `lora_A [r, in]` of slice s goes to `a_stack[slot, s, :r]`, and the rows beyond r are never read
+(the engine zero-fills them anyway). The slice and rank tile are the fastest grid axis, so the S x
+(R / 16) programs that read the same x tile run side by side and x comes from DRAM about once.
+
+Products. Half-precision tiles are widened to fp32 before `tl.dot`, and fp16/bf16 inputs use TF32
+tensor cores: their 8- or 11-bit significands fit TF32's 11, so every product is exact and sums are fp32
+(fp32 inputs use IEEE fp32). The op is memory-bound (about R flops per byte of x), so TF32's half rate
+costs nothing here, and the same code runs in the Triton interpreter, which multiplies the raw bit
+patterns of bf16 operands in `tl.dot` (triton-lang/triton#11584).
+
+Split-K. A decode batch is short (32 rows) and in_features long (4096 at 8b, 14336 for down_proj),
+so one program per (row, slice) would leave most of the 132 SMs idle: 32 rows x 1 slice of down_proj is
+32 programs each streaming 16 x 14336 x 2 B = 458 KB. The launcher splits K until about 256 programs
+are live (down_proj: 8 splits of 1792) and the splits add into t with fp32 atomics, so t is zeroed
+first. Accumulation is fp32 throughout; t is fp32 so the expand reads it at full precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_segments import LoraSegments, rows_of
+
+_BLOCK_R = 16  # rank tile: the tensor-core minimum, and the granularity at which ranks are skipped
+_TARGET_PROGRAMS = 256  # about 2 per SM on an H200 (132 SMs), enough to hide each program's load latency
+_MIN_K_PER_SPLIT = 512
+
+
+@triton.jit
+def _kernel(
+    x_ptr,  # [N, in]
+    a_ptr,  # [slots, S, R, in]
+    t_ptr,  # [S, N, R] fp32
+    rank_ptr,  # [slots]
+    slot_ptr,  # [G]
+    start_ptr,  # [G + 1], unused when HAS_START is False
+    in_features,
+    k_per_split,  # multiple of BLOCK_K
+    stride_xm, stride_xk,
+    stride_as, stride_ai, stride_ar, stride_ak,
+    stride_ti, stride_tm, stride_tr,
+    NUM_RTILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_START: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_c = tl.program_id(0)  # slice x rank tile x K split: programs sharing an x tile are neighbours
+    pid_m = tl.program_id(1)  # row tile within the group
+    group = tl.program_id(2)
+    split = pid_c % SPLIT_K
+    r_tile = (pid_c // SPLIT_K) % NUM_RTILES
+    sl = pid_c // (SPLIT_K * NUM_RTILES)
+
+    slot = tl.load(slot_ptr + group)
+    if slot < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    r0 = r_tile * BLOCK_R
+    if r0 >= rank:
+        return
+    if HAS_START:
+        row_begin = tl.load(start_ptr + group)
+        row_end = tl.load(start_ptr + group + 1)
+    else:
+        row_begin = group
+        row_end = group + 1
+    m0 = row_begin + pid_m * BLOCK_M
+    if m0 >= row_end:
+        return
+
+    offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+    r_mask = offs_r < rank
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, in_features)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + sl * stride_ai
+
+    if BLOCK_M == 1:
+        # GEMV: one row against a [BR, BK] tile of A on CUDA cores; a tensor-core tile would be 15/16 padding.
+        acc_v = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        x_row = x_ptr + m0.to(tl.int64) * stride_xm
+        for k in range(k_begin, k_end, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+            k_mask = offs_k < k_end
+            xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)  # [BK]
+            at = tl.load(
+                a_base + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                mask=r_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BR, BK]
+            acc_v += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        t_ptrs = t_ptr + sl * stride_ti + m0.to(tl.int64) * stride_tm + offs_r * stride_tr  # [BR]
+        if SPLIT_K == 1:
+            tl.store(t_ptrs, acc_v, mask=r_mask)
+        else:
+            tl.atomic_add(t_ptrs, acc_v, mask=r_mask)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
+        m_mask = offs_m < row_end
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+            k_mask = offs_k < k_end
+            xt = tl.load(
+                x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BM, BK]
+            at = tl.load(
+                a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
+                mask=k_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )  # [BK, BR]
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision=DOT_PRECISION)
+        t_ptrs = t_ptr + sl * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
+        mask = m_mask[:, None] & r_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(t_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(t_ptrs, acc, mask=mask)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [N, in]
+    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in] for a single slice
+    rank: torch.Tensor,  # [slots] int: each slot's true rank (0: empty slot, nothing computed)
+    segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py)
+    *,
+    out: torch.Tensor | None = None,  # [S, N, R] fp32 to fill instead of a fresh one (a CUDA-graph buffer)
+) -> torch.Tensor:  # [S, N, R] fp32
+    """t = x A^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
+    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
+    slots, num_slices, max_rank, in_features = a4.shape
+    n = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == in_features, f"x {tuple(x.shape)} does not match a_stack {tuple(a_stack.shape)}"
+    assert x.dtype == a4.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (x.dtype, a4.dtype)
+    assert x.device == a4.device == rank.device == segments.slot.device, (x.device, a4.device, rank.device, segments.slot.device)
+    assert rank.shape == (slots,) and not rank.is_floating_point(), (tuple(rank.shape), rank.dtype, slots)
+    assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, x has {n}"
+    split_k, block_m, block_k, num_warps = _config(segments, num_slices, in_features)
+    if out is None:
+        out = (torch.zeros if split_k > 1 else torch.empty)(num_slices, n, max_rank, dtype=torch.float32, device=x.device)
+    else:
+        assert out.shape == (num_slices, n, max_rank) and out.dtype == torch.float32, (tuple(out.shape), out.dtype)
+        if split_k > 1:
+            out.zero_()  # the K splits add into it
+    if n == 0 or segments.num_groups == 0:
+        return out
+    num_rtiles = triton.cdiv(max_rank, _BLOCK_R)
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
+    _kernel[grid](
+        x, a4, out, rank, segments.slot, start,
+        in_features, k_per_split,
+        x.stride(0), x.stride(1),
+        a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_RTILES=num_rtiles,
+        SPLIT_K=split_k,
+        HAS_START=segments.start is not None,
+        BLOCK_M=block_m,
+        BLOCK_R=_BLOCK_R,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact for widened fp16/bf16
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int]:
+    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch; see the module docstring for split-K."""
+    if segments.start is None:
+        block_m, block_k, num_warps = 1, 256, 4
+    elif segments.max_len <= 16:
+        block_m, block_k, num_warps = 16, 128, 4
+    else:
+        block_m, block_k, num_warps = 64, 64, 4
+    # Programs live at rank <= 16: one rank tile per (group, row tile, slice).
+    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * num_slices)
+    split_k = 1
+    while base * split_k < _TARGET_PROGRAMS and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
+        split_k *= 2
+    return split_k, block_m, block_k, num_warps
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,  # [N, in]
+    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in]
+    rank: torch.Tensor,  # [slots]
+    segments: LoraSegments,
+) -> torch.Tensor:  # [S, N, R] fp32; zero where the kernel writes nothing
+    """Pure torch, fp32, one matmul per distinct slot of the batch at that slot's rank."""
+    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
+    num_slices, max_rank = a4.shape[1], a4.shape[2]
+    slot = rows_of(segments).to(x.device)  # [N]
+    t = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # [S, N, R]
+    for s in slot.unique().tolist():
+        if s < 0:
+            continue
+        rows = slot == s
+        r = int(rank[s])
+        t[:, rows, :r] = torch.einsum("nk,srk->snr", x[rows].float(), a4[s, :, :r].float())
+    return t

@@ -1,0 +1,229 @@
+"""Paged attention over a block-table KV cache, for decode and for prefill over a cached prefix, one launch.
+
+Semantics: o[q_b + i, h] = softmax(q[q_b + i, h] . K_b[:p + 1, h // G]^T * scale) V_b[:p + 1, h // G] for
+sequence b's query token i at position p = seq_lens[b] - query_len_b + i, where K_b / V_b are the
+sequence's keys and values gathered through its block table and G = heads / kv_heads.
+
+Decode is the case query_len_b = 1 for all b (cu_seqlens_q None); a prefill chunk attends causally to its
+cached prefix and to itself. The maths are the same, so one kernel and one launcher serve both, and a
+batch that mixes prefill chunks and decode tokens (chunked prefill) is one launch. The new tokens' K/V
+must already be in the cache (the engine writes them first, as engine/attention.py does today).
+
+Cache layout: the engine's `[num_blocks, block_size, kv_heads, head_dim]` per layer, kept as it is: one
+token of one KV head is head_dim contiguous elements (128 B for bf16 at head_dim 64, 256 B at 128),
+whole cache lines, so reading one head's keys token by token coalesces as well as a head-major
+`[num_blocks, kv_heads, block_size, head_dim]` block would, and the engine's `index_copy_` of new K/V
+stays one flat write. The key tile (BLOCK_N keys) is independent of block_size: each key finds its
+block through the table (block_tables[b, n // block_size]), so small blocks (16) still give 64-key tiles.
+
+Algorithm: FlashAttention-2's online softmax (Dao, 2023, arXiv:2307.08691) over key tiles, in fp32
+(running max m, running sum l, rescaled accumulator), base 2 with log2(e) folded into the scale. GQA:
+one program takes one KV head and all G query heads that share it, stacked with BLOCK_T query tokens into
+the rows of one tile (row = token * G_PAD + head), so each K/V tile is read once for the G heads (4 at
+llama-1b and -8b) instead of G times. Decode fills a 16-row tile (tensor-core minimum) with 16 / G_PAD
+token slots of which one is live: the padding costs arithmetic, not bytes, and decode is bound by bytes.
+
+Interpreter: on CPU (the Triton interpreter) the dot operands are widened to fp32, since the
+interpreter multiplies the raw bit patterns of bf16 in `tl.dot` (triton-lang/triton#11584); on CUDA
+fp16/bf16 tiles go to the tensor cores as they are, and P is rounded to V's dtype (as FlashAttention-2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # start of the running max: finite, so a fully masked padding row gives 0, not NaN
+
+
+@triton.jit
+def _kernel(
+    q_ptr,  # [N, H, D]
+    k_ptr,  # [num_blocks, block_size, KV, D]
+    v_ptr,  # [num_blocks, block_size, KV, D]
+    o_ptr,  # [N, H, D]
+    table_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32: tokens in the cache for each sequence, this step's included
+    cu_q_ptr,  # [B + 1] int32: first query row of each sequence, then N; unused when HAS_CU_Q is False
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_table,
+    HAS_CU_Q: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_T: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per step
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    KV_BLOCK: tl.constexpr,  # the cache's block_size
+    DOT_DTYPE: tl.constexpr,
+):
+    pid_t = tl.program_id(0)  # query-token tile of the sequence
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if HAS_CU_Q:
+        q_begin = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+    else:
+        q_begin = seq
+        q_len = 1
+    t0 = pid_t * BLOCK_T
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # cached tokens before the first query token
+
+    ROWS: tl.constexpr = BLOCK_T * GROUP_PAD
+    offs_row = tl.arange(0, ROWS)  # [M] row = token slot * GROUP_PAD + head in group
+    tok = t0 + offs_row // GROUP_PAD  # [M] query index within the sequence
+    head = kv_head * GROUP + offs_row % GROUP_PAD  # [M]
+    row_ok = (tok < q_len) & (offs_row % GROUP_PAD < GROUP)
+    q_pos = context + tok  # [M] position of each row's query token
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_rows = (q_begin + tok).to(tl.int64) * stride_qt + head * stride_qh  # [M]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)  # [M, D]
+
+    m_i = tl.full((ROWS,), _NEG_BIG, dtype=tl.float32)  # running max, base-2 units
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)  # [M, D]
+
+    # Keys 0 .. kv_end - 1: up to the position of this tile's last query token.
+    kv_end = context + tl.minimum(t0 + BLOCK_T, q_len)
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] key positions
+        n_ok = offs_n < kv_end
+        block = tl.load(table_row + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)  # [BN]
+        k_rows = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh  # [BN]
+        kt = tl.load(k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt.to(DOT_DTYPE)) * qk_scale  # [M, BN] fp32, base-2 logits
+        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal, shifted by the context
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
+        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_new[:, None])  # [M, BN]; 0 where masked
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows = block * stride_vb + (offs_n % KV_BLOCK) * stride_vs + kv_head * stride_vh  # [BN]
+        vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE))  # [M, D]
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows have l = 0 and are not stored
+    o_rows = (q_begin + tok).to(tl.int64) * stride_ot + head * stride_oh  # [M]
+    tl.store(
+        o_ptr + o_rows[:, None] + offs_d[None, :] * stride_od,
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, H, D] the step's query tokens, sequence by sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D] one layer's keys, this step's included
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32: each sequence's blocks; entries past seq_len never read
+    seq_lens: torch.Tensor,  # [B] int32: tokens of each sequence in the cache, this step's included
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,  # [B + 1] int32 query offsets; None: decode, sequence b is row b
+    max_query_len: int = 1,  # longest query_len in the batch (sizes the grid; an upper bound is fine)
+    softmax_scale: float | None = None,  # default 1 / sqrt(D)
+    out: torch.Tensor | None = None,  # [N, H, D] to write into (a CUDA-graph buffer)
+) -> torch.Tensor:  # [N, H, D]
+    """Causal attention of each sequence's query tokens over its paged cache (see Semantics)."""
+    n, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, d_cache = k_cache.shape
+    batch = seq_lens.shape[0]
+    assert v_cache.shape == k_cache.shape and d_cache == head_dim, (tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape))
+    assert heads % kv_heads == 0, f"{heads} query heads do not share {kv_heads} KV heads evenly"
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (q.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch, (tuple(block_tables.shape), batch)
+    assert not block_tables.is_floating_point() and not seq_lens.is_floating_point(), (block_tables.dtype, seq_lens.dtype)
+    if cu_seqlens_q is None:
+        assert n == batch and max_query_len == 1, f"decode takes one query token per sequence: {n} rows, {batch} sequences"
+    else:
+        assert cu_seqlens_q.shape == (batch + 1,) and max_query_len >= 1, (tuple(cu_seqlens_q.shape), batch, max_query_len)
+    assert q.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype, (tuple(out.shape), out.dtype)
+    if n == 0:
+        return out
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_t, block_n, num_warps = _config(group_pad, max_query_len, head_dim)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    grid = (triton.cdiv(max_query_len, block_t), kv_heads, batch)
+    _kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_tables.stride(0),
+        HAS_CU_Q=cu_seqlens_q is not None,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim,
+        KV_BLOCK=block_size,
+        # The interpreter (CPU) multiplies bf16 bit patterns in tl.dot: widen there (see the docstring).
+        DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else _TL_DTYPE[q.dtype],
+        num_warps=num_warps,
+    )
+    return out
+
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_N, num_warps): 16 rows for decode, 64 for prefill, with at least one live token slot."""
+    rows = 16 if max_query_len == 1 else 64
+    block_t = max(1, rows // group_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    return block_t, block_n, 4
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,  # [B + 1]
+    softmax_scale: float | None = None,
+) -> torch.Tensor:  # [N, H, D] in q's dtype, computed in fp32
+    """Pure torch, one sequence at a time: gather its blocks, mask causally from its context, softmax in fp32."""
+    n, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    cu = cu_seqlens_q.tolist() if cu_seqlens_q is not None else list(range(n + 1))
+    out = torch.empty_like(q)
+    for b, total in enumerate(seq_lens.tolist()):
+        q_begin, q_end = cu[b], cu[b + 1]
+        if q_end == q_begin:
+            continue
+        blocks = block_tables[b, : -(-total // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:total].float().repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+        v = v_cache[blocks].flatten(0, 1)[:total].float().repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+        qs = q[q_begin:q_end].float()  # [q, H, D]
+        scores = torch.einsum("qhd,thd->hqt", qs, k) * scale  # [H, q, T]
+        q_pos = torch.arange(total - (q_end - q_begin), total, device=q.device)[:, None]  # [q, 1]
+        scores = scores.masked_fill(torch.arange(total, device=q.device)[None, :] > q_pos, float("-inf"))
+        out[q_begin:q_end] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

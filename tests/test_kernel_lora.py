@@ -1,0 +1,273 @@
+"""The Triton multi-LoRA shrink and expand against a float64 computation at each adapter's true rank.
+
+Grid (STYLE item 7): dtype x adapter popularity x rank mix x fused slices x batch form, at small sizes that
+the Triton interpreter runs on the CPU; the same checks at llama-1b and llama-8b hidden sizes run only
+where CUDA is. Batch forms: per-row decode (BGMV groups of one row), decode rows grouped by slot and padded
+as a CUDA graph would (SGMV, tiles of 16 rows), and a prefill of sequences of 1 to 23 tokens (SGMV, tiles
+of 64 rows). Every fourth row or sequence has no adapter (-1), one slot of the mixed ranks is empty
+(rank 0), and every weight beyond a slot's rank is NaN, so a kernel that reads past a rank fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+import kernels.lora_expand as lora_expand_module
+import kernels.lora_shrink as lora_shrink_module
+from kernels.lora_expand import lora_expand, lora_expand_ref
+from kernels.lora_segments import LoraSegments, segments_from_indices, segments_per_row
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y
+T_TOL = 1e-5  # t is fp32 from exact products (TF32 holds fp16/bf16 exactly), whatever the input dtype
+POPULARITY = ["distinct", "uniform", "zipf", "identical"]
+RANKS = {"uniform": (16, [16]), "mixed": (64, [8, 16, 32, 64, 1, 0])}  # max rank, ranks cycled over the slots
+SLICES = {"one": (48,), "qkv": (64, 16, 16), "gate_up": (40, 40)}  # qkv: llama-1b's 2048/512/512, scaled down
+FORMS = ["per_row", "grouped", "prefill"]
+IN_FEATURES = 200  # a multiple of no BLOCK_K: every K loop ends on a masked tail
+
+
+@dataclass(frozen=True)
+class Size:
+    decode_rows: int
+    prefill_lens: tuple[int, ...]  # tokens of each prefill sequence
+    slots: int
+
+
+SMALL = Size(decode_rows=13, prefill_lens=(5, 1, 23, 3, 17, 8, 2), slots=16)
+ISSUE = Size(decode_rows=32, prefill_lens=(70, 1, 130, 33, 64, 17, 96, 5), slots=32)  # issue 4: batch 32, 32 adapters
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_backend():
+    """Without CUDA, run the kernels in the Triton interpreter, for this module's tests only.
+
+    Triton reads TRITON_INTERPRET once, when @triton.jit decorates a kernel (triton.knobs.runtime.interpret,
+    at import of the kernel module): setting it here would come too late once any other test imported the
+    module, and would leak into every test after this one. Wrapping the kernel's Python function in the
+    interpreter is what the decorator does under that variable, undone when the module's tests end.
+    """
+    if DEVICE.type == "cuda":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (lora_shrink_module, lora_expand_module):
+            mp.setattr(module, "_kernel", InterpretedFunction(module._kernel.fn))
+        yield
+
+
+def _unit_slots(popularity: str, units: int, num_slots: int, gen: torch.Generator) -> list[int]:
+    """Adapter slot of each unit (a decode row or a prefill sequence); every fourth has none."""
+    if popularity == "distinct":
+        slots = torch.arange(units) % num_slots
+    elif popularity == "uniform":
+        slots = torch.randint(0, num_slots, (units,), generator=gen)
+    elif popularity == "zipf":
+        weights = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64) ** 1.5
+        slots = torch.multinomial(weights, units, replacement=True, generator=gen)
+    elif popularity == "identical":
+        slots = torch.zeros(units, dtype=torch.int64)
+    else:
+        raise AssertionError(popularity)
+    slots[3::4] = -1
+    return slots.tolist()
+
+
+def _batch(form: str, popularity: str, gen: torch.Generator, size: Size = SMALL) -> tuple[list[int], LoraSegments]:
+    """Per-row slots [N] and the row groups the kernels take, for one batch form."""
+    if form == "prefill":
+        unit = _unit_slots(popularity, len(size.prefill_lens), size.slots, gen)
+        idx = [s for s, n in zip(unit, size.prefill_lens) for _ in range(n)]
+        return idx, segments_from_indices(idx, device=DEVICE)
+    idx = _unit_slots(popularity, size.decode_rows, size.slots, gen)
+    if form == "per_row":
+        return idx, segments_per_row(torch.tensor(idx, device=DEVICE))
+    idx = sorted(idx, key=lambda s: (s < 0, s))  # the engine may order decode rows by slot
+    return idx, segments_from_indices(idx, device=DEVICE, pad_to=len(idx))
+
+
+def _weights(max_rank, ranks, in_f, out_f, num_slices, dtype, gen, num_slots=SMALL.slots):
+    """Slot stacks in the kernels' layout with NaN beyond each slot's rank (the engine zero-fills; no kernel may read it)."""
+    rank = torch.tensor([ranks[s % len(ranks)] for s in range(num_slots)], dtype=torch.int32)  # [slots]
+    a = torch.randn(num_slots, num_slices, max_rank, in_f, generator=gen) / in_f**0.5  # [slots, S, R, in]
+    b = torch.randn(num_slots, max_rank, out_f, generator=gen)  # [slots, R, out]
+    for s, r in enumerate(rank.tolist()):
+        a[s, :, r:] = float("nan")
+        b[s, r:] = float("nan")
+    scale = torch.rand(num_slots, generator=gen) * 2 + 0.25  # [slots]
+    return a.to(dtype), b.to(dtype), rank, scale
+
+
+def _want(x, y0, a, b, rank, scale, idx, widths):
+    """(t [S, N, R], y [N, out]) in float64, each slot at its true rank, one slot at a time."""
+    num_slices, max_rank = a.shape[1], a.shape[2]
+    slot = torch.tensor(idx)
+    t = torch.zeros(num_slices, len(idx), max_rank, dtype=torch.float64)
+    y = y0.double().cpu()
+    for s in sorted(set(idx) - {-1}):
+        rows, r = slot == s, int(rank[s])
+        if r == 0:
+            continue
+        xs = x[rows.to(x.device)].double().cpu()  # [m, in]
+        col = 0
+        for i, w in enumerate(widths):
+            t[i, rows, :r] = xs @ a[s, i, :r].double().cpu().T
+            y[rows, col : col + w] += float(scale[s]) * t[i, rows, :r] @ b[s, :r, col : col + w].double().cpu()
+            col += w
+    return t, y
+
+
+def _defined(idx: list[int], rank: torch.Tensor, num_slices: int, max_rank: int) -> torch.Tensor:
+    """[S, N, R] bool: the entries of t the shrink must write (a row's slot >= 0, column below its rank)."""
+    slot = torch.tensor(idx)
+    r = torch.where(slot >= 0, rank.long()[slot.clamp(min=0)], 0)  # [N]
+    return (torch.arange(max_rank)[None, :] < r[:, None])[None].expand(num_slices, -1, -1)
+
+
+def _untouched(idx: list[int], rank: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows no adapter may write (no slot, or an empty slot)."""
+    slot = torch.tensor(idx)
+    return (slot < 0) | (rank.long()[slot.clamp(min=0)] == 0)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    err = (got.double().cpu() - want).abs()
+    scale = want.abs().max().clamp(min=1e-30)
+    assert not torch.isnan(got).any(), f"{what}: NaN in the result ({int(torch.isnan(got).sum())} entries)"
+    assert err.max() / scale < tol, f"{what}: max err {err.max():.3e} (rel {err.max() / scale:.3e} > {tol}), mean err {err.mean():.3e}"
+
+
+def _bits(y: torch.Tensor) -> torch.Tensor:
+    return y.view(torch.int32 if y.element_size() == 4 else torch.int16)
+
+
+def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SMALL):
+    max_rank, rank_list = ranks
+    idx, segments = _batch(form, popularity, gen, size)
+    n, num_slices, out_f = len(idx), len(widths), sum(widths)
+    a, b, rank, scale = _weights(max_rank, rank_list, in_f, out_f, num_slices, dtype, gen, size.slots)
+    x = torch.randn(n, in_f, generator=gen).to(dtype)  # [N, in]
+    y0 = torch.randn(n, out_f, generator=gen).to(dtype)  # [N, out]
+    y0[:, ::3] = -0.0  # untouched rows must keep these bits; y + 0.0 would turn them into +0.0
+    t_want, y_want = _want(x, y0, a, b, rank, scale, idx, widths)
+    defined = _defined(idx, rank, num_slices, max_rank)
+    a, b, rank, scale, x, y = (v.to(DEVICE) for v in (a, b, rank, scale, x, y0.clone()))
+
+    t = lora_shrink(x, a, rank, segments, out=torch.full((num_slices, n, max_rank), float("nan"), device=DEVICE))
+    _assert_close(t.cpu()[defined], t_want[defined], T_TOL, "shrink t")
+    t[~defined.to(DEVICE)] = float("nan")  # whatever the shrink left there: the expand must not read it
+
+    lora_expand(y, t, b, rank, scale, segments, slices=widths)
+    keep = _untouched(idx, rank.cpu())
+    assert torch.equal(_bits(y.cpu()[keep]), _bits(y0[keep])), "rows without an adapter changed"
+    _assert_close(y.cpu(), y_want, TOL[dtype], f"expand y ({dtype})")
+    return idx, segments, x, y0, a, b, rank, scale, t_want, y_want, defined
+
+
+CASES = list(itertools.product([torch.float32, torch.float16, torch.bfloat16], POPULARITY, RANKS, SLICES, FORMS))
+
+
+@pytest.mark.parametrize(("dtype", "popularity", "ranks", "slices", "form"), CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_shrink_expand_match_true_rank_float64_and_leave_unadapted_rows_untouched(dtype, popularity, ranks, slices, form):
+    """t equals x A^T at each slot's true rank on every entry it must write (into a NaN-filled buffer); y += s t B^T
+    equals float64 within the dtype's tolerance without reading t or weights beyond a rank; rows with no adapter
+    or an empty slot keep their bits."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), popularity, ranks, slices, form)).encode()))
+    _run_case(dtype, popularity, RANKS[ranks], SLICES[slices], form, IN_FEATURES, gen)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_torch_references_match_float64(form):
+    """lora_shrink_ref and lora_expand_ref (what the bench times the kernels against) compute the same op."""
+    gen = torch.Generator().manual_seed(7)
+    max_rank, rank_list = RANKS["mixed"]
+    widths = SLICES["qkv"]
+    idx, segments = _batch(form, "uniform", gen)
+    a, b, rank, scale = _weights(max_rank, rank_list, IN_FEATURES, sum(widths), len(widths), torch.float32, gen)
+    x = torch.randn(len(idx), IN_FEATURES, generator=gen)
+    y0 = torch.randn(len(idx), sum(widths), generator=gen)
+    t_want, y_want = _want(x, y0, a, b, rank, scale, idx, widths)
+    segments_cpu = LoraSegments(segments.slot.cpu(), None if segments.start is None else segments.start.cpu(), segments.max_len, segments.num_rows)
+    t = lora_shrink_ref(x, a, rank, segments_cpu)
+    _assert_close(t, t_want, 1e-5, "lora_shrink_ref")
+    y = y0.clone()
+    lora_expand_ref(y, t, b, rank, scale, segments_cpu, slices=widths)
+    _assert_close(y, y_want, 1e-5, "lora_expand_ref")
+
+
+def test_split_k_adds_up_to_the_same_t(monkeypatch):
+    """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives."""
+    gen = torch.Generator().manual_seed(3)
+    idx, segments = _batch("per_row", "uniform", gen)
+    a, _, rank, _ = _weights(64, [8, 16, 32, 64], 256, 16, 3, torch.float32, gen)
+    x = torch.randn(len(idx), 256, generator=gen)
+    a, rank, x = a.to(DEVICE), rank.to(DEVICE), x.to(DEVICE)
+    assert lora_shrink_module._config(segments, 3, 256)[0] == 1
+    one_pass = lora_shrink(x, a, rank, segments)
+    monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 32)
+    monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 4 * len(idx) * 3)
+    assert lora_shrink_module._config(segments, 3, 256)[0] == 4
+    split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
+    defined = _defined(idx, rank.cpu(), 3, 64).to(DEVICE)
+    torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["per_row", "prefill"])
+def test_empty_batch_and_all_base_batch_change_nothing(form):
+    """No rows, or rows all without an adapter: y keeps every bit and nothing is launched for nothing."""
+    gen = torch.Generator().manual_seed(4)
+    a, b, rank, scale = (v.to(DEVICE) for v in _weights(16, [16], 32, 24, 1, torch.float32, gen))
+    for idx in ([], [-1] * 5):
+        segments = segments_per_row(torch.tensor(idx, dtype=torch.int64, device=DEVICE)) if form == "per_row" else segments_from_indices(idx, device=DEVICE)
+        x = torch.randn(len(idx), 32, generator=gen).to(DEVICE)
+        y = torch.randn(len(idx), 24, generator=gen).to(DEVICE)
+        before = y.clone()
+        t = lora_shrink(x, a, rank, segments)
+        assert t.shape == (1, len(idx), 16)
+        lora_expand(y, t, b, rank, scale, segments)
+        assert torch.equal(_bits(y), _bits(before))
+
+
+def test_scale_is_per_slot():
+    """Two rows with the same x but slots that differ only in scale get deltas in exactly that ratio."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, rank, scale = _weights(16, [16], 32, 32, 1, torch.float32, gen)
+    a[1], b[1] = a[0], b[0]
+    scale[0], scale[1] = 0.5, 2.0
+    a, b, rank, scale = (v.to(DEVICE) for v in (a, b, rank, scale))
+    x = torch.randn(1, 32, generator=gen).to(DEVICE).expand(2, -1).contiguous()
+    y = torch.zeros(2, 32, device=DEVICE)
+    segments = segments_per_row(torch.tensor([0, 1], device=DEVICE))
+    lora_expand(y, lora_shrink(x, a, rank, segments), b, rank, scale, segments)
+    torch.testing.assert_close(y[1], 4 * y[0], rtol=1e-6, atol=1e-6)
+
+
+# Real hidden sizes: (in, slice widths) of llama-1b and llama-8b projections; compiled kernels on CUDA only.
+REAL = {
+    "1b-qkv": (2048, (2048, 512, 512)),
+    "1b-gate_up": (2048, (8192, 8192)),
+    "1b-down": (8192, (2048,)),
+    "8b-qkv": (4096, (4096, 1024, 1024)),
+    "8b-o": (4096, (4096,)),
+    "8b-down": (14336, (4096,)),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real hidden sizes need CUDA (the interpreter would take hours)")
+@pytest.mark.parametrize(
+    ("dtype", "module", "ranks", "form"),
+    list(itertools.product([torch.float32, torch.bfloat16], REAL, RANKS, FORMS)),
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_real_hidden_sizes_on_cuda(dtype, module, ranks, form):
+    """The same checks as the small grid at llama-1b/-8b projection sizes, batch 32 over 32 distinct adapters."""
+    in_f, widths = REAL[module]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), module, ranks, form)).encode()))
+    _run_case(dtype, "distinct", RANKS[ranks], widths, form, in_f, gen, ISSUE)

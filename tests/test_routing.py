@@ -1,0 +1,188 @@
+"""Routing: the decision order, its reasons, ACLs, write-back, canary splits and the circuit breaker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from decimal import Decimal
+
+import pytest
+
+from consumer.breaker import BreakerBoard
+from consumer.registry import AdapterView, RegistrySnapshot, TenantView
+from consumer.route_cache import CacheKey, LruRouteCache
+from consumer.routing import REASONS, Route, RouteError, Router, pick_version
+from consumer.rules import RouteRule, RuleClassifier, RuleError, compile_rule
+from consumer.schemas import Job
+
+
+def _a(tenant, name, version=1, public=False, default=False, weight=100):
+    return AdapterView(tenant, name, version, "0" * 64, 8, Decimal(16), ("q_proj",), 1000, public, default, weight)
+
+
+def snapshot() -> RegistrySnapshot:
+    adapters = {
+        ("acme", "support"): (_a("acme", "support", 1, weight=0), _a("acme", "support", 2, default=True)),
+        ("acme", "legal"): (_a("acme", "legal"),),
+        ("acme", "billing"): (_a("acme", "billing"),),
+        ("globex", "chat"): (_a("globex", "chat", default=True),),
+        ("globex", "shared"): (_a("globex", "shared", public=True),),
+        ("globex", "secret"): (_a("globex", "secret"),),
+    }
+    tenants = {t: TenantView(t, t, "standard", 1) for t in ("acme", "globex", "hooli")}
+    defaults = {"acme": adapters[("acme", "support")][1], "globex": adapters[("globex", "chat")][0]}
+    rules = (
+        RouteRule(1, "acme", "keyword", "lawsuit", "legal", 0),
+        RouteRule(2, "acme", "prefix", "INVOICE", "billing", 1),
+        RouteRule(3, "acme", "regex", r"contract\s+#\d+", "legal@1", 2),
+        RouteRule(4, "acme", "keyword", "gone", "removed-adapter", 3),
+    )
+    return RegistrySnapshot(tenants, adapters, defaults, rules)
+
+
+def job(**kw) -> Job:
+    d = {"request_id": "r1", "tenant_id": "acme", "prompt": "hello there"}
+    d.update(kw)
+    return Job.model_validate(d)
+
+
+async def route_one(router, snap, j) -> Route | RouteError:
+    return (await router.route_batch(snap, RuleClassifier(snap.rules), [j]))[0]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "adapter"),
+    [
+        ({"adapter": "legal"}, "explicit", "legal@1"),
+        ({"adapter": "support@1"}, "explicit", "support@1"),
+        ({"adapter": "shared"}, "explicit", "shared@1"),  # another tenant's public adapter
+        ({"prompt": "about the LAWSUIT, please"}, "l3_rule", "legal@1"),
+        ({"prompt": "  invoice 42 is late"}, "l3_rule", "billing@1"),
+        ({"prompt": "see contract #12"}, "l3_rule", "legal@1"),
+        ({"prompt": "lawsuits are not a keyword match"}, "tenant_default", "support@2"),
+        ({"prompt": "this rule's adapter is gone"}, "tenant_default", "support@2"),
+        ({"prompt": None, "messages": [{"role": "user", "content": "a lawsuit"}]}, "l3_rule", "legal@1"),
+        ({"prompt": None, "input_ids": [1, 2]}, "tenant_default", "support@2"),
+        ({"tenant_id": "hooli", "allow_base_fallback": True}, "base_fallback", None),
+    ],
+)
+async def test_decision_order_and_reasons(fields, reason, adapter):
+    r = await route_one(Router(LruRouteCache(100, 60)), snapshot(), job(**fields))
+    assert isinstance(r, Route), r
+    assert r.reason == reason and r.reason in REASONS
+    assert (r.adapter.ref if r.adapter else None) == adapter
+    assert r.decision_us >= 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        ({"adapter": "secret"}, "adapter_forbidden", "adapter"),
+        ({"adapter": "nope"}, "unknown_adapter", "adapter"),
+        ({"adapter": "legal@7"}, "unknown_adapter", "adapter"),
+        ({"tenant_id": "ghost"}, "unknown_tenant", "tenant_id"),
+        ({"tenant_id": "hooli"}, "no_adapter", "adapter"),
+    ],
+)
+async def test_refusals_name_the_field(fields, code, field):
+    r = await route_one(Router(LruRouteCache(100, 60)), snapshot(), job(**fields))
+    assert isinstance(r, RouteError)
+    assert (r.info.code, r.info.field) == (code, field)
+    assert "`" in r.info.message  # says what to run or set
+
+
+async def test_l1_and_l2_hits_and_write_back():
+    """An explicit choice sticks to the user (L1) and the session (L2); later jobs hit them, with reasons."""
+    cache = LruRouteCache(100, 60)
+    router, snap = Router(cache), snapshot()
+    first = await route_one(router, snap, job(adapter="legal", user_id="u1", session_id="s1"))
+    assert first.reason == "explicit"
+    assert await cache.get_many([CacheKey("l1", "acme", "u1"), CacheKey("l2", "acme", "s1")]) == {
+        CacheKey("l1", "acme", "u1"): "legal@1", CacheKey("l2", "acme", "s1"): "legal@1"}
+    by_user = await route_one(router, snap, job(request_id="r2", user_id="u1"))
+    assert (by_user.reason, by_user.adapter.ref) == ("l1_user", "legal@1")
+    by_session = await route_one(router, snap, job(request_id="r3", user_id="u2", session_id="s1"))
+    assert (by_session.reason, by_session.adapter.ref) == ("l2_session", "legal@1")
+    miss = await route_one(router, snap, job(request_id="r4", user_id="u3", session_id="s9"))
+    assert miss.reason == "tenant_default"
+    # the default decision was written back to the session, so the session sticks even if the default moves
+    assert (await cache.get_many([CacheKey("l2", "acme", "s9")])) == {CacheKey("l2", "acme", "s9"): "support@2"}
+
+
+async def test_stale_cache_entry_falls_through():
+    """A cached adapter the tenant may no longer use is skipped, never served."""
+    cache = LruRouteCache(100, 60)
+    await cache.set_many({CacheKey("l1", "acme", "u1"): "secret@1"})
+    r = await route_one(Router(cache), snapshot(), job(user_id="u1"))
+    assert r.reason == "tenant_default"
+
+
+async def test_lru_cache_is_bounded_and_expires():
+    now = [0.0]
+    cache = LruRouteCache(2, 10, clock=lambda: now[0])
+    keys = [CacheKey("l1", "t", str(i)) for i in range(3)]
+    for k in keys:
+        await cache.set_many({k: "a@1"})
+    assert len(cache) == 2 and keys[0] not in await cache.get_many(keys)
+    now[0] = 11.0
+    assert await cache.get_many(keys) == {}
+
+
+def test_canary_split_is_weighted_and_deterministic():
+    """A 10% canary gets 10 +/- 3% of 1,000 jobs, and a request id always lands on the same version."""
+    versions = (_a("acme", "support", 1, weight=90), _a("acme", "support", 2, weight=10))
+    picks = Counter(pick_version(versions, f"req-{i}").version for i in range(1000))
+    assert 70 <= picks[2] <= 130, picks
+    assert all(pick_version(versions, f"req-{i}") == pick_version(versions, f"req-{i}") for i in range(50))
+    assert pick_version((_a("a", "x", 1, weight=0), _a("a", "x", 2, weight=0)), "r").version == 2
+
+
+async def test_circuit_breaker_fails_fast_then_probes():
+    now = [0.0]
+    board = BreakerBoard(failure_rate=0.5, min_requests=4, window_s=60, cooldown_s=10, clock=lambda: now[0])
+    router, snap = Router(LruRouteCache(10, 60), board), snapshot()
+    key = snap.adapters[("acme", "legal")][0].key
+    for ok in (False, False, True, False):
+        board.record(key, ok)
+    refused = await route_one(router, snap, job(adapter="legal"))
+    assert isinstance(refused, RouteError) and refused.info.code == "adapter_circuit_open" and refused.info.retriable
+    fallback = await route_one(router, snap, job(adapter="legal", allow_base_fallback=True))
+    assert fallback.adapter is None and "circuit open" in fallback.label
+    now[0] = 11.0  # half-open: exactly one probe goes through
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), RouteError)
+    board.record(key, True)
+    assert board.state(key) == "closed"
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)
+
+
+@pytest.mark.parametrize(
+    ("kind", "pattern", "text", "hit"),
+    [
+        ("keyword", "refund", "I want a REFUND now", True),
+        ("keyword", "refund", "refunds", False),
+        ("prefix", "/sql", "  /SQL select 1", True),
+        ("prefix", "/sql", "run /sql", False),
+        ("regex", r"\border #\d{4}\b", "where is order #1234?", True),
+        ("regex", r"^x$", "", False),
+    ],
+)
+def test_rule_kinds(kind, pattern, text, hit):
+    rule = RouteRule(1, "t", kind, pattern, "a")
+    assert (RuleClassifier([rule]).classify("t", text) is not None) == hit
+    assert RuleClassifier([rule]).classify("other-tenant", text) is None
+
+
+@pytest.mark.parametrize(("kind", "pattern"), [("regex", "(unclosed"), ("keyword", ""), ("fuzzy", "x")])
+def test_bad_rules_are_refused(kind, pattern):
+    with pytest.raises(RuleError):
+        compile_rule(RouteRule(1, "t", kind, pattern, "a"))
+
+
+def test_reason_labels():
+    assert Route(None, "base_fallback", 0, "x@1 circuit open").label == "base_fallback (x@1 circuit open)"
+    assert Route(None, "explicit", 0).label == "explicit"
+
+
+def test_event_loop_not_needed_for_snapshot():
+    assert asyncio.iscoroutinefunction(Router.route_batch)
