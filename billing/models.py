@@ -63,6 +63,9 @@ class Tenant(Base):
     display_name: Mapped[str] = mapped_column(String(200))
     tier: Mapped[str] = mapped_column(String(32), server_default="standard")
     weight: Mapped[int] = mapped_column(Integer, server_default=text("1"))  # fair-share weight between tenants
+    # Rate limits the worker's scheduler enforces; 0 means unlimited.
+    requests_per_minute: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    tokens_per_minute: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
 
 
@@ -85,6 +88,8 @@ class Adapter(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     is_public: Mapped[bool] = mapped_column(server_default=false())
     is_default: Mapped[bool] = mapped_column(server_default=false())
+    # Share of an unversioned name's traffic among its versions (canary); 0: reached only by name@version.
+    traffic_weight: Mapped[int] = mapped_column(Integer, server_default=text("100"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
 
 
@@ -278,3 +283,21 @@ class ClosedInvoiceLine(Base):
     cold_start_us: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[Decimal] = mapped_column(Money)
     revenue: Mapped[Decimal] = mapped_column(Money)
+
+
+class RouteRuleRow(Base):
+    """L3 routing rules: a tenant's keyword, regex and prefix rules, matched in `position` order."""
+
+    __tablename__ = "route_rules"
+    __table_args__ = (
+        CheckConstraint("kind IN ('keyword', 'regex', 'prefix')", name="kind"),
+        Index(None, "tenant_id", "position"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), ForeignKey("tenants.id"))
+    kind: Mapped[str] = mapped_column(String(16))
+    pattern: Mapped[str] = mapped_column(Text)
+    adapter: Mapped[str] = mapped_column(String(200))  # name or name@version
+    position: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())

@@ -24,7 +24,9 @@ db_app = typer.Typer(help="The ledger database schema (Alembic).", no_args_is_he
 tenants_app = typer.Typer(help="Tenants of the service.", no_args_is_help=True)
 adapters_app = typer.Typer(help="LoRA adapters in the registry.", no_args_is_help=True)
 config_app = typer.Typer(help="The configuration.", no_args_is_help=True)
-for sub, name in ((broker_app, "broker"), (db_app, "db"), (tenants_app, "tenants"), (adapters_app, "adapters"), (config_app, "config")):
+routes_app = typer.Typer(help="L3 routing rules: keyword, regex or prefix -> adapter, per tenant.", no_args_is_help=True)
+for sub, name in ((broker_app, "broker"), (db_app, "db"), (tenants_app, "tenants"), (adapters_app, "adapters"),
+                  (config_app, "config"), (routes_app, "routes")):
     app.add_typer(sub, name=name)
 
 # ------------------------------------------------------------------------- config
@@ -115,16 +117,35 @@ def db_downgrade(revision: str, config: ConfigOpt = None) -> None:
 
 
 @tenants_app.command("add")
-def tenants_add(tenant_id: str, config: ConfigOpt = None, name: Optional[str] = None, tier: str = "standard", weight: int = 1) -> None:
+def tenants_add(tenant_id: str, config: ConfigOpt = None, name: Optional[str] = None, tier: str = "standard", weight: int = 1,
+                rpm: Annotated[int, typer.Option(help="requests per minute; 0 is unlimited")] = 0,
+                tpm: Annotated[int, typer.Option(help="tokens per minute; 0 is unlimited")] = 0) -> None:
     """Register a tenant."""
     from consumer.registry import RegistryError
 
     svc = _services(_settings(config))
     try:
-        t = svc.registry.add_tenant(tenant_id, name, tier, weight)
+        t = svc.registry.add_tenant(tenant_id, name, tier, weight, rpm, tpm)
     except RegistryError as e:
         _fail(str(e))
     typer.echo(f"tenant {t.id} added (tier {t.tier}, weight {t.weight})")
+
+
+@tenants_app.command("limits")
+def tenants_limits(tenant_id: str, config: ConfigOpt = None,
+                   rpm: Annotated[Optional[int], typer.Option(help="requests per minute; 0 is unlimited")] = None,
+                   tpm: Annotated[Optional[int], typer.Option(help="tokens per minute; 0 is unlimited")] = None,
+                   weight: Annotated[Optional[int], typer.Option(help="fair-share weight")] = None) -> None:
+    """Change a tenant's rate limits or fair-share weight (running workers pick it up)."""
+    from consumer.registry import RegistryError
+
+    svc = _services(_settings(config))
+    try:
+        t = svc.registry.set_limits(tenant_id, rpm, tpm, weight)
+    except RegistryError as e:
+        _fail(str(e))
+    typer.echo(f"tenant {t.id}: weight {t.weight}, {t.requests_per_minute or 'unlimited'} requests/min, "
+               f"{t.tokens_per_minute or 'unlimited'} tokens/min")
 
 
 @tenants_app.command("list")
@@ -141,6 +162,7 @@ def tenants_list(config: ConfigOpt = None) -> None:
 def adapters_add(name: str, directory: Path, tenant: Annotated[str, typer.Option(help="owner tenant")],
                  default: Annotated[bool, typer.Option("--default", help="the tenant's default adapter")] = False,
                  public: Annotated[bool, typer.Option("--public", help="usable by every tenant")] = False,
+                 canary: Annotated[Optional[int], typer.Option(help="a new version takes only this percentage of the traffic")] = None,
                  config: ConfigOpt = None) -> None:
     """Store a PEFT adapter folder by content and register it as NAME for a tenant."""
     from consumer.registry import RegistryError
@@ -148,22 +170,83 @@ def adapters_add(name: str, directory: Path, tenant: Annotated[str, typer.Option
 
     svc = _services(_settings(config))
     try:
-        a, created = svc.registry.add_adapter(tenant, name, directory, default=default, public=public)
+        a, created = svc.registry.add_adapter(tenant, name, directory, default=default, public=public, canary=canary)
     except (RegistryError, AdapterError) as e:
         _fail(str(e))
     what = "registered" if created else "unchanged (same content)"
     typer.echo(f"adapter {tenant}/{a.ref} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}")
 
 
+@adapters_app.command("traffic")
+def adapters_traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSION=WEIGHT pairs, e.g. 1=90 2=10")],
+                     tenant: Annotated[str, typer.Option(help="owner tenant")], config: ConfigOpt = None) -> None:
+    """Split an adapter name's traffic among its versions (canary, promote, roll back)."""
+    from consumer.registry import RegistryError
+
+    parsed = {}
+    for w in weights:
+        v, sep, weight = w.partition("=")
+        if not sep or not v.isdigit() or not weight.isdigit():
+            _fail(f"{w!r}: write VERSION=WEIGHT, e.g. 2=10")
+        parsed[int(v)] = int(weight)
+    svc = _services(_settings(config))
+    try:
+        views = svc.registry.set_traffic(tenant, name, parsed)
+    except RegistryError as e:
+        _fail(str(e))
+    total = sum(v.traffic_weight for v in views)
+    typer.echo(", ".join(f"{v.ref}: {100 * v.traffic_weight / total:.0f}%" for v in views))
+
+
 @adapters_app.command("list")
 def adapters_list(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
     """List the registered adapters."""
     svc = _services(_settings(config))
-    table = Table("tenant", "adapter", "rank", "targets", "public", "default", "sha256")
+    table = Table("tenant", "adapter", "rank", "targets", "public", "default", "traffic", "sha256")
     for a in svc.registry.list_adapters(tenant):
         table.add_row(a.tenant_id, a.ref, str(a.rank), ",".join(a.target_modules), "yes" if a.is_public else "",
-                      "yes" if a.is_default else "", a.sha256[:12])
+                      "yes" if a.is_default else "", str(a.traffic_weight), a.sha256[:12])
     Console().print(table)
+
+
+@routes_app.command("add")
+def routes_add(pattern: str, adapter: str, tenant: Annotated[str, typer.Option(help="the tenant whose jobs it routes")],
+               kind: Annotated[str, typer.Option(help="keyword, regex or prefix")] = "keyword",
+               position: Annotated[int, typer.Option(help="rules match in ascending position")] = 0,
+               config: ConfigOpt = None) -> None:
+    """Route a tenant's jobs whose prompt matches PATTERN to ADAPTER (name or name@version)."""
+    from consumer.registry import RegistryError
+    from consumer.rules import RuleError
+
+    svc = _services(_settings(config))
+    try:
+        rule = svc.registry.add_rule(tenant, kind, pattern, adapter, position)
+    except (RegistryError, RuleError) as e:
+        _fail(str(e))
+    typer.echo(f"rule {rule.id} added: {tenant} {kind} {pattern!r} -> {adapter}")
+
+
+@routes_app.command("list")
+def routes_list(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
+    """List the routing rules in match order."""
+    svc = _services(_settings(config))
+    table = Table("id", "tenant", "position", "kind", "pattern", "adapter")
+    for r in svc.registry.list_rules(tenant):
+        table.add_row(str(r.id), r.tenant_id, str(r.position), r.kind, r.pattern, r.adapter)
+    Console().print(table)
+
+
+@routes_app.command("remove")
+def routes_remove(rule_id: int, config: ConfigOpt = None) -> None:
+    """Remove a routing rule by id."""
+    from consumer.registry import RegistryError
+
+    svc = _services(_settings(config))
+    try:
+        svc.registry.remove_rule(rule_id)
+    except RegistryError as e:
+        _fail(str(e))
+    typer.echo(f"rule {rule_id} removed")
 
 
 # ------------------------------------------------------------------------- offline generation
@@ -195,13 +278,15 @@ def generate(jobs: Annotated[Path, typer.Option("--jobs", help="JSONL of jobs (p
 
 
 @app.command("worker")
-def worker(config: ConfigOpt = None, log_level: str = "INFO") -> None:
+def worker(config: ConfigOpt = None, log_level: str = "INFO",
+           worker_id: Annotated[Optional[str], typer.Option(help="stable id: the static group member name and ledger worker")] = None,
+           metrics_port: Annotated[Optional[int], typer.Option(help="serve Prometheus /metrics on this port")] = None) -> None:
     """Consume jobs, run them on the engine, publish results, bill them, commit. SIGTERM drains and exits."""
     from consumer.worker import Worker
     from engine.engine import Engine
 
     _setup_logging(log_level)
-    s = _settings(config)
+    s = _settings(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
     svc = _services(s)
     engine = Engine(s.engine)
     w = Worker(s, engine, svc.registry, svc.ledger)

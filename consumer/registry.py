@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -19,8 +19,8 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from billing.models import Adapter, Tenant
-from consumer.rules import RouteRule
+from billing.models import Adapter, RouteRuleRow, Tenant
+from consumer.rules import RouteRule, compile_rule
 from engine.store import AdapterStore
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -69,8 +69,16 @@ def _view(a: Adapter) -> AdapterView:
     return AdapterView(
         tenant_id=a.tenant_id, name=a.name, version=a.version, sha256=a.sha256, rank=a.rank,
         alpha=Decimal(a.alpha), target_modules=tuple(a.target_modules),
-        nbytes=a.nbytes, is_public=a.is_public, is_default=a.is_default,
+        nbytes=a.nbytes, is_public=a.is_public, is_default=a.is_default, traffic_weight=a.traffic_weight,
     )
+
+
+def _tenant(t: Tenant) -> TenantView:
+    return TenantView(t.id, t.display_name, t.tier, t.weight, t.requests_per_minute, t.tokens_per_minute)
+
+
+def _rule(r: RouteRuleRow) -> RouteRule:
+    return RouteRule(r.id, r.tenant_id, r.kind, r.pattern, r.adapter, r.position)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class Registry:
         self.sessions = sessions
         self.store = store
 
-    def add_tenant(self, tenant_id: str, display_name: str | None = None, tier: str = "standard", weight: int = 1) -> TenantView:
+    def add_tenant(self, tenant_id: str, display_name: str | None = None, tier: str = "standard", weight: int = 1,
+                   requests_per_minute: int = 0, tokens_per_minute: int = 0) -> TenantView:
         if not NAME_RE.match(tenant_id):
             raise RegistryError(f"tenant id {tenant_id!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'")
         if weight < 1:
@@ -106,23 +115,30 @@ class Registry:
             if s.get(Tenant, tenant_id) is not None:
                 raise RegistryError(f"tenant {tenant_id!r} exists already; `lorabatch tenants list` shows it")
             t = Tenant(id=tenant_id, display_name=display_name or tenant_id, tier=tier, weight=weight,
+                       requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
                        created_at=datetime.now(UTC))
             s.add(t)
-            return TenantView(t.id, t.display_name, t.tier, t.weight)
+            return _tenant(t)
 
     def ensure_tenant(self, tenant_id: str, **kw) -> TenantView:
         with self.sessions() as s:
             t = s.get(Tenant, tenant_id)
             if t is not None:
-                return TenantView(t.id, t.display_name, t.tier, t.weight)
+                return _tenant(t)
         return self.add_tenant(tenant_id, **kw)
 
     def list_tenants(self) -> list[TenantView]:
         with self.sessions() as s:
-            return [TenantView(t.id, t.display_name, t.tier, t.weight) for t in s.scalars(select(Tenant).order_by(Tenant.id))]
+            return [_tenant(t) for t in s.scalars(select(Tenant).order_by(Tenant.id))]
 
-    def add_adapter(self, tenant_id: str, name: str, src: Path, *, default: bool = False, public: bool = False) -> tuple[AdapterView, bool]:
-        """Store and register; returns (view, created). Same content under the same name is a no-op."""
+    def add_adapter(self, tenant_id: str, name: str, src: Path, *, default: bool = False, public: bool = False,
+                    canary: int | None = None) -> tuple[AdapterView, bool]:
+        """Store and register; returns (view, created). Same content under the same name is a no-op.
+
+        A new version takes all of the name's traffic, or `canary` percent of it with the previous live
+        version keeping the rest (`set_traffic` promotes or rolls back)."""
+        if canary is not None and not 1 <= canary <= 99:
+            raise RegistryError(f"canary={canary}: give a percentage from 1 to 99")
         if not NAME_RE.match(name):
             raise RegistryError(f"adapter name {name!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'")
         with self.sessions() as s:
@@ -145,11 +161,15 @@ class Registry:
                     if prev is not None and prev.sha256 == sha:  # same content: only the flags may change
                         prev.is_default, prev.is_public = make_default, public
                         return _view(prev), False
+                    live = [r for r in rows if r.traffic_weight > 0]
+                    for r in rows:  # the new version takes over, or shares with the latest live one
+                        r.traffic_weight = 100 - canary if canary is not None and live and r is live[-1] else 0
                     a = Adapter(
                         tenant_id=tenant_id, name=name, version=prev.version + 1 if prev else 1, sha256=sha,
                         rank=int(cfg["r"]), alpha=Decimal(str(cfg.get("lora_alpha", cfg["r"]))),
                         target_modules=sorted(targets), nbytes=nbytes, is_public=public,
                         is_default=make_default, created_at=datetime.now(UTC),
+                        traffic_weight=canary if canary is not None and live else 100,
                     )
                     s.add(a)
                     s.flush()
@@ -157,6 +177,59 @@ class Registry:
             except IntegrityError:
                 continue
         raise RegistryError(f"could not register {tenant_id}/{name}: concurrent registrations kept colliding; try again")
+
+    def set_traffic(self, tenant_id: str, name: str, weights: dict[int, int]) -> list[AdapterView]:
+        """Split a name's traffic among its versions by weight; versions not named get 0."""
+        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) == 0:
+            raise RegistryError("give VERSION=WEIGHT pairs with weights >= 0 and at least one above 0, e.g. 1=90 2=10")
+        with self.sessions.begin() as s:
+            rows = list(s.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name).order_by(Adapter.version)))
+            if not rows:
+                raise RegistryError(f"tenant {tenant_id!r} has no adapter {name!r}; `lorabatch adapters list` shows them")
+            unknown = set(weights) - {r.version for r in rows}
+            if unknown:
+                raise RegistryError(f"{name} has no version {sorted(unknown)}; its versions are {[r.version for r in rows]}")
+            for r in rows:
+                r.traffic_weight = weights.get(r.version, 0)
+            return [_view(r) for r in rows]
+
+    def set_limits(self, tenant_id: str, requests_per_minute: int | None = None, tokens_per_minute: int | None = None,
+                   weight: int | None = None) -> TenantView:
+        with self.sessions.begin() as s:
+            t = s.get(Tenant, tenant_id)
+            if t is None:
+                raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
+            for field, value in (("requests_per_minute", requests_per_minute), ("tokens_per_minute", tokens_per_minute), ("weight", weight)):
+                if value is not None:
+                    if value < (1 if field == "weight" else 0):
+                        raise RegistryError(f"{field}={value} is out of range; use {'1 or more' if field == 'weight' else '0 (unlimited) or more'}")
+                    setattr(t, field, value)
+            return _tenant(t)
+
+    def add_rule(self, tenant_id: str, kind: str, pattern: str, adapter: str, position: int = 0) -> RouteRule:
+        compile_rule(RouteRule(0, tenant_id, kind, pattern, adapter, position))  # refuse a bad rule now, not per job
+        with self.sessions.begin() as s:
+            if s.get(Tenant, tenant_id) is None:
+                raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
+            row = RouteRuleRow(tenant_id=tenant_id, kind=kind, pattern=pattern, adapter=adapter, position=position,
+                               created_at=datetime.now(UTC))
+            s.add(row)
+            s.flush()
+            return _rule(row)
+
+    def list_rules(self, tenant_id: str | None = None) -> list[RouteRule]:
+        q = select(RouteRuleRow).order_by(RouteRuleRow.tenant_id, RouteRuleRow.position, RouteRuleRow.id)
+        if tenant_id is not None:
+            q = q.where(RouteRuleRow.tenant_id == tenant_id)
+        with self.sessions() as s:
+            return [_rule(r) for r in s.scalars(q)]
+
+    def remove_rule(self, rule_id: int) -> None:
+        with self.sessions.begin() as s:
+            row = s.get(RouteRuleRow, rule_id)
+            if row is None:
+                raise RegistryError(f"no route rule {rule_id}; `lorabatch routes list` shows their ids")
+            s.delete(row)
 
     def list_adapters(self, tenant_id: str | None = None) -> list[AdapterView]:
         q = select(Adapter).order_by(Adapter.tenant_id, Adapter.name, Adapter.version)
@@ -167,7 +240,8 @@ class Registry:
 
     def snapshot(self) -> RegistrySnapshot:
         with self.sessions() as s:
-            tenants = {t.id: TenantView(t.id, t.display_name, t.tier, t.weight) for t in s.scalars(select(Tenant))}
+            tenants = {t.id: _tenant(t) for t in s.scalars(select(Tenant))}
+            rules = tuple(_rule(r) for r in s.scalars(select(RouteRuleRow)))
             adapters: dict[tuple[str, str], list[AdapterView]] = {}
             for a in s.scalars(select(Adapter).order_by(Adapter.version)):
                 adapters.setdefault((a.tenant_id, a.name), []).append(_view(a))
@@ -176,6 +250,4 @@ class Registry:
             for v in versions:
                 if v.is_default:
                     defaults[v.tenant_id] = v
-        for key, versions in adapters.items():  # until weights are stored: the newest version takes all traffic
-            adapters[key] = [replace(v, traffic_weight=100 if v is versions[-1] else 0) for v in versions]
-        return RegistrySnapshot(tenants, {k: tuple(v) for k, v in adapters.items()}, defaults)
+        return RegistrySnapshot(tenants, {k: tuple(v) for k, v in adapters.items()}, defaults, rules)

@@ -119,10 +119,11 @@ class Router:
         share_us = (time.perf_counter_ns() - t0) // 1000 // max(1, len(keys))
         out: list[Route | RouteError] = []
         write_back: dict[CacheKey, str] = {}
+        known = dict(cached or {})  # grows with this batch's own decisions: a session sticks within a batch too
         for job in jobs:
             t1 = time.perf_counter_ns()
             try:
-                route = self._decide(snapshot, classifier, job, cached or {}, cache_ok, write_back)
+                route = self._decide(snapshot, classifier, job, known, cache_ok, write_back)
             except RouteError as e:
                 out.append(e)
                 continue
@@ -181,4 +182,5 @@ class Router:
                 write_back[CacheKey("l1", tenant, job.user_id)] = ref
             if job.session_id:
                 write_back[CacheKey("l2", tenant, job.session_id)] = ref
+            cached.update(write_back)
         return Route(adapter, reason, 0, detail)

@@ -1,160 +1,488 @@
-"""Which adapters are loaded, under which keys, and which of them sit in the device slots.
+"""The adapter pool: which adapters are registered, where each one's weights are, and loading them.
 
-Two tiers in v0: every loaded adapter keeps a validated host copy (L2, unbounded here; byte-bounded
-LRU is a later issue), and up to `max_loras` of them are resident in the device slots (L1). Identity is
-the content sha256: two keys with the same files share one host copy and one slot. Adapters of
-running requests are pinned; when every slot is taken, the least recently used unpinned adapter is
-evicted (it stays on the host and pages back in when a request needs it).
+Tiers:
+- L1, the device slots (`engine.lora.LoraState`, `max_loras` of them, allocated at start). Adapters of
+  running requests are pinned there; when a slot is needed and none is free, the unpinned adapter with
+  the lowest keep score (`engine.adapter_policy`: heat, SLO tier, memory cost) gives its up.
+- L2, host memory (pinned on CUDA, in the slots' dtype so a copy is one DMA): an LRU bounded by
+  `host_cache_bytes`. L2 -> L1 copies go through `LoraState.write`, on a side stream on CUDA.
+- L3, the adapter's folder as registered (the consumer registers `AdapterStore.path(sha256)`, the
+  content-addressed store). Every read re-hashes the files; content that differs from the sha256 the
+  key was registered with, or first read as, is refused (`adapter_changed`): a key never silently
+  changes weights, so neither KV nor slots can go stale under it.
 
-Cold start: the measured disk load of an adapter is charged once, to the first request that uses it
-afterwards, together with any host-to-slot copy that request waited for.
+Identity is the content sha256 (`engine.store.content_sha256`): keys with the same content share one
+L2 copy and one slot, and a read that finds content already held is skipped as "duplicate_content".
+
+Registration is metadata only (`register`); the pool reads an adapter on first use (`acquire`, for a
+request being admitted; `prefetch`, for one about to be; `warm`, for one predicted). `load` is the
+eager path: read and place now. L3 reads pass the admission token bucket, except eager ones, which
+are counted but never refused. A read that fails marks the key failed with the error, which its
+requests then fail with (or run on the base where they allow it); a retriable error is retried by the
+next request, any other sticks until the key is registered again.
+
+Every load is recorded (`pop_events`): its tier (disk = L3, host = L2, gpu = already resident), where
+it went, why, and its measured duration, host read plus device copy (the copy read from CUDA events on
+the side stream, once it is done). The first request that uses an adapter after loads it did not wait
+for is charged them (adapter_load_us), as the cold start it would otherwise have paid.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from engine.adapter_policy import Candidate, Heat, TokenBucket, choose_victim
 from engine.adapters import LoraAdapter, parse_adapter
 from engine.api import AdapterError, AdapterInfo
+from engine.config import EngineConfig
 from engine.lora import LoraState
 from engine.model import ModelConfig
 from engine.store import adapter_files, content_sha256
+from engine.timing import Stopwatch
+from engine.warm_pool import TrafficPredictor
+
+WAIT_RATE = "rate_limited"  # acquire: the admission token bucket is empty
+WAIT_SLOT = "no_free_slot"  # acquire: every slot is pinned by running requests
 
 
 @dataclass
-class _Entry:
-    adapter: LoraAdapter  # host copy
+class _Record:
+    """One registered key."""
+
+    key: str
+    path: Path
+    sha: str | None  # as registered, or as first read
+    tenant: str
+    slo_tier: str
+    error: AdapterError | None = None
+    heat: Heat = field(default_factory=Heat)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    nbytes: int  # in the slots' dtype
+
+
+@dataclass
+class _Content:
+    """One adapter content (sha256), under one or more keys."""
+
+    sha: str
+    meta: _Meta
+    host: LoraAdapter | None = None  # L2 copy (or a transient one waiting for a slot); None: only in L1 or L3
     keys: set[str] = field(default_factory=set)
     slot: int | None = None
     pins: int = 0
-    uncharged_load_us: int = 0  # disk load time not yet charged to a request
+    last_used: float = 0.0
+    uncharged: list[_LoadEvent] = field(default_factory=list)  # loads no request has been charged yet
+    warm: bool = False  # brought in by the warm pool and not used since
+
+
+@dataclass
+class _LoadEvent:
+    key: str
+    sha: str
+    tier: str
+    dest: str
+    reason: str
+    tenant: str
+    meta: _Meta | None
+    read_us: int = 0
+    copy: Stopwatch | None = None
+    error_code: str | None = None
+    skip_reason: str | None = None
+
+    def load_us(self) -> int:
+        return self.read_us + (self.copy.elapsed_us() if self.copy is not None else 0)
+
+    def info(self) -> AdapterInfo:
+        m = self.meta or _Meta(0, 0.0, False, (), 0)
+        return AdapterInfo(
+            key=self.key, sha256=self.sha, rank=m.rank, alpha=m.alpha, use_rslora=m.use_rslora,
+            target_modules=m.target_modules, nbytes=m.nbytes, load_us=self.load_us(), tier=self.tier, dest=self.dest,
+            reason=self.reason, tenant=self.tenant, error_code=self.error_code, skip_reason=self.skip_reason,
+        )  # fmt: skip
 
 
 class AdapterPool:
-    def __init__(self, lora: LoraState, model: ModelConfig, *, max_lora_rank: int, max_adapter_bytes: int):
+    def __init__(
+        self,
+        lora: LoraState,
+        model: ModelConfig,
+        config: EngineConfig,
+        *,
+        base_fingerprint: str | None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self._lora = lora
         self._model = model
-        self._max_lora_rank = max_lora_rank
-        self._max_bytes = max_adapter_bytes
-        self._by_sha: dict[str, _Entry] = {}
-        self._key_sha: dict[str, str] = {}
+        self._config = config
+        self._fingerprint = base_fingerprint
+        self._clock, self._wall = clock, wall_clock
+        self._slot_bytes = lora.slot_nbytes
+        self._records: dict[str, _Record] = {}
+        self._contents: dict[str, _Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
-        self._lru: OrderedDict[str, None] = OrderedDict()  # resident shas, least recently used first
+        self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
+        self._l2_bytes = 0
+        self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)
+        self._predictor = TrafficPredictor(alpha=config.warm_pool_alpha, recent_weight=config.warm_pool_recent_weight)
+        self._last_warm: float | None = None
+        self._events: list[_LoadEvent] = []
         self._infos: dict[str, AdapterInfo] = {}
+        self.counters = {
+            "loads_disk": 0, "loads_host": 0, "dedupe_skips": 0, "evictions_l1": 0, "evictions_l2": 0, "load_failures": 0,
+            "loads_throttled": 0, "warm_prefetches": 0, "warm_prefetches_used": 0, "requests_warm": 0, "requests_cold": 0,
+        }  # fmt: skip
 
-    def load(self, key: str, path: Path) -> AdapterInfo:
-        """Load (or alias) the adapter folder `path` under `key`; place it in a slot if one can be had."""
-        if key in self._key_sha:
+    # ---- registration
+
+    def register(self, key: str, path: Path, *, sha256: str | None = None, tenant: str = "", slo_tier: str = "standard") -> None:
+        if key in self._records:
             raise AdapterError(
-                f"adapter key {key!r} is already loaded; unload it first or use a new key (e.g. name@version)",
+                f"adapter key {key!r} is already registered; unload it first or use a new key (e.g. name@version)",
                 code="adapter_key_in_use",
             )
-        t0 = time.perf_counter_ns()
-        config_path, weights_path = adapter_files(path, self._max_bytes)
-        config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
-        sha = content_sha256(config_bytes, weight_bytes)
-        entry = self._by_sha.get(sha)
-        if entry is not None:
-            # Same content under a new key: nothing more to read, validate or copy.
-            tier = "gpu" if entry.slot is not None else "host"
-        else:
-            adapter = parse_adapter(
-                config_bytes, weight_bytes, self._model, max_lora_rank=self._max_lora_rank, sha256=sha, source=Path(path)
+        if slo_tier not in self._config.adapter_slo_weights:
+            raise AdapterError(
+                f"slo_tier {slo_tier!r} of adapter {key!r} is not one of engine.adapter_slo_weights "
+                f"{sorted(self._config.adapter_slo_weights)}; add it there or use one of those",
+                code="invalid_slo_tier",
             )
-            entry = _Entry(adapter)
-            self._by_sha[sha] = entry
-            self._place(sha)
-            _sync(self._lora.device)
-            tier = "disk"
-        load_us = (time.perf_counter_ns() - t0) // 1000
-        if tier == "disk":
-            entry.uncharged_load_us = load_us
-        entry.keys.add(key)
-        self._key_sha[key] = sha
-        a = entry.adapter
-        info = AdapterInfo(
-            key=key, sha256=sha, rank=a.rank, alpha=a.alpha, use_rslora=a.use_rslora, target_modules=a.target_modules,
-            nbytes=a.nbytes, load_us=load_us, tier=tier,
-        )  # fmt: skip
+        if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
+            raise AdapterError(f"sha256={sha256!r} for adapter {key!r} is not 64 lowercase hex digits", code="adapter_invalid")
+        self._records[key] = _Record(key, Path(path), sha256, tenant, slo_tier)
+        if sha256 is not None and sha256 in self._contents:
+            self._contents[sha256].keys.add(key)
+
+    def load(self, key: str, path: Path, *, tenant: str = "", slo_tier: str = "standard") -> AdapterInfo:
+        """Register and load now, into a slot if one is free or can be freed; the key is dropped again if it fails."""
+        self.register(key, path, tenant=tenant, slo_tier=slo_tier)
+        rec = self._records[key]
+        self._bucket.take()
+        try:
+            content, event = self._read(rec, reason="load_adapter")
+        except AdapterError:
+            self._drop_record(key)
+            raise
+        if content.slot is None:
+            slot = self._find_slot(exclude=())
+            if slot is not None:
+                event = self._copy_in(content, slot, event, reason="load_adapter", key=key)
+        info = event.info()  # waits for the copy: the caller asked for a loaded adapter
         self._infos[key] = info
         return info
 
     def unload(self, key: str) -> None:
         """Forget `key`; the content goes when its last key goes. The caller checks no request uses the key."""
-        sha = self._key_sha.pop(key, None)
-        if sha is None:
-            raise AdapterError(f"adapter key {key!r} is not loaded", code="unknown_adapter")
-        del self._infos[key]
-        entry = self._by_sha[sha]
-        entry.keys.discard(key)
-        if entry.keys:
-            return
-        assert entry.pins == 0, f"unloading {key!r} while {entry.pins} requests pin it"
-        if entry.slot is not None:
-            self._slots[entry.slot] = None
-            self._lru.pop(sha, None)
-        del self._by_sha[sha]
+        if key not in self._records:
+            raise AdapterError(f"adapter key {key!r} is not registered", code="unknown_adapter")
+        self._drop_record(key)
+        self._predictor.forget(key)
 
     def has(self, key: str) -> bool:
-        return key in self._key_sha
+        return key in self._records
+
+    def sha_of(self, key: str) -> str | None:
+        """The content sha256 of `key`, or None before its first read when registered without one."""
+        return self._records[key].sha
+
+    def tenant_of(self, key: str) -> str:
+        return self._records[key].tenant
 
     def info(self, key: str) -> AdapterInfo:
         return self._infos[key]
-
-    def sha_of(self, key: str) -> str:
-        return self._key_sha[key]
-
-    def acquire(self, sha: str) -> tuple[int, int] | None:
-        """Pin an adapter in a slot for a request: (slot, load_us to charge it), or None if every slot is pinned."""
-        entry = self._by_sha[sha]
-        page_in_us = 0
-        if entry.slot is None:
-            t0 = time.perf_counter_ns()
-            if not self._place(sha):
-                return None
-            _sync(self._lora.device)
-            page_in_us = (time.perf_counter_ns() - t0) // 1000
-        entry.pins += 1
-        self._lru.move_to_end(sha)
-        charge, entry.uncharged_load_us = entry.uncharged_load_us + page_in_us, 0
-        assert entry.slot is not None
-        return entry.slot, charge
-
-    def release(self, sha: str) -> None:
-        entry = self._by_sha[sha]
-        assert entry.pins > 0, sha
-        entry.pins -= 1
 
     def resident(self) -> dict[int, str]:
         """slot -> sha256 of the adapters now in device slots."""
         return {i: sha for i, sha in enumerate(self._slots) if sha is not None}
 
-    def _place(self, sha: str) -> bool:
-        """Copy an adapter into a free slot, evicting the least recently used unpinned one if needed."""
-        entry = self._by_sha[sha]
-        assert entry.slot is None, sha
-        slot = next((i for i, s in enumerate(self._slots) if s is None), None)
-        if slot is None:
-            victim = next((s for s in self._lru if self._by_sha[s].pins == 0), None)
-            if victim is None:
-                return False
-            slot = self._by_sha[victim].slot
-            assert slot is not None
-            self._by_sha[victim].slot = None
-            del self._lru[victim]
-        self._lora.write(slot, entry.adapter)
-        self._slots[slot] = sha
-        entry.slot = slot
-        self._lru[sha] = None
-        return True
+    def in_host(self, sha: str) -> bool:
+        return sha in self._l2
 
+    # ---- requests
 
-def _sync(device: torch.device) -> None:
-    # Copies to a GPU are asynchronous; wait so the measured load time includes them.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def note_request(self, key: str) -> None:
+        """A request for `key` arrived: heat, the predictor, and whether the warm pool had it ready."""
+        rec = self._records[key]
+        self._predictor.observe(key, self._wall())
+        rec.heat.hit(self._clock())
+        content = self._contents.get(rec.sha) if rec.sha else None
+        ready = content is not None and (content.slot is not None or content.host is not None)
+        self.counters["requests_warm" if ready else "requests_cold"] += 1
+
+    def acquire(self, key: str) -> tuple[int, list[_LoadEvent]] | str:
+        """Pin `key`'s adapter in a slot for a request: (slot, loads to charge it), or WAIT_RATE / WAIT_SLOT.
+        Raises the key's AdapterError if it cannot be loaded."""
+        content = self._ensure_slot(key, exclude=(), reason="request")
+        if isinstance(content, str):
+            return content
+        content.pins += 1
+        content.last_used = self._clock()
+        if content.warm:
+            content.warm = False
+            self.counters["warm_prefetches_used"] += 1
+        charges, content.uncharged = content.uncharged, []
+        assert content.slot is not None
+        return content.slot, charges
+
+    def release(self, sha: str) -> None:
+        content = self._contents[sha]
+        assert content.pins > 0, sha
+        content.pins -= 1
+
+    def prefetch(self, key: str, exclude: Iterable[int]) -> int | None:
+        """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
+        the slot (None if it must wait). Errors are kept on the key for its admission to report."""
+        try:
+            content = self._ensure_slot(key, exclude=tuple(exclude), reason="request")
+        except AdapterError:
+            return None
+        return None if isinstance(content, str) else content.slot
+
+    def failed(self, key: str) -> AdapterError | None:
+        return self._records[key].error
+
+    def wait_s(self) -> float:
+        """Seconds until the admission bucket has a token."""
+        return self._bucket.wait_s()
+
+    # ---- warm pool
+
+    def warm(self) -> None:
+        """Every warm_pool_interval_s: load the adapters forecast to be used in the coming hour into L2, and
+        into free L1 slots, within the warm pool's budgets; never evicting, never waiting for the bucket."""
+        now = self._clock()
+        if self._last_warm is not None and now - self._last_warm < self._config.warm_pool_interval_s:
+            return
+        self._last_warm = now
+        cfg = self._config
+        warm_bytes = sum(c.meta.nbytes for c in self._contents.values() if c.warm and c.host is not None)
+        warm_slots = sum(1 for c in self._contents.values() if c.warm and c.slot is not None)
+        for key, _forecast in self._predictor.ranked(self._wall(), cfg.warm_pool_min_per_hour):
+            rec = self._records.get(key)
+            if rec is None or rec.error is not None:
+                continue
+            content = self._contents.get(rec.sha) if rec.sha else None
+            if content is not None and content.slot is not None:
+                continue
+            event = None
+            if content is None or content.host is None:
+                size = content.meta.nbytes if content is not None else 0
+                if warm_bytes + size > cfg.warm_pool_host_bytes or not self._bucket.try_take():
+                    continue
+                try:
+                    content, event = self._read(rec, reason="warm_pool")
+                except AdapterError:
+                    continue
+                content.warm = True
+                warm_bytes += content.meta.nbytes
+                self.counters["warm_prefetches"] += 1
+            if content.slot is None and warm_slots < cfg.warm_pool_slots and None in self._slots:
+                self._copy_in(content, self._slots.index(None), event, reason="warm_pool", key=key)
+                content.warm = True
+                warm_slots += 1
+
+    # ---- metrics
+
+    def pop_events(self) -> list[AdapterInfo]:
+        events, self._events = self._events, []
+        return [e.info() for e in events]
+
+    def stats(self) -> dict:
+        c = self.counters
+        asked = c["requests_warm"] + c["requests_cold"]
+        return {
+            "lora_slots": self._lora.max_loras,
+            "lora_slots_used": sum(1 for s in self._slots if s is not None),
+            "lora_slots_pinned": sum(1 for s in self._slots if s is not None and self._contents[s].pins > 0),
+            "lora_slots_bytes": self._lora.nbytes,
+            "lora_memory_used_bytes": sum(self._contents[s].meta.nbytes for s in self._slots if s is not None),
+            "adapter_host_bytes": self._l2_bytes,
+            "adapter_host_capacity_bytes": self._config.host_cache_bytes,
+            "adapters_registered": len(self._records),
+            "adapter_loads": {"disk": c["loads_disk"], "host": c["loads_host"]},
+            "adapter_dedupe_skips": c["dedupe_skips"],
+            "adapter_evictions": {"gpu": c["evictions_l1"], "host": c["evictions_l2"]},
+            "adapter_load_failures": c["load_failures"],
+            "adapter_loads_throttled": c["loads_throttled"],
+            "warm_pool_hit_rate": c["requests_warm"] / asked if asked else 0.0,
+            "warm_pool_prefetches": c["warm_prefetches"],
+            "warm_pool_prefetches_used": c["warm_prefetches_used"],
+        }
+
+    # ---- internals
+
+    def _ensure_slot(self, key: str, exclude: tuple[int, ...], reason: str) -> _Content | str:
+        rec = self._records[key]
+        if rec.error is not None:
+            if not rec.error.retriable:
+                raise rec.error
+            rec.error = None
+        content = self._contents.get(rec.sha) if rec.sha else None
+        event = None
+        if content is None or (content.slot is None and content.host is None):
+            if not self._bucket.try_take():
+                self.counters["loads_throttled"] += 1
+                return WAIT_RATE
+            content, event = self._read(rec, reason=reason)
+        if content.slot is None:
+            slot = self._find_slot(exclude)
+            if slot is None:
+                return WAIT_SLOT
+            self._copy_in(content, slot, event, reason=reason, key=key)
+        return content
+
+    def _read(self, rec: _Record, *, reason: str) -> tuple[_Content, _LoadEvent]:
+        """Read `rec` from L3 into L2, or find its content held already (an event with skip_reason
+        "duplicate_content", tier where it was found, never charged to a request)."""
+        t0 = time.perf_counter_ns()
+        try:
+            config_path, weights_path = adapter_files(rec.path, self._config.max_adapter_bytes)
+            config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
+        except OSError as e:
+            raise self._fail(rec, AdapterError(f"cannot read adapter {rec.key!r} at {rec.path}: {e}", code="adapter_unavailable", retriable=True), reason) from e
+        except AdapterError as e:
+            raise self._fail(rec, e, reason) from e
+        sha = content_sha256(config_bytes, weight_bytes)
+        if rec.sha is not None and sha != rec.sha:
+            raise self._fail(rec, AdapterError(
+                f"adapter {rec.key!r}: the files at {rec.path} hash to {sha}, not {rec.sha} as registered; they changed "
+                "since: register the new content under a new key (name@version)",
+                code="adapter_changed",
+            ), reason)  # fmt: skip
+        content = self._contents.get(sha)
+        if content is not None and (content.host is not None or content.slot is not None):
+            self._link(rec, content)
+            where = "gpu" if content.slot is not None else "host"
+            event = self._event(rec, content, where, where, reason, skip_reason="duplicate_content")
+            event.read_us = (time.perf_counter_ns() - t0) // 1000
+            self.counters["dedupe_skips"] += 1
+            return content, event
+        try:
+            adapter = parse_adapter(
+                config_bytes, weight_bytes, self._model, max_lora_rank=self._config.max_lora_rank, sha256=sha,
+                source=rec.path, base_fingerprint=self._fingerprint,
+            )  # fmt: skip
+        except AdapterError as e:
+            raise self._fail(rec, e, reason) from e
+        host = self._to_host(adapter)
+        meta = _Meta(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.target_modules, host.nbytes)
+        if content is None:
+            content = self._contents[sha] = _Content(sha, meta)
+        content.host = host
+        self._link(rec, content)
+        self._l2_insert(content)
+        event = self._event(rec, content, "disk", "host", reason)
+        event.read_us = (time.perf_counter_ns() - t0) // 1000
+        self.counters["loads_disk"] += 1
+        return content, event
+
+    def _copy_in(self, content: _Content, slot: int, event: _LoadEvent | None, *, reason: str, key: str) -> _LoadEvent:
+        """Write content (held in host memory) into a free slot; `event` is its read if it just had one: an L3
+        load goes on to the slot as one load, anything else makes the copy an L2 load of its own."""
+        assert self._slots[slot] is None and content.slot is None and content.host is not None, (slot, content.sha)
+        if event is None or event.tier != "disk" or event.skip_reason is not None:
+            event = self._event(self._records[key], content, "host", "gpu", reason)
+            self.counters["loads_host"] += 1
+        event.dest = "gpu"
+        event.copy = self._lora.write(slot, content.host)
+        self._slots[slot] = content.sha
+        content.slot = slot
+        if content.sha not in self._l2:
+            content.host = None  # a transient copy (larger than L2): the slot now holds it
+        if content.sha in self._l2:
+            self._l2.move_to_end(content.sha)
+        return event
+
+    def _find_slot(self, exclude: tuple[int, ...]) -> int | None:
+        """A free slot, else one freed by evicting the unpinned adapter with the lowest keep score."""
+        if None in self._slots:
+            return self._slots.index(None)
+        now = self._clock()
+        weights = self._config.adapter_slo_weights
+        candidates = []
+        for slot, sha in enumerate(self._slots):
+            c = self._contents[sha]  # type: ignore[index]
+            if c.pins == 0 and slot not in exclude:
+                recs = [self._records[k] for k in c.keys]
+                heat = sum(r.heat.rate(now) for r in recs)
+                slo_weight = max((weights[r.slo_tier] for r in recs), default=weights["standard"])
+                candidates.append(Candidate(c.sha, heat, slo_weight, c.meta.nbytes, c.last_used))
+        victim = choose_victim(candidates, mem_weight=self._config.adapter_mem_weight, slot_bytes=self._slot_bytes)
+        if victim is None:
+            return None
+        content = self._contents[victim]
+        slot = content.slot
+        assert slot is not None
+        self._slots[slot] = None
+        content.slot = None
+        self.counters["evictions_l1"] += 1
+        return slot
+
+    def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
+        """The L2 copy: in the slots' dtype, pinned when the slots are on a GPU (a DMA needs page-locked memory)."""
+        pin = self._lora.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self._lora.dtype).contiguous()
+            return t.pin_memory() if pin else t
+
+        return replace(adapter, weights={k: (host(a), host(b)) for k, (a, b) in adapter.weights.items()})
+
+    def _l2_insert(self, content: _Content) -> None:
+        size = content.meta.nbytes
+        cap = self._config.host_cache_bytes
+        if size > cap:
+            return  # transient: kept only until it reaches a slot
+        while self._l2_bytes + size > cap:
+            sha, nbytes = self._l2.popitem(last=False)
+            self._l2_bytes -= nbytes
+            self._contents[sha].host = None
+            self.counters["evictions_l2"] += 1
+        self._l2[content.sha] = size
+        self._l2_bytes += size
+
+    def _link(self, rec: _Record, content: _Content) -> None:
+        rec.sha = content.sha
+        content.keys.add(rec.key)
+
+    def _event(self, rec: _Record, content: _Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> _LoadEvent:
+        event = _LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
+        self._events.append(event)
+        if skip_reason is None:
+            content.uncharged.append(event)
+        return event
+
+    def _fail(self, rec: _Record, error: AdapterError, reason: str) -> AdapterError:
+        rec.error = error
+        self.counters["load_failures"] += 1
+        self._events.append(_LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
+        return error
+
+    def _drop_record(self, key: str) -> None:
+        rec = self._records.pop(key)
+        self._infos.pop(key, None)
+        content = self._contents.get(rec.sha) if rec.sha else None
+        if content is None:
+            return
+        content.keys.discard(key)
+        if content.keys:
+            return
+        assert content.pins == 0, f"unloading {key!r} while {content.pins} requests pin it"
+        if content.slot is not None:
+            self._slots[content.slot] = None
+        if content.sha in self._l2:
+            self._l2_bytes -= self._l2.pop(content.sha)
+        del self._contents[content.sha]

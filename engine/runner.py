@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from engine.attention import build_attention_metadata
-from engine.kv_cache import BlockAllocator, KVCache
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache
 from engine.lora import apply_lora
-from engine.model import load_model
+from engine.model import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -23,26 +23,28 @@ class BatchItem:
     """One sequence's part of a step."""
 
     seq_id: Hashable
-    token_ids: tuple[int, ...]  # new tokens: the prompt (prefill) or the last sampled token (decode)
+    token_ids: tuple[int, ...]  # new tokens: a prompt chunk (prefill), or the last sampled token (decode)
     context_len: int  # tokens of this sequence already in the KV cache
     lora_slot: int = -1  # adapter slot, -1 for the base model
+    logits: bool = True  # False for a prefill chunk that does not reach the end of the known tokens
 
 
 class ModelRunner:
     def __init__(
         self,
-        model_dir: Path,
+        model: LlamaForCausalLM,
         *,
-        device: torch.device,
-        dtype: torch.dtype,
         max_loras: int,
         max_lora_rank: int,
         kv_num_blocks: int,
         kv_block_size: int,
+        prefix_caching: bool = True,
+        tenant_quota_blocks: int | None = None,
     ):
-        self.device, self.dtype = device, dtype
-        self.model = load_model(model_dir, device, dtype)
-        self.config = self.model.config
+        param = model.lm_head.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.model = model
+        self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank)
         self.kv = KVCache(
             num_layers=self.config.num_layers,
@@ -50,27 +52,24 @@ class ModelRunner:
             block_size=kv_block_size,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
-            dtype=dtype,
-            device=device,
+            dtype=self.dtype,
+            device=self.device,
         )
-        self.blocks = BlockAllocator(kv_num_blocks, kv_block_size)
+        self.blocks = BlockManager(kv_num_blocks, kv_block_size, prefix_caching=prefix_caching, tenant_quota=tenant_quota_blocks)
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:
-        """Run one forward over every item's new tokens; logits [B, vocab] for each item's last token
-        (or [N, vocab] for every token with `all_logits`), fp32.
+        """Run one forward over every item's new tokens; logits [M, vocab] fp32 for the last token of each
+        item with `logits` set (or [N, vocab] for every token with `all_logits`).
 
-        Grows each sequence's block table for its new tokens (KVCacheFullError if the pool is short:
-        the engine reserves blocks at admission so that this does not happen mid-request).
+        Block tables must cover each item's context + new tokens; items of sequences the block manager
+        does not know yet are opened uncached (tests drive the runner that way; the engine's scheduler
+        grows every table before the step, with prefix hits and quotas).
         """
         assert items, "empty batch"
         for it in items:
             assert it.token_ids, f"{it.seq_id!r}: no new tokens"
-            if it.context_len == 0:
-                self.blocks.allocate(it.seq_id, len(it.token_ids))
-            else:
-                assert self.blocks.num_tokens(it.seq_id) == it.context_len, (it.seq_id, self.blocks.num_tokens(it.seq_id), it.context_len)
-                self.blocks.append(it.seq_id, len(it.token_ids))
+            self.blocks.ensure(it.seq_id, it.context_len + len(it.token_ids))
 
         query_lens = [len(it.token_ids) for it in items]
         ids = [t for it in items for t in it.token_ids]
@@ -81,18 +80,23 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [N]
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [N]
-        any_lora = any(s >= 0 for s in slots)
-        slot_idx = torch.tensor(slots, dtype=torch.int64, device=self.device) if any_lora else None  # [N]
-        last_rows = None
+        used_slots = {s for s in slots if s >= 0}
+        slot_idx = torch.tensor(slots, dtype=torch.int64, device=self.device) if used_slots else None  # [N]
+        self.lora.wait_ready(used_slots)
+        logit_rows = None
         if not all_logits:
-            ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1  # [B] last token of each item
-            last_rows = ends.to(self.device)
+            ends, end = [], -1
+            for it, q in zip(items, query_lens):
+                end += q
+                if it.logits:
+                    ends.append(end)
+            logit_rows = torch.tensor(ends, dtype=torch.int64, device=self.device)  # [M] last token of each item
         self.lora.set_batch(slot_idx)
         try:
-            return self.model(input_ids, pos, attn, last_rows)
+            return self.model(input_ids, pos, attn, logit_rows)
         finally:
             self.lora.set_batch(None)
 
     def free(self, seq_id: Hashable) -> None:
-        """Release a finished or aborted sequence's KV blocks."""
+        """Release a finished, aborted or preempted sequence's KV blocks."""
         self.blocks.free(seq_id)

@@ -1,4 +1,12 @@
-"""One request inside the engine: its tokens, its text so far, when it stops, and what it cost."""
+"""One request inside the engine: its tokens, how many of them are in the KV cache, when it stops, what it cost.
+
+A sequence's known tokens are its prompt followed by what it has generated. Each step computes the
+next slice of them that is not in the KV cache yet (`num_computed` onwards): the prompt, possibly in
+chunks over several steps; then, once all are computed, the latest generated token (decode). Whenever
+a step computes up to the last known token, its logits give the next token. A preempted sequence loses
+its KV (`num_computed` back to 0, or to what the prefix cache still holds) and recomputes its prompt and
+generated tokens the same way, then goes on generating as if nothing had happened.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +15,47 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.api import EngineError, FinishReason, GenerationRequest, GenerationResult, RequestTimings
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False)  # identity: two sequences are never the same request
 class Sequence:
     request: GenerationRequest
-    order: int  # admission order among equal priorities
+    order: int  # arrival order, the tie-break among equal priorities
     prompt_ids: list[int]
     arrival_us: int  # monotonic
-    adapter_sha: str | None
     detok: IncrementalDetokenizer
     generator: torch.Generator | None  # None for greedy requests
+    adapter_key: str | None  # None: the base model (also after a base fallback)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens in the KV cache
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    adapter_sha: str | None = None  # known once the adapter is acquired
     lora_slot: int = -1
+    kv_namespace: bytes | None = None
+    scheduled_once: bool = False
+    base_fallback: bool = False
+    load_charges: list = field(default_factory=list)  # adapter loads this request is charged for (resolved at the end)
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[dict] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
 
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
 
     @property
     def max_kv_tokens(self) -> int:
@@ -37,16 +63,19 @@ class Sequence:
         which is never fed back."""
         return len(self.prompt_ids) + self.request.sampling.max_new_tokens - 1
 
-    def next_tokens(self) -> tuple[int, ...]:
-        """Tokens to feed in this step: the whole prompt at first, then the last sampled token."""
-        if self.num_computed == 0:
-            return tuple(self.prompt_ids)
-        return (self.output_ids[-1],)
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def chunk(self, budget: int) -> tuple[int, ...]:
+        """The next at most `budget` tokens to compute."""
+        return tuple(self.tokens[self.num_computed : self.num_computed + budget])
 
     def append_token(self, token_id: int, eos_ids: tuple[int, ...]) -> None:
         """Take one sampled token and decide whether the sequence is finished (sets finish_reason, text)."""
         sp = self.request.sampling
         self.output_ids.append(token_id)
+        self.tokens.append(token_id)
         if token_id in eos_ids and not sp.ignore_eos:
             self._finish("eos")
             return
@@ -71,7 +100,7 @@ class Sequence:
     def result(self, error: EngineError | None = None) -> GenerationResult:
         return GenerationResult(
             request_id=self.request_id,
-            adapter=self.request.adapter,
+            adapter=self.adapter_key,
             output_ids=list(self.output_ids),
             text=self.text,
             finish_reason=self.finish_reason,
@@ -79,4 +108,5 @@ class Sequence:
             logprobs={"content": self.logprobs} if self.logprobs is not None else None,
             timings=self.timings,
             error=error,
+            base_fallback=self.base_fallback,
         )

@@ -147,3 +147,46 @@ __all__ = [
     "broker", "cpu_engine", "service_settings", "running_worker", "produce_raw", "read_all", "committed_vs_end",
     "open_services", "Result", "DlqRecord",
 ]
+
+
+class RedisServer:
+    """A redis-server process of the test's own on a free port, which a test may stop and restart."""
+
+    def __init__(self, tmp_path):
+        self.port = free_port()
+        self.dir = tmp_path
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import shutil
+        import subprocess
+        import time
+
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not installed on this machine"
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from consumer.broker import port_open
+
+        deadline = time.monotonic() + 10
+        while not port_open("127.0.0.1", self.port):
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -35,7 +35,7 @@ def test_show_round_trips(tmp_path):
 def test_bad_config_names_the_key(tmp_path, text, says):
     p = tmp_path / "c.toml"
     p.write_text(text)
-    with pytest.raises(ConfigError, match=None) as e:
+    with pytest.raises(ConfigError) as e:
         load_settings(p)
     assert says in str(e.value)
 

@@ -10,21 +10,53 @@ of 64 rows). Every fourth row or sequence has no adapter (-1), one slot of the m
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import os
+import sys
 import zlib
 from dataclasses import dataclass
+from types import ModuleType
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
-
-import kernels.lora_expand as lora_expand_module
-import kernels.lora_shrink as lora_shrink_module
-from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_segments import LoraSegments, segments_from_indices, segments_per_row
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _import_kernels(*names: str) -> list[ModuleType]:
+    """Import kernel modules; without CUDA, so that their kernels run in the Triton interpreter on the CPU.
+
+    Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
+    own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
+    imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
+    the kernel modules are imported again. The variable is restored at once; `_interpreter_env` sets it again
+    while this module's tests run (triton imports more lazily at the first launch), and for no other test.
+    """
+    if DEVICE.type == "cuda":
+        return [importlib.import_module(name) for name in names]
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        standard = sys.modules.get("triton.language.standard")
+        if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
+            for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernels") and not m.startswith("triton._C")]:
+                del sys.modules[name]
+        return [importlib.import_module(name) for name in names]
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+lora_shrink_module, lora_expand_module, lora_segments_module = _import_kernels(
+    "kernels.lora_shrink", "kernels.lora_expand", "kernels.lora_segments"
+)
+lora_shrink, lora_shrink_ref = lora_shrink_module.lora_shrink, lora_shrink_module.lora_shrink_ref
+lora_expand, lora_expand_ref = lora_expand_module.lora_expand, lora_expand_module.lora_expand_ref
+LoraSegments = lora_segments_module.LoraSegments
+segments_from_indices, segments_per_row = lora_segments_module.segments_from_indices, lora_segments_module.segments_per_row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y
 T_TOL = 1e-5  # t is fp32 from exact products (TF32 holds fp16/bf16 exactly), whatever the input dtype
 POPULARITY = ["distinct", "uniform", "zipf", "identical"]
@@ -46,20 +78,13 @@ ISSUE = Size(decode_rows=32, prefill_lens=(70, 1, 130, 33, 64, 17, 96, 5), slots
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _triton_backend():
-    """Without CUDA, run the kernels in the Triton interpreter, for this module's tests only.
-
-    Triton reads TRITON_INTERPRET once, when @triton.jit decorates a kernel (triton.knobs.runtime.interpret,
-    at import of the kernel module): setting it here would come too late once any other test imported the
-    module, and would leak into every test after this one. Wrapping the kernel's Python function in the
-    interpreter is what the decorator does under that variable, undone when the module's tests end.
-    """
+def _interpreter_env():
+    """TRITON_INTERPRET=1 while this module's tests run without CUDA, and only then (see `_import_kernels`)."""
     if DEVICE.type == "cuda":
         yield
         return
     with pytest.MonkeyPatch.context() as mp:
-        for module in (lora_shrink_module, lora_expand_module):
-            mp.setattr(module, "_kernel", InterpretedFunction(module._kernel.fn))
+        mp.setenv("TRITON_INTERPRET", "1")
         yield
 
 

@@ -1,0 +1,184 @@
+"""The SRE report of a period: where the GPU's time went, per adapter and per worker.
+
+Per adapter (requests created in the period; "base" for the base model): requests, GPU seconds by
+component (base, LoRA, routing decision, KV credit, cold start), routing overhead as a share of the
+GPU time (decision + LoRA over base + LoRA + decision), KV savings, cold starts (loads in the period,
+how many and how long) and latency percentiles of total and first-token time. Per worker, from its
+busy records: busy time, the wall span from its first record's start to its last one's end, and the
+idle time between (span - busy), which no request is charged. The totals compare the busy time with
+the attributed time (billing/conservation.py): `unattributed_s` should be zero.
+
+Percentiles are nearest-rank (the smallest value with at least p% of the values at or below it),
+computed in Python from the rows, so both backends give the same answer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from sqlalchemy import Engine, case, func, select
+from sqlalchemy.orm import Session
+
+from billing.cost import us_to_ms
+from billing.models import AdapterLoad, Busy, Usage
+from billing.periods import check_period
+from billing.tally import BASE_MODEL
+
+PERCENTILES = (50, 95, 99)
+_MICROSECOND = timedelta(microseconds=1)
+_SHARE_QUANTUM = Decimal("0.0001")
+
+
+def us_to_s(us: int) -> Decimal:
+    """Integer microseconds as seconds with exactly six places."""
+    return (Decimal(us) / 1_000_000).quantize(Decimal("0.000001"))
+
+
+def share(part: int, whole: int) -> Decimal:
+    return (Decimal(part) / whole).quantize(_SHARE_QUANTUM, rounding=ROUND_HALF_EVEN) if whole else Decimal(0).quantize(_SHARE_QUANTUM)
+
+
+def nearest_rank(sorted_values: list[int], p: int) -> int:
+    """The p-th percentile by nearest rank of ascending `sorted_values` (0 for none)."""
+    if not sorted_values:
+        return 0
+    rank = -(-p * len(sorted_values) // 100)  # ceil(p * n / 100), in integers
+    return sorted_values[max(rank, 1) - 1]
+
+
+@dataclass(frozen=True)
+class AdapterSre:
+    adapter: str
+    requests: int
+    failed: int
+    base_s: Decimal
+    lora_s: Decimal
+    routing_s: Decimal  # the routing decisions
+    kv_saved_s: Decimal
+    cold_start_s: Decimal  # the adapter's load time in the period
+    gpu_s: Decimal  # base + lora + routing - kv_saved + cold_start
+    routing_overhead: Decimal  # (routing + lora) / (base + lora + routing), 0..1
+    cached_tokens: int
+    cold_starts: int
+    total_ms: tuple[Decimal, ...]  # p50, p95, p99
+    ttft_ms: tuple[Decimal, ...]
+
+
+@dataclass(frozen=True)
+class WorkerSre:
+    worker_id: str
+    gpu_kinds: str
+    records: int
+    steps: int
+    busy_s: Decimal
+    span_s: Decimal
+    idle_s: Decimal
+    busy_share: Decimal
+
+
+@dataclass(frozen=True)
+class SreReport:
+    period: str
+    adapters: tuple[AdapterSre, ...]
+    workers: tuple[WorkerSre, ...]
+    busy_s: Decimal
+    attributed_s: Decimal  # base + lora of the period's requests
+    unattributed_s: Decimal  # busy - attributed: zero when every step's time reached a request
+    idle_s: Decimal
+    unused_load_s: Decimal  # load time of adapters with no request in the period
+
+
+def _adapter_sums(session: Session, period: str) -> dict[str, dict[str, int]]:
+    statement = (
+        select(
+            Usage.adapter,
+            func.count().label("requests"),
+            func.sum(case((Usage.status == "failed", 1), else_=0)).label("failed"),
+            func.sum(Usage.base_us).label("base_us"),
+            func.sum(Usage.lora_us).label("lora_us"),
+            func.sum(Usage.routing_us).label("routing_us"),
+            func.sum(Usage.kv_saved_us).label("kv_saved_us"),
+            func.sum(Usage.cached_tokens).label("cached_tokens"),
+        )
+        .where(Usage.period == period)
+        .group_by(Usage.adapter)
+    )
+    return {row.adapter or BASE_MODEL: {k: int(v) for k, v in row._mapping.items() if k != "adapter"} for row in session.execute(statement)}
+
+
+def _latencies(session: Session, period: str) -> dict[str, tuple[list[int], list[int]]]:
+    totals: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    statement = select(Usage.adapter, Usage.total_us, Usage.ttft_us).where(Usage.period == period, Usage.status == "succeeded")
+    for adapter, total_us, ttft_us in session.execute(statement.execution_options(yield_per=50_000)):
+        lists = totals[adapter or BASE_MODEL]
+        lists[0].append(total_us)
+        lists[1].append(ttft_us)
+    for total, ttft in totals.values():
+        total.sort()
+        ttft.sort()
+    return totals
+
+
+def _workers(session: Session, period: str) -> list[WorkerSre]:
+    statement = (
+        select(
+            Busy.worker_id, func.count(), func.sum(Busy.steps), func.sum(Busy.busy_us), func.min(Busy.started_at), func.max(Busy.ended_at),
+        )
+        .where(Busy.period == period)
+        .group_by(Busy.worker_id)
+        .order_by(Busy.worker_id)
+    )
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for worker, kind in session.execute(select(Busy.worker_id, Busy.gpu_kind).where(Busy.period == period).distinct()):
+        kinds[worker].add(kind)
+    workers = []
+    for worker, records, steps, busy_us, first, last in session.execute(statement):
+        span_us = (last - first) // _MICROSECOND
+        busy_us = int(busy_us)
+        workers.append(WorkerSre(worker, ",".join(sorted(kinds[worker])), records, int(steps), us_to_s(busy_us), us_to_s(span_us),
+                                 us_to_s(span_us - busy_us), share(busy_us, span_us)))
+    return workers
+
+
+def sre_report(db: Engine | Session, period: str) -> SreReport:
+    """The SRE report of `period` (requests, loads and busy records by their own UTC month)."""
+    check_period(period)
+    session = db if isinstance(db, Session) else Session(db)
+    try:
+        sums = _adapter_sums(session, period)
+        latencies = _latencies(session, period)
+        loads = {
+            adapter: (int(n), int(us))
+            for adapter, n, us in session.execute(
+                select(AdapterLoad.adapter, func.count(), func.sum(AdapterLoad.load_us)).where(AdapterLoad.period == period).group_by(AdapterLoad.adapter)
+            )
+        }
+        adapters = []
+        for adapter in sorted(sums, key=lambda a: (a != BASE_MODEL, a)):
+            s = sums[adapter]
+            cold_starts, cold_us = loads.get(adapter, (0, 0))
+            gpu_us = s["base_us"] + s["lora_us"] + s["routing_us"] - s["kv_saved_us"] + cold_us
+            total, ttft = latencies.get(adapter, ([], []))
+            adapters.append(AdapterSre(
+                adapter=adapter, requests=s["requests"], failed=s["failed"], base_s=us_to_s(s["base_us"]), lora_s=us_to_s(s["lora_us"]),
+                routing_s=us_to_s(s["routing_us"]), kv_saved_s=us_to_s(s["kv_saved_us"]), cold_start_s=us_to_s(cold_us), gpu_s=us_to_s(gpu_us),
+                routing_overhead=share(s["routing_us"] + s["lora_us"], s["base_us"] + s["lora_us"] + s["routing_us"]),
+                cached_tokens=s["cached_tokens"], cold_starts=cold_starts,
+                total_ms=tuple(us_to_ms(nearest_rank(total, p)) for p in PERCENTILES),
+                ttft_ms=tuple(us_to_ms(nearest_rank(ttft, p)) for p in PERCENTILES),
+            ))
+        workers = _workers(session, period)
+        busy_us = int(session.scalar(select(func.sum(Busy.busy_us)).where(Busy.period == period)) or 0)
+        attributed_us = sum(s["base_us"] + s["lora_us"] for s in sums.values())
+        unused_us = sum(us for adapter, (_, us) in loads.items() if adapter not in sums)
+        return SreReport(
+            period=period, adapters=tuple(adapters), workers=tuple(workers), busy_s=us_to_s(busy_us), attributed_s=us_to_s(attributed_us),
+            unattributed_s=us_to_s(busy_us - attributed_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
+            unused_load_s=us_to_s(unused_us),
+        )
+    finally:
+        if session is not db:
+            session.close()

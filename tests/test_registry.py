@@ -1,0 +1,106 @@
+"""The registry in SQL (both backends): content-addressed adapters, versions, defaults, canary traffic,
+rate limits and routing rules, and the snapshot workers route on."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from billing.db import make_engine, session_factory
+from consumer.registry import Registry, RegistryError
+from consumer.routing import pick_version
+from consumer.rules import RuleError
+from engine.store import AdapterStore
+
+
+@pytest.fixture
+def registry(ledger_url, tmp_path) -> Registry:
+    engine = make_engine(ledger_url)
+    yield Registry(session_factory(engine), AdapterStore(tmp_path / "store", max_bytes=10**8))
+    engine.dispose()
+
+
+def test_versions_dedupe_and_default(registry, demo_set):
+    """Same content under a name is one version; new content is the next version and takes the traffic."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    registry.add_tenant("acme")
+    v1, created = registry.add_adapter("acme", "support", a[names[0]], default=True)
+    assert created and v1.ref == "support@1" and v1.is_default and v1.traffic_weight == 100
+    again, created = registry.add_adapter("acme", "support", a[names[0]])
+    assert not created and again.version == 1
+    v2, created = registry.add_adapter("acme", "support", a[names[1]])
+    assert created and v2.version == 2 and v2.is_default, "a new version of the default stays the default"
+    snap = registry.snapshot()
+    versions = snap.versions("acme", "support")
+    assert [(v.version, v.traffic_weight) for v in versions] == [(1, 0), (2, 100)]
+    assert snap.defaults["acme"].name == "support"
+    assert registry.store.path(v1.sha256).is_dir() and v1.sha256 != v2.sha256
+
+
+def test_canary_then_promote(registry, demo_set):
+    """A 10% canary takes 10 +/- 3% of 1,000 request ids; promoting moves all traffic."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    registry.add_tenant("acme")
+    registry.add_adapter("acme", "support", a[names[0]])
+    canary, _ = registry.add_adapter("acme", "support", a[names[1]], canary=10)
+    versions = registry.snapshot().versions("acme", "support")
+    assert [(v.version, v.traffic_weight) for v in versions] == [(1, 90), (2, 10)]
+    share = Counter(pick_version(versions, f"job-{i}").version for i in range(1000))[2]
+    assert 70 <= share <= 130, share
+    registry.set_traffic("acme", "support", {2: 100})
+    versions = registry.snapshot().versions("acme", "support")
+    assert all(pick_version(versions, f"job-{i}").version == 2 for i in range(100))
+    with pytest.raises(RegistryError, match="no version"):
+        registry.set_traffic("acme", "support", {7: 1})
+    with pytest.raises(RegistryError, match="1 to 99"):
+        registry.add_adapter("acme", "support", a[names[2]], canary=0)
+
+
+def test_public_and_acl(registry, demo_set):
+    a = demo_set["adapters"]
+    names = sorted(a)
+    registry.add_tenant("acme")
+    registry.add_tenant("globex")
+    registry.add_adapter("globex", "shared", a[names[0]], public=True)
+    registry.add_adapter("globex", "secret", a[names[1]])
+    snap = registry.snapshot()
+    assert snap.versions("acme", "shared")[0].tenant_id == "globex"
+    assert snap.versions("acme", "secret") == () and snap.owned_elsewhere("acme", "secret")
+
+
+def test_limits_and_rules(registry):
+    registry.add_tenant("acme", requests_per_minute=60)
+    t = registry.set_limits("acme", tokens_per_minute=5000, weight=3)
+    assert (t.requests_per_minute, t.tokens_per_minute, t.weight) == (60, 5000, 3)
+    r1 = registry.add_rule("acme", "keyword", "refund", "billing", position=1)
+    r0 = registry.add_rule("acme", "regex", r"^/sql", "sql", position=0)
+    assert [r.id for r in registry.list_rules("acme")] == [r0.id, r1.id]
+    assert {r.id for r in registry.snapshot().rules} == {r0.id, r1.id}
+    registry.remove_rule(r0.id)
+    assert [r.id for r in registry.list_rules()] == [r1.id]
+    with pytest.raises(RuleError, match="does not compile"):
+        registry.add_rule("acme", "regex", "(", "x")
+    with pytest.raises(RegistryError, match="no route rule"):
+        registry.remove_rule(999)
+    with pytest.raises(RegistryError, match="out of range"):
+        registry.set_limits("acme", weight=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda r, p: r.add_tenant("bad id!"), "invalid"),
+        (lambda r, p: r.add_adapter("ghost", "x", p), "tenants add ghost"),
+        (lambda r, p: r.add_adapter("acme", "bad name!", p), "invalid"),
+    ],
+)
+def test_bad_registrations_say_how_to_fix(registry, demo_set, call, says):
+    registry.add_tenant("acme")
+    path = Path(next(iter(demo_set["adapters"].values())))
+    with pytest.raises(RegistryError) as e:
+        call(registry, path)
+    assert says in str(e.value)
