@@ -79,6 +79,7 @@ class WorkerConfig(_Section):
 class RoutingConfig(_Section):
     cache: Literal["lru", "redis"] = Field("lru", description="where the L1 user / L2 session maps live")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when cache = \"redis\"")
+    redis_prefix: str = Field("lorabatch:route", description="key prefix, so several deployments can share a Redis")
     cache_entries: int = Field(100_000, ge=1, description="bound per tenant and level (Redis) or in all (LRU)")
     cache_ttl_s: float = Field(3600.0, gt=0, description="a user's or session's adapter is forgotten after this")
     redis_timeout_ms: float = Field(50.0, gt=0, description="a Redis call slower than this counts as Redis down")

@@ -26,13 +26,20 @@ class WorkerMetrics:
         )
         self.memory_used = Gauge("lora_memory_used_bytes", "Bytes of adapters resident on the device", registry=r)
         self.dlq = Counter("lorabatch_dlq_total", "Messages sent to the DLQ", ["code"], registry=r)
-        self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting in adapter buckets", registry=r)
+        self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
         self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)
         self.batch_size = Histogram(
             "lorabatch_batch_size", "Requests per engine batch", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128)
         )
-        self.consumer_lag = Gauge("lorabatch_consumer_lag", "Messages behind the log end", ["partition"], registry=r)
+        self.consumer_lag = Gauge("lorabatch_consumer_lag", "Messages behind the log end, per assigned partition",
+                                  ["partition"], registry=r)
+        self.route_decision = Histogram(
+            "lora_route_decision_seconds", "Time to decide a job's adapter", registry=r,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+        )
+        self.route_cache_errors = Counter("lora_route_cache_errors_total", "Routing cache (Redis) failures", registry=r)
+        self.circuit_open = Gauge("lora_adapter_circuits_open", "Adapters whose circuit breaker is open", registry=r)
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -17,11 +17,13 @@ class PartitionOffsets:
     pending: set[int] = field(default_factory=set)  # fetched, not yet done
     done: set[int] = field(default_factory=set)  # done, but above a pending offset
     committed: int | None = None  # what was last sent to the broker
+    fetched_to: int | None = None  # one past the highest offset fetched
 
     def fetched(self, offset: int) -> bool:
         """Note a fetched offset; False when it is a redelivery of work already done here."""
         if self.next_commit is None:  # the group resumed us here, so this is what is committed already
             self.next_commit = self.committed = offset
+        self.fetched_to = max(self.fetched_to or 0, offset + 1)
         if offset < self.next_commit or offset in self.done:
             return False
         self.pending.add(offset)
@@ -77,6 +79,10 @@ class OffsetTracker:
         """Drop revoked partitions: their unfinished work will be redelivered to the new owner."""
         for tp in partitions:
             self._parts.pop(tp, None)
+
+    def next_fetch(self, tp) -> int | None:
+        part = self._parts.get(tp)
+        return part.fetched_to if part else None
 
     def partitions(self) -> list:
         return list(self._parts)

@@ -46,8 +46,8 @@ log = logging.getLogger("lorabatch.worker")
 def make_route_cache(s: Settings) -> RouteCache:
     r = s.routing
     if r.cache == "redis":
-        return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, timeout_s=r.redis_timeout_ms / 1000,
-                               backoff_s=r.redis_backoff_s)
+        return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, prefix=r.redis_prefix,
+                               timeout_s=r.redis_timeout_ms / 1000, backoff_s=r.redis_backoff_s)
     return LruRouteCache(r.cache_entries, r.cache_ttl_s)
 
 
@@ -74,6 +74,7 @@ class Worker:
         self._apply_snapshot(registry.snapshot())
         self._running: list[Routed] = []
         self._paused = False
+        self._cache_errors_seen = 0
         self.consumer = None
         self.deliverer: Deliverer | None = None
 
@@ -190,6 +191,7 @@ class Worker:
                 self._fail(tp, m.offset, job, route.info, now, route.info.code)
                 continue
             self.metrics.route_decisions.labels(route.reason).inc()
+            self.metrics.route_decision.observe(route.decision_us / 1e6)
             tokens = _estimate_tokens(job)
             if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
                 t = self._snapshot.tenants[job.tenant_id]
@@ -309,8 +311,21 @@ class Worker:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.scheduler))
-        self.metrics.in_flight.set(self.offsets.in_flight())
+        m = self.metrics
+        depth = self.scheduler.depth_by_tenant()
+        for tenant in self._snapshot.tenants:  # registered tenants only: a bounded label set
+            m.queue_depth.labels(tenant).set(depth.get(tenant, 0))
+        m.in_flight.set(self.offsets.in_flight())
+        m.circuit_open.set(len(self.breakers.open_circuits()))
+        errors = getattr(self.router.cache, "errors", 0)
+        if errors > self._cache_errors_seen:
+            m.route_cache_errors.inc(errors - self._cache_errors_seen)
+            self._cache_errors_seen = errors
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            nxt = self.offsets.next_fetch(tp)
+            if high is not None and nxt is not None:
+                m.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
 
 
 class _Rebalance(ConsumerRebalanceListener):

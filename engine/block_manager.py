@@ -54,11 +54,11 @@ def namespace_hash(tenant: str, adapter_key: str | None, adapter_sha: str | None
     return h.digest()
 
 
-def chain_hashes(namespace: bytes, tokens: Sequence[int], block_size: int, start: int = 0, prev: bytes | None = None) -> list[bytes]:
-    """Keys of the full blocks of `tokens` from block `start` on (prev: the key of block start - 1)."""
+def chain_hashes(prev: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Keys of the full blocks of `tokens`, chained on `prev` (h_0 for a sequence's first block)."""
     out = []
-    h_prev = namespace if prev is None else prev
-    for b in range(start, len(tokens) // block_size):
+    h_prev = prev
+    for b in range(len(tokens) // block_size):
         block = array("q", tokens[b * block_size : (b + 1) * block_size]).tobytes()
         h_prev = hashlib.sha256(h_prev + block).digest()
         out.append(h_prev)
@@ -126,27 +126,29 @@ class BlockManager:
 
     # ---- prefix cache
 
-    def lookup(self, namespace: bytes | None, tokens: Sequence[int]) -> list[int]:
-        """Cached blocks holding the longest run of leading full blocks of tokens[:-1] (nothing is taken)."""
-        if not self.prefix_caching or namespace is None or len(tokens) <= self.block_size:
+    def prefix_keys(self, namespace: bytes | None, tokens: Sequence[int]) -> list[bytes]:
+        """Keys of the full blocks of tokens[:-1] (the last token is always computed); none when caching is off."""
+        if not self.prefix_caching or namespace is None:
             return []
+        return chain_hashes(namespace, tokens[:-1], self.block_size)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Cached blocks holding the longest leading run of `keys` (nothing is taken)."""
         hits = []
-        for key in chain_hashes(namespace, tokens[:-1], self.block_size):
+        for key in keys:
             block = self._block_of.get(key)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def admission_cost(self, tenant: str, hits: list[int], total_tokens: int) -> tuple[int, int]:
-        """(blocks leaving the free pool, blocks added to the tenant) to open a sequence with `hits` and grow it to
-        `total_tokens`: new blocks count in both, hits only if nobody uses them now."""
-        new = self.blocks_for(total_tokens) - len(hits)
-        revived = sum(1 for b in hits if self._refs[b] == 0)
-        return new + revived, new + revived
+    def admission_cost(self, hits: list[int], total_tokens: int) -> int:
+        """Blocks leaving the free pool, and added to the tenant, to open a sequence on `hits` and grow it to
+        `total_tokens`: the new blocks, plus the hits that nobody uses now."""
+        return self.blocks_for(total_tokens) - len(hits) + sum(1 for b in hits if self._refs[b] == 0)
 
-    def open(self, seq_id: Hashable, tenant: str, namespace: bytes | None, tokens: Sequence[int], hits: list[int]) -> int:
-        """Start a sequence on the cached blocks `hits` (from `lookup` just before); returns its cached tokens."""
+    def open(self, seq_id: Hashable, tenant: str, namespace: bytes | None, hits: list[int], keys: list[bytes]) -> int:
+        """Start a sequence on the cached blocks `hits` (from `lookup(keys)` just before); returns its cached tokens."""
         assert seq_id not in self._seqs, f"sequence {seq_id!r} already holds blocks"
         seq = _Seq(tenant, namespace if self.prefix_caching else None)
         self._seqs[seq_id] = seq
@@ -154,18 +156,20 @@ class BlockManager:
             self._take(block, tenant)
         seq.table = list(hits)
         seq.num_tokens = len(hits) * self.block_size
-        if seq.namespace is not None and hits:
-            seq.hashes = chain_hashes(seq.namespace, tokens[: seq.num_tokens], self.block_size)
+        seq.hashes = list(keys[: len(hits)])
         return seq.num_tokens
 
-    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """Record the keys of the sequence's blocks that became full; `tokens` are those whose KV is written."""
+    def commit(self, seq_id: Hashable, tokens: Sequence[int], num_computed: int) -> None:
+        """Record the keys of the sequence's blocks that became full: tokens[:num_computed] have their KV written."""
         seq = self._seqs[seq_id]
         if seq.namespace is None:
             return
-        assert len(tokens) <= seq.num_tokens, (len(tokens), seq.num_tokens)
+        assert num_computed <= seq.num_tokens, (num_computed, seq.num_tokens)
         start = len(seq.hashes)
-        new = chain_hashes(seq.namespace, tokens, self.block_size, start, seq.hashes[-1] if seq.hashes else None)
+        if (start + 1) * self.block_size > num_computed:
+            return  # no block became full
+        full = tokens[start * self.block_size : (num_computed // self.block_size) * self.block_size]
+        new = chain_hashes(seq.hashes[-1] if seq.hashes else seq.namespace, full, self.block_size)
         for i, key in enumerate(new, start):
             seq.hashes.append(key)
             block = seq.table[i]
@@ -205,7 +209,7 @@ class BlockManager:
     def ensure(self, seq_id: Hashable, total_tokens: int, tenant: str = "") -> None:
         """Open (uncached) if needed and grow: for callers driving the runner directly, such as tests."""
         if seq_id not in self._seqs:
-            self.open(seq_id, tenant, None, (), [])
+            self.open(seq_id, tenant, None, [], [])
         self.grow(seq_id, total_tokens)
 
     def free(self, seq_id: Hashable) -> None:

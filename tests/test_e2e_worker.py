@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.request
 from collections import Counter
 
 import pytest
 
+from consumer.broker import free_port
 from consumer.schemas import DlqRecord, Job, Result
 from consumer.submit import produce_jobs
 from tests.service_fixtures import committed_vs_end, open_services, produce_raw, read_all, running_worker, service_settings
@@ -109,6 +112,17 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
         assert svc.ledger.count_usage() == n_answerable - 1
         row = svc.ledger.usage_for("acme", "r0")
         assert row.adapter == "legal@1" and row.status == "succeeded" and row.base_us > 0
+
+        # Metrics over HTTP, with bounded label sets.
+        port = free_port()
+        rw.worker.metrics.serve(port)
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        for needle in ('lora_request_total{adapter="legal@1",status="succeeded",tenant="acme"}',
+                       'lora_route_decision_total{reason="explicit"}', 'lora_route_decision_total{reason="unknown_tenant"}',
+                       'lorabatch_queue_depth{tenant="globex"}', "lorabatch_consumer_lag{", "lora_cold_start_duration_ms_count",
+                       'lorabatch_dlq_total{code="malformed_json"} 1.0', "lora_route_decision_seconds_bucket"):
+            assert needle in text, needle
+        assert 'tenant="ghost"' not in text, "unregistered tenants must not become label values"
 
         # Redelivery: the same jobs again give duplicate results with the same ids, and no ledger row.
         await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")

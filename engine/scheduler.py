@@ -1,0 +1,216 @@
+"""Continuous batching: which requests run in the next step, and how many of their tokens.
+
+Each step (`schedule`) spends a budget of `max_num_batched_tokens` tokens:
+
+1. Running requests first, highest priority first (then earliest arrival): each gets its next tokens,
+   one for a decode, up to the rest of the budget for a prompt still being prefilled (chunked
+   prefill). If its KV blocks cannot grow (the pool is out of blocks, or its tenant is at quota), the
+   lowest-ranked running request not yet scheduled in this step (of the same tenant, for a quota) is
+   preempted: its blocks are freed and it goes back to waiting, to be recomputed later (vLLM's
+   recompute preemption). When none is left below it, the request preempts itself.
+2. Then waiting requests, in the same order, while the budget, the batch size and the blocks allow:
+   each first looks its known tokens up in the prefix cache, then needs its adapter pinned in a slot
+   (which may mean waiting for the admission token bucket or for a slot to free up; others go ahead
+   meanwhile) and blocks for its first chunk. A request of a tenant at quota is skipped; one that does
+   not fit the free blocks stops admission, so a long request is not passed over for ever. Admission
+   keeps `watermark` blocks free while anything runs, so that a newly admitted request does not
+   preempt a running one at its next token.
+
+Blocks are taken as needed rather than reserved for a request's worst case: more requests run at once,
+at the price of a preemption when they all grow at the same time.
+
+After the forward, `prefetch` starts the adapter loads of the waiting requests at the head of the
+queue, so that on CUDA they overlap the step's compute (a side-stream copy) instead of delaying the
+next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.adapter_pool import AdapterPool
+from engine.api import EngineError
+from engine.block_manager import BlockManager, namespace_hash
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    seq: Sequence
+    tokens: tuple[int, ...]  # the tokens computed in this step
+    samples: bool  # the chunk reaches the last known token, so the step samples the next one
+
+
+@dataclass
+class Plan:
+    items: list[Scheduled] = field(default_factory=list)
+    failed: list[tuple[Sequence, EngineError]] = field(default_factory=list)  # adapter failures, no fallback
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return (-seq.priority, seq.order)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, pool: AdapterPool, base_fingerprint: str):
+        self.config = config
+        self.blocks = blocks
+        self.pool = pool
+        self.base_fingerprint = base_fingerprint
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.watermark = max(1, blocks.num_blocks // 100)
+        self.preemptions = 0
+        self.prompt_tokens_looked_up = 0  # prompt tokens of first admissions
+        self.prompt_tokens_hit = 0  # of those, found in the prefix cache
+        self._keys: dict[int, tuple[bytes | None, int, list[bytes]]] = {}  # id(seq) -> (namespace, len(tokens), keys)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted request out, releasing its blocks and adapter pin."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        self._keys.pop(id(seq), None)
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        budget = self.config.max_num_batched_tokens
+        queue = sorted(self.running, key=_rank)
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            n = min(seq.num_uncomputed, budget)
+            assert n > 0, seq.request_id
+            total = seq.num_computed + n
+            while (why := self.blocks.can_grow(seq.request_id, total)) is not None:
+                lower = [s for s in queue[i + 1 :] if why == "pool" or s.tenant == seq.tenant]
+                victim = lower[-1] if lower else seq
+                self._preempt(victim, plan)
+                queue.remove(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq.request_id, total)
+                plan.items.append(Scheduled(seq, seq.chunk(n), total == len(seq.tokens)))
+                budget -= n
+                i += 1
+        for seq in sorted(self.waiting, key=_rank):
+            if budget == 0 or len(self.running) >= self.config.max_batch_size:
+                break
+            if seq in plan.preempted:
+                continue  # not back in the step that preempted it
+            verdict = self._admit(seq, budget, plan)
+            if verdict == "stop":
+                break
+            if isinstance(verdict, Scheduled):
+                plan.items.append(verdict)
+                budget -= len(verdict.tokens)
+        return plan
+
+    def prefetch(self, busy_slots: Iterable[int]) -> None:
+        """Start loading the adapters of the waiting requests next in line (see the module docstring)."""
+        exclude = set(busy_slots)
+        for seq in sorted(self.waiting, key=_rank)[: self.pool_slots]:
+            if seq.adapter_key is not None and seq.lora_slot < 0 and self.pool.failed(seq.adapter_key) is None:
+                slot = self.pool.prefetch(seq.adapter_key, exclude)
+                if slot is not None:
+                    exclude.add(slot)
+
+    @property
+    def pool_slots(self) -> int:
+        return self.config.max_loras
+
+    # ---- internals
+
+    def _admit(self, seq: Sequence, budget: int, plan: Plan) -> Scheduled | str | None:
+        """Admit `seq` if it can run now: its Scheduled item, None to skip it, or "stop" to end admission."""
+        hits, keys = self._lookup(seq)
+        total = len(hits) * self.blocks.block_size + min(len(seq.tokens) - len(hits) * self.blocks.block_size, budget)
+        if not self._fits(seq, hits, total):
+            return "stop" if self._why_not(seq, hits, total) == "pool" else None
+        if seq.adapter_key is not None and seq.lora_slot < 0:
+            known = self.pool.sha_of(seq.adapter_key)
+            try:
+                got = self.pool.acquire(seq.adapter_key)
+            except EngineError as e:
+                if not seq.request.allow_base_fallback:
+                    self.waiting.remove(seq)
+                    self._keys.pop(id(seq), None)
+                    plan.failed.append((seq, e))
+                    return None
+                seq.adapter_key, seq.base_fallback = None, True  # admitted on the base from the next step on
+                self._keys.pop(id(seq), None)
+                return None
+            if isinstance(got, str):
+                return None  # waiting for the bucket or a slot
+            seq.lora_slot, charges = got
+            seq.load_charges.extend(charges)
+            seq.adapter_sha = self.pool.sha_of(seq.adapter_key)
+            if known != seq.adapter_sha:  # first read of a key registered without its sha256: a new namespace
+                hits, keys = self._lookup(seq)
+                total = len(hits) * self.blocks.block_size + min(len(seq.tokens) - len(hits) * self.blocks.block_size, budget)
+                if not self._fits(seq, hits, total):
+                    self.pool.release(seq.adapter_sha)
+                    seq.lora_slot = -1
+                    return None
+        cached = self.blocks.open(seq.request_id, seq.tenant, self._namespace(seq), hits, keys)
+        self.blocks.grow(seq.request_id, total)
+        seq.num_computed = cached
+        if not seq.scheduled_once:
+            self.prompt_tokens_looked_up += len(seq.prompt_ids)
+            self.prompt_tokens_hit += cached
+            seq.timings.cached_tokens = cached
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return Scheduled(seq, seq.chunk(total - cached), total == len(seq.tokens))
+
+    def _fits(self, seq: Sequence, hits: list[int], total: int) -> bool:
+        return self._why_not(seq, hits, total) is None
+
+    def _why_not(self, seq: Sequence, hits: list[int], total: int) -> str | None:
+        cost = self.blocks.admission_cost(hits, total)
+        if self.blocks.tenant_blocks(seq.tenant) + cost > self.blocks.tenant_quota:
+            return "quota"
+        headroom = self.watermark if self.running else 0
+        if cost > self.blocks.num_free - headroom:
+            return "pool"
+        return None
+
+    def _namespace(self, seq: Sequence) -> bytes | None:
+        if seq.adapter_key is not None and seq.adapter_sha is None and self.pool.sha_of(seq.adapter_key) is None:
+            return None  # content not known yet: nothing can be cached under it
+        sha = seq.adapter_sha or (self.pool.sha_of(seq.adapter_key) if seq.adapter_key else None)
+        return namespace_hash(seq.tenant, seq.adapter_key, sha, self.base_fingerprint)
+
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        ns = self._namespace(seq)
+        cached = self._keys.get(id(seq))
+        if cached is None or cached[0] != ns or cached[1] != len(seq.tokens):
+            cached = (ns, len(seq.tokens), self.blocks.prefix_keys(ns, seq.tokens))
+            self._keys[id(seq)] = cached
+        keys = cached[2]
+        return self.blocks.lookup(keys), keys
+
+    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.timings.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(seq)
+        plan.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.request_id)
+        if seq.lora_slot >= 0:
+            assert seq.adapter_sha is not None
+            self.pool.release(seq.adapter_sha)
+            seq.lora_slot = -1
