@@ -12,18 +12,18 @@ after its tenant's invoice of its month was closed is billed on the next open pe
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
-from datetime import datetime, timedelta
-from typing import Any, NoReturn
+from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import BigInteger, Engine, Integer, String, Table, func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
+from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.db import current_revision, dialect_insert, head_revision, session_factory
 from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
@@ -32,10 +32,6 @@ from billing.periods import period_of
 from billing.prices import PriceBook, gpu_price_list
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 
-_STATUSES = ("succeeded", "failed")
-_ADAPTER = re.compile(r"[^@\s]+@\d+")  # "name@version"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_INT_MAX = {Integer: 2**31 - 1, BigInteger: 2**63 - 1}
 
 
 class Ledger:
@@ -122,44 +118,53 @@ class Ledger:
             return session.scalar(statement) or 0
 
     def _usage_row(self, record: UsageRecord) -> dict[str, Any]:
-        row = {f.name: getattr(record, f.name) for f in fields(record)}
-        what = f"usage record tenant_id={record.tenant_id!r} request_id={record.request_id!r}"
-        _check_row(Usage.__table__, row, what)
-        if record.status not in _STATUSES:
-            _reject(what, "status", record.status, f"use one of {', '.join(_STATUSES)}")
-        if record.adapter is not None and not _ADAPTER.fullmatch(record.adapter):
-            _reject(what, "adapter", record.adapter, "write the resolved adapter as name@version, or None for the base model")
-        if record.adapter_sha256 is not None and not _SHA256.fullmatch(record.adapter_sha256):
-            _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
+        row = dict(record.__dict__)
+
+        def what() -> str:
+            return f"usage record tenant_id={record.tenant_id!r} request_id={record.request_id!r}"
+
+        _USAGE_CHECK.check(row, what)
+        if record.status not in STATUSES:
+            reject(what(), "status", record.status, f"use one of {', '.join(STATUSES)}")
+        if record.adapter is not None and not ADAPTER.fullmatch(record.adapter):
+            reject(what(), "adapter", record.adapter, "write the resolved adapter as name@version, or None for the base model")
+        if record.adapter_sha256 is not None and not SHA256.fullmatch(record.adapter_sha256):
+            reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
         row["period"] = period_of(record.created_at)
         return row
 
     def _load_row(self, record: AdapterLoadRecord) -> dict[str, Any]:
-        row = {f.name: getattr(record, f.name) for f in fields(record)}
-        what = f"adapter load record adapter={record.adapter!r} worker_id={record.worker_id!r}"
-        _check_row(AdapterLoad.__table__, row, what)
-        if not _ADAPTER.fullmatch(record.adapter):
-            _reject(what, "adapter", record.adapter, "write the adapter as name@version")
-        if not _SHA256.fullmatch(record.adapter_sha256):
-            _reject(what, "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
+        row = dict(record.__dict__)
+
+        def what() -> str:
+            return f"adapter load record adapter={record.adapter!r} worker_id={record.worker_id!r}"
+
+        _LOAD_CHECK.check(row, what)
+        if not ADAPTER.fullmatch(record.adapter):
+            reject(what(), "adapter", record.adapter, "write the adapter as name@version")
+        if not SHA256.fullmatch(record.adapter_sha256):
+            reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
         row["period"] = period_of(record.created_at)
         return row
 
     def _busy_row(self, record: BusyRecord) -> dict[str, Any]:
-        row = {f.name: getattr(record, f.name) for f in fields(record)}
-        what = f"busy record worker_id={record.worker_id!r} started_at={record.started_at!r}"
-        _check_row(Busy.__table__, row, what)
+        row = dict(record.__dict__)
+
+        def what() -> str:
+            return f"busy record worker_id={record.worker_id!r} started_at={record.started_at!r}"
+
+        _BUSY_CHECK.check(row, what)
         for key in ("worker_id", "gpu_kind"):
             if not row[key]:
-                _reject(what, key, row[key], "pass a non-empty name")
+                reject(what(), key, row[key], "pass a non-empty name")
         span_us = (record.ended_at - record.started_at) // timedelta(microseconds=1)
         if span_us < 0:
-            _reject(what, "ended_at", record.ended_at, "pass an ended_at at or after started_at")
+            reject(what(), "ended_at", record.ended_at, "pass an ended_at at or after started_at")
         # Step times are rounded to whole microseconds one by one, so their sum may pass the wall span
         # by up to one microsecond per step; more than that is a clock or accounting error.
         if record.busy_us > span_us + record.steps:
-            _reject(what, "busy_us", record.busy_us, f"the GPU cannot be busy longer than the record's wall span of {span_us} us; "
-                    "stamp started_at before the first step and ended_at after the last")
+            reject(what(), "busy_us", record.busy_us, f"the GPU cannot be busy longer than the record's wall span of {span_us} us; "
+                   "stamp started_at before the first step and ended_at after the last")
         row["period"] = period_of(record.started_at)
         return row
 
@@ -187,29 +192,6 @@ class Ledger:
             ) from exc
 
 
-def _check_row(table: Table, row: Mapping[str, Any], what: str) -> None:
-    """Every value fits its column: timestamps aware, counts non-negative integers, text within its length."""
-    for column in table.columns:
-        if column.name not in row:
-            continue
-        value = row[column.name]
-        if column.name in ("created_at", "started_at", "ended_at"):
-            if not isinstance(value, datetime) or value.utcoffset() is None:
-                _reject(what, column.name, value, "pass a timezone-aware datetime, e.g. datetime.now(timezone.utc)")
-        elif isinstance(column.type, Integer):
-            limit = _INT_MAX[BigInteger if isinstance(column.type, BigInteger) else Integer]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-                _reject(what, column.name, value, f"pass an integer from 0 to {limit} (times in microseconds)")
-        elif isinstance(column.type, String):
-            if value is None:
-                if not column.nullable:
-                    _reject(what, column.name, value, "pass a string")
-            elif not isinstance(value, str) or (column.type.length is not None and len(value) > column.type.length):
-                _reject(what, column.name, value, f"pass a string of at most {column.type.length} characters")
-    for key in ("tenant_id", "request_id"):
-        if key in row and not row[key]:
-            _reject(what, key, row[key], "pass a non-empty id")
-
-
-def _reject(what: str, field: str, value: object, fix: str) -> NoReturn:
-    raise LedgerRecordError(f"{what}: {field}={value!r} cannot be written to the ledger; {fix}")
+_USAGE_CHECK = RowChecker(Usage.__table__, (f.name for f in fields(UsageRecord)))
+_LOAD_CHECK = RowChecker(AdapterLoad.__table__, (f.name for f in fields(AdapterLoadRecord)))
+_BUSY_CHECK = RowChecker(Busy.__table__, (f.name for f in fields(BusyRecord)))

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from consumer.cli_common import ConfigOpt, _fail, _services, _settings, _setup_logging, console, progress_bar
+from consumer.cli_common import ConfigOpt, _fail, _services, _settings, _setup_logging, console, print_table, progress_bar
 from consumer.config import Settings
 
 app = typer.Typer(help="Multi-tenant LoRA batch inference fed by Kafka, with an exact GPU cost ledger.",
@@ -155,7 +154,7 @@ def tenants_list(config: ConfigOpt = None) -> None:
     table = Table("tenant", "name", "tier", "weight")
     for t in svc.registry.list_tenants():
         table.add_row(t.id, t.display_name, t.tier, str(t.weight))
-    Console().print(table)
+    print_table(table)
 
 
 @adapters_app.command("add")
@@ -206,7 +205,7 @@ def adapters_list(config: ConfigOpt = None, tenant: Optional[str] = None) -> Non
     for a in svc.registry.list_adapters(tenant):
         table.add_row(a.tenant_id, a.ref, str(a.rank), ",".join(a.target_modules), "yes" if a.is_public else "",
                       "yes" if a.is_default else "", str(a.traffic_weight), a.sha256[:12])
-    Console().print(table)
+    print_table(table)
 
 
 @routes_app.command("add")
@@ -233,7 +232,7 @@ def routes_list(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
     table = Table("id", "tenant", "position", "kind", "pattern", "adapter")
     for r in svc.registry.list_rules(tenant):
         table.add_row(str(r.id), r.tenant_id, str(r.position), r.kind, r.pattern, r.adapter)
-    Console().print(table)
+    print_table(table)
 
 
 @routes_app.command("remove")

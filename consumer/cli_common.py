@@ -48,3 +48,8 @@ def _services(s: Settings):
         _fail(str(e))
 
 
+
+
+def print_table(table) -> None:
+    """A rich table on stdout; piped or captured output gets room enough not to cut cells."""
+    Console(width=None if sys.stdout.isatty() else 200).print(table)

@@ -93,7 +93,7 @@ def _kernel(
         return
 
     offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-    r_mask = offs_r < r0 + BLOCK_R
+    r_mask = offs_r < rank
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, in_features)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + sl * stride_ai

@@ -1,0 +1,110 @@
+"""The `lorabatch` command line: each command does its job and answers bad input with a clear error."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+from typer.testing import CliRunner
+
+from consumer.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str, ok: bool = True):
+    result = runner.invoke(app, list(args))
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture
+def config(tmp_path, ledger_url):
+    path = tmp_path / "lorabatch.toml"
+    path.write_text(f'[ledger]\nurl = "{ledger_url}"\n[store]\nadapter_dir = "{tmp_path / "store"}"\n')
+    return str(path)
+
+
+def test_config_show_is_valid_toml(config):
+    out = run("config", "show", "--config", config).stdout
+    assert tomllib.loads(out)["store"]["adapter_dir"].endswith("store")
+
+
+def test_registry_commands(config, demo_set):
+    adapters = demo_set["adapters"]
+    name = sorted(adapters)[0]
+    run("tenants", "add", "acme", "--rpm", "100", "--config", config)
+    assert "acme" in run("tenants", "list", "--config", config).stdout
+    assert "exists already" in run("tenants", "add", "acme", "--config", config, ok=False).output
+    out = run("adapters", "add", "--tenant", "acme", "support", str(adapters[name]), "--default", "--config", config).stdout
+    assert "support@1 registered" in out
+    assert "unchanged" in run("adapters", "add", "--tenant", "acme", "support", str(adapters[name]), "--config", config).stdout
+    run("adapters", "add", "--tenant", "acme", "support", str(adapters[sorted(adapters)[1]]), "--canary", "20", "--config", config)
+    assert "support@1: 80%, support@2: 20%" in run("adapters", "traffic", "--tenant", "acme", "support", "1=80", "2=20",
+                                                   "--config", config).stdout
+    assert "support@2" in run("adapters", "list", "--config", config).stdout
+    out = run("routes", "add", "--tenant", "acme", "--kind", "prefix", "/sql", "support", "--config", config).stdout
+    rule_id = out.split()[1]
+    assert "/sql" in run("routes", "list", "--config", config).stdout
+    run("routes", "remove", rule_id, "--config", config)
+    bad = run("routes", "add", "--tenant", "acme", "--kind", "regex", "(", "support", "--config", config, ok=False)
+    assert bad.exit_code == 2 and "does not compile" in bad.output
+    missing = run("adapters", "add", "--tenant", "ghost", "x", str(adapters[name]), "--config", config, ok=False)
+    assert "tenants add ghost" in missing.output
+
+
+def test_commands_refuse_an_unmigrated_ledger(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[ledger]\nurl = "sqlite:///{tmp_path / "empty.db"}"\n')
+    out = run("tenants", "list", "--config", str(path), ok=False)
+    assert out.exit_code == 2 and "lorabatch db upgrade" in out.output
+
+
+def test_bad_config_is_named(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[worker]\nmax_batch_size = -1\n")
+    out = run("config", "show", "--config", str(path), ok=False)
+    assert out.exit_code == 2 and "worker.max_batch_size" in out.output
+
+
+def test_generate_offline_in_input_order(tmp_path, demo_set):
+    """One result line per job, in input order; bad lines become failed lines in their place."""
+    adapters = demo_set["adapters"]
+    a, b = sorted(adapters)[:2]
+    jobs = tmp_path / "jobs.jsonl"
+    lines = [
+        {"prompt": "hello world", "max_new_tokens": 4, "adapter": a, "logprobs": 2},
+        {"input_ids": [1, 10, 20], "max_new_tokens": 3},
+        "{broken",
+        {"prompt": "x", "adapter": "not-given"},
+        {"prompt": "hi there", "max_new_tokens": 5, "adapter": b, "temperature": 0.9, "seed": 4},
+    ]
+    jobs.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    out = run("generate", "--model", str(demo_set["model"]), "--adapter", f"{a}={adapters[a]}",
+              "--adapter", f"{b}={adapters[b]}", "--jobs", str(jobs)).stdout
+    results = [json.loads(line) for line in out.splitlines()]
+    assert [r["request_id"] for r in results] == ["line-1", "line-2", "line-3", "line-4", "line-5"]
+    first, second, broken, unknown, sampled = results
+    assert first["status"] == "succeeded" and len(first["output_ids"]) <= 4 and first["adapter"] == a
+    assert len(first["logprobs"]["content"]) == len(first["output_ids"])
+    assert len(first["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert second["finish_reason"] in ("length", "eos", "stop")
+    assert broken["status"] == "failed" and "line 3" in broken["error"]["message"]
+    assert unknown["error"]["code"] == "unknown_adapter" and "--adapter not-given=DIR" in unknown["error"]["message"]
+    assert sampled["status"] == "succeeded"
+    again = run("generate", "--model", str(demo_set["model"]), "--adapter", f"{a}={adapters[a]}",
+                "--adapter", f"{b}={adapters[b]}", "--jobs", str(jobs)).stdout
+    assert again == out, "greedy and seeded jobs are reproducible"
+
+
+def test_generate_bad_arguments(tmp_path, demo_set):
+    out = run("generate", "--model", str(demo_set["model"]), "--adapter", "no-equals-sign", "--jobs", "x.jsonl", ok=False)
+    assert "NAME=DIR" in out.output
+
+
+def test_make_demo_model(tmp_path):
+    out = run("make-demo-model", str(tmp_path / "demo")).stdout
+    assert (tmp_path / "demo" / "model" / "tokenizer.json").is_file()
+    assert out.count("adapter ") == 8
