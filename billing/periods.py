@@ -13,7 +13,8 @@ _PERIOD = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # [0-9], not \d: \d also take
 def period_of(moment: datetime) -> str:
     """The period `moment` falls in, by its UTC month (23:30 on Jan 31 at -05:00 is already February)."""
     assert moment.utcoffset() is not None, f"naive datetime {moment!r}: billing periods need an aware one"
-    return moment.astimezone(timezone.utc).strftime("%Y-%m")
+    utc = moment.astimezone(timezone.utc)
+    return f"{utc.year:04d}-{utc.month:02d}"
 
 
 def check_period(period: str) -> str:

@@ -70,11 +70,6 @@ class EngineConfig(BaseModel):
                     f"max_prompt_tokens + max_new_tokens = {self.max_prompt_tokens + self.max_new_tokens} tokens "
                     f"at kv_block_size={self.kv_block_size}; set it to at least {need}"
                 )
-        if self.warm_pool_slots > self.max_loras:
-            raise ValueError(
-                f"engine.warm_pool_slots={self.warm_pool_slots} exceeds engine.max_loras={self.max_loras}; "
-                "the warm pool can only fill slots that exist"
-            )
         if "standard" not in self.adapter_slo_weights:
             raise ValueError(
                 f"engine.adapter_slo_weights={self.adapter_slo_weights} lacks 'standard', the tier of adapters registered without one"

@@ -1,9 +1,19 @@
-"""A tiny random-weight Llama and PEFT LoRA adapters, written locally in Hugging Face format.
+"""Tiny random-weight decoders and PEFT LoRA adapters, written locally in Hugging Face format.
 
 The embedded default model of DESIGN.md: the demo, the tests and CI run the whole service on it with
 no network. Everything written here loads unchanged in `transformers` (AutoModelForCausalLM,
 AutoTokenizer) and `peft` (PeftModel.from_pretrained, load_adapter), so tests can hold the engine to
 those libraries' numbers.
+
+Architectures (`arch`), all of the same sizes:
+- "llama": LlamaForCausalLM, plain RoPE, untied embeddings (the default demo model).
+- "llama3": LlamaForCausalLM with Llama 3.1's rope_scaling (rope_type llama3, factor 8), its original
+  context shrunk to 64 tokens so that the scaling changes most frequencies even in short tests.
+- "mistral": MistralForCausalLM with sliding_window 4096, longer than any sequence the engine accepts
+  for it (the engine refuses windows shorter than its longest sequence; see engine.model).
+- "qwen2": Qwen2ForCausalLM: biases on q, k and v, tied embeddings (no lm_head.weight in the file).
+
+Adapters record the base fingerprint (engine.model) in their safetensors metadata, where PEFT ignores it.
 
 Deterministic by seed: same seed, same bytes. Weights come from a seeded torch.Generator; the
 tokenizer is a byte-level BPE trained on the corpus below (the `tokenizers` trainer breaks ties by
@@ -19,7 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig
+from engine.adapters import FINGERPRINT_KEY
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig, base_fingerprint
 
 # Sizes of the demo Llama. head_dim 32 = 128 / 4 heads; 2 KV heads make it GQA (2 query heads share
 # one KV head), so the engine's head grouping is exercised.
@@ -45,6 +56,21 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# What each architecture changes in the Llama config.json written by write_demo_model.
+_ARCH_CONFIG: dict[str, dict] = {
+    "llama": {},
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },  # fmt: skip
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": _LAYERS,
+    },  # fmt: skip
+}
 _CORPUS = """
 The lighthouse keeper climbed the stairs every evening before the sun went down. He carried a small
 lamp, a notebook and a flask of tea. From the top of the tower he could see the harbour, the fishing
@@ -93,10 +119,13 @@ chairs and picture books. The librarian knew every reader by name and always had
 """
 
 
+ARCHS = ("llama", "llama3", "mistral", "qwen2")
+
+
 def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama") -> None:
-    """Write a small random-weight LlamaForCausalLM with its tokenizer into `out_dir` (HF format)."""
-    if arch != "llama":
-        raise ValueError(f"write_demo_model: arch={arch!r} is not supported; only 'llama' is")
+    """Write a small random-weight model of `arch` (module docstring) with its tokenizer into `out_dir` (HF format)."""
+    if arch not in ARCHS:
+        raise ValueError(f"write_demo_model: arch={arch!r} is not supported; use one of {ARCHS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -132,6 +161,7 @@ def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama") -> No
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    config.update(_ARCH_CONFIG[arch])
     _write_json(out_dir / "config.json", config)
     _write_json(
         out_dir / "generation_config.json",
@@ -150,7 +180,10 @@ def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama") -> No
             "chat_template": _CHAT_TEMPLATE,
         },
     )
-    save_file(_model_weights(vocab, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights = _model_weights(vocab, seed, qkv_bias=arch == "qwen2")
+    if config["tie_word_embeddings"]:
+        del weights["lm_head.weight"]
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_demo_adapter(
@@ -162,8 +195,10 @@ def write_demo_adapter(
     alpha: float,
     use_rslora: bool = False,
     seed: int = 0,
+    fingerprint: bool = True,
 ) -> None:
-    """Write a PEFT LoRA adapter for the demo model in `base_dir`, with non-zero random A and B.
+    """Write a PEFT LoRA adapter for the demo model in `base_dir`, with non-zero random A and B (and the
+    base fingerprint in the safetensors metadata unless `fingerprint` is False).
 
     PEFT initialises B to zero, which makes a fresh adapter a no-op and would hide any bug in the LoRA
     path; here both are random, with B scaled so that every adapter moves its projections' outputs by
@@ -215,7 +250,11 @@ def write_demo_adapter(
             "revision": None,
         },
     )
-    save_file(weights, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    # One metadata key only: safetensors writes its metadata map in hash order, which varies between
+    # processes, so two keys would make the bytes (and the adapter's sha256) differ run to run. PEFT reads
+    # adapters without looking at "format".
+    metadata = {FINGERPRINT_KEY: base_fingerprint(Path(base_dir))} if fingerprint else {"format": "pt"}
+    save_file(weights, str(out_dir / "adapter_model.safetensors"), metadata=metadata)
 
 
 # name -> (rank, targets, alpha, use_rslora): ranks 4..64, four kinds of target set, two rsLoRA.
@@ -231,11 +270,11 @@ _DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], float, bool]] = {
 }
 
 
-def write_demo_set(root: Path, *, seed: int = 0) -> dict[str, Path]:
+def write_demo_set(root: Path, *, seed: int = 0, arch: str = "llama") -> dict[str, Path]:
     """Write the demo model to root/"model" and 8 adapters to root/"adapters"/NAME; return name -> folder."""
     root = Path(root)
     model_dir = root / "model"
-    write_demo_model(model_dir, seed=seed)
+    write_demo_model(model_dir, seed=seed, arch=arch)
     paths: dict[str, Path] = {}
     for i, (name, (rank, targets, alpha, rslora)) in enumerate(_DEMO_ADAPTERS.items()):
         path = root / "adapters" / name
@@ -268,7 +307,7 @@ def _train_tokenizer():
     return tok
 
 
-def _model_weights(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def _model_weights(vocab: int, seed: int, *, qkv_bias: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     head_dim = _HIDDEN // _HEADS
     h, q_out, kv_out, inter = _HIDDEN, _HEADS * head_dim, _KV_HEADS * head_dim, _INTERMEDIATE
@@ -290,6 +329,12 @@ def _model_weights(vocab: int, seed: int) -> dict[str, torch.Tensor]:
         w[f"{p}.mlp.down_proj.weight"] = _randn((h, inter), 0.5 * inter**-0.5, gen)  # [hidden, intermediate]
     w["model.norm.weight"] = 1.0 + _randn((h,), 0.1, gen)
     w["lm_head.weight"] = _randn((vocab, h), 0.15, gen)  # [V, hidden]
+    if qkv_bias:  # drawn last, so the other weights are the same bytes as the Llama's of this seed
+        for i in range(_LAYERS):
+            p = f"model.layers.{i}.self_attn"
+            w[f"{p}.q_proj.bias"] = _randn((q_out,), 0.1, gen)
+            w[f"{p}.k_proj.bias"] = _randn((kv_out,), 0.1, gen)
+            w[f"{p}.v_proj.bias"] = _randn((kv_out,), 0.1, gen)
     return w
 
 

@@ -1,18 +1,24 @@
-"""The engine: continuous batching of many adapters' requests over one base model.
+"""The engine: continuous batching of many tenants' and adapters' requests over one base model.
 
-Each `step()` admits waiting requests (highest priority first, then arrival order) while there is room
-in the batch, in the KV cache and in the adapter slots, then runs ONE forward over all running
-requests: the whole prompt of each newly admitted one (prefill) and one token of each of the others
-(decode), rows of different adapters or none side by side. It samples one token per request, finishes
-those that hit EOS, a stop string or max_new_tokens, and returns them.
+Requests join and leave the running batch between steps. Each `step()` lets the scheduler
+(engine.scheduler) pick the step's work under a token budget (decodes, prefill chunks, new admissions,
+preemptions when KV blocks run out), runs ONE forward over all of it with rows of different adapters
+or none side by side, samples a token for every request whose known tokens are all computed, and
+returns the requests that finished. Adapters are loaded lazily by the pool (engine.adapter_pool) when
+a request needs one, or eagerly with `load_adapter`.
 
-KV admission reserves a request's worst case (prompt + max_new_tokens - 1 tokens) up front, so a running request
-never runs out of blocks and v0 needs no preemption; chunked prefill and preemption are later issues.
+Timings (for billing, DESIGN.md "Cost attribution"): each step's time is measured around the forward
+and the sampling (the adapter prefetch between them is not part of it), its LoRA part around the LoRA
+ops, and both are split exactly among the step's requests by tokens (engine.timing); `step_records`
+keeps each step's split for billing's conservation checks (drain with `pop_step_records`). Tokens a
+request finds in the prefix cache are credited as kv_saved_us = cached tokens x the measured marginal
+cost of a prefill token (engine.timing.PrefillCost, a fit of step time over step tokens). Adapter loads are measured apart, each
+one reported with its tier (`pop_load_events`) and charged as adapter_load_us to the first request
+that uses the adapter after it. Tokens recomputed after a preemption are computed, and so charged,
+like any others.
 
-Timings: each step's time is measured around the whole step after admission (forward, sampling,
-stop checks), its LoRA part around the LoRA ops (engine.timing), and both are split exactly among the
-step's requests; `step_records` keeps each step's split for billing's conservation checks (drain it
-with `pop_step_records`). Adapter loads and page-ins are measured apart and charged as adapter_load_us.
+Single-threaded: call every method from one thread (`engine.async_engine.AsyncEngine` runs the step
+loop in its own thread for asyncio callers).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,11 +34,12 @@ import torch
 from engine.adapter_pool import AdapterPool
 from engine.api import AdapterError, AdapterInfo, EngineError, GenerationRequest, GenerationResult, RequestError, RequestTimings
 from engine.config import EngineConfig
-from engine.model import read_eos_ids
+from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
 from engine.sampling import openai_logprob_entry, sample_tokens, token_logprobs
+from engine.scheduler import Plan, Scheduler
 from engine.sequence import Sequence
-from engine.timing import DeviceTimer, StepRecord, attribute_step
+from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.validation import check_context, check_sampling, prompt_ids
 
@@ -39,44 +47,84 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = _pick_device(config.device)
-        auto_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = auto_dtype if config.dtype == "auto" else _DTYPES[config.dtype]
+    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+        """Load the model of `config.model_dir`. `clock` (monotonic seconds) paces the adapter admission
+        bucket, heat and the warm pool's interval; `wall_clock` gives the warm pool its hour of day."""
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
         model_dir = Path(config.model_dir)
-        self.tokenizer = Tokenizer(model_dir)
-        self.eos_ids = read_eos_ids(model_dir)
-        blocks_per_seq = -(-(config.max_prompt_tokens + config.max_new_tokens) // config.kv_block_size)
+        tokenizer = Tokenizer(model_dir)
+        model = load_model(model_dir, device, dtype)
+        self._setup(config, model, tokenizer, read_eos_ids(model_dir), base_fingerprint(model_dir), clock, wall_clock)
+
+    @classmethod
+    def from_model(
+        cls,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        *,
+        eos_ids: tuple[int, ...] = (),
+        fingerprint: str,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> "Engine":
+        """An engine over a model built in memory (the bench builds random weights on the device)."""
+        engine = cls.__new__(cls)
+        engine._setup(config, model, tokenizer, eos_ids, fingerprint, clock, wall_clock)
+        return engine
+
+    def _setup(self, config, model, tokenizer, eos_ids, fingerprint, clock, wall_clock) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.base_fingerprint = fingerprint
+        model.config.check_sliding_window(config.max_prompt_tokens + config.max_new_tokens)
+        num_blocks = config.num_kv_blocks
+        quota = int(config.kv_tenant_quota * num_blocks)
+        if quota < config.blocks_per_sequence:
+            raise EngineError(
+                f"engine.kv_tenant_quota={config.kv_tenant_quota} gives a tenant {quota} of {num_blocks} KV blocks, under the "
+                f"{config.blocks_per_sequence} one sequence of max_prompt_tokens + max_new_tokens may need; raise the quota "
+                "or kv_num_blocks",
+                code="config_invalid",
+            )
         self.runner = ModelRunner(
-            model_dir,
-            device=self.device,
-            dtype=self.dtype,
+            model,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
-            kv_num_blocks=config.kv_num_blocks or config.max_batch_size * blocks_per_seq,
+            kv_num_blocks=num_blocks,
             kv_block_size=config.kv_block_size,
+            prefix_caching=config.enable_prefix_caching,
+            tenant_quota_blocks=quota,
         )
-        self.adapters = AdapterPool(
-            self.runner.lora, self.runner.config, max_lora_rank=config.max_lora_rank, max_adapter_bytes=config.max_adapter_bytes
-        )
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
+        self.scheduler = Scheduler(config, self.runner.blocks, self.adapters, fingerprint)
         self.step_records: list[StepRecord] = []
-        self._waiting: list[Sequence] = []
-        self._running: list[Sequence] = []
+        self.prefill_cost = PrefillCost()  # measured us per prefill token (engine.timing)
         self._unfinished: dict[str, Sequence] = {}  # request_id -> sequence, waiting or running
         self._done: list[GenerationResult] = []  # finished, not yet returned by step()
         self._order = itertools.count()
         self._step_ids = itertools.count()
+        self._steps = 0
+        self._ran = False  # whether the last step ran a forward
         self._step_timer = DeviceTimer(self.device)
 
     # ---- adapters
 
-    def load_adapter(self, key: str, path: Path) -> AdapterInfo:
-        """Validate and load a PEFT adapter folder under `key`; the same content under a new key is shared."""
-        return self.adapters.load(key, Path(path))
+    def register_adapter(self, key: str, path: Path, sha256: str | None = None, *, tenant: str = "", slo_tier: str = "standard") -> None:
+        """Make `key` usable by requests; nothing is read until a request (or the warm pool) needs it.
+        With `sha256`, the files must hash to it when read (else the requests fail with adapter_changed)."""
+        self.adapters.register(key, Path(path), sha256=sha256, tenant=tenant, slo_tier=slo_tier)
+
+    def load_adapter(self, key: str, path: Path, *, tenant: str = "", slo_tier: str = "standard") -> AdapterInfo:
+        """Register, validate and load a PEFT adapter folder under `key` now; the same content under a new key
+        is shared. Raises AdapterError (and leaves the key unregistered) if it cannot be loaded."""
+        return self.adapters.load(key, Path(path), tenant=tenant, slo_tier=slo_tier)
 
     def unload_adapter(self, key: str) -> None:
-        users = [rid for rid, s in self._unfinished.items() if s.request.adapter == key]
+        users = [rid for rid, s in self._unfinished.items() if s.adapter_key == key]
         if users:
             raise AdapterError(
                 f"adapter {key!r} is in use by {len(users)} unfinished requests (e.g. {users[0]!r}); "
@@ -88,6 +136,10 @@ class Engine:
 
     def has_adapter(self, key: str) -> bool:
         return self.adapters.has(key)
+
+    def pop_load_events(self) -> list[AdapterInfo]:
+        """Every adapter load since the last call (eager ones too), with its tier and measured duration."""
+        return self.adapters.pop_events()
 
     # ---- requests
 
@@ -101,53 +153,36 @@ class Engine:
             timings = RequestTimings(total_us=max(0, now - arrival))
             self._done.append(GenerationResult(request_id=req.request_id, adapter=req.adapter, error=e, timings=timings))
             return
-        self._waiting.append(seq)
+        if req.adapter is not None:
+            self.adapters.note_request(req.adapter)
+        self.scheduler.add(seq)
         self._unfinished[seq.request_id] = seq
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Stop an unfinished request now; returns its partial result (error code `aborted`), or None if unknown."""
-        seq = self._unfinished.get(request_id)
+        seq = self._unfinished.pop(request_id, None)
         if seq is None:
             return None
-        (self._waiting if seq in self._waiting else self._running).remove(seq)
-        self._release(seq)
-        seq.timings.total_us = _now_us() - seq.arrival_us
+        self.scheduler.remove(seq)
         seq.text = seq.text or self.tokenizer.decode(seq.output_ids)
-        return seq.result(RequestError(f"request {request_id!r} was aborted", code="aborted"))
+        return self._result(seq, RequestError(f"request {request_id!r} was aborted", code="aborted"))
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._done)
+        return bool(self._unfinished or self._done)
 
     def step(self) -> list[GenerationResult]:
         """Run one engine step; return the requests that finished in it (and failed validations)."""
         self._step_timer.reset()
         self.runner.lora.timer.reset()
-        # Admission runs outside the measured step: the adapter copies it may do are charged to the
-        # requests that needed them (adapter_load_us), so counting them in the step too would bill them twice.
-        self._admit(_now_us())
-        batch = list(self._running)
-        items = [BatchItem(s.request_id, s.next_tokens(), s.num_computed, s.lora_slot) for s in batch]
-        if batch:
-            with self._step_timer.section():
-                self._run(batch, items)
-        end_us = _now_us()
-        if batch:
-            total_us = self._step_timer.elapsed_us()
-            lora_us = min(self.runner.lora.timer.elapsed_us(), total_us)  # CUDA event rounding may overshoot by 1 us
-            rows = [(s.request_id, len(it.token_ids), it.lora_slot >= 0) for s, it in zip(batch, items)]
-            record = attribute_step(next(self._step_ids), total_us, lora_us, rows)
-            self.step_records.append(record)
-            for seq, share in zip(batch, record.shares):
-                t = seq.timings
-                t.base_us += share.base_us
-                t.lora_us += share.lora_us
-                t.steps += 1
-                if len(seq.output_ids) == 1:
-                    t.ttft_us = end_us - seq.arrival_us
-            for seq in batch:
-                if seq.finish_reason is not None:
-                    seq.timings.total_us = end_us - seq.arrival_us
-                    self._done.append(seq.result())
+        self.adapters.warm()
+        plan = self.scheduler.schedule()
+        now = _now_us()
+        for seq, error in plan.failed:
+            del self._unfinished[seq.request_id]
+            self._done.append(self._result(seq, error, now))
+        self._ran = bool(plan.items)
+        if plan.items:
+            self._run(plan, now)
         done, self._done = self._done, []
         return done
 
@@ -165,35 +200,73 @@ class Engine:
         others: list[GenerationResult] = []
         try:
             while slot_of:
-                for res in self.step():
+                finished = self.step()
+                for res in finished:
                     i = slot_of.pop(res.request_id, None)
                     if i is None:
                         others.append(res)
                     else:
                         results[i] = res
+                if not self._ran and not finished:
+                    time.sleep(min(0.05, max(0.001, self.idle_wait_s())))
         finally:
             for rid in slot_of:  # only after an exception: leave no half-run request behind
                 self.abort(rid)
             self._done = others + self._done
         return results  # type: ignore[return-value]
 
+    def idle_wait_s(self) -> float:
+        """How long a caller may wait before the next step can do anything (0 if it can now)."""
+        if self._ran or self._done or not self.scheduler.waiting:
+            return 0.0
+        return self.adapters.wait_s()
+
     def pop_step_records(self) -> list[StepRecord]:
         records, self.step_records = self.step_records, []
         return records
+
+    def stats(self) -> dict:
+        """Gauges and counters for metrics (the consumer exports them to Prometheus)."""
+        blocks, sched = self.runner.blocks, self.scheduler
+        looked = sched.prompt_tokens_looked_up
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "steps": self._steps,
+            "preemptions": sched.preemptions,
+            "kv_pool_total_blocks": blocks.num_blocks,
+            "kv_pool_used_blocks": blocks.num_used,
+            "kv_pool_cached_blocks": blocks.num_cached,
+            "kv_pool_hit_rate": sched.prompt_tokens_hit / looked if looked else 0.0,
+            "kv_prefix_hit_tokens": sched.prompt_tokens_hit,
+            "kv_prefix_lookup_tokens": looked,
+            "kv_tenant_quota_blocks": blocks.tenant_quota,
+            "kv_tenant_used_blocks": blocks.tenants(),
+            "prefill_us_per_token": self.prefill_cost.value,
+            **self.adapters.stats(),
+        }
 
     # ---- internals
 
     def _new_sequence(self, req: GenerationRequest, arrival: int) -> Sequence:
         if req.request_id in self._unfinished:
             raise _duplicate(req.request_id)
-        sha = None
-        if req.adapter is not None:
-            if not self.adapters.has(req.adapter):
-                raise RequestError(f"adapter {req.adapter!r} is not loaded; load it with load_adapter first", code="unknown_adapter")
-            sha = self.adapters.sha_of(req.adapter)
+        if req.adapter is not None and not self.adapters.has(req.adapter):
+            raise RequestError(
+                f"adapter {req.adapter!r} is not registered; register it with register_adapter or load_adapter first",
+                code="unknown_adapter",
+            )
         ids = prompt_ids(req, self.tokenizer, self.config, vocab_size=self.runner.config.vocab_size)
         check_sampling(req.sampling, self.config)
         check_context(len(ids), req.sampling, self.runner.config.max_position_embeddings)
+        blocks = self.runner.blocks
+        need = blocks.blocks_for(len(ids) + req.sampling.max_new_tokens - 1)
+        if need > blocks.tenant_quota:
+            raise RequestError(
+                f"the request may need {need} KV blocks, over the {blocks.tenant_quota} a tenant may hold "
+                "(engine.kv_tenant_quota); shorten the prompt or ask for fewer tokens",
+                code="kv_quota_exceeded",
+            )
         generator = None
         if req.sampling.temperature > 0:
             seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
@@ -203,69 +276,87 @@ class Engine:
             order=next(self._order),
             prompt_ids=ids,
             arrival_us=arrival,
-            adapter_sha=sha,
             detok=IncrementalDetokenizer(self.tokenizer),
             generator=generator,
+            adapter_key=req.adapter,
             logprobs=[] if req.sampling.logprobs is not None else None,
         )
 
-    def _admit(self, now_us: int) -> None:
-        blocks = self.runner.blocks
-        # Blocks the running requests may still take, at worst: reserved so they never run short.
-        reserved = sum(
-            blocks.blocks_for(s.max_kv_tokens) - (len(blocks.block_table(s.request_id)) if s.request_id in blocks else 0)
-            for s in self._running
-        )
-        for seq in sorted(self._waiting, key=lambda s: (-s.request.priority, s.order)):
-            if len(self._running) >= self.config.max_batch_size:
-                break
-            need = blocks.blocks_for(seq.max_kv_tokens)
-            if need > blocks.num_free - reserved:
-                break  # wait for blocks in order, so a long request is not passed over for ever
-            if seq.adapter_sha is not None:
-                got = self.adapters.acquire(seq.adapter_sha)
-                if got is None:
-                    continue  # every slot is pinned by running requests; others may still fit
-                seq.lora_slot, seq.timings.adapter_load_us = got
-            reserved += need
-            seq.timings.queue_us = max(0, now_us - seq.arrival_us)
-            self._waiting.remove(seq)
-            self._running.append(seq)
+    def _run(self, plan: Plan, now_us: int) -> None:
+        for it in plan.items:
+            seq = it.seq
+            if not seq.scheduled_once:
+                seq.scheduled_once = True
+                seq.timings.queue_us = max(0, now_us - seq.arrival_us)
+                seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.prefill_cost.value or 0.0))
+        items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
+        with self._step_timer.section():
+            logits = self.runner.forward(items)  # [M, V] fp32, one row per sampling item
+        # Between launching the forward and reading its results: on CUDA this overlaps the step's compute.
+        self.scheduler.prefetch(s.lora_slot for s in self.scheduler.running if s.lora_slot >= 0)
+        samplers = [it.seq for it in plan.items if it.samples]
+        with self._step_timer.section():
+            chosen = self._sample(logits, samplers)
+        end_us = _now_us()
 
-    def _run(self, batch: list[Sequence], items: list[BatchItem]) -> None:
-        logits = self.runner.forward(items)  # [B, V] fp32
-        params = [s.request.sampling for s in batch]
-        chosen = sample_tokens(logits, params, [s.generator for s in batch])
-        want = [i for i, s in enumerate(batch) if s.logprobs is not None]
+        total_us = self._step_timer.elapsed_us()
+        lora_us = min(self.runner.lora.timer.elapsed_us(), total_us)  # CUDA event rounding may overshoot by 1 us
+        rows = [(it.seq.request_id, len(it.tokens), it.seq.lora_slot >= 0) for it in plan.items]
+        record = attribute_step(next(self._step_ids), total_us, lora_us, rows)
+        self.step_records.append(record)
+        self._steps += 1
+        for it, share in zip(plan.items, record.shares):
+            seq, t = it.seq, it.seq.timings
+            t.base_us += share.base_us
+            t.lora_us += share.lora_us
+            t.steps += 1
+            start = seq.num_computed
+            in_prompt = max(0, min(start + len(it.tokens), len(seq.prompt_ids)) - start)
+            t.prefill_tokens += in_prompt
+            t.decode_tokens += len(it.tokens) - in_prompt
+            seq.num_computed += len(it.tokens)
+            self.runner.blocks.commit(seq.request_id, seq.tokens, seq.num_computed)
+        self.prefill_cost.update(record.tokens, total_us)
+        for seq, token in zip(samplers, chosen):
+            seq.append_token(token, self.eos_ids)
+            if seq.timings.ttft_us == 0:
+                seq.timings.ttft_us = end_us - seq.arrival_us
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+                del self._unfinished[seq.request_id]
+                self._done.append(self._result(seq, None, end_us))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if not seqs:
+            return []
+        params = [s.request.sampling for s in seqs]
+        chosen = sample_tokens(logits, params, [s.generator for s in seqs])
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if want:
             lps = token_logprobs(logits[want], [chosen[i] for i in want], [params[i].logprobs for i in want])
             for i, lp in zip(want, lps):
-                batch[i].logprobs.append(openai_logprob_entry(lp, self.tokenizer.token_bytes))
-        for seq, it, token in zip(batch, items, chosen):
-            if seq.num_computed == 0:
-                seq.timings.prefill_tokens += len(it.token_ids)
-            else:
-                seq.timings.decode_tokens += len(it.token_ids)  # tokens fed back, one per decode step
-            seq.num_computed += len(it.token_ids)
-            seq.append_token(token, self.eos_ids)
-            if seq.finish_reason is not None:
-                self._running.remove(seq)
-                self._release(seq)
+                seqs[i].logprobs.append(openai_logprob_entry(lp, self.tokenizer.token_bytes))
+        return chosen
 
-    def _release(self, seq: Sequence) -> None:
-        del self._unfinished[seq.request_id]
-        self.runner.free(seq.request_id)
-        if seq.lora_slot >= 0:
-            self.adapters.release(seq.adapter_sha)
-            seq.lora_slot = -1
+    def _result(self, seq: Sequence, error: EngineError | None, now_us: int | None = None) -> GenerationResult:
+        t = seq.timings
+        t.total_us = max(0, (now_us if now_us is not None else _now_us()) - seq.arrival_us)
+        t.adapter_load_us = sum(event.load_us() for event in seq.load_charges)
+        return seq.result(error)
 
 
-def _pick_device(choice: str) -> torch.device:
+def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise EngineError("engine.device='cuda' but no CUDA GPU is visible; set engine.device to 'cpu' or 'auto'", code="no_gpu")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[choice]
 
 
 def _duplicate(request_id: str) -> RequestError:

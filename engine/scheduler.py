@@ -118,15 +118,11 @@ class Scheduler:
     def prefetch(self, busy_slots: Iterable[int]) -> None:
         """Start loading the adapters of the waiting requests next in line (see the module docstring)."""
         exclude = set(busy_slots)
-        for seq in sorted(self.waiting, key=_rank)[: self.pool_slots]:
+        for seq in sorted(self.waiting, key=_rank)[: self.config.max_loras]:
             if seq.adapter_key is not None and seq.lora_slot < 0 and self.pool.failed(seq.adapter_key) is None:
                 slot = self.pool.prefetch(seq.adapter_key, exclude)
                 if slot is not None:
                     exclude.add(slot)
-
-    @property
-    def pool_slots(self) -> int:
-        return self.config.max_loras
 
     # ---- internals
 

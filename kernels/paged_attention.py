@@ -26,6 +26,7 @@ token slots of which one is live: the padding costs arithmetic, not bytes, and d
 Interpreter: on CPU (the Triton interpreter) the dot operands are widened to fp32, since the
 interpreter multiplies the raw bit patterns of bf16 in `tl.dot` (triton-lang/triton#11584); on CUDA
 fp16/bf16 tiles go to the tensor cores as they are, and P is rounded to V's dtype (as FlashAttention-2).
+fp32 inputs are multiplied in IEEE fp32, not TF32.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ def _kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_T: tl.constexpr,  # query tokens per program
+    ROWS: tl.constexpr,  # BLOCK_T * GROUP_PAD: rows of the query tile
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     KV_BLOCK: tl.constexpr,  # the cache's block_size
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query-token tile of the sequence
     kv_head = tl.program_id(1)
@@ -80,7 +83,6 @@ def _kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # cached tokens before the first query token
 
-    ROWS: tl.constexpr = BLOCK_T * GROUP_PAD
     offs_row = tl.arange(0, ROWS)  # [M] row = token slot * GROUP_PAD + head in group
     tok = t0 + offs_row // GROUP_PAD  # [M] query index within the sequence
     head = kv_head * GROUP + offs_row % GROUP_PAD  # [M]
@@ -106,7 +108,7 @@ def _kernel(
         block = tl.load(table_row + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)  # [BN]
         k_rows = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh  # [BN]
         kt = tl.load(k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt.to(DOT_DTYPE)) * qk_scale  # [M, BN] fp32, base-2 logits
+        s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [M, BN] fp32, base-2 logits
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal, shifted by the context
         s = tl.where(visible, s, float("-inf"))
 
@@ -116,7 +118,7 @@ def _kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = block * stride_vb + (offs_n % KV_BLOCK) * stride_vs + kv_head * stride_vh  # [BN]
         vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE))  # [M, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [M, D]
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows have l = 0 and are not stored
@@ -176,12 +178,14 @@ def paged_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_T=block_t,
+        ROWS=block_t * group_pad,
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim,
         KV_BLOCK=block_size,
         # The interpreter (CPU) multiplies bf16 bit patterns in tl.dot: widen there (see the docstring).
         DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else _TL_DTYPE[q.dtype],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32; widened halves are exact in TF32
         num_warps=num_warps,
     )
     return out

@@ -93,7 +93,8 @@ def test_length_stops_at_max_new_tokens(engine, max_new_tokens):
     """Without EOS or stop strings a request ends with exactly max_new_tokens tokens, finish_reason 'length'."""
     res = engine.generate([_req("len", PROMPTS[2], max_new_tokens=max_new_tokens, ignore_eos=True)])[0]
     assert res.finish_reason == "length" and len(res.output_ids) == max_new_tokens
-    assert res.timings.prefill_tokens == res.prompt_tokens and res.timings.decode_tokens == max_new_tokens - 1
+    t = res.timings
+    assert t.prefill_tokens + t.cached_tokens == res.prompt_tokens and t.decode_tokens == max_new_tokens - 1
 
 
 @pytest.mark.parametrize("start", [3, 8])
@@ -139,7 +140,7 @@ def test_logprobs_shape_and_values(engine, sampling):
     content = res.logprobs["content"]
     assert len(content) == len(res.output_ids) == 6
     prompt = engine.tokenizer.encode(PROMPTS[3])
-    slot = engine.adapters.acquire(engine.adapters.sha_of("qkvo-r8"))[0]
+    slot = engine.adapters.acquire("qkvo-r8")[0]
     try:
         logits = engine.runner.forward([BatchItem("lp-check", tuple(prompt + res.output_ids), 0, slot)], all_logits=True)
     finally:

@@ -81,7 +81,7 @@ def _check_close(ours: list[torch.Tensor], refs: list[torch.Tensor], what: str) 
 
 
 def _acquire(engine: Engine, adapter: str | None) -> int:
-    return -1 if adapter is None else engine.adapters.acquire(engine.adapters.sha_of(adapter))[0]
+    return -1 if adapter is None else engine.adapters.acquire(adapter)[0]
 
 
 def _release(engine: Engine, seq_ids: list, adapters: list[str | None]) -> None:

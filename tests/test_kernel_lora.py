@@ -5,7 +5,8 @@ the Triton interpreter runs on the CPU; the same checks at llama-1b and llama-8b
 where CUDA is. Batch forms: per-row decode (BGMV groups of one row), decode rows grouped by slot and padded
 as a CUDA graph would (SGMV, tiles of 16 rows), and a prefill of sequences of 1 to 23 tokens (SGMV, tiles
 of 64 rows). Every fourth row or sequence has no adapter (-1), one slot of the mixed ranks is empty
-(rank 0), and every weight beyond a slot's rank is NaN, so a kernel that reads past a rank fails.
+(rank 0), and every weight beyond a slot's rank is NaN, so a kernel that reads past a rank fails; fresh
+outputs start filled with a sentinel, so one that writes where it must not fails too.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ lora_expand, lora_expand_ref = lora_expand_module.lora_expand, lora_expand_modul
 LoraSegments = lora_segments_module.LoraSegments
 segments_from_indices, segments_per_row = lora_segments_module.segments_from_indices, lora_segments_module.segments_per_row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y
+SENTINEL = -1.25e30  # fills a fresh output first: what the kernel leaves unwritten keeps it, computed NaN does not
 T_TOL = 1e-5  # t is fp32 from exact products (TF32 holds fp16/bf16 exactly), whatever the input dtype
 POPULARITY = ["distinct", "uniform", "zipf", "identical"]
 RANKS = {"uniform": (16, [16]), "mixed": (64, [8, 16, 32, 64, 1, 0])}  # max rank, ranks cycled over the slots
@@ -185,8 +187,11 @@ def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SM
     defined = _defined(idx, rank, num_slices, max_rank)
     a, b, rank, scale, x, y = (v.to(DEVICE) for v in (a, b, rank, scale, x, y0.clone()))
 
-    t = lora_shrink(x, a, rank, segments, out=torch.full((num_slices, n, max_rank), float("nan"), device=DEVICE))
+    t = lora_shrink(x, a, rank, segments, out=torch.full((num_slices, n, max_rank), SENTINEL, device=DEVICE))
     _assert_close(t.cpu()[defined], t_want[defined], T_TOL, "shrink t")
+    outside = t.cpu()[~defined]  # rows without an adapter, columns beyond a rank: never written
+    zeroed = lora_shrink_module._config(segments, num_slices, in_f)[0] > 1  # split-K zeroes t before adding into it
+    assert ((outside == SENTINEL) | (zeroed & (outside == 0))).all(), f"shrink wrote {int((outside != SENTINEL).sum())} entries it must not"
     t[~defined.to(DEVICE)] = float("nan")  # whatever the shrink left there: the expand must not read it
 
     lora_expand(y, t, b, rank, scale, segments, slices=widths)
@@ -201,9 +206,9 @@ CASES = list(itertools.product([torch.float32, torch.float16, torch.bfloat16], P
 
 @pytest.mark.parametrize(("dtype", "popularity", "ranks", "slices", "form"), CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_shrink_expand_match_true_rank_float64_and_leave_unadapted_rows_untouched(dtype, popularity, ranks, slices, form):
-    """t equals x A^T at each slot's true rank on every entry it must write (into a NaN-filled buffer); y += s t B^T
-    equals float64 within the dtype's tolerance without reading t or weights beyond a rank; rows with no adapter
-    or an empty slot keep their bits."""
+    """t equals x A^T at each slot's true rank on every entry it must write and nothing else of a sentinel-filled
+    buffer changes; y += s t B^T equals float64 within the dtype's tolerance without reading t or weights beyond a
+    rank (NaN there); rows with no adapter or an empty slot keep their bits."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), popularity, ranks, slices, form)).encode()))
     _run_case(dtype, popularity, RANKS[ranks], SLICES[slices], form, IN_FEATURES, gen)
 
@@ -231,16 +236,16 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch):
     """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives."""
     gen = torch.Generator().manual_seed(3)
     idx, segments = _batch("per_row", "uniform", gen)
-    a, _, rank, _ = _weights(64, [8, 16, 32, 64], 256, 16, 3, torch.float32, gen)
+    a, _, rank, _ = _weights(32, [8, 16, 32], 256, 16, 1, torch.float32, gen)
     x = torch.randn(len(idx), 256, generator=gen)
     a, rank, x = a.to(DEVICE), rank.to(DEVICE), x.to(DEVICE)
-    assert lora_shrink_module._config(segments, 3, 256)[0] == 1
+    assert lora_shrink_module._config(segments, 1, 256)[0] == 1
     one_pass = lora_shrink(x, a, rank, segments)
     monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 32)
-    monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 4 * len(idx) * 3)
-    assert lora_shrink_module._config(segments, 3, 256)[0] == 4
+    monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 4 * len(idx))
+    assert lora_shrink_module._config(segments, 1, 256)[0] == 4
     split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
-    defined = _defined(idx, rank.cpu(), 3, 64).to(DEVICE)
+    defined = _defined(idx, rank.cpu(), 1, 32).to(DEVICE)
     torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,285 @@
+"""`lorabatch bench kernels`: each Triton kernel against its torch reference and its memory roofline (CUDA only).
+
+Shapes are issue 4's: llama-1b (hidden 2048, 32 heads over 8 KV heads of 64, MLP 8192) and llama-8b (4096,
+32 over 8 of 128, MLP 14336), bf16, a batch of 32 sequences over 32 distinct adapters of rank 16 in slots of
+max rank 64. Decode is 32 rows (per-row groups, as a CUDA-graph decode step runs) with 1024 cached tokens
+each; prefill is 32 sequences of 128 tokens (4096 rows, 32 segments) over a 512-token cached prefix.
+
+Roofline: the fewest bytes an op must move (each input read once, each output written once: x, the batch's
+distinct adapters' A and B at their true ranks, t written and read back in fp32, y read and written; for
+attention q, o and each sequence's K and V), over the device-to-device copy bandwidth measured here (bytes
+read plus written by a 1 GiB copy). Prefill attention also has a compute floor (causal flops over the bf16
+matmul rate measured here). Kernels are timed as CUDA-graph replays (what a graph-captured step pays, no
+Python launch cost); references, which sync, as plain calls; both with triton.testing.do_bench's median,
+which flushes L2 before every run, so no weight is served from the cache a real step would have evicted.
+
+Mixed ranks: adapters of rank 8/16/32/64 (cycled over the 32) against all 32 at rank 30, their mean: the
+bytes are equal, so the time ratio shows what heterogeneity itself costs (issue 4's target: at most 1.1x).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernels.lora_expand import lora_expand, lora_expand_ref
+from kernels.lora_segments import LoraSegments, segments_from_indices, segments_per_row
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from kernels.paged_attention import paged_attention, paged_attention_ref
+
+BATCH, ADAPTERS, RANK, MAX_RANK = 32, 32, 16, 64
+MIXED_RANKS, MEAN_RANK = (8, 16, 32, 64), 30
+PREFILL_TOKENS, PREFIX, DECODE_CONTEXT, BLOCK_SIZE = 128, 512, 1024, 16
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Model:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    def projections(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """LoRA targets as the kernels see them: name -> (in_features, output width of each fused slice)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "qkv": (self.hidden, (q, kv, kv)),
+            "o": (q, (self.hidden,)),
+            "gate_up": (self.hidden, (self.intermediate, self.intermediate)),
+            "down": (self.intermediate, (self.hidden,)),
+        }
+
+
+MODELS = {"llama-1b": Model(2048, 32, 8, 64, 8192), "llama-8b": Model(4096, 32, 8, 128, 14336)}
+
+
+def _graph_us(fn: Callable[[], object], rep: int = 100) -> float:
+    """Median µs of a CUDA-graph replay of fn (compiled and warmed first)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def _plain_us(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+@dataclass
+class _LoraCase:
+    """One projection's LoRA at one phase and rank mix, with the bytes its shrink and expand must move."""
+
+    x: torch.Tensor  # [N, in]
+    y: torch.Tensor  # [N, out]
+    a: torch.Tensor  # [slots, S, R, in]
+    b: torch.Tensor  # [slots, R, out]
+    rank: torch.Tensor  # [slots]
+    scale: torch.Tensor  # [slots]
+    segments: LoraSegments
+    widths: tuple[int, ...]
+    t: torch.Tensor  # [S, N, R] fp32
+    shrink_bytes: int
+    expand_bytes: int
+
+
+def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int]) -> _LoraCase:
+    device, e = torch.device("cuda"), DTYPE.itemsize
+    num_slices, out_f = len(widths), sum(widths)
+    rank = torch.tensor(ranks, dtype=torch.int32, device=device)  # [slots]
+    a = torch.randn(ADAPTERS, num_slices, MAX_RANK, in_f, device=device, dtype=DTYPE) * in_f**-0.5
+    b = torch.randn(ADAPTERS, MAX_RANK, out_f, device=device, dtype=DTYPE)
+    for s, r in enumerate(ranks):  # zero-filled beyond the rank, as the engine's slots are
+        a[s, :, r:] = 0
+        b[s, r:] = 0
+    if phase == "decode":
+        slots = list(range(BATCH))
+        segments = segments_per_row(torch.tensor(slots, device=device))
+    else:
+        slots = [s for s in range(BATCH) for _ in range(PREFILL_TOKENS)]
+        segments = segments_from_indices(slots, device=device)
+    n = len(slots)
+    x = torch.randn(n, in_f, device=device, dtype=DTYPE)
+    y = torch.randn(n, out_f, device=device, dtype=DTYPE)
+    scale = torch.full((ADAPTERS,), 2.0, device=device)
+    t = lora_shrink(x, a, rank, segments)
+    rank_sum = sum(ranks[s] for s in set(slots))  # distinct adapters, each once
+    t_bytes = num_slices * sum(ranks[s] for s in slots) * 4
+    shrink_bytes = n * in_f * e + num_slices * rank_sum * in_f * e + t_bytes
+    expand_bytes = t_bytes + rank_sum * out_f * e + 2 * n * out_f * e
+    return _LoraCase(x, y, a, b, rank, scale, segments, widths, t, shrink_bytes, expand_bytes)
+
+
+def _lora_kernels_us(case: _LoraCase, rep: int = 100) -> tuple[float, float]:
+    shrink = _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep)
+    expand = _graph_us(lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep)
+    return shrink, expand
+
+
+def _attention_case(model: Model, phase: str) -> tuple[dict, int, float]:
+    """Keyword arguments of paged_attention, its fewest bytes, and its causal flops."""
+    device, e = torch.device("cuda"), DTYPE.itemsize
+    q_len, context = (1, DECODE_CONTEXT - 1) if phase == "decode" else (PREFILL_TOKENS, PREFIX)
+    total = q_len + context
+    per_seq = triton.cdiv(total, BLOCK_SIZE)
+    shape = (BATCH * per_seq, BLOCK_SIZE, model.kv_heads, model.head_dim)
+    k_cache, v_cache = (torch.randn(shape, device=device, dtype=DTYPE) for _ in range(2))
+    tables = torch.randperm(BATCH * per_seq, device=device, dtype=torch.int32).view(BATCH, per_seq)
+    args = dict(
+        q=torch.randn(BATCH * q_len, model.heads, model.head_dim, device=device, dtype=DTYPE),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
+        seq_lens=torch.full((BATCH,), total, dtype=torch.int32, device=device),
+    )
+    if phase == "prefill":
+        args["cu_seqlens_q"] = torch.arange(0, BATCH * q_len + 1, q_len, dtype=torch.int32, device=device)
+    nbytes = 2 * BATCH * q_len * model.heads * model.head_dim * e + 2 * BATCH * total * model.kv_heads * model.head_dim * e
+    keys_seen = sum(context + i + 1 for i in range(q_len))  # per sequence, causal
+    flops = 4.0 * BATCH * keys_seen * model.heads * model.head_dim
+    return args, nbytes, flops
+
+
+def _measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul rate in flop/s), on random data."""
+    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.float32)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    m = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    mm_ms = do_bench(lambda: m @ m, warmup=25, rep=200, return_mode="median")
+    return 2 * 1024**3 / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
+
+
+def bench_kernels(json_only: bool = False) -> dict:
+    """Time every kernel at issue 4's shapes; print a table (unless json_only), then one JSON line; return the figures."""
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA GPU: the Triton kernels only run compiled there (the CPU interpreter is for tests)", file=sys.stderr)
+        raise SystemExit(2)
+    torch.manual_seed(0)
+    bandwidth, matmul_rate = _measure_ceilings()
+    rows: list[dict] = []
+    mixed: list[dict] = []
+    overhead: list[dict] = []
+
+    def add(model: str, phase: str, op: str, kernel_us: float, ref_us: float, nbytes: int, floor_us: float | None = None):
+        roof_us = nbytes / bandwidth * 1e6
+        rows.append(dict(model=model, phase=phase, op=op, kernel_us=round(kernel_us, 2), ref_us=round(ref_us, 2),
+                         roof_us=round(roof_us, 2), x_roof=round(kernel_us / roof_us, 2), ref_x=round(ref_us / kernel_us, 1),
+                         bytes=nbytes, floor_us=None if floor_us is None else round(floor_us, 2)))
+
+    for name, model in MODELS.items():
+        for phase in ("decode", "prefill"):
+            lora_us = base_us = 0.0
+            mixed_us = {"mixed": 0.0, "uniform": 0.0}
+            for proj, (in_f, widths) in model.projections().items():
+                case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+                shrink_us, expand_us = _lora_kernels_us(case)
+                add(name, phase, f"shrink {proj}", shrink_us, _plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments)), case.shrink_bytes)
+                y_ref = case.y.clone()
+                ref_us = _plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
+                add(name, phase, f"expand {proj}", expand_us, ref_us, case.expand_bytes)
+                w = torch.randn(sum(widths), in_f, device="cuda", dtype=DTYPE)  # the base projection, fused as the slices are
+                base_us += _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
+                lora_us += shrink_us + expand_us
+                del case, w
+                for label, ranks in (("mixed", [MIXED_RANKS[s % len(MIXED_RANKS)] for s in range(ADAPTERS)]), ("uniform", [MEAN_RANK] * ADAPTERS)):
+                    case = _lora_case(in_f, widths, phase, ranks)
+                    mixed_us[label] += sum(_lora_kernels_us(case))
+                    del case
+            overhead.append(dict(model=name, phase=phase, base_us=round(base_us, 1), lora_us=round(lora_us, 1), lora_pct=round(100 * lora_us / base_us, 1)))
+            mixed.append(dict(model=name, phase=phase, mixed_us=round(mixed_us["mixed"], 1), uniform_us=round(mixed_us["uniform"], 1),
+                              ratio=round(mixed_us["mixed"] / mixed_us["uniform"], 3)))
+            args, nbytes, flops = _attention_case(model, phase)
+            max_q = 1 if phase == "decode" else PREFILL_TOKENS
+            kernel_us = _graph_us(lambda: paged_attention(**args, max_query_len=max_q))
+            add(name, phase, "attention", kernel_us, _plain_us(lambda: paged_attention_ref(**args)), nbytes, flops / matmul_rate * 1e6)
+            del args
+
+    result = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+                  copy_gb_s=round(bandwidth / 1e9, 1), matmul_tflop_s=round(matmul_rate / 1e12, 1),
+                  kernels=rows, mixed_vs_uniform=mixed, lora_vs_base=overhead)
+    if not json_only:
+        _print_tables(result)
+    print(json.dumps(result))
+    return result
+
+
+def _print_tables(result: dict) -> None:
+    print(f"{result['device']}: copy {result['copy_gb_s']} GB/s (read + write), bf16 matmul {result['matmul_tflop_s']} TFLOP/s; "
+          f"triton {result['triton']}, torch {result['torch']}")
+    print(f"{'model':9} {'phase':8} {'op':15} {'kernel µs':>10} {'ref µs':>10} {'roof µs':>9} {'x roof':>7} {'ref/kern':>9} {'flop floor µs':>14}")
+    for r in result["kernels"]:
+        floor = "" if r["floor_us"] is None else f"{r['floor_us']:14.1f}"
+        print(f"{r['model']:9} {r['phase']:8} {r['op']:15} {r['kernel_us']:10.1f} {r['ref_us']:10.1f} {r['roof_us']:9.1f} "
+              f"{r['x_roof']:7.2f} {r['ref_x']:9.1f} {floor}")
+    print(f"\n{'model':9} {'phase':8} {'mixed 8/16/32/64 µs':>20} {'uniform 30 µs':>14} {'ratio':>6}   (all 4 projections, shrink + expand)")
+    for r in result["mixed_vs_uniform"]:
+        print(f"{r['model']:9} {r['phase']:8} {r['mixed_us']:20.1f} {r['uniform_us']:14.1f} {r['ratio']:6.3f}")
+    print(f"\n{'model':9} {'phase':8} {'base GEMMs µs':>14} {'LoRA µs':>9} {'LoRA / base':>12}   (one layer's 4 projections, rank 16)")
+    for r in result["lora_vs_base"]:
+        print(f"{r['model']:9} {r['phase']:8} {r['base_us']:14.1f} {r['lora_us']:9.1f} {r['lora_pct']:11.1f}%")
+
+
+def _sweep(rep: int = 30) -> None:
+    """Tuning aid behind each launcher's `_config`: time candidate block sizes at the bench shapes, print the best.
+
+    Run once per GPU kind (python -c "from kernels.bench import _sweep; _sweep()"); the defaults in the launchers
+    are what it printed on an H200. Swaps each module's `_config` for the duration of a timing only.
+    """
+    import itertools
+
+    import kernels.lora_expand as expand_module
+    import kernels.lora_shrink as shrink_module
+    import kernels.paged_attention as attention_module
+
+    def best(label: str, module, candidates, run: Callable[[], float]) -> None:
+        default = module._config
+        times = []
+        for cfg in candidates:
+            module._config = lambda *_, cfg=cfg: cfg
+            try:
+                times.append((run(), cfg))
+            except Exception as exc:  # a candidate that does not compile (shared memory, registers) is skipped
+                print(f"  {label} {cfg}: {type(exc).__name__}")
+            finally:
+                module._config = default
+        times.sort()
+        print(f"{label:34} best {times[0][1]} {times[0][0]:8.1f} µs | default-ish " +
+              " ".join(f"{c}:{t:.1f}" for t, c in times[1:4]), flush=True)
+
+    torch.manual_seed(0)
+    for name, model in MODELS.items():
+        for phase in ("decode", "prefill"):
+            for proj in ("qkv", "gate_up", "down"):
+                in_f, widths = model.projections()[proj]
+                case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+                shrink = lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep)  # noqa: E731
+                expand = lambda: _graph_us(  # noqa: E731
+                    lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep)
+                if phase == "decode":
+                    s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
+                    e_cands = list(itertools.product((1,), (128, 256, 512, 1024), (4, 8)))
+                else:
+                    s_cands = list(itertools.product((1,), (32, 64, 128), (64, 128), (4,))) + [(1, 64, 64, 8)]
+                    e_cands = list(itertools.product((64, 128), (128, 256), (4, 8)))
+                best(f"{name} {phase} shrink {proj}", shrink_module, s_cands, shrink)
+                best(f"{name} {phase} expand {proj}", expand_module, e_cands, expand)
+                del case
+            args, _, _ = _attention_case(model, phase)
+            max_q = 1 if phase == "decode" else PREFILL_TOKENS
+            if phase == "decode":
+                a_cands = [(4, n, w) for n in (32, 64, 128) for w in (2, 4)]
+            else:
+                a_cands = [(r // 4, n, w) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
+            best(f"{name} {phase} attention", attention_module, a_cands,
+                 lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))

@@ -1,0 +1,98 @@
+"""The billing command lines: prices, invoices (draft, close, close a month), reports to a file, the ledger bench."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from billing import db
+from billing.bench import bench_ledger
+from billing.config import LedgerConfig
+from billing.ledger import Ledger
+from consumer.cli import app
+from tests.test_ledger import usage_record
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> tuple[CliRunner, Path]:
+    """A SQLite ledger with October 2025 usage of acme, and a config file pointing at it."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        Ledger(engine, LedgerConfig(url=url)).record_usage(
+            [usage_record("r1", created_at=datetime(2025, 10, 3, tzinfo=timezone.utc), input_tokens=10**6, output_tokens=10**6, base_us=3_600_000)]
+        )
+    finally:
+        engine.dispose()
+    config = tmp_path / "lorabatch.toml"
+    config.write_text(f'[ledger]\nurl = "{url}"\ngpu_kind = "h100"\n[store]\nadapter_dir = "{tmp_path / "store"}"\n')
+    return CliRunner(), config
+
+
+def run(cli: tuple[CliRunner, Path], *args: str) -> str:
+    runner, config = cli
+    result = runner.invoke(app, [*args, "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_prices_then_invoice_then_close(cli: tuple[CliRunner, Path]) -> None:
+    """prices set-gpu / set-tokens / list, then the draft invoice at those prices, then --close freezes it."""
+    run(cli, "tenants", "add", "acme", "--tier", "gold")
+    assert "h100: 7.20" in run(cli, "prices", "set-gpu", "h100", "7.20", "--from", "2025-10-01")
+    run(cli, "prices", "set-tokens", "gold", "--input", "1.5", "--output", "2", "--from", "2025-10-01")
+    listed = json.loads(run(cli, "prices", "list", "--format", "json"))
+    assert listed["gpu"] == [{"gpu_kind": "h100", "from": "2025-10-01", "price_per_hour": "7.20"}]
+    assert listed["tokens"][0]["input_per_million"] == "1.50"
+    draft = json.loads(run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--format", "json"))
+    assert (draft["status"], draft["totals"]["cost"], draft["totals"]["revenue"]) == ("draft", "0.007200000", "3.500000000")
+    closed = json.loads(run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--close", "--format", "json"))
+    assert closed["status"] == "closed" and closed["lines"] == draft["lines"]
+    assert "(closed " in run(cli, "invoice", "--tenant", "acme", "--period", "2025-10")
+    everything = json.loads(run(cli, "invoice", "--close-period", "2025-10", "--format", "json"))
+    assert [i["tenant"] for i in everything] == ["acme"]
+
+
+def test_invoice_errors_say_what_to_do(cli: tuple[CliRunner, Path]) -> None:
+    """Bad input fails with exit code 2 and a message naming the fix."""
+    runner, config = cli
+    for args, hint in [
+        (["invoice", "--tenant", "acme"], "--close-period"),
+        (["invoice", "--tenant", "acme", "--period", "2025-13"], "YYYY-MM"),
+        (["invoice", "--tenant", "acme", "--period", "2999-01", "--close"], "after it has ended"),
+        (["prices", "set-gpu", "h100", "abc", "--from", "2025-10-01"], "decimal"),
+        (["prices", "set-gpu", "h100", "1.0000000001", "--from", "2025-10-01"], "more than 9 decimal places"),
+        (["prices", "set-gpu", "h100", "1", "--from", "2025-1-1"], "YYYY-MM-DD"),
+        (["report", "sre", "--period", "2025-10", "--format", "pdf"], "html"),
+    ]:
+        result = runner.invoke(app, [*args, "--config", str(config)])
+        assert result.exit_code == 2, (args, result.output)
+        assert hint in " ".join(result.output.split()), (args, result.output)
+
+
+def test_reports_to_files(cli: tuple[CliRunner, Path], tmp_path: Path) -> None:
+    """report finance / sre write each format; -o writes one self-contained HTML file with embedded charts."""
+    finance = json.loads(run(cli, "report", "finance", "--period", "2025-10", "--format", "json", "--flag-factor", "2"))
+    assert finance["summary"]["flag_factor"] == "2" and finance["tenants"][0]["tenant"] == "acme"
+    out = tmp_path / "sre.html"
+    run(cli, "report", "sre", "--period", "2025-10", "--format", "html", "-o", str(out))
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64," in page
+    assert "adapters" in run(cli, "report", "sre", "--period", "2025-10")
+
+
+def test_bench_ledger_prints_a_table_then_one_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench fills a scratch copy, prints its figures and one JSON line, and leaves no file behind (no timing asserted)."""
+    figures = bench_ledger(f"sqlite:///{tmp_path / 'bench.db'}", rows=3_000, batch=1_000)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1]) == figures
+    assert {"rows", "insert_rows_per_s", "invoice_s", "close_s"} <= figures.keys() and figures["rows"] == 3_000
+    assert figures["closed_invoices"] > 0
+    assert list(tmp_path.iterdir()) == []
+    assert Decimal(str(figures["insert_s"])) > 0

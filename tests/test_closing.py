@@ -1,0 +1,152 @@
+"""Invoice lifecycle: drafts, closing, frozen invoices, late usage as adjustments in the next open period.
+
+Runs on SQLite and the machine's PostgreSQL. PRICE makes one microsecond cost exactly 2e-9.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session
+
+from billing.closing import close_invoice, close_period
+from billing.config import LedgerConfig
+from billing.errors import PeriodNotEndedError
+from billing.invoice import build_invoice, period_invoices
+from billing.invoice_render import render_csv, render_json, render_table
+from billing.ledger import Ledger
+from billing.models import ClosedInvoice, ColdStartShare, Usage
+from tests.test_ledger import load_record, usage_record
+
+PRICE = Decimal("7.20")
+CONFIG = LedgerConfig(gpu_price_per_hour=PRICE)
+S1 = "11" * 32
+NOV_2 = datetime(2026, 11, 2, tzinfo=timezone.utc)
+DEC_2 = datetime(2026, 12, 2, tzinfo=timezone.utc)
+
+
+def oct_(day: int, hour: int = 12) -> datetime:
+    return datetime(2026, 10, day, hour, tzinfo=timezone.utc)
+
+
+def nov(day: int) -> datetime:
+    return datetime(2026, 11, day, 12, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def ledger(engine: Engine) -> Ledger:
+    return Ledger(engine, LedgerConfig(url=str(engine.url), gpu_price_per_hour=PRICE))
+
+
+@pytest.fixture
+def october(ledger: Ledger) -> Ledger:
+    """October 2026: acme used x@1 (300 tokens) and the base model; globex used x@1 (100 tokens); one 40_000 us load of x@1."""
+    ledger.record_usage([
+        usage_record("a1", created_at=oct_(3), adapter="x@1", adapter_sha256=S1, input_tokens=200, output_tokens=100, base_us=10_000, lora_us=2_000),
+        usage_record("a2", created_at=oct_(4), input_tokens=10, output_tokens=10, base_us=5_000),
+        usage_record("g1", tenant_id="globex", created_at=oct_(5), adapter="x@1", adapter_sha256=S1, input_tokens=50, output_tokens=50, base_us=7_000),
+    ])
+    ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=40_000, created_at=oct_(2))])
+    return ledger
+
+
+def renders(engine: Engine, tenant: str, period: str) -> tuple[str, str, str]:
+    invoice = build_invoice(engine, tenant, period, CONFIG)
+    return render_json(invoice), render_table(invoice), render_csv(invoice)
+
+
+def test_period_closes_only_after_it_ended(october: Ledger, engine: Engine) -> None:
+    """A month cannot be closed before its last UTC instant has passed: its usage is still arriving."""
+    for close in (lambda now: close_period(engine, CONFIG, "2026-10", now=now), lambda now: close_invoice(engine, CONFIG, "acme", "2026-10", now=now)):
+        with pytest.raises(PeriodNotEndedError, match=r"runs until 2026-11-01T00:00Z.*close it after it has ended"):
+            close(datetime(2026, 10, 31, 23, 59, 59, 999999, tzinfo=timezone.utc))
+    assert build_invoice(engine, "acme", "2026-10", CONFIG).status == "draft"
+    assert close_invoice(engine, CONFIG, "acme", "2026-10", now=datetime(2026, 11, 1, tzinfo=timezone.utc)).status == "closed"
+
+
+def test_closed_invoice_never_changes_and_late_usage_is_an_adjustment(october: Ledger, engine: Engine) -> None:
+    """Append-only: a closed invoice renders byte-identically after late usage and loads; the late usage is billed on the next open period as an adjustment line."""
+    closed = close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    assert closed.status == "closed" and closed.closed_at == NOV_2
+    before = renders(engine, "acme", "2026-10")
+    october.record_usage([
+        usage_record("a3", created_at=oct_(30), adapter="x@1", adapter_sha256=S1, input_tokens=1_000, output_tokens=0, base_us=50_000, lora_us=5_000),
+        usage_record("a4", created_at=nov(5), adapter="x@1", adapter_sha256=S1, input_tokens=10, output_tokens=10, base_us=1_000),
+        usage_record("a1", created_at=oct_(3), base_us=999_999),  # a redelivery of a billed request: nothing
+    ])
+    october.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=12_345, created_at=oct_(31))])
+    assert renders(engine, "acme", "2026-10") == before
+    with Session(engine) as session:
+        filed = {rid: p for rid, p in session.execute(select(Usage.request_id, Usage.invoice_period).where(Usage.tenant_id == "acme"))}
+    assert filed == {"a1": "2026-10", "a2": "2026-10", "a3": "2026-11", "a4": "2026-11"}
+
+    november = build_invoice(engine, "acme", "2026-11", CONFIG)
+    labels = [line.label for line in november.lines]
+    assert labels == ["x@1", "x@1 (adjustment for 2026-10)"]
+    adjustment = november.lines[1]
+    assert (adjustment.requests, adjustment.input_tokens, adjustment.base_ms, adjustment.routing_ms) == (1, 1_000, Decimal("50.000"), Decimal("5.000"))
+    # The late October load went to November's spread (October's froze at the close), over November's x@1 users.
+    assert november.totals.cold_start_ms == Decimal("12.345")
+    assert "x@1 (adjustment for 2026-10)" in render_table(november)
+
+
+def test_close_period_freezes_every_tenant(october: Ledger, engine: Engine) -> None:
+    """Closing a month closes every tenant's invoice; a tenant whose first usage of the month arrives later is billed next month."""
+    invoices = close_period(engine, CONFIG, "2026-10", now=NOV_2)
+    assert [(i.tenant, i.status) for i in invoices] == [("acme", "closed"), ("globex", "closed")]
+    october.record_usage([usage_record("n1", tenant_id="newco", created_at=oct_(31), base_us=3_000)])
+    assert build_invoice(engine, "newco", "2026-10", CONFIG).status == "closed"
+    assert build_invoice(engine, "newco", "2026-10", CONFIG).lines == ()
+    late = build_invoice(engine, "newco", "2026-11", CONFIG)
+    assert [(line.label, line.base_ms) for line in late.lines] == [("base (adjustment for 2026-10)", Decimal("3.000"))]
+
+
+def test_closing_twice_changes_nothing(october: Ledger, engine: Engine) -> None:
+    """Closing is idempotent: a second close (of the invoice or of the month) returns the same frozen invoice and stores nothing new."""
+    first = close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    assert close_invoice(engine, CONFIG, "acme", "2026-10", now=DEC_2) == first
+    by_period = {i.tenant: i for i in close_period(engine, CONFIG, "2026-10", now=DEC_2)}
+    assert by_period["acme"] == first
+    assert close_period(engine, CONFIG, "2026-10", now=DEC_2) == list(by_period.values())
+    with Session(engine) as session:
+        assert session.scalar(select(func.count()).select_from(ClosedInvoice)) == 2
+
+
+def test_late_usage_skips_closed_periods(october: Ledger, engine: Engine) -> None:
+    """Late usage goes to the first period after its own whose invoice is still open, skipping every closed one."""
+    close_invoice(engine, CONFIG, "acme", "2026-10", now=DEC_2)
+    close_invoice(engine, CONFIG, "acme", "2026-11", now=DEC_2)
+    october.record_usage([usage_record("late", created_at=oct_(15), base_us=1_000)])
+    december = build_invoice(engine, "acme", "2026-12", CONFIG)
+    assert [line.label for line in december.lines] == ["base (adjustment for 2026-10)"]
+    assert build_invoice(engine, "acme", "2026-11", CONFIG).lines == ()
+
+
+def test_cold_start_spread_is_frozen_at_the_first_close(october: Ledger, engine: Engine) -> None:
+    """Conservation across closes: the shares of x@1's 40_000 us load, frozen when acme closed, still add up to it after globex's later usage."""
+    acme = close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    # 300 : 100 tokens -> 30_000 : 10_000 us.
+    assert acme.lines[-1].adapter == "x@1" and acme.lines[-1].cold_start_ms == Decimal("30.000")
+    october.record_usage([usage_record("g2", tenant_id="globex", created_at=oct_(20), adapter="x@1", adapter_sha256=S1, input_tokens=10**6)])
+    globex = build_invoice(engine, "globex", "2026-10", CONFIG)
+    assert globex.status == "draft" and globex.totals.requests == 2  # globex's invoice is still open: g2 is on it
+    assert globex.totals.cold_start_ms == Decimal("10.000")  # but the spread is frozen
+    with Session(engine) as session:
+        assert session.scalar(select(func.sum(ColdStartShare.share_us)).where(ColdStartShare.period == "2026-10")) == 40_000
+    assert sum(i.totals.cold_start_ms for i in period_invoices(engine, "2026-10", CONFIG)) == Decimal("40.000")
+
+
+def test_closed_invoice_money_is_decimal(october: Ledger, engine: Engine) -> None:
+    """Money as Decimal: a frozen invoice reads back every amount as a Decimal with its exact value, never a float."""
+    draft = build_invoice(engine, "acme", "2026-10", CONFIG)
+    closed = close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    assert closed.totals == draft.totals and closed.lines == draft.lines
+    for amounts in (*closed.lines, closed.totals):
+        for name in ("base_ms", "routing_ms", "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"):
+            assert type(getattr(amounts, name)) is Decimal, name
+    assert all(type(line.gpu_price_per_hour) is Decimal for line in closed.lines)
+    # acme: a1 12_000 + 30_000 cold, a2 5_000 -> 47_000 us at 2e-9 per us.
+    assert closed.totals.cost == Decimal("0.000094000")

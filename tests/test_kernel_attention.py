@@ -1,0 +1,192 @@
+"""Paged attention (Triton) against float64 attention over the same paged cache: decode, prefill, and both at once.
+
+Grid (STYLE item 7, for attention): dtype x heads per KV head (GQA 4:1; 3:1, not a power of two; MHA) x batch
+(decode; fresh prefill; prefill over a cached prefix; chunked: prefill chunks and decode tokens in one launch)
+x block size (4, 16), at head_dim 24 and 32 in the Triton interpreter; llama-1b and llama-8b head shapes only
+where CUDA is. Every cache slot no sequence owns (the tail of each last block too) is NaN, block tables are
+shuffled and padded with -1, and outputs start as NaN, so reading a wrong key or skipping a row fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+import zlib
+from types import ModuleType
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _import_kernels(*names: str) -> list[ModuleType]:
+    """Import kernel modules; without CUDA, so that their kernels run in the Triton interpreter on the CPU.
+
+    Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
+    own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
+    imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
+    the kernel modules are imported again. The variable is restored at once; `_interpreter_env` sets it again
+    while this module's tests run (triton imports more lazily at the first launch), and for no other test.
+    """
+    if DEVICE.type == "cuda":
+        return [importlib.import_module(name) for name in names]
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        standard = sys.modules.get("triton.language.standard")
+        if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
+            for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernels") and not m.startswith("triton._C")]:
+                del sys.modules[name]
+        return [importlib.import_module(name) for name in names]
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+(paged_attention_module,) = _import_kernels("kernels.paged_attention")
+paged_attention, paged_attention_ref = paged_attention_module.paged_attention, paged_attention_module.paged_attention_ref
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want|
+HEADS = {"gqa4": (8, 2, 32), "gqa3": (6, 2, 24), "mha": (4, 4, 32)}  # (heads, kv heads, head_dim)
+# (query_len, cached context) of each sequence
+BATCHES = {
+    "decode": [(1, 0), (1, 3), (1, 15), (1, 16), (1, 17), (1, 90)],
+    "prefill": [(1, 0), (7, 0), (16, 0), (33, 0)],
+    "prefix": [(5, 11), (1, 40), (20, 70), (3, 0)],
+    "chunked": [(1, 20), (9, 4), (1, 0), (17, 50), (1, 99)],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """TRITON_INTERPRET=1 while this module's tests run without CUDA, and only then (see `_import_kernels`)."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _paged_batch(shape, block_size, seqs, dtype, gen):
+    """A cache holding each sequence's keys/values in shuffled blocks (NaN elsewhere), its queries and metadata,
+    and the dense per-sequence keys/values the float64 reference reads."""
+    heads, kv_heads, head_dim = shape
+    totals = [q + c for q, c in seqs]
+    blocks_of = [-(-t // block_size) for t in totals]
+    num_blocks = sum(blocks_of) + 3  # three blocks nobody owns
+    order = torch.randperm(num_blocks, generator=gen)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = torch.full((len(seqs), max(blocks_of) + 2), -1, dtype=torch.int32)  # padding is never read
+    dense, used = [], 0
+    for b, total in enumerate(totals):
+        ids = order[used : used + blocks_of[b]]
+        used += blocks_of[b]
+        table[b, : len(ids)] = ids.to(torch.int32)
+        k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)  # [T, KV, D]
+        v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+        for p in range(total):
+            k_cache[ids[p // block_size], p % block_size] = k[p].float()
+            v_cache[ids[p // block_size], p % block_size] = v[p].float()
+        dense.append((k, v))
+    q = torch.randn(sum(q for q, _ in seqs), heads, head_dim, generator=gen).to(dtype)  # [N, H, D]
+    cu = torch.tensor([0] + list(itertools.accumulate(q for q, _ in seqs)), dtype=torch.int32)
+    return q, k_cache.to(dtype), v_cache.to(dtype), table, torch.tensor(totals, dtype=torch.int32), cu, dense
+
+
+def _want(q, seqs, dense, heads, kv_heads) -> torch.Tensor:
+    """[N, H, D] float64: each query token attends to keys at its position and before (HF's repeat_kv for GQA)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    start = 0
+    for (q_len, ctx), (k, v) in zip(seqs, dense):
+        total = q_len + ctx
+        kk = k.double().repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+        vv = v.double().repeat_interleave(heads // kv_heads, dim=1)
+        qq = q[start : start + q_len].double()  # [q, H, D]
+        scores = torch.einsum("qhd,thd->hqt", qq, kk) / q.shape[-1] ** 0.5
+        visible = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]  # [q, T]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start : start + q_len] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), vv)
+        start += q_len
+    return out
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), f"{what}: {int(torch.isnan(got).sum())} NaN entries (unwritten rows or NaN keys read)"
+    err = (got - want).abs()
+    rel = err.max() / want.abs().max()
+    assert rel < tol, f"{what}: max err {err.max():.3e} (rel {rel:.3e} > {tol}), mean err {err.mean():.3e}"
+
+
+def _run(dtype, shape, seqs, block_size, gen):
+    heads, kv_heads, _ = shape
+    q, k_cache, v_cache, table, seq_lens, cu, dense = _paged_batch(shape, block_size, seqs, dtype, gen)
+    want = _want(q, seqs, dense, heads, kv_heads)
+    decode = all(q_len == 1 for q_len, _ in seqs)
+    q, k_cache, v_cache, table, seq_lens, cu = (t.to(DEVICE) for t in (q, k_cache, v_cache, table, seq_lens, cu))
+    out = torch.full_like(q, float("nan"))
+    if decode:
+        paged_attention(q, k_cache, v_cache, table, seq_lens, out=out)
+    else:
+        paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, max_query_len=max(s for s, _ in seqs), out=out)
+    _check(out, want, TOL[dtype], f"paged_attention {dtype}")
+    return q, k_cache, v_cache, table, seq_lens, cu, want
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "batch", "block_size"),
+    list(itertools.product([torch.float32, torch.float16, torch.bfloat16], HEADS, BATCHES, [4, 16])),
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_matches_float64_over_the_paged_cache(dtype, heads, batch, block_size):
+    """Each query token's output equals float64 softmax attention over its sequence's keys up to its own position,
+    within the dtype's tolerance; every output row is written; nothing outside the sequence's blocks is read."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), heads, batch, block_size)).encode()))
+    _run(dtype, HEADS[heads], BATCHES[batch], block_size, gen)
+
+
+@pytest.mark.parametrize("batch", ["decode", "prefix"])
+def test_torch_reference_matches_float64(batch):
+    """paged_attention_ref (what the bench times the kernel against) computes the same attention."""
+    gen = torch.Generator().manual_seed(11)
+    seqs = BATCHES[batch]
+    q, k_cache, v_cache, table, seq_lens, cu, dense = _paged_batch(HEADS["gqa4"], 4, seqs, torch.float32, gen)
+    got = paged_attention_ref(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=None if batch == "decode" else cu)
+    _check(got, _want(q, seqs, dense, 8, 2), 1e-5, "paged_attention_ref")
+
+
+def test_decode_equals_one_token_prefill_chunks():
+    """A decode batch gives the same rows whether it is passed as decode or as query_len-1 chunks with cu_seqlens."""
+    gen = torch.Generator().manual_seed(12)
+    q, k_cache, v_cache, table, seq_lens, cu, _ = _run(torch.float32, HEADS["gqa4"], BATCHES["decode"], 16, gen)
+    as_decode = paged_attention(q, k_cache, v_cache, table, seq_lens)
+    as_chunks = paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, max_query_len=1)
+    torch.testing.assert_close(as_decode, as_chunks, rtol=0, atol=0)
+
+
+# llama-1b and llama-8b attention: 32 heads over 8 KV heads, head_dim 64 and 128, block 16; CUDA only.
+REAL_HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
+REAL_BATCHES = {
+    "decode": [(1, c) for c in (0, 15, 16, 127, 500, 1023, 64, 300)] * 4,  # 32 sequences
+    "prefix": [(100, 300), (1, 700), (257, 0), (64, 64)],
+    "chunked": [(1, 900), (128, 256), (1, 31), (33, 0)],
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real head shapes need CUDA (the interpreter would take hours)")
+@pytest.mark.parametrize(
+    ("dtype", "heads", "batch"),
+    list(itertools.product([torch.float32, torch.float16, torch.bfloat16], REAL_HEADS, REAL_BATCHES)),
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_real_head_shapes_on_cuda(dtype, heads, batch):
+    """The same check at llama-1b/-8b head shapes, context up to 1024."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), heads, batch)).encode()))
+    _run(dtype, REAL_HEADS[heads], REAL_BATCHES[batch], 16, gen)
