@@ -66,3 +66,20 @@ def bench_pipeline(
     from consumer.bench_pipeline import bench_pipeline as run
 
     run(jobs=jobs, redis_url=redis_url, json_only=json_out)
+
+
+@bench_app.command("scaleout")
+def bench_scaleout(
+    shape: Annotated[str, typer.Option(help="tiny or llama-1b (random weights written to a temp folder)")] = "tiny",
+    workers: Annotated[int, typer.Option(help="worker processes in the group")] = 2,
+    gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids, one per worker (CUDA_VISIBLE_DEVICES)")] = None,
+    adapters: Annotated[int, typer.Option(help="adapters, zipf popularity")] = 64,
+    rank: Annotated[int, typer.Option()] = 16,
+    jobs: Annotated[int, typer.Option()] = 2000,
+    new: Annotated[int, typer.Option(help="new tokens per job")] = 16,
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """Several workers in one group (one per GPU) against one worker: speed-up, adapter loads by partition key."""
+    from consumer.bench_scaleout import bench_scaleout as run
+
+    run(shape=shape, workers=workers, gpus=gpus, adapters=adapters, rank=rank, jobs=jobs, new_tokens=new, json_only=json_out)
