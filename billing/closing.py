@@ -22,7 +22,7 @@ from billing.config import LedgerConfig
 from billing.db import session_factory
 from billing.errors import PeriodNotEndedError
 from billing.filing import lock_periods
-from billing.invoice import Invoice, build_invoice, draft_invoices, read_closed
+from billing.invoice import Invoice, build_invoice, draft_invoices, read_closed, tune_aggregates
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine, ColdStartShare
 from billing.periods import check_period, period_end
 from billing.prices import PriceBook
@@ -47,6 +47,7 @@ def close_invoice(engine: Engine, config: LedgerConfig, tenant_id: str, period: 
     closed_at = _check_ended(period, now)
     with session_factory(engine).begin() as session:
         state = lock_periods(session, [period], exclusive=True)[period]
+        tune_aggregates(session)
         if state.closed or read_closed(session, period, tenant_id):
             return build_invoice(session, tenant_id, period, config)
         _freeze_spread(session, period, config, closed_at, state.spread_frozen)
@@ -59,6 +60,7 @@ def close_period(engine: Engine, config: LedgerConfig, period: str, *, now: date
     closed_at = _check_ended(period, now)
     with session_factory(engine).begin() as session:
         state = lock_periods(session, [period], exclusive=True)[period]
+        tune_aggregates(session)
         if not state.closed:
             _freeze_spread(session, period, config, closed_at, state.spread_frozen)
             done = read_closed(session, period)

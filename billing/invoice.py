@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from billing.config import LedgerConfig
@@ -110,13 +110,28 @@ def assemble(tenant: str, period: str, tier: str | None, currency: str, tallies:
                    totals=InvoiceAmounts(**_amounts(total, total_cost)), unpriced_requests=total.unpriced_requests)
 
 
+# Memory PostgreSQL may give each sort or hash of an invoice's aggregates. Its planner estimates the
+# groups of (adapter, content, tenant) as the product of their distinct counts (80,000 for 1,400 real
+# groups in the 1,000,000-row ledger bench), so with the default 4 MB it sorts ~600,000 rows through
+# disk instead of hashing them: the draft of the bench's largest tenant took 2.3 s, and 0.8 s with this.
+AGGREGATE_WORK_MEM = "64MB"
+
+
+def tune_aggregates(session: Session) -> None:
+    """Give this transaction's aggregates AGGREGATE_WORK_MEM on PostgreSQL (SET LOCAL: it ends with the transaction)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text(f"SET LOCAL work_mem = '{AGGREGATE_WORK_MEM}'"))
+
+
 def _snapshot(db: Session | Engine) -> Session:
     """A session over `db` that reads one consistent snapshot (REPEATABLE READ on PostgreSQL)."""
     if isinstance(db, Session):
         return db
     if db.dialect.name == "postgresql":
         db = db.execution_options(isolation_level="REPEATABLE READ")
-    return Session(db)
+    session = Session(db)
+    tune_aggregates(session)
+    return session
 
 
 def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: LedgerConfig) -> Invoice:

@@ -19,7 +19,9 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psycopg
 from sqlalchemy import BigInteger, DateTime, Integer, Numeric, String, Table
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
@@ -44,13 +46,18 @@ def copy_insert(session: Session, table: Table, rows: Sequence[Mapping[str, Any]
     keys = ", ".join(f'"{c}"' for c in key)
     raw = session.connection().connection.driver_connection  # psycopg.Connection, in the session's transaction
     assert raw is not None
-    with raw.cursor() as cursor:
-        cursor.execute(f'CREATE TEMPORARY TABLE IF NOT EXISTS "{staging}" ON COMMIT DELETE ROWS AS SELECT {staged} FROM "{table.name}" WITH NO DATA')
-        with cursor.copy(f'COPY "{staging}" ({names}) FROM STDIN (FORMAT BINARY)') as copy:
-            copy.set_types(wire)
-            for row in rows:
-                copy.write_row([row[c] for c in columns])
-        cursor.execute(f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM "{staging}" ORDER BY {keys} ON CONFLICT ({keys}) DO NOTHING')
-        inserted = cursor.rowcount
-        cursor.execute(f'TRUNCATE "{staging}"')  # a caller's transaction may write again before it commits
+    statement = f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM "{staging}" ORDER BY {keys} ON CONFLICT ({keys}) DO NOTHING'
+    try:
+        with raw.cursor() as cursor:
+            cursor.execute(f'CREATE TEMPORARY TABLE IF NOT EXISTS "{staging}" ON COMMIT DELETE ROWS AS SELECT {staged} FROM "{table.name}" WITH NO DATA')
+            with cursor.copy(f'COPY "{staging}" ({names}) FROM STDIN (FORMAT BINARY)') as copy:
+                copy.set_types(wire)
+                for row in rows:
+                    copy.write_row([row[c] for c in columns])
+            cursor.execute(statement)
+            inserted = cursor.rowcount
+            cursor.execute(f'TRUNCATE "{staging}"')  # a caller's transaction may write again before it commits
+    except psycopg.Error as exc:
+        # As SQLAlchemy's own exception classes, so callers handle a COPY failure like any other statement's.
+        raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
     return inserted

@@ -23,8 +23,13 @@ next request, any other sticks until the key is registered again.
 
 Every load is recorded (`pop_events`): its tier (disk = L3, host = L2, gpu = already resident), where
 it went, why, and its measured duration, host read plus device copy (the copy read from CUDA events on
-the side stream, once it is done). The first request that uses an adapter after loads it did not wait
-for is charged them (adapter_load_us), as the cold start it would otherwise have paid.
+the side stream, once it is done). The loads made for requests, or eagerly, are charged to the first
+request that uses the adapter after them (adapter_load_us: its cold start); the warm pool's are charged
+to nobody, being the cold starts it spared.
+
+Warm pool hit rate: the share of requests with an adapter that found it in L1 or L2 when they arrived,
+i.e. that did not need a read from the store. It counts hits wherever the adapter came from (an
+earlier request or the warm pool): what the warm pool is for is to raise it.
 """
 
 from __future__ import annotations
@@ -208,6 +213,10 @@ class AdapterPool:
         """slot -> sha256 of the adapters now in device slots."""
         return {i: sha for i, sha in enumerate(self._slots) if sha is not None}
 
+    def resident_keys(self) -> list[str]:
+        """Keys whose adapter is in a device slot now (a request for one starts without a load)."""
+        return sorted(k for sha in self._slots if sha is not None for k in self._contents[sha].keys)
+
     def in_host(self, sha: str) -> bool:
         return sha in self._l2
 
@@ -318,6 +327,8 @@ class AdapterPool:
             "adapter_load_failures": c["load_failures"],
             "adapter_loads_throttled": c["loads_throttled"],
             "warm_pool_hit_rate": c["requests_warm"] / asked if asked else 0.0,
+            "warm_pool_hits": c["requests_warm"],
+            "warm_pool_misses": c["requests_cold"],
             "warm_pool_prefetches": c["warm_prefetches"],
             "warm_pool_prefetches_used": c["warm_prefetches_used"],
         }
@@ -461,7 +472,7 @@ class AdapterPool:
     def _event(self, rec: _Record, content: _Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> _LoadEvent:
         event = _LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
         self._events.append(event)
-        if skip_reason is None:
+        if skip_reason is None and reason != "warm_pool":  # a warm load is one no request waits for
             content.uncharged.append(event)
         return event
 

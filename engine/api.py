@@ -62,7 +62,7 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     input_ids: tuple[int, ...] | None = None
-    adapter: str | None = None  # key of a loaded adapter (`Engine.load_adapter`), None for the base model
+    adapter: str | None = None  # key of a registered adapter (Engine.register_adapter / load_adapter), None: the base model
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # higher runs first; under KV pressure the lowest priority running request is preempted
     tenant: str = ""  # for KV isolation and quotas; the engine attaches no other meaning to it

@@ -137,6 +137,10 @@ class Engine:
     def has_adapter(self, key: str) -> bool:
         return self.adapters.has(key)
 
+    def resident_adapters(self) -> list[str]:
+        """Keys of the adapters in device slots now: batching requests of these avoids loads."""
+        return self.adapters.resident_keys()
+
     def pop_load_events(self) -> list[AdapterInfo]:
         """Every adapter load since the last call (eager ones too), with its tier and measured duration."""
         return self.adapters.pop_events()
@@ -207,8 +211,8 @@ class Engine:
                         others.append(res)
                     else:
                         results[i] = res
-                if not self._ran and not finished:
-                    time.sleep(min(0.05, max(0.001, self.idle_wait_s())))
+                if not finished and (wait := self.idle_wait_s()) > 0:
+                    time.sleep(min(0.05, wait))
         finally:
             for rid in slot_of:  # only after an exception: leave no half-run request behind
                 self.abort(rid)
@@ -216,10 +220,11 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def idle_wait_s(self) -> float:
-        """How long a caller may wait before the next step can do anything (0 if it can now)."""
+        """How long a caller stepping in a loop may sleep before the next step: 0 when the last step ran or
+        has results to hand out; else until the adapter admission bucket refills (1 ms at least)."""
         if self._ran or self._done or not self.scheduler.waiting:
             return 0.0
-        return self.adapters.wait_s()
+        return max(0.001, self.adapters.wait_s())
 
     def pop_step_records(self) -> list[StepRecord]:
         records, self.step_records = self.step_records, []
@@ -259,14 +264,6 @@ class Engine:
         ids = prompt_ids(req, self.tokenizer, self.config, vocab_size=self.runner.config.vocab_size)
         check_sampling(req.sampling, self.config)
         check_context(len(ids), req.sampling, self.runner.config.max_position_embeddings)
-        blocks = self.runner.blocks
-        need = blocks.blocks_for(len(ids) + req.sampling.max_new_tokens - 1)
-        if need > blocks.tenant_quota:
-            raise RequestError(
-                f"the request may need {need} KV blocks, over the {blocks.tenant_quota} a tenant may hold "
-                "(engine.kv_tenant_quota); shorten the prompt or ask for fewer tokens",
-                code="kv_quota_exceeded",
-            )
         generator = None
         if req.sampling.temperature > 0:
             seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)

@@ -26,9 +26,19 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise EngineError(f"{path} is missing; the engine needs a fast tokenizer (tokenizer.json) in engine.model_dir", code="model_missing")
-        self._tok = HFTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self._setup(HFTokenizer.from_file(str(path)), config)
+
+    @classmethod
+    def from_tokenizer(cls, tok: HFTokenizer, config: dict | None = None) -> "Tokenizer":
+        """One over a `tokenizers` object built in memory, with tokenizer_config.json's fields in `config`."""
+        self = cls.__new__(cls)
+        self._setup(tok, config or {})
+        return self
+
+    def _setup(self, tok: HFTokenizer, config: dict) -> None:
+        self._tok = tok
         names = ("bos_token", "eos_token", "pad_token", "unk_token")
         self.special_tokens = {name: _token_text(config.get(name)) for name in names}  # the chat template sees these
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])

@@ -188,3 +188,29 @@ def test_make_engine_refuses_other_databases(url: str) -> None:
     """An unsupported URL fails at once with an error that names the URLs the ledger does take."""
     with pytest.raises(LedgerConfigError, match=r"sqlite:///.*postgresql\+psycopg://"):
         db.make_engine(url)
+
+
+def test_0002_keeps_existing_rows(db_url: str) -> None:
+    """Upgrading a v0 ledger files its usage and loads in their own period and drops loads written twice; downgrading keeps the rows."""
+    db.upgrade(db_url, "0001")
+    engine = db.make_engine(db_url)
+    usage = ("INSERT INTO usage (tenant_id, request_id, status, route_reason, input_tokens, output_tokens, cached_tokens, base_us, lora_us, "
+             "routing_us, kv_saved_us, queue_us, ttft_us, total_us, cost, period, created_at, worker_id) VALUES "
+             "('acme', 'r1', 'succeeded', '', 1, 1, 0, 5, 0, 0, 0, 0, 0, 5, 0, '2026-03', '2026-03-02 10:00:00+00', 'w0')")
+    load = ("INSERT INTO adapter_loads (adapter, adapter_sha256, tenant_id, tier, nbytes, load_us, worker_id, created_at, period) VALUES "
+            f"('x@1', '{'a' * 64}', 'acme', 'disk', 1, 7, 'w0', '2026-03-02 09:00:00+00', '2026-03')")
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(usage))
+            connection.execute(text(load))
+            connection.execute(text(load))  # v0 had no key on loads: the same load twice
+        db.upgrade(db_url)
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT request_id, invoice_period FROM usage")).all() == [("r1", "2026-03")]
+            assert connection.execute(text("SELECT load_us, invoice_period FROM adapter_loads")).all() == [(7, "2026-03")]
+        db.downgrade(db_url, "0001")
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT request_id, period FROM usage")).all() == [("r1", "2026-03")]
+            assert connection.execute(text("SELECT count(*) FROM adapter_loads")).scalar() == 1
+    finally:
+        engine.dispose()

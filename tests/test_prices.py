@@ -111,3 +111,12 @@ def test_bad_prices_are_refused(engine: Engine, price: Decimal, hint: str) -> No
         set_gpu_price(engine, "h100", price, date(2026, 1, 1))
     with pytest.raises(PriceError, match="cannot name a price list"):
         set_token_price(engine, " ", Decimal(1), Decimal(1), date(2026, 1, 1))
+
+
+def test_money_keeps_every_digit(engine: Engine) -> None:
+    """Money as Decimal: an 18-digit amount reads back exactly on both backends (SQLite keeps it as text, not a double)."""
+    price = Decimal("123456789.123456789")  # a double holds ~15-17 significant digits
+    set_gpu_price(engine, "big", price, date(2026, 1, 1))
+    with Session(engine) as session:
+        (entry,) = gpu_price_list(session, "big")
+    assert type(entry.price_per_hour) is Decimal and entry.price_per_hour == price

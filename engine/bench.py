@@ -1,0 +1,302 @@
+"""`lorabatch bench engine`: decode and prefill speed of the engine, base-only and with many adapters.
+
+One run builds a random-weight model of the chosen shape directly on the device (no checkpoint is read:
+an 8B model would take minutes to write and read), writes N random PEFT adapters of rank R on all seven
+projections (the engine loads them through its real path: files, validation, L2, slots), and measures:
+
+- ours, base: B requests without adapters, prompt P, T new tokens (EOS ignored); the first step is the
+  prefill of all B prompts, the others are decode steps of B rows.
+- ours, mixed: the same with the B rows spread over N distinct adapters (row i uses adapter i mod N).
+- the peer (HF transformers + peft `generate` with `adapter_names=`, when importable), on the very same
+  weights and batch; its decode time is generate(T) - generate(1).
+- the memory roofline of a decode step: the bytes it must read (base weights, the distinct adapters of
+  the batch at their own rank, the KV of every row at its mean context P + T/2) over the copy bandwidth
+  measured on the device (a device-to-device copy on CUDA, a large memcpy on CPU).
+
+Step times are wall time per engine step (scheduling, forward, sampling), medians over the decode steps;
+tokens/s is B x decode steps / their total time. prefill_tflops counts the matmul and attention FLOPs
+of the base prefill step. It prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine, pick_device, pick_dtype
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig, build_model
+from engine.rope import RopeConfig
+from engine.tokenizer import Tokenizer
+
+# hidden, layers, heads, kv heads, intermediate, vocab
+SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (128, 4, 4, 2, 352, 640),  # the demo model's sizes (engine.demo_model)
+    "llama-1b": (2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
+    "llama-8b": (4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B
+}
+
+
+def bench_engine(
+    shape: str = "tiny",
+    adapters: int = 8,
+    rank: int = 16,
+    batch: int = 8,
+    prompt: int = 32,
+    new: int = 16,
+    mixed_ranks: str | None = None,
+    peer: bool = False,
+    device: str = "auto",
+    json_only: bool = False,
+) -> dict:
+    assert shape in SHAPES, f"shape {shape!r}: use one of {sorted(SHAPES)}"
+    assert adapters >= 1 and batch >= 1 and prompt >= 1 and new >= 2, (adapters, batch, prompt, new)
+    dev = pick_device(device)
+    dtype = pick_dtype("auto", dev)
+    cfg = model_config(shape)
+    ranks = [int(r) for r in mixed_ranks.split(",")] if mixed_ranks else [rank]
+    adapter_ranks = [ranks[i % len(ranks)] for i in range(adapters)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
+    out: dict = {"shape": shape, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "adapters": adapters,
+                 "ranks": sorted(set(adapter_ranks)), "batch": batch, "prompt": prompt, "new": new}  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = random_model(cfg, dev, dtype, seed=0)
+        paths = [_write_adapter(Path(tmp) / f"a{i}", cfg, r, seed=i + 1) for i, r in enumerate(adapter_ranks)]
+        config = EngineConfig(
+            model_dir=tmp, device=dev.type, max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=new,
+            max_num_batched_tokens=batch * prompt, max_loras=adapters, max_lora_rank=max(ranks),
+            enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
+            adapter_load_burst=adapters, warm_pool_slots=0,
+        )  # fmt: skip
+        engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
+        for i, path in enumerate(paths):
+            engine.load_adapter(f"a{i}", path)
+        _run(engine, prompts[:2], [None, "a0"][: min(2, batch)], 2, "warm")  # first-call costs (kernels, allocator)
+        base = _run(engine, prompts, [None] * batch, new, "base")
+        mixed = _run(engine, prompts, [f"a{i % adapters}" for i in range(batch)], new, "mixed")
+        bandwidth = measure_bandwidth(dev)
+        out.update(
+            ours_base_tok_s=base["tok_s"], ours_mixed_tok_s=mixed["tok_s"],
+            base_step_ms=base["step_ms"], mixed_step_ms=mixed["step_ms"],
+            prefill_ms=base["prefill_ms"], mixed_prefill_ms=mixed["prefill_ms"],
+            prefill_tflops=prefill_flops(cfg, batch, prompt) / (base["prefill_ms"] / 1e3) / 1e12,
+            copy_bandwidth_gb_s=bandwidth / 1e9,
+        )  # fmt: skip
+        context = prompt + new / 2
+        elem = torch.tensor([], dtype=dtype).element_size()
+        distinct = adapter_ranks[: min(adapters, batch)]
+        base_bytes = weight_bytes(engine.runner.model) + kv_bytes(cfg, batch, context, elem)
+        mixed_bytes = base_bytes + sum(adapter_bytes(cfg, r, elem) for r in distinct)
+        out.update(base_roofline_ms=base_bytes / bandwidth * 1e3, mixed_roofline_ms=mixed_bytes / bandwidth * 1e3)
+        out["peer_base_tok_s"] = out["peer_mixed_tok_s"] = None
+        if peer:
+            out.update(run_peer(engine.runner.model, cfg, paths, adapter_ranks, prompts, new, dev, dtype))
+    out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    if not json_only:
+        _print_table(out)
+    print(json.dumps(out))
+    return out
+
+
+def model_config(shape: str) -> ModelConfig:
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=hidden // heads, rope=RopeConfig(theta=500000.0), rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+    )  # fmt: skip
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+    """Random weights drawn on the device, std 1/sqrt(fan_in) so activations stay O(1) through the layers."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for key, shp in shapes.items():
+        if key.endswith("norm.weight"):
+            state[key] = torch.ones(shp, dtype=dtype, device=device)
+        else:
+            state[key] = torch.randn(shp, generator=gen, dtype=dtype, device=device) * (shp[-1] ** -0.5)
+    return build_model(cfg, state, device, dtype)
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
+    """Matmul FLOPs of a prefill of batch x prompt tokens (logits for the last token of each), plus causal attention."""
+    per_token = 2 * sum(i * o for i, o in cfg.projection_shapes().values()) * cfg.num_layers
+    attention = 2 * cfg.num_layers * batch * cfg.num_heads * cfg.head_dim * prompt * prompt  # QK^T and AV, causal halves
+    return per_token * batch * prompt + 2 * cfg.hidden_size * cfg.vocab_size * batch + attention
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes a decode step reads of the base: every weight but the embedding table (B rows of it only)."""
+    skip = model.model.embed_tokens.weight.data_ptr()
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or ("a_stack" in name or "b_stack" in name):
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() != skip or model.config.tie_word_embeddings:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, context: float, elem: int) -> float:
+    return batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
+    return cfg.num_layers * rank * sum(i + o for i, o in cfg.projection_shapes().values()) * elem
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large copy (read + write counted) on the device."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    reps = 10 if device.type == "cuda" else 3
+    dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * n * 4 * reps / (time.perf_counter() - t0)
+
+
+def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
+    """HF transformers + peft on the same weights and batch; {} when they are not importable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+        from transformers import LlamaForCausalLM as HFLlama
+    except ImportError:
+        return {}
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope.theta,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False, eos_token_id=None,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = HFLlama(hf_cfg)
+    state = {k.replace(".base.", "."): v for k, v in model.state_dict().items() if "_stack" not in k}
+    hf.load_state_dict(state, assign=True, strict=True)  # shares our tensors: no second copy of the weights
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg).to(device)  # its buffers were left on meta
+    hf.eval()
+    names = [f"a{i}" for i in range(len(paths))]
+    pm = None
+    for name, r, path in zip(names, ranks, paths):
+        lcfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+        if pm is None:
+            pm = get_peft_model(hf, lcfg, adapter_name=name)
+        else:
+            pm.add_adapter(name, lcfg)
+        weights = load_file(str(path / "adapter_model.safetensors"))
+        for layer in range(cfg.num_layers):
+            for module in LORA_TARGETS:
+                proj = getattr(getattr(pm.base_model.model.model.layers[layer], PROJECTION_PARENT[module]), module)
+                prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
+                proj.lora_A[name].weight.data.copy_(weights[f"{prefix}.lora_A.weight"])
+                proj.lora_B[name].weight.data.copy_(weights[f"{prefix}.lora_B.weight"])
+    pm.eval()
+    ids = torch.tensor(prompts, device=device)
+    batch = len(prompts)
+
+    def gen(adapter_names: list[str], n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=adapter_names,
+                        max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+        _sync(device)
+        return time.perf_counter() - t0
+
+    base_names = ["__base__"] * batch
+    mixed_names = [names[i % len(names)] for i in range(batch)]
+    gen(mixed_names, 2)  # warm
+    out = {}
+    for label, adapter_names in (("base", base_names), ("mixed", mixed_names)):
+        decode_s = gen(adapter_names, new) - gen(adapter_names, 1)
+        out[f"peer_{label}_tok_s"] = batch * (new - 1) / decode_s if decode_s > 0 else None
+    return out
+
+
+def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter=a, sampling=sp))
+    times = []
+    while engine.has_unfinished():
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        results = engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    engine.pop_step_records()
+    engine.pop_load_events()
+    prefill, decode = times[0], times[1:]
+    return {
+        "prefill_ms": prefill * 1e3,
+        "step_ms": statistics.median(decode) * 1e3,
+        "tok_s": len(prompts) * len(decode) / sum(decode),
+    }
+
+
+def _write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
+    """A PEFT adapter of `rank` on all seven projections, alpha = 2 * rank, B scaled to move outputs ~10%."""
+    path.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for module, (in_f, out_f) in cfg.projection_shapes().items():
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * in_f**-0.5
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * (0.05 / math.sqrt(rank))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
+        "lora_dropout": 0.0, "bias": "none",
+    }))  # fmt: skip
+    return path
+
+
+def _word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A tokenizer of vocab_size made-up words: the bench feeds token ids and never reads the text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer.from_tokenizer(tok)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _print_table(out: dict) -> None:
+    def f(v: object) -> str:
+        return "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else str(v)
+
+    print(f"engine bench: {out['shape']} on {out['device']} ({out['dtype']}), batch {out['batch']}, "
+          f"prompt {out['prompt']}, new {out['new']}, {out['adapters']} adapters of rank {out['ranks']}")  # fmt: skip
+    print(f"{'':<14}{'tok/s':>12}{'step ms':>10}{'roofline ms':>13}{'prefill ms':>12}")
+    print(f"{'ours base':<14}{f(out['ours_base_tok_s']):>12}{f(out['base_step_ms']):>10}{f(out['base_roofline_ms']):>13}{f(out['prefill_ms']):>12}")
+    print(f"{'ours mixed':<14}{f(out['ours_mixed_tok_s']):>12}{f(out['mixed_step_ms']):>10}{f(out['mixed_roofline_ms']):>13}{f(out['mixed_prefill_ms']):>12}")
+    print(f"{'peer base':<14}{f(out['peer_base_tok_s']):>12}")
+    print(f"{'peer mixed':<14}{f(out['peer_mixed_tok_s']):>12}")
+    print(f"prefill {out['prefill_tflops']:.4f} TFLOP/s; copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")

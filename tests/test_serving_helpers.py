@@ -1,0 +1,54 @@
+"""Shared pieces of the serving tests (no tests here): engine configs on the demo model, requests, running one alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.api import GenerationRequest, GenerationResult, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+# Prompts of the demo tokenizer's corpus, 5 to ~30 tokens.
+TEXTS = [
+    "The lighthouse keeper climbed",
+    "A good recipe for soup needs patience. Cut the onions and the carrots, warm the oil in a heavy pot",
+    "The river runs through the middle of the town. In spring the water is high and fast",
+    "Numbers are everywhere",
+    "In the morning the market opened early. Farmers brought apples, pears, cabbages and bread.",
+    "The library was open from nine in the morning until six in the evening.",
+]
+
+
+def config(demo_set, **kw) -> EngineConfig:
+    base = dict(model_dir=str(demo_set["model"]), device="cpu", max_prompt_tokens=64, max_new_tokens=32, max_batch_size=16,
+                kv_block_size=4)  # fmt: skip
+    return EngineConfig(**{**base, **kw})
+
+
+def req(rid: str, *, prompt: str | None = None, input_ids: tuple[int, ...] | None = None, adapter: str | None = None,
+        tenant: str = "", priority: int = 0, **sampling) -> GenerationRequest:  # fmt: skip
+    sampling.setdefault("max_new_tokens", 8)
+    sampling.setdefault("ignore_eos", True)
+    if prompt is None and input_ids is None:
+        prompt = TEXTS[0]
+    return GenerationRequest(request_id=rid, prompt=prompt, input_ids=input_ids, adapter=adapter, tenant=tenant,
+                             priority=priority, sampling=SamplingParams(**sampling))  # fmt: skip
+
+
+def alone(engine: Engine, r: GenerationRequest) -> GenerationResult:
+    """The request run by itself on `engine` (under a fresh id)."""
+    res = engine.generate([dataclasses.replace(r, request_id=r.request_id + "/alone", arrival_us=None)])[0]
+    assert res.ok, res.error
+    return res
+
+
+def run_until_done(engine: Engine, max_steps: int = 10_000, on_step=None) -> dict[str, GenerationResult]:
+    out: dict[str, GenerationResult] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return out
+        for res in engine.step():
+            out[res.request_id] = res
+        if on_step is not None:
+            on_step(engine)
+    raise AssertionError(f"still unfinished after {max_steps} steps: {engine.stats()}")
