@@ -90,7 +90,7 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.invert_yaxis()
         axes.set_xlabel("GPU seconds")
         axes.set_title(f"{report.period}: GPU time by component per adapter")
-        axes.legend(loc="lower right")
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
         charts.append(("GPU time by component", _png(figure)))
 
         figure = Figure(figsize=(8, max(3, 0.35 * len(adapters) + 1.5)))
@@ -101,7 +101,7 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.invert_yaxis()
         axes.set_xlabel("total latency, ms")
         axes.set_title(f"{report.period}: latency percentiles per adapter")
-        axes.legend(loc="lower right")
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
         charts.append(("Latency percentiles", _png(figure)))
     else:
         charts.append(("GPU time by component", _empty("GPU time by component")))
@@ -116,6 +116,6 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.invert_yaxis()
         axes.set_xlabel("seconds of wall time")
         axes.set_title(f"{report.period}: GPU busy and idle per worker")
-        axes.legend(loc="lower right")
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
         charts.append(("GPU busy and idle", _png(figure)))
     return charts

@@ -203,9 +203,6 @@ class AdapterPool:
         """The content sha256 of `key`, or None before its first read when registered without one."""
         return self._records[key].sha
 
-    def tenant_of(self, key: str) -> str:
-        return self._records[key].tenant
-
     def info(self, key: str) -> AdapterInfo:
         return self._infos[key]
 
@@ -216,9 +213,6 @@ class AdapterPool:
     def resident_keys(self) -> list[str]:
         """Keys whose adapter is in a device slot now (a request for one starts without a load)."""
         return sorted(k for sha in self._slots if sha is not None for k in self._contents[sha].keys)
-
-    def in_host(self, sha: str) -> bool:
-        return sha in self._l2
 
     # ---- requests
 
@@ -288,7 +282,7 @@ class AdapterPool:
                 continue
             event = None
             if content is None or content.host is None:
-                size = content.meta.nbytes if content is not None else 0
+                size = content.meta.nbytes if content is not None else 1  # unknown until read: at least a byte
                 if warm_bytes + size > cfg.warm_pool_host_bytes or not self._bucket.try_take():
                     continue
                 try:

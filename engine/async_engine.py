@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
 from engine.engine import Engine
@@ -58,7 +58,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def __aenter__(self) -> "AsyncEngine":
+    async def __aenter__(self) -> Self:
         self.start()
         return self
 

@@ -33,7 +33,13 @@ from safetensors.torch import save_file
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine, pick_device, pick_dtype
-from engine.model import LORA_TARGETS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig, build_model
+from engine.model import (
+    LORA_TARGETS,
+    PROJECTION_PARENT,
+    LlamaForCausalLM,
+    ModelConfig,
+    build_model,
+)
 from engine.rope import RopeConfig
 from engine.tokenizer import Tokenizer
 

@@ -61,7 +61,7 @@ class EngineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
+    def _check(self) -> EngineConfig:
         if self.kv_num_blocks is not None:
             need = -(-(self.max_prompt_tokens + self.max_new_tokens) // self.kv_block_size)
             if self.kv_num_blocks < need:

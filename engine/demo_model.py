@@ -64,13 +64,14 @@ _ARCH_CONFIG: dict[str, dict] = {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
-    },  # fmt: skip
+    },
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
     "qwen2": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": _LAYERS,
-    },  # fmt: skip
+    },
 }
+
 _CORPUS = """
 The lighthouse keeper climbed the stairs every evening before the sun went down. He carried a small
 lamp, a notebook and a flask of tea. From the top of the tower he could see the harbour, the fishing
@@ -286,7 +287,14 @@ def write_demo_set(root: Path, *, seed: int = 0, arch: str = "llama") -> dict[st
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

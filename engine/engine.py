@@ -8,8 +8,8 @@ returns the requests that finished. Adapters are loaded lazily by the pool (engi
 a request needs one, or eagerly with `load_adapter`.
 
 Timings (for billing, DESIGN.md "Cost attribution"): each step's time is measured around the forward
-and the sampling (the adapter prefetch between them is not part of it), its LoRA part around the LoRA
-ops, and both are split exactly among the step's requests by tokens (engine.timing); `step_records`
+and the sampling (the adapter loads started between them, which overlap the forward on CUDA, are not
+part of it), its LoRA part around the LoRA ops, and both are split exactly among the step's requests by tokens (engine.timing); `step_records`
 keeps each step's split for billing's conservation checks (drain with `pop_step_records`). Tokens a
 request finds in the prefix cache are credited as kv_saved_us = cached tokens x the measured marginal
 cost of a prefill token (engine.timing.PrefillCost, a fit of step time over step tokens). Adapter loads are measured apart, each
@@ -32,7 +32,15 @@ from pathlib import Path
 import torch
 
 from engine.adapter_pool import AdapterPool
-from engine.api import AdapterError, AdapterInfo, EngineError, GenerationRequest, GenerationResult, RequestError, RequestTimings
+from engine.api import (
+    AdapterError,
+    AdapterInfo,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    RequestError,
+    RequestTimings,
+)
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
@@ -68,7 +76,7 @@ class Engine:
         fingerprint: str,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-    ) -> "Engine":
+    ) -> Engine:
         """An engine over a model built in memory (the bench builds random weights on the device)."""
         engine = cls.__new__(cls)
         engine._setup(config, model, tokenizer, eos_ids, fingerprint, clock, wall_clock)
@@ -178,7 +186,6 @@ class Engine:
         """Run one engine step; return the requests that finished in it (and failed validations)."""
         self._step_timer.reset()
         self.runner.lora.timer.reset()
-        self.adapters.warm()
         plan = self.scheduler.schedule()
         now = _now_us()
         for seq, error in plan.failed:
@@ -187,6 +194,8 @@ class Engine:
         self._ran = bool(plan.items)
         if plan.items:
             self._run(plan, now)
+        else:
+            self._load_ahead()
         done, self._done = self._done, []
         return done
 
@@ -289,8 +298,7 @@ class Engine:
         items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
         with self._step_timer.section():
             logits = self.runner.forward(items)  # [M, V] fp32, one row per sampling item
-        # Between launching the forward and reading its results: on CUDA this overlaps the step's compute.
-        self.scheduler.prefetch(s.lora_slot for s in self.scheduler.running if s.lora_slot >= 0)
+        self._load_ahead()  # between launching the forward and reading its results: on CUDA, overlapped with it
         samplers = [it.seq for it in plan.items if it.samples]
         with self._step_timer.section():
             chosen = self._sample(logits, samplers)
@@ -322,6 +330,12 @@ class Engine:
                 self.scheduler.remove(seq)
                 del self._unfinished[seq.request_id]
                 self._done.append(self._result(seq, None, end_us))
+
+    def _load_ahead(self) -> None:
+        """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
+        warm pool's (after admission, so that what requests need now is loaded for them, and charged to them)."""
+        self.scheduler.prefetch(s.lora_slot for s in self.scheduler.running if s.lora_slot >= 0)
+        self.adapters.warm()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if not seqs:

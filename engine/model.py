@@ -40,7 +40,13 @@ from torch import nn
 
 from engine.api import EngineError
 from engine.attention import AttentionMetadata, paged_attention
-from engine.rope import ROPE_TYPES, RopeConfig, apply_rope, inv_frequencies, rope_cos_sin
+from engine.rope import (
+    ROPE_TYPES,
+    RopeConfig,
+    apply_rope,
+    inv_frequencies,
+    rope_cos_sin,
+)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Each projection's parent module in a decoder layer (HF names): layers.N.<parent>.<projection>
@@ -76,7 +82,7 @@ class ModelConfig:
         return self.rope.theta
 
     @classmethod
-    def from_hf(cls, cfg: dict, *, source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, cfg: dict, *, source: str = "config.json") -> ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise EngineError(

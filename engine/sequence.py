@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.api import EngineError, FinishReason, GenerationRequest, GenerationResult, RequestTimings
+from engine.api import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestTimings,
+)
 from engine.tokenizer import IncrementalDetokenizer
 
 

@@ -66,7 +66,7 @@ class Stopwatch:
     to learn how long it took; `elapsed_us` waits for the end event only when asked before it is done.
     """
 
-    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None):
         self._stream = stream if torch.device(device).type == "cuda" else None
         self._t0 = time.perf_counter_ns()
         self._ns: int | None = None
@@ -76,7 +76,7 @@ class Stopwatch:
             start.record(self._stream)
             self._events = (start, torch.cuda.Event(enable_timing=True))
 
-    def stop(self) -> "Stopwatch":
+    def stop(self) -> Stopwatch:
         if self._events is not None:
             self._events[1].record(self._stream)
         else:

@@ -31,7 +31,7 @@ class Tokenizer:
         self._setup(HFTokenizer.from_file(str(path)), config)
 
     @classmethod
-    def from_tokenizer(cls, tok: HFTokenizer, config: dict | None = None) -> "Tokenizer":
+    def from_tokenizer(cls, tok: HFTokenizer, config: dict | None = None) -> Tokenizer:
         """One over a `tokenizers` object built in memory, with tokenizer_config.json's fields in `config`."""
         self = cls.__new__(cls)
         self._setup(tok, config or {})

@@ -12,9 +12,10 @@ requests per hour, so the blend is itself a forecast of requests in the coming h
 Seed 000's warm pool prefetches, ahead of time, the adapters of tenants that had traffic at the same
 time of day on past days; the profile term is what catches those after a night of silence, when the
 EWMA has decayed to nothing. Running example, alpha 0.3, w 0.6: an adapter with 20 requests every day
-between 09:00 and 10:00 and none otherwise. At 08:30 on day 8 the EWMA has decayed for 22 idle hours
-to 20 * 0.7^22 = 0.008, the profile of hour 9 is 20, and the forecast is 0.6 * 0.008 + 0.4 * 20 = 8
-requests: above a threshold of 1, so it is loaded before 09:00. At 12:30 the forecast is ~0 and it is not.
+between 09:00 and 10:00 and none otherwise. The EWMA is 0.3 * 20 = 6 when a 09:00 hour ends; at 08:30
+on day 8 it has decayed over 22 idle hours and the idle hour in progress to 6 * 0.7^23 = 0.002; the
+profile of hour 9 is 20; the forecast is 0.6 * 0.002 + 0.4 * 20 = 8.0 requests: above a threshold of 1,
+so the adapter is loaded before 09:00. At 12:30 the forecast is ~0 and it is not.
 
 The clock is wall time in seconds (hour of day = floor(t / 3600) mod 24, UTC); the engine injects it.
 """

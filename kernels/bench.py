@@ -37,6 +37,7 @@ BATCH, ADAPTERS, RANK, MAX_RANK = 32, 32, 16, 64
 MIXED_RANKS, MEAN_RANK = (8, 16, 32, 64), 30
 PREFILL_TOKENS, PREFIX, DECODE_CONTEXT, BLOCK_SIZE = 128, 512, 1024, 16
 DTYPE = torch.bfloat16
+_DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class _LoraCase:
 
 
 def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int]) -> _LoraCase:
-    device, e = torch.device("cuda"), DTYPE.itemsize
+    device, e = torch.device(_DEVICE), DTYPE.itemsize
     num_slices, out_f = len(widths), sum(widths)
     rank = torch.tensor(ranks, dtype=torch.int32, device=device)  # [slots]
     a = torch.randn(ADAPTERS, num_slices, MAX_RANK, in_f, device=device, dtype=DTYPE) * in_f**-0.5
@@ -127,20 +128,20 @@ def _lora_kernels_us(case: _LoraCase, rep: int = 100) -> tuple[float, float]:
 
 def _attention_case(model: Model, phase: str) -> tuple[dict, int, float]:
     """Keyword arguments of paged_attention, its fewest bytes, and its causal flops."""
-    device, e = torch.device("cuda"), DTYPE.itemsize
+    device, e = torch.device(_DEVICE), DTYPE.itemsize
     q_len, context = (1, DECODE_CONTEXT - 1) if phase == "decode" else (PREFILL_TOKENS, PREFIX)
     total = q_len + context
     per_seq = triton.cdiv(total, BLOCK_SIZE)
     shape = (BATCH * per_seq, BLOCK_SIZE, model.kv_heads, model.head_dim)
     k_cache, v_cache = (torch.randn(shape, device=device, dtype=DTYPE) for _ in range(2))
     tables = torch.randperm(BATCH * per_seq, device=device, dtype=torch.int32).view(BATCH, per_seq)
-    args = dict(
-        q=torch.randn(BATCH * q_len, model.heads, model.head_dim, device=device, dtype=DTYPE),
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=tables,
-        seq_lens=torch.full((BATCH,), total, dtype=torch.int32, device=device),
-    )
+    args = {
+        "q": torch.randn(BATCH * q_len, model.heads, model.head_dim, device=device, dtype=DTYPE),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "seq_lens": torch.full((BATCH,), total, dtype=torch.int32, device=device),
+    }
     if phase == "prefill":
         args["cu_seqlens_q"] = torch.arange(0, BATCH * q_len + 1, q_len, dtype=torch.int32, device=device)
     nbytes = 2 * BATCH * q_len * model.heads * model.head_dim * e + 2 * BATCH * total * model.kv_heads * model.head_dim * e
@@ -149,68 +150,83 @@ def _attention_case(model: Model, phase: str) -> tuple[dict, int, float]:
     return args, nbytes, flops
 
 
-def _measure_ceilings() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul rate in flop/s), on random data."""
-    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.float32)  # 1 GiB
+def _measure_ceilings() -> tuple[float, float, float]:
+    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul rate in flop/s, on random data; the harness's
+    floor in µs: a one-element kernel timed as the kernels are)."""
+    src = torch.randn(256 * 1024 * 1024, device=_DEVICE, dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
-    m = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    m = torch.randn(8192, 8192, device=_DEVICE, dtype=DTYPE)
     mm_ms = do_bench(lambda: m @ m, warmup=25, rep=200, return_mode="median")
-    return 2 * 1024**3 / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
+    one = torch.ones(1, device=_DEVICE)
+    return 2 * src.numel() * src.element_size() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3), _graph_us(lambda: one.add_(1))
+
+
+def _row(model: str, phase: str, op: str, kernel_us: float, ref_us: float, nbytes: int, bandwidth: float,
+         flop_us: float | None = None) -> dict:
+    roof_us = nbytes / bandwidth * 1e6
+    return {"model": model, "phase": phase, "op": op, "kernel_us": round(kernel_us, 2), "ref_us": round(ref_us, 2),
+            "roof_us": round(roof_us, 2), "x_roof": round(kernel_us / roof_us, 2), "ref_x": round(ref_us / kernel_us, 1),
+            "bytes": nbytes, "flop_floor_us": None if flop_us is None else round(flop_us, 2)}
+
+
+def _bench_projection(model: str, phase: str, proj: str, in_f: int, widths: tuple[int, ...], bandwidth: float):
+    """(table rows of its shrink and expand at rank 16, their µs, the base GEMM's µs) for one projection."""
+    case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+    shrink_us, expand_us = _lora_kernels_us(case)
+    shrink_ref_us = _plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments))
+    y_ref = case.y.clone()
+    expand_ref_us = _plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
+    w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)  # the base projection, fused as the slices are
+    base_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
+    rows = [_row(model, phase, f"shrink {proj}", shrink_us, shrink_ref_us, case.shrink_bytes, bandwidth),
+            _row(model, phase, f"expand {proj}", expand_us, expand_ref_us, case.expand_bytes, bandwidth)]
+    return rows, shrink_us + expand_us, base_us
+
+
+def _bench_ranks(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int]) -> float:
+    """µs of shrink + expand for one projection with the given per-slot ranks."""
+    return sum(_lora_kernels_us(_lora_case(in_f, widths, phase, ranks)))
+
+
+def _bench_attention(name: str, model: Model, phase: str, bandwidth: float, matmul_rate: float) -> dict:
+    args, nbytes, flops = _attention_case(model, phase)
+    max_q = 1 if phase == "decode" else PREFILL_TOKENS
+    kernel_us = _graph_us(lambda: paged_attention(**args, max_query_len=max_q))
+    ref_us = _plain_us(lambda: paged_attention_ref(**args))
+    return _row(name, phase, "attention", kernel_us, ref_us, nbytes, bandwidth, flops / matmul_rate * 1e6)
 
 
 def bench_kernels(json_only: bool = False) -> dict:
     """Time every kernel at issue 4's shapes; print a table (unless json_only), then one JSON line; return the figures."""
     if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU: the Triton kernels only run compiled there (the CPU interpreter is for tests)", file=sys.stderr)
+        print("bench kernels needs a CUDA GPU: the Triton kernels only run compiled there (the CPU interpreter is for tests)",
+              file=sys.stderr)
         raise SystemExit(2)
     torch.manual_seed(0)
-    bandwidth, matmul_rate = _measure_ceilings()
-    one = torch.ones(1, device="cuda")
-    launch_us = _graph_us(lambda: one.add_(1))  # a one-element kernel timed the same way: the harness's floor
+    bandwidth, matmul_rate, launch_us = _measure_ceilings()
+    mixed_ranks = [MIXED_RANKS[s % len(MIXED_RANKS)] for s in range(ADAPTERS)]
     rows: list[dict] = []
     mixed: list[dict] = []
     overhead: list[dict] = []
-
-    def add(model: str, phase: str, op: str, kernel_us: float, ref_us: float, nbytes: int, flop_us: float | None = None):
-        roof_us = nbytes / bandwidth * 1e6
-        rows.append(dict(model=model, phase=phase, op=op, kernel_us=round(kernel_us, 2), ref_us=round(ref_us, 2),
-                         roof_us=round(roof_us, 2), x_roof=round(kernel_us / roof_us, 2), ref_x=round(ref_us / kernel_us, 1),
-                         bytes=nbytes, flop_floor_us=None if flop_us is None else round(flop_us, 2)))
-
     for name, model in MODELS.items():
         for phase in ("decode", "prefill"):
-            lora_us = base_us = 0.0
-            mixed_us = {"mixed": 0.0, "uniform": 0.0}
+            lora_us = base_us = mixed_us = uniform_us = 0.0
             for proj, (in_f, widths) in model.projections().items():
-                case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
-                shrink_us, expand_us = _lora_kernels_us(case)
-                add(name, phase, f"shrink {proj}", shrink_us, _plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments)), case.shrink_bytes)
-                y_ref = case.y.clone()
-                ref_us = _plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
-                add(name, phase, f"expand {proj}", expand_us, ref_us, case.expand_bytes)
-                w = torch.randn(sum(widths), in_f, device="cuda", dtype=DTYPE)  # the base projection, fused as the slices are
-                base_us += _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
-                lora_us += shrink_us + expand_us
-                del case, w
-                for label, ranks in (("mixed", [MIXED_RANKS[s % len(MIXED_RANKS)] for s in range(ADAPTERS)]), ("uniform", [MEAN_RANK] * ADAPTERS)):
-                    case = _lora_case(in_f, widths, phase, ranks)
-                    mixed_us[label] += sum(_lora_kernels_us(case))
-                    del case
-            overhead.append(dict(model=name, phase=phase, base_us=round(base_us, 1), lora_us=round(lora_us, 1), lora_pct=round(100 * lora_us / base_us, 1)))
-            mixed.append(dict(model=name, phase=phase, mixed_us=round(mixed_us["mixed"], 1), uniform_us=round(mixed_us["uniform"], 1),
-                              ratio=round(mixed_us["mixed"] / mixed_us["uniform"], 3)))
-            args, nbytes, flops = _attention_case(model, phase)
-            max_q = 1 if phase == "decode" else PREFILL_TOKENS
-            kernel_us = _graph_us(lambda: paged_attention(**args, max_query_len=max_q))
-            add(name, phase, "attention", kernel_us, _plain_us(lambda: paged_attention_ref(**args)), nbytes, flops / matmul_rate * 1e6)
-            del args
-
-    result = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
-                  copy_gb_s=round(bandwidth / 1e9, 1), matmul_tflop_s=round(matmul_rate / 1e12, 1),
-                  launch_floor_us=round(launch_us, 2),
-                  kernels=rows, mixed_vs_uniform=mixed, lora_vs_base=overhead)
+                proj_rows, proj_lora_us, proj_base_us = _bench_projection(name, phase, proj, in_f, widths, bandwidth)
+                rows += proj_rows
+                lora_us += proj_lora_us
+                base_us += proj_base_us
+                mixed_us += _bench_ranks(in_f, widths, phase, mixed_ranks)
+                uniform_us += _bench_ranks(in_f, widths, phase, [MEAN_RANK] * ADAPTERS)
+            overhead.append({"model": name, "phase": phase, "base_us": round(base_us, 1), "lora_us": round(lora_us, 1),
+                             "lora_pct": round(100 * lora_us / base_us, 1)})
+            mixed.append({"model": name, "phase": phase, "mixed_us": round(mixed_us, 1), "uniform_us": round(uniform_us, 1),
+                          "ratio": round(mixed_us / uniform_us, 3)})
+            rows.append(_bench_attention(name, model, phase, bandwidth, matmul_rate))
+    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+              "copy_gb_s": round(bandwidth / 1e9, 1), "matmul_tflop_s": round(matmul_rate / 1e12, 1),
+              "launch_floor_us": round(launch_us, 2), "kernels": rows, "mixed_vs_uniform": mixed, "lora_vs_base": overhead}
     if not json_only:
         _print_tables(result)
     print(json.dumps(result))
@@ -247,43 +263,44 @@ def _sweep(rep: int = 30) -> None:
     import kernels.paged_attention as attention_module
 
     def best(label: str, module, candidates, run: Callable[[], float]) -> None:
-        default = module._config
-        times = []
+        default, times = module._config, []
         for cfg in candidates:
             module._config = lambda *_, cfg=cfg: cfg
             try:
                 times.append((run(), cfg))
-            except Exception as exc:  # a candidate that does not compile (shared memory, registers) is skipped
+            except (triton.CompilationError, triton.runtime.OutOfResources) as exc:  # too big for the chip: not a candidate
                 print(f"  {label} {cfg}: {type(exc).__name__}")
             finally:
                 module._config = default
         times.sort()
-        print(f"{label:34} best {times[0][1]} {times[0][0]:8.1f} µs | default-ish " +
+        print(f"{label:34} best {times[0][1]} {times[0][0]:8.1f} µs | next " +
               " ".join(f"{c}:{t:.1f}" for t, c in times[1:4]), flush=True)
+
+    def projection(label: str, in_f: int, widths: tuple[int, ...], phase: str) -> None:
+        case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+        if phase == "decode":
+            s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
+            e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8)))
+        else:
+            s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
+            e_cands = [(128, 128, 8), (128, 256, 8), (64, 256, 8), (256, 128, 8)]
+        best(f"{label} shrink", shrink_module, s_cands,
+             lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
+        best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
+            lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep))
+
+    def attention(label: str, model: Model, phase: str) -> None:
+        args, _, _ = _attention_case(model, phase)
+        if phase == "decode":
+            max_q, cands = 1, [(4, n, w) for n in (64, 128, 256) for w in (4, 8)]
+        else:
+            max_q, cands = PREFILL_TOKENS, [(r // 4, n, w) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
+        best(label, attention_module, cands, lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
 
     torch.manual_seed(0)
     for name, model in MODELS.items():
         for phase in ("decode", "prefill"):
             for proj in ("qkv", "gate_up", "down"):
                 in_f, widths = model.projections()[proj]
-                case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
-                shrink = lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep)  # noqa: E731
-                expand = lambda: _graph_us(  # noqa: E731
-                    lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep)
-                if phase == "decode":
-                    s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
-                    e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8)))
-                else:
-                    s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
-                    e_cands = [(128, 128, 8), (128, 256, 8), (64, 256, 8), (256, 128, 8)]
-                best(f"{name} {phase} shrink {proj}", shrink_module, s_cands, shrink)
-                best(f"{name} {phase} expand {proj}", expand_module, e_cands, expand)
-                del case
-            args, _, _ = _attention_case(model, phase)
-            max_q = 1 if phase == "decode" else PREFILL_TOKENS
-            if phase == "decode":
-                a_cands = [(4, n, w) for n in (64, 128, 256) for w in (4, 8)]
-            else:
-                a_cands = [(r // 4, n, w) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
-            best(f"{name} {phase} attention", attention_module, a_cands,
-                 lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
+                projection(f"{name} {phase} {proj}", in_f, widths, phase)
+            attention(f"{name} {phase} attention", model, phase)

@@ -1,8 +1,8 @@
 """Multi-LoRA expand: every row's rank-r vector projected back up by its own adapter and added, in one launch.
 
 Semantics: y[i, off_s : off_s + w_s] += scale[slot_i] * t[s, i, :r] @ B[slot_i, :r, off_s : off_s + w_s]
-with r = rank[slot_i], for every slice s and every row i whose slot_i >= 0; rows with slot -1 are not
-written at all (bit for bit as they were).
+with r = rank[slot_i], for every slice s and every row i whose slot_i >= 0; rows with slot -1, or whose
+slot is empty (rank 0), are not written at all (bit for bit as they were).
 
 Punica's SGMV/BGMV expand ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547),
 the second half of `y += s * (x A^T) B^T` after kernels/lora_shrink.py. Rows are grouped as for the
@@ -21,7 +21,11 @@ q, k and v of different widths (2048, 512, 512 at llama-1b) through a table of s
 pointer arrays.
 
 Grid: (slice x column tile, row tile, group). Column tiles past a narrow slice's width return at once
-(at 1b with BLOCK_N 256, k and v have 2 live tiles of 8); that waste is a few empty programs.
+(at 1b with BLOCK_N 512, k and v have 1 live tile of 4); that waste is a few empty programs. The y tile
+is loaded before the rank loop, so its DRAM latency overlaps the loads of t and B. On an H200 that helped
+decode a little (8b o_proj 9.6 -> 8.4 µs, together with BLOCK_N 256 -> 512) and made 128 x 128 prefill
+tiles slower (8b gate_up 413 -> 573 µs: the held tile costs registers), hence 64 x 256 tiles (393 µs).
+
 Products: B tiles are widened to fp32 and multiplied with t (fp32) on TF32 tensor cores for fp16/bf16
 (B exact, t rounded to TF32's 11-bit significand: finer than rounding it to bf16), IEEE fp32 for fp32
 inputs; sums and the scale are fp32 and y is rounded once when stored. The op is memory-bound, and the
@@ -183,12 +187,13 @@ def lora_expand(
 
 
 def _config(segments: LoraSegments) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for this batch: the fastest of kernels.bench._sweep's candidates on an H200."""
+    """(BLOCK_M, BLOCK_N, num_warps) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16; µs are
+    CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
-        return 1, 512, 4  # 8b gate_up decode 22.2 µs (BLOCK_N 128: 24.3)
+        return 1, 512, 4  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
     if segments.max_len <= 16:
         return 16, 256, 4
-    return 128, 128, 8  # 8b gate_up prefill 413 µs (64 x 128, 4 warps: 440)
+    return 64, 256, 8  # 8b gate_up prefill 393 µs (128 x 128: 573; 128 x 256: slower still)
 
 
 @functools.lru_cache(maxsize=64)

@@ -19,8 +19,10 @@ rows x max_rank x features elements: a 8192-token prefill of a 4096 -> 14336 pro
 bf16 would gather 8192 * 64 * 14336 * 2 B = 15 GB, so rows go in chunks of at most `_GATHER_BYTES`
 (256 MiB: 146 rows in that example, all of a typical decode batch in one chunk).
 
-The launchers of a Triton kernel (a later issue) take the same arguments: `lora_shrink(x, a_stack, idx)`
-returning h, and `lora_expand(y, h, b_stack, idx, scale)` adding into y in place.
+This is the engine's v0 path. The Triton kernels (kernels/lora_shrink.py, kernels/lora_expand.py, with
+row groups from kernels/lora_segments.py) compute the same op at each slot's true rank, fused slices in one
+launch, and take B rank-major, `[slots, max_rank, out]` (this file's `b_stack` transposed; their modules'
+docstrings say why); each has its own pure-torch `_ref` beside it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Multi-LoRA shrink: every row of a flat batch projected down to its own adapter's rank, in one launch.
 
 Semantics: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T with r = rank[slot_i], for every slice s and every row i
-whose slot_i >= 0; nothing else of t is written.
+whose slot_i >= 0; the kernel writes nothing else of t (the launcher zeroes t first when it splits K).
 
 Punica's SGMV/BGMV shrink ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547):
 rows are grouped by adapter (kernels/lora_segments.py: runs of rows for prefill, one row per group for
@@ -13,7 +13,7 @@ Heterogeneous ranks (S-LoRA, Sheng et al., 2023, arXiv:2311.03285) without paddi
 rank axis is cut into BLOCK_R = 16 tiles, and a program whose tile starts at or beyond its slot's rank
 returns before loading anything. Slots hold max_rank rows, so a rank-8 adapter in a max-rank-64 slot
 runs 1 of 4 rank tiles and reads 8 rows of A (masked loads fetch nothing), the same bytes it would read
-in a rank-8 slot. Entries of t beyond a row's rank are never written and never read by the expand.
+in a rank-8 slot. Entries of t beyond a row's rank are left as they were and never read by the expand.
 
 Fused projections: A holds S slices (q, k, v: S = 3; gate, up: S = 2; others S = 1), all reading the
 same x. Layout `a_stack [slots, S, R, in]`, slice-major within a slot, rank-major within a slice: a
@@ -29,9 +29,11 @@ patterns of bf16 operands in `tl.dot` (triton-lang/triton#11584).
 
 Split-K. A decode batch is short (32 rows) and in_features long (4096 at 8b, 14336 for down_proj),
 so one program per (row, slice) would leave most of the 132 SMs idle: 32 rows x 1 slice of down_proj is
-32 programs each streaming 16 x 14336 x 2 B = 458 KB. The launcher splits K until about 256 programs
-are live (down_proj: 8 splits of 1792) and the splits add into t with fp32 atomics, so t is zeroed
-first. Accumulation is fp32 throughout; t is fp32 so the expand reads it at full precision.
+32 programs each streaming 16 x 14336 x 2 B = 458 KB. The launcher splits K until about 512 programs
+are live (down_proj: 16 splits of 896; 14.0 µs against 14.5 at 8 splits on an H200) and the splits add
+into t with fp32 atomics, so t is zeroed first. Prefill splits too (up to 4, toward 1024 programs):
+32 sequences of 128 tokens are only 128 row tiles of 32 per slice. Accumulation is fp32 throughout, and
+t is fp32 so the expand reads it at full precision.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import triton.language as tl
 from kernels.lora_segments import LoraSegments, rows_of
 
 _BLOCK_R = 16  # rank tile: the tensor-core minimum, and the granularity at which ranks are skipped
-_TARGET_PROGRAMS = 256  # about 2 per SM on an H200 (132 SMs), enough to hide each program's load latency
+_TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
+_PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 1024, 4  # prefill also pays a memset of t (1-3 MB) for a split
 _MIN_K_PER_SPLIT = 512
 
 
@@ -192,20 +195,24 @@ def lora_shrink(
 
 
 def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int]:
-    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch: block sizes are the fastest of kernels.bench._sweep's
-    candidates on an H200, the split the module docstring's rule."""
+    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch, from kernels.bench._sweep on an H200 (bf16, 32 adapters
+    of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
-        block_m, block_k, num_warps = 1, 256, 4  # 8b qkv decode 12.9 µs at split 8 (BLOCK_K 128: 13.3)
+        # Decode, one row per group: 8b qkv 12.6 µs at split 8 (split 4: 13.0, BLOCK_K 128: 12.9).
+        block_m, block_k, num_warps = 1, 256, 4
+        target, max_split = _TARGET_PROGRAMS, 64
     elif segments.max_len <= 16:
         block_m, block_k, num_warps = 16, 128, 4
+        target, max_split = _TARGET_PROGRAMS, 64
     else:
-        # Prefill: 64-row tiles where S slices share each x tile, 32 where one slice alone would leave SMs idle
-        # (8b down: 104 µs at 32 rows, 127 at 64); BLOCK_K 128 (8b qkv: 44 µs, 76 at 64).
-        block_m, block_k, num_warps = (64 if num_slices > 1 else 32), 128, 4
+        # Prefill: 32-row tiles, split 4: 8b gate_up 31.5 µs (64 rows split 2: 37.3), 8b down 57.1 (best 55.8),
+        # 8b qkv 40.6 (best 39.2 at split 2; 64 rows split 2: 57.7).
+        block_m, block_k, num_warps = 32, 128, 4
+        target, max_split = _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
     # Programs live at rank <= 16: one rank tile per (group, row tile, slice).
     base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * num_slices)
     split_k = 1
-    while base * split_k < _TARGET_PROGRAMS and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
+    while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2
     return split_k, block_m, block_k, num_warps
 

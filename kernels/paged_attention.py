@@ -14,7 +14,8 @@ token of one KV head is head_dim contiguous elements (128 B for bf16 at head_dim
 whole cache lines, so reading one head's keys token by token coalesces as well as a head-major
 `[num_blocks, kv_heads, block_size, head_dim]` block would, and the engine's `index_copy_` of new K/V
 stays one flat write. The key tile (BLOCK_N keys) is independent of block_size: each key finds its
-block through the table (block_tables[b, n // block_size]), so small blocks (16) still give 64-key tiles.
+block through the table (block_tables[b, n // block_size]), so 16-token blocks still give 64- or
+128-key tiles.
 
 Algorithm: FlashAttention-2's online softmax (Dao, 2023, arXiv:2307.08691) over key tiles, in fp32
 (running max m, running sum l, rescaled accumulator), base 2 with log2(e) folded into the scale. GQA:
@@ -27,6 +28,10 @@ Interpreter: on CPU (the Triton interpreter) the dot operands are widened to fp3
 interpreter multiplies the raw bit patterns of bf16 in `tl.dot` (triton-lang/triton#11584); on CUDA
 fp16/bf16 tiles go to the tensor cores as they are, and P is rounded to V's dtype (as FlashAttention-2).
 fp32 inputs are multiplied in IEEE fp32, not TF32.
+
+Not here: splitting a sequence's keys over several programs (Flash-Decoding). Decode runs batch x kv_heads
+programs, 256 for 32 sequences at 8 KV heads, which keeps an H200 within 1.5-2.1x of its copy bandwidth at
+1024 cached tokens; a few sequences with long contexts would leave SMs idle and want that split.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [N, H, D]
     """Causal attention of each sequence's query tokens over its paged cache (see Semantics)."""
     n, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, d_cache = k_cache.shape
+    _, block_size, kv_heads, d_cache = k_cache.shape  # [num_blocks, block_size, KV, D]
     batch = seq_lens.shape[0]
     assert v_cache.shape == k_cache.shape and d_cache == head_dim, (tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape))
     assert heads % kv_heads == 0, f"{heads} query heads do not share {kv_heads} KV heads evenly"
@@ -197,8 +202,8 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_N, num_warps): the fastest of kernels.bench._sweep's candidates on an H200.
 
-    Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.8). Prefill: 128
-    rows (32 tokens x 4 heads), 64 keys a step (8b: 183 µs; 64 rows: 204)."""
+    Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.4). Prefill: 128
+    rows (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4)."""
     rows, block_n = (16, 128) if max_query_len == 1 else (128, 64)
     if head_dim > 128:
         block_n //= 2  # keep the K and V tiles' registers as at head_dim 128

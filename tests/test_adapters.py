@@ -205,3 +205,82 @@ def test_store_paths_only_for_well_formed_present_hashes(tmp_path, sha):
     with pytest.raises(AdapterError) as e:
         store.path(sha)
     assert e.value.code == "adapter_missing"
+
+
+# ---- the base fingerprint
+
+
+def _fp(model_dir) -> str:
+    from engine.model import base_fingerprint
+
+    return base_fingerprint(model_dir)
+
+
+def _set_weights_fingerprint(d: Path, value: str) -> None:
+    from engine.adapters import FINGERPRINT_KEY
+
+    w = d / "adapter_model.safetensors"
+    save_file(load_file(str(w)), str(w), metadata={FINGERPRINT_KEY: value})
+
+
+def test_demo_adapters_record_their_base_fingerprint_and_pass(demo_set):
+    """The demo adapters carry their base's fingerprint in the safetensors metadata; checked against it, they load."""
+    model = read_model_config(demo_set["model"])
+    fp = _fp(demo_set["model"])
+    assert len(fp) == 64
+    a = load_adapter_dir(demo_set["adapters"]["qv-r4"], model, max_lora_rank=64, max_bytes=64 * MB, base_fingerprint=fp)
+    assert a.rank == 4
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code", "needles"),
+    [
+        (lambda d: _set_weights_fingerprint(d, "f" * 64), "adapter_base_mismatch", ["trained for base fingerprint " + "f" * 64, "this engine serves"]),
+        (lambda d: _edit_config(d, lorabatch_base_fingerprint="e" * 64), "adapter_base_mismatch", ["adapter_config.json records", "e" * 64]),
+        (lambda d: _edit_config(d, lorabatch_base_fingerprint=42), "adapter_invalid", ["lorabatch_base_fingerprint=42"]),
+    ],
+    ids=["other base in metadata", "config and metadata disagree", "not a string"],
+)
+def test_a_fingerprint_that_does_not_match_the_base_is_refused(demo_set, tmp_path, mutate, code, needles):
+    """An adapter recording another base's fingerprint is refused, the message naming the recorded one and the base's."""
+    d = _copy(demo_set, tmp_path)
+    mutate(d)
+    fp = _fp(demo_set["model"])
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, read_model_config(demo_set["model"]), max_lora_rank=64, max_bytes=64 * MB, base_fingerprint=fp)
+    assert e.value.code == code
+    for needle in needles:
+        assert needle in str(e.value), f"{needle!r} not in: {e.value}"
+    if code == "adapter_base_mismatch" and "disagree" not in str(e.value):
+        assert fp in str(e.value)
+
+
+def test_an_adapter_without_a_fingerprint_is_checked_by_shape_only(demo_set, tmp_path):
+    d = _copy(demo_set, tmp_path)
+    w = d / "adapter_model.safetensors"
+    save_file(load_file(str(w)), str(w), metadata={"format": "pt"})
+    a = load_adapter_dir(d, read_model_config(demo_set["model"]), max_lora_rank=64, max_bytes=64 * MB, base_fingerprint="0" * 64)
+    assert a.rank == 8
+
+
+def test_base_fingerprint_covers_architecture_and_tokenizer_only(demo_set, tmp_path):
+    """Same for a copy, for another max_position_embeddings and for rope_parameters spelled the transformers-5 way;
+    different for another architecture, other RoPE scaling, or another tokenizer."""
+    from engine.demo_model import write_demo_model
+
+    fp = _fp(demo_set["model"])
+    copy = Path(shutil.copytree(demo_set["model"], tmp_path / "copy"))
+    assert _fp(copy) == fp
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    rope_theta = cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert _fp(copy) == fp
+    for arch in ("llama3", "mistral", "qwen2"):
+        write_demo_model(tmp_path / arch, arch=arch)
+        assert _fp(tmp_path / arch) != fp, arch
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["added_tokens"].append({**tok["added_tokens"][-1], "id": 10_000, "content": "<extra>"})
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    assert _fp(copy) != fp

@@ -121,3 +121,33 @@ def test_same_seed_same_bytes_across_processes(tmp_path):
 
     write_demo_set(tmp_path / "other", seed=4)
     assert _digest_tree(tmp_path / "other")["model/model.safetensors"] != first["model/model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "cls", "check"),
+    [
+        ("llama3", "LlamaForCausalLM", lambda m: m.config.rope_parameters["rope_type"] == "llama3"),
+        ("mistral", "MistralForCausalLM", lambda m: m.config.sliding_window == 4096),
+        ("qwen2", "Qwen2ForCausalLM",
+         lambda m: m.model.layers[0].self_attn.q_proj.bias is not None and m.model.layers[0].self_attn.o_proj.bias is None
+         and m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()),
+    ],
+)
+def test_hf_transformers_loads_every_demo_architecture(tmp_path, arch, cls, check):
+    """Each architecture loads strictly (no missing or unexpected weights) as its HF class, with its distinguishing
+    feature (llama3 rope scaling, Mistral's window, Qwen2's q/k/v biases and tied embeddings), and the same
+    seed gives the Llama's weights wherever the architectures share them."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from engine.demo_model import write_demo_model
+
+    write_demo_model(tmp_path / arch, seed=5, arch=arch)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=torch.float32, output_loading_info=True)
+    assert type(model).__name__ == cls
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert check(model)
+    write_demo_model(tmp_path / "llama", seed=5)
+    ours, llama = load_file(str(tmp_path / arch / "model.safetensors")), load_file(str(tmp_path / "llama" / "model.safetensors"))
+    shared = set(ours) & set(llama)
+    assert len(shared) >= len(llama) - 1 and all(torch.equal(ours[k], llama[k]) for k in shared)

@@ -28,7 +28,7 @@ def _import_kernels(*names: str) -> list[ModuleType]:
     Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
     own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
     imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
-    the kernel modules are imported again. The variable is restored at once; `_interpreter_env` sets it again
+    the kernel modules that use triton are imported again. The variable is restored at once; `_interpreter_env` sets it again
     while this module's tests run (triton imports more lazily at the first launch), and for no other test.
     """
     if DEVICE.type == "cuda":
@@ -38,7 +38,9 @@ def _import_kernels(*names: str) -> list[ModuleType]:
     try:
         standard = sys.modules.get("triton.language.standard")
         if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
-            for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernels") and not m.startswith("triton._C")]:
+            stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+            stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
+            for name in stale:
                 del sys.modules[name]
         return [importlib.import_module(name) for name in names]
     finally:

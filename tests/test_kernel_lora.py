@@ -31,7 +31,7 @@ def _import_kernels(*names: str) -> list[ModuleType]:
     Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
     own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
     imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
-    the kernel modules are imported again. The variable is restored at once; `_interpreter_env` sets it again
+    the kernel modules that use triton are imported again. The variable is restored at once; `_interpreter_env` sets it again
     while this module's tests run (triton imports more lazily at the first launch), and for no other test.
     """
     if DEVICE.type == "cuda":
@@ -41,7 +41,9 @@ def _import_kernels(*names: str) -> list[ModuleType]:
     try:
         standard = sys.modules.get("triton.language.standard")
         if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
-            for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernels") and not m.startswith("triton._C")]:
+            stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+            stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
+            for name in stale:
                 del sys.modules[name]
         return [importlib.import_module(name) for name in names]
     finally:
@@ -235,18 +237,20 @@ def test_torch_references_match_float64(form):
     _assert_close(y, y_want, 1e-5, "lora_expand_ref")
 
 
-def test_split_k_adds_up_to_the_same_t(monkeypatch):
-    """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives."""
+@pytest.mark.parametrize("form", ["per_row", "prefill"])
+def test_split_k_adds_up_to_the_same_t(monkeypatch, form):
+    """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives, GEMV and tiles alike."""
     gen = torch.Generator().manual_seed(3)
-    idx, segments = _batch("per_row", "uniform", gen)
+    idx, segments = _batch(form, "uniform", gen)
     a, _, rank, _ = _weights(32, [8, 16, 32], 256, 16, 1, torch.float32, gen)
     x = torch.randn(len(idx), 256, generator=gen)
     a, rank, x = a.to(DEVICE), rank.to(DEVICE), x.to(DEVICE)
     assert lora_shrink_module._config(segments, 1, 256)[0] == 1
     one_pass = lora_shrink(x, a, rank, segments)
-    monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 32)
-    monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 4 * len(idx))
-    assert lora_shrink_module._config(segments, 1, 256)[0] == 4
+    monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 64)
+    monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 10**6)
+    monkeypatch.setattr(lora_shrink_module, "_PREFILL_TARGET_PROGRAMS", 10**6)
+    assert lora_shrink_module._config(segments, 1, 256)[0] == 4  # 4 splits of 64: the last that keeps >= 64
     split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
     defined = _defined(idx, rank.cpu(), 1, 32).to(DEVICE)
     torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)

@@ -9,8 +9,17 @@ import shutil
 from collections import Counter, defaultdict
 
 import pytest
+from safetensors.torch import load_file, save_file
 
-from engine.adapter_policy import HEAT_WINDOW_S, Candidate, Heat, TokenBucket, choose_victim, keep_score
+from engine.adapter_policy import (
+    HEAT_WINDOW_S,
+    Candidate,
+    Heat,
+    TokenBucket,
+    choose_victim,
+    keep_score,
+)
+from engine.adapters import FINGERPRINT_KEY
 from engine.demo_model import write_demo_adapter
 from engine.engine import Engine
 from engine.model import LORA_TARGETS
@@ -79,14 +88,18 @@ def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):
     distinct = sorted(set(picks))
     stats = eng.stats()
     events = eng.pop_load_events()
-    by_tier = Counter(e.tier for e in events if e.skip_reason is None and e.error_code is None)
-    assert stats["adapter_loads"]["disk"] == by_tier["disk"] == len(distinct)
-    placements = stats["adapter_loads"]["disk"] + stats["adapter_loads"]["host"]
-    assert stats["adapter_loads"]["host"] == by_tier["host"] > 0
-    assert stats["adapter_evictions"]["gpu"] == placements - stats["lora_slots_used"]
+    loads = [e for e in events if e.skip_reason is None]
+    assert all(e.error_code is None and e.load_us >= 0 for e in events)
+    # a store read either goes on to a slot (one disk load, dest gpu) or, read ahead while every slot was
+    # pinned, waits in L2 (dest host) for a later L2 -> L1 copy
+    disk = [e for e in loads if e.tier == "disk"]
+    assert stats["adapter_loads"]["disk"] == len(disk) == len(distinct) == len({e.sha256 for e in disk})
+    assert stats["adapter_loads"]["host"] == sum(e.tier == "host" for e in loads) > 0
+    placements = sum(e.dest == "gpu" for e in loads)
+    assert placements == stats["adapter_loads"]["host"] + sum(e.dest == "gpu" for e in disk)
+    assert stats["adapter_evictions"]["gpu"] == placements - stats["lora_slots_used"] > 0
     assert stats["lora_slots_used"] == 8 and stats["lora_slots_pinned"] == 0
     assert stats["adapter_load_failures"] == 0 and stats["adapter_evictions"]["host"] == 0
-    assert all(e.dest == "gpu" and e.load_us >= 0 for e in events)
 
     ref = Engine(config(demo_set, max_loras=1, enable_prefix_caching=False, **NO_WARM))
     by_adapter = defaultdict(list)
@@ -180,6 +193,14 @@ def run_until_done_at(eng: Engine, clock: FakeClock, steps_per_second: int) -> d
     raise AssertionError("did not finish")
 
 
+def _other_base(src, dst):
+    """A copy of the adapter that records another base's fingerprint."""
+    path = shutil.copytree(src, dst)
+    w = path / "adapter_model.safetensors"
+    save_file(load_file(str(w)), str(w), metadata={FINGERPRINT_KEY: "f" * 64})
+    return path
+
+
 def _corrupt(src, dst):
     path = shutil.copytree(src, dst)
     w = path / "adapter_model.safetensors"
@@ -193,7 +214,7 @@ def _corrupt(src, dst):
         (lambda d, tmp: _corrupt(d["adapters"]["qv-r4"], tmp / "bad"), "adapter_corrupt"),
         (lambda d, tmp: tmp / "missing", "adapter_missing"),
         (lambda d, tmp: ("sha", d["adapters"]["qv-r4"]), "adapter_changed"),
-        (lambda d, tmp: ("fingerprint", d["adapters"]["qv-r4"]), "adapter_base_mismatch"),
+        (lambda d, tmp: _other_base(d["adapters"]["qv-r4"], tmp / "other"), "adapter_base_mismatch"),
     ],
     ids=["corrupt", "missing", "sha256 differs", "other base"],
 )
@@ -204,12 +225,6 @@ def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp
     eng = Engine(config(demo_set, **NO_WARM))
     if isinstance(made, tuple) and made[0] == "sha":
         eng.register_adapter("bad", made[1], sha256="0" * 64)
-    elif isinstance(made, tuple):
-        other = Engine(config(demo_set, **NO_WARM))
-        other.base_fingerprint = "f" * 64
-        eng = Engine(config(demo_set, **NO_WARM))
-        eng.adapters._fingerprint = "f" * 64  # the same adapter against a base with another fingerprint
-        eng.register_adapter("bad", made[1])
     else:
         eng.register_adapter("bad", made)
     strict = req("strict", adapter="bad", max_new_tokens=4)
@@ -302,13 +317,18 @@ DAY, HOUR = 86400, 3600
 
 def test_predictor_blends_recent_traffic_with_the_hour_of_day():
     """The warm_pool docstring's example: 20 requests every day at 09:xx; at 08:30 on day 8 the forecast is
-    0.6 * 20 * 0.7^22 + 0.4 * 20 (about 8); at 12:30 it is about 0; with no full day seen, only the EWMA."""
+    0.6 * EWMA + 0.4 * 20 (about 8); at 12:30 it is about 0; with no full day seen, only the EWMA."""
     p = TrafficPredictor(alpha=0.3, recent_weight=0.6)
     for day in range(7):
         for k in range(20):
             p.observe("x", day * DAY + 9 * HOUR + 60 * k)
     at = 7 * DAY + 8 * HOUR + 1800
-    assert p.forecast("x", at) == pytest.approx(0.6 * 20 * 0.7**22 + 0.4 * 20)
+    ewma = 20.0  # the first hour seeds it; each later 09:00 hour adds 0.3 * 20 after 23 idle hours of decay
+    for _ in range(6):
+        ewma = 0.3 * 20 + 0.7 * ewma * 0.7**23
+    recent = 0.7 * ewma * 0.7**22  # 22 idle hours since, then the hour in progress (no requests) folded in
+    assert p.forecast("x", at) == pytest.approx(0.6 * recent + 0.4 * 20)
+    assert 8.0 < p.forecast("x", at) < 8.01
     assert p.forecast("x", 7 * DAY + 12 * HOUR + 1800) < 0.01
     assert p.ranked(at, 1.0) == [("x", pytest.approx(p.forecast("x", at)))]
     q = TrafficPredictor(alpha=0.3, recent_weight=0.6)

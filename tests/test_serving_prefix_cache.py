@@ -115,10 +115,10 @@ def test_a_flooding_tenant_never_holds_more_than_its_quota(demo_set, miss_engine
     peak = {"flood": 0, "calm": 0}
 
     def check(e):
-        for t in peak:
+        for t, most in peak.items():
             held = e.runner.blocks.tenant_blocks(t)
             assert held <= quota, (t, held)
-            peak[t] = max(peak[t], held)
+            peak[t] = max(most, held)
 
     results = run_until_done(eng, on_step=check)
     assert peak["flood"] > quota - 8, "flood should have pressed against its quota"  # 8 blocks: one 32-token step of growth

@@ -1,0 +1,138 @@
+"""AsyncEngine: callers await their own requests while one engine thread steps over everything submitted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from tests.test_serving_helpers import TEXTS, alone, config, req
+
+ADAPTERS = ["qv-r4", "all-r16", "mlp-r64", None]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_set):
+    eng = Engine(config(demo_set, enable_prefix_caching=False))
+    for name, path in demo_set["adapters"].items():
+        eng.load_adapter(name, path)
+    return eng
+
+
+@pytest.fixture
+def engine(demo_set):
+    eng = Engine(config(demo_set, max_num_batched_tokens=32))
+    for name, path in demo_set["adapters"].items():
+        eng.register_adapter(name, path)
+    return eng
+
+
+async def test_staggered_callers_join_the_running_batch_and_get_their_own_tokens(engine, reference):
+    """Twelve tasks submit at different times; the thread admits each between steps beside the decodes of earlier
+    ones (a step holds a prefill row and decode rows at once), and each gets exactly the tokens it gets alone."""
+    reqs = [req(f"a{i}", prompt=TEXTS[i % len(TEXTS)], adapter=ADAPTERS[i % 4], max_new_tokens=10 + i % 5,
+                **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {})) for i in range(12)]  # fmt: skip
+
+    async def submit(i: int, r):
+        await asyncio.sleep(0.004 * i)
+        return await ae.generate(r)
+
+    async with AsyncEngine(engine) as ae:
+        results = await asyncio.gather(*(submit(i, r) for i, r in enumerate(reqs)))
+        stats = await ae.stats()
+        records = await ae.call(lambda e: e.pop_step_records())
+    for r, res in zip(reqs, results):
+        assert res.ok and res.request_id == r.request_id
+        assert res.output_ids == alone(reference, r).output_ids, r.request_id
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_pool_used_blocks"] == 0
+    mixed = [rec for rec in records if any(s.tokens > 1 for s in rec.shares) and any(s.tokens == 1 for s in rec.shares)]
+    assert mixed, "no step had a newcomer's prefill beside running decodes"
+
+
+async def test_cancelling_the_caller_aborts_the_request(engine):
+    """A cancelled `generate` re-raises CancelledError and its request leaves the engine, blocks and pins freed."""
+    async with AsyncEngine(engine) as ae:
+        task = asyncio.create_task(ae.generate(req("long", adapter="all-r16", max_new_tokens=32)))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if (await ae.stats())["running"]:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await ae.stats()
+        for _ in range(100):
+            if not stats["running"] and not stats["waiting"]:
+                break
+            await asyncio.sleep(0.005)
+            stats = await ae.stats()
+        assert stats["running"] == stats["waiting"] == 0
+        assert stats["kv_pool_used_blocks"] == 0 and stats["lora_slots_pinned"] == 0
+        after = await ae.generate(req("after", max_new_tokens=3))
+        assert after.ok
+
+
+async def test_abort_returns_the_partial_result_to_its_caller(engine):
+    async with AsyncEngine(engine) as ae:
+        task = asyncio.create_task(ae.generate(req("ab", max_new_tokens=32)))
+        while not (await ae.stats())["running"]:
+            await asyncio.sleep(0.002)
+        await ae.abort("ab")
+        res = await task
+        assert res.error is not None and res.error.code == "aborted"
+        assert await ae.abort("nobody") is None
+
+
+async def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(engine, monkeypatch):
+    """One step raising fails the requests in flight with engine_failed (retriable); later requests run."""
+    real = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(items, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device fault")
+        return real(items, **kw)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    async with AsyncEngine(engine) as ae:
+        res = await ae.generate(req("victim", max_new_tokens=5))
+        assert res.error is not None and res.error.code == "engine_failed" and res.error.retriable
+        ok = await ae.generate(req("next", max_new_tokens=3))
+        assert ok.ok and len(ok.output_ids) == 3
+        assert (await ae.stats())["kv_pool_used_blocks"] == 0
+
+
+async def test_duplicate_id_in_flight_and_engine_calls(engine, demo_set):
+    """A second request with an id in flight fails alone; `call` runs engine methods in its thread, errors included."""
+    async with AsyncEngine(engine) as ae:
+        first = asyncio.create_task(ae.generate(req("dup", max_new_tokens=16)))
+        await asyncio.sleep(0.01)
+        second = await ae.generate(req("dup", max_new_tokens=2))
+        assert second.error.code == "duplicate_request_id"
+        assert (await first).ok
+        info = await ae.call(lambda e: e.load_adapter("eager", demo_set["adapters"]["qv-r16"]))
+        assert info.tier in ("disk", "gpu") and await ae.call(lambda e: e.has_adapter("eager"))
+        with pytest.raises(Exception) as err:
+            await ae.call(lambda e: e.load_adapter("eager", demo_set["adapters"]["qv-r16"]))
+        assert getattr(err.value, "code", None) == "adapter_key_in_use"
+
+
+async def test_close_without_drain_aborts_what_runs(engine):
+    """close(drain=False) answers every caller (aborted) before the thread ends; close() drains instead."""
+    ae = AsyncEngine(engine)
+    ae.start()
+    task = asyncio.create_task(ae.generate(req("cut", max_new_tokens=32)))
+    while not (await ae.stats())["running"]:
+        await asyncio.sleep(0.002)
+    await ae.close(drain=False)
+    res = await task
+    assert res.error.code == "aborted" and not engine.has_unfinished()
+    ae = AsyncEngine(engine)
+    ae.start()
+    task = asyncio.create_task(ae.generate(req("whole", max_new_tokens=12)))
+    await asyncio.sleep(0.005)
+    await ae.close()
+    assert (await task).ok and len(task.result().output_ids) == 12
