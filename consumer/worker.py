@@ -117,11 +117,15 @@ class Worker:
         tasks = [fetch, dispatch, deliver, commit]
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
-            done, _ = await asyncio.wait([fetch, dispatch, deliver], return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
-            await fetch
-            await dispatch
+            # The deliverer never ends on its own: if it does, it failed, and so does the worker.
+            running = {fetch, dispatch}
+            while running:
+                done, _ = await asyncio.wait(running | {deliver}, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
+                    if t is deliver:
+                        raise RuntimeError("the delivery task stopped")
+                running -= done
             await asyncio.wait_for(self.deliverer.drain(), timeout=60)
         finally:
             for t in tasks:
