@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from aiokafka import TopicPartition
 
-from billing.records import AdapterLoadRecord
+from billing.records import AdapterLoadRecord, BusyRecord
 from consumer.delivery import Outcome
 from consumer.outcomes import Served, failed_before_engine, succeeded_or_failed, to_request
 from consumer.routing import Route
@@ -39,17 +39,19 @@ class BatchOutput:
     outcomes: list[Outcome] = field(default_factory=list)
     loads: list[AdapterLoadRecord] = field(default_factory=list)
     adapter_ok: list[tuple[str, bool]] = field(default_factory=list)  # for the circuit breakers
-    busy_us: int = 0
+    busy: BusyRecord | None = None  # the GPU time the batch's steps measured, for period conservation
 
 
 class BatchExecutor:
-    def __init__(self, engine, store: AdapterStore, worker_id: str):
+    def __init__(self, engine, store: AdapterStore, worker_id: str, gpu_kind: str):
         self.engine = engine
         self.store = store
         self.worker_id = worker_id
+        self.gpu_kind = gpu_kind
 
     def run(self, items: list[Routed]) -> BatchOutput:
         out = BatchOutput()
+        started = datetime.now(UTC)
         runnable: list[tuple[Routed, str | None, str]] = []
         failed_loads: dict[str, EngineError] = {}
         for item in items:
@@ -90,8 +92,10 @@ class BatchExecutor:
                                 item.route.decision_us, item.received_at)
                 result, usage = succeeded_or_failed(served, res, self.worker_id)
                 out.outcomes.append(Outcome(item.tp, item.offset, result=result, usage=usage))
-        records = self.engine.pop_step_records()
-        out.busy_us = sum(r.total_us for r in records)
+        steps = self.engine.pop_step_records()
+        if steps:
+            out.busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=started,
+                                  ended_at=datetime.now(UTC), busy_us=sum(r.total_us for r in steps), steps=len(steps))
         return out
 
     def _generate(self, runnable: list[tuple[Routed, str | None, str]]) -> list[GenerationResult]:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from billing.errors import LedgerError
 from consumer.breaker import BreakerBoard
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
@@ -66,7 +67,7 @@ class Worker:
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
         self.router = Router(route_cache or make_route_cache(settings), self.breakers)
         self.offsets = OffsetTracker()
-        self.executor = BatchExecutor(engine, registry.store, self.worker_id)
+        self.executor = BatchExecutor(engine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._engine_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -268,11 +269,23 @@ class Worker:
                 self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
             for outcome in out.outcomes:
                 self.deliverer.emit(outcome)
-            if out.loads:
+            await self._record_gpu_time(out)
+
+    async def _record_gpu_time(self, out) -> None:
+        """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation.
+        Both writes are idempotent, so a retry after a hiccup cannot double them."""
+        for write, records in ((self.ledger.record_adapter_loads, out.loads), (self.ledger.record_busy, [out.busy] if out.busy else [])):
+            if not records:
+                continue
+            for attempt in range(5):
                 try:
-                    await asyncio.to_thread(self.ledger.record_adapter_loads, out.loads)
-                except Exception:
-                    log.exception("could not record %d adapter loads", len(out.loads))
+                    await asyncio.to_thread(write, records)
+                    break
+                except LedgerError as e:
+                    if not e.retriable or attempt == 4:
+                        log.error("could not record %d %s: %s", len(records), type(records[0]).__name__, e)
+                        break
+                    await asyncio.sleep(0.2 * 2**attempt)
 
     def _resident(self) -> set[str | None]:
         has = getattr(self.engine, "resident_adapters", None)

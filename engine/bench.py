@@ -87,9 +87,11 @@ def bench_engine(
         engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
         for i, path in enumerate(paths):
             engine.load_adapter(f"a{i}", path)
-        _run(engine, prompts[:2], [None, "a0"][: min(2, batch)], 2, "warm")  # first-call costs (kernels, allocator)
+        mixed_keys = [f"a{i % adapters}" for i in range(batch)]
+        for keys in ([None] * batch, mixed_keys):  # first-call costs (kernels, allocator) at the measured shapes
+            _run(engine, prompts, keys, 3, "warm")
         base = _run(engine, prompts, [None] * batch, new, "base")
-        mixed = _run(engine, prompts, [f"a{i % adapters}" for i in range(batch)], new, "mixed")
+        mixed = _run(engine, prompts, mixed_keys, new, "mixed")
         bandwidth = measure_bandwidth(dev)
         out.update(
             ours_base_tok_s=base["tok_s"], ours_mixed_tok_s=mixed["tok_s"],
@@ -242,7 +244,7 @@ def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
 def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
-        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter=a, sampling=sp))
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
     times = []
     while engine.has_unfinished():
         _sync(engine.device)

@@ -129,3 +129,23 @@ def test_a_tenant_quota_below_one_sequence_is_refused_at_start(demo_set):
     with pytest.raises(EngineError) as e:
         Engine(config(demo_set, kv_num_blocks=40, kv_tenant_quota=0.5))  # 20 blocks
     assert e.value.code == "config_invalid" and "kv_tenant_quota=0.5" in str(e.value) and "24" in str(e.value)
+
+
+def test_stats_export_the_pool_gauges(demo_set):
+    """stats() carries the gauges the consumer exports (KV pool use and hit rate, warm-pool hit rate, LoRA memory,
+    loads by tier), with values that follow the engine's state."""
+    eng = Engine(config(demo_set))
+    eng.register_adapter("a", demo_set["adapters"]["qv-r16"], tenant="t")
+    empty = eng.stats()
+    assert empty["kv_pool_used_blocks"] == 0 and empty["kv_pool_hit_rate"] == 0.0 and empty["lora_memory_used_bytes"] == 0
+    eng.add_request(req("s1", adapter="a", tenant="t", max_new_tokens=4))
+    eng.step()
+    mid = eng.stats()
+    assert mid["running"] == 1 and mid["kv_pool_used_blocks"] > 0 and mid["kv_tenant_used_blocks"] == {"t": mid["kv_pool_used_blocks"]}
+    assert mid["lora_memory_used_bytes"] > 0 and mid["adapter_loads"] == {"disk": 1, "host": 0} and mid["lora_slots_pinned"] == 1
+    run_until_done(eng)
+    eng.generate([req("s2", adapter="a", tenant="t", max_new_tokens=4)])
+    end = eng.stats()
+    assert end["kv_pool_used_blocks"] == 0 and end["kv_pool_cached_blocks"] > 0 and 0 < end["kv_pool_hit_rate"] < 1
+    assert end["warm_pool_hits"] == 1 and end["warm_pool_misses"] == 1 and end["warm_pool_hit_rate"] == 0.5
+    assert end["prefill_us_per_token"] > 0 and end["steps"] >= 8
