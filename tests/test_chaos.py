@@ -68,7 +68,8 @@ async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_databas
         wanted = {j.request_id for j in jobs}
         try:
             await produce_jobs(s.kafka, jobs, "chaos", "acme", "test", "request")
-            await _wait_for(s, lambda got: len({r.request_id for r in got}) >= N_JOBS // 4, 180)
+            before_kill = await _wait_for(s, lambda got: len({r.request_id for r in got}) >= N_JOBS // 4, 180)
+            assert len({r.request_id for r in before_kill}) < N_JOBS, "the kill must land mid-run"
             workers["w1"].send_signal(signal.SIGKILL)
             workers["w1"].wait()
             await asyncio.sleep(0.5)
@@ -88,6 +89,8 @@ async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_databas
                 except subprocess.TimeoutExpired:
                     p.kill()
                     codes[w] = "killed"
+        assigned = (tmp_path / "w3.log").read_text()
+        assert "assigned [(" in assigned, "the newcomer must have taken partitions in a rebalance"
         seen = Counter(r.request_id for r in results)
         missing = wanted - seen.keys()
         assert not missing, f"{len(missing)} jobs have no result, e.g. {sorted(missing)[:5]}; logs in {tmp_path}"
