@@ -35,7 +35,7 @@ earlier request or the warm pool): what the warm pool is for is to raise it.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +54,7 @@ from engine.warm_pool import TrafficPredictor
 
 WAIT_RATE = "rate_limited"  # acquire: the admission token bucket is empty
 WAIT_SLOT = "no_free_slot"  # acquire: every slot is pinned by running requests
+MAX_EVENTS = 10_000  # load events kept for pop_events; older ones are dropped (and counted) if nobody drains them
 
 
 @dataclass
@@ -144,11 +145,12 @@ class AdapterPool:
         self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)
         self._predictor = TrafficPredictor(alpha=config.warm_pool_alpha, recent_weight=config.warm_pool_recent_weight)
         self._last_warm: float | None = None
-        self._events: list[_LoadEvent] = []
+        self._events: deque[_LoadEvent] = deque()
         self._infos: dict[str, AdapterInfo] = {}
         self.counters = {
             "loads_disk": 0, "loads_host": 0, "dedupe_skips": 0, "evictions_l1": 0, "evictions_l2": 0, "load_failures": 0,
             "loads_throttled": 0, "warm_prefetches": 0, "warm_prefetches_used": 0, "requests_warm": 0, "requests_cold": 0,
+            "events_dropped": 0,
         }  # fmt: skip
 
     # ---- registration
@@ -300,7 +302,7 @@ class AdapterPool:
     # ---- metrics
 
     def pop_events(self) -> list[AdapterInfo]:
-        events, self._events = self._events, []
+        events, self._events = self._events, deque()
         return [e.info() for e in events]
 
     def stats(self) -> dict:
@@ -320,6 +322,7 @@ class AdapterPool:
             "adapter_evictions": {"gpu": c["evictions_l1"], "host": c["evictions_l2"]},
             "adapter_load_failures": c["load_failures"],
             "adapter_loads_throttled": c["loads_throttled"],
+            "adapter_load_events_dropped": c["events_dropped"],
             "warm_pool_hit_rate": c["requests_warm"] / asked if asked else 0.0,
             "warm_pool_hits": c["requests_warm"],
             "warm_pool_misses": c["requests_cold"],
@@ -465,7 +468,7 @@ class AdapterPool:
 
     def _event(self, rec: _Record, content: _Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> _LoadEvent:
         event = _LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
-        self._events.append(event)
+        self._record(event)
         if skip_reason is None and reason != "warm_pool":  # a warm load is one no request waits for
             content.uncharged.append(event)
         return event
@@ -473,8 +476,14 @@ class AdapterPool:
     def _fail(self, rec: _Record, error: AdapterError, reason: str) -> AdapterError:
         rec.error = error
         self.counters["load_failures"] += 1
-        self._events.append(_LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
+        self._record(_LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
         return error
+
+    def _record(self, event: _LoadEvent) -> None:
+        if len(self._events) >= MAX_EVENTS:
+            self._events.popleft()
+            self.counters["events_dropped"] += 1
+        self._events.append(event)
 
     def _drop_record(self, key: str) -> None:
         rec = self._records.pop(key)

@@ -89,7 +89,7 @@ def bench_engine(
             engine.load_adapter(f"a{i}", path)
         mixed_keys = [f"a{i % adapters}" for i in range(batch)]
         for keys in ([None] * batch, mixed_keys):  # first-call costs (kernels, allocator) at the measured shapes
-            _run(engine, prompts, keys, 3, "warm")
+            _run(engine, prompts, keys, min(3, new), "warm")
         base = _run(engine, prompts, [None] * batch, new, "base")
         mixed = _run(engine, prompts, mixed_keys, new, "mixed")
         bandwidth = measure_bandwidth(dev)

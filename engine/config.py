@@ -63,7 +63,7 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.kv_num_blocks is not None:
-            need = -(-(self.max_prompt_tokens + self.max_new_tokens) // self.kv_block_size)
+            need = self.blocks_per_sequence
             if self.kv_num_blocks < need:
                 raise ValueError(
                     f"engine.kv_num_blocks={self.kv_num_blocks} cannot hold one sequence of "
@@ -85,5 +85,6 @@ class EngineConfig(BaseModel):
         return -(-(self.max_prompt_tokens + self.max_new_tokens) // self.kv_block_size)
 
     @property
-    def num_kv_blocks(self) -> int:
+    def kv_pool_blocks(self) -> int:
+        """KV blocks in the pool: kv_num_blocks, or enough for max_batch_size longest sequences."""
         return self.kv_num_blocks or self.max_batch_size * self.blocks_per_sequence

@@ -88,7 +88,7 @@ class Engine:
         self.eos_ids = eos_ids
         self.base_fingerprint = fingerprint
         model.config.check_sliding_window(config.max_prompt_tokens + config.max_new_tokens)
-        num_blocks = config.num_kv_blocks
+        num_blocks = config.kv_pool_blocks
         quota = int(config.kv_tenant_quota * num_blocks)
         if quota < config.blocks_per_sequence:
             raise EngineError(

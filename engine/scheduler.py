@@ -13,8 +13,8 @@ Each step (`schedule`) spends a budget of `max_num_batched_tokens` tokens:
    (which may mean waiting for the admission token bucket or for a slot to free up; others go ahead
    meanwhile) and blocks for its first chunk. A request of a tenant at quota is skipped; one that does
    not fit the free blocks stops admission, so a long request is not passed over for ever. Admission
-   keeps `watermark` blocks free while anything runs, so that a newly admitted request does not
-   preempt a running one at its next token.
+   keeps a watermark of free blocks (1% of the pool, at least one) while anything runs, so that a newly
+   admitted request does not preempt a running one at its next token.
 
 Blocks are taken as needed rather than reserved for a request's worst case: more requests run at once,
 at the price of a preemption when they all grow at the same time.
