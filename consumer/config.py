@@ -74,6 +74,8 @@ class WorkerConfig(_Section):
     max_defer_ms: float = Field(250.0, ge=0, description="longest a job is passed over for adapter affinity")
     static_membership: bool = Field(True, description="join with group.instance.id = worker_id, so restarts cause no rebalance")
     revoke_deadline_s: float = Field(10.0, gt=0, description="revoked partitions' running work may finish this long")
+    headroom_slots: int = Field(2, ge=0, description="engine slots kept for tenants under their fair share")
+    ledger_flush_ms: int = Field(1000, ge=10, description="how often adapter loads and GPU busy time are written")
 
 
 class RoutingConfig(_Section):

@@ -25,6 +25,9 @@ class WorkerMetrics:
             buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),
         )
         self.memory_used = Gauge("lora_memory_used_bytes", "Bytes of adapters resident on the device", registry=r)
+        self.kv_used_blocks = Gauge("kv_pool_used_blocks", "KV cache blocks in use", registry=r)
+        self.kv_hit_rate = Gauge("kv_pool_hit_rate", "Share of prompt tokens found in the prefix cache", registry=r)
+        self.warm_pool_hit_rate = Gauge("lora_warm_pool_hit_rate", "Share of adapter requests that found it in memory", registry=r)
         self.dlq = Counter("lorabatch_dlq_total", "Messages sent to the DLQ", ["code"], registry=r)
         self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)

@@ -28,6 +28,7 @@ def to_request(job: Job, adapter_key: str | None, arrival_us: int | None = None)
         ),
         priority=job.priority,
         tenant=job.tenant_id,
+        allow_base_fallback=job.allow_base_fallback,
         arrival_us=arrival_us,
     )
 

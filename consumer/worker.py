@@ -3,8 +3,9 @@
 Four tasks share one event loop:
 - fetch: `getmany`, parse, route the whole fetched batch (one cache round trip), and queue each job in
   the fair scheduler (or answer it at once when it cannot run: a DLQ record or a failed result);
-- dispatch: take batches from the scheduler in fair order and run them on the engine in its own
-  thread, so the loop (and aiokafka's heartbeats) never waits on the GPU;
+- dispatch: as engine slots free up, take the next jobs from the scheduler in fair order and submit
+  them to the engine, which steps in its own thread (continuous batching), so the loop (and
+  aiokafka's heartbeats) never waits on the GPU;
 - deliver: publish results and DLQ records, write ledger rows, then mark the offsets done;
 - commit: commit, per partition, the highest contiguous done offset + 1.
 A crash anywhere before the commit means redelivery; the ledger's (tenant, request_id) key keeps a
@@ -19,7 +20,6 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -29,7 +29,7 @@ from billing.errors import LedgerError
 from consumer.breaker import BreakerBoard
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
-from consumer.executor import BatchExecutor, Routed
+from consumer.feeder import EngineFeeder, Routed
 from consumer.kafka import make_consumer, make_producer
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
@@ -39,9 +39,12 @@ from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
 from consumer.routing import RouteError, Router
 from consumer.rules import RuleClassifier
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
+from engine.async_engine import AsyncEngine
 from consumer.schemas import DlqRecord, ErrorInfo, Job, Rejection, parse_job
 
 log = logging.getLogger("lorabatch.worker")
+
+SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction weights know these tiers
 
 
 def make_route_cache(s: Settings) -> RouteCache:
@@ -62,18 +65,20 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
+        self.capacity = settings.engine.max_batch_size  # requests the engine runs at once
         self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
-                                   affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms)
+                                   affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
+                                   capacity=self.capacity, headroom=w.headroom_slots)
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
         self.router = Router(route_cache or make_route_cache(settings), self.breakers)
         self.offsets = OffsetTracker()
-        self.executor = BatchExecutor(engine, registry.store, self.worker_id, settings.ledger.gpu_kind)
+        self.aengine = AsyncEngine(engine)
+        self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._engine_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._snapshot_at = 0.0
         self._apply_snapshot(registry.snapshot())
-        self._running: list[Routed] = []
+        self._in_engine: dict[int, tuple[Pending, Routed]] = {}
         self._paused = False
         self._cache_errors_seen = 0
         self.consumer = None
@@ -95,6 +100,7 @@ class Worker:
         self.deliverer = Deliverer(k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
                                    lambda t: t in self._snapshot.tenants)
         await producer.start()
+        self.aengine.start()
         try:
             await self.consumer.start()
             try:
@@ -103,8 +109,8 @@ class Worker:
                 await self._commit()
                 await self.consumer.stop()
         finally:
+            await self.aengine.close(drain=False)
             await producer.stop()
-            self._engine_pool.shutdown(wait=True)
             close = getattr(self.router.cache, "close", None)
             if close is not None:
                 await close()
@@ -115,7 +121,8 @@ class Worker:
         dispatch = asyncio.create_task(self._dispatch_loop(), name="dispatch")
         deliver = asyncio.create_task(self.deliverer.run(), name="deliver")
         commit = asyncio.create_task(self._commit_loop(), name="commit")
-        tasks = [fetch, dispatch, deliver, commit]
+        gpu_time = asyncio.create_task(self._gpu_time_loop(), name="gpu-time")
+        tasks = [fetch, dispatch, deliver, commit, gpu_time]
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
             # The deliverer never ends on its own: if it does, it failed, and so does the worker.
@@ -127,6 +134,7 @@ class Worker:
                     if t is deliver:
                         raise RuntimeError("the delivery task stopped")
                 running -= done
+            await self._record_gpu_time()
             await asyncio.wait_for(self.deliverer.drain(), timeout=60)
         finally:
             for t in tasks:
@@ -146,7 +154,7 @@ class Worker:
 
     def _backpressure(self) -> None:
         w = self.s.worker
-        over = len(self.scheduler) + len(self._running) >= w.max_queued_jobs or self.scheduler.queued_tokens >= w.max_queued_tokens
+        over = len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs or self.scheduler.queued_tokens >= w.max_queued_tokens
         assigned = self.consumer.assignment()
         if over and not self._paused and assigned:
             self.consumer.pause(*assigned)
@@ -237,44 +245,70 @@ class Worker:
     # ---------------------------------------------------------------- dispatch
 
     async def _dispatch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Keep the engine's slots filled in fair order; return once stopping and everything has run."""
         while True:
+            free = self.capacity - len(self._in_engine)
             wait = self.scheduler.next_eligible_in()
-            if wait is None:
-                if self._stopping.is_set():
+            if wait is None and self._stopping.is_set():
+                if not self._in_engine:
                     return
+            batch = self.scheduler.pop_batch(resident=self._resident(), max_requests=free) if free > 0 and wait is not None else []
+            if not batch:
                 self._work_event.clear()
-                await self._work_event.wait()
-                continue
-            batch = self.scheduler.pop_batch(resident=self._resident())
-            if not batch:  # everyone queued is waiting for quota
-                self._work_event.clear()
+                timeout = max(wait, 0.005) if wait is not None and free > 0 else None
                 try:
-                    await asyncio.wait_for(self._work_event.wait(), timeout=max(wait, 0.01))
+                    await asyncio.wait_for(self._work_event.wait(), timeout=timeout)
                 except TimeoutError:
                     pass
                 continue
-            self._running = [p.payload for p in batch]
-            try:
-                out = await loop.run_in_executor(self._engine_pool, self.executor.run, self._running)
-            finally:
-                self._running = []
-                for p in batch:
-                    self.scheduler.finished(p)
             self.metrics.batches.inc()
             self.metrics.batch_size.observe(len(batch))
-            for key, ok in out.adapter_ok:
-                self.breakers.record(key, ok)
-            for load in out.loads:
-                self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
-            for outcome in out.outcomes:
-                self.deliverer.emit(outcome)
-            await self._record_gpu_time(out)
+            for p in batch:
+                self._in_engine[id(p)] = (p, p.payload)
+                asyncio.create_task(self._serve(p), name=f"serve-{p.payload.job.request_id}")
 
-    async def _record_gpu_time(self, out) -> None:
+    async def _serve(self, p: Pending) -> None:
+        item: Routed = p.payload
+        tier = self._snapshot.tenants.get(item.job.tenant_id)
+        slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
+        try:
+            served = await self.feeder.serve(item, slo_tier)
+        except Exception:  # a bug on our side: fail this job alone, keep the worker
+            log.exception("serving %s failed", item.job.request_id)
+            result, usage = failed_before_engine(
+                (item.job.request_id, item.job.tenant_id, item.job.batch_id),
+                ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True),
+                item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.decision_us)
+            if not item.abandoned:
+                self.deliverer.emit(Outcome(item.tp, item.offset, result=result, usage=usage))
+        else:
+            if served.adapter_key is not None:
+                self.breakers.record(served.adapter_key, served.adapter_ok)
+            if served.outcome is not None:
+                self.deliverer.emit(served.outcome)
+        finally:
+            self._in_engine.pop(id(p), None)
+            self.scheduler.finished(p)
+            self._work_event.set()
+
+    async def _gpu_time_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.worker.ledger_flush_ms / 1000)
+            await self._record_gpu_time()
+            stats = await self.aengine.stats()
+            m = self.metrics
+            m.memory_used.set(stats.get("lora_memory_used_bytes", 0))
+            m.kv_used_blocks.set(stats.get("kv_pool_used_blocks", 0))
+            m.kv_hit_rate.set(stats.get("kv_pool_hit_rate", 0.0))
+            m.warm_pool_hit_rate.set(stats.get("warm_pool_hit_rate", 0.0))
+
+    async def _record_gpu_time(self) -> None:
         """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation.
         Both writes are idempotent, so a retry after a hiccup cannot double them."""
-        for write, records in ((self.ledger.record_adapter_loads, out.loads), (self.ledger.record_busy, [out.busy] if out.busy else [])):
+        loads, busy = await self.feeder.drain_gpu_time()
+        for load in loads:
+            self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
+        for write, records in ((self.ledger.record_adapter_loads, loads), (self.ledger.record_busy, [busy] if busy else [])):
             if not records:
                 continue
             for attempt in range(5):
@@ -312,13 +346,22 @@ class Worker:
         self.offsets.mark_committed(offsets)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Finish what runs for the revoked partitions within the deadline, commit it, drop the queue."""
+        """Let what runs for the revoked partitions finish within the deadline and commit it; abandon the
+        rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new owner redoes
+        it) and leave the queued jobs to the new owner."""
         deadline = time.monotonic() + self.s.worker.revoke_deadline_s
-        while any(r.tp in revoked for r in self._running) and time.monotonic() < deadline:
+
+        def revoked_running() -> list[Routed]:
+            return [r for _, r in self._in_engine.values() if r.tp in revoked]
+
+        while revoked_running() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        for item in revoked_running():
+            item.abandoned = True
+            await self.aengine.abort(item.job.request_id)
         if self.deliverer is not None:
             try:
-                await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
         await self._commit(only=set(revoked))

@@ -1,0 +1,116 @@
+"""Feeding the engine continuously: routed jobs join its running batch as slots free up.
+
+The engine steps in its own thread (`engine.async_engine.AsyncEngine`); each job here is one awaited
+`generate`, so a job joins between two engine steps and leaves when it finishes, whatever else runs.
+Adapters are registered with the engine by key on first sight (metadata only: the engine's pool
+loads them from the store, tiered, when a request needs them). Load events and the steps' measured
+busy time are drained from the engine periodically and written to the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from aiokafka import TopicPartition
+
+from billing.records import AdapterLoadRecord, BusyRecord
+from consumer.delivery import Outcome
+from consumer.outcomes import Served, succeeded_or_failed, to_request
+from consumer.registry import AdapterView
+from consumer.routing import Route
+from consumer.schemas import Job
+from engine.async_engine import AsyncEngine
+from engine.store import AdapterStore
+
+log = logging.getLogger("lorabatch.worker")
+
+# Failures that are the caller's doing, not the adapter's: they do not count against its circuit.
+CALLER_ERRORS = frozenset({"prompt_too_long", "max_new_tokens_too_large", "empty_prompt", "invalid_input_ids",
+                           "invalid_request", "invalid_sampling_params", "invalid_messages", "no_chat_template",
+                           "aborted", "duplicate_request_id"})
+
+
+@dataclass
+class Routed:
+    job: Job
+    route: Route
+    tp: TopicPartition
+    offset: int
+    received_at: datetime
+    received_mono_us: int
+    abandoned: bool = False  # its partition was revoked: its result must not be published
+
+
+@dataclass
+class Served_:
+    outcome: Outcome | None  # None when abandoned
+    adapter_key: str | None
+    adapter_ok: bool
+
+
+class EngineFeeder:
+    def __init__(self, aengine: AsyncEngine, store: AdapterStore, worker_id: str, gpu_kind: str,
+                 slo_tiers: dict[str, str] | None = None):
+        self.aengine = aengine
+        self.store = store
+        self.worker_id = worker_id
+        self.gpu_kind = gpu_kind
+        self._registered: dict[str, str] = {}  # key -> sha256
+        self._adapters: dict[str, AdapterView] = {}
+        self._since = datetime.now(UTC)
+        self.slo_tiers = slo_tiers or {}
+
+    async def register(self, a: AdapterView, slo_tier: str) -> None:
+        if self._registered.get(a.key) == a.sha256:
+            return
+        path = self.store.path(a.sha256)
+
+        def ensure(e) -> None:  # in the engine thread, between steps: no other registration interleaves
+            if e.has_adapter(a.key):
+                if e.adapters.sha_of(a.key) in (None, a.sha256):
+                    return
+                e.unload_adapter(a.key)  # the key now names other content (a registry rebuilt under it)
+            e.register_adapter(a.key, path, sha256=a.sha256, tenant=a.tenant_id, slo_tier=slo_tier)
+
+        await self.aengine.call(ensure)
+        self._registered[a.key] = a.sha256
+        self._adapters[a.key] = a
+
+    async def serve(self, item: Routed, slo_tier: str) -> Served_:
+        a = item.route.adapter
+        if a is not None:
+            await self.register(a, slo_tier)
+        req = to_request(item.job, a.key if a else None, item.received_mono_us)
+        res = await self.aengine.generate(req)
+        if item.abandoned:
+            return Served_(None, a.key if a else None, True)
+        ran_on = a if a is not None and not res.base_fallback else None
+        label = item.route.label
+        if a is not None and res.base_fallback:
+            label = f"base_fallback ({a.ref} failed to load)"
+        served = Served(item.job, ran_on.ref if ran_on else None, ran_on.sha256 if ran_on else None, label,
+                        item.route.decision_us, item.received_at)
+        result, usage = succeeded_or_failed(served, res, self.worker_id)
+        ok = res.error is None and not res.base_fallback or (res.error is not None and res.error.code in CALLER_ERRORS)
+        return Served_(Outcome(item.tp, item.offset, result=result, usage=usage), a.key if a else None, ok)
+
+    async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
+        """Adapter loads and measured busy time since the last call, as ledger records."""
+        # Read between two engine steps, with the clock read there too: every step popped began after the
+        # previous drain and ended before this one, so busy time never exceeds the record's wall span.
+        events, steps, now = await self.aengine.call(lambda e: (e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)))
+        loads = []
+        for ev in events:
+            a = self._adapters.get(ev.key)
+            if a is None or ev.error_code or ev.skip_reason or ev.load_us <= 0:
+                continue  # a failed or skipped load read nothing billable; an unknown key is the engine's own
+            loads.append(AdapterLoadRecord(adapter=a.ref, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
+                                           nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now))
+        busy = None
+        if steps:
+            busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
+                              busy_us=sum(s.total_us for s in steps), steps=len(steps))
+        self._since = now
+        return loads, busy
