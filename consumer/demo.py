@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 from rich.console import Console
@@ -56,6 +57,7 @@ def write_config(home: Path, port: int) -> Path:
 def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[str, list[str]]:
     """Model, adapters, schema, tenants: each made only where absent. Returns tenant -> adapter names."""
     from billing.db import upgrade
+    from billing.prices import set_token_price
     from consumer.services import open_services
     from engine.demo_model import write_demo_set
 
@@ -66,6 +68,10 @@ def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[s
     paths = {p.name: p for p in sorted((set_dir / "adapters").iterdir()) if p.is_dir()}
     upgrade(settings.ledger.url)
     svc = open_services(settings)
+    month_start = datetime.now(UTC).date().replace(day=1)
+    # Revenue side: what the tiers pay per million input/output tokens (the cost side is the GPU price).
+    set_token_price(svc.db, "standard", Decimal("0.20"), Decimal("0.60"), month_start)
+    set_token_price(svc.db, "premium", Decimal("0.50"), Decimal("1.50"), month_start)
     names = sorted(paths)
     owned = {t: names[i::len(TENANTS)] for i, t in enumerate(TENANTS)}  # 3 / 3 / 2 adapters
     try:
@@ -204,7 +210,9 @@ def run_demo(home: Path, n_jobs: int, port: int | None, console: Console) -> int
 
 def print_invoices(settings: Settings, console: Console) -> None:
     from billing.invoice import build_invoice
+    from billing.finance import finance_report
     from billing.invoice_render import render_table
+    from billing.report_render import render_report_table
     from consumer.services import open_services
 
     svc = open_services(settings)
@@ -213,5 +221,6 @@ def print_invoices(settings: Settings, console: Console) -> None:
         for tenant in TENANTS:
             inv = build_invoice(svc.db, tenant, period, settings.ledger)
             print(f"\n{render_table(inv)}", flush=True)  # plain stdout: a console would wrap the wide table
+        print(render_report_table(finance_report(svc.db, period, settings.ledger)), flush=True)
     finally:
         svc.close()
