@@ -440,14 +440,8 @@ class AdapterPool:
         return slot
 
     def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
-        """The L2 copy: in the slots' dtype, pinned when the slots are on a GPU (a DMA needs page-locked memory)."""
-        pin = self._lora.device.type == "cuda"
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self._lora.dtype).contiguous()
-            return t.pin_memory() if pin else t
-
-        return replace(adapter, weights={k: (host(a), host(b)) for k, (a, b) in adapter.weights.items()})
+        """The L2 copy: in the slots' dtype and layout, pinned when the slots are on a GPU (a DMA needs page-locked memory)."""
+        return self._lora.host_copy(adapter)
 
     def _l2_insert(self, content: _Content) -> None:
         size = content.meta.nbytes

@@ -49,8 +49,9 @@ class LoraAdapter:
     use_rslora: bool
     scaling: float
     target_modules: tuple[str, ...]  # in LORA_TARGETS order
-    # (layer, module) -> (A [r, in], B [out, r]) on the CPU, in the file's dtype
+    # (layer, module) -> (A [r, in], B [out, r]) on the CPU, in the file's dtype; B [r, out] when b_rank_major
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    b_rank_major: bool = False  # True for the L2 copy the slots take (engine.lora.LoraState.host_copy)
 
     @property
     def nbytes(self) -> int:

@@ -1,14 +1,23 @@
 """Attention over the paged KV cache for a flat batch of sequences, and the metadata it reads.
 
-v0 backend: for each sequence, gather its blocks into contiguous K/V and call torch SDPA, one call per
-sequence (a later issue replaces the loop with a Triton paged-attention kernel that reads the same
-metadata). The metadata is built once per step and shared by every layer, so the per-layer cost is
-the KV write plus the SDPA calls.
+Two backends, picked once per engine (engine.backend) and carried by the step's metadata:
+
+- triton (CUDA; the CPU too under TRITON_INTERPRET=1, for tests): one launch of
+  kernels/paged_attention.py per layer for the whole batch, decode rows, prefill chunks over a cached
+  prefix and mixes of both. Its metadata is a handful of device tensors (padded block tables, sequence
+  lengths, query offsets), so a decode step's metadata can live in static buffers and the step can be a
+  CUDA-graph replay (engine.cuda_graphs).
+- torch (the CPU default): for each sequence, gather its blocks into contiguous K/V and call torch SDPA,
+  one call per sequence; exact fp32, the reference the tests compare the kernels with.
+
+Either way the new tokens' K/V are written into the layer's pool first (`index_copy_` through the flat
+slot of each token), and the metadata is built once per step and shared by every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +35,18 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 @dataclass
 class AttentionMetadata:
     kv_cache: KVCache
-    query_lens: list[int]  # [B] new tokens of each sequence in this step, in flat-batch order
-    context_lens: list[int]  # [B] tokens of each sequence already in the cache before this step
-    block_tables: list[torch.Tensor]  # B x [blocks of that sequence] int64, on the cache's device
     slot_mapping: torch.Tensor  # [N] int64: flat pool slot of each new token
-    masks: list[torch.Tensor | None]  # B x [q_len, context + q_len] bool, None where SDPA's own modes suffice
+    # ---- torch backend: per-sequence host lists
+    query_lens: list[int] = field(default_factory=list)  # [B] new tokens of each sequence in this step, in flat-batch order
+    context_lens: list[int] = field(default_factory=list)  # [B] tokens of each sequence already in the cache before this step
+    block_tables: list[torch.Tensor] = field(default_factory=list)  # B x [blocks of that sequence] int64
+    masks: list[torch.Tensor | None] = field(default_factory=list)  # B x [q_len, context + q_len] bool, None where SDPA's modes suffice
+    # ---- triton backend: the kernel and its device tensors
+    kernel: Callable[..., torch.Tensor] | None = None  # kernels.paged_attention.paged_attention; None: the torch loop
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32/int64, padded; entries past a sequence's length never read
+    seq_lens: torch.Tensor | None = None  # [B] int32/int64: context + query tokens
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32 query offsets; None: decode, sequence b is row b
+    max_query_len: int = 1
 
 
 def build_attention_metadata(
@@ -39,7 +55,7 @@ def build_attention_metadata(
     context_lens: list[int],
     block_tables: list[list[int]],
 ) -> AttentionMetadata:
-    """Metadata for one step; each block table must already cover context + query tokens."""
+    """Torch-backend metadata for one step; each block table must already cover context + query tokens."""
     assert len(query_lens) == len(context_lens) == len(block_tables), (len(query_lens), len(context_lens), len(block_tables))
     bs = kv_cache.block_size
     device = kv_cache.k[0].device
@@ -58,10 +74,10 @@ def build_attention_metadata(
             masks.append(k_pos <= q_pos)  # [q, ctx + q]
     return AttentionMetadata(
         kv_cache=kv_cache,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_lens=list(query_lens),
         context_lens=list(context_lens),
         block_tables=[torch.tensor(t, dtype=torch.int64, device=device) for t in block_tables],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         masks=masks,
     )
 
@@ -80,6 +96,9 @@ def paged_attention(
     k_pool, v_pool = attn.kv_cache.k[layer], attn.kv_cache.v[layer]  # [blocks, bs, KV, D]
     k_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
     v_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
+    if attn.kernel is not None:
+        return attn.kernel(q, k_pool, v_pool, attn.block_table, attn.seq_lens, cu_seqlens_q=attn.cu_seqlens_q,
+                           max_query_len=attn.max_query_len)  # fmt: skip
 
     out = torch.empty_like(q)  # [N, H, D]
     start = 0

@@ -1,15 +1,24 @@
 """LoRA as a transform of the built model: preallocated adapter slots (L1) and the wrapped projections.
 
-`apply_lora(model, max_loras, max_lora_rank)` wraps the seven projections of every layer (q, k, v, o,
-gate, up, down) so that each computes `base(x) + lora(x)`, where the LoRA part reads the per-token
-slot index `[N]` of the current batch from the shared `LoraState`. The model's own code is unchanged
-(STYLE item 3).
+`apply_lora(model, max_loras, max_lora_rank, backend)` wraps the model's four projections of every
+layer (qkv, o, gate_up, down: engine.model's fused ones) so that each computes `base(x) + lora(x)` for
+all the adapter projections it holds (q, k and v; o; gate and up; down), reading the current batch's
+adapter rows from the shared `LoraState`. The model's own code is unchanged (STYLE item 3).
 
-Slots are allocated once, at apply time: per layer and module, `A [max_loras, max_lora_rank, in]` and
-`B [max_loras, out, max_lora_rank]`, plus `scale [max_loras]`. Loading an adapter copies into a slot
-and zero-fills the rest of it (ranks below max_lora_rank, modules the adapter does not target), so a
-slot never holds a previous tenant's weights and no allocation happens on the hot path. Memory cost,
-for a Llama-3-8B shape (32 layers, hidden 4096, KV 1024, MLP 14336) at max_loras 8, rank 64, bf16:
+Slot layout, what the kernels read (kernels/lora_shrink.py, kernels/lora_expand.py), allocated once at
+apply time per layer and fused projection with S slices of output widths w_s:
+
+    a_stack [max_loras, S, max_lora_rank, in]   slice s of slot i holds PEFT's lora_A of that projection
+    b_stack [max_loras, max_lora_rank, out]     rank-major, slices side by side: lora_B.T of slice s at
+                                                columns off_s .. off_s + w_s
+    rank [max_loras] int32, scale [max_loras] fp32
+
+Loading an adapter copies into a slot and zero-fills the rest of it (ranks below max_lora_rank,
+projections the adapter does not target), so a slot never holds a previous tenant's weights and no
+allocation happens on the hot path. The Triton kernels compute each row at its slot's own rank and
+skip rows without an adapter; the torch backend (kernels/lora_ref.py, gathered, CPU default) computes
+every row at max_lora_rank over the zero padding, per slice, as before. Memory cost, for a Llama-3-8B
+shape (32 layers, hidden 4096, KV 1024, MLP 14336) at max_loras 8, rank 64, bf16:
 8 * 64 * 32 * (4096+4096 + 4096+1024 + 4096+1024 + 4096+4096 + 2 * (4096+14336) + 14336+4096) * 2 B
 = 2.7 GB (2.5 GiB).
 
@@ -17,66 +26,113 @@ Copies into a slot (L2 -> L1) run on a side CUDA stream from pinned host memory,
 compute stream's forward; each write records an event that the compute stream waits on before the
 first forward that reads the slot (`wait_ready`). A slot is only ever overwritten when no running
 request uses it (the adapter pool pins those), so no forward in flight reads a slot being written. On
-CPU there is no stream: the same calls copy at once.
+CPU there is no stream: the same calls copy at once. The host copy (`host_copy`) holds B already
+transposed to [r, out], so each copy is one contiguous DMA.
 
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
-LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split.
+LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a
+CUDA-graph replay, whose LoRA share engine.cuda_graphs calibrates once per batch size.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from engine.adapters import LoraAdapter
-from engine.model import LORA_TARGETS, PROJECTION_PARENT, LlamaForCausalLM
+from engine.backend import KernelBackend
+from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_ref import lora_ref
+from kernels.lora_segments import LoraSegments
 
 
 class LoraState:
-    """The slot weights of every wrapped projection and the current batch's slot index."""
+    """The slot weights of every wrapped projection and the current batch's adapter rows."""
 
-    def __init__(self, *, max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, *, max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype, backend: KernelBackend):
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.device, self.dtype = device, dtype
+        self.backend = backend
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [slots]
-        # (layer, module) -> (A [slots, R, in], B [slots, out, R]); filled by apply_lora
+        self.rank = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots] 0: empty
+        # (layer, fused projection) -> (a_stack [slots, S, R, in], b_stack [slots, R, out]); filled by apply_lora
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.slot_idx: torch.Tensor | None = None  # [N] int64 for the current forward; None: no adapter rows
+        self.widths: dict[str, tuple[int, ...]] = {}  # fused projection -> output width of each slice
+        # The current forward's adapter rows: both None for a base-only batch.
+        self.slot_idx: torch.Tensor | None = None  # [N] int64, -1: no adapter (torch backend)
+        self.segments: LoraSegments | None = None  # row groups (triton backend)
+        self.timed = True  # False while a CUDA graph is captured: no timing events inside a graph
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write, not yet waited on
 
-    def set_batch(self, slot_idx: torch.Tensor | None) -> None:
-        """Set the per-token slot index [N] (-1: no adapter) for the next forward, or None for a base-only batch."""
+    @property
+    def active(self) -> bool:
+        return self.slot_idx is not None or self.segments is not None
+
+    def set_batch(self, slot_idx: torch.Tensor | None = None, segments: LoraSegments | None = None) -> None:
+        """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
+        groups for the triton one; neither for a base-only batch."""
         assert slot_idx is None or (slot_idx.dim() == 1 and slot_idx.dtype == torch.int64), slot_idx
-        self.slot_idx = slot_idx
+        assert slot_idx is None or not self.backend.triton, "the triton backend takes segments"
+        assert segments is None or self.backend.triton, "the torch backend takes slot_idx"
+        self.slot_idx, self.segments = slot_idx, segments
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...]) -> None:
+        """y [N, out] += each row's adapter delta of x [N, in], for every slice of the projection."""
+        ctx = self.timer.section() if self.timed else contextlib.nullcontext()
+        with ctx:
+            if self.segments is not None:
+                t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
+                self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, self.segments, slices=widths)
+                return
+            off = 0
+            for s, w in enumerate(widths):  # zero-padded slots: every row at max rank, exact in fp32
+                lora_ref(y[:, off : off + w], x, a_stack[:, s], b_stack[:, :, off : off + w].transpose(1, 2), self.slot_idx,
+                         self.scale)  # fmt: skip
+                off += w
+
+    def host_copy(self, adapter: LoraAdapter) -> LoraAdapter:
+        """The L2 copy `write` takes: the slots' dtype, B transposed to [r, out], contiguous, pinned on CUDA."""
+        pin = self.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self.dtype).contiguous()
+            return t.pin_memory() if pin else t
+
+        return replace(adapter, weights={k: (host(a), host(b.t())) for k, (a, b) in adapter.weights.items()}, b_rank_major=True)
 
     def write(self, slot: int, adapter: LoraAdapter) -> Stopwatch:
-        """Copy an adapter into `slot` (on the side stream on CUDA), zeroing whatever of the slot it does not
-        fill; returns the copy's stopwatch. The host tensors must stay alive until it is done (L2 holds them)."""
+        """Copy an adapter (a `host_copy`) into `slot` (on the side stream on CUDA), zeroing whatever of the slot it
+        does not fill; returns the copy's stopwatch. The host tensors must stay alive until it is done (L2 holds them)."""
         assert 0 <= slot < self.max_loras, slot
         assert adapter.rank <= self.max_lora_rank, (adapter.rank, self.max_lora_rank)
+        assert adapter.b_rank_major, "write takes LoraState.host_copy(adapter)"
         r = adapter.rank
         watch = Stopwatch(self.device, self.copy_stream)
         with self._on_copy_stream():
-            for key, (a_stack, b_stack) in self.stacks.items():
-                weights = adapter.weights.get(key)
-                if weights is None:
-                    a_stack[slot].zero_()
-                    b_stack[slot].zero_()
-                    continue
-                a, b = weights  # [r, in], [out, r], in the slot dtype (pinned on CUDA)
-                a_stack[slot, :r].copy_(a, non_blocking=True)
-                a_stack[slot, r:].zero_()
-                b_stack[slot, :, :r].copy_(b, non_blocking=True)
-                b_stack[slot, :, r:].zero_()
+            for (layer, fused), (a_stack, b_stack) in self.stacks.items():
+                b_stack[slot, r:].zero_()
+                off = 0
+                for s, (module, w) in enumerate(zip(FUSED_PROJECTIONS[fused], self.widths[fused])):
+                    weights = adapter.weights.get((layer, module))
+                    if weights is None:
+                        a_stack[slot, s].zero_()
+                        b_stack[slot, :r, off : off + w].zero_()
+                    else:
+                        a, b_t = weights  # [r, in], [r, out] in the slot dtype (pinned on CUDA)
+                        a_stack[slot, s, :r].copy_(a, non_blocking=True)
+                        a_stack[slot, s, r:].zero_()
+                        b_stack[slot, :r, off : off + w].copy_(b_t, non_blocking=True)
+                    off += w
             self.scale[slot].fill_(adapter.scaling)
+            self.rank[slot].fill_(r)
         watch.stop()
         if self.copy_stream is not None:
             event = torch.cuda.Event()
@@ -86,7 +142,7 @@ class LoraState:
 
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Make the compute stream wait for the pending writes of `slots` (no-op on CPU)."""
-        if self.copy_stream is None:
+        if self.copy_stream is None or not self._ready:
             return
         stream = torch.cuda.current_stream(self.device)
         for slot in set(slots):
@@ -113,36 +169,41 @@ class LoraState:
 
 
 class LoraLinear(nn.Module):
-    """A projection computing `base(x)` plus each row's adapter from the slots."""
+    """A (fused) projection computing `base(x)` plus each row's adapter from the slots, for all its slices."""
 
-    def __init__(self, base: nn.Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, state: LoraState):
+    def __init__(self, base: nn.Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...], state: LoraState):
         super().__init__()
         self.base = base
-        self.a_stack = a_stack  # [slots, R, in]
-        self.b_stack = b_stack  # [slots, out, R]
+        self.a_stack = a_stack  # [slots, S, R, in]
+        self.b_stack = b_stack  # [slots, R, out]
+        self.widths = widths  # [S] output width of each slice, summing to out
         self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
         y = self.base(x)  # [N, out]
-        idx = self.state.slot_idx
-        if idx is None:
-            return y
-        with self.state.timer.section():
-            lora_ref(y, x, self.a_stack, self.b_stack, idx, self.state.scale)
+        if self.state.active:
+            self.state.apply(y, x, self.a_stack, self.b_stack, self.widths)
         return y
 
 
-def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int) -> LoraState:
+def slice_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Fused projection -> the output width of each adapter projection it holds, in row order."""
+    shapes = cfg.projection_shapes()
+    return {fused: tuple(shapes[m][1] for m in parts) for fused, parts in FUSED_PROJECTIONS.items()}
+
+
+def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, backend: KernelBackend) -> LoraState:
     """Wrap the model's projections with LoRA slots (allocated here, zeroed) and return their state."""
     param = model.lm_head.weight
-    state = LoraState(max_loras=max_loras, max_lora_rank=max_lora_rank, device=param.device, dtype=param.dtype)
+    state = LoraState(max_loras=max_loras, max_lora_rank=max_lora_rank, device=param.device, dtype=param.dtype, backend=backend)
+    state.widths = slice_widths(model.config)
     for i, layer in enumerate(model.model.layers):
-        for module in LORA_TARGETS:
-            parent = getattr(layer, PROJECTION_PARENT[module])
-            base = getattr(parent, module)
-            assert isinstance(base, nn.Linear), f"layers.{i}.{module} is {type(base).__name__}: apply_lora twice?"
-            a_stack = torch.zeros(max_loras, max_lora_rank, base.in_features, dtype=state.dtype, device=state.device)
-            b_stack = torch.zeros(max_loras, base.out_features, max_lora_rank, dtype=state.dtype, device=state.device)
-            state.stacks[(i, module)] = (a_stack, b_stack)
-            setattr(parent, module, LoraLinear(base, a_stack, b_stack, state))
+        for fused, parts in FUSED_PROJECTIONS.items():
+            parent = getattr(layer, FUSED_PARENT[fused])
+            base = getattr(parent, fused)
+            assert isinstance(base, nn.Linear), f"layers.{i}.{fused} is {type(base).__name__}: apply_lora twice?"
+            a_stack = torch.zeros(max_loras, len(parts), max_lora_rank, base.in_features, dtype=state.dtype, device=state.device)
+            b_stack = torch.zeros(max_loras, max_lora_rank, base.out_features, dtype=state.dtype, device=state.device)
+            state.stacks[(i, fused)] = (a_stack, b_stack)
+            setattr(parent, fused, LoraLinear(base, a_stack, b_stack, state.widths[fused], state))
     return state

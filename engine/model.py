@@ -11,8 +11,16 @@ window. The engine refuses a model whose window is shorter than its longest poss
 
 The forward takes every scheduled token of every sequence as one flat batch (`input_ids [N]`,
 `positions [N]`, no padding): prefill chunks and single decode tokens sit side by side, and only the
-attention needs to know where one sequence ends (`AttentionMetadata`). Parameter names follow HF's
-(`model.layers.3.self_attn.q_proj.weight`, ...) so the checkpoint loads with a strict key check.
+attention needs to know where one sequence ends (`AttentionMetadata`).
+
+Fused projections, as gpt-fast's `wqkv` and vLLM's QKV/merged-column layers: q, k and v are one
+`qkv_proj` ([q | k | v] rows) and gate and up one `gate_up_proj` ([gate | up]). A decode step is bound
+by launches as much as by bytes: at llama-1b, batch 32, each of these GEMMs streams 8-33 MB in 2-8 µs,
+and every launch saved is 2-5 µs; the LoRA kernels likewise add one shrink and one expand for all of
+q, k and v together (kernels/lora_shrink.py, "Fused projections"). The checkpoint keeps HF's names
+(`model.layers.3.self_attn.q_proj.weight`, ...): `build_model` checks them strictly against the config
+(`hf_param_shapes`) and concatenates (`fuse_hf_state`); `unfuse_state` gives the HF names back as views
+(the bench's peer shares our weights that way).
 
 The model knows nothing of LoRA: `engine.lora.apply_lora` wraps the projections after the build, as
 gpt-fast applies tensor parallelism (STYLE item 3).
@@ -49,6 +57,10 @@ from engine.rope import (
 )
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's projections and the HF projections (slices, in row order) each one holds.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
+FUSED_PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 # Each projection's parent module in a decoder layer (HF names): layers.N.<parent>.<projection>
 PROJECTION_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                      "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
@@ -185,10 +197,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim]
-        # The mean square runs in fp32 even for bf16 activations, as HF's LlamaRMSNorm does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused kernel on CUDA (the composite x * rsqrt(mean(x^2) + eps) * w took 8 launches, 2-3 µs each in
+        # a decode graph, twice per layer). The mean square runs in fp32 even for bf16 activations, as HF's
+        # LlamaRMSNorm does; HF also rounds the normalised x to bf16 before the weight, this rounds once, after it.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -197,30 +209,30 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)  # rows [q | k | v]
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]  # x [N, hidden]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KV, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KV, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, self.layer_idx, attn)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [N, hidden]
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KV) * D]
+        qk = apply_rope(qkv[:, : (h + kv) * d].view(n, h + kv, d), cos, sin)  # [N, H + KV, D]: q and k in one pass
+        v = qkv[:, (h + kv) * d :].view(n, kv, d)  # [N, KV, D]
+        out = paged_attention(qk[:, :h], qk[:, h:], v, self.layer_idx, attn)  # [N, H, D]
+        return self.o_proj(out.reshape(n, h * d))  # [N, hidden]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # rows [gate | up]
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [N, 2 I]
+        i = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
 
 
 class DecoderLayer(nn.Module):
@@ -312,26 +324,81 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
         raise EngineError(f"{model_dir}: {e}", code=e.code) from e
 
 
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of a checkpoint of `cfg` (lm_head.weight absent when the embeddings are tied)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
+            "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "down_proj": cfg.mlp_bias}  # fmt: skip
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        for module, (in_f, out_f) in cfg.projection_shapes().items():
+            shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.weight"] = (out_f, in_f)
+            if bias[module]:
+                shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.bias"] = (out_f,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def fuse_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> the model's: q, k, v rows concatenated into qkv_proj, gate and up into gate_up_proj."""
+    out = dict(state)
+    for i in range(cfg.num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if len(parts) == 1:
+                continue
+            p = f"model.layers.{i}.{FUSED_PARENT[fused]}"
+            for kind in ("weight", "bias"):
+                keys = [f"{p}.{part}.{kind}" for part in parts]
+                if keys[0] in out:
+                    out[f"{p}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys])
+    return out
+
+
+def unfuse_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors -> HF names, the fused ones split into views (no copy): the inverse of fuse_hf_state."""
+    out = dict(state)
+    widths = {module: out_f for module, (_, out_f) in cfg.projection_shapes().items()}
+    for i in range(cfg.num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if len(parts) == 1:
+                continue
+            p = f"model.layers.{i}.{FUSED_PARENT[fused]}"
+            for kind in ("weight", "bias"):
+                tensor = out.pop(f"{p}.{fused}.{kind}", None)
+                if tensor is None:
+                    continue
+                row = 0
+                for part in parts:
+                    out[f"{p}.{part}.{kind}"] = tensor[row : row + widths[part]]
+                    row += widths[part]
+    return out
+
+
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """The model of `cfg` holding `state` (HF names; lm_head.weight may be absent when tied), on `device` in `dtype`."""
     if cfg.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    shapes = hf_param_shapes(cfg)
+    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing or unexpected:
         raise EngineError(
             f"checkpoint does not match a {cfg.model_type} model with this config.json: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; check that config.json and the safetensors belong together",
             code="model_invalid",
         )
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
     for key, tensor in state.items():
         want = shapes[key]
-        if tensor.shape != want:
+        if tuple(tensor.shape) != want:
             raise EngineError(f"{key} expected {list(want)}, found {list(tensor.shape)}", code="model_invalid")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    fused = fuse_hf_state(cfg, {k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert set(fused) == expected, (sorted(set(fused) ^ expected)[:5], "fuse_hf_state and the model disagree")
+    model.load_state_dict(fused, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, device=device)

@@ -1,0 +1,76 @@
+"""The compute backend of the engine's LoRA and attention ops, chosen once at start (STYLE item 10).
+
+- triton: the kernels of `kernels/` (multi-LoRA shrink/expand at each adapter's true rank with fused
+  slices, paged attention), and CUDA graphs for decode steps. The default on CUDA.
+- torch: pure-torch references (gathered multi-LoRA of kernels/lora_ref.py, per-sequence SDPA), no
+  graphs. The default on the CPU, where it is exact fp32.
+
+`engine.kernel_backend` forces either. Triton on the CPU runs only in Triton's interpreter (the tests
+use it to check the engine's kernel path against the torch path): the process must have set
+TRITON_INTERPRET=1 before it first imported triton, and the engine refuses to start otherwise rather
+than run something else. Nothing falls back: a backend that cannot run is an error naming the fix,
+and the engine logs the one it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.api import EngineError
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: Literal["torch", "triton"]
+    lora_shrink: Callable | None = None  # kernels.lora_shrink.lora_shrink
+    lora_expand: Callable | None = None  # kernels.lora_expand.lora_expand
+    paged_attention: Callable | None = None  # kernels.paged_attention.paged_attention
+    interpreted: bool = False  # Triton's CPU interpreter (tests)
+
+    @property
+    def triton(self) -> bool:
+        return self.name == "triton"
+
+
+def pick_backend(choice: str, device: torch.device) -> KernelBackend:
+    """The backend for `choice` ("auto", "triton" or "torch") on `device`; raises EngineError if it cannot run."""
+    assert choice in ("auto", "triton", "torch"), choice
+    name = choice if choice != "auto" else ("triton" if device.type == "cuda" else "torch")
+    if name == "torch":
+        return KernelBackend("torch")
+    try:
+        # Imported here, not at module import: tests import the kernels under the interpreter first.
+        shrink = importlib.import_module("kernels.lora_shrink")
+        expand = importlib.import_module("kernels.lora_expand")
+        attention = importlib.import_module("kernels.paged_attention")
+    except ImportError as e:
+        raise EngineError(
+            f"engine.kernel_backend={choice!r} needs triton, which failed to import ({e}); install triton or set "
+            "engine.kernel_backend='torch'",
+            code="config_invalid",
+        ) from e
+    interpreted = type(shrink._kernel).__name__ == "InterpretedFunction"
+    if device.type != "cuda" and not interpreted:
+        raise EngineError(
+            f"engine.kernel_backend={choice!r} on {device.type}: Triton kernels run on the CPU only in Triton's "
+            "interpreter; start the process with TRITON_INTERPRET=1 (tests), or set engine.kernel_backend='torch'",
+            code="config_invalid",
+        )
+    return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, interpreted)
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Decode batch sizes captured as CUDA graphs: powers of two below `max_batch`, then `max_batch` itself.
+
+    A batch runs in the smallest bucket that holds it, padded: 1, 2, 4, ..., so padding wastes under half
+    of a bucket's rows, and a padded row costs little in a decode step bound by reading the weights."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_batch) if max_batch > 0 else ()
