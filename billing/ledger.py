@@ -125,6 +125,14 @@ class Ledger:
         with self._database_errors(), self._sessions() as session:
             return session.scalar(statement) or 0
 
+    def count_adapter_loads(self, adapter: str | None = None) -> int:
+        """Number of adapter-load rows, of one adapter (name@version) or of all."""
+        statement = select(func.count()).select_from(AdapterLoad)
+        if adapter is not None:
+            statement = statement.where(AdapterLoad.adapter == adapter)
+        with self._database_errors(), self._sessions() as session:
+            return session.scalar(statement) or 0
+
     def _usage_row(self, record: UsageRecord) -> dict[str, Any]:
         row = dict(record.__dict__)
 

@@ -64,16 +64,22 @@ async def _scenario(s: Settings, config: Path, workers: int, gpus: list[str | No
         r = Result.model_validate_json(value)
         seen[r.request_id] = seen.get(r.request_id, 0) + 1
 
+    def dead() -> bool:
+        return any(p.poll() is not None for p in procs)
+
     try:
         # Warm-up: one job per worker's partitions, so the group is formed and models are loaded.
         await produce_jobs(s.kafka, warm, "warm", "bench", "scaleout", "request")
         await _read_topics(s.kafka, {s.kafka.results_topic: take}, False,
-                           lambda: all(j.request_id in seen for j in warm), 900)
+                           lambda: dead() or all(j.request_id in seen for j in warm), 900)
         t0 = time.perf_counter()
         await produce_jobs(s.kafka, jobs, "run", "bench", "scaleout", key_by)
         wanted = {j.request_id for j in jobs}
-        await _read_topics(s.kafka, {s.kafka.results_topic: take}, False, lambda: wanted <= seen.keys(), 1800)
+        await _read_topics(s.kafka, {s.kafka.results_topic: take}, False, lambda: dead() or wanted <= seen.keys(), 1800)
         elapsed = time.perf_counter() - t0
+        if dead():
+            codes = {p.args[-1]: p.returncode for p in procs if p.returncode is not None}
+            raise RuntimeError(f"workers exited mid-run {codes}; see their logs in {home}")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -91,13 +97,13 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
                    jobs: int = 2000, new_tokens: int = 16, json_only: bool = False) -> dict:
     from billing.db import upgrade
     from consumer.services import open_services
-    from engine.demo_model import write_random_adapters, write_random_model
+    from engine.random_model import write_random_adapters, write_random_model
 
     home = Path(tempfile.mkdtemp(prefix="lorabatch-scaleout-"))
     gpu_list: list[str | None] = [g for g in gpus.split(",")] if gpus else [None]
     model_dir = home / "model"
     write_random_model(model_dir, shape=shape, seed=0)
-    adapter_dirs = write_random_adapters(home / "adapters", model_dir, count=adapters, rank=rank, seed=1)
+    adapter_dirs = write_random_adapters(home / "adapters", shape=shape, count=adapters, rank=rank, seed=1)
     port = free_port()
     device = "cuda" if gpus else "auto"
     base = {

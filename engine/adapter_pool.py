@@ -37,10 +37,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from engine.adapter_policy import Candidate, Heat, TokenBucket, choose_victim
 from engine.adapters import LoraAdapter, parse_adapter

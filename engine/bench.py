@@ -7,15 +7,23 @@ projections (the engine loads them through its real path: files, validation, L2,
 - ours, base: B requests without adapters, prompt P, T new tokens (EOS ignored); the first step is the
   prefill of all B prompts, the others are decode steps of B rows.
 - ours, mixed: the same with the B rows spread over N distinct adapters (row i uses adapter i mod N).
+- with `mixed_ranks` (e.g. 8,16,32,64, cycled over the N adapters, used by the mixed run): also a batch over
+  N more adapters all at the mean rank of the batch's adapters (30 for 8/16/32/64: the same bytes), and
+  the ratio of the two steps (S-LoRA's heterogeneity cost; issue 4's target is at most 1.1x).
 - the peer (HF transformers + peft `generate` with `adapter_names=`, when importable), on the very same
   weights and batch; its decode time is generate(T) - generate(1).
 - the memory roofline of a decode step: the bytes it must read (base weights, the distinct adapters of
   the batch at their own rank, the KV of every row at its mean context P + T/2) over the copy bandwidth
-  measured on the device (a device-to-device copy on CUDA, a large memcpy on CPU).
+  measured on the device (a device-to-device copy on CUDA, a large memcpy on CPU); and the matmul rate
+  (an 8192^3 product in the model's dtype on random data) that the prefill's FLOP rate is set against.
 
-Step times are wall time per engine step (scheduling, forward, sampling), medians over the decode steps;
-tokens/s is B x decode steps / their total time. prefill_tflops counts the matmul and attention FLOPs
-of the base prefill step. It prints a table, then one JSON line.
+Step times: `step_ms` is wall time per engine step (scheduling, forward, sampling, bookkeeping, with the
+device synchronised around it), median over the decode steps; tokens/s is B x decode steps / their total
+wall time; `device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
+forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for.
+prefill_tflops counts the matmul and attention FLOPs of the base prefill step over its wall time;
+prefill_lora_overhead_pct is the mixed prefill step's extra time over the base one. It prints a table,
+then one JSON line.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from engine.model import (
     LlamaForCausalLM,
     ModelConfig,
     build_model,
+    hf_param_shapes,
+    unfuse_state,
 )
 from engine.rope import RopeConfig
 from engine.tokenizer import Tokenizer
@@ -62,7 +72,11 @@ def bench_engine(
     peer: bool = False,
     device: str = "auto",
     json_only: bool = False,
+    peer_new: int | None = None,
+    kernel_backend: str = "auto",
 ) -> dict:
+    """Run the bench of the module docstring; print a table (unless json_only), then one JSON line; return the figures.
+    `peer_new`: new tokens of the peer's runs (default `new`); `kernel_backend`: the engine's (engine.backend)."""
     assert shape in SHAPES, f"shape {shape!r}: use one of {sorted(SHAPES)}"
     assert adapters >= 1 and batch >= 1 and prompt >= 1 and new >= 2, (adapters, batch, prompt, new)
     dev = pick_device(device)
@@ -70,6 +84,8 @@ def bench_engine(
     cfg = model_config(shape)
     ranks = [int(r) for r in mixed_ranks.split(",")] if mixed_ranks else [rank]
     adapter_ranks = [ranks[i % len(ranks)] for i in range(adapters)]
+    # mixed ranks: the same batch over as many adapters all of their mean rank, for the heterogeneity ratio
+    uniform_rank = round(statistics.mean(adapter_ranks[: min(adapters, batch)])) if mixed_ranks else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
     out: dict = {"shape": shape, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "adapters": adapters,
@@ -77,27 +93,40 @@ def bench_engine(
 
     with tempfile.TemporaryDirectory() as tmp:
         model = random_model(cfg, dev, dtype, seed=0)
-        paths = [_write_adapter(Path(tmp) / f"a{i}", cfg, r, seed=i + 1) for i, r in enumerate(adapter_ranks)]
+        paths = [_write_adapter(Path(tmp) / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
+        if uniform_rank is not None:
+            paths += [_write_adapter(Path(tmp) / f"u{i}", cfg, uniform_rank, seed=1000 + i, device=dev) for i in range(adapters)]
+        slots = len(paths)
+        host_bytes = 2 * sum(p.joinpath("adapter_model.safetensors").stat().st_size for p in paths) + (64 << 20)  # fp32 on CPU
         config = EngineConfig(
             model_dir=tmp, device=dev.type, max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=new,
-            max_num_batched_tokens=batch * prompt, max_loras=adapters, max_lora_rank=max(ranks),
+            max_num_batched_tokens=batch * prompt, kv_num_blocks=_kv_blocks(batch, prompt + new), max_loras=slots, max_lora_rank=max(ranks + [uniform_rank or 1]),
             enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
-            adapter_load_burst=adapters, warm_pool_slots=0,
+            adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
         )  # fmt: skip
         engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
-        for i, path in enumerate(paths):
-            engine.load_adapter(f"a{i}", path)
-        mixed_keys = [f"a{i % adapters}" for i in range(batch)]
-        for keys in ([None] * batch, mixed_keys):  # first-call costs (kernels, allocator) at the measured shapes
+        for path in paths:
+            engine.load_adapter(path.name, path)
+        runs = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
+        if uniform_rank is not None:
+            runs["uniform"] = [f"u{i % adapters}" for i in range(batch)]
+        for keys in runs.values():  # first-call costs (kernels, graph captures, allocator) at the measured shapes
             _run(engine, prompts, keys, min(3, new), "warm")
-        base = _run(engine, prompts, [None] * batch, new, "base")
-        mixed = _run(engine, prompts, mixed_keys, new, "mixed")
+        got = {name: _run(engine, prompts, keys, new, name) for name, keys in runs.items()}
+        base, mixed = got["base"], got["mixed"]
         bandwidth = measure_bandwidth(dev)
+        matmul = measure_matmul(dev, dtype)
+        flops = prefill_flops(cfg, batch, prompt)
         out.update(
+            backend=engine.runner.backend.name, cuda_graphs=engine.runner.graphs is not None,
             ours_base_tok_s=base["tok_s"], ours_mixed_tok_s=mixed["tok_s"],
             base_step_ms=base["step_ms"], mixed_step_ms=mixed["step_ms"],
+            base_device_step_ms=base["device_step_ms"], mixed_device_step_ms=mixed["device_step_ms"],
             prefill_ms=base["prefill_ms"], mixed_prefill_ms=mixed["prefill_ms"],
-            prefill_tflops=prefill_flops(cfg, batch, prompt) / (base["prefill_ms"] / 1e3) / 1e12,
+            prefill_tflops=flops / (base["prefill_ms"] / 1e3) / 1e12,
+            mixed_prefill_tflops=flops / (mixed["prefill_ms"] / 1e3) / 1e12,
+            prefill_lora_overhead_pct=100 * (mixed["prefill_ms"] / base["prefill_ms"] - 1),
+            matmul_tflops=matmul / 1e12, prefill_matmul_pct=100 * flops / (base["prefill_ms"] / 1e3) / matmul,
             copy_bandwidth_gb_s=bandwidth / 1e9,
         )  # fmt: skip
         context = prompt + new / 2
@@ -106,13 +135,26 @@ def bench_engine(
         base_bytes = weight_bytes(engine.runner.model) + kv_bytes(cfg, batch, context, elem)
         mixed_bytes = base_bytes + sum(adapter_bytes(cfg, r, elem) for r in distinct)
         out.update(base_roofline_ms=base_bytes / bandwidth * 1e3, mixed_roofline_ms=mixed_bytes / bandwidth * 1e3)
+        out.update(base_x_roofline=out["base_step_ms"] / out["base_roofline_ms"],
+                   mixed_x_roofline=out["mixed_step_ms"] / out["mixed_roofline_ms"])  # fmt: skip
+        if uniform_rank is not None:
+            uniform = got["uniform"]
+            out.update(
+                uniform_rank=uniform_rank, uniform_step_ms=uniform["step_ms"], uniform_device_step_ms=uniform["device_step_ms"],
+                mixed_ranks_ratio=mixed["step_ms"] / uniform["step_ms"],
+                # the LoRA part alone: what each batch adds to the base-only step
+                mixed_ranks_lora_ratio=_ratio(mixed["device_step_ms"] - base["device_step_ms"], uniform["device_step_ms"] - base["device_step_ms"]),
+            )  # fmt: skip
         out["peer_base_tok_s"] = out["peer_mixed_tok_s"] = None
         if peer:
-            out.update(run_peer(engine.runner.model, cfg, paths, adapter_ranks, prompts, new, dev, dtype))
+            out["peer_new"] = peer_new or new
+            out.update(run_peer(engine.runner.model, cfg, paths[:adapters], adapter_ranks, prompts, peer_new or new, dev, dtype))
+            if out["peer_mixed_tok_s"]:
+                out["mixed_vs_peer"] = out["ours_mixed_tok_s"] / out["peer_mixed_tok_s"]
     out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
     if not json_only:
         _print_table(out)
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
     return out
 
 
@@ -127,8 +169,7 @@ def model_config(shape: str) -> ModelConfig:
 
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     """Random weights drawn on the device, std 1/sqrt(fan_in) so activations stay O(1) through the layers."""
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    shapes = hf_param_shapes(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for key, shp in shapes.items():
@@ -170,7 +211,7 @@ def adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 def measure_bandwidth(device: torch.device) -> float:
     """Bytes per second of a large copy (read + write counted) on the device."""
     n = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
-    src = torch.ones(n, dtype=torch.float32, device=device)
+    src = torch.rand(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     reps = 10 if device.type == "cuda" else 3
     dst.copy_(src)
@@ -180,6 +221,19 @@ def measure_bandwidth(device: torch.device) -> float:
         dst.copy_(src)
     _sync(device)
     return 2 * n * 4 * reps / (time.perf_counter() - t0)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in the model's dtype on random data (8192^3 on CUDA, 1024^3 on CPU)."""
+    n, reps = (8192, 10) if device.type == "cuda" else (1024, 3)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
@@ -199,7 +253,7 @@ def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
     )  # fmt: skip
     with torch.device("meta"):
         hf = HFLlama(hf_cfg)
-    state = {k.replace(".base.", "."): v for k, v in model.state_dict().items() if "_stack" not in k}
+    state = unfuse_state(cfg, {k.replace(".base.", "."): v for k, v in model.state_dict().items()})  # HF names, views
     hf.load_state_dict(state, assign=True, strict=True)  # shares our tensors: no second copy of the weights
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg).to(device)  # its buffers were left on meta
     hf.eval()
@@ -242,9 +296,12 @@ def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
 
 
 def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
+    """Prefill of every prompt in one step, then new - 1 decode steps; wall time per step (engine.step() with the
+    device synchronised around it) and the engine's own device time per step (CUDA events, its step records)."""
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
+    engine.pop_step_records()
     times = []
     while engine.has_unfinished():
         _sync(engine.device)
@@ -253,27 +310,44 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    engine.pop_step_records()
+    records = engine.pop_step_records()
     engine.pop_load_events()
+    assert len(records) == len(times) and records[0].tokens == sum(map(len, prompts)), "the prefill must be one step"
     prefill, decode = times[0], times[1:]
     return {
         "prefill_ms": prefill * 1e3,
         "step_ms": statistics.median(decode) * 1e3,
+        "device_step_ms": statistics.median(r.total_us for r in records[1:]) / 1e3,
         "tok_s": len(prompts) * len(decode) / sum(decode),
     }
 
 
-def _write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
-    """A PEFT adapter of `rank` on all seven projections, alpha = 2 * rank, B scaled to move outputs ~10%."""
+def _kv_blocks(batch: int, tokens: int, block_size: int = EngineConfig.model_fields["kv_block_size"].default) -> int:
+    """KV blocks for `batch` sequences of `tokens`, plus the scheduler's admission watermark (1% of the pool), so
+    that every prompt is admitted in the first step."""
+    need = batch * -(-tokens // block_size)
+    return need + need // 50 + 2
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int, device: torch.device | None = None) -> Path:
+    """A PEFT adapter of `rank` on all seven projections, alpha = 2 * rank, B scaled to move outputs ~10%.
+    The numbers are drawn on `device` (an 8b adapter is 42M of them), from a seeded generator."""
     path.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
+    device = device or torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for layer in range(cfg.num_layers):
         for module, (in_f, out_f) in cfg.projection_shapes().items():
             prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
-            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * in_f**-0.5
-            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * (0.05 / math.sqrt(rank))
-    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(path / "adapter_model.safetensors"))
+            a = torch.randn(rank, in_f, generator=gen, device=device) * in_f**-0.5
+            b = torch.randn(out_f, rank, generator=gen, device=device) * (0.05 / math.sqrt(rank))
+            weights[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+            weights[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+    save_file(weights, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
         "lora_dropout": 0.0, "bias": "none",
@@ -298,13 +372,18 @@ def _sync(device: torch.device) -> None:
 
 def _print_table(out: dict) -> None:
     def f(v: object) -> str:
-        return "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else str(v)
+        return "-" if v is None else f"{v:,.2f}" if isinstance(v, float) else str(v)
 
-    print(f"engine bench: {out['shape']} on {out['device']} ({out['dtype']}), batch {out['batch']}, "
-          f"prompt {out['prompt']}, new {out['new']}, {out['adapters']} adapters of rank {out['ranks']}")  # fmt: skip
-    print(f"{'':<14}{'tok/s':>12}{'step ms':>10}{'roofline ms':>13}{'prefill ms':>12}")
-    print(f"{'ours base':<14}{f(out['ours_base_tok_s']):>12}{f(out['base_step_ms']):>10}{f(out['base_roofline_ms']):>13}{f(out['prefill_ms']):>12}")
-    print(f"{'ours mixed':<14}{f(out['ours_mixed_tok_s']):>12}{f(out['mixed_step_ms']):>10}{f(out['mixed_roofline_ms']):>13}{f(out['mixed_prefill_ms']):>12}")
+    print(f"engine bench: {out['shape']} on {out['device']} ({out['dtype']}, {out['backend']}, graphs {out['cuda_graphs']}), "
+          f"batch {out['batch']}, prompt {out['prompt']}, new {out['new']}, {out['adapters']} adapters of rank {out['ranks']}")  # fmt: skip
+    print(f"{'':<14}{'tok/s':>12}{'step ms':>10}{'device ms':>11}{'roofline ms':>13}{'x roof':>8}{'prefill ms':>12}")
+    for name in ("base", "mixed"):
+        print(f"{'ours ' + name:<14}{f(out[f'ours_{name}_tok_s']):>12}{f(out[f'{name}_step_ms']):>10}{f(out[f'{name}_device_step_ms']):>11}"
+              f"{f(out[f'{name}_roofline_ms']):>13}{f(out[f'{name}_x_roofline']):>8}{f(out['prefill_ms' if name == 'base' else 'mixed_prefill_ms']):>12}")  # fmt: skip
+    if "uniform_rank" in out:
+        print(f"{'uniform r' + str(out['uniform_rank']):<14}{'':>12}{f(out['uniform_step_ms']):>10}{f(out['uniform_device_step_ms']):>11}"
+              f"   mixed / uniform: step {f(out['mixed_ranks_ratio'])}, LoRA part {f(out['mixed_ranks_lora_ratio'])}")  # fmt: skip
     print(f"{'peer base':<14}{f(out['peer_base_tok_s']):>12}")
-    print(f"{'peer mixed':<14}{f(out['peer_mixed_tok_s']):>12}")
-    print(f"prefill {out['prefill_tflops']:.4f} TFLOP/s; copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")
+    print(f"{'peer mixed':<14}{f(out['peer_mixed_tok_s']):>12}" + (f"   ours mixed / peer mixed: {out['mixed_vs_peer']:,.1f}x" if out.get("mixed_vs_peer") else ""))
+    print(f"prefill {out['prefill_tflops']:.2f} TFLOP/s ({out['prefill_matmul_pct']:.1f}% of the {out['matmul_tflops']:.1f} TFLOP/s matmul), "
+          f"LoRA +{out['prefill_lora_overhead_pct']:.1f}%; copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip

@@ -17,6 +17,18 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
 
+    # ---- compute backend (engine.backend)
+    kernel_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto",
+        description="LoRA and attention ops: triton kernels (auto on cuda) or the pure-torch references (auto on cpu); "
+        "triton on cpu runs only under TRITON_INTERPRET=1 (tests)",
+    )
+    cuda_graph_max_batch: int = Field(
+        256, ge=0, le=4096,
+        description="decode steps of up to this many requests (and max_batch_size) replay a CUDA graph captured once per "
+        "batch-size bucket (1, 2, 4, ...); 0 runs every step eagerly; only with the triton backend on cuda",
+    )  # fmt: skip
+
     # ---- continuous batching
     max_batch_size: int = Field(32, ge=1, le=4096, description="most requests running at once")
     max_prompt_tokens: int = Field(1024, ge=1, description="longer prompts fail with prompt_too_long")

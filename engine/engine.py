@@ -7,9 +7,14 @@ or none side by side, samples a token for every request whose known tokens are a
 returns the requests that finished. Adapters are loaded lazily by the pool (engine.adapter_pool) when
 a request needs one, or eagerly with `load_adapter`.
 
-Timings (for billing, DESIGN.md "Cost attribution"): each step's time is measured around the forward
-and the sampling (the adapter loads started between them, which overlap the forward on CUDA, are not
-part of it), its LoRA part around the LoRA ops, and both are split exactly among the step's requests by tokens (engine.timing); `step_records`
+Compute backend (engine.backend), chosen once at start and logged: Triton kernels on CUDA, with decode
+steps replayed as CUDA graphs (engine.cuda_graphs); the torch reference ops on the CPU.
+
+Timings (for billing, DESIGN.md "Cost attribution"): each step's time is measured with CUDA events around
+the forward and the sampling (the adapter loads started between them, which overlap the forward on CUDA,
+and a decode bucket's one-time graph capture, are not part of it), its LoRA part around the LoRA ops in
+eager steps and by the bucket's one-time calibration in graphed ones (engine.cuda_graphs, "Timing"), and
+both are split exactly among the step's requests by tokens (engine.timing); `step_records`
 keeps each step's split for billing's conservation checks (drain with `pop_step_records`). Tokens a
 request finds in the prefix cache are credited as kv_saved_us = cached tokens x the measured marginal
 cost of a prefill token (engine.timing.PrefillCost, a fit of step time over step tokens). Adapter loads are measured apart, each
@@ -24,6 +29,7 @@ loop in its own thread for asyncio callers).
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -41,6 +47,7 @@ from engine.api import (
     RequestError,
     RequestTimings,
 )
+from engine.backend import graph_batch_sizes, pick_backend
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
@@ -50,6 +57,8 @@ from engine.sequence import Sequence
 from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.validation import check_context, check_sampling, prompt_ids
+
+log = logging.getLogger("lorabatch.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +106,10 @@ class Engine:
                 "or kv_num_blocks",
                 code="config_invalid",
             )
+        device = model.lm_head.weight.device
+        backend = pick_backend(config.kernel_backend, device)
+        graph_cap = min(config.cuda_graph_max_batch, config.max_batch_size)
+        graphs = graph_batch_sizes(graph_cap) if backend.triton and device.type == "cuda" else ()
         self.runner = ModelRunner(
             model,
             max_loras=config.max_loras,
@@ -105,8 +118,22 @@ class Engine:
             kv_block_size=config.kv_block_size,
             prefix_caching=config.enable_prefix_caching,
             tenant_quota_blocks=quota,
+            backend=backend,
+            graph_sizes=graphs,
+            max_blocks_per_seq=config.blocks_per_sequence,
         )
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        if backend.triton:
+            what = "Triton kernels (multi-LoRA shrink/expand, paged attention)" + (" in the interpreter" if backend.interpreted else "")
+        else:
+            what = "torch reference ops (gathered multi-LoRA, per-sequence SDPA)"
+        if graphs:
+            how = f"decode steps of up to {graphs[-1]} requests replay CUDA graphs (buckets {', '.join(map(str, graphs))})"
+        elif backend.triton and device.type == "cuda":
+            how = "CUDA graphs off (engine.cuda_graph_max_batch=0): every step eager"
+        else:
+            how = "no CUDA graphs (they need the triton backend on cuda): every step eager"
+        log.info("engine backend: %s on %s, %s (engine.kernel_backend=%r); %s", backend.name, device, what, config.kernel_backend, how)
         self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(config, self.runner.blocks, self.adapters, fingerprint)
         self.step_records: list[StepRecord] = []
@@ -185,7 +212,7 @@ class Engine:
     def step(self) -> list[GenerationResult]:
         """Run one engine step; return the requests that finished in it (and failed validations)."""
         self._step_timer.reset()
-        self.runner.lora.timer.reset()
+        self.runner.begin_step()
         plan = self.scheduler.schedule()
         now = _now_us()
         for seq, error in plan.failed:
@@ -296,6 +323,7 @@ class Engine:
                 seq.timings.queue_us = max(0, now_us - seq.arrival_us)
                 seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.prefill_cost.value or 0.0))
         items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
+        self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
         with self._step_timer.section():
             logits = self.runner.forward(items)  # [M, V] fp32, one row per sampling item
         self._load_ahead()  # between launching the forward and reading its results: on CUDA, overlapped with it
@@ -305,7 +333,8 @@ class Engine:
         end_us = _now_us()
 
         total_us = self._step_timer.elapsed_us()
-        lora_us = min(self.runner.lora.timer.elapsed_us(), total_us)  # CUDA event rounding may overshoot by 1 us
+        # Event rounding may overshoot by 1 us; a graph's calibrated share may exceed a faster step's total.
+        lora_us = min(self.runner.lora_us(), total_us)
         rows = [(it.seq.request_id, len(it.tokens), it.seq.lora_slot >= 0) for it in plan.items]
         record = attribute_step(next(self._step_ids), total_us, lora_us, rows)
         self.step_records.append(record)

@@ -1,7 +1,12 @@
 """The model runner: turns one step's per-sequence work into one flat forward and returns logits.
 
-It owns the device state (model with LoRA slots, KV pools, block tables) and nothing of requests,
-sampling or scheduling, so tests can drive the exact forward the engine runs.
+It owns the device state (model with LoRA slots, KV pools, block tables, decode graphs) and nothing of
+requests, sampling or scheduling, so tests can drive the exact forward the engine runs.
+
+Two paths: a decode step (every item one new token) that fits a CUDA-graph bucket replays a graph
+(engine.cuda_graphs); anything else runs eagerly, its metadata built on the host in a few vectorised
+ops and copied to the device in ONE transfer. Neither waits on the device: the one sync of a step is
+the engine reading the sampled tokens.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import build_attention_metadata
+from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.backend import KernelBackend
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM
+from kernels.lora_segments import segments_from_indices, segments_per_row
 
 
 @dataclass(frozen=True)
@@ -40,15 +48,23 @@ class ModelRunner:
         kv_block_size: int,
         prefix_caching: bool = True,
         tenant_quota_blocks: int | None = None,
+        backend: KernelBackend | None = None,
+        graph_sizes: tuple[int, ...] = (),
+        max_blocks_per_seq: int = 0,
+        capture_graphs: bool | None = None,
     ):
+        """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
+        `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests)."""
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
+        self.backend = backend or KernelBackend("torch")
         self.model = model
         self.config = model.config
-        self.lora = apply_lora(self.model, max_loras, max_lora_rank)
+        self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend)
+        # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,
-            num_blocks=kv_num_blocks,
+            num_blocks=kv_num_blocks + 1,
             block_size=kv_block_size,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
@@ -56,6 +72,33 @@ class ModelRunner:
             device=self.device,
         )
         self.blocks = BlockManager(kv_num_blocks, kv_block_size, prefix_caching=prefix_caching, tenant_quota=tenant_quota_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            assert max_blocks_per_seq > 0, max_blocks_per_seq
+            self.graphs = DecodeGraphs(
+                self.model, self.lora, self.kv, sizes=graph_sizes, max_blocks=max_blocks_per_seq, scratch_block=kv_num_blocks,
+                block_table=self.blocks.block_table,
+                capture=self.device.type == "cuda" if capture_graphs is None else capture_graphs,
+            )  # fmt: skip
+        self._graph_lora_us: int | None = None  # the last step's calibrated LoRA share when it was a replay
+
+    def begin_step(self) -> None:
+        """Reset the LoRA time of the step about to run."""
+        self.lora.timer.reset()
+        self._graph_lora_us = None
+
+    def lora_us(self) -> int:
+        """LoRA device time of the steps since `begin_step`: measured with events in eager mode, the bucket's
+        calibrated share after a graph replay (engine.cuda_graphs, "Timing")."""
+        return self._graph_lora_us if self._graph_lora_us is not None else self.lora.timer.elapsed_us()
+
+    @torch.inference_mode()
+    def prepare(self, items: list[BatchItem]) -> None:
+        """Work a step may need once, done before the engine times the step: capturing a decode bucket's graphs."""
+        if self.graphs is not None and self.graphs.fits(items):
+            self._ensure_blocks(items)
+            self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
+            self.graphs.prepare(items)
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:
@@ -66,37 +109,96 @@ class ModelRunner:
         does not know yet are opened uncached (tests drive the runner that way; the engine's scheduler
         grows every table before the step, with prefix hits and quotas).
         """
-        assert items, "empty batch"
-        for it in items:
-            assert it.token_ids, f"{it.seq_id!r}: no new tokens"
-            self.blocks.ensure(it.seq_id, it.context_len + len(it.token_ids))
-
-        query_lens = [len(it.token_ids) for it in items]
-        ids = [t for it in items for t in it.token_ids]
-        positions = [p for it in items for p in range(it.context_len, it.context_len + len(it.token_ids))]
-        slots = [it.lora_slot for it in items for _ in it.token_ids]
-        attn = build_attention_metadata(
-            self.kv, query_lens, [it.context_len for it in items], [self.blocks.block_table(it.seq_id) for it in items]
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [N]
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [N]
-        used_slots = {s for s in slots if s >= 0}
-        slot_idx = torch.tensor(slots, dtype=torch.int64, device=self.device) if used_slots else None  # [N]
-        self.lora.wait_ready(used_slots)
-        logit_rows = None
-        if not all_logits:
-            ends, end = [], -1
-            for it, q in zip(items, query_lens):
-                end += q
-                if it.logits:
-                    ends.append(end)
-            logit_rows = torch.tensor(ends, dtype=torch.int64, device=self.device)  # [M] last token of each item
-        self.lora.set_batch(slot_idx)
-        try:
-            return self.model(input_ids, pos, attn, logit_rows)
-        finally:
-            self.lora.set_batch(None)
+        self._ensure_blocks(items)
+        self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
+        if self.graphs is not None and not all_logits and self.graphs.fits(items):
+            out = self.graphs.run(items, _logit_rows(items, [1] * len(items)))
+            self._graph_lora_us = self.graphs.last_lora_us
+            return out
+        return self._eager(items, all_logits)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or preempted sequence's KV blocks."""
         self.blocks.free(seq_id)
+
+    # ---- internals
+
+    def _ensure_blocks(self, items: list[BatchItem]) -> None:
+        assert items, "empty batch"
+        blocks = self.blocks
+        for it in items:
+            assert it.token_ids, f"{it.seq_id!r}: no new tokens"
+            total = it.context_len + len(it.token_ids)
+            if it.seq_id not in blocks or blocks.num_tokens(it.seq_id) < total:
+                blocks.ensure(it.seq_id, total)
+
+    def _eager(self, items: list[BatchItem], all_logits: bool) -> torch.Tensor:
+        query_lens = [len(it.token_ids) for it in items]
+        context_lens = [it.context_len for it in items]
+        tables = [self.blocks.block_table(it.seq_id) for it in items]
+        ids = [t for it in items for t in it.token_ids]
+        token_slots = [it.lora_slot for it, q in zip(items, query_lens) for _ in range(q)]  # [N] adapter slot per token
+        lora = any(s >= 0 for s in token_slots)
+        rows = None if all_logits else _logit_rows(items, query_lens)
+        if self.backend.triton:
+            attn, input_ids, pos, row_slots, logit_rows = self._triton_metadata(items, query_lens, context_lens, tables, ids, rows)
+            if not lora:
+                segments = None
+            elif max(query_lens) == 1:
+                segments = segments_per_row(row_slots)  # decode rows: one group each, no host work
+            else:
+                segments = segments_from_indices(token_slots, device=self.device)  # runs of one sequence's tokens
+            self.lora.set_batch(segments=segments)
+        else:
+            attn = build_attention_metadata(self.kv, query_lens, context_lens, tables)
+            positions = [p for it in items for p in range(it.context_len, it.context_len + len(it.token_ids))]
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [N]
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [N]
+            logit_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)  # [M]
+            self.lora.set_batch(slot_idx=torch.tensor(token_slots, dtype=torch.int64, device=self.device) if lora else None)
+        try:
+            return self.model(input_ids, pos, attn, logit_rows)
+        finally:
+            self.lora.set_batch()
+
+    def _triton_metadata(self, items, query_lens, context_lens, tables, ids, rows):
+        """Kernel metadata for an eager step, all int64, built on the host and moved in one copy:
+        (attention metadata, input ids [N], positions [N], adapter slot per item [B], logit rows [M] or None)."""
+        bs = self.kv.block_size
+        batch, n = len(items), len(ids)
+        q = torch.tensor(query_lens, dtype=torch.int64)  # [B]
+        ctx = torch.tensor(context_lens, dtype=torch.int64)  # [B]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [B, width]
+        cu = torch.zeros(batch + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=cu[1:])  # [B + 1] first token of each item
+        seq_of = torch.repeat_interleave(torch.arange(batch), q, output_size=n)  # [N] item of each token
+        pos = torch.arange(n) - cu[:-1][seq_of] + ctx[seq_of]  # [N] position of each token in its sequence
+        slot_mapping = table[seq_of, pos // bs] * bs + pos % bs  # [N]
+        item_slots = torch.tensor([it.lora_slot for it in items], dtype=torch.int64)  # [B]
+        logit = torch.tensor(rows if rows is not None else [], dtype=torch.int64)  # [M]
+        parts = [torch.tensor(ids, dtype=torch.int64), pos, slot_mapping, ctx + q, cu, item_slots, logit, table.flatten()]
+        flat = torch.cat(parts).to(self.device, non_blocking=True)
+        views = flat.split([p.numel() for p in parts])
+        input_ids, pos_d, slot_d, seq_lens, cu_d, item_slots_d, logit_d, table_d = views
+        decode = max(query_lens) == 1
+        attn = AttentionMetadata(
+            kv_cache=self.kv,
+            slot_mapping=slot_d,
+            kernel=self.backend.paged_attention,
+            block_table=table_d.view(batch, width),
+            seq_lens=seq_lens,
+            cu_seqlens_q=None if decode else cu_d,
+            max_query_len=max(query_lens),
+        )
+        return attn, input_ids, pos_d, item_slots_d, None if rows is None else logit_d
+
+
+def _logit_rows(items: list[BatchItem], query_lens: list[int]) -> list[int]:
+    """Flat index of the last token of each item that wants logits."""
+    rows, end = [], -1
+    for it, q in zip(items, query_lens):
+        end += q
+        if it.logits:
+            rows.append(end)
+    return rows

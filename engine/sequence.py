@@ -85,8 +85,9 @@ class Sequence:
         if token_id in eos_ids and not sp.ignore_eos:
             self._finish("eos")
             return
-        new = self.detok.push(token_id)
-        if sp.stop and new:
+        # Incremental text only to match stop strings (two tokenizer calls per token: ~7 µs, a quarter of a batch-32
+        # step's host time); the final text is one decode at the end (_finish) either way.
+        if sp.stop and (new := self.detok.push(token_id)):
             # A new match must end in the new text, so it starts at most len(stop) - 1 characters before it.
             text = self.detok.text
             start = max(0, len(text) - len(new) - max(len(s) for s in sp.stop) + 1)

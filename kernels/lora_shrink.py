@@ -153,6 +153,7 @@ def lora_shrink(
     segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py)
     *,
     out: torch.Tensor | None = None,  # [S, N, R] fp32 to fill instead of a fresh one (a CUDA-graph buffer)
+    out_zeroed: bool = False,  # `out` is all zeros already (one memset for many launches): not zeroed again
 ) -> torch.Tensor:  # [S, N, R] fp32
     """t = x A^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
     a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
@@ -168,7 +169,7 @@ def lora_shrink(
         out = (torch.zeros if split_k > 1 else torch.empty)(num_slices, n, max_rank, dtype=torch.float32, device=x.device)
     else:
         assert out.shape == (num_slices, n, max_rank) and out.dtype == torch.float32, (tuple(out.shape), out.dtype)
-        if split_k > 1:
+        if split_k > 1 and not out_zeroed:
             out.zero_()  # the K splits add into it
     if n == 0 or segments.num_groups == 0:
         return out

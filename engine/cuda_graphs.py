@@ -1,0 +1,197 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket serves every mix of adapters.
+
+A decode step launches ~16 kernels per layer (~30 with LoRA): at llama-1b that is 260-500 launches of
+2-10 µs each, against ~0.6 ms of weights to read, so launching them from Python one by one (5-10 µs of
+CPU each) would cost more than the work. A graph replays them all with one call.
+
+Inputs. Everything that changes from step to step is a graph INPUT: a static device buffer the graph
+reads, which the step overwrites before `replay()`: token ids, positions, KV slot of each new token,
+sequence lengths, block tables and the adapter slot of each row. The adapter slot rows feed the
+multi-LoRA kernels' per-row groups (kernels/lora_segments.py `segments_per_row`, no host work), and
+each slot's rank and scale are read from the slot tensors at run time, so one graph runs any mix of
+adapters and ranks, and an adapter loaded after capture needs no new graph. All inputs are int64
+views of ONE buffer, filled on the host (pinned) and copied with one H2D copy per step.
+
+Buckets (engine.backend.graph_batch_sizes): a batch of B rows runs in the smallest bucket b >= B, its
+rows B .. b - 1 padding: token 0 at position 0, no adapter, a sequence of length 1 whose block table
+points at a scratch block (the KV pool has one more block than the block manager hands out), so the
+padding writes and reads only that block. Each bucket has two graphs, captured lazily at the first step
+that needs them: with the LoRA ops, for batches with any adapter row, and without, for base-only
+batches (which therefore carry no LoRA time, as in eager mode). The graphs share one memory pool; only
+one runs at a time and each one's output is consumed before the next replay.
+
+Falls back to the eager forward (engine.runner) for prefill or mixed steps (any row with more than one
+new token), for batches larger than the largest bucket, and for sequences longer than the static block
+table. Not on the CPU: there `capture=False` runs the same static-buffer forward eagerly, so tests
+check the padding and the buffers with the Triton interpreter.
+
+Timing. The engine measures a step with CUDA events around it, replay included. Events inside a graph
+would be graph nodes, so the LoRA share of a graphed step is calibrated once per bucket instead: at
+capture, the two graphs of the bucket are replayed alternately on that step's inputs (11 times each,
+after 3 warm-ups) and the LoRA share is the difference of their median times (at least 0), capped at
+the step's measured total by the engine, so base + LoRA still sums to the measured step exactly.
+The calibration sees the adapter mix of the step that captured the bucket; the LoRA kernels' time
+depends on the distinct adapters and their ranks, so later steps with other mixes are charged the
+calibrated figure, an estimate (eager steps measure theirs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Hashable
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.lora import LoraState
+from engine.model import LlamaForCausalLM
+from kernels.lora_segments import segments_per_row
+
+_CALIBRATION_WARMUP, _CALIBRATION_REPS = 3, 11
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        lora: LoraState,
+        kv: KVCache,
+        *,
+        sizes: tuple[int, ...],
+        max_blocks: int,
+        scratch_block: int,
+        block_table: Callable[[Hashable], list[int]],
+        capture: bool,
+    ):
+        assert sizes and list(sizes) == sorted(set(sizes)) and sizes[0] >= 1, sizes
+        assert lora.backend.triton, "graphs need the triton backend: the torch one loops over sequences on the host"
+        self.model, self.lora, self.kv = model, lora, kv
+        self.sizes, self.max_blocks, self.scratch_block = sizes, max_blocks, scratch_block
+        self.block_table = block_table
+        self.capture = capture
+        device = lora.device
+        mb = sizes[-1]
+        n = 5 * mb + mb * max_blocks
+        # [ids | positions | KV slots | seq lens | adapter slots | block tables], each section mb rows
+        self._host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.ids, self.pos, self.slot_mapping, self.seq_lens, self.adapter_slot = self._dev[: 5 * mb].view(5, mb)
+        self.tables = self._dev[5 * mb :].view(mb, max_blocks)  # [mb, max_blocks]
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.lora_us: dict[int, int] = {}  # bucket -> calibrated LoRA share of a step, µs
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.last_lora_us: int | None = None  # of the last run: calibrated share (None when not captured: timer)
+
+    def fits(self, items: list) -> bool:
+        """Whether a step of these runner items can replay a graph: all decode-shaped, few enough, short enough."""
+        if len(items) > self.sizes[-1]:
+            return False
+        block_size = self.kv.block_size
+        return all(len(it.token_ids) == 1 and it.context_len < self.max_blocks * block_size for it in items)
+
+    def bucket(self, batch: int) -> int:
+        return next(b for b in self.sizes if b >= batch)
+
+    def prepare(self, items: list) -> None:
+        """Capture (and calibrate) the graph a decode step of `items` needs, if this is its bucket's first such step.
+        The engine calls it before it starts timing the step: capture is a one-time cost, not the step's."""
+        b, lora = self.bucket(len(items)), any(it.lora_slot >= 0 for it in items)
+        if (b, lora) in self._graphs:
+            return
+        self._fill(items, b)
+        self._dev.copy_(self._host, non_blocking=True)
+        self._graphs[(b, lora)] = self._capture(b, lora)
+        if lora and self.capture:
+            if (b, False) not in self._graphs:
+                self._graphs[(b, False)] = self._capture(b, False)
+            self.lora_us[b] = self._calibrate(b)
+
+    def run(self, items: list, logit_rows: list[int] | None) -> torch.Tensor:
+        """Logits [M, V] fp32 of a decode step of `items` (runner BatchItems, one token each); M = len(logit_rows)
+        rows in that order, or every item's when None."""
+        self.prepare(items)
+        batch = len(items)
+        b = self.bucket(batch)
+        lora = any(it.lora_slot >= 0 for it in items)
+        self._fill(items, b)
+        self._dev.copy_(self._host, non_blocking=True)
+        graph, out = self._graphs[(b, lora)]
+        if graph is None:
+            out = self._forward(b, lora)  # CPU: the static-buffer forward, eagerly
+        else:
+            graph.replay()
+        self.last_lora_us = (self.lora_us[b] if lora else 0) if graph is not None else None
+        assert out is not None
+        if logit_rows is None:
+            return out[:batch]
+        return out[:batch] if logit_rows == list(range(batch)) else out[torch.tensor(logit_rows, device=out.device)]
+
+    # ---- internals
+
+    def _fill(self, items: list, b: int) -> None:
+        h, mb, bs, maxb = self._host_np, self.sizes[-1], self.kv.block_size, self.max_blocks
+        batch = len(items)
+        ids, pos, slots, lens, adapters = (h[i * mb : i * mb + b] for i in range(5))
+        tables = h[5 * mb :].reshape(mb, maxb)
+        for i, it in enumerate(items):
+            p = it.context_len
+            table = self.block_table(it.seq_id)
+            tables[i, : len(table)] = table
+            ids[i], pos[i], slots[i], lens[i], adapters[i] = it.token_ids[0], p, table[p // bs] * bs + p % bs, p + 1, it.lora_slot
+        # padding rows: token 0 at position 0 of a 1-token sequence in the scratch block, no adapter
+        ids[batch:], pos[batch:], slots[batch:], lens[batch:], adapters[batch:] = 0, 0, self.scratch_block * bs, 1, -1
+        tables[batch:b, 0] = self.scratch_block
+
+    def _forward(self, b: int, lora: bool) -> torch.Tensor:
+        attn = AttentionMetadata(
+            kv_cache=self.kv,
+            slot_mapping=self.slot_mapping[:b],
+            kernel=self.lora.backend.paged_attention,
+            block_table=self.tables[:b],
+            seq_lens=self.seq_lens[:b],
+            max_query_len=1,
+        )
+        self.lora.set_batch(segments=segments_per_row(self.adapter_slot[:b]) if lora else None)
+        try:
+            return self.model(self.ids[:b], self.pos[:b], attn, None)  # [b, V] fp32
+        finally:
+            self.lora.set_batch()
+
+    def _capture(self, b: int, lora: bool) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+        if not self.capture:
+            return None, None
+        # Warm up on a side stream first, as torch.cuda.graphs asks: Triton compiles each kernel at its first
+        # call, the expand builds its slice table, cuBLAS picks its kernels; none of that may happen in capture.
+        # The warm-up writes this step's K/V at this step's slots, which the real replay writes again.
+        stream = torch.cuda.Stream(self.lora.device)
+        stream.wait_stream(torch.cuda.current_stream(self.lora.device))
+        with torch.cuda.stream(stream):
+            self._forward(b, lora)
+        torch.cuda.current_stream(self.lora.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.lora.timed = False
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(b, lora)
+        finally:
+            self.lora.timed = True
+        return graph, out
+
+    def _calibrate(self, b: int) -> int:
+        """µs the LoRA ops add to a replay of bucket b: median with-LoRA minus median without (module docstring).
+        Both graphs run this step's inputs; the real replay comes after, so its K/V are the ones that stay."""
+        with_lora, without = self._graphs[(b, True)][0], self._graphs[(b, False)][0]
+        assert with_lora is not None and without is not None
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(_CALIBRATION_WARMUP + _CALIBRATION_REPS):
+            for flag, graph in ((True, with_lora), (False, without)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                if rep >= _CALIBRATION_WARMUP:
+                    times[flag].append(start.elapsed_time(end))
+        return max(0, round((statistics.median(times[True]) - statistics.median(times[False])) * 1000))

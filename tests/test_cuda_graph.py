@@ -1,0 +1,138 @@
+"""Decode through CUDA graphs (engine.cuda_graphs): one graph per batch-size bucket serves every adapter mix.
+
+With CUDA the graphs are captured and replayed for real; without, the same static buffers run the forward
+eagerly (`capture=False`) in the Triton interpreter, which checks the buffers, the padding and the scratch
+block. Either way each graphed step is compared with the eager forward of the same step, fp32, to 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.demo_model import write_demo_set
+from engine.engine import Engine
+from engine.runner import BatchItem
+from tests.test_kernel_lora import DEVICE, _import_kernels
+
+TOL = 1e-5
+ADAPTERS = ("qv-r4", "mlp-r64", "all-r16", "qkvo-r64-rslora")
+SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The demo model and adapters (as conftest's demo_set), written here so that this module also runs with
+    `pytest --noconftest` on the GPU machine, which lacks the packages of the service fixtures conftest loads."""
+    root = tmp_path_factory.mktemp("demo")
+    return {"model": root / "model", "adapters": write_demo_set(root, seed=0)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """TRITON_INTERPRET=1 while this module's tests run without CUDA (see tests.test_kernel_lora._import_kernels)."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    _import_kernels("kernels.lora_shrink", "kernels.lora_expand", "kernels.paged_attention")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _config(demo, **kw) -> EngineConfig:
+    base = dict(model_dir=str(demo["model"]), device=DEVICE.type, dtype="float32", max_prompt_tokens=24, max_new_tokens=8,
+                kv_block_size=4, max_batch_size=8, kernel_backend="triton", cuda_graph_max_batch=8)  # fmt: skip
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engine(demo) -> Engine:
+    eng = Engine(_config(demo))
+    for name in ADAPTERS:
+        eng.load_adapter(name, demo["adapters"][name])
+    if DEVICE.type != "cuda":  # the engine graphs CUDA only; here the same buffers, run eagerly
+        r = eng.runner
+        r.graphs = DecodeGraphs(r.model, r.lora, r.kv, sizes=SIZES, max_blocks=eng.config.blocks_per_sequence,
+                                scratch_block=r.blocks.num_blocks, block_table=r.blocks.block_table, capture=False)  # fmt: skip
+    assert eng.runner.graphs is not None and eng.runner.graphs.sizes == SIZES
+    return eng
+
+
+def test_graphed_decode_equals_eager_for_every_adapter_mix(engine):
+    """Six sequences (four adapters of ranks 4..64, two without), prefilled eagerly, then decode steps of changing
+    composition: 3 rows (bucket 4, one padding row), another 4 with another mix and other block tables (the same
+    graph), 2 base-only rows (the no-LoRA graph of bucket 2), all 6 (bucket 8). Each step runs eagerly, then graphed
+    on the same state: equal logits, equal K/V in every block a sequence holds, and nothing written outside them
+    but the scratch block."""
+    runner, graphs = engine.runner, engine.runner.graphs
+    adapters = [ADAPTERS[0], ADAPTERS[1], None, ADAPTERS[2], None, ADAPTERS[3]]
+    slots = [-1 if a is None else engine.adapters.acquire(a)[0] for a in adapters]
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(4, 600, (5 + 3 * i,), generator=gen).tolist() for i in range(6)]
+    ids = [("g", i) for i in range(6)]
+    try:
+        logits = runner.forward([BatchItem(ids[i], tuple(s), 0, slots[i]) for i, s in enumerate(seqs)])
+        for i in range(6):
+            seqs[i].append(int(logits[i].argmax()))
+        for rows, bucket, lora in (([0, 1, 2], 4, True), ([3, 4, 5, 0], 4, True), ([2, 4], 2, False), ([0, 1, 2, 3, 4, 5], 8, True)):
+            items = [BatchItem(ids[i], (seqs[i][-1],), len(seqs[i]) - 1, slots[i]) for i in rows]
+            assert graphs.fits(items) and graphs.bucket(len(items)) == bucket
+            runner.graphs = None
+            eager = runner.forward(items)
+            kv_eager = [t.clone() for t in runner.kv.k + runner.kv.v]
+            runner.graphs = graphs
+            graphed = runner.forward(items)
+            assert (bucket, lora) in graphs._graphs, (bucket, lora, list(graphs._graphs))
+            err = ((graphed - eager).abs().max() / eager.abs().max()).item()
+            assert graphed.shape == eager.shape and err < TOL, f"rows {rows}: graphed vs eager logits differ by {err:.2e}"
+            held = sorted({b for i in range(6) for b in runner.blocks.block_table(ids[i])})
+            scratch = runner.blocks.num_blocks
+            free = [b for b in range(scratch) if b not in held]
+            for before, after in zip(kv_eager, runner.kv.k + runner.kv.v):
+                assert torch.allclose(after[held], before[held], rtol=TOL, atol=TOL)
+                assert torch.equal(after[free], before[free])  # padding rows write only the scratch block
+            for i in rows:
+                seqs[i].append(int(graphed[rows.index(i)].argmax()))
+    finally:
+        for i, a in enumerate(adapters):
+            runner.free(ids[i])
+            if a is not None:
+                engine.adapters.release(engine.adapters.sha_of(a))
+    if DEVICE.type == "cuda":  # calibrated once per bucket that ran with LoRA
+        assert set(graphs.lora_us) == {4, 8} and all(us >= 0 for us in graphs.lora_us.values())
+
+
+def test_only_decode_steps_within_the_buckets_replay(engine):
+    """Prefill chunks, batches over the largest bucket and sequences past the static block table run eagerly."""
+    graphs = engine.runner.graphs
+    one = BatchItem("a", (5,), 3)
+    assert graphs.fits([one]) and graphs.fits([one] * 8)
+    assert not graphs.fits([one] * 9)
+    assert not graphs.fits([one, BatchItem("b", (5, 6), 0)])
+    limit = engine.config.blocks_per_sequence * engine.config.kv_block_size
+    assert graphs.fits([BatchItem("c", (5,), limit - 1)]) and not graphs.fits([BatchItem("c", (5,), limit)])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs need CUDA")
+def test_engine_with_graphs_generates_what_the_torch_backend_does(demo, engine):
+    """fp32: twelve requests (greedy and sampled, eight adapters and none, joining over several steps) give the same
+    tokens on the torch backend, eagerly, as on the triton backend with graphed decode steps; each step's shares sum
+    to its measured time, and the graphed steps are charged their bucket's calibrated LoRA share."""
+    ref = Engine(_config(demo, kernel_backend="torch"))
+    for name in ADAPTERS:
+        ref.load_adapter(name, demo["adapters"][name])
+    gen = torch.Generator().manual_seed(9)
+    reqs = [GenerationRequest(request_id=f"e{i}", input_ids=tuple(torch.randint(4, 600, (3 + i,), generator=gen).tolist()),
+                              adapter=[None, *ADAPTERS][i % 5],
+                              sampling=SamplingParams(max_new_tokens=6, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {})))
+            for i in range(12)]  # fmt: skip
+    want = [r.output_ids for r in ref.generate(reqs)]
+    engine.pop_step_records()
+    got = [r.output_ids for r in engine.generate(reqs)]
+    assert got == want
+    records = engine.pop_step_records()
+    assert all(r.base_us + r.lora_us == r.total_us and sum(s.lora_us for s in r.shares) == r.lora_us for r in records)

@@ -1,0 +1,149 @@
+"""The engine on its Triton kernels computes what it computes on the torch reference ops, and says which it runs.
+
+Both backends serve the same demo model in fp32 side by side: every forward below runs on each, and the
+logits must agree to fp32 error (max |triton - torch| / max |torch| under 1e-4; observed ~1e-6). Without
+CUDA the kernels run in Triton's interpreter (slow: the batches are small); with CUDA, compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.backend import graph_batch_sizes, pick_backend
+from engine.config import EngineConfig
+from engine.demo_model import write_demo_set
+from engine.engine import Engine
+from engine.runner import BatchItem
+from tests.test_kernel_lora import DEVICE, _import_kernels
+
+TOL = 1e-4
+# (prompt token ids, adapter): mixed ranks 4..64, all four target sets, rsLoRA, and rows without an adapter
+ROWS = [
+    (list(range(5, 16)), "qv-r4"),
+    (list(range(40, 47)), None),
+    (list(range(90, 103)), "mlp-r64"),
+    (list(range(7, 12)), "qkvo-r64-rslora"),
+    (list(range(200, 209)), "all-r16"),
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The demo model and adapters (as conftest's demo_set), written here so that this module also runs with
+    `pytest --noconftest` on the GPU machine, which lacks the packages of the service fixtures conftest loads."""
+    root = tmp_path_factory.mktemp("demo")
+    return {"model": root / "model", "adapters": write_demo_set(root, seed=0)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """TRITON_INTERPRET=1 while this module's tests run without CUDA (see tests.test_kernel_lora._import_kernels)."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    _import_kernels("kernels.lora_shrink", "kernels.lora_expand", "kernels.paged_attention")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _config(demo, backend: str, **kw) -> EngineConfig:
+    base = dict(model_dir=str(demo["model"]), device=DEVICE.type, dtype="float32", max_prompt_tokens=32, max_new_tokens=8,
+                kv_block_size=4, max_batch_size=8, kernel_backend=backend, cuda_graph_max_batch=0)  # fmt: skip
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engines(demo) -> dict[str, Engine]:
+    out = {}
+    for backend in ("torch", "triton"):
+        eng = Engine(_config(demo, backend))
+        for name in {a for _, a in ROWS if a}:
+            eng.load_adapter(name, demo["adapters"][name])
+        out[backend] = eng
+    return out
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engines):
+    """Step 0 prefills the first three rows' prompt heads (all logits compared); step 1 mixes their decodes with
+    the rest of a prompt over its cached prefix and two fresh prompts; steps 2-3 are pure decode, rows without an
+    adapter among them. Every row's logits agree (tests/test_engine_numerics.py shows the adapters move them by far
+    more than the tolerance)."""
+    slots = {name: [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in ROWS] for name, eng in engines.items()}
+    seqs = [list(p) for p, _ in ROWS]
+    done = [0] * len(ROWS)
+    try:
+        for step in range(4):
+            if step == 0:
+                plan = [(i, seqs[i][:-3]) for i in range(3)]  # prompt heads: a cached prefix for step 1
+            else:
+                plan = [(i, seqs[i][done[i] :]) for i in range(len(ROWS))]
+            logits = {}
+            for name, eng in engines.items():
+                items = [BatchItem(("x", i), tuple(toks), done[i], slots[name][i]) for i, toks in plan]
+                logits[name] = eng.runner.forward(items, all_logits=step == 0)
+            err = _rel_err(logits["triton"], logits["torch"])
+            assert err < TOL, f"step {step}: triton vs torch logits differ by {err:.2e} (rows {[i for i, _ in plan]})"
+            for row, (i, toks) in enumerate(plan):
+                done[i] += len(toks)
+                if step > 0:
+                    seqs[i].append(int(logits["torch"][row].argmax()))
+    finally:
+        for name, eng in engines.items():
+            for i, (_, a) in enumerate(ROWS):
+                eng.runner.free(("x", i))
+                if a is not None:
+                    eng.adapters.release(eng.adapters.sha_of(a))
+
+
+def test_backends_generate_the_same_tokens(engines):
+    """Greedy and seeded sampled requests, with and without adapters, batched together: the same tokens."""
+    reqs = [GenerationRequest(request_id=f"g{i}", input_ids=tuple(p), adapter=a,
+                              sampling=SamplingParams(max_new_tokens=4, ignore_eos=True, **({"temperature": 0.9, "seed": i} if i % 2 else {})))
+            for i, (p, a) in enumerate(ROWS)]  # fmt: skip
+    out = {name: [r.output_ids for r in eng.generate(reqs)] for name, eng in engines.items()}
+    assert out["triton"] == out["torch"]
+    assert all(len(o) == 4 for o in out["torch"])
+
+
+def test_the_backend_is_chosen_once_and_logged(demo, caplog):
+    """auto is torch on the CPU and triton on CUDA; the start-up log names the backend and the graph setting."""
+    with caplog.at_level(logging.INFO, logger="lorabatch.engine"):
+        eng = Engine(_config(demo, "auto"))
+    want = "triton" if DEVICE.type == "cuda" else "torch"
+    assert eng.runner.backend.name == want
+    lines = [r.getMessage() for r in caplog.records if r.name == "lorabatch.engine" and "engine backend" in r.getMessage()]
+    assert len(lines) == 1 and f"engine backend: {want} on {DEVICE.type}" in lines[0], lines
+    assert "CUDA graphs" in lines[0]
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_refused():
+    """A fresh process that did not set TRITON_INTERPRET: the triton backend on the CPU is an error naming the fix."""
+    code = ("import torch; from engine.backend import pick_backend\n"
+            "try:\n    pick_backend('triton', torch.device('cpu'))\nexcept Exception as e:\n    print(type(e).__name__, e.code, str(e))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("EngineError config_invalid") and "TRITON_INTERPRET=1" in out.stdout, out.stdout
+    assert pick_backend("torch", torch.device("cpu")).name == "torch"
+
+
+@pytest.mark.parametrize(("cap", "sizes"), [(0, ()), (1, (1,)), (2, (1, 2)), (32, (1, 2, 4, 8, 16, 32)), (48, (1, 2, 4, 8, 16, 32, 48))])
+def test_graph_buckets(cap, sizes):
+    """Powers of two below the cap, then the cap: every batch up to it has a bucket at most twice its size."""
+    assert graph_batch_sizes(cap) == sizes
+    for batch in range(1, cap + 1):
+        bucket = next(b for b in sizes if b >= batch)
+        assert bucket < 2 * batch or bucket == 1
