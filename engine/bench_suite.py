@@ -1,12 +1,13 @@
-"""Issue 4's measurements on one GPU, in one process per call: `python -m engine.bench_suite {check,final} OUT_DIR`.
+"""Issue 4's measurements on one GPU: `python -m engine.bench_suite MODE OUT_DIR`, one process per mode.
 
 - check: the engine on Triton kernels + CUDA graphs against the eager torch path on the demo model (fp32:
-  tokens equal; bf16: tokens and first-step logits close), then first figures at the issue's shapes.
-- final: the issue's command lines, side by side in one run: llama-1b (batch 32, prompt 128, 64 new, 32
-  adapters of rank 16, with the peer), the same with mixed ranks 8/16/32/64 against a uniform batch at
-  their mean rank, and llama-8b (batch 32, prompt 512 for the prefill, 64 new), then a short table.
+  tokens equal; bf16: tokens and first-step logits close).
+- llama-1b, llama-1b-mixed-ranks, llama-8b: the issue's command lines: llama-1b (batch 32, prompt 128, 64
+  new, 32 adapters of rank 16, with the peer), the same with mixed ranks 8/16/32/64 against a uniform batch
+  at their mean rank, and llama-8b (batch 32, prompt 512 for the prefill, 64 new).
+- summary: a short table of the JSON files in OUT_DIR.
 
-Each bench's JSON goes to OUT_DIR/<name>.json; the table is printed last (engine/PERF.md records it).
+Each writes OUT_DIR/<mode>.json; engine/PERF.md records the table.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
     adapters = write_demo_set(root)
     names = list(adapters)
     gen = torch.Generator().manual_seed(1)
-    reqs = [GenerationRequest(request_id=f"c{i}", input_ids=tuple(torch.randint(4, 600, (4 + (7 * i) % 40,), generator=gen).tolist()),
+    reqs = [GenerationRequest(request_id=f"c{i}", input_ids=tuple(torch.randint(4, 500, (4 + (7 * i) % 40,), generator=gen).tolist()),
                               adapter=[None, *names][i % (len(names) + 1)], sampling=SamplingParams(max_new_tokens=new, ignore_eos=True))
             for i in range(requests)]  # fmt: skip
     out, logits = {}, {}
@@ -46,7 +47,9 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
         for name, path in adapters.items():
             eng.load_adapter(name, path)
         t0 = time.perf_counter()
-        out[backend] = [r.output_ids for r in eng.generate(reqs)]
+        results = eng.generate(reqs)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        out[backend] = [r.output_ids for r in results]
         wall = time.perf_counter() - t0
         items = [BatchItem(("l", i), r.input_ids, 0, -1 if r.adapter is None else eng.adapters.acquire(r.adapter)[0])
                  for i, r in enumerate(reqs)]  # fmt: skip
@@ -59,28 +62,36 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
             "prefill_logits_rel_err": err}  # fmt: skip
 
 
+RUNS = {
+    "llama-1b": dict(ISSUE_1B, peer=True),
+    "llama-1b-mixed-ranks": dict(ISSUE_1B, mixed_ranks="8,16,32,64"),
+    "llama-8b": ISSUE_8B,
+}
+
+
 def main(mode: str, out_dir: str) -> None:
+    """mode: check (the engine checks), a name of RUNS (one bench), or summary (the table of what OUT_DIR holds).
+    The command runs each in its own process, so that one failure (a device-side assert poisons the process's
+    CUDA context) loses nothing else."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if mode == "summary":
+        results = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+        _summary(results)
+        return
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    results: dict[str, dict] = {}
     if mode == "check":
         for dtype in ("float32", "bfloat16"):
-            results[f"check_{dtype}"] = check_engine(dtype)
-            print(json.dumps(results[f"check_{dtype}"]), flush=True)
-        runs = {"llama-1b": dict(ISSUE_1B, peer=True, peer_new=4), "llama-8b": dict(ISSUE_8B, new=16)}
-    else:
-        runs = {"llama-1b": dict(ISSUE_1B, peer=True), "llama-1b-mixed-ranks": dict(ISSUE_1B, mixed_ranks="8,16,32,64"),
-                "llama-8b": ISSUE_8B}  # fmt: skip
-    for name, kw in runs.items():
-        print(f"== bench_engine({', '.join(f'{k}={v!r}' for k, v in kw.items())}, device='cuda')", flush=True)
-        t0 = time.perf_counter()
-        results[name] = bench_engine(device="cuda", **kw)
-        results[name]["bench_s"] = round(time.perf_counter() - t0, 1)
-        (out / f"{name}.json").write_text(json.dumps(results[name], indent=1))
-        torch.cuda.empty_cache()
-    (out / f"{mode}.json").write_text(json.dumps(results, indent=1))
-    _summary(results)
+            result = check_engine(dtype)
+            print(json.dumps(result), flush=True)
+            (out / f"check_{dtype}.json").write_text(json.dumps(result, indent=1))
+        return
+    kw = RUNS[mode]
+    print(f"== bench_engine({', '.join(f'{k}={v!r}' for k, v in kw.items())}, device='cuda')", flush=True)
+    t0 = time.perf_counter()
+    result = bench_engine(device="cuda", **kw)
+    result["bench_s"] = round(time.perf_counter() - t0, 1)
+    (out / f"{mode}.json").write_text(json.dumps(result, indent=1))
 
 
 def _summary(results: dict[str, dict]) -> None:

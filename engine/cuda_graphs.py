@@ -94,6 +94,10 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.sizes if b >= batch)
 
+    def captured(self, items: list) -> bool:
+        """Whether the graph a decode step of `items` replays exists already."""
+        return (self.bucket(len(items)), any(it.lora_slot >= 0 for it in items)) in self._graphs
+
     def prepare(self, items: list) -> None:
         """Capture (and calibrate) the graph a decode step of `items` needs, if this is its bucket's first such step.
         The engine calls it before it starts timing the step: capture is a one-time cost, not the step's."""

@@ -95,7 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare(self, items: list[BatchItem]) -> None:
         """Work a step may need once, done before the engine times the step: capturing a decode bucket's graphs."""
-        if self.graphs is not None and self.graphs.fits(items):
+        if self.graphs is not None and self.graphs.fits(items) and not self.graphs.captured(items):
             self._ensure_blocks(items)
             self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
             self.graphs.prepare(items)

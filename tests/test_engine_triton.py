@@ -108,6 +108,30 @@ def test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engin
                     eng.adapters.release(eng.adapters.sha_of(a))
 
 
+def test_decode_shrinks_split_k_into_one_zeroed_buffer(engines, monkeypatch):
+    """Decode rows' shrinks add their K splits into views of one buffer zeroed once per forward (engine.lora
+    `decode_t`): forced to split here (the demo's in_features would not), a decode step still matches torch."""
+    shrink = sys.modules[engines["triton"].runner.backend.lora_shrink.__module__]
+    monkeypatch.setattr(shrink, "_MIN_K_PER_SPLIT", 32)
+    monkeypatch.setattr(shrink, "_TARGET_PROGRAMS", 10**6)
+    rows = ROWS[:4]
+    slots = {name: [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows] for name, eng in engines.items()}
+    try:
+        logits = {}
+        for name, eng in engines.items():
+            eng.runner.forward([BatchItem(("k", i), tuple(p[:-1]), 0, slots[name][i]) for i, (p, _) in enumerate(rows)])
+            logits[name] = eng.runner.forward([BatchItem(("k", i), (p[-1],), len(p) - 1, slots[name][i]) for i, (p, _) in enumerate(rows)])
+        assert eng.runner.lora.total_slices == 7 * eng.runner.config.num_layers
+        err = _rel_err(logits["triton"], logits["torch"])
+        assert err < TOL, f"split-K decode: triton vs torch logits differ by {err:.2e}"
+    finally:
+        for name, eng in engines.items():
+            for i, (_, a) in enumerate(rows):
+                eng.runner.free(("k", i))
+                if a is not None:
+                    eng.adapters.release(eng.adapters.sha_of(a))
+
+
 def test_backends_generate_the_same_tokens(engines):
     """Greedy and seeded sampled requests, with and without adapters, batched together: the same tokens."""
     reqs = [GenerationRequest(request_id=f"g{i}", input_ids=tuple(p), adapter=a,

@@ -254,6 +254,11 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch, form):
     split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
     defined = _defined(idx, rank.cpu(), 1, 32).to(DEVICE)
     torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
+    # out_zeroed: the caller zeroed `out` (one memset for many launches); the splits add into it as it is
+    pre = lora_shrink(x, a, rank, segments, out=torch.zeros_like(one_pass), out_zeroed=True)
+    torch.testing.assert_close(pre[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
+    ones = lora_shrink(x, a, rank, segments, out=torch.ones_like(one_pass), out_zeroed=True)
+    torch.testing.assert_close(ones[defined], one_pass[defined] + 1, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("form", ["per_row", "prefill"])
