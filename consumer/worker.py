@@ -128,11 +128,11 @@ class Worker:
             # The deliverer never ends on its own: if it does, it failed, and so does the worker.
             running = {fetch, dispatch}
             while running:
-                done, _ = await asyncio.wait(running | {deliver}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(running | {deliver, gpu_time}, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()
-                    if t is deliver:
-                        raise RuntimeError("the delivery task stopped")
+                    if t in (deliver, gpu_time):
+                        raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
             await self._record_gpu_time()
             await asyncio.wait_for(self.deliverer.drain(), timeout=60)
@@ -294,6 +294,8 @@ class Worker:
     async def _gpu_time_loop(self) -> None:
         while True:
             await asyncio.sleep(self.s.worker.ledger_flush_ms / 1000)
+            if not self.aengine.alive:  # its step loop died: fail loudly rather than hang on its results
+                raise RuntimeError("the engine thread stopped; see the log above; its jobs will be redelivered")
             await self._record_gpu_time()
             stats = await self.aengine.stats()
             m = self.metrics

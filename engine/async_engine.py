@@ -48,6 +48,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="lorabatch-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the step loop runs; False once closed, or if it died (a bug: callers should stop)."""
+        return self._thread is not None and self._thread.is_alive()
+
     async def close(self, *, drain: bool = True) -> None:
         """Stop the step loop: after the requests in flight finish (drain), or aborting them."""
         if self._thread is None:
@@ -127,6 +132,10 @@ class AsyncEngine:
                 return
 
     def _run_command(self, fn: Callable[[], Any], done: concurrent.futures.Future | None) -> None:
+        # A caller cancelled before its command ran (a task cancelled at shutdown) gets nothing run for it;
+        # once running, the future can no longer be cancelled, so setting its result below is safe.
+        if done is not None and not done.set_running_or_notify_cancel():
+            return
         try:
             value = fn()
         except BaseException as e:  # handed to the caller; nothing is swallowed

@@ -136,3 +136,28 @@ async def test_close_without_drain_aborts_what_runs(engine):
     await asyncio.sleep(0.005)
     await ae.close()
     assert (await task).ok and len(task.result().output_ids) == 12
+
+
+async def test_a_cancelled_call_does_not_kill_the_engine_thread(demo_set):
+    """A caller cancelled while its command waits in the queue must not crash the step loop (it did:
+    InvalidStateError on a cancelled future ended the engine thread, and the worker hung on drain)."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(demo_set["model"]), device="cpu"))
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        blocker = asyncio.ensure_future(aengine.call(lambda e: __import__("time").sleep(0.3)))
+        await asyncio.sleep(0.05)  # the blocker runs in the engine thread now
+        victim = asyncio.ensure_future(aengine.call(lambda e: e.stats()))
+        await asyncio.sleep(0.01)
+        victim.cancel()  # cancelled while still queued behind the blocker
+        await blocker
+        stats = await asyncio.wait_for(aengine.stats(), timeout=5)  # the thread is alive and answering
+        assert "running" in stats
+    finally:
+        await aengine.close()
