@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.demo_model import write_demo_set
 from engine.engine import Engine
 from engine.runner import BatchItem
-from tests.test_kernel_lora import DEVICE, _import_kernels
+from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
 TOL = 1e-5
 ADAPTERS = ("qv-r4", "mlp-r64", "all-r16", "qkvo-r64-rslora")
@@ -30,17 +30,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("demo")
     return {"model": root / "model", "adapters": write_demo_set(root, seed=0)}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    """TRITON_INTERPRET=1 while this module's tests run without CUDA (see tests.test_kernel_lora._import_kernels)."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    _import_kernels("kernels.lora_shrink", "kernels.lora_expand", "kernels.paged_attention")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def _config(demo, **kw) -> EngineConfig:

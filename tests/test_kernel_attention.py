@@ -9,48 +9,16 @@ shuffled and padded with -1, and outputs start as NaN, so reading a wrong key or
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import os
-import sys
 import zlib
-from types import ModuleType
 
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
 
-def _import_kernels(*names: str) -> list[ModuleType]:
-    """Import kernel modules; without CUDA, so that their kernels run in the Triton interpreter on the CPU.
-
-    Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
-    own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
-    imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
-    the kernel modules that use triton are imported again. The variable is restored at once; `_interpreter_env` sets it again
-    while this module's tests run (triton imports more lazily at the first launch), and for no other test.
-    """
-    if DEVICE.type == "cuda":
-        return [importlib.import_module(name) for name in names]
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        standard = sys.modules.get("triton.language.standard")
-        if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
-            stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-            stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
-            for name in stale:
-                del sys.modules[name]
-        return [importlib.import_module(name) for name in names]
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-(paged_attention_module,) = _import_kernels("kernels.paged_attention")
+(paged_attention_module,) = import_kernels("kernels.paged_attention")
 paged_attention, paged_attention_ref = paged_attention_module.paged_attention, paged_attention_module.paged_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want|
@@ -63,16 +31,6 @@ BATCHES = {
     "chunked": [(1, 20), (9, 4), (1, 0), (17, 50), (1, 99)],
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    """TRITON_INTERPRET=1 while this module's tests run without CUDA, and only then (see `_import_kernels`)."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def _paged_batch(shape, block_size, seqs, dtype, gen):

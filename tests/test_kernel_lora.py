@@ -11,49 +11,17 @@ outputs start filled with a sentinel, so one that writes where it must not fails
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import os
-import sys
 import zlib
 from dataclasses import dataclass
-from types import ModuleType
 
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
 
-def _import_kernels(*names: str) -> list[ModuleType]:
-    """Import kernel modules; without CUDA, so that their kernels run in the Triton interpreter on the CPU.
-
-    Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
-    own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
-    imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
-    the kernel modules that use triton are imported again. The variable is restored at once; `_interpreter_env` sets it again
-    while this module's tests run (triton imports more lazily at the first launch), and for no other test.
-    """
-    if DEVICE.type == "cuda":
-        return [importlib.import_module(name) for name in names]
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        standard = sys.modules.get("triton.language.standard")
-        if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
-            stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-            stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
-            for name in stale:
-                del sys.modules[name]
-        return [importlib.import_module(name) for name in names]
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-lora_shrink_module, lora_expand_module, lora_segments_module = _import_kernels(
+lora_shrink_module, lora_expand_module, lora_segments_module = import_kernels(
     "kernels.lora_shrink", "kernels.lora_expand", "kernels.lora_segments"
 )
 lora_shrink, lora_shrink_ref = lora_shrink_module.lora_shrink, lora_shrink_module.lora_shrink_ref
@@ -80,16 +48,6 @@ class Size:
 SMALL = Size(decode_rows=10, prefill_lens=(5, 1, 23, 3, 17, 2), slots=16)
 ISSUE = Size(decode_rows=32, prefill_lens=(70, 1, 130, 33, 64, 17, 96, 5), slots=32)  # issue 4: batch 32, 32 adapters
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    """TRITON_INTERPRET=1 while this module's tests run without CUDA, and only then (see `_import_kernels`)."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def _unit_slots(popularity: str, units: int, num_slots: int, gen: torch.Generator) -> list[int]:

@@ -1,0 +1,55 @@
+"""Running Triton kernels in tests: on CUDA as they are, without it in Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNEL_MODULES = ("kernels.lora_shrink", "kernels.lora_expand", "kernels.lora_segments", "kernels.paged_attention")
+
+
+def import_kernels(*names: str) -> list[ModuleType]:
+    """Import kernel modules; without CUDA, so that their kernels run in the Triton interpreter on the CPU.
+
+    Triton reads TRITON_INTERPRET when @triton.jit decorates a function (triton.knobs.runtime.interpret), its
+    own library (tl.zeros, tl.sum, ...) included, so the variable must be set when triton itself is first
+    imported; if another test imported triton without it, triton's Python modules (not its compiled core) and
+    the kernel modules that use triton are imported again. The variable is restored at once; `interpreter_env` sets it again
+    while this module's tests run (triton imports more lazily at the first launch), and for no other test.
+    """
+    if DEVICE.type == "cuda":
+        return [importlib.import_module(name) for name in names]
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        standard = sys.modules.get("triton.language.standard")
+        if standard is not None and type(standard.sum).__name__ != "InterpretedFunction":
+            stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+            stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
+            for name in stale:
+                del sys.modules[name]
+        return [importlib.import_module(name) for name in names]
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_env():
+    """TRITON_INTERPRET=1 while the importing module's tests run without CUDA, and only then (see `import_kernels`).
+    A test module imports this fixture to make it autouse there."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    import_kernels(*KERNEL_MODULES)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
