@@ -234,7 +234,21 @@ class ColdStartShare(Base):
     share_us: Mapped[int] = mapped_column(BigInteger)
 
 
-class ClosedInvoice(Base):
+class _FrozenAmounts:
+    """The integer amounts a closed invoice and each of its lines keep: counts and microseconds."""
+
+    requests: Mapped[int] = mapped_column(BigInteger)
+    failed: Mapped[int] = mapped_column(BigInteger)
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    base_us: Mapped[int] = mapped_column(BigInteger)
+    routing_us: Mapped[int] = mapped_column(BigInteger)
+    kv_saved_us: Mapped[int] = mapped_column(BigInteger)
+    cold_start_us: Mapped[int] = mapped_column(BigInteger)
+
+
+class ClosedInvoice(_FrozenAmounts, Base):
     """A closed (frozen) invoice: its totals as they were at close. Drafts are computed, never stored."""
 
     __tablename__ = "invoices"
@@ -246,21 +260,12 @@ class ClosedInvoice(Base):
     tier: Mapped[str | None] = mapped_column(String(32))  # the tenant's tier at close; None: not registered
     currency: Mapped[str] = mapped_column(CHAR(3))
     closed_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    requests: Mapped[int] = mapped_column(BigInteger)
-    failed: Mapped[int] = mapped_column(BigInteger)
-    input_tokens: Mapped[int] = mapped_column(BigInteger)
-    output_tokens: Mapped[int] = mapped_column(BigInteger)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger)
-    base_us: Mapped[int] = mapped_column(BigInteger)
-    routing_us: Mapped[int] = mapped_column(BigInteger)
-    kv_saved_us: Mapped[int] = mapped_column(BigInteger)
-    cold_start_us: Mapped[int] = mapped_column(BigInteger)
     unpriced_requests: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[Decimal] = mapped_column(Money)
     revenue: Mapped[Decimal] = mapped_column(Money)
 
 
-class ClosedInvoiceLine(Base):
+class ClosedInvoiceLine(_FrozenAmounts, Base):
     """One frozen line of a closed invoice, in the order it is rendered."""
 
     __tablename__ = "invoice_lines"
@@ -272,15 +277,6 @@ class ClosedInvoiceLine(Base):
     adapter: Mapped[str] = mapped_column(String(200))  # "name@version" or "base"
     adjustment_for: Mapped[str | None] = mapped_column(CHAR(7))  # the period of late usage billed here
     gpu_price_per_hour: Mapped[Decimal] = mapped_column(Money)
-    requests: Mapped[int] = mapped_column(BigInteger)
-    failed: Mapped[int] = mapped_column(BigInteger)
-    input_tokens: Mapped[int] = mapped_column(BigInteger)
-    output_tokens: Mapped[int] = mapped_column(BigInteger)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger)
-    base_us: Mapped[int] = mapped_column(BigInteger)
-    routing_us: Mapped[int] = mapped_column(BigInteger)
-    kv_saved_us: Mapped[int] = mapped_column(BigInteger)
-    cold_start_us: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[Decimal] = mapped_column(Money)
     revenue: Mapped[Decimal] = mapped_column(Money)
 

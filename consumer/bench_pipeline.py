@@ -85,7 +85,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     overrides = {
         "kafka.bootstrap_servers": f"127.0.0.1:{port}", "kafka.group_id": f"bench-{uuid.uuid4().hex[:6]}",
         "engine.model_dir": str(set_dir / "model"), "engine.device": "cpu", "store.adapter_dir": str(home / "store"),
-        "ledger.url": f"sqlite:///{home / 'ledger.db'}", "worker.max_wait_ms": 5,
+        "ledger.url": f"sqlite:///{home / 'ledger.db'}",
     }
     if redis_url:
         overrides.update({"routing.cache": "redis", "routing.redis_url": redis_url,

@@ -110,7 +110,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
         "kafka.bootstrap_servers": f"127.0.0.1:{port}", "kafka.partitions": 8,
         "engine.model_dir": str(model_dir), "engine.device": device, "engine.max_loras": 32,
         "engine.max_lora_rank": max(rank, 16), "store.adapter_dir": str(home / "store"),
-        "ledger.url": f"sqlite:///{home / 'ledger.db'}", "worker.max_wait_ms": 5, "worker.max_adapters_per_batch": 32,
+        "ledger.url": f"sqlite:///{home / 'ledger.db'}", "worker.max_adapters_per_batch": 32,
     }
     broker = EmbeddedBroker(port, log_path=home / "broker.log")
     broker.start([], 1)

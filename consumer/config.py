@@ -63,7 +63,6 @@ class WorkerConfig(_Section):
     worker_id: str = Field("", description="empty: hostname-pid")
     max_batch_size: int = Field(32, ge=1, description="requests in one engine batch")
     max_batch_tokens: int = Field(8192, ge=1, description="prompt + new tokens in one engine batch")
-    max_wait_ms: int = Field(50, ge=0, description="a bucket closes this long after its first job arrived")
     max_adapters_per_batch: int = Field(8, ge=1, description="distinct adapters in one engine batch")
     max_queued_jobs: int = Field(2048, ge=1, description="partitions pause while more jobs than this wait")
     commit_interval_ms: int = Field(200, ge=0, description="how often finished offsets are committed")

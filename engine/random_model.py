@@ -14,15 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-# hidden, layers, heads, kv heads, intermediate, vocab
-SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "tiny": (128, 4, 4, 2, 352, 640),
-    "llama-1b": (2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
-    "llama-8b": (4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B
-}
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+from engine.bench import SHAPES
+from engine.model import LORA_TARGETS as TARGETS
+from engine.model import PROJECTION_PARENT as _PARENT
 
 
 def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:

@@ -51,7 +51,6 @@ async def service_settings(broker: EmbeddedBroker, tmp_path, ledger_url: str, mo
         "engine.device": "cpu",
         "engine.max_new_tokens": 32,
         "engine.max_prompt_tokens": 200,
-        "worker.max_wait_ms": 20,
         "worker.commit_interval_ms": 50,
         "ledger.url": ledger_url,
         **extra,

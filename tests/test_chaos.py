@@ -55,7 +55,7 @@ async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_databas
 
         upgrade(url)
         s = await service_settings(broker, tmp_path, url, demo_set["model"],
-                                   **{"kafka.partitions": 6, "worker.max_wait_ms": 5, "worker.commit_interval_ms": 100})
+                                   **{"kafka.partitions": 6, "worker.commit_interval_ms": 100})
         svc = open_services(s)
         names = sorted(demo_set["adapters"])
         for tenant, adapter, path in (("acme", "a1", names[0]), ("globex", "g1", names[1])):
