@@ -10,8 +10,9 @@ Two backends, picked once per engine (engine.backend) and carried by the step's 
 - torch (the CPU default): for each sequence, gather its blocks into contiguous K/V and call torch SDPA,
   one call per sequence; exact fp32, the reference the tests compare the kernels with.
 
-Either way the new tokens' K/V are written into the layer's pool first (`index_copy_` through the flat
-slot of each token), and the metadata is built once per step and shared by every layer.
+Either way the new tokens' K/V are written into the layer's pool first (`write_kv`, an `index_copy_`
+through the flat slot of each token, or kernels/rope_cache.py fused with RoPE), and the metadata is
+built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -82,20 +83,24 @@ def build_attention_metadata(
     )
 
 
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' rotated keys and values [N, KV, D] into a layer's pools [blocks, bs, KV, D] at their
+    flat slots (the composite path; kernels/rope_cache.py does this fused with RoPE)."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [N, H, D] rotated queries of the step's new tokens
-    k: torch.Tensor,  # [N, KV, D] rotated keys of the new tokens
-    v: torch.Tensor,  # [N, KV, D]
     layer: int,
     attn: AttentionMetadata,
 ) -> torch.Tensor:
-    """Write the new K/V into the layer's pools, then attend each sequence's queries over its whole cache."""
+    """Attend each sequence's queries over its whole cache, the new tokens' K/V already written (write_kv)."""
     n, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
     assert n == attn.slot_mapping.numel(), (n, attn.slot_mapping.numel())
     k_pool, v_pool = attn.kv_cache.k[layer], attn.kv_cache.v[layer]  # [blocks, bs, KV, D]
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, k)
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, attn.slot_mapping, v)
+    kv_heads = k_pool.shape[2]
     if attn.kernel is not None:
         return attn.kernel(q, k_pool, v_pool, attn.block_table, attn.seq_lens, cu_seqlens_q=attn.cu_seqlens_q,
                            max_query_len=attn.max_query_len)  # fmt: skip

@@ -1,7 +1,8 @@
 """The compute backend of the engine's LoRA and attention ops, chosen once at start (STYLE item 10).
 
 - triton: the kernels of `kernels/` (multi-LoRA shrink/expand at each adapter's true rank with fused
-  slices, paged attention), and CUDA graphs for decode steps. The default on CUDA.
+  slices, paged attention, and the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
+  replace the model's composite ops), and CUDA graphs for decode steps. The default on CUDA.
 - torch: pure-torch references (gathered multi-LoRA of kernels/lora_ref.py, per-sequence SDPA), no
   graphs. The default on the CPU, where it is exact fp32.
 
@@ -30,6 +31,9 @@ class KernelBackend:
     lora_shrink: Callable | None = None  # kernels.lora_shrink.lora_shrink
     lora_expand: Callable | None = None  # kernels.lora_expand.lora_expand
     paged_attention: Callable | None = None  # kernels.paged_attention.paged_attention
+    add_rms_norm: Callable | None = None  # kernels.rms_norm.add_rms_norm
+    rope_and_cache: Callable | None = None  # kernels.rope_cache.rope_and_cache
+    silu_mul: Callable | None = None  # kernels.silu_mul.silu_mul
     interpreted: bool = False  # Triton's CPU interpreter (tests)
 
     @property
@@ -48,20 +52,22 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         shrink = importlib.import_module("kernels.lora_shrink")
         expand = importlib.import_module("kernels.lora_expand")
         attention = importlib.import_module("kernels.paged_attention")
+        norm, rope, act = (importlib.import_module(f"kernels.{m}") for m in ("rms_norm", "rope_cache", "silu_mul"))
     except ImportError as e:
         raise EngineError(
             f"engine.kernel_backend={choice!r} needs triton, which failed to import ({e}); install triton or set "
             "engine.kernel_backend='torch'",
             code="config_invalid",
         ) from e
-    interpreted = type(shrink._kernel).__name__ == "InterpretedFunction"
+    interpreted = type(shrink._shrink_kernel).__name__ == "InterpretedFunction"
     if device.type != "cuda" and not interpreted:
         raise EngineError(
             f"engine.kernel_backend={choice!r} on {device.type}: Triton kernels run on the CPU only in Triton's "
             "interpreter; start the process with TRITON_INTERPRET=1 (tests), or set engine.kernel_backend='torch'",
             code="config_invalid",
         )
-    return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, interpreted)
+    return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
+                         rope.rope_and_cache, act.silu_mul, interpreted)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

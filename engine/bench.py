@@ -92,21 +92,7 @@ def bench_engine(
                  "ranks": sorted(set(adapter_ranks)), "batch": batch, "prompt": prompt, "new": new}  # fmt: skip
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = random_model(cfg, dev, dtype, seed=0)
-        paths = [_write_adapter(Path(tmp) / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
-        if uniform_rank is not None:
-            paths += [_write_adapter(Path(tmp) / f"u{i}", cfg, uniform_rank, seed=1000 + i, device=dev) for i in range(adapters)]
-        slots = len(paths)
-        host_bytes = 2 * sum(p.joinpath("adapter_model.safetensors").stat().st_size for p in paths) + (64 << 20)  # fp32 on CPU
-        config = EngineConfig(
-            model_dir=tmp, device=dev.type, max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=new,
-            max_num_batched_tokens=batch * prompt, kv_num_blocks=_kv_blocks(batch, prompt + new), max_loras=slots, max_lora_rank=max(ranks + [uniform_rank or 1]),
-            enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
-            adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
-        )  # fmt: skip
-        engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
-        for path in paths:
-            engine.load_adapter(path.name, path)
+        engine, paths = build_bench_engine(cfg, shape, adapter_ranks, uniform_rank, batch, prompt, new, dev, dtype, Path(tmp), kernel_backend)
         runs = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
         if uniform_rank is not None:
             runs["uniform"] = [f"u{i % adapters}" for i in range(batch)]
@@ -156,6 +142,29 @@ def bench_engine(
         _print_table(out)
     print(json.dumps(out), flush=True)
     return out
+
+
+def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], uniform_rank: int | None, batch: int, prompt: int,
+                       new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto") -> tuple[Engine, list[Path]]:  # fmt: skip
+    """The bench's engine on a random model of `cfg` with adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`)
+    loaded, sized for `batch` requests of `prompt` + `new` tokens; returns it and the adapter folders."""
+    model = random_model(cfg, dev, dtype, seed=0)
+    paths = [_write_adapter(tmp / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
+    if uniform_rank is not None:
+        paths += [_write_adapter(tmp / f"u{i}", cfg, uniform_rank, seed=1000 + i, device=dev) for i in range(len(adapter_ranks))]
+    slots = len(paths)
+    host_bytes = 2 * sum(p.joinpath("adapter_model.safetensors").stat().st_size for p in paths) + (64 << 20)  # fp32 on CPU
+    config = EngineConfig(
+        model_dir=str(tmp), device=dev.type, max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=new,
+        max_num_batched_tokens=batch * prompt, kv_num_blocks=_kv_blocks(batch, prompt + new), max_loras=slots,
+        max_lora_rank=max(adapter_ranks + [uniform_rank or 1]),
+        enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
+        adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
+    )  # fmt: skip
+    engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
+    for path in paths:
+        engine.load_adapter(path.name, path)
+    return engine, paths
 
 
 def model_config(shape: str) -> ModelConfig:

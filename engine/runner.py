@@ -22,7 +22,7 @@ from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.lora import apply_lora
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, ModelOps
 from kernels.lora_segments import segments_from_indices, segments_per_row
 
 
@@ -61,6 +61,8 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend)
+        if self.backend.triton:
+            self.model.ops = model_ops(self.backend, self.config.head_dim)
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,
@@ -202,3 +204,10 @@ def _logit_rows(items: list[BatchItem], query_lens: list[int]) -> list[int]:
         if it.logits:
             rows.append(end)
     return rows
+
+
+def model_ops(backend: KernelBackend, head_dim: int) -> ModelOps:
+    """The fused kernels of the triton backend as the model's ops; RoPE + KV write stays composite for head sizes
+    that are not a power of two (the kernel loads whole halves of a head)."""
+    pow2 = head_dim & (head_dim - 1) == 0
+    return ModelOps(add_rms_norm=backend.add_rms_norm, rope_and_cache=backend.rope_and_cache if pow2 else None, silu_mul=backend.silu_mul)

@@ -47,7 +47,7 @@ _BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at whic
 
 
 @triton.jit
-def _kernel(
+def _expand_kernel(
     t_ptr,  # [S, N, R] fp32
     b_ptr,  # [slots, R, out]
     y_ptr,  # [N, out]
@@ -171,7 +171,7 @@ def lora_expand(
     num_ntiles = triton.cdiv(max(widths), block_n)
     grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
-    _kernel[grid](
+    _expand_kernel[grid](
         t, b_stack, y, rank, scale, segments.slot, start, _slice_starts(widths, y.device),
         num_ntiles,
         t.stride(0), t.stride(1), t.stride(2),

@@ -51,7 +51,7 @@ _MIN_K_PER_SPLIT = 512
 
 
 @triton.jit
-def _kernel(
+def _shrink_kernel(
     x_ptr,  # [N, in]
     a_ptr,  # [slots, S, R, in]
     t_ptr,  # [S, N, R] fp32
@@ -177,7 +177,7 @@ def lora_shrink(
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
-    _kernel[grid](
+    _shrink_kernel[grid](
         x, a4, out, rank, segments.slot, start,
         in_features, k_per_split,
         x.stride(0), x.stride(1),

@@ -47,7 +47,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # start of the running max: finite, so a fully
 
 
 @triton.jit
-def _kernel(
+def _paged_attention_kernel(
     q_ptr,  # [N, H, D]
     k_ptr,  # [num_blocks, block_size, KV, D]
     v_ptr,  # [num_blocks, block_size, KV, D]
@@ -171,7 +171,7 @@ def paged_attention(
     block_t, block_n, num_warps = _config(group_pad, max_query_len, head_dim)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     grid = (triton.cdiv(max_query_len, block_t), kv_heads, batch)
-    _kernel[grid](
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
