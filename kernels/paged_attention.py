@@ -29,9 +29,15 @@ interpreter multiplies the raw bit patterns of bf16 in `tl.dot` (triton-lang/tri
 fp16/bf16 tiles go to the tensor cores as they are, and P is rounded to V's dtype (as FlashAttention-2).
 fp32 inputs are multiplied in IEEE fp32, not TF32.
 
-Not here: splitting a sequence's keys over several programs (Flash-Decoding). Decode runs batch x kv_heads
-programs, 256 for 32 sequences at 8 KV heads, which keeps an H200 within 1.5-2.1x of its copy bandwidth at
-1024 cached tokens; a few sequences with long contexts would leave SMs idle and want that split.
+Decode splits a sequence's keys over several programs when the batch alone would not fill the GPU
+(Flash-Decoding, Dao et al., 2023): batch x kv_heads programs is 256 for 32 sequences at 8 KV heads, two
+per SM, each walking its keys tile after dependent tile, and llama-8b decode at 544 cached tokens ran
+at ~1/3 of the copy bandwidth that way (48.8 µs a layer against a 16.6 µs floor, engine/PERF.md). With
+S splits, program (s, kv head, sequence) takes whole key tiles s * chunk .. (s + 1) * chunk - 1, chunk
+= cdiv(cdiv(keys, S), BLOCK_N) * BLOCK_N, and stores its unnormalised accumulator and its running max and
+sum in fp32; `_combine_splits_kernel` rescales the S partials to their common max and divides once. An
+empty split (a short sequence) stores max -1e30 and sum 0 and weighs nothing. S is a launch constant
+(`decode_splits`, from the batch and the block table's width), so one CUDA graph serves every context.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def _paged_attention_kernel(
     table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32: tokens in the cache for each sequence, this step's included
     cu_q_ptr,  # [B + 1] int32: first query row of each sequence, then N; unused when HAS_CU_Q is False
+    part_o_ptr,  # [NUM_SPLITS, N, H, D] fp32 unnormalised partial outputs (decode with NUM_SPLITS > 1)
+    part_ml_ptr,  # [NUM_SPLITS, N, H, 2] fp32 running max and sum of each partial
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -72,8 +80,9 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr,  # the cache's block_size
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # decode only: key ranges per sequence, each its own program (Flash-Decoding)
 ):
-    pid_t = tl.program_id(0)  # query-token tile of the sequence
+    pid_t = tl.program_id(0)  # query-token tile of the sequence; with NUM_SPLITS > 1 (decode), the key split
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     if HAS_CU_Q:
@@ -82,7 +91,9 @@ def _paged_attention_kernel(
     else:
         q_begin = seq
         q_len = 1
-    t0 = pid_t * BLOCK_T
+    t0 = 0
+    if NUM_SPLITS == 1:
+        t0 = pid_t * BLOCK_T
     if t0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -106,8 +117,13 @@ def _paged_attention_kernel(
 
     # Keys 0 .. kv_end - 1: up to the position of this tile's last query token.
     kv_end = context + tl.minimum(t0 + BLOCK_T, q_len)
+    kv_begin = 0
+    if NUM_SPLITS > 1:  # this program's share: whole key tiles, the last split shorter or empty
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_begin = pid_t * chunk
+        kv_end = tl.minimum(kv_end, kv_begin + chunk)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_begin, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] key positions
         n_ok = offs_n < kv_end
         block = tl.load(table_row + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)  # [BN]
@@ -126,6 +142,13 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [M, D]
         m_i = m_new
 
+    if NUM_SPLITS > 1:  # the partial as it is; _combine_splits_kernel merges the splits
+        part_rows = ((pid_t * tl.num_programs(2) + q_begin + tok).to(tl.int64) * GROUP * tl.num_programs(1) + head)  # [M]
+        mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+        tl.store(part_ml_ptr + part_rows * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part_rows * 2 + 1, l_i, mask=row_ok)
+        return
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows have l = 0 and are not stored
     o_rows = (q_begin + tok).to(tl.int64) * stride_ot + head * stride_oh  # [M]
     tl.store(
@@ -134,6 +157,32 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
     )
 
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr,  # [S, N, H, D] fp32
+    part_ml_ptr,  # [S, N, H, 2] fp32
+    o_ptr,  # [N, H, D]
+    rows,  # N * H
+    stride_ot, stride_oh,
+    H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # token * H + head
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.load(part_ml_ptr + (offs_s * rows + row) * 2)  # [S] base-2 running maxima; -1e30 for an empty split
+    l = tl.load(part_ml_ptr + (offs_s * rows + row) * 2 + 1)  # [S]
+    w = tl.exp2(m - tl.max(m, axis=0))  # [S] each split's rescale to the common max
+    acc = tl.load(part_o_ptr + (offs_s[:, None] * rows + row) * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [D]
+    tok, head = row // H, row % H
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 def paged_attention(
     q: torch.Tensor,  # [N, H, D] the step's query tokens, sequence by sequence
@@ -146,6 +195,7 @@ def paged_attention(
     max_query_len: int = 1,  # longest query_len in the batch (sizes the grid; an upper bound is fine)
     softmax_scale: float | None = None,  # default 1 / sqrt(D)
     out: torch.Tensor | None = None,  # [N, H, D] to write into (a CUDA-graph buffer)
+    num_splits: int | None = None,  # decode: key splits per sequence; None picks (`decode_splits`), 1: none
 ) -> torch.Tensor:  # [N, H, D]
     """Causal attention of each sequence's query tokens over its paged cache (see Semantics)."""
     n, heads, head_dim = q.shape
@@ -170,10 +220,16 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     block_t, block_n, num_warps = _config(group_pad, max_query_len, head_dim)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    grid = (triton.cdiv(max_query_len, block_t), kv_heads, batch)
+    splits = 1 if cu_seqlens_q is not None else (num_splits or decode_splits(batch, kv_heads, block_tables.shape[1] * block_size))
+    assert splits == 1 or (cu_seqlens_q is None and splits & (splits - 1) == 0), f"num_splits {splits}: decode only, a power of two"
+    part_o = part_ml = out  # placeholders, never read without splits
+    if splits > 1:
+        part_o = torch.empty(splits, n, heads, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, n, heads, 2, dtype=torch.float32, device=q.device)
+    grid = (splits if splits > 1 else triton.cdiv(max_query_len, block_t), kv_heads, batch)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        scale * _LOG2E,
+        part_o, part_ml, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -191,9 +247,25 @@ def paged_attention(
         # The interpreter (CPU) multiplies bf16 bit patterns in tl.dot: widen there (see the docstring).
         DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else _TL_DTYPE[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32; widened halves are exact in TF32
+        NUM_SPLITS=splits,
         num_warps=num_warps,
     )
+    if splits > 1:
+        _combine_splits_kernel[(n * heads,)](
+            part_o, part_ml, out, n * heads, out.stride(0), out.stride(1),
+            H=heads, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+        )  # fmt: skip
     return out
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 128) -> int:
+    """Key splits per sequence for a decode launch: enough programs to fill an H200's 132 SMs about four times
+    over (batch x kv_heads x splits >= 512), no split shorter than `min_keys` at the longest context the
+    block tables allow, at most 16. llama-8b, batch 32, 8 KV heads: 256 programs alone, 2 splits; batch 4: 16."""
+    splits = 1
+    while splits < 16 and batch * kv_heads * splits < 512 and max_context >= 2 * splits * min_keys:
+        splits *= 2
+    return splits
 
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

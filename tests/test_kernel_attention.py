@@ -131,6 +131,31 @@ def test_decode_equals_one_token_prefill_chunks():
     torch.testing.assert_close(as_decode, as_chunks, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_decode_split_over_keys_matches_float64(dtype, splits):
+    """Flash-Decoding: with a sequence's keys split over programs and the partials merged, each row equals float64
+    attention; sequences shorter than the splits (empty partials) and longer ones (several live splits) alike."""
+    gen = torch.Generator().manual_seed(13 + splits)
+    seqs = [(1, 700), (1, 4), (1, 300), (1, 128), (1, 129), (1, 0)]
+    q, k_cache, v_cache, table, seq_lens, _, dense = _paged_batch(HEADS["gqa4"], 16, seqs, dtype, gen)
+    want = _want(q, seqs, dense, 8, 2)
+    q, k_cache, v_cache, table, seq_lens = (t.to(DEVICE) for t in (q, k_cache, v_cache, table, seq_lens))
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, table, seq_lens, out=out, num_splits=splits)
+    _check(out, want, TOL[dtype], f"paged_attention {dtype}, {splits} splits")
+
+
+def test_decode_splits_fill_the_gpu_and_stay_long_enough():
+    """The split count: more programs for small batches, none for short contexts, always a power of two up to 16."""
+    pa = paged_attention_module
+    assert pa.decode_splits(32, 8, 192) == 1  # llama-1b bench: 256 programs, contexts too short to split
+    assert pa.decode_splits(32, 8, 576) == 2  # llama-8b bench
+    assert pa.decode_splits(1, 8, 8192) == 16
+    assert pa.decode_splits(4, 8, 1024) == 8  # capped by the context: 8 splits of 128 keys
+    assert pa.decode_splits(64, 8, 100_000) == 1
+
+
 # llama-1b and llama-8b attention: 32 heads over 8 KV heads, head_dim 64 and 128, block 16; CUDA only.
 REAL_HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
 REAL_BATCHES = {
