@@ -96,7 +96,7 @@ def profile_shape(shape: str, out_dir: Path, prompt: int = 128, batch: int = 32,
     cfg = model_config(shape)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
-    new = decode_steps + 8
+    new = decode_steps + 40
     result: dict = {"shape": shape, "batch": batch, "prompt": prompt, "adapters": adapters, "rank": rank}
     with tempfile.TemporaryDirectory() as tmp:
         engine, _ = build_bench_engine(cfg, shape, [rank] * adapters, None, batch, prompt, new, dev, dtype, Path(tmp))
@@ -107,10 +107,11 @@ def profile_shape(shape: str, out_dir: Path, prompt: int = 128, batch: int = 32,
         for name, keys in runs.items():
             _add(engine, prompts, keys, new, name)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.step()  # the prefill of every prompt
                 torch.cuda.synchronize()
             result[f"{name}_prefill"] = kernel_table(prof, 1)
+            result[f"{name}_prefill"]["host_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
             engine.step()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -128,7 +129,7 @@ def profile_shape(shape: str, out_dir: Path, prompt: int = 128, batch: int = 32,
             result[f"{name}_decode"]["wall_us_per_step"] = statistics.median(walls)
             _drain(engine)
         # host side: cProfile over decode steps of the base batch
-        _add(engine, prompts, runs["base"], 40, "cprof")
+        _add(engine, prompts, runs["base"], new, "cprof")
         engine.step()
         engine.step()
         pr = cProfile.Profile()
@@ -149,6 +150,8 @@ def print_result(r: dict) -> None:
     print(r["host_profile"][-4000:])
     for case in ("base_prefill", "mixed_prefill", "base_decode", "mixed_decode"):
         t = r[case]
+        if "host_ops" in t:
+            print(t["host_ops"])
         extra = f", wall {t['wall_us_per_step']:.0f}" if "wall_us_per_step" in t else ""
         print(f"\n== {r['shape']} {case}: kernels {t['kernel_us_per_step']:.0f} µs/step, device span {t['span_us_per_step']:.0f}{extra}")
         for g, v in t["groups"].items():
@@ -157,8 +160,53 @@ def print_result(r: dict) -> None:
             print(f"     {row['us']:>9.1f} µs {row['launches']:>6.1f}x  {row['name']}")
 
 
+def attention_splits(shape: str, contexts: tuple[int, ...] = (160, 544, 2048), batch: int = 32) -> None:
+    """Decode attention alone (kernels/paged_attention.py) at `shape`'s heads, per split count: µs per launch in a
+    CUDA graph of 20 launches over 8 layers' caches (so the caches are not L2-resident), and GB/s of KV read."""
+    from kernels.paged_attention import paged_attention
+
+    cfg = model_config(shape)
+    kv, d, bs = cfg.num_kv_heads, cfg.head_dim, 16
+    print(f"\n== decode attention {shape}, batch {batch}: µs per launch (GB/s of KV) by split count")
+    for ctx in contexts:
+        blocks = -(-(ctx + 1) // bs)
+        layers = 8
+        caches = [(torch.randn(batch * blocks + 1, bs, kv, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch * blocks + 1, bs, kv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]  # fmt: skip
+        table = torch.arange(batch * blocks, device="cuda", dtype=torch.int64).view(batch, blocks)
+        lens = torch.full((batch,), ctx + 1, device="cuda", dtype=torch.int64)
+        q = torch.randn(batch, cfg.num_heads, d, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * batch * (ctx + 1) * kv * d * 2
+        row = []
+        for splits in (1, 2, 4, 8):
+            def go():
+                for i in range(20):
+                    k, v = caches[i % layers]
+                    paged_attention(q, k, v, table, lens, num_splits=splits)
+            go()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                go()
+            times = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / 20)
+            us = statistics.median(times)
+            row.append(f"{splits}: {us:6.1f} µs ({nbytes / us / 1e3:5.0f} GB/s)")
+        print(f"   context {ctx:>5}:  " + "   ".join(row))
+        del caches
+
+
 if __name__ == "__main__":
     shape, out = sys.argv[1], Path(sys.argv[2])
+    if "--attention" in sys.argv:
+        attention_splits(shape)
+        sys.exit(0)
     prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
     out.mkdir(parents=True, exist_ok=True)
     print_result(profile_shape(shape, out, prompt=prompt))
