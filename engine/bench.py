@@ -17,9 +17,11 @@ projections (the engine loads them through its real path: files, validation, L2,
   measured on the device (a device-to-device copy on CUDA, a large memcpy on CPU); and the matmul rate
   (an 8192^3 product in the model's dtype on random data) that the prefill's FLOP rate is set against.
 
-Step times: `step_ms` is wall time per engine step (scheduling, forward, sampling, bookkeeping, with the
-device synchronised around it), median over the decode steps; tokens/s is B x decode steps / their total
-wall time; `device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
+Step times: `step_ms` is wall time per decode step (scheduling, forward, sampling, bookkeeping, with the
+device synchronised around every engine.step() call), the decode phase's wall time over its steps; a call
+runs up to engine.config decode_steps of them back to back (engine.cuda_graphs "Chains"), and
+`decode_rounds` says how many calls there were; tokens/s is B x decode steps / their total wall time;
+`device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
 forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for.
 prefill_tflops counts the matmul and attention FLOPs of the base prefill step over its wall time;
 prefill_lora_overhead_pct is the mixed prefill step's extra time over the base one. It prints a table,
@@ -100,13 +102,19 @@ def bench_engine(
             _run(engine, prompts, keys, min(3, new), "warm")
         got = {name: _run(engine, prompts, keys, new, name) for name, keys in runs.items()}
         base, mixed = got["base"], got["mixed"]
+        chained = engine.config.decode_steps
+        engine.config = engine.config.model_copy(update={"decode_steps": 1})  # the same batches, one step per round
+        single = {name: _run(engine, prompts, runs[name], new, f"{name}-single") for name in ("base", "mixed")}
+        engine.config = engine.config.model_copy(update={"decode_steps": chained})
         bandwidth = measure_bandwidth(dev)
         matmul = measure_matmul(dev, dtype)
         flops = prefill_flops(cfg, batch, prompt)
         out.update(
             backend=engine.runner.backend.name, cuda_graphs=engine.runner.graphs is not None,
             ours_base_tok_s=base["tok_s"], ours_mixed_tok_s=mixed["tok_s"],
-            base_step_ms=base["step_ms"], mixed_step_ms=mixed["step_ms"],
+            base_step_ms=base["step_ms"], mixed_step_ms=mixed["step_ms"], decode_rounds=base["decode_rounds"],
+            decode_steps=chained, base_step_ms_one_per_round=single["base"]["step_ms"],
+            mixed_step_ms_one_per_round=single["mixed"]["step_ms"],
             base_device_step_ms=base["device_step_ms"], mixed_device_step_ms=mixed["device_step_ms"],
             prefill_ms=base["prefill_ms"], mixed_prefill_ms=mixed["prefill_ms"],
             prefill_tflops=flops / (base["prefill_ms"] / 1e3) / 1e12,
@@ -305,8 +313,9 @@ def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
 
 
 def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
-    """Prefill of every prompt in one step, then new - 1 decode steps; wall time per step (engine.step() with the
-    device synchronised around it) and the engine's own device time per step (CUDA events, its step records)."""
+    """Prefill of every prompt in one step, then new - 1 decode steps; wall time per decode step (engine.step() calls
+    with the device synchronised around each, over the decode steps they ran: a call may run several back to back,
+    engine.config decode_steps) and the engine's own device time per step (CUDA events, its step records)."""
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
@@ -321,13 +330,16 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     records = engine.pop_step_records()
     engine.pop_load_events()
-    assert len(records) == len(times) and records[0].tokens == sum(map(len, prompts)), "the prefill must be one step"
-    prefill, decode = times[0], times[1:]
+    assert records[0].tokens == sum(map(len, prompts)), "the prefill must be one step"
+    decode_steps = len(records) - 1
+    assert decode_steps == new - 1, (decode_steps, new)
+    prefill, decode = times[0], sum(times[1:])
     return {
         "prefill_ms": prefill * 1e3,
-        "step_ms": statistics.median(decode) * 1e3,
+        "step_ms": decode / decode_steps * 1e3,
         "device_step_ms": statistics.median(r.total_us for r in records[1:]) / 1e3,
-        "tok_s": len(prompts) * len(decode) / sum(decode),
+        "tok_s": len(prompts) * decode_steps / decode,
+        "decode_rounds": len(times) - 1,
     }
 
 
@@ -392,6 +404,8 @@ def _print_table(out: dict) -> None:
     if "uniform_rank" in out:
         print(f"{'uniform r' + str(out['uniform_rank']):<14}{'':>12}{f(out['uniform_step_ms']):>10}{f(out['uniform_device_step_ms']):>11}"
               f"   mixed / uniform: step {f(out['mixed_ranks_ratio'])}, LoRA part {f(out['mixed_ranks_lora_ratio'])}")  # fmt: skip
+    print(f"{'one step/round':<14}{'':>12}{f(out['base_step_ms_one_per_round']):>10}  base, {f(out['mixed_step_ms_one_per_round'])} mixed "
+          f"(decode_steps 1; above: {out['decode_steps']}, {out['decode_rounds']} rounds)")  # fmt: skip
     print(f"{'peer base':<14}{f(out['peer_base_tok_s']):>12}")
     print(f"{'peer mixed':<14}{f(out['peer_mixed_tok_s']):>12}" + (f"   ours mixed / peer mixed: {out['mixed_vs_peer']:,.1f}x" if out.get("mixed_vs_peer") else ""))
     print(f"prefill {out['prefill_tflops']:.2f} TFLOP/s ({out['prefill_matmul_pct']:.1f}% of the {out['matmul_tflops']:.1f} TFLOP/s matmul), "

@@ -29,6 +29,14 @@ class EngineConfig(BaseModel):
         "batch-size bucket (1, 2, 4, ...); 0 runs every step eagerly; only with the triton backend on cuda",
     )  # fmt: skip
 
+    decode_steps: int = Field(
+        8, ge=1, le=64,
+        description="decode steps run back to back on the GPU per scheduling round when every running request is "
+        "decoding, none asks for logprobs and none waits (CUDA graphs only); the host reads their tokens once. Rounds "
+        "are cut to the fewest tokens any request has left, so none computes past max_new_tokens; a request that stops "
+        "early (EOS, stop string) may have computed up to decode_steps - 1 tokens it does not keep",
+    )  # fmt: skip
+
     # ---- continuous batching
     max_batch_size: int = Field(32, ge=1, le=4096, description="most requests running at once")
     max_prompt_tokens: int = Field(1024, ge=1, description="longer prompts fail with prompt_too_long")

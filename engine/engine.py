@@ -51,7 +51,7 @@ from engine.backend import graph_batch_sizes, pick_backend
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
-from engine.sampling import openai_logprob_entry, sample_tokens, token_logprobs
+from engine.sampling import openai_logprob_entry, sample_on_device, sample_tokens, token_logprobs
 from engine.scheduler import Plan, Scheduler
 from engine.sequence import Sequence
 from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
@@ -121,6 +121,7 @@ class Engine:
             backend=backend,
             graph_sizes=graphs,
             max_blocks_per_seq=config.blocks_per_sequence,
+            max_chain=config.decode_steps,
         )
         self.device, self.dtype = self.runner.device, self.runner.dtype
         if backend.triton:
@@ -323,6 +324,10 @@ class Engine:
                 seq.timings.queue_us = max(0, now_us - seq.arrival_us)
                 seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.prefill_cost.value or 0.0))
         items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
+        steps = self._chain_length(plan, items)
+        if steps > 1:
+            self._run_chain(plan, items, steps)
+            return
         self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
         with self._step_timer.section():
             logits = self.runner.forward(items)  # [M, V] fp32, one row per sampling item
@@ -359,6 +364,66 @@ class Engine:
                 self.scheduler.remove(seq)
                 del self._unfinished[seq.request_id]
                 self._done.append(self._result(seq, None, end_us))
+
+    def _chain_length(self, plan: Plan, items: list[BatchItem]) -> int:
+        """Decode steps this round runs back to back (engine.config `decode_steps`, engine.cuda_graphs "Chains"): more
+        than 1 only when every item decodes one token and samples, none wants logprobs, nothing waits to be admitted,
+        the graphs fit, and every sequence's blocks grow to cover the extra steps (taken here). Capped at the fewest
+        tokens any request has left, so no request computes past its max_new_tokens."""
+        steps = self.config.decode_steps
+        if steps <= 1 or self.scheduler.waiting or plan.preempted:
+            return 1
+        if not all(it.samples and len(it.tokens) == 1 and it.seq.logprobs is None for it in plan.items):
+            return 1
+        steps = min(steps, *(it.seq.request.sampling.max_new_tokens - len(it.seq.output_ids) for it in plan.items))
+        if steps <= 1 or not self.runner.can_chain(items, steps):
+            return 1
+        blocks = self.runner.blocks
+        for it in plan.items:  # blocks grown here stay the sequence's, for its next tokens, if a later one cannot grow
+            total = it.seq.num_computed + steps
+            if blocks.can_grow(it.seq.request_id, total) is not None:
+                return 1
+            blocks.grow(it.seq.request_id, total)
+        return steps
+
+    def _run_chain(self, plan: Plan, items: list[BatchItem], steps: int) -> None:
+        """`steps` decode steps of the plan's sequences, replayed back to back, the host reading their tokens once.
+        Each step is measured and attributed as a step of its own (one StepRecord each). A sequence that finishes at
+        step j (EOS, stop string) still has a row in the steps after j: that row's time is charged to it, as the
+        lookahead computed it on its behalf, and its tokens are dropped."""
+        self.runner.prepare(items)
+        seqs = [it.seq for it in plan.items]
+        params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
+        timers = [DeviceTimer(self.device) for _ in range(steps)]
+        chosen = self.runner.decode_chain(items, steps, lambda logits: sample_on_device(logits, params, generators),
+                                          lambda j: timers[j].section())  # fmt: skip
+        self._load_ahead()
+        tokens = torch.stack(chosen).tolist()  # [steps, M]: the round's one sync
+        end_us = _now_us()
+        lora_us = self.runner.lora_us()  # a graph's calibrated share, per step
+        rows = [(s.request_id, 1, s.lora_slot >= 0) for s in seqs]
+        blocks = self.runner.blocks
+        for j in range(steps):
+            total_us = timers[j].elapsed_us()
+            record = attribute_step(next(self._step_ids), total_us, min(lora_us, total_us), rows)
+            self.step_records.append(record)
+            self._steps += 1
+            self.prefill_cost.update(record.tokens, total_us)
+            for seq, share, token in zip(seqs, record.shares, tokens[j]):
+                t = seq.timings
+                t.base_us += share.base_us
+                t.lora_us += share.lora_us
+                if seq.finish_reason is not None:
+                    continue  # computed past its end: charged, not kept
+                t.steps += 1
+                t.decode_tokens += 1
+                seq.num_computed += 1
+                blocks.commit(seq.request_id, seq.tokens, seq.num_computed)
+                seq.append_token(token, self.eos_ids)
+                if seq.finish_reason is not None:
+                    self.scheduler.remove(seq)
+                    del self._unfinished[seq.request_id]
+                    self._done.append(self._result(seq, None, end_us))
 
     def _load_ahead(self) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the

@@ -11,7 +11,8 @@ the engine reading the sampled tokens.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class ModelRunner:
         graph_sizes: tuple[int, ...] = (),
         max_blocks_per_seq: int = 0,
         capture_graphs: bool | None = None,
+        max_chain: int = 1,
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
         `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests)."""
@@ -80,7 +82,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.lora, self.kv, sizes=graph_sizes, max_blocks=max_blocks_per_seq, scratch_block=kv_num_blocks,
                 block_table=self.blocks.block_table,
-                capture=self.device.type == "cuda" if capture_graphs is None else capture_graphs,
+                capture=self.device.type == "cuda" if capture_graphs is None else capture_graphs, max_chain=max_chain,
             )  # fmt: skip
         self._graph_lora_us: int | None = None  # the last step's calibrated LoRA share when it was a replay
 
@@ -118,6 +120,22 @@ class ModelRunner:
             self._graph_lora_us = self.graphs.last_lora_us
             return out
         return self._eager(items, all_logits)
+
+    def can_chain(self, items: list[BatchItem], steps: int) -> bool:
+        """Whether `steps` decode steps of `items` can run as one graph chain (DecodeGraphs.run_chain)."""
+        return self.graphs is not None and self.graphs.fits(items, steps)
+
+    @torch.inference_mode()
+    def decode_chain(self, items: list[BatchItem], steps: int, sample: Callable[[torch.Tensor], torch.Tensor],
+                     section: Callable[[int], AbstractContextManager]) -> list[torch.Tensor]:  # fmt: skip
+        """`steps` decode steps of `items` back to back on the device (DecodeGraphs.run_chain): each step's sampled
+        tokens [batch] as device tensors. Every item's blocks must cover context + steps tokens."""
+        assert self.graphs is not None
+        self._ensure_blocks(items)
+        self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
+        chosen = self.graphs.run_chain(items, steps, sample, section)
+        self._graph_lora_us = self.graphs.last_lora_us
+        return chosen
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or preempted sequence's KV blocks."""

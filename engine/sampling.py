@@ -28,6 +28,16 @@ def sample_tokens(
     generators: Sequence[torch.Generator | None],  # one per row; None only for greedy rows
 ) -> list[int]:
     """The next token of every row."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [M, V] fp32, one row per request
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:  # [M] int64 on the logits' device
+    """The next token of every row, left on the device: nothing here waits for it (a decode chain feeds it to the
+    next step, engine.cuda_graphs)."""
     m = logits.shape[0]
     assert len(params) == len(generators) == m, (len(params), len(generators), m)
     chosen = logits.argmax(dim=-1)  # [M]; stays for greedy rows
@@ -37,7 +47,7 @@ def sample_tokens(
             assert g is not None, f"row {i} samples with temperature {p.temperature} but has no generator"
             probs = filtered_probs(logits[i], p)  # [V]
             chosen[i] = torch.multinomial(probs, 1, generator=g)[0]
-    return chosen.tolist()
+    return chosen
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

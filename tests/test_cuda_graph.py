@@ -46,7 +46,8 @@ def engine(demo) -> Engine:
     if DEVICE.type != "cuda":  # the engine graphs CUDA only; here the same buffers, run eagerly
         r = eng.runner
         r.graphs = DecodeGraphs(r.model, r.lora, r.kv, sizes=SIZES, max_blocks=eng.config.blocks_per_sequence,
-                                scratch_block=r.blocks.num_blocks, block_table=r.blocks.block_table, capture=False)  # fmt: skip
+                                scratch_block=r.blocks.num_blocks, block_table=r.blocks.block_table, capture=False,
+                                max_chain=eng.config.decode_steps)  # fmt: skip
     assert eng.runner.graphs is not None and eng.runner.graphs.sizes == SIZES
     return eng
 
@@ -126,3 +127,44 @@ def test_engine_with_graphs_generates_what_the_torch_backend_does(demo, engine):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     records = engine.pop_step_records()
     assert all(r.base_us + r.lora_us == r.total_us and sum(s.lora_us for s in r.shares) == r.lora_us for r in records)
+
+
+def _chain_requests(n: int, new: int) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(21)
+    return [GenerationRequest(request_id=f"c{i}", input_ids=tuple(torch.randint(4, 500, (2 + i,), generator=gen).tolist()),
+                              adapter=[None, *ADAPTERS][i % 5],
+                              sampling=SamplingParams(max_new_tokens=new - (i % 3), ignore_eos=i != 0,
+                                                      **({"temperature": 0.9, "seed": i} if i % 2 else {})))
+            for i in range(n)]  # fmt: skip
+
+
+def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
+    """Decode rounds of several graph replays (config decode_steps, engine.cuda_graphs "Chains") give every request
+    the tokens one step per round gives, greedy and sampled, with max_new_tokens that differ (rounds are cut to the
+    fewest tokens left) and a request stopped early by EOS (its rows after the stop are charged to it, its tokens
+    dropped). Every step is its own record, its shares sum to its time, and all records together are what the
+    requests are charged."""
+    reqs = _chain_requests(6, 8)
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
+    single = engine.generate(reqs)
+    single_steps = len(engine.pop_step_records())
+    eos = single[0].output_ids[2]  # request 0 (greedy, EOS honoured) stops at its third token
+    monkeypatch.setattr(engine, "eos_ids", (eos,))
+    want = engine.generate(reqs)
+    engine.pop_step_records()
+    assert want[0].finish_reason == "eos" and len(want[0].output_ids) <= 3
+
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    calls = []
+    chain = engine.runner.decode_chain
+    monkeypatch.setattr(engine.runner, "decode_chain", lambda items, steps, *a: calls.append(steps) or chain(items, steps, *a))
+    got = engine.generate(reqs)
+    records = engine.pop_step_records()
+    assert calls and max(calls) == 4, calls  # rounds of 4 replays ran (cut to what the requests had left)
+    assert all(r.ok for r in got), [r.error for r in got if not r.ok]
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert all(r.base_us + r.lora_us == r.total_us and sum(s.base_us + s.lora_us for s in r.shares) == r.total_us for r in records)
+    charged = sum(r.timings.base_us + r.timings.lora_us for r in got)
+    assert charged == sum(r.total_us for r in records), "every measured µs is charged to some request"
+    assert len(records) <= single_steps  # the same steps, in fewer host round trips (fewer: request 0 stops early)
