@@ -93,7 +93,7 @@ class _LoraCase:
     expand_bytes: int
 
 
-def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int]) -> _LoraCase:
+def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int], prefill_tokens: int = PREFILL_TOKENS) -> _LoraCase:
     device, e = torch.device(_DEVICE), DTYPE.itemsize
     num_slices, out_f = len(widths), sum(widths)
     rank = torch.tensor(ranks, dtype=torch.int32, device=device)  # [slots]
@@ -106,7 +106,7 @@ def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int])
         slots = list(range(BATCH))
         segments = segments_per_row(torch.tensor(slots, device=device))
     else:
-        slots = [s for s in range(BATCH) for _ in range(PREFILL_TOKENS)]
+        slots = [s for s in range(BATCH) for _ in range(prefill_tokens)]
         segments = segments_from_indices(slots, device=device)
     n = len(slots)
     x = torch.randn(n, in_f, device=device, dtype=DTYPE)
@@ -304,3 +304,44 @@ def _sweep(rep: int = 30) -> None:
                 in_f, widths = model.projections()[proj]
                 projection(f"{name} {phase} {proj}", in_f, widths, phase)
             attention(f"{name} {phase} attention", model, phase)
+
+
+def _sweep_prefill(tokens: int = 512, rep: int = 30) -> None:
+    """The prefill LoRA kernels alone at issue 4's prefill (32 sequences of `tokens` over 32 adapters of rank 16):
+    for each projection of llama-1b and -8b, the fastest shrink and expand configs of a wide grid, with the achieved
+    bandwidth against the bytes each must move (python -c "from kernels.bench import _sweep_prefill; _sweep_prefill()")."""
+    import itertools
+
+    import kernels.lora_expand as expand_module
+    import kernels.lora_shrink as shrink_module
+
+    bandwidth = _measure_ceilings()[0]
+    torch.manual_seed(0)
+
+    def best(label: str, module, candidates, run: Callable[[], float], nbytes: int) -> None:
+        default, times = module._config, []
+        for cfg in candidates:
+            module._config = lambda *_, cfg=cfg: cfg
+            try:
+                times.append((run(), cfg))
+            except (triton.CompilationError, triton.runtime.OutOfResources) as exc:
+                print(f"  {label} {cfg}: {type(exc).__name__}")
+            finally:
+                module._config = default
+        now = run()
+        times.sort()
+        floor = nbytes / bandwidth * 1e6
+        print(f"{label:28} now {now:8.1f} µs | best {times[0][1]} {times[0][0]:8.1f} µs = {floor / times[0][0]:4.0%} of the "
+              f"{floor:.1f} µs floor | next " + " ".join(f"{c}:{t:.1f}" for t, c in times[1:3]), flush=True)  # fmt: skip
+
+    for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
+        for proj, (in_f, widths) in model.projections().items():
+            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            s_cands = list(itertools.product((1, 2, 4), (16, 32, 64), (64, 128, 256), (4,)))
+            e_cands = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8)))
+            best(f"{name} {proj} shrink", shrink_module, s_cands,
+                 lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep), case.shrink_bytes)
+            best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
+                lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
+                case.expand_bytes)  # fmt: skip
+            del case
