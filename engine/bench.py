@@ -17,10 +17,11 @@ projections (the engine loads them through its real path: files, validation, L2,
   measured on the device (a device-to-device copy on CUDA, a large memcpy on CPU); and the matmul rate
   (an 8192^3 product in the model's dtype on random data) that the prefill's FLOP rate is set against.
 
-Step times: `step_ms` is wall time per decode step (scheduling, forward, sampling, bookkeeping, with the
-device synchronised around every engine.step() call), the decode phase's wall time over its steps; a call
-runs up to engine.config decode_steps of them back to back (engine.cuda_graphs "Chains"), and
-`decode_rounds` says how many calls there were; tokens/s is B x decode steps / their total wall time;
+Step times: `step_ms` is the decode phase's wall time (scheduling, forward, sampling, bookkeeping) over its
+steps, engine.step() called back to back as a serving loop does; a call runs up to engine.config
+decode_steps steps back to back (engine.cuda_graphs "Chains") and launches the next round before it
+reads the last (engine.engine); `decode_rounds` counts the calls, and `*_one_per_round` are the same
+batches with decode_steps 1; tokens/s is B x decode steps / their wall time;
 `device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
 forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for.
 prefill_tflops counts the matmul and attention FLOPs of the base prefill step over its wall time;
@@ -117,6 +118,7 @@ def bench_engine(
             mixed_step_ms_one_per_round=single["mixed"]["step_ms"],
             base_device_step_ms=base["device_step_ms"], mixed_device_step_ms=mixed["device_step_ms"],
             prefill_ms=base["prefill_ms"], mixed_prefill_ms=mixed["prefill_ms"],
+            prefill_device_ms=base["prefill_device_ms"], mixed_prefill_device_ms=mixed["prefill_device_ms"],
             prefill_tflops=flops / (base["prefill_ms"] / 1e3) / 1e12,
             mixed_prefill_tflops=flops / (mixed["prefill_ms"] / 1e3) / 1e12,
             prefill_lora_overhead_pct=100 * (mixed["prefill_ms"] / base["prefill_ms"] - 1),
@@ -313,33 +315,39 @@ def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
 
 
 def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
-    """Prefill of every prompt in one step, then new - 1 decode steps; wall time per decode step (engine.step() calls
-    with the device synchronised around each, over the decode steps they ran: a call may run several back to back,
-    engine.config decode_steps) and the engine's own device time per step (CUDA events, its step records)."""
+    """Prefill of every prompt in one step (wall time, the device synchronised around it), then new - 1 decode
+    steps: their wall time from the end of the prefill to the device's end of the last one, as a serving loop
+    runs them (engine.step() calls back to back; a call may run several steps, engine.config decode_steps,
+    and launch the next round before reading the last, engine.engine), over the steps; and the engine's own
+    device time per step (CUDA events, its step records)."""
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
     engine.pop_step_records()
-    times = []
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    results = engine.step()
+    _sync(engine.device)
+    t1 = time.perf_counter()
+    calls = 0
     while engine.has_unfinished():
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        results = engine.step()
-        _sync(engine.device)
-        times.append(time.perf_counter() - t0)
-        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        results += engine.step()
+        calls += 1
+    _sync(engine.device)
+    t2 = time.perf_counter()
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     records = engine.pop_step_records()
     engine.pop_load_events()
     assert records[0].tokens == sum(map(len, prompts)), "the prefill must be one step"
     decode_steps = len(records) - 1
     assert decode_steps == new - 1, (decode_steps, new)
-    prefill, decode = times[0], sum(times[1:])
     return {
-        "prefill_ms": prefill * 1e3,
-        "step_ms": decode / decode_steps * 1e3,
+        "prefill_ms": (t1 - t0) * 1e3,
+        "prefill_device_ms": records[0].total_us / 1e3,
+        "step_ms": (t2 - t1) / decode_steps * 1e3,
         "device_step_ms": statistics.median(r.total_us for r in records[1:]) / 1e3,
-        "tok_s": len(prompts) * decode_steps / decode,
-        "decode_rounds": len(times) - 1,
+        "tok_s": len(prompts) * decode_steps / (t2 - t1),
+        "decode_rounds": calls,
     }
 
 

@@ -145,11 +145,12 @@ class DecodeGraphs:
         return out[:batch] if logit_rows == list(range(batch)) else out[torch.tensor(logit_rows, device=out.device)]
 
     def run_chain(self, items: list, steps: int, sample: Callable[[torch.Tensor], torch.Tensor],
-                  section: Callable[[int], AbstractContextManager]) -> list[torch.Tensor]:  # fmt: skip
+                  section: Callable[[int], AbstractContextManager], first_ids: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """`steps` decode steps of `items` back to back, with no host sync between them: step j feeds the tokens
         `sample` drew from step j - 1's logits (a device-to-device copy into the ids input) at positions + j.
         Returns each step's sampled tokens [batch] (device tensors); `section(j)` wraps step j's replay and
-        sampling (the engine's timer). The block tables must already cover context + steps tokens."""
+        sampling (the engine's timer). The block tables must already cover context + steps tokens. `first_ids` [batch]
+        on the device replaces the items' own tokens as the first step's input (the engine's next round)."""
         assert 1 <= steps <= self._host.shape[0], (steps, self._host.shape[0])
         self.prepare(items)
         batch = len(items)
@@ -162,8 +163,8 @@ class DecodeGraphs:
         for j in range(steps):
             with section(j):
                 self._dev.copy_(self._host[j], non_blocking=True)
-                if j:
-                    self.ids[:batch].copy_(chosen[-1])
+                if j or first_ids is not None:
+                    self.ids[:batch].copy_(chosen[-1] if j else first_ids)
                 if graph is None:
                     out = self._forward(b, lora)
                 else:

@@ -33,6 +33,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -146,6 +147,7 @@ class Engine:
         self._steps = 0
         self._ran = False  # whether the last step ran a forward
         self._step_timer = DeviceTimer(self.device)
+        self._inflight: _Round | None = None  # a decode round launched and not yet read back (_launch_round)
 
     # ---- adapters
 
@@ -200,6 +202,7 @@ class Engine:
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Stop an unfinished request now; returns its partial result (error code `aborted`), or None if unknown."""
+        self._drain()  # its blocks and slot may not be released under a round still running on the device
         seq = self._unfinished.pop(request_id, None)
         if seq is None:
             return None
@@ -211,9 +214,19 @@ class Engine:
         return bool(self._unfinished or self._done)
 
     def step(self) -> list[GenerationResult]:
-        """Run one engine step; return the requests that finished in it (and failed validations)."""
+        """Run one engine step; return the requests that finished in it (and failed validations).
+
+        With a decode round in flight (`_launch_round`), the step launches the next round first (when nothing waits
+        and every request has tokens left), then reads the one in flight back and returns what finished in it."""
         self._step_timer.reset()
         self.runner.begin_step()
+        if self._inflight is not None:
+            rnd = self._inflight
+            self._inflight = self._next_round(rnd)
+            self._process_round(rnd)
+            self._ran = True
+            done, self._done = self._done, []
+            return done
         plan = self.scheduler.schedule()
         now = _now_us()
         for seq, error in plan.failed:
@@ -326,7 +339,7 @@ class Engine:
         items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
         steps = self._chain_length(plan, items)
         if steps > 1:
-            self._run_chain(plan, items, steps)
+            self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
             return
         self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
         with self._step_timer.section():
@@ -386,30 +399,67 @@ class Engine:
             blocks.grow(it.seq.request_id, total)
         return steps
 
-    def _run_chain(self, plan: Plan, items: list[BatchItem], steps: int) -> None:
-        """`steps` decode steps of the plan's sequences, replayed back to back, the host reading their tokens once.
-        Each step is measured and attributed as a step of its own (one StepRecord each). A sequence that finishes at
-        step j (EOS, stop string) still has a row in the steps after j: that row's time is charged to it, as the
-        lookahead computed it on its behalf, and its tokens are dropped."""
+    def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> _Round:
+        """Launch `steps` decode steps of `seqs` back to back (engine.cuda_graphs "Chains") and the copy of their
+        tokens to pinned host memory; nothing waits for them here. `first_ids`: the first step's input tokens on the
+        device (the last tokens of the round before), instead of the items' own."""
         self.runner.prepare(items)
-        seqs = [it.seq for it in plan.items]
         params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
         timers = [DeviceTimer(self.device) for _ in range(steps)]
         chosen = self.runner.decode_chain(items, steps, lambda logits: sample_on_device(logits, params, generators),
-                                          lambda j: timers[j].section())  # fmt: skip
+                                          lambda j: timers[j].section(), first_ids=first_ids)  # fmt: skip
+        stacked = torch.stack(chosen)  # [steps, M] on the device
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(stacked, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        rnd = _Round(seqs, steps, chosen[-1], host, done, timers, self.runner.lora_us())
         self._load_ahead()
-        tokens = torch.stack(chosen).tolist()  # [steps, M]: the round's one sync
-        end_us = _now_us()
-        lora_us = self.runner.lora_us()  # a graph's calibrated share, per step
-        rows = [(s.request_id, 1, s.lora_slot >= 0) for s in seqs]
+        return rnd
+
+    def _next_round(self, rnd: _Round) -> _Round | None:
+        """The round after `rnd`, launched before `rnd` is read back, so that the host's reading and bookkeeping of
+        `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when requests wait to be
+        admitted, when a request of `rnd` reaches its max_new_tokens in it, or when blocks or graphs do not allow
+        it. Sequences that stop in `rnd` by EOS or a stop string are found only when it is read: they keep their
+        row in this round, charged to them and dropped (as in a round, `_chain_length`)."""
+        if self.scheduler.waiting or any(s.finish_reason is not None for s in rnd.seqs):
+            return None  # (a sequence that finished in the round before this one: not carried any further)
+        left = [s.request.sampling.max_new_tokens - len(s.output_ids) - rnd.steps for s in rnd.seqs]
+        steps = min(self.config.decode_steps, *left)
+        if steps < 1:
+            return None
+        items = [BatchItem(s.request_id, (0,), s.num_computed + rnd.steps, s.lora_slot, True) for s in rnd.seqs]
+        if not self.runner.can_chain(items, steps):
+            return None
         blocks = self.runner.blocks
-        for j in range(steps):
-            total_us = timers[j].elapsed_us()
-            record = attribute_step(next(self._step_ids), total_us, min(lora_us, total_us), rows)
+        for it in items:
+            total = it.context_len + steps
+            if blocks.can_grow(it.seq_id, total) is not None:
+                return None
+            blocks.grow(it.seq_id, total)
+        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+
+    def _process_round(self, rnd: _Round) -> None:
+        """Read a round's tokens back (the one wait) and book its steps: each step is measured and attributed as a step
+        of its own (one StepRecord each). A sequence that finishes at step j (EOS, stop string) still has a row in
+        the steps after j: that row's time is charged to it, as the lookahead computed it on its behalf, and its
+        tokens are dropped."""
+        if rnd.done is not None:
+            rnd.done.synchronize()
+        tokens = rnd.tokens.tolist()  # [steps, M]
+        end_us = _now_us()
+        rows = [(s.request_id, 1, s.lora_slot >= 0) for s in rnd.seqs]
+        blocks = self.runner.blocks
+        for j in range(rnd.steps):
+            total_us = rnd.timers[j].elapsed_us()
+            record = attribute_step(next(self._step_ids), total_us, min(rnd.lora_us, total_us), rows)
             self.step_records.append(record)
             self._steps += 1
             self.prefill_cost.update(record.tokens, total_us)
-            for seq, share, token in zip(seqs, record.shares, tokens[j]):
+            for seq, share, token in zip(rnd.seqs, record.shares, tokens[j]):
                 t = seq.timings
                 t.base_us += share.base_us
                 t.lora_us += share.lora_us
@@ -424,6 +474,12 @@ class Engine:
                     self.scheduler.remove(seq)
                     del self._unfinished[seq.request_id]
                     self._done.append(self._result(seq, None, end_us))
+
+    def _drain(self) -> None:
+        """Read back and book the round in flight, if any, launching nothing after it."""
+        rnd, self._inflight = self._inflight, None
+        if rnd is not None:
+            self._process_round(rnd)
 
     def _load_ahead(self) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
@@ -448,6 +504,19 @@ class Engine:
         t.total_us = max(0, (now_us if now_us is not None else _now_us()) - seq.arrival_us)
         t.adapter_load_us = sum(event.load_us() for event in seq.load_charges)
         return seq.result(error)
+
+
+@dataclass
+class _Round:
+    """Decode steps launched back to back (Engine._launch_round), read back by a later step()."""
+
+    seqs: list[Sequence]
+    steps: int
+    last_ids: torch.Tensor  # [M] the last step's sampled tokens, on the device: the next round's first input
+    tokens: torch.Tensor  # [steps, M] int64, pinned host memory, filled by an async copy
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU, where it is synchronous)
+    timers: list[DeviceTimer]  # one per step
+    lora_us: int  # the calibrated LoRA share of one step (engine.cuda_graphs "Timing")
 
 
 def pick_device(choice: str) -> torch.device:

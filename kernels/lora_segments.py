@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -63,34 +64,27 @@ def segments_from_indices(
     device: torch.device | str,
     pad_to: int | None = None,
 ) -> LoraSegments:
-    """Runs of equal consecutive slots (SGMV segments), built on the host and copied to `device` once."""
+    """Runs of equal consecutive slots (SGMV segments), built on the host (numpy) and copied to `device` once."""
     if isinstance(slot_idx, torch.Tensor):
         # A device tensor would make this wait on the device (nonzero, max); the scheduler has host lists.
         assert slot_idx.device.type == "cpu" and slot_idx.dim() == 1, (slot_idx.device, slot_idx.shape)
-        idx = slot_idx.to(torch.int64)
+        idx = slot_idx.to(torch.int64).numpy()
     else:
-        idx = torch.tensor(list(slot_idx), dtype=torch.int64)
-    n = idx.numel()
+        idx = np.asarray(list(slot_idx), dtype=np.int64)
+    n = idx.size
     assert n == 0 or int(idx.min()) >= -1, f"slot indices below -1: {int(idx.min())}"
-    if n == 0:
-        start = torch.zeros(1, dtype=torch.int64)
-    else:
-        change = torch.nonzero(idx[1:] != idx[:-1]).flatten() + 1  # [G - 1] first row of every group but the first
-        start = torch.cat([torch.zeros(1, dtype=torch.int64), change, torch.tensor([n])])  # [G + 1]
+    change = np.flatnonzero(idx[1:] != idx[:-1]) + 1  # [G - 1] first row of every group but the first
+    start = np.concatenate([[0], change, [n]]) if n else np.zeros(1, dtype=np.int64)  # [G + 1]
     slot = idx[start[:-1]]  # [G]
-    max_len = int((start[1:] - start[:-1]).max()) if n else 0
+    max_len = int(np.diff(start).max()) if n else 0
     if pad_to is not None:
-        groups = slot.numel()
+        groups = slot.size
         assert pad_to >= groups, f"pad_to {pad_to} is below the {groups} groups of this batch"
-        start = torch.cat([start, torch.full((pad_to - groups,), n, dtype=torch.int64)])
-        slot = torch.cat([slot, torch.full((pad_to - groups,), -1, dtype=torch.int64)])
+        start = np.concatenate([start, np.full(pad_to - groups, n)])
+        slot = np.concatenate([slot, np.full(pad_to - groups, -1)])
         max_len = n
-    return LoraSegments(
-        slot=slot.to(device=device, dtype=torch.int32),
-        start=start.to(device=device, dtype=torch.int32),
-        max_len=max_len,
-        num_rows=n,
-    )
+    both = torch.from_numpy(np.concatenate([slot, start]).astype(np.int32)).to(device)  # one copy
+    return LoraSegments(slot=both[: slot.size], start=both[slot.size :], max_len=max_len, num_rows=n)
 
 
 def rows_of(segments: LoraSegments) -> torch.Tensor:

@@ -206,9 +206,10 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
         block_m, block_k, num_warps = 16, 128, 4
         target, max_split = _TARGET_PROGRAMS, 64
     else:
-        # Prefill: 32-row tiles, split 4: 8b gate_up 31.5 µs (64 rows split 2: 37.3), 8b down 57.1 (best 55.8),
-        # 8b qkv 40.6 (best 39.2 at split 2; 64 rows split 2: 57.7).
-        block_m, block_k, num_warps = 32, 128, 4
+        # Prefill: 32-row tiles of 256 columns; at 32 x 512 tokens (kernels.bench._sweep_prefill, H200, rank 16) the
+        # fastest for 7 of the 8 llama-1b/-8b projections, no split (8b qkv 90.9 µs, down 133.2; BLOCK_K 128: 97.5,
+        # 138.3). Short prefills still split K up to 4 ways when they launch too few programs.
+        block_m, block_k, num_warps = 32, 256, 4
         target, max_split = _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
     # Programs live at rank <= 16: one rank tile per (group, row tile, slice).
     base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * num_slices)

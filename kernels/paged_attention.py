@@ -259,11 +259,13 @@ def paged_attention(
 
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 128) -> int:
-    """Key splits per sequence for a decode launch: enough programs to fill an H200's 132 SMs about four times
-    over (batch x kv_heads x splits >= 512), no split shorter than `min_keys` at the longest context the
-    block tables allow, at most 16. llama-8b, batch 32, 8 KV heads: 256 programs alone, 2 splits; batch 4: 16."""
+    """Key splits per sequence for a decode launch: splits only while the batch leaves SMs idle (batch x kv_heads x
+    splits < 128, about one program per SM of an H200), none shorter than `min_keys` at the longest context the
+    block tables allow, at most 16. Measured on an H200 (engine.profile_steps --attention, PERF.md): at batch 32 x 8
+    KV heads any split was slower (8b, 544 keys: 25.8 µs unsplit, 33.8 at 2 splits, 42.0 at 8), as the combine's
+    launch and partials cost more than the extra programs gain once 256 programs run."""
     splits = 1
-    while splits < 16 and batch * kv_heads * splits < 512 and max_context >= 2 * splits * min_keys:
+    while splits < 16 and batch * kv_heads * splits < 128 and max_context >= 2 * splits * min_keys:
         splits *= 2
     return splits
 

@@ -139,9 +139,10 @@ def _chain_requests(n: int, new: int) -> list[GenerationRequest]:
 
 
 def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
-    """Decode rounds of several graph replays (config decode_steps, engine.cuda_graphs "Chains") give every request
-    the tokens one step per round gives, greedy and sampled, with max_new_tokens that differ (rounds are cut to the
-    fewest tokens left) and a request stopped early by EOS (its rows after the stop are charged to it, its tokens
+    """Decode rounds of several graph replays (config decode_steps, engine.cuda_graphs "Chains"), each next round
+    launched from the last one's tokens on the device before the host reads them, give every request the tokens
+    one step per round gives, greedy and sampled, with max_new_tokens that differ (rounds are cut to the fewest
+    tokens left) and a request stopped early by EOS (its rows after the stop are charged to it, its tokens
     dropped). Every step is its own record, its shares sum to its time, and all records together are what the
     requests are charged."""
     reqs = _chain_requests(6, 8)
@@ -157,10 +158,16 @@ def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
     calls = []
     chain = engine.runner.decode_chain
-    monkeypatch.setattr(engine.runner, "decode_chain", lambda items, steps, *a: calls.append(steps) or chain(items, steps, *a))
+
+    def counted(items, steps, *a, first_ids=None):
+        calls.append((steps, first_ids is not None))
+        return chain(items, steps, *a, first_ids=first_ids)
+
+    monkeypatch.setattr(engine.runner, "decode_chain", counted)
     got = engine.generate(reqs)
     records = engine.pop_step_records()
-    assert calls and max(calls) == 4, calls  # rounds of 4 replays ran (cut to what the requests had left)
+    assert calls and max(steps for steps, _ in calls) == 4, calls  # rounds of 4 replays ran (cut to what the requests had left)
+    assert any(fed for _, fed in calls), calls  # and a round was launched from the one before, still on the device
     assert all(r.ok for r in got), [r.error for r in got if not r.ok]
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
@@ -168,3 +175,6 @@ def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
     charged = sum(r.timings.base_us + r.timings.lora_us for r in got)
     assert charged == sum(r.total_us for r in records), "every measured µs is charged to some request"
     assert len(records) <= single_steps  # the same steps, in fewer host round trips (fewer: request 0 stops early)
+    # Request 0's rows after its EOS: at most the rest of its round and the round launched before it was read.
+    rows = sum(1 for r in records if any(share.request_id == "c0" for share in r.shares))
+    assert got[0].timings.steps <= rows <= got[0].timings.steps + 2 * 4 - 1, (rows, got[0].timings.steps)

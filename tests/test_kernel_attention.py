@@ -149,11 +149,11 @@ def test_decode_split_over_keys_matches_float64(dtype, splits):
 def test_decode_splits_fill_the_gpu_and_stay_long_enough():
     """The split count: more programs for small batches, none for short contexts, always a power of two up to 16."""
     pa = paged_attention_module
-    assert pa.decode_splits(32, 8, 192) == 1  # llama-1b bench: 256 programs, contexts too short to split
-    assert pa.decode_splits(32, 8, 576) == 2  # llama-8b bench
+    assert pa.decode_splits(32, 8, 192) == 1  # llama-1b bench: 256 programs already
+    assert pa.decode_splits(32, 8, 4096) == 1  # llama-8b bench shape at long contexts: still enough programs
     assert pa.decode_splits(1, 8, 8192) == 16
-    assert pa.decode_splits(4, 8, 1024) == 8  # capped by the context: 8 splits of 128 keys
-    assert pa.decode_splits(64, 8, 100_000) == 1
+    assert pa.decode_splits(4, 8, 1024) == 4  # 128 programs
+    assert pa.decode_splits(2, 8, 255) == 1  # too short for two splits of 128 keys, the least a split takes
 
 
 # llama-1b and llama-8b attention: 32 heads over 8 KV heads, head_dim 64 and 128, block 16; CUDA only.
