@@ -280,10 +280,10 @@ def _sweep(rep: int = 30) -> None:
         case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
         if phase == "decode":
             s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
-            e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8)))
+            e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8), (1,)))
         else:
             s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
-            e_cands = [(128, 128, 8), (128, 256, 8), (64, 256, 8), (256, 128, 8)]
+            e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
         best(f"{label} shrink", shrink_module, s_cands,
              lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
         best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
@@ -306,7 +306,7 @@ def _sweep(rep: int = 30) -> None:
             attention(f"{name} {phase} attention", model, phase)
 
 
-def _sweep_prefill(tokens: int = 512, rep: int = 30) -> None:
+def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = ("shrink", "expand")) -> None:
     """The prefill LoRA kernels alone at issue 4's prefill (32 sequences of `tokens` over 32 adapters of rank 16):
     for each projection of llama-1b and -8b, the fastest shrink and expand configs of a wide grid, with the achieved
     bandwidth against the bytes each must move (python -c "from kernels.bench import _sweep_prefill; _sweep_prefill()")."""
@@ -337,11 +337,13 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30) -> None:
     for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
         for proj, (in_f, widths) in model.projections().items():
             case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-            s_cands = list(itertools.product((1, 2, 4), (16, 32, 64), (64, 128, 256), (4,)))
-            e_cands = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8)))
-            best(f"{name} {proj} shrink", shrink_module, s_cands,
-                 lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep), case.shrink_bytes)
-            best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
-                lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
-                case.expand_bytes)  # fmt: skip
+            s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,)))
+            e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
+            if "shrink" in kernels:
+                best(f"{name} {proj} shrink", shrink_module, s_cands,
+                     lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep), case.shrink_bytes)
+            if "expand" in kernels:
+                best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
+                    lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
+                    case.expand_bytes)  # fmt: skip
             del case

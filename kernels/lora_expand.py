@@ -65,9 +65,10 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_TILES: tl.constexpr,  # row tiles per program (BLOCK_M > 1): more bytes in flight per program
 ):
     pid_n = tl.program_id(0)  # slice x column tile
-    pid_m = tl.program_id(1)  # row tile within the group
+    pid_m = tl.program_id(1)  # ROW_TILES row tiles within the group
     group = tl.program_id(2)
     sl = pid_n // num_ntiles
     n0 = (pid_n % num_ntiles) * BLOCK_N
@@ -87,7 +88,7 @@ def _expand_kernel(
         return
     if n0 >= width:
         return
-    m0 = row_begin + pid_m * BLOCK_M
+    m0 = row_begin + pid_m * (BLOCK_M * ROW_TILES)
     if m0 >= row_end:
         return
     rank = tl.load(rank_ptr + slot)
@@ -117,29 +118,30 @@ def _expand_kernel(
             acc_v += tl.sum(tv[:, None] * bt.to(tl.float32), axis=0)
         tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc_v).to(yv.dtype), mask=n_mask)
     else:
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
-        m_mask = offs_m < row_end
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
-        mask = m_mask[:, None] & n_mask[None, :]
-        yt = tl.load(y_ptrs, mask=mask, other=0.0)  # issued now, used after the rank loop
         if rank == 0:
             return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-            r_mask = offs_r < rank
-            tt = tl.load(
-                t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
-                mask=m_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )  # [BM, BR] fp32
-            bt = tl.load(
-                b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
-                mask=r_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            )  # [BR, BN]
-            acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
-        tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=mask)
+        for mi in tl.static_range(ROW_TILES):  # unrolled: the tiles' y loads can be in flight together
+            offs_m = m0 + mi * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            m_mask = offs_m < row_end
+            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
+            mask = m_mask[:, None] & n_mask[None, :]
+            yt = tl.load(y_ptrs, mask=mask, other=0.0)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+                r_mask = offs_r < rank
+                tt = tl.load(
+                    t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
+                    mask=m_mask[:, None] & r_mask[None, :],
+                    other=0.0,
+                )  # [BM, BR] fp32
+                bt = tl.load(
+                    b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+                    mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                )  # [BR, BN]
+                acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+            tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=mask)
 
 
 def lora_expand(
@@ -167,9 +169,9 @@ def lora_expand(
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, y has {n}"
     if n == 0 or segments.num_groups == 0:
         return
-    block_m, block_n, num_warps = _config(segments)
+    block_m, block_n, num_warps, row_tiles = _config(segments)
     num_ntiles = triton.cdiv(max(widths), block_n)
-    grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _expand_kernel[grid](
         t, b_stack, y, rank, scale, segments.slot, start, _slice_starts(widths, y.device),
@@ -182,20 +184,21 @@ def lora_expand(
         BLOCK_N=block_n,
         BLOCK_R=_BLOCK_R,
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # B exact, t to 11 bits
+        ROW_TILES=row_tiles,
         num_warps=num_warps,
     )
 
 
-def _config(segments: LoraSegments) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16; µs are
-    CUDA-graph replays after an L2 flush)."""
+def _config(segments: LoraSegments) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16;
+    µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
-        return 1, 512, 4  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
+        return 1, 512, 4, 1  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
     if segments.max_len <= 16:
-        return 16, 256, 4
+        return 16, 256, 4, 1
     # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
-    return 32, 128, 4
+    return 32, 128, 4, 1
 
 
 @functools.lru_cache(maxsize=64)

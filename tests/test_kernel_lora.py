@@ -195,6 +195,17 @@ def test_torch_references_match_float64(form):
     _assert_close(y, y_want, 1e-5, "lora_expand_ref")
 
 
+@pytest.mark.parametrize("row_tiles", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_expand_with_several_row_tiles_per_program(monkeypatch, dtype, row_tiles):
+    """Prefill expand programs that each take several row tiles (the last ones past their group's end) compute what
+    float64 does and leave rows without an adapter untouched, over mixed ranks and the fused qkv slices."""
+    default = lora_expand_module._config
+    monkeypatch.setattr(lora_expand_module, "_config", lambda seg: (16, 64, 4, row_tiles) if seg.start is not None else default(seg))
+    gen = torch.Generator().manual_seed(17 + row_tiles)
+    _run_case(dtype, "zipf", RANKS["mixed"], SLICES["qkv"], "prefill", IN_FEATURES, gen)
+
+
 @pytest.mark.parametrize("form", ["per_row", "prefill"])
 def test_split_k_adds_up_to_the_same_t(monkeypatch, form):
     """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives, GEMV and tiles alike."""
