@@ -104,7 +104,9 @@ def _summary(results: dict[str, dict]) -> None:
         print(f"{name}: base {r['base_step_ms']:.3f} ms ({r['base_device_step_ms']:.3f} device) vs roofline {r['base_roofline_ms']:.3f} "
               f"= {r['base_x_roofline']:.2f}x | mixed {r['mixed_step_ms']:.3f} ({r['mixed_device_step_ms']:.3f}) vs "
               f"{r['mixed_roofline_ms']:.3f} = {r['mixed_x_roofline']:.2f}x | tok/s base {r['ours_base_tok_s']:.0f} mixed "
-              f"{r['ours_mixed_tok_s']:.0f} peer {r['peer_base_tok_s']} / {r['peer_mixed_tok_s']} | prefill {r['prefill_ms']:.1f} ms "
+              f"{r['ours_mixed_tok_s']:.0f} peer {r['peer_base_tok_s']} / {r['peer_mixed_tok_s']} | one step per round: base "
+              f"{r.get('base_step_ms_one_per_round', 0):.3f} mixed {r.get('mixed_step_ms_one_per_round', 0):.3f} | prefill {r['prefill_ms']:.1f} ms "
+              f"({r.get('prefill_device_ms', 0):.1f} device; mixed {r['mixed_prefill_ms']:.1f}, {r.get('mixed_prefill_device_ms', 0):.1f}) "
               f"{r['prefill_tflops']:.1f} TFLOP/s = {r['prefill_matmul_pct']:.1f}% of {r['matmul_tflops']:.0f}, LoRA "
               f"+{r['prefill_lora_overhead_pct']:.1f}% | mixed/uniform {r.get('mixed_ranks_ratio')} (LoRA {r.get('mixed_ranks_lora_ratio')})")  # fmt: skip
 
