@@ -83,10 +83,15 @@ class DecodeGraphs:
         device = lora.device
         mb = sizes[-1]
         n = 5 * mb + mb * max_blocks
-        # [ids | positions | KV slots | seq lens | adapter slots | block tables], each section mb rows; one staging
-        # row per step of a chain (run_chain), since step j's copy may still be queued when step j + 1's is filled
-        self._host = torch.zeros(max(1, max_chain), n, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # [ids | positions | KV slots | seq lens | adapter slots | block tables], each section mb rows. One staging
+        # row per step of a chain (run_chain), as step j's copy may still be queued when step j + 1's row is filled,
+        # and two sets of them used in turn by consecutive chains: the engine stages the next round while the last
+        # one still runs (engine.engine, _next_round), and that one's copies read their rows until it ends.
+        self.max_chain = max(1, max_chain)
+        # The last row stages single steps (run, and prepare's capture), which may come while a chain still runs.
+        self._host = torch.zeros(2 * self.max_chain + 1, n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
+        self._chain_set = 0  # which set of staging rows the next chain fills
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.ids, self.pos, self.slot_mapping, self.seq_lens, self.adapter_slot = self._dev[: 5 * mb].view(5, mb)
         self.tables = self._dev[5 * mb :].view(mb, max_blocks)  # [mb, max_blocks]
@@ -98,7 +103,7 @@ class DecodeGraphs:
     def fits(self, items: list, steps: int = 1) -> bool:
         """Whether `steps` decode steps of these runner items can replay a graph: all decode-shaped, few enough, and
         short enough for the static block tables after the last step."""
-        if len(items) > self.sizes[-1] or steps > self._host.shape[0]:
+        if len(items) > self.sizes[-1] or steps > self.max_chain:
             return False
         limit = self.max_blocks * self.kv.block_size - steps + 1
         return all(len(it.token_ids) == 1 and it.context_len < limit for it in items)
@@ -116,8 +121,8 @@ class DecodeGraphs:
         b, lora = self.bucket(len(items)), any(it.lora_slot >= 0 for it in items)
         if (b, lora) in self._graphs:
             return
-        self._fill(items, b)
-        self._dev.copy_(self._host[0], non_blocking=True)
+        self._fill(items, b, row=-1)
+        self._dev.copy_(self._host[-1], non_blocking=True)
         self._graphs[(b, lora)] = self._capture(b, lora)
         if lora and self.capture:
             if (b, False) not in self._graphs:
@@ -131,8 +136,8 @@ class DecodeGraphs:
         batch = len(items)
         b = self.bucket(batch)
         lora = any(it.lora_slot >= 0 for it in items)
-        self._fill(items, b)
-        self._dev.copy_(self._host[0], non_blocking=True)
+        self._fill(items, b, row=-1)
+        self._dev.copy_(self._host[-1], non_blocking=True)
         graph, out = self._graphs[(b, lora)]
         if graph is None:
             out = self._forward(b, lora)  # CPU: the static-buffer forward, eagerly
@@ -151,18 +156,20 @@ class DecodeGraphs:
         Returns each step's sampled tokens [batch] (device tensors); `section(j)` wraps step j's replay and
         sampling (the engine's timer). The block tables must already cover context + steps tokens. `first_ids` [batch]
         on the device replaces the items' own tokens as the first step's input (the engine's next round)."""
-        assert 1 <= steps <= self._host.shape[0], (steps, self._host.shape[0])
+        assert 1 <= steps <= self.max_chain, (steps, self.max_chain)
         self.prepare(items)
         batch = len(items)
         b = self.bucket(batch)
         lora = any(it.lora_slot >= 0 for it in items)
+        base_row = self._chain_set * self.max_chain
+        self._chain_set ^= 1
         for j in range(steps):
-            self._fill(items, b, ahead=j)
+            self._fill(items, b, ahead=j, row=base_row + j)
         graph, out = self._graphs[(b, lora)]
         chosen: list[torch.Tensor] = []
         for j in range(steps):
             with section(j):
-                self._dev.copy_(self._host[j], non_blocking=True)
+                self._dev.copy_(self._host[base_row + j], non_blocking=True)
                 if j or first_ids is not None:
                     self.ids[:batch].copy_(chosen[-1] if j else first_ids)
                 if graph is None:
@@ -176,9 +183,9 @@ class DecodeGraphs:
 
     # ---- internals
 
-    def _fill(self, items: list, b: int, ahead: int = 0) -> None:
-        """Stage the inputs of a step of `items` (`ahead` steps after theirs, for run_chain) in staging row `ahead`."""
-        h, mb, bs, maxb = self._host_np[ahead], self.sizes[-1], self.kv.block_size, self.max_blocks
+    def _fill(self, items: list, b: int, ahead: int = 0, row: int = 0) -> None:
+        """Stage the inputs of a step of `items` (`ahead` steps after theirs, for run_chain) in staging row `row`."""
+        h, mb, bs, maxb = self._host_np[row], self.sizes[-1], self.kv.block_size, self.max_blocks
         batch = len(items)
         ids, pos, slots, lens, adapters = (h[i * mb : i * mb + b] for i in range(5))
         tables = h[5 * mb :].reshape(mb, maxb)

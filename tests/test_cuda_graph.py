@@ -127,6 +127,14 @@ def test_engine_with_graphs_generates_what_the_torch_backend_does(demo, engine):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     records = engine.pop_step_records()
     assert all(r.base_us + r.lora_us == r.total_us and sum(s.lora_us for s in r.shares) == r.lora_us for r in records)
+    # Rounds of 2 steps, each next one staged and launched while the last still runs on the device: the same tokens.
+    config = engine.config
+    engine.config = config.model_copy(update={"decode_steps": 2})
+    try:
+        rounds = engine.generate(reqs)
+    finally:
+        engine.config = config
+    assert [r.output_ids for r in rounds] == [r.output_ids for r in want]
 
 
 def _chain_requests(n: int, new: int) -> list[GenerationRequest]:
