@@ -7,9 +7,11 @@ random weights, and N adapters with zipf popularity. Each scenario starts its wo
 - 1 worker, jobs keyed by adapter (the baseline);
 - W workers, jobs keyed by adapter;
 - W workers, jobs keyed by request;
+- W workers, jobs placed by adapter with balanced partitions (consumer.submit.balanced_partitions);
 
-and reports throughput (the W-worker speed-up), adapter loads per scenario (keying by adapter keeps
-each adapter on fewer GPUs), and that every job has exactly one result and one ledger row. With one GPU
+and reports throughput (the W-worker speed-up, keyed by adapter and balanced), adapter loads per
+scenario (keying by adapter keeps each adapter on fewer GPUs), and that every job has exactly one
+result and one ledger row. With one GPU
 (or none) the W workers share it, which checks the mechanics but not the speed-up.
 """
 
@@ -124,7 +126,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
         for i, path in enumerate(adapter_dirs):
             svc.registry.add_adapter("bench", f"a{i:03d}", path)
             names.append(f"a{i:03d}")
-        for n_workers, key_by in ((1, "adapter"), (workers, "adapter"), (workers, "request")):
+        for n_workers, key_by in ((1, "adapter"), (workers, "adapter"), (workers, "request"), (workers, "adapter-balanced")):
             run = uuid.uuid4().hex[:6]
             s = load_settings(None, {**base, "kafka.jobs_topic": f"{run}.jobs", "kafka.results_topic": f"{run}.results",
                                      "kafka.dlq_topic": f"{run}.dlq", "kafka.batches_topic": f"{run}.batches",
@@ -147,14 +149,15 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
     finally:
         broker.stop()
     speedup = rows[1]["jobs_per_s"] / rows[0]["jobs_per_s"]
+    balanced = rows[3]["jobs_per_s"] / rows[0]["jobs_per_s"]
     figures = {"shape": shape, "workers": workers, "gpus": gpus or "shared", "jobs": jobs, "adapters": adapters,
-               "speedup": round(speedup, 2), "scenarios": rows,
+               "speedup": round(speedup, 2), "speedup_balanced": round(balanced, 2), "scenarios": rows,
                "all_results_and_rows": all(r["missing_results"] == 0 and r["ledger_rows"] == jobs for r in rows)}
     if not json_only:
-        print(f"{'workers':>7} {'key':>8} {'seconds':>8} {'jobs/s':>8} {'loads':>6} {'rows':>6} {'missing':>7} {'dups':>5}")
+        print(f"{'workers':>7} {'key':>16} {'seconds':>8} {'jobs/s':>8} {'loads':>6} {'rows':>6} {'missing':>7} {'dups':>5}")
         for r in rows:
-            print(f"{r['workers']:>7} {r['key']:>8} {r['seconds']:>8} {r['jobs_per_s']:>8} {r['adapter_loads']:>6} "
+            print(f"{r['workers']:>7} {r['key']:>16} {r['seconds']:>8} {r['jobs_per_s']:>8} {r['adapter_loads']:>6} "
                   f"{r['ledger_rows']:>6} {r['missing_results']:>7} {r['duplicate_results']:>5}")
-        print(f"speed-up of {workers} workers over 1: {speedup:.2f}x")
+        print(f"speed-up of {workers} workers over 1: {speedup:.2f}x keyed by adapter, {balanced:.2f}x balanced")
     print(json.dumps(figures))
     return figures

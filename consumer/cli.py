@@ -309,7 +309,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
 @app.command("submit")
 def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs belong to")],
            batch_id: Annotated[Optional[str], typer.Option("--batch-id")] = None,
-           key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter or request")] = None,
+           key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter, adapter-balanced or request")] = None,
            config: ConfigOpt = None) -> None:
     """Produce jobs from a native or OpenAI Batch API JSONL file."""
     from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs

@@ -44,7 +44,7 @@ class KafkaConfig(_Section):
     group_id: str = "lorabatch-workers"
     partitions: int = Field(4, ge=1, le=1024, description="partitions of each topic the broker command creates")
     compression: Literal["gzip", "none"] = "gzip"
-    partition_key: Literal["tenant", "adapter", "request"] = Field(
+    partition_key: Literal["tenant", "adapter", "adapter-balanced", "request"] = Field(
         "tenant", description="what `lorabatch submit` keys jobs by (see README: partition keys)"
     )
     max_message_bytes: int = Field(1_000_000, ge=1024, description="jobs larger than this go to the DLQ")

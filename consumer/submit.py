@@ -9,7 +9,9 @@ batches topic so that `results` knows when the batch is complete.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -101,8 +103,50 @@ def prepare(path: Path, tenant_id: str, batch_id: str) -> Prepared:
 
 
 def partition_key(job: Job, by: str) -> bytes:
+    """The record key of a job; `adapter-balanced` keys by adapter too (its partition is chosen, not hashed)."""
+    by = "adapter" if by == "adapter-balanced" else by
     value = {"tenant": job.tenant_id, "adapter": f"{job.tenant_id}/{job.adapter or ''}", "request": job.request_id}[by]
     return value.encode()
+
+
+def job_weight(job: Job) -> int:
+    """A job's expected GPU work in tokens: its prompt ids (if given as ids) and its new tokens; decode dominates."""
+    return len(job.input_ids or ()) + job.max_new_tokens + 1
+
+
+def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
+    """A partition for each job of a batch: jobs of one adapter together, partitions loaded evenly.
+
+    Keyed by adapter and hashed, a zipf batch lands unevenly: in the scale-out bench's 2,000 jobs over 64
+    adapters, one adapter has 20% of the jobs and the hash put 68% of all jobs on one of two workers, which
+    then ran alone for half the batch (engine/PERF.md, issue 7). Here each adapter's jobs form a group weighed
+    by `job_weight`; a group heavier than a partition's fair share (total / partitions) is cut into that many
+    shares' worth of consecutive jobs (a hot adapter is then loaded on a few workers instead of overloading
+    one); groups are then placed heaviest first on the least-loaded partition (LPT), which keeps every
+    partition within the largest group's weight of the mean, and in practice much closer.
+    """
+    assert partitions, "a topic has at least one partition"
+    weights = [job_weight(j) for j in jobs]
+    fair = sum(weights) / len(partitions)
+    by_key: dict[bytes, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_key.setdefault(partition_key(job, "adapter"), []).append(i)
+    groups: list[tuple[int, list[int]]] = []  # (weight, job indices)
+    for idx in by_key.values():
+        total = sum(weights[i] for i in idx)
+        pieces = max(1, min(len(idx), math.ceil(total / fair - 1e-9))) if fair > 0 else 1
+        for k in range(pieces):
+            part = idx[k * len(idx) // pieces : (k + 1) * len(idx) // pieces]
+            groups.append((sum(weights[i] for i in part), part))
+    groups.sort(key=lambda g: -g[0])
+    heap = [(0, p) for p in sorted(partitions)]
+    out = [0] * len(jobs)
+    for weight, part in groups:
+        load, p = heapq.heappop(heap)
+        for i in part:
+            out[i] = p
+        heapq.heappush(heap, (load + weight, p))
+    return out
 
 
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
@@ -110,10 +154,13 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
     producer = make_producer(cfg, client_id="lorabatch-submit")
     await producer.start()
     try:
+        placed: list[int | None] = [None] * len(jobs)
+        if key_by == "adapter-balanced" and jobs:
+            placed = balanced_partitions(jobs, sorted(await producer.partitions_for(cfg.jobs_topic)))
         futures = []
-        for job in jobs:
+        for job, partition in zip(jobs, placed):
             futures.append(await producer.send(cfg.jobs_topic, job.model_dump_json(exclude_none=True).encode(),
-                                               key=partition_key(job, key_by)))
+                                               key=partition_key(job, key_by), partition=partition))
             if progress is not None:
                 progress(1)
         await asyncio.gather(*futures)
