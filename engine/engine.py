@@ -389,12 +389,12 @@ class Engine:
 
     def _chain_length(self, plan: Plan, items: list[BatchItem]) -> int:
         """Decode steps this round runs back to back (engine.config `decode_steps`, engine.cuda_graphs "Chains"): more
-        than 1 only when every item decodes one token and samples, none wants logprobs, nothing waits to be admitted,
-        the graphs fit, and every sequence's blocks grow to cover the extra steps (taken here). Capped at the fewest
+        than 1 only when every running request is in the step, decodes one token and samples, none wants logprobs,
+        nothing waits to be admitted, the graphs fit, and every sequence's blocks grow to cover the extra steps (taken here). Capped at the fewest
         tokens any request has left, so no request computes past its max_new_tokens."""
         steps = self.config.decode_steps
-        if steps <= 1 or self.scheduler.waiting or plan.preempted:
-            return 1
+        if steps <= 1 or self.scheduler.waiting or plan.preempted or len(plan.items) != len(self.scheduler.running):
+            return 1  # (a running request left out of this step by the token budget must not wait for a whole run)
         if not all(it.samples and len(it.tokens) == 1 and it.seq.logprobs is None for it in plan.items):
             return 1
         steps = min(steps, *(it.seq.request.sampling.max_new_tokens - len(it.seq.output_ids) for it in plan.items))
