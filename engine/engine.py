@@ -15,9 +15,9 @@ waits, a step runs up to `decode_steps` graph replays back to back (`_launch_rou
 tokens the one before sampled, without the host reading them; the next step() launches the following
 round from the last one's tokens on the device (`_next_round`) and only then reads the last one back
 and does its bookkeeping, so that host work overlaps the GPU instead of idling it (llama-1b, batch 32:
-2.11 -> 1.34 ms per decode step, engine/PERF.md). Results thus come back one step() call later. Any
-waiting request, a request reaching its max_new_tokens, or one found finished ends the run of rounds,
-and the next step() schedules afresh.
+2.11 -> 1.34 ms per decode step, engine/PERF.md). Results thus come back one step() call later. A
+waiting request that the batch has room for, a request reaching its max_new_tokens, or one found
+finished ends the run of rounds, and the next step() schedules afresh.
 
 Timings (for billing, DESIGN.md "Cost attribution"): each step's time is measured with CUDA events around
 the forward and the sampling (the adapter loads started between them, which overlap the forward on CUDA,
@@ -390,10 +390,11 @@ class Engine:
     def _chain_length(self, plan: Plan, items: list[BatchItem]) -> int:
         """Decode steps this round runs back to back (engine.config `decode_steps`, engine.cuda_graphs "Chains"): more
         than 1 only when every running request is in the step, decodes one token and samples, none wants logprobs,
-        nothing waits to be admitted, the graphs fit, and every sequence's blocks grow to cover the extra steps (taken here). Capped at the fewest
-        tokens any request has left, so no request computes past its max_new_tokens."""
+        no waiting request could be admitted now (`_admissible`), the graphs fit, and every sequence's blocks grow
+        to cover the extra steps (taken here). Capped at the fewest tokens any request has left, so no request
+        computes past its max_new_tokens."""
         steps = self.config.decode_steps
-        if steps <= 1 or self.scheduler.waiting or plan.preempted or len(plan.items) != len(self.scheduler.running):
+        if steps <= 1 or self._admissible() or plan.preempted or len(plan.items) != len(self.scheduler.running):
             return 1  # (a running request left out of this step by the token budget must not wait for a whole run)
         if not all(it.samples and len(it.tokens) == 1 and it.seq.logprobs is None for it in plan.items):
             return 1
@@ -430,11 +431,11 @@ class Engine:
 
     def _next_round(self, rnd: _Round) -> _Round | None:
         """The round after `rnd`, launched before `rnd` is read back, so that the host's reading and bookkeeping of
-        `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when requests wait to be
-        admitted, when a request of `rnd` reaches its max_new_tokens in it, or when blocks or graphs do not allow
-        it. Sequences that stop in `rnd` by EOS or a stop string are found only when it is read: they keep their
-        row in this round, charged to them and dropped (as in a round, `_chain_length`)."""
-        if self.scheduler.waiting or any(s.finish_reason is not None for s in rnd.seqs):
+        `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when a waiting request could
+        be admitted (`_admissible`), when a request of `rnd` reaches its max_new_tokens in it, or when blocks or
+        graphs do not allow it. Sequences that stop in `rnd` by EOS or a stop string are found only when it is read:
+        they keep their row in this round, charged to them and dropped (as in a round, `_chain_length`)."""
+        if self._admissible() or any(s.finish_reason is not None for s in rnd.seqs):
             return None  # (a sequence that finished in the round before this one: not carried any further)
         left = [s.request.sampling.max_new_tokens - len(s.output_ids) - rnd.steps for s in rnd.seqs]
         steps = min(self.config.decode_steps, *left)
@@ -450,6 +451,12 @@ class Engine:
                 return None
             blocks.grow(it.seq_id, total)
         return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+
+    def _admissible(self) -> bool:
+        """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the
+        batch full (a loaded worker's usual state) nobody can join until a request finishes, and rounds end at the
+        first finish by length anyway; a finish by EOS or a stop string frees its place one round later."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_batch_size
 
     def _process_round(self, rnd: _Round) -> None:
         """Read a round's tokens back (the one wait) and book its steps: each step is measured and attributed as a step

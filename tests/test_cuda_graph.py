@@ -186,3 +186,25 @@ def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
     # Request 0's rows after its EOS: at most the rest of its round and the round launched before it was read.
     rows = sum(1 for r in records if any(share.request_id == "c0" for share in r.shares))
     assert got[0].timings.steps <= rows <= got[0].timings.steps + 2 * 4 - 1, (rows, got[0].timings.steps)
+
+
+def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeypatch):
+    """With the batch full (max_batch_size 8) and more requests waiting, rounds still run (nobody could join before a
+    request finishes), end where the first request reaches its length, and the waiting ones are admitted then: every
+    request gets the tokens of single-step rounds."""
+    reqs = [GenerationRequest(request_id=f"f{i}", input_ids=(5 + i, 9, 11), adapter=[None, *ADAPTERS][i % 5],
+                              sampling=SamplingParams(max_new_tokens=8 - i % 4, ignore_eos=True)) for i in range(12)]  # fmt: skip
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
+    want = engine.generate(reqs)
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    waiting_at_launch = []
+    launch = engine._launch_round
+
+    def watched(*a, **kw):
+        waiting_at_launch.append(len(engine.scheduler.waiting))
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(engine, "_launch_round", watched)
+    got = engine.generate(reqs)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
