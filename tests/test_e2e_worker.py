@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections import Counter
 from datetime import UTC, datetime
@@ -116,8 +117,12 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
         assert row.adapter == "legal@1" and row.status == "succeeded" and row.base_us > 0
 
         # Per-period conservation: the requests' base + LoRA time is exactly the engine's measured busy time.
-        await asyncio.sleep(0.5)  # the busy record of the last batch is written just after its results
-        c = period_conservation(svc.db, datetime.now(UTC).strftime("%Y-%m"), s.ledger)
+        # Busy time reaches the ledger every worker.ledger_flush_ms (1 s), so the last steps' record may come up to
+        # that long after their results: wait for the flush (up to 10 s) rather than for a fixed time.
+        period = datetime.now(UTC).strftime("%Y-%m")
+        deadline = time.monotonic() + 10
+        while (c := period_conservation(svc.db, period, s.ledger)).attributed_us != c.busy_us and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         assert c.busy_us > 0 and c.attributed_us == c.busy_us, c
         assert c.cold_start_us == c.load_us, c
 
