@@ -286,6 +286,11 @@ class Engine:
         return max(0.001, self.adapters.wait_s())
 
     def pop_step_records(self) -> list[StepRecord]:
+        """The records of every step launched so far: a decode round still in flight is read back first (its results
+        come from the next step()), so that no step popped later began before this call. The worker's busy-time
+        records rely on that: each covers the wall span between two pops, and the ledger refuses one whose GPU time
+        exceeds its span."""
+        self._drain()
         records, self.step_records = self.step_records, []
         return records
 

@@ -208,3 +208,23 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeyp
     got = engine.generate(reqs)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
+
+
+def test_popping_step_records_reads_a_round_in_flight_back(engine, monkeypatch):
+    """pop_step_records() first reads back a decode round still on the device, so every step launched before the call
+    is in what it returns (a worker's busy-time record covers exactly the span between two pops); the round's
+    finished requests come back from the next step()."""
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    engine.pop_step_records()
+    reqs = [GenerationRequest(request_id=f"p{i}", input_ids=(7, 8 + i), sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))
+            for i in range(3)]  # fmt: skip
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # the prefill: one token each
+    engine.step()  # a round of 4 launched, not read
+    assert engine._inflight is not None and engine._inflight.steps == 4
+    records = engine.pop_step_records()
+    assert engine._inflight is None and len(records) == 1 + 4
+    done = engine.step()
+    assert sorted(r.request_id for r in done) == ["p0", "p1", "p2"] and all(len(r.output_ids) == 5 for r in done)
+    assert not engine.has_unfinished()
