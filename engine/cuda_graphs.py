@@ -49,6 +49,7 @@ import statistics
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -163,8 +164,9 @@ class DecodeGraphs:
         lora = any(it.lora_slot >= 0 for it in items)
         base_row = self._chain_set * self.max_chain
         self._chain_set ^= 1
-        for j in range(steps):
-            self._fill(items, b, ahead=j, row=base_row + j)
+        self._fill(items, b, row=base_row)
+        for j in range(1, steps):
+            self._advance(base_row, base_row + j, batch, j)
         graph, out = self._graphs[(b, lora)]
         chosen: list[torch.Tensor] = []
         for j in range(steps):
@@ -183,20 +185,32 @@ class DecodeGraphs:
 
     # ---- internals
 
-    def _fill(self, items: list, b: int, ahead: int = 0, row: int = 0) -> None:
-        """Stage the inputs of a step of `items` (`ahead` steps after theirs, for run_chain) in staging row `row`."""
+    def _fill(self, items: list, b: int, row: int = 0) -> None:
+        """Stage the inputs of a decode step of `items` in staging row `row`."""
         h, mb, bs, maxb = self._host_np[row], self.sizes[-1], self.kv.block_size, self.max_blocks
         batch = len(items)
         ids, pos, slots, lens, adapters = (h[i * mb : i * mb + b] for i in range(5))
         tables = h[5 * mb :].reshape(mb, maxb)
         for i, it in enumerate(items):
-            p = it.context_len + ahead
+            p = it.context_len
             table = self.block_table(it.seq_id)
             tables[i, : len(table)] = table
             ids[i], pos[i], slots[i], lens[i], adapters[i] = it.token_ids[0], p, table[p // bs] * bs + p % bs, p + 1, it.lora_slot
         # padding rows: token 0 at position 0 of a 1-token sequence in the scratch block, no adapter
         ids[batch:], pos[batch:], slots[batch:], lens[batch:], adapters[batch:] = 0, 0, self.scratch_block * bs, 1, -1
         tables[batch:b, 0] = self.scratch_block
+
+    def _advance(self, src: int, dst: int, batch: int, ahead: int) -> None:
+        """Stage in row `dst` the step `ahead` steps after row `src`'s: the same rows and block tables, positions and
+        lengths + ahead and their KV slots, in a few vectorised ops (the ids are fed on the device, run_chain)."""
+        mb, bs = self.sizes[-1], self.kv.block_size
+        h = self._host_np[dst]
+        h[:] = self._host_np[src]
+        pos = h[mb : mb + batch]
+        pos += ahead
+        h[3 * mb : 3 * mb + batch] = pos + 1
+        tables = h[5 * mb :].reshape(mb, self.max_blocks)
+        h[2 * mb : 2 * mb + batch] = tables[np.arange(batch), pos // bs] * bs + pos % bs
 
     def _forward(self, b: int, lora: bool) -> torch.Tensor:
         attn = AttentionMetadata(

@@ -403,16 +403,8 @@ class Engine:
             return 1  # (a running request left out of this step by the token budget must not wait for a whole run)
         if not all(it.samples and len(it.tokens) == 1 and it.seq.logprobs is None for it in plan.items):
             return 1
-        steps = min(steps, *(it.seq.request.sampling.max_new_tokens - len(it.seq.output_ids) for it in plan.items))
-        if steps <= 1 or not self.runner.can_chain(items, steps):
-            return 1
-        blocks = self.runner.blocks
-        for it in plan.items:  # blocks grown here stay the sequence's, for its next tokens, if a later one cannot grow
-            total = it.seq.num_computed + steps
-            if blocks.can_grow(it.seq.request_id, total) is not None:
-                return 1
-            blocks.grow(it.seq.request_id, total)
-        return steps
+        steps = min(steps, *(_tokens_left(it.seq) for it in plan.items))
+        return steps if steps > 1 and self._reserve_round(items, steps) else 1
 
     def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> _Round:
         """Launch `steps` decode steps of `seqs` back to back (engine.cuda_graphs "Chains") and the copy of their
@@ -442,20 +434,24 @@ class Engine:
         they keep their row in this round, charged to them and dropped (as in a round, `_chain_length`)."""
         if self._admissible() or any(s.finish_reason is not None for s in rnd.seqs):
             return None  # (a sequence that finished in the round before this one: not carried any further)
-        left = [s.request.sampling.max_new_tokens - len(s.output_ids) - rnd.steps for s in rnd.seqs]
-        steps = min(self.config.decode_steps, *left)
-        if steps < 1:
-            return None
+        steps = min(self.config.decode_steps, *(_tokens_left(s) - rnd.steps for s in rnd.seqs))
         items = [BatchItem(s.request_id, (0,), s.num_computed + rnd.steps, s.lora_slot, True) for s in rnd.seqs]
-        if not self.runner.can_chain(items, steps):
+        if steps < 1 or not self._reserve_round(items, steps):
             return None
+        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+
+    def _reserve_round(self, items: list[BatchItem], steps: int) -> bool:
+        """Whether `steps` decode steps of `items` can run as one graph chain, growing each sequence's blocks to cover
+        them (blocks grown before a later sequence fails to grow stay its own, for its next tokens)."""
+        if not self.runner.can_chain(items, steps):
+            return False
         blocks = self.runner.blocks
         for it in items:
             total = it.context_len + steps
             if blocks.can_grow(it.seq_id, total) is not None:
-                return None
+                return False
             blocks.grow(it.seq_id, total)
-        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+        return True
 
     def _admissible(self) -> bool:
         """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the
@@ -525,6 +521,10 @@ class Engine:
         t.total_us = max(0, (now_us if now_us is not None else _now_us()) - seq.arrival_us)
         t.adapter_load_us = sum(event.load_us() for event in seq.load_charges)
         return seq.result(error)
+
+
+def _tokens_left(seq: Sequence) -> int:
+    return seq.request.sampling.max_new_tokens - len(seq.output_ids)
 
 
 @dataclass

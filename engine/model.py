@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,15 +399,10 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def fuse_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named tensors -> the model's: q, k, v rows concatenated into qkv_proj, gate and up into gate_up_proj."""
     out = dict(state)
-    for i in range(cfg.num_layers):
-        for fused, parts in FUSED_PROJECTIONS.items():
-            if len(parts) == 1:
-                continue
-            p = f"model.layers.{i}.{FUSED_PARENT[fused]}"
-            for kind in ("weight", "bias"):
-                keys = [f"{p}.{part}.{kind}" for part in parts]
-                if keys[0] in out:
-                    out[f"{p}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys])
+    for p, fused, parts, kind in _multi_part_params(cfg):
+        keys = [f"{p}.{part}.{kind}" for part in parts]
+        if keys[0] in out:
+            out[f"{p}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys])
     return out
 
 
@@ -415,20 +410,25 @@ def unfuse_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, 
     """The model's tensors -> HF names, the fused ones split into views (no copy): the inverse of fuse_hf_state."""
     out = dict(state)
     widths = {module: out_f for module, (_, out_f) in cfg.projection_shapes().items()}
+    for p, fused, parts, kind in _multi_part_params(cfg):
+        tensor = out.pop(f"{p}.{fused}.{kind}", None)
+        if tensor is None:
+            continue
+        row = 0
+        for part in parts:
+            out[f"{p}.{part}.{kind}"] = tensor[row : row + widths[part]]
+            row += widths[part]
+    return out
+
+
+def _multi_part_params(cfg: ModelConfig) -> Iterator[tuple[str, str, tuple[str, ...], str]]:
+    """(parent prefix, fused projection, its HF projections, "weight" or "bias") of every fused parameter that joins
+    several HF ones (qkv and gate_up), layer by layer."""
     for i in range(cfg.num_layers):
         for fused, parts in FUSED_PROJECTIONS.items():
-            if len(parts) == 1:
-                continue
-            p = f"model.layers.{i}.{FUSED_PARENT[fused]}"
-            for kind in ("weight", "bias"):
-                tensor = out.pop(f"{p}.{fused}.{kind}", None)
-                if tensor is None:
-                    continue
-                row = 0
-                for part in parts:
-                    out[f"{p}.{part}.{kind}"] = tensor[row : row + widths[part]]
-                    row += widths[part]
-    return out
+            if len(parts) > 1:
+                for kind in ("weight", "bias"):
+                    yield f"model.layers.{i}.{FUSED_PARENT[fused]}", fused, parts, kind
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:

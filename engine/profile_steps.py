@@ -199,7 +199,6 @@ def attention_splits(shape: str, contexts: tuple[int, ...] = (160, 544, 2048), b
             us = statistics.median(times)
             row.append(f"{splits}: {us:6.1f} µs ({nbytes / us / 1e3:5.0f} GB/s)")
         print(f"   context {ctx:>5}:  " + "   ".join(row))
-        del caches
 
 
 if __name__ == "__main__":

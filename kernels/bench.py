@@ -250,6 +250,24 @@ def _print_tables(result: dict) -> None:
         print(f"{r['model']:9} {r['phase']:8} {r['base_us']:14.1f} {r['lora_us']:9.1f} {r['lora_pct']:11.1f}%")
 
 
+def _best(label: str, module, candidates, run: Callable[[], float], floor_us: float | None = None) -> None:
+    """Time `run` with each candidate as `module._config` (restored after each), print the fastest three, the launcher's
+    current choice and, given the op's byte floor, the best one's share of it. Swaps `_config` for a timing only."""
+    default, times = module._config, []
+    for cfg in candidates:
+        module._config = lambda *_, cfg=cfg: cfg
+        try:
+            times.append((run(), cfg))
+        except (triton.CompilationError, triton.runtime.OutOfResources) as exc:  # too big for the chip: not a candidate
+            print(f"  {label} {cfg}: {type(exc).__name__}")
+        finally:
+            module._config = default
+    times.sort()
+    floor = f" = {floor_us / times[0][0]:4.0%} of the {floor_us:.1f} µs floor" if floor_us else ""
+    print(f"{label:34} now {run():8.1f} µs | best {times[0][1]} {times[0][0]:8.1f} µs{floor} | next " +
+          " ".join(f"{c}:{t:.1f}" for t, c in times[1:3]), flush=True)
+
+
 def _sweep(rep: int = 30) -> None:
     """Tuning aid behind each launcher's `_config`: time candidate block sizes at the bench shapes, print the best.
 
@@ -262,20 +280,6 @@ def _sweep(rep: int = 30) -> None:
     import kernels.lora_shrink as shrink_module
     import kernels.paged_attention as attention_module
 
-    def best(label: str, module, candidates, run: Callable[[], float]) -> None:
-        default, times = module._config, []
-        for cfg in candidates:
-            module._config = lambda *_, cfg=cfg: cfg
-            try:
-                times.append((run(), cfg))
-            except (triton.CompilationError, triton.runtime.OutOfResources) as exc:  # too big for the chip: not a candidate
-                print(f"  {label} {cfg}: {type(exc).__name__}")
-            finally:
-                module._config = default
-        times.sort()
-        print(f"{label:34} best {times[0][1]} {times[0][0]:8.1f} µs | next " +
-              " ".join(f"{c}:{t:.1f}" for t, c in times[1:4]), flush=True)
-
     def projection(label: str, in_f: int, widths: tuple[int, ...], phase: str) -> None:
         case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
         if phase == "decode":
@@ -284,9 +288,9 @@ def _sweep(rep: int = 30) -> None:
         else:
             s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
             e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
-        best(f"{label} shrink", shrink_module, s_cands,
-             lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
-        best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
+        _best(f"{label} shrink", shrink_module, s_cands,
+              lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
+        _best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
             lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep))
 
     def attention(label: str, model: Model, phase: str) -> None:
@@ -295,7 +299,7 @@ def _sweep(rep: int = 30) -> None:
             max_q, cands = 1, [(4, n, w) for n in (64, 128, 256) for w in (4, 8)]
         else:
             max_q, cands = PREFILL_TOKENS, [(r // 4, n, w) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
-        best(label, attention_module, cands, lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
+        _best(label, attention_module, cands, lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
 
     torch.manual_seed(0)
     for name, model in MODELS.items():
@@ -318,32 +322,16 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
     bandwidth = _measure_ceilings()[0]
     torch.manual_seed(0)
 
-    def best(label: str, module, candidates, run: Callable[[], float], nbytes: int) -> None:
-        default, times = module._config, []
-        for cfg in candidates:
-            module._config = lambda *_, cfg=cfg: cfg
-            try:
-                times.append((run(), cfg))
-            except (triton.CompilationError, triton.runtime.OutOfResources) as exc:
-                print(f"  {label} {cfg}: {type(exc).__name__}")
-            finally:
-                module._config = default
-        now = run()
-        times.sort()
-        floor = nbytes / bandwidth * 1e6
-        print(f"{label:28} now {now:8.1f} µs | best {times[0][1]} {times[0][0]:8.1f} µs = {floor / times[0][0]:4.0%} of the "
-              f"{floor:.1f} µs floor | next " + " ".join(f"{c}:{t:.1f}" for t, c in times[1:3]), flush=True)  # fmt: skip
-
     for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
         for proj, (in_f, widths) in model.projections().items():
             case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,)))
             e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
-                best(f"{name} {proj} shrink", shrink_module, s_cands,
-                     lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep), case.shrink_bytes)
+                _best(f"{name} {proj} shrink", shrink_module, s_cands,
+                      lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep),
+                      case.shrink_bytes / bandwidth * 1e6)
             if "expand" in kernels:
-                best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
+                _best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
                     lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
-                    case.expand_bytes)  # fmt: skip
-            del case
+                    case.expand_bytes / bandwidth * 1e6)  # fmt: skip

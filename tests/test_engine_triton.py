@@ -90,11 +90,7 @@ def test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engin
                 if step > 0:
                     seqs[i].append(int(logits["torch"][row].argmax()))
     finally:
-        for name, eng in engines.items():
-            for i, (_, a) in enumerate(ROWS):
-                eng.runner.free(("x", i))
-                if a is not None:
-                    eng.adapters.release(eng.adapters.sha_of(a))
+        _release(engines, ROWS, "x")
 
 
 def test_decode_shrinks_split_k_into_one_zeroed_buffer(engines, monkeypatch):
@@ -114,11 +110,16 @@ def test_decode_shrinks_split_k_into_one_zeroed_buffer(engines, monkeypatch):
         err = _rel_err(logits["triton"], logits["torch"])
         assert err < TOL, f"split-K decode: triton vs torch logits differ by {err:.2e}"
     finally:
-        for name, eng in engines.items():
-            for i, (_, a) in enumerate(rows):
-                eng.runner.free(("k", i))
-                if a is not None:
-                    eng.adapters.release(eng.adapters.sha_of(a))
+        _release(engines, rows, "k")
+
+
+def _release(engines: dict[str, Engine], rows, tag: str) -> None:
+    """Free the blocks of the runner-driven sequences (tag, i) and unpin the adapters their rows acquired."""
+    for eng in engines.values():
+        for i, (_, a) in enumerate(rows):
+            eng.runner.free((tag, i))
+            if a is not None:
+                eng.adapters.release(eng.adapters.sha_of(a))
 
 
 def test_backends_generate_the_same_tokens(engines):

@@ -7,26 +7,19 @@ import asyncio
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.engine import Engine
-from tests.test_serving_helpers import TEXTS, alone, config, req
+from tests.test_serving_helpers import TEXTS, alone, demo_engine, req
 
 ADAPTERS = ["qv-r4", "all-r16", "mlp-r64", None]
 
 
 @pytest.fixture(scope="module")
 def reference(demo_set):
-    eng = Engine(config(demo_set, enable_prefix_caching=False))
-    for name, path in demo_set["adapters"].items():
-        eng.load_adapter(name, path)
-    return eng
+    return demo_engine(demo_set, enable_prefix_caching=False)
 
 
 @pytest.fixture
 def engine(demo_set):
-    eng = Engine(config(demo_set, max_num_batched_tokens=32))
-    for name, path in demo_set["adapters"].items():
-        eng.register_adapter(name, path)
-    return eng
+    return demo_engine(demo_set, register_only=True, max_num_batched_tokens=32)
 
 
 async def test_staggered_callers_join_the_running_batch_and_get_their_own_tokens(engine, reference):

@@ -9,7 +9,7 @@ import pytest
 
 from engine.api import EngineError
 from engine.engine import Engine
-from tests.test_serving_helpers import TEXTS, alone, config, req, run_until_done
+from tests.test_serving_helpers import TEXTS, alone, config, demo_engine, req, run_until_done
 
 ADAPTERS = ["qv-r4", "qkvo-r8", "all-r16", "mlp-r64", "all-r8-rslora"]
 
@@ -17,10 +17,7 @@ ADAPTERS = ["qv-r4", "qkvo-r8", "all-r16", "mlp-r64", "all-r8-rslora"]
 @pytest.fixture(scope="module")
 def reference(demo_set):
     """Every request alone: one at a time, whole prompts in one step, no prefix cache."""
-    eng = Engine(config(demo_set, enable_prefix_caching=False, max_num_batched_tokens=4096))
-    for name, path in demo_set["adapters"].items():
-        eng.load_adapter(name, path)
-    return eng
+    return demo_engine(demo_set, enable_prefix_caching=False, max_num_batched_tokens=4096)
 
 
 def _workload() -> list:

@@ -25,6 +25,14 @@ def config(demo_set, **kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
+def demo_engine(demo_set, *, register_only: bool = False, **kw) -> Engine:
+    """An engine of `config(demo_set, **kw)` with every demo adapter loaded (or only registered: loaded on first use)."""
+    eng = Engine(config(demo_set, **kw))
+    for name, path in demo_set["adapters"].items():
+        (eng.register_adapter if register_only else eng.load_adapter)(name, path)
+    return eng
+
+
 def req(rid: str, *, prompt: str | None = None, input_ids: tuple[int, ...] | None = None, adapter: str | None = None,
         tenant: str = "", priority: int = 0, **sampling) -> GenerationRequest:  # fmt: skip
     sampling.setdefault("max_new_tokens", 8)

@@ -8,7 +8,7 @@ import pytest
 
 from engine.block_manager import BlockManager, chain_hashes, namespace_hash
 from engine.engine import Engine
-from tests.test_serving_helpers import alone, config, req, run_until_done
+from tests.test_serving_helpers import alone, config, demo_engine, req, run_until_done
 
 SYSTEM = "The user asked the assistant a question about the weather. The assistant answered that the morning would be cold"
 BS = 4
@@ -17,18 +17,12 @@ BS = 4
 @pytest.fixture(scope="module")
 def miss_engine(demo_set):
     """The same requests with the prefix cache off: what every hit must reproduce."""
-    eng = Engine(config(demo_set, enable_prefix_caching=False))
-    for name, path in demo_set["adapters"].items():
-        eng.load_adapter(name, path)
-    return eng
+    return demo_engine(demo_set, enable_prefix_caching=False)
 
 
 @pytest.fixture
 def engine(demo_set):
-    eng = Engine(config(demo_set))
-    for name, path in demo_set["adapters"].items():
-        eng.load_adapter(name, path)
-    return eng
+    return demo_engine(demo_set)
 
 
 def _cached_expected(prompt_tokens: int) -> int:
