@@ -29,6 +29,14 @@ request uses it (the adapter pool pins those), so no forward in flight reads a s
 CPU there is no stream: the same calls copy at once. The host copy (`host_copy`) holds B already
 transposed to [r, out], so each copy is one contiguous DMA.
 
+Prefill (and any batch whose rows come grouped in segments): the expand writes each projection's delta z
+(zeros on rows without an adapter) before the base GEMM, which then adds its product into z with beta = 1
+(`z.addmm_(x, W^T)`) instead of the expand reading and writing y after it. A long prefill's expand is bound by
+its bytes and its GEMM by its FLOPs, so this moves the read of the projection's output from a pass of its own
+into the GEMM's epilogue, where the tensor cores' time covers it (kernels/lora_expand.py). z is rounded to
+the activations' dtype before the GEMM adds into it, as y was before the delta was added to it. CUDA-graph decode keeps y = base(x) then y += delta: at 32 rows the
+GEMM is bound by its bytes too, and the order saves nothing.
+
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
 LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a
 CUDA-graph replay, whose LoRA share engine.cuda_graphs calibrates once per batch size.
@@ -80,6 +88,25 @@ class LoraState:
     @property
     def active(self) -> bool:
         return self.slot_idx is not None or self.segments is not None
+
+    @property
+    def delta_first(self) -> bool:
+        """Whether this forward writes each projection's LoRA delta first and lets the base GEMM add into it: the
+        triton backend, rows grouped into segments (prefill and mixed steps; CUDA-graph decode adds after)."""
+        return self.segments is not None and self.segments.start is not None
+
+    def delta_then_base(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                        widths: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+        """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
+        ctx = self.timer.section() if self.timed else contextlib.nullcontext()
+        with ctx:
+            t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
+            z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
+            self.backend.lora_expand(z, t, b_stack, self.rank, self.scale, self.segments, slices=widths, accumulate=False)
+        z.addmm_(x, base.weight.t())
+        if base.bias is not None:
+            z.add_(base.bias)
+        return z
 
     def set_batch(self, slot_idx: torch.Tensor | None = None, segments: LoraSegments | None = None) -> None:
         """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
@@ -196,6 +223,8 @@ class LoraLinear(nn.Module):
         self.slice_offset = slice_offset  # slices of the projections wrapped before this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
+        if self.state.delta_first:
+            return self.state.delta_then_base(self.base, x, self.a_stack, self.b_stack, self.widths)
         y = self.base(x)  # [N, out]
         if self.state.active:
             self.state.apply(y, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)

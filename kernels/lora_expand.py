@@ -2,7 +2,14 @@
 
 Semantics: y[i, off_s : off_s + w_s] += scale[slot_i] * t[s, i, :r] @ B[slot_i, :r, off_s : off_s + w_s]
 with r = rank[slot_i], for every slice s and every row i whose slot_i >= 0; rows with slot -1, or whose
-slot is empty (rank 0), are not written at all (bit for bit as they were).
+slot is empty (rank 0), are not written at all (bit for bit as they were). With `accumulate=False` the
+kernel writes the delta instead of adding it (`=` for `+=`), and zeros in the rows without an adapter:
+every element of y is written and none is read.
+
+Why the second form: in a long prefill the expand is bound by its bytes, and adding into y reads and
+writes all of y (8b gate_up, 16,384 tokens: 1.9 GB a layer). Writing the delta z alone halves that, and
+the base GEMM then adds its product into z in its epilogue (`z.addmm_(x, W^T)`, beta = 1): that GEMM is
+bound by its FLOPs, so reading z there hides under the tensor cores' time (engine.lora, "Prefill").
 
 Punica's SGMV/BGMV expand ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547),
 the second half of `y += s * (x A^T) B^T` after kernels/lora_shrink.py. Rows are grouped as for the
@@ -66,6 +73,7 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROW_TILES: tl.constexpr,  # row tiles per program (BLOCK_M > 1): more bytes in flight per program
+    ACCUMULATE: tl.constexpr,  # y += delta on adapter rows; False: y = delta, and 0 on the other rows
 ):
     pid_n = tl.program_id(0)  # slice x column tile
     pid_m = tl.program_id(1)  # ROW_TILES row tiles within the group
@@ -84,15 +92,17 @@ def _expand_kernel(
     else:
         row_begin = group
         row_end = group + 1
-    if slot < 0:
-        return
+    if ACCUMULATE:
+        if slot < 0:
+            return
     if n0 >= width:
         return
     m0 = row_begin + pid_m * (BLOCK_M * ROW_TILES)
     if m0 >= row_end:
         return
-    rank = tl.load(rank_ptr + slot)
-    scale = tl.load(scale_ptr + slot).to(tl.float32)
+    live = slot >= 0
+    rank = tl.where(live, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)  # no adapter: rank 0, a delta of zeros
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0)).to(tl.float32)
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] column within the slice
     n_mask = offs_n < width
     cols = col_begin + offs_n  # [BN] column of y and B
@@ -101,9 +111,10 @@ def _expand_kernel(
 
     if BLOCK_M == 1:
         y_ptrs = y_ptr + m0.to(tl.int64) * stride_ym + cols * stride_yn  # [BN]
-        yv = tl.load(y_ptrs, mask=n_mask, other=0.0)  # issued now, used after the rank loop
-        if rank == 0:
-            return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
+        if ACCUMULATE:
+            yv = tl.load(y_ptrs, mask=n_mask, other=0.0)  # issued now, used after the rank loop
+            if rank == 0:
+                return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
         acc_v = tl.zeros((BLOCK_N,), dtype=tl.float32)
         t_row = t_base + m0.to(tl.int64) * stride_tm
         for r0 in range(0, rank, BLOCK_R):
@@ -116,7 +127,33 @@ def _expand_kernel(
                 other=0.0,
             )  # [BR, BN]
             acc_v += tl.sum(tv[:, None] * bt.to(tl.float32), axis=0)
-        tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc_v).to(yv.dtype), mask=n_mask)
+        if ACCUMULATE:
+            tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc_v).to(yv.dtype), mask=n_mask)
+        else:
+            tl.store(y_ptrs, (scale * acc_v).to(y_ptr.dtype.element_ty), mask=n_mask)
+    elif not ACCUMULATE:
+        # The delta alone: nothing of y is read, so a program walks its ROW_TILES tiles in a loop (not unrolled: no
+        # load waits on a store, and the registers stay those of one tile).
+        for mi in range(ROW_TILES):
+            offs_m = m0 + mi * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            m_mask = offs_m < row_end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+                r_mask = offs_r < rank
+                tt = tl.load(
+                    t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
+                    mask=m_mask[:, None] & r_mask[None, :],
+                    other=0.0,
+                )  # [BM, BR] fp32
+                bt = tl.load(
+                    b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+                    mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                )  # [BR, BN]
+                acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
+            tl.store(y_ptrs, (scale * acc).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
         if rank == 0:
             return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
@@ -153,6 +190,7 @@ def lora_expand(
     segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py), as given to lora_shrink
     *,
     slices: Sequence[int] | None = None,  # output width of each slice, summing to out; None: one slice
+    accumulate: bool = True,  # False: y = the delta, zeros on rows without an adapter; y is written, never read
 ) -> None:
     """y += scale * t B^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
     n, out_features = y.shape
@@ -169,7 +207,7 @@ def lora_expand(
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, y has {n}"
     if n == 0 or segments.num_groups == 0:
         return
-    block_m, block_n, num_warps, row_tiles = _config(segments)
+    block_m, block_n, num_warps, row_tiles = _config(segments, accumulate)
     num_ntiles = triton.cdiv(max(widths), block_n)
     grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
@@ -185,17 +223,20 @@ def lora_expand(
         BLOCK_R=_BLOCK_R,
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # B exact, t to 11 bits
         ROW_TILES=row_tiles,
+        ACCUMULATE=accumulate,
         num_warps=num_warps,
     )
 
 
-def _config(segments: LoraSegments) -> tuple[int, int, int, int]:
+def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16;
     µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
         return 1, 512, 4, 1  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
     if segments.max_len <= 16:
         return 16, 256, 4, 1
+    if not accumulate:
+        return 32, 128, 4, 4  # prefill delta: see kernels.bench._sweep_prefill_delta
     # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
     return 32, 128, 4, 1
@@ -219,10 +260,14 @@ def lora_expand_ref(
     segments: LoraSegments,
     *,
     slices: Sequence[int] | None = None,
+    accumulate: bool = True,
 ) -> None:
-    """Pure torch, fp32, one matmul per distinct slot and slice; rows of slot -1 and empty slots untouched."""
+    """Pure torch, fp32, one matmul per distinct slot and slice; rows of slot -1 and empty slots untouched (zeroed
+    when not `accumulate`)."""
     widths = tuple(slices) if slices is not None else (y.shape[1],)
     slot = rows_of(segments).to(y.device)  # [N]
+    if not accumulate:
+        y.zero_()
     for s in slot.unique().tolist():
         r = int(rank[s]) if s >= 0 else 0
         if r == 0:

@@ -163,6 +163,12 @@ def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SM
     assert torch.equal(_bits(y[keep]), _bits(y0.to(DEVICE)[keep])), "rows without an adapter changed"
     _assert_close(y, y_want, TOL[dtype], f"expand y ({dtype})")
 
+    # The delta form (accumulate=False): every element written, none read; the delta on adapter rows, 0 elsewhere.
+    z = torch.full_like(y, float("nan"))
+    lora_expand(z, t, b, rank, scale, segments, slices=widths, accumulate=False)
+    assert (z[keep] == 0).all(), "rows without an adapter: the delta must be written as zeros"
+    _assert_close(z, (y_want - y0.double()).to(DEVICE), TOL[dtype], f"expand delta ({dtype})")
+
 
 CASES = list(itertools.product([torch.float32, torch.float16, torch.bfloat16], POPULARITY, RANKS, SLICES, FORMS))
 
@@ -193,6 +199,9 @@ def test_torch_references_match_float64(form):
     y = y0.clone()
     lora_expand_ref(y, t, b, rank, scale, segments_cpu, slices=widths)
     _assert_close(y, y_want, 1e-5, "lora_expand_ref")
+    z = torch.full_like(y0, float("nan"))
+    lora_expand_ref(z, t, b, rank, scale, segments_cpu, slices=widths, accumulate=False)
+    _assert_close(z, y_want - y0.double(), 1e-5, "lora_expand_ref delta")
 
 
 @pytest.mark.parametrize("row_tiles", [2, 4])
@@ -201,7 +210,7 @@ def test_expand_with_several_row_tiles_per_program(monkeypatch, dtype, row_tiles
     """Prefill expand programs that each take several row tiles (the last ones past their group's end) compute what
     float64 does and leave rows without an adapter untouched, over mixed ranks and the fused qkv slices."""
     default = lora_expand_module._config
-    monkeypatch.setattr(lora_expand_module, "_config", lambda seg: (16, 64, 4, row_tiles) if seg.start is not None else default(seg))
+    monkeypatch.setattr(lora_expand_module, "_config", lambda seg, accumulate=True: (16, 64, 4, row_tiles) if seg.start is not None else default(seg, accumulate))
     gen = torch.Generator().manual_seed(17 + row_tiles)
     _run_case(dtype, "zipf", RANKS["mixed"], SLICES["qkv"], "prefill", IN_FEATURES, gen)
 
