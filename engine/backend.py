@@ -1,8 +1,9 @@
 """The compute backend of the engine's LoRA and attention ops, chosen once at start (STYLE item 10).
 
 - triton: the kernels of `kernels/` (multi-LoRA shrink/expand at each adapter's true rank with fused
-  slices, paged attention, and the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
-  replace the model's composite ops), and CUDA graphs for decode steps. The default on CUDA.
+  slices, paged attention, the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
+  replace the model's composite ops, and the decode projection with its LoRA delta in one launch), and
+  CUDA graphs for decode steps. The default on CUDA.
 - torch: pure-torch references (gathered multi-LoRA of kernels/lora_ref.py, per-sequence SDPA), no
   graphs. The default on the CPU, where it is exact fp32.
 
@@ -34,6 +35,8 @@ class KernelBackend:
     add_rms_norm: Callable | None = None  # kernels.rms_norm.add_rms_norm
     rope_and_cache: Callable | None = None  # kernels.rope_cache.rope_and_cache
     silu_mul: Callable | None = None  # kernels.silu_mul.silu_mul
+    decode_linear: Callable | None = None  # kernels.decode_linear.decode_linear
+    decode_linear_fits: Callable | None = None  # kernels.decode_linear.fits: (rows, slices, in_features) -> bool
     interpreted: bool = False  # Triton's CPU interpreter (tests)
 
     @property
@@ -52,7 +55,7 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         shrink = importlib.import_module("kernels.lora_shrink")
         expand = importlib.import_module("kernels.lora_expand")
         attention = importlib.import_module("kernels.paged_attention")
-        norm, rope, act = (importlib.import_module(f"kernels.{m}") for m in ("rms_norm", "rope_cache", "silu_mul"))
+        norm, rope, act, linear = (importlib.import_module(f"kernels.{m}") for m in ("rms_norm", "rope_cache", "silu_mul", "decode_linear"))
     except ImportError as e:
         raise EngineError(
             f"engine.kernel_backend={choice!r} needs triton, which failed to import ({e}); install triton or set "
@@ -67,7 +70,7 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
             code="config_invalid",
         )
     return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
-                         rope.rope_and_cache, act.silu_mul, interpreted)  # fmt: skip
+                         rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

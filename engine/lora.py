@@ -56,7 +56,7 @@ from engine.backend import KernelBackend
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_ref import lora_ref
-from kernels.lora_segments import LoraSegments
+from kernels.lora_segments import DecodeLora, LoraSegments
 
 
 class LoraState:
@@ -118,6 +118,27 @@ class LoraState:
         self.decode_t = None
         if segments is not None and segments.start is None:
             self.decode_t = torch.zeros(self.total_slices * segments.num_rows * self.max_lora_rank, dtype=torch.float32, device=self.device)
+
+    def one_launch(self, rows: int, widths: tuple[int, ...], in_features: int) -> bool:
+        """Whether this projection runs as one decode-linear launch (base GEMM + the rows' deltas): the triton backend, a
+        few rows, a shape the kernel takes, and either no adapter rows or per-row groups, as CUDA-graph decode steps
+        have. The fused launch cannot time its delta apart from the GEMM: a graph's LoRA share is calibrated (engine.
+        cuda_graphs); outside a graph (the CPU tests' uncaptured buckets) the timer holds the shrink alone."""
+        if self.backend.decode_linear is None or not self.backend.decode_linear_fits(rows, widths, in_features):
+            return False
+        return not self.active or (self.segments is not None and self.segments.start is None)
+
+    def decode_linear(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                      widths: tuple[int, ...], slice_offset: int) -> torch.Tensor:  # fmt: skip
+        """base(x) + each row's adapter delta [N, out] in one launch after the shrink (kernels/decode_linear.py)."""
+        lora = None
+        if self.active:
+            n, r = x.shape[0], self.max_lora_rank
+            t = self.decode_t[slice_offset * n * r : (slice_offset + len(widths)) * n * r].view(len(widths), n, r)
+            with self.timer.section() if self.timed else contextlib.nullcontext():
+                self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=t, out_zeroed=True)
+            lora = DecodeLora(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, slot=self.segments.slot, slices=widths)
+        return self.backend.decode_linear(x, base.weight, base.bias, lora)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...],
               slice_offset: int) -> None:  # fmt: skip
@@ -225,6 +246,8 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
         if self.state.delta_first:
             return self.state.delta_then_base(self.base, x, self.a_stack, self.b_stack, self.widths)
+        if self.state.one_launch(x.shape[0], self.widths, self.base.in_features):
+            return self.state.decode_linear(self.base, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
         y = self.base(x)  # [N, out]
         if self.state.active:
             self.state.apply(y, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)

@@ -335,3 +335,87 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
                 _best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
                     lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
+
+
+def _sweep_prefill_delta(tokens: int = 512, rep: int = 30) -> None:
+    """Prefill LoRA as the engine runs it since the delta form (engine.lora "Prefill"): per projection of llama-8b and
+    -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
+    into y (the old order), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
+    expand's configs; LoRA's share of each (python -c "from kernels.bench import _sweep_prefill_delta; _sweep_prefill_delta()")."""
+    import itertools
+
+    import kernels.lora_expand as expand_module
+
+    bandwidth = _measure_ceilings()[0]
+    torch.manual_seed(0)
+    totals: dict[str, list[float]] = {}
+    for name, model in reversed(MODELS.items()):
+        for proj, (in_f, widths) in model.projections().items():
+            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)
+            z = torch.empty_like(case.y)
+            delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
+            cands = list(itertools.product((32, 64), (64, 128, 256), (4, 8), (1, 4, 8)))
+            _best(f"{name} {proj} delta", expand_module, cands, lambda: _graph_us(
+                lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
+                rep), delta_bytes / bandwidth * 1e6)  # fmt: skip
+
+            def old() -> None:
+                torch.mm(case.x, w.t(), out=case.y)
+                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
+                lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths)
+
+            def new() -> None:
+                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
+                lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
+                z.addmm_(case.x, w.t())
+
+            base_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
+            beta_us = _graph_us(lambda: z.addmm_(case.x, w.t()), rep)
+            old_us, new_us = _graph_us(old, rep), _graph_us(new, rep)
+            for key, v in zip(("base", "old", "new"), (base_us, old_us, new_us)):
+                totals.setdefault(name, [0.0, 0.0, 0.0])[("base", "old", "new").index(key)] += v
+            print(f"{name} {proj:8} GEMM {base_us:8.1f} µs (beta=1: {beta_us:8.1f}) | GEMM then expand {old_us:8.1f} "
+                  f"(+{100 * (old_us / base_us - 1):.1f}%) | delta then GEMM {new_us:8.1f} (+{100 * (new_us / base_us - 1):.1f}%)",
+                  flush=True)
+    for name, (base_us, old_us, new_us) in totals.items():
+        print(f"{name} one layer: GEMMs {base_us:.1f} µs, LoRA after +{100 * (old_us / base_us - 1):.1f}%, "
+              f"delta first +{100 * (new_us / base_us - 1):.1f}%")
+
+
+def _sweep_decode_linear(rows: int = BATCH, rep: int = 50) -> None:
+    """The decode projection kernel (kernels/decode_linear.py) against cuBLAS at issue 4's decode (32 rows, 32 adapters
+    of rank 16): per projection of llama-1b and -8b, the base GEMM (cuBLAS; ours over a grid of configs, with W's bytes
+    as the floor), then with adapters: cuBLAS + the per-row expand (the graphs' old path) against ours with the delta
+    fused; the shrink, the same in both, is left out (python -c "from kernels.bench import _sweep_decode_linear;
+    _sweep_decode_linear()")."""
+    import itertools
+
+    import kernels.decode_linear as linear_module
+    from kernels.lora_segments import DecodeLora
+
+    bandwidth = _measure_ceilings()[0]
+    torch.manual_seed(0)
+    cands = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 5)))
+    summary = []
+    for name, model in MODELS.items():
+        for proj, (in_f, widths) in model.projections().items():
+            case = _lora_case(in_f, widths, "decode", [RANK] * ADAPTERS)
+            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+            lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
+            floor_us = w.numel() * w.element_size() / bandwidth * 1e6
+            label = f"{name} {proj} ({sum(widths)} x {in_f})"
+            _best(label, linear_module, cands, lambda: _graph_us(lambda: linear_module.decode_linear(case.x, w), rep), floor_us)
+            cublas_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
+            ours_us = _graph_us(lambda: linear_module.decode_linear(case.x, w), rep)
+
+            def old() -> None:
+                torch.mm(case.x, w.t(), out=case.y)
+                lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths)
+
+            old_us = _graph_us(old, rep)
+            fused_us = _graph_us(lambda: linear_module.decode_linear(case.x, w, None, lora), rep)
+            summary.append((label, floor_us, cublas_us, ours_us, old_us, fused_us))
+    print(f"\n{'projection':34} {'W floor':>8} {'cuBLAS':>8} {'ours':>8} {'cuBLAS+expand':>14} {'ours+delta':>11}  (µs)")
+    for label, *us in summary:
+        print(f"{label:34} " + " ".join(f"{v:8.1f}" if i < 3 else f"{v:14.1f}" if i == 3 else f"{v:11.1f}" for i, v in enumerate(us)))

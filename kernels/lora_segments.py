@@ -93,3 +93,16 @@ def rows_of(segments: LoraSegments) -> torch.Tensor:
         return segments.slot.to(torch.int64)
     lengths = (segments.start[1:] - segments.start[:-1]).to(torch.int64)  # [G]
     return torch.repeat_interleave(segments.slot.to(torch.int64), lengths, output_size=segments.num_rows)
+
+
+@dataclass(frozen=True)
+class DecodeLora:
+    """The LoRA half of a decode projection for kernels/decode_linear.py: the shrink's t, the slots' B, each row's slot,
+    the per-slot rank and scale. Here, beside the row groups, so the engine names it without importing triton."""
+
+    t: torch.Tensor  # [S, M, R] fp32, x A^T at each row's rank (kernels.lora_shrink)
+    b_stack: torch.Tensor  # [slots, R, out], rank-major, slices side by side along out
+    rank: torch.Tensor  # [slots] int
+    scale: torch.Tensor  # [slots] fp32
+    slot: torch.Tensor  # [M] int: each row's slot, -1 for none
+    slices: tuple[int, ...]  # output width of each fused slice, summing to out

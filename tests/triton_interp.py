@@ -12,7 +12,7 @@ import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNEL_MODULES = ("kernels.lora_shrink", "kernels.lora_expand", "kernels.lora_segments", "kernels.paged_attention", "kernels.rms_norm",
-                  "kernels.rope_cache", "kernels.silu_mul")
+                  "kernels.rope_cache", "kernels.silu_mul", "kernels.decode_linear")
 
 
 def import_kernels(*names: str) -> list[ModuleType]:

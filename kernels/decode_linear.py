@@ -1,0 +1,208 @@
+"""A decode step's projection in one launch: `y = x W^T (+ bias)`, plus each row's own LoRA delta, for a few rows.
+
+Semantics: y[m, n] = sum_k x[m, k] W[n, k] + bias[n] + scale[slot_m] * sum_{r < rank[slot_m]} t[s, m, r] B[slot_m, r, n]
+for M <= 64 rows, where s is the fused slice holding column n and t = x A^T is the shrink's output
+(kernels/lora_shrink.py); rows with slot -1 or an empty slot get no delta. Sums in fp32, y rounded once.
+
+Why: a decode step at batch 32 is bound by reading the weights, and at that size cuBLAS streamed them at
+~2.9 TB/s of the H200's ~4.3 (engine/PERF.md, session 2, call 1: llama-1b qkv and o 6.4 µs each, 1.3-2.0
+TB/s), then the LoRA expand was a launch of its own per projection (64 at llama-1b, ~4.5 µs each, bound by
+launch latency, not bytes). Here each program streams a [BLOCK_N, K] panel of W against all M rows (x
+comes from L2: 32 rows of 2-8k columns), then adds the panel's LoRA columns for every row: the rank loop
+gathers each row's B rows [R, BLOCK_N] (rank-major, contiguous along n) at the row's true rank, so mixed
+ranks cost their own bytes. One graph launch where there were two, and the delta never makes a round trip
+through y. The shrink stays a launch of its own: it must finish before any program adds its result.
+
+Grid: (N / BLOCK_N,), one program per output panel, no split of K, so no reduction pass: BLOCK_N is chosen
+small enough that the grid covers the SMs (N = 2048 at BLOCK_N 16: 128 programs). A panel never straddles
+two fused slices (the launcher checks that every slice starts on a BLOCK_N boundary), so a program reads
+one slice's t.
+
+Interpreter: on CPU (the Triton interpreter) the dot operands are widened to fp32, since the interpreter
+multiplies the raw bit patterns of bf16 in `tl.dot` (triton-lang/triton#11584); on CUDA the bf16/fp16
+operands go to the tensor cores as they are, with fp32 accumulation. fp32 inputs use IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_segments import DecodeLora
+
+MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
+_BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N], unused without HAS_BIAS
+    y_ptr,  # [M, N]
+    t_ptr,  # [S, M, R] fp32, unused without HAS_LORA
+    b_ptr,  # [slots, R, N]
+    rank_ptr,  # [slots]
+    scale_ptr,  # [slots] fp32
+    slot_ptr,  # [M]
+    slice_ptr,  # [S + 1] first column of each slice, then N
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    stride_ti, stride_tm,
+    stride_bs, stride_br,
+    NUM_SLICES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < K
+        wt = tl.load(w_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)  # [BM]
+        live = slot >= 0
+        s_idx = tl.maximum(slot, 0).to(tl.int64)
+        rank = tl.where(live, tl.load(rank_ptr + s_idx, mask=m_mask, other=0), 0)  # [BM]; no adapter: rank 0
+        scale = tl.load(scale_ptr + s_idx, mask=m_mask, other=0.0).to(tl.float32)  # [BM]
+        sl = 0
+        for i in tl.static_range(1, NUM_SLICES):  # the panel's slice: it lies within one
+            sl += (n0 >= tl.load(slice_ptr + i)).to(tl.int32)
+        t_rows = t_ptr + sl * stride_ti + offs_m[:, None] * stride_tm  # [BM, 1]
+        b_rows = b_ptr + s_idx[:, None, None] * stride_bs + offs_n[None, None, :]  # [BM, 1, BN]
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, tl.max(rank, axis=0), BLOCK_R):  # the batch's largest rank; each row stops at its own
+            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+            r_ok = offs_r[None, :] < rank[:, None]  # [BM, BR]
+            tv = tl.load(t_rows + offs_r[None, :], mask=r_ok, other=0.0)  # [BM, BR] fp32
+            bv = tl.load(b_rows + offs_r[None, :, None] * stride_br, mask=r_ok[:, :, None] & n_mask[None, None, :],
+                         other=0.0)  # [BM, BR, BN]  # fmt: skip
+            delta += tl.sum(tv[:, :, None] * bv.to(tl.float32), axis=1)
+        acc += scale[:, None] * delta
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def decode_linear(
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    lora: DecodeLora | None = None,
+) -> torch.Tensor:  # [M, N]
+    """x W^T + bias + each row's LoRA delta, in one launch (see Semantics)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS, f"decode_linear takes at most {MAX_ROWS} rows, got {m}"
+    assert weight.shape == (n, k) and weight.stride(1) == 1 and x.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
+    assert x.dtype == weight.dtype and x.dtype in _TL_DTYPE, (x.dtype, weight.dtype)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_n, block_k, num_warps, num_stages = _config(m, n, k)
+    starts = _slice_starts(lora.slices if lora is not None else (n,), x.device)
+    if lora is not None:
+        slots, max_rank, b_out = lora.b_stack.shape
+        assert b_out == n and sum(lora.slices) == n, (tuple(lora.b_stack.shape), lora.slices, n)
+        assert lora.t.shape == (len(lora.slices), m, max_rank) and lora.t.dtype == torch.float32 and lora.t.stride(2) == 1, \
+            (tuple(lora.t.shape), lora.t.dtype)  # fmt: skip
+        assert lora.slot.shape == (m,) and lora.b_stack.stride(2) == 1 and lora.b_stack.dtype == x.dtype, (tuple(lora.slot.shape),)
+        offset = 0
+        for w in lora.slices:  # every panel inside one slice
+            assert offset % block_n == 0, f"slice boundary {offset} is not a multiple of BLOCK_N {block_n}: slices {lora.slices}"
+            offset += w
+    interpreted = x.device.type == "cpu"
+    _decode_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, y,
+        lora.t if lora else x, lora.b_stack if lora else x, lora.rank if lora else x, lora.scale if lora else x,
+        lora.slot if lora else x, starts,
+        m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        lora.t.stride(0) if lora else 0, lora.t.stride(1) if lora else 0,
+        lora.b_stack.stride(0) if lora else 0, lora.b_stack.stride(1) if lora else 0,
+        NUM_SLICES=len(lora.slices) if lora else 1,
+        HAS_BIAS=bias is not None,
+        HAS_LORA=lora is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=_BLOCK_R,
+        DOT_DTYPE=tl.float32 if interpreted else _TL_DTYPE[x.dtype],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreted else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the widest panel that still gives the grid ~128 programs (an H200 has
+    132 SMs), the K step and pipeline depth from kernels.bench._sweep_decode_linear on an H200."""
+    block_n = 64
+    while block_n > 16 and n // block_n < 128:
+        block_n //= 2
+    return block_n, 256, 4, 4
+
+
+@functools.lru_cache(maxsize=64)
+def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
+    """Built once per (slices, device): a later call, inside a CUDA-graph capture too, copies nothing."""
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + w)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def decode_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora: DecodeLora | None = None
+) -> torch.Tensor:  # [M, N]
+    """Pure torch in fp32, each row's delta at its slot's rank, rounded once."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y += bias.float()
+    if lora is not None:
+        col = 0
+        for s, w in enumerate(lora.slices):
+            for row, slot in enumerate(lora.slot.tolist()):
+                r = int(lora.rank[slot]) if slot >= 0 else 0
+                if r:
+                    y[row, col : col + w] += float(lora.scale[slot]) * (lora.t[s, row, :r] @ lora.b_stack[slot, :r, col : col + w].float())
+            col += w
+    return y.to(x.dtype)
+
+
+def fits(m: int, slices: Sequence[int], k: int) -> bool:
+    """Whether a projection of these slices and k inputs, at m rows, runs here: rows, slice boundaries on panel edges,
+    and a shape where this kernel beat cuBLAS + a separate expand (`_PREFER_CUBLAS`)."""
+    if not 0 < m <= MAX_ROWS or (sum(slices), k) in _PREFER_CUBLAS:
+        return False
+    block_n = _config(m, sum(slices), k)[0]
+    return all(w % block_n == 0 for w in slices[:-1])
+
+
+# (N, K) of projections where cuBLAS (and, with adapters, the separate expand) was faster on an H200
+# (kernels.bench._sweep_decode_linear): the engine keeps cuBLAS for those.
+_PREFER_CUBLAS: frozenset[tuple[int, int]] = frozenset()
