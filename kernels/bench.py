@@ -337,7 +337,7 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
 
 
-def _sweep_prefill_delta(tokens: int = 512, rep: int = 30) -> None:
+def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
     """Prefill LoRA as the engine runs it since the delta form (engine.lora "Prefill"): per projection of llama-8b and
     -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
     into y (the old order), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
@@ -349,13 +349,13 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30) -> None:
     bandwidth = _measure_ceilings()[0]
     torch.manual_seed(0)
     totals: dict[str, list[float]] = {}
-    for name, model in reversed(MODELS.items()):
-        for proj, (in_f, widths) in model.projections().items():
+    for name in models:
+        for proj, (in_f, widths) in MODELS[name].projections().items():
             case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)
             z = torch.empty_like(case.y)
             delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
-            cands = list(itertools.product((32, 64), (64, 128, 256), (4, 8), (1, 4, 8)))
+            cands = list(itertools.product((32, 64), (64, 128, 256), (4,), (1, 4, 8)))
             _best(f"{name} {proj} delta", expand_module, cands, lambda: _graph_us(
                 lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
                 rep), delta_bytes / bandwidth * 1e6)  # fmt: skip
