@@ -124,7 +124,7 @@ class LoraState:
         few rows, a shape the kernel takes, and either no adapter rows or per-row groups, as CUDA-graph decode steps
         have. The fused launch cannot time its delta apart from the GEMM: a graph's LoRA share is calibrated (engine.
         cuda_graphs); outside a graph (the CPU tests' uncaptured buckets) the timer holds the shrink alone."""
-        if self.backend.decode_linear is None or not self.backend.decode_linear_fits(rows, widths, in_features):
+        if self.backend.decode_linear is None or not self.backend.decode_linear_fits(rows, widths, in_features, self.active):
             return False
         return not self.active or (self.segments is not None and self.segments.start is None)
 

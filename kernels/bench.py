@@ -355,7 +355,7 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
             w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)
             z = torch.empty_like(case.y)
             delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
-            cands = list(itertools.product((32, 64), (64, 128, 256), (4,), (1, 4, 8)))
+            cands = list(itertools.product((64, 128), (256, 512), (4, 8), (1, 2)))
             _best(f"{name} {proj} delta", expand_module, cands, lambda: _graph_us(
                 lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
                 rep), delta_bytes / bandwidth * 1e6)  # fmt: skip

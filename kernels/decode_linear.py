@@ -159,12 +159,26 @@ def decode_linear(
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the widest panel that still gives the grid ~128 programs (an H200 has
-    132 SMs), the K step and pipeline depth from kernels.bench._sweep_decode_linear on an H200."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the swept best for the shapes in `_TUNED`; otherwise the widest panel
+    that still gives the grid ~128 programs (an H200 has 132 SMs)."""
+    if (n, k) in _TUNED:
+        return _TUNED[(n, k)][0]
     block_n = 64
     while block_n > 16 and n // block_n < 128:
         block_n //= 2
     return block_n, 256, 4, 4
+
+
+# kernels.bench._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after
+# an L2 flush), per (N, K): (config, use it for base-only rows, use it for rows with adapters), against cuBLAS alone and
+# cuBLAS + the per-row expand. It won only at llama-8b's qkv (with adapters: 29.2 against 30.3), o (17.9 / 19.6 base,
+# 22.2 / 25.4 with adapters) and down (41.6 / 43.2, 45.7 / 48.3); at llama-1b and both gate_up cuBLAS was as fast or
+# faster (1b qkv 11.1 / 11.0, with adapters 18.4 / 16.4: the delta's gather after the K loop is a tail of its own).
+_TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], bool, bool]] = {
+    (6144, 4096): ((16, 256, 4, 3), False, True),
+    (4096, 4096): ((32, 256, 4, 5), True, True),
+    (4096, 14336): ((32, 256, 4, 5), True, True),
+}
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,15 +208,11 @@ def decode_linear_ref(
     return y.to(x.dtype)
 
 
-def fits(m: int, slices: Sequence[int], k: int) -> bool:
-    """Whether a projection of these slices and k inputs, at m rows, runs here: rows, slice boundaries on panel edges,
-    and a shape where this kernel beat cuBLAS + a separate expand (`_PREFER_CUBLAS`)."""
-    if not 0 < m <= MAX_ROWS or (sum(slices), k) in _PREFER_CUBLAS:
+def fits(m: int, slices: Sequence[int], k: int, lora: bool) -> bool:
+    """Whether a projection of these slices and k inputs, at m rows (with adapters or not), runs here: a few rows, slice
+    boundaries on panel edges, and a shape where this kernel beat cuBLAS (+ the separate expand) on an H200 (`_TUNED`)."""
+    n = sum(slices)
+    if not 0 < m <= MAX_ROWS or (n, k) not in _TUNED or not _TUNED[(n, k)][2 if lora else 1]:
         return False
-    block_n = _config(m, sum(slices), k)[0]
+    block_n = _config(m, n, k)[0]
     return all(w % block_n == 0 for w in slices[:-1])
-
-
-# (N, K) of projections where cuBLAS (and, with adapters, the separate expand) was faster on an H200
-# (kernels.bench._sweep_decode_linear): the engine keeps cuBLAS for those.
-_PREFER_CUBLAS: frozenset[tuple[int, int]] = frozenset()

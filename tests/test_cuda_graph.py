@@ -7,6 +7,9 @@ block. Either way each graphed step is compared with the eager forward of the sa
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 import torch
 
@@ -52,7 +55,34 @@ def engine(demo) -> Engine:
     return eng
 
 
-def test_graphed_decode_equals_eager_for_every_adapter_mix(engine):
+@pytest.fixture(params=["cublas", "decode_linear"])
+def projections(request, engine, monkeypatch):
+    """Which kernel runs the graphed steps' projections: cuBLAS (+ the expand), or kernels/decode_linear.py with the
+    deltas fused, which the engine takes only for shapes tuned on an H200; here every demo projection is made one."""
+    if request.param == "decode_linear":
+        linear = sys.modules[engine.runner.backend.decode_linear.__module__]
+        cfg = engine.runner.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
+                  (cfg.hidden_size, cfg.intermediate_size)]  # fmt: skip
+        monkeypatch.setattr(linear, "_TUNED", {shape: ((16, 128, 4, 3), True, True) for shape in shapes})
+    calls: list[bool] = []  # one per launch of decode_linear: with adapter rows or not
+    lora_state = engine.runner.lora
+    run = lora_state.backend.decode_linear
+
+    def counted(x, weight, bias=None, lora=None):
+        calls.append(lora is not None)
+        return run(x, weight, bias, lora)
+
+    monkeypatch.setattr(lora_state, "backend", dataclasses.replace(lora_state.backend, decode_linear=counted))
+    engine.runner.graphs._graphs.clear()  # captured again under this choice (on CUDA; the CPU runs eagerly)
+    engine.runner.graphs.lora_us.clear()
+    yield calls if request.param == "decode_linear" else None
+    engine.runner.graphs._graphs.clear()
+    engine.runner.graphs.lora_us.clear()
+
+
+def test_graphed_decode_equals_eager_for_every_adapter_mix(engine, projections):
     """Six sequences (four adapters of ranks 4..64, two without), prefilled eagerly, then decode steps of changing
     composition: 3 rows (bucket 4, one padding row), another 4 with another mix and other block tables (the same
     graph), 2 base-only rows (the no-LoRA graph of bucket 2), all 6 (bucket 8). Each step runs eagerly, then graphed
@@ -94,6 +124,10 @@ def test_graphed_decode_equals_eager_for_every_adapter_mix(engine):
                 engine.adapters.release(engine.adapters.sha_of(a))
     if DEVICE.type == "cuda":  # calibrated once per bucket that ran with LoRA
         assert set(graphs.lora_us) == {4, 8} and all(us >= 0 for us in graphs.lora_us.values())
+    layers = engine.runner.config.num_layers
+    if projections is not None:  # the graphed steps ran every projection through decode_linear: 3 steps with adapters
+        assert sum(projections) >= 3 * 4 * layers, f"{sum(projections)} fused launches"  # and one base-only step
+        assert len(projections) - sum(projections) >= 4 * layers, f"{len(projections) - sum(projections)} base-only launches"
 
 
 def test_only_decode_steps_within_the_buckets_replay(engine):

@@ -46,12 +46,13 @@ def _want(x, w, bias, lora: DecodeLora | None, slot: list[int]) -> torch.Tensor:
     if bias is not None:
         y += bias.double()
     if lora is not None:
+        t, b = lora.t.cpu().double(), lora.b_stack.cpu().double()
         col = 0
         for s, width in enumerate(lora.slices):
             for row, sl in enumerate(slot):
                 r = RANKS[sl] if sl >= 0 else 0
                 if r:
-                    y[row, col : col + width] += float(lora.scale[sl]) * (lora.t[s, row, :r].double() @ lora.b_stack[sl, :r, col : col + width].double())
+                    y[row, col : col + width] += float(lora.scale[sl]) * (t[s, row, :r] @ b[sl, :r, col : col + width])
             col += width
     return y
 
@@ -82,15 +83,25 @@ def test_decode_linear_matches_float64(dtype, rows, adapters, slices, bias):
 
 
 def test_panels_must_not_straddle_slices():
-    """A slice boundary off the panel grid is refused, naming the boundary, and `fits` says so beforehand."""
+    """A slice boundary off the panel grid is refused, naming the boundary; `fits` says so beforehand, and takes the
+    kernel only for the shapes (base-only, with adapters) where it was measured faster than cuBLAS."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, K, generator=gen).to(DEVICE)
     w = torch.randn(120, K, generator=gen).to(DEVICE)
     lora = DecodeLora(t=torch.zeros(2, 4, 8, device=DEVICE), b_stack=torch.zeros(2, 8, 120, device=DEVICE),
                       rank=torch.ones(2, dtype=torch.int32, device=DEVICE), scale=torch.ones(2, device=DEVICE),
                       slot=torch.zeros(4, dtype=torch.int64, device=DEVICE), slices=(100, 20))  # fmt: skip
-    assert not decode_linear_module.fits(4, (100, 20), K)
-    assert decode_linear_module.fits(4, (64, 32, 32), K)
-    assert not decode_linear_module.fits(decode_linear_module.MAX_ROWS + 1, (96,), K)
+    tuned = decode_linear_module._TUNED
+    try:
+        tuned[(120, K)] = tuned[(128, K)] = tuned[(96, K)] = ((16, 128, 4, 3), True, True)
+        assert not decode_linear_module.fits(4, (100, 20), K, True)
+        assert decode_linear_module.fits(4, (64, 32, 32), K, True)
+        assert not decode_linear_module.fits(decode_linear_module.MAX_ROWS + 1, (96,), K, False)
+        tuned[(96, K)] = ((16, 128, 4, 3), True, False)  # faster than cuBLAS base-only, not with the expand
+        assert decode_linear_module.fits(4, (96,), K, False) and not decode_linear_module.fits(4, (96,), K, True)
+    finally:
+        for key in ((120, K), (128, K), (96, K)):
+            tuned.pop(key, None)
+    assert not decode_linear_module.fits(4, (64, 32, 32), K, True)  # an untuned shape stays with cuBLAS
     with pytest.raises(AssertionError, match="slice boundary 100"):
         decode_linear(x, w, None, lora)
