@@ -75,11 +75,18 @@ def projections(request, engine, monkeypatch):
         return run(x, weight, bias, lora)
 
     monkeypatch.setattr(lora_state, "backend", dataclasses.replace(lora_state.backend, decode_linear=counted))
-    engine.runner.graphs._graphs.clear()  # captured again under this choice (on CUDA; the CPU runs eagerly)
-    engine.runner.graphs.lora_us.clear()
+    _forget_graphs(engine.runner.graphs)  # captured again under this choice (on CUDA; the CPU runs eagerly)
     yield calls if request.param == "decode_linear" else None
-    engine.runner.graphs._graphs.clear()
-    engine.runner.graphs.lora_us.clear()
+    _forget_graphs(engine.runner.graphs)
+
+
+def _forget_graphs(graphs: DecodeGraphs) -> None:
+    """Drop every captured graph and calibration; later captures go to a fresh memory pool (CUDA's allocator refuses
+    a capture into a pool whose graphs are all gone)."""
+    graphs._graphs.clear()
+    graphs.lora_us.clear()
+    if graphs.capture:
+        graphs._pool = torch.cuda.graph_pool_handle()
 
 
 def test_graphed_decode_equals_eager_for_every_adapter_mix(engine, projections):
