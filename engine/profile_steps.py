@@ -160,6 +160,59 @@ def print_result(r: dict) -> None:
             print(f"     {row['us']:>9.1f} µs {row['launches']:>6.1f}x  {row['name']}")
 
 
+def attention_configs(shape: str, contexts: tuple[int, ...] = (160, 544), batch: int = 32) -> None:
+    """Decode attention alone, unsplit, per launch config (BLOCK_N, num_warps, num_stages, V loaded early): µs per launch
+    as `attention_splits` times them, the fastest five and the launcher's own."""
+    import itertools
+
+    import kernels.paged_attention as module
+
+    cfg = model_config(shape)
+    kv, d, bs = cfg.num_kv_heads, cfg.head_dim, 16
+    default = module._config
+    print(f"\n== decode attention {shape}, batch {batch}: µs per launch by (BLOCK_N, warps, stages, early V)")
+    for ctx in contexts:
+        blocks = -(-(ctx + 1) // bs)
+        caches = [(torch.randn(batch * blocks + 1, bs, kv, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch * blocks + 1, bs, kv, d, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]  # fmt: skip
+        table = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+        lens = torch.full((batch,), ctx + 1, device="cuda", dtype=torch.int64)
+        q = torch.randn(batch, cfg.num_heads, d, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * batch * (ctx + 1) * kv * d * 2
+        times = []
+        cands = [None, *itertools.product((64, 128), (4, 8), (2, 3, 4), (False, True))]
+        for cand in cands:
+            if cand is not None:
+                module._config = lambda group_pad, max_q, head_dim, cand=cand: (default(group_pad, max_q, head_dim)[0], *cand)
+            try:
+                us = _graph_launch_us(lambda: [module.paged_attention(q, *caches[i % 8], table, lens, num_splits=1) for i in range(20)]) / 20
+            finally:
+                module._config = default
+            times.append((us, cand or "launcher"))
+        now = times[0][0]
+        times.sort(key=lambda t: t[0])
+        print(f"   context {ctx:>5}: launcher {now:6.1f} µs ({nbytes / now / 1e3:5.0f} GB/s) | best " +
+              "  ".join(f"{c}: {us:.1f}" for us, c in times[:5]))
+
+
+def _graph_launch_us(go) -> float:
+    """Median µs of a CUDA-graph replay of go() (warmed and captured first), over 5 replays."""
+    go()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        go()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def attention_splits(shape: str, contexts: tuple[int, ...] = (160, 544, 2048), batch: int = 32) -> None:
     """Decode attention alone (kernels/paged_attention.py) at `shape`'s heads, per split count: µs per launch in a
     CUDA graph of 20 launches over 8 layers' caches (so the caches are not L2-resident), and GB/s of KV read."""
@@ -205,6 +258,9 @@ if __name__ == "__main__":
     shape, out = sys.argv[1], Path(sys.argv[2])
     if "--attention" in sys.argv:
         attention_splits(shape)
+        sys.exit(0)
+    if "--attention-configs" in sys.argv:
+        attention_configs(shape)
         sys.exit(0)
     prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
     out.mkdir(parents=True, exist_ok=True)

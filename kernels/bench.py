@@ -296,9 +296,9 @@ def _sweep(rep: int = 30) -> None:
     def attention(label: str, model: Model, phase: str) -> None:
         args, _, _ = _attention_case(model, phase)
         if phase == "decode":
-            max_q, cands = 1, [(4, n, w) for n in (64, 128, 256) for w in (4, 8)]
+            max_q, cands = 1, [(4, n, w, 3, False) for n in (64, 128, 256) for w in (4, 8)]
         else:
-            max_q, cands = PREFILL_TOKENS, [(r // 4, n, w) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
+            max_q, cands = PREFILL_TOKENS, [(r // 4, n, w, 3, False) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
         _best(label, attention_module, cands, lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
 
     torch.manual_seed(0)

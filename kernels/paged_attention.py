@@ -81,6 +81,7 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # decode only: key ranges per sequence, each its own program (Flash-Decoding)
+    EARLY_V: tl.constexpr,  # issue a tile's V load beside its K load, before the softmax (see Decode latency)
 ):
     pid_t = tl.program_id(0)  # query-token tile of the sequence; with NUM_SPLITS > 1 (decode), the key split
     kv_head = tl.program_id(1)
@@ -129,6 +130,9 @@ def _paged_attention_kernel(
         block = tl.load(table_row + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)  # [BN]
         k_rows = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh  # [BN]
         kt = tl.load(k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v_rows = block * stride_vb + (offs_n % KV_BLOCK) * stride_vs + kv_head * stride_vh  # [BN]
+        if EARLY_V:
+            vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [M, BN] fp32, base-2 logits
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal, shifted by the context
         s = tl.where(visible, s, float("-inf"))
@@ -137,8 +141,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
         p = tl.exp2(s - m_new[:, None])  # [M, BN]; 0 where masked
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = block * stride_vb + (offs_n % KV_BLOCK) * stride_vs + kv_head * stride_vh  # [BN]
-        vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if not EARLY_V:
+            vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [M, D]
         m_i = m_new
 
@@ -218,7 +222,7 @@ def paged_attention(
         return out
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_t, block_n, num_warps = _config(group_pad, max_query_len, head_dim)
+    block_t, block_n, num_warps, num_stages, early_v = _config(group_pad, max_query_len, head_dim)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     splits = 1 if cu_seqlens_q is not None else (num_splits or decode_splits(batch, kv_heads, block_tables.shape[1] * block_size))
     assert splits == 1 or (cu_seqlens_q is None and splits & (splits - 1) == 0), f"num_splits {splits}: decode only, a power of two"
@@ -248,7 +252,9 @@ def paged_attention(
         DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else _TL_DTYPE[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32; widened halves are exact in TF32
         NUM_SPLITS=splits,
+        EARLY_V=early_v,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(n * heads,)](
@@ -273,15 +279,16 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 1
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_N, num_warps): the fastest of kernels.bench._sweep's candidates on an H200.
+def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_T, BLOCK_N, num_warps, num_stages, EARLY_V): the fastest of kernels.bench._sweep's candidates on an H200.
 
     Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.4). Prefill: 128
-    rows (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4)."""
+    rows (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4). Triton's default pipeline depth (3)
+    and V loaded after the softmax, until engine.profile_steps --attention says otherwise."""
     rows, block_n = (16, 128) if max_query_len == 1 else (128, 64)
     if head_dim > 128:
         block_n //= 2  # keep the K and V tiles' registers as at head_dim 128
-    return max(1, rows // group_pad), block_n, 4
+    return max(1, rows // group_pad), block_n, 4, 3, False
 
 
 def paged_attention_ref(

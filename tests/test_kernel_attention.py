@@ -122,6 +122,16 @@ def test_torch_reference_matches_float64(batch):
     _check(got, _want(q, seqs, dense, 8, 2), 1e-5, "paged_attention_ref")
 
 
+@pytest.mark.parametrize("batch", ["decode", "prefix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_v_loaded_early_gives_the_same_attention(monkeypatch, dtype, batch):
+    """The EARLY_V launch option (V's load issued beside K's, a tuning choice) computes the same attention."""
+    default = paged_attention_module._config
+    monkeypatch.setattr(paged_attention_module, "_config", lambda *a: (*default(*a)[:3], 2, True))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("early", str(dtype), batch)).encode()))
+    _run(dtype, HEADS["gqa4"], BATCHES[batch], 4, gen)
+
+
 def test_decode_equals_one_token_prefill_chunks():
     """A decode batch gives the same rows whether it is passed as decode or as query_len-1 chunks with cu_seqlens."""
     gen = torch.Generator().manual_seed(12)
