@@ -383,7 +383,7 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
               f"delta first +{100 * (new_us / base_us - 1):.1f}%")
 
 
-def _sweep_decode_linear(rows: int = BATCH, rep: int = 50) -> None:
+def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ...] = tuple(MODELS), cands=None) -> None:
     """The decode projection kernel (kernels/decode_linear.py) against cuBLAS at issue 4's decode (32 rows, 32 adapters
     of rank 16): per projection of llama-1b and -8b, the base GEMM (cuBLAS; ours over a grid of configs, with W's bytes
     as the floor), then with adapters: cuBLAS + the per-row expand (the graphs' old path) against ours with the delta
@@ -396,10 +396,10 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50) -> None:
 
     bandwidth = _measure_ceilings()[0]
     torch.manual_seed(0)
-    cands = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 5)))
+    cands = cands or list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 5)))
     summary = []
-    for name, model in MODELS.items():
-        for proj, (in_f, widths) in model.projections().items():
+    for name in models:
+        for proj, (in_f, widths) in MODELS[name].projections().items():
             case = _lora_case(in_f, widths, "decode", [RANK] * ADAPTERS)
             w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
             lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
