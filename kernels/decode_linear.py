@@ -171,11 +171,12 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 # kernels.bench._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after
 # an L2 flush), per (N, K): (config, use it for base-only rows, use it for rows with adapters), against cuBLAS alone and
-# cuBLAS + the per-row expand. It won only at llama-8b's qkv (with adapters: 29.2 against 30.3), o (17.9 / 19.6 base,
-# 22.2 / 25.4 with adapters) and down (41.6 / 43.2, 45.7 / 48.3); at llama-1b and both gate_up cuBLAS was as fast or
-# faster (1b qkv 11.1 / 11.0, with adapters 18.4 / 16.4: the delta's gather after the K loop is a tail of its own).
+# cuBLAS + the per-row expand. Two runs agreed that it wins at llama-8b's o (17.5-17.9 µs against 19.6-19.7 base,
+# 21.5-22.2 against 25.3-25.4 with adapters) and down (41.5-41.6 / 42.9-43.2, 44.4-45.7 / 48.3). Elsewhere cuBLAS was as
+# fast or faster: 8b qkv with adapters 29.2 / 30.3 in one run, 31.2 / 30.7 in the other; both gate_up (8b 69.2 at best
+# against 70.3 base, 90.3 against 84.8 with adapters); all of llama-1b (qkv 11.1 / 11.0, with adapters 18.4 / 16.4: the
+# delta's gather after the K loop is a tail of its own, and at 1b each GEMM is only 3-16 µs of bytes).
 _TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], bool, bool]] = {
-    (6144, 4096): ((16, 256, 4, 3), False, True),
     (4096, 4096): ((32, 256, 4, 5), True, True),
     (4096, 14336): ((32, 256, 4, 5), True, True),
 }

@@ -282,13 +282,17 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_T, BLOCK_N, num_warps, num_stages, EARLY_V): the fastest of kernels.bench._sweep's candidates on an H200.
 
-    Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.4). Prefill: 128
-    rows (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4). Triton's default pipeline depth (3)
-    and V loaded after the softmax, until engine.profile_steps --attention says otherwise."""
-    rows, block_n = (16, 128) if max_query_len == 1 else (128, 64)
+    Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.4), a 2-stage pipeline
+    with V's load issued beside K's (engine.profile_steps --attention-configs, batch 32: 8b at 544 keys 24.3 µs against
+    26.0 at Triton's default 3 stages, 1b 17.0 against 18.2; early V alone is worth ~0.1 µs). Prefill: 128 rows
+    (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4), Triton's default depth."""
+    if max_query_len == 1:
+        rows, block_n, stages, early_v = 16, 128, 2, True
+    else:
+        rows, block_n, stages, early_v = 128, 64, 3, False
     if head_dim > 128:
         block_n //= 2  # keep the K and V tiles' registers as at head_dim 128
-    return max(1, rows // group_pad), block_n, 4, 3, False
+    return max(1, rows // group_pad), block_n, 4, stages, early_v
 
 
 def paged_attention_ref(
