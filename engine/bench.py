@@ -25,8 +25,9 @@ batches with decode_steps 1; tokens/s is B x decode steps / their wall time;
 `device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
 forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for.
 prefill_tflops counts the matmul and attention FLOPs of the base prefill step over its wall time;
-prefill_lora_overhead_pct is the mixed prefill step's extra time over the base one. It prints a table,
-then one JSON line.
+prefill_lora_overhead_pct is the mixed prefill step's extra time over the base one; both from the medians of
+PREFILL_SAMPLES prefills each (base and mixed interleaved), `prefill_lora_overhead_pct_range` the share of each
+pair. It prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama-1b": (2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
     "llama-8b": (4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B
 }
+
+
+PREFILL_SAMPLES = 5  # prefill steps timed per run (base and mixed each); the figures are their medians
 
 
 def bench_engine(
@@ -107,6 +111,14 @@ def bench_engine(
         engine.config = engine.config.model_copy(update={"decode_steps": 1})  # the same batches, one step per round
         single = {name: _run(engine, prompts, runs[name], new, f"{name}-single") for name in ("base", "mixed")}
         engine.config = engine.config.model_copy(update={"decode_steps": chained})
+        # The prefill is one ~0.02-0.4 s step, and one sample of it varied by several % between runs (8b LoRA share
+        # +9.7% in one, +13.4% in another): its figures are medians of 5 samples, base and mixed interleaved.
+        samples: dict[str, list[dict]] = {"base": [base, single["base"]], "mixed": [mixed, single["mixed"]]}
+        for i in range(PREFILL_SAMPLES - 2):
+            for name in ("base", "mixed"):
+                samples[name].append(_run(engine, prompts, runs[name], 2, f"{name}-prefill{i}"))
+        prefill = {name: {key: statistics.median(r[key] for r in rs) for key in ("prefill_ms", "prefill_device_ms")}
+                   for name, rs in samples.items()}  # fmt: skip
         bandwidth = measure_bandwidth(dev)
         matmul = measure_matmul(dev, dtype)
         flops = prefill_flops(cfg, batch, prompt)
@@ -117,12 +129,15 @@ def bench_engine(
             decode_steps=chained, base_step_ms_one_per_round=single["base"]["step_ms"],
             mixed_step_ms_one_per_round=single["mixed"]["step_ms"],
             base_device_step_ms=base["device_step_ms"], mixed_device_step_ms=mixed["device_step_ms"],
-            prefill_ms=base["prefill_ms"], mixed_prefill_ms=mixed["prefill_ms"],
-            prefill_device_ms=base["prefill_device_ms"], mixed_prefill_device_ms=mixed["prefill_device_ms"],
-            prefill_tflops=flops / (base["prefill_ms"] / 1e3) / 1e12,
-            mixed_prefill_tflops=flops / (mixed["prefill_ms"] / 1e3) / 1e12,
-            prefill_lora_overhead_pct=100 * (mixed["prefill_ms"] / base["prefill_ms"] - 1),
-            matmul_tflops=matmul / 1e12, prefill_matmul_pct=100 * flops / (base["prefill_ms"] / 1e3) / matmul,
+            prefill_ms=prefill["base"]["prefill_ms"], mixed_prefill_ms=prefill["mixed"]["prefill_ms"],
+            prefill_device_ms=prefill["base"]["prefill_device_ms"], mixed_prefill_device_ms=prefill["mixed"]["prefill_device_ms"],
+            prefill_samples=PREFILL_SAMPLES,
+            prefill_lora_overhead_pct_range=[round(100 * (m["prefill_ms"] / b["prefill_ms"] - 1), 2)
+                                             for b, m in zip(samples["base"], samples["mixed"])],
+            prefill_tflops=flops / (prefill["base"]["prefill_ms"] / 1e3) / 1e12,
+            mixed_prefill_tflops=flops / (prefill["mixed"]["prefill_ms"] / 1e3) / 1e12,
+            prefill_lora_overhead_pct=100 * (prefill["mixed"]["prefill_ms"] / prefill["base"]["prefill_ms"] - 1),
+            matmul_tflops=matmul / 1e12, prefill_matmul_pct=100 * flops / (prefill["base"]["prefill_ms"] / 1e3) / matmul,
             copy_bandwidth_gb_s=bandwidth / 1e9,
         )  # fmt: skip
         context = prompt + new / 2
@@ -417,4 +432,5 @@ def _print_table(out: dict) -> None:
     print(f"{'peer base':<14}{f(out['peer_base_tok_s']):>12}")
     print(f"{'peer mixed':<14}{f(out['peer_mixed_tok_s']):>12}" + (f"   ours mixed / peer mixed: {out['mixed_vs_peer']:,.1f}x" if out.get("mixed_vs_peer") else ""))
     print(f"prefill {out['prefill_tflops']:.2f} TFLOP/s ({out['prefill_matmul_pct']:.1f}% of the {out['matmul_tflops']:.1f} TFLOP/s matmul), "
-          f"LoRA +{out['prefill_lora_overhead_pct']:.1f}%; copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
+          f"LoRA +{out['prefill_lora_overhead_pct']:.1f}% (median of {out['prefill_samples']}; each pair: "
+          f"{', '.join(f'{v:+.1f}%' for v in out['prefill_lora_overhead_pct_range'])}); copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
