@@ -232,24 +232,8 @@ def attention_splits(shape: str, contexts: tuple[int, ...] = (160, 544, 2048), b
         nbytes = 2 * batch * (ctx + 1) * kv * d * 2
         row = []
         for splits in (1, 2, 4, 8):
-            def go():
-                for i in range(20):
-                    k, v = caches[i % layers]
-                    paged_attention(q, k, v, table, lens, num_splits=splits)
-            go()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                go()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / 20)
-            us = statistics.median(times)
+            us = _graph_launch_us(lambda: [paged_attention(q, *caches[i % layers], table, lens, num_splits=splits)
+                                           for i in range(20)]) / 20  # fmt: skip
             row.append(f"{splits}: {us:6.1f} µs ({nbytes / us / 1e3:5.0f} GB/s)")
         print(f"   context {ctx:>5}:  " + "   ".join(row))
 

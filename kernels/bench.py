@@ -13,6 +13,9 @@ matmul rate measured here). Kernels are timed as CUDA-graph replays (what a grap
 Python launch cost); references, which sync, as plain calls; both with triton.testing.do_bench's median,
 which flushes L2 before every run, so no weight is served from the cache a real step would have evicted.
 
+Decode also times kernels/decode_linear.py, the base projection and the rows' deltas in one launch ("linear+delta"),
+whose floor is W, the distinct adapters' B, t, x and y each moved once.
+
 Mixed ranks: adapters of rank 8/16/32/64 (cycled over the 32) against all 32 at rank 30, their mean: the
 bytes are equal, so the time ratio shows what heterogeneity itself costs (issue 4's target: at most 1.1x).
 """
@@ -28,8 +31,9 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from kernels.decode_linear import decode_linear, decode_linear_ref
 from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_segments import LoraSegments, segments_from_indices, segments_per_row
+from kernels.lora_segments import DecodeLora, LoraSegments, segments_from_indices, segments_per_row
 from kernels.lora_shrink import lora_shrink, lora_shrink_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 
@@ -181,6 +185,13 @@ def _bench_projection(model: str, phase: str, proj: str, in_f: int, widths: tupl
     base_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
     rows = [_row(model, phase, f"shrink {proj}", shrink_us, shrink_ref_us, case.shrink_bytes, bandwidth),
             _row(model, phase, f"expand {proj}", expand_us, expand_ref_us, case.expand_bytes, bandwidth)]
+    if phase == "decode":  # the base GEMM + delta in one launch (kernels/decode_linear.py), whichever shapes the engine gives it
+        lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
+        linear_us = _graph_us(lambda: decode_linear(case.x, w, None, lora))
+        linear_ref_us = _plain_us(lambda: decode_linear_ref(case.x, w, None, lora))
+        y_bytes = case.y.numel() * case.y.element_size()  # written once; the expand's read of y is gone
+        nbytes = w.numel() * w.element_size() + case.expand_bytes - 2 * y_bytes + y_bytes + case.x.numel() * case.x.element_size()
+        rows.append(_row(model, phase, f"linear+delta {proj}", linear_us, linear_ref_us, nbytes, bandwidth))
     return rows, shrink_us + expand_us, base_us
 
 
@@ -392,7 +403,6 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
     import itertools
 
     import kernels.decode_linear as linear_module
-    from kernels.lora_segments import DecodeLora
 
     bandwidth = _measure_ceilings()[0]
     torch.manual_seed(0)

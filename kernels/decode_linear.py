@@ -25,14 +25,13 @@ operands go to the tensor cores as they are, with fp32 accumulation. fp32 inputs
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import DecodeLora
+from kernels.lora_segments import DecodeLora, slice_starts
 
 MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
 _BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
@@ -123,7 +122,7 @@ def decode_linear(
     if m == 0:
         return y
     block_n, block_k, num_warps, num_stages = _config(m, n, k)
-    starts = _slice_starts(lora.slices if lora is not None else (n,), x.device)
+    starts = slice_starts(lora.slices if lora is not None else (n,), x.device)
     if lora is not None:
         slots, max_rank, b_out = lora.b_stack.shape
         assert b_out == n and sum(lora.slices) == n, (tuple(lora.b_stack.shape), lora.slices, n)
@@ -181,14 +180,6 @@ _TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], bool, bool]] = {
     (4096, 14336): ((32, 256, 4, 5), True, True),
 }
 
-
-@functools.lru_cache(maxsize=64)
-def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
-    """Built once per (slices, device): a later call, inside a CUDA-graph capture too, copies nothing."""
-    starts = [0]
-    for w in widths:
-        starts.append(starts[-1] + w)
-    return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
 def decode_linear_ref(

@@ -41,14 +41,13 @@ same code runs in the Triton interpreter, which cannot multiply bf16 in `tl.dot`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraSegments, rows_of
+from kernels.lora_segments import LoraSegments, rows_of, slice_starts
 
 _BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at which ranks are skipped
 
@@ -212,7 +211,7 @@ def lora_expand(
     grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _expand_kernel[grid](
-        t, b_stack, y, rank, scale, segments.slot, start, _slice_starts(widths, y.device),
+        t, b_stack, y, rank, scale, segments.slot, start, slice_starts(widths, y.device),
         num_ntiles,
         t.stride(0), t.stride(1), t.stride(2),
         b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
@@ -243,14 +242,6 @@ def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, 
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
     return 32, 128, 4, 1
 
-
-@functools.lru_cache(maxsize=64)
-def _slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
-    """Built once per (slices, device): a later call, inside a CUDA-graph capture too, copies nothing."""
-    starts = [0]
-    for w in widths:
-        starts.append(starts[-1] + w)
-    return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
 def lora_expand_ref(

@@ -33,6 +33,7 @@ and sets max_len to N, so the grid depends on N alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,3 +107,13 @@ class DecodeLora:
     scale: torch.Tensor  # [slots] fp32
     slot: torch.Tensor  # [M] int: each row's slot, -1 for none
     slices: tuple[int, ...]  # output width of each fused slice, summing to out
+
+
+@functools.lru_cache(maxsize=64)
+def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
+    """First column of each fused slice, then the total, on `device`: what the expand and decode_linear read to find a
+    column's slice. Built once per (slices, device): a later call, inside a CUDA-graph capture too, copies nothing."""
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + w)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
