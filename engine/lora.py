@@ -98,8 +98,7 @@ class LoraState:
     def delta_then_base(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
                         widths: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
         """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
-        ctx = self.timer.section() if self.timed else contextlib.nullcontext()
-        with ctx:
+        with self._section():
             t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
             z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
             self.backend.lora_expand(z, t, b_stack, self.rank, self.scale, self.segments, slices=widths, accumulate=False)
@@ -133,9 +132,8 @@ class LoraState:
         """base(x) + each row's adapter delta [N, out] in one launch after the shrink (kernels/decode_linear.py)."""
         lora = None
         if self.active:
-            n, r = x.shape[0], self.max_lora_rank
-            t = self.decode_t[slice_offset * n * r : (slice_offset + len(widths)) * n * r].view(len(widths), n, r)
-            with self.timer.section() if self.timed else contextlib.nullcontext():
+            t = self._decode_t(slice_offset, len(widths), x.shape[0])
+            with self._section():
                 self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=t, out_zeroed=True)
             lora = DecodeLora(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, slot=self.segments.slot, slices=widths)
         return self.backend.decode_linear(x, base.weight, base.bias, lora)
@@ -144,13 +142,9 @@ class LoraState:
               slice_offset: int) -> None:  # fmt: skip
         """y [N, out] += each row's adapter delta of x [N, in], for every slice of the projection (whose first slice is
         `slice_offset` among all wrapped projections' slices)."""
-        ctx = self.timer.section() if self.timed else contextlib.nullcontext()
-        with ctx:
+        with self._section():
             if self.segments is not None:
-                out = None
-                if self.decode_t is not None:
-                    n, r = x.shape[0], self.max_lora_rank
-                    out = self.decode_t[slice_offset * n * r : (slice_offset + len(widths)) * n * r].view(len(widths), n, r)
+                out = self._decode_t(slice_offset, len(widths), x.shape[0]) if self.decode_t is not None else None
                 t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
                 self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, self.segments, slices=widths)
                 return
@@ -159,6 +153,15 @@ class LoraState:
                 lora_ref(y[:, off : off + w], x, a_stack[:, s], b_stack[:, :, off : off + w].transpose(1, 2), self.slot_idx,
                          self.scale)  # fmt: skip
                 off += w
+
+    def _section(self) -> contextlib.AbstractContextManager:
+        """A timed section around LoRA ops (engine.timing), or nothing while a CUDA graph is captured."""
+        return self.timer.section() if self.timed else contextlib.nullcontext()
+
+    def _decode_t(self, slice_offset: int, num_slices: int, rows: int) -> torch.Tensor:  # [S, N, R] fp32
+        """A projection's view of the forward's one zeroed shrink buffer (`decode_t`), from its first slice's offset."""
+        r = self.max_lora_rank
+        return self.decode_t[slice_offset * rows * r : (slice_offset + num_slices) * rows * r].view(num_slices, rows, r)
 
     def host_copy(self, adapter: LoraAdapter) -> LoraAdapter:
         """The L2 copy `write` takes: the slots' dtype, B transposed to [r, out], contiguous, pinned on CUDA."""
