@@ -34,8 +34,12 @@ Prefill (and any batch whose rows come grouped in segments): the expand writes e
 (`z.addmm_(x, W^T)`) instead of the expand reading and writing y after it. A long prefill's expand is bound by
 its bytes and its GEMM by its FLOPs, so this moves the read of the projection's output from a pass of its own
 into the GEMM's epilogue, where the tensor cores' time covers it (kernels/lora_expand.py). z is rounded to
-the activations' dtype before the GEMM adds into it, as y was before the delta was added to it. CUDA-graph decode keeps y = base(x) then y += delta: at 32 rows the
-GEMM is bound by its bytes too, and the order saves nothing.
+the activations' dtype before the GEMM adds into it, as y was before the delta was added to it.
+
+Decode (one row per group, as CUDA-graph steps run): at 32 rows the GEMM is bound by its bytes too, so
+writing the delta first saves nothing. Where kernels/decode_linear.py was measured faster than cuBLAS
+(llama-8b's o and down projections on an H200), the GEMM and the rows' deltas are one launch after the
+shrink (`one_launch`); elsewhere y = base(x), then the expand adds into y.
 
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
 LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a

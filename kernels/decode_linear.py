@@ -13,8 +13,9 @@ gathers each row's B rows [R, BLOCK_N] (rank-major, contiguous along n) at the r
 ranks cost their own bytes. One graph launch where there were two, and the delta never makes a round trip
 through y. The shrink stays a launch of its own: it must finish before any program adds its result.
 
-Grid: (N / BLOCK_N,), one program per output panel, no split of K, so no reduction pass: BLOCK_N is chosen
-small enough that the grid covers the SMs (N = 2048 at BLOCK_N 16: 128 programs). A panel never straddles
+Grid: (N / BLOCK_N,), one program per output panel, no split of K, so no reduction pass: BLOCK_N is small
+enough that the grid covers the SMs (llama-8b o and down, N = 4096 at the swept BLOCK_N 32: 128 programs;
+untuned shapes take the widest of 64/32/16 that gives 128). A panel never straddles
 two fused slices (the launcher checks that every slice starts on a BLOCK_N boundary), so a program reads
 one slice's t.
 
