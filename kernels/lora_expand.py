@@ -53,6 +53,28 @@ _BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at whic
 
 
 @triton.jit
+def _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """t[rows, :rank] @ B[:rank, cols] for one tile, in BLOCK_R steps up to the rank and no further: [BM, BN] fp32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        r_mask = offs_r < rank
+        tt = tl.load(
+            t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BM, BR] fp32
+        bt = tl.load(
+            b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BR, BN]
+        acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _expand_kernel(
     t_ptr,  # [S, N, R] fp32
     b_ptr,  # [slots, R, out]
@@ -136,21 +158,8 @@ def _expand_kernel(
         for mi in range(ROW_TILES):
             offs_m = m0 + mi * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
             m_mask = offs_m < row_end
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-                r_mask = offs_r < rank
-                tt = tl.load(
-                    t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
-                    mask=m_mask[:, None] & r_mask[None, :],
-                    other=0.0,
-                )  # [BM, BR] fp32
-                bt = tl.load(
-                    b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
-                    mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0,
-                )  # [BR, BN]
-                acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+            acc = _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                              BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32, before the scale
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
             tl.store(y_ptrs, (scale * acc).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
@@ -162,21 +171,8 @@ def _expand_kernel(
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
             mask = m_mask[:, None] & n_mask[None, :]
             yt = tl.load(y_ptrs, mask=mask, other=0.0)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-                r_mask = offs_r < rank
-                tt = tl.load(
-                    t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr,
-                    mask=m_mask[:, None] & r_mask[None, :],
-                    other=0.0,
-                )  # [BM, BR] fp32
-                bt = tl.load(
-                    b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
-                    mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0,
-                )  # [BR, BN]
-                acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+            acc = _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                              BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32, before the scale
             tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=mask)
 
 
