@@ -509,3 +509,24 @@ def _probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("l
                   _graph_us(lambda: z.copy_(case.y), rep)]
             print(f"{name + ' ' + proj:20} " + " ".join(f"{v:8.1f}" for v in us) + "   " +
                   " ".join(f"{gb / v:6.0f}" for v in us), flush=True)
+
+
+def _probe_beta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
+    """The prefill GEMM adding into the delta (`z.addmm_(x, W^T)`, beta = 1) against the plain GEMM (beta = 0), per
+    projection at 32 sequences of `tokens`, through torch's default BLAS path and through cuBLASLt
+    (`torch.backends.cuda.preferred_blas_library`); µs (python -c "from kernels.bench import _probe_beta; _probe_beta()")."""
+    torch.manual_seed(0)
+    default = torch.backends.cuda.preferred_blas_library()
+    print(f"{'projection':20} {'beta=0':>8} {'beta=1':>8} {'Lt beta=0':>10} {'Lt beta=1':>10}  (µs)")
+    for name in models:
+        for proj, (in_f, widths) in MODELS[name].projections().items():
+            x = torch.randn(BATCH * tokens, in_f, device=_DEVICE, dtype=DTYPE)
+            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+            y = torch.empty(x.shape[0], w.shape[0], device=_DEVICE, dtype=DTYPE)
+            z = torch.zeros_like(y)
+            us = []
+            for lib in (default, "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                us += [_graph_us(lambda: torch.mm(x, w.t(), out=y), rep), _graph_us(lambda: z.addmm_(x, w.t()), rep)]
+            torch.backends.cuda.preferred_blas_library(default)
+            print(f"{name + ' ' + proj:20} {us[0]:8.1f} {us[1]:8.1f} {us[2]:10.1f} {us[3]:10.1f}", flush=True)
