@@ -295,10 +295,10 @@ def _sweep(rep: int = 30) -> None:
         case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
         if phase == "decode":
             s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
-            e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8), (1,), (1,)))
+            e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8), (1,)))
         else:
             s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
-            e_cands = [(128, 128, 8, 1, 1), (128, 256, 8, 1, 1), (64, 256, 8, 1, 1), (256, 128, 8, 1, 1), (32, 128, 4, 4, 1)]
+            e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
         _best(f"{label} shrink", shrink_module, s_cands,
               lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
         _best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
@@ -337,7 +337,7 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
         for proj, (in_f, widths) in model.projections().items():
             case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,)))
-            e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8), (1,)))
+            e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
                 _best(f"{name} {proj} shrink", shrink_module, s_cands,
                       lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep),
@@ -348,7 +348,7 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
 
 
-def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",), cands=None) -> None:
+def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
     """Prefill LoRA as the engine runs it since the delta form (engine.lora "Prefill"): per projection of llama-8b and
     -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
     into y (the old order), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
@@ -366,7 +366,7 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
             w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)
             z = torch.empty_like(case.y)
             delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
-            cands = cands or list(itertools.product((64, 128), (128, 256), (4, 8), (1,), (2, 4, 8, 16)))
+            cands = list(itertools.product((64, 128), (256, 512), (4, 8), (1, 2)))
             _best(f"{name} {proj} delta", expand_module, cands, lambda: _graph_us(
                 lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
                 rep), delta_bytes / bandwidth * 1e6)  # fmt: skip

@@ -94,15 +94,14 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROW_TILES: tl.constexpr,  # row tiles per program (BLOCK_M > 1, accumulating): more bytes in flight per program
-    COL_TILES: tl.constexpr,  # column tiles per program (the delta, BLOCK_M > 1): B's next tile loads under this one
+    ROW_TILES: tl.constexpr,  # row tiles per program (BLOCK_M > 1): more bytes in flight per program
     ACCUMULATE: tl.constexpr,  # y += delta on adapter rows; False: y = delta, and 0 on the other rows
 ):
-    pid_n = tl.program_id(0)  # slice x COL_TILES column tiles
+    pid_n = tl.program_id(0)  # slice x column tile
     pid_m = tl.program_id(1)  # ROW_TILES row tiles within the group
     group = tl.program_id(2)
     sl = pid_n // num_ntiles
-    n0 = (pid_n % num_ntiles) * (BLOCK_N * COL_TILES)
+    n0 = (pid_n % num_ntiles) * BLOCK_N
 
     # Loads that need nothing loaded before them go first, so their latencies overlap: a decode program is
     # a chain of a few dependent DRAM round trips (slot -> rank -> B -> y) with little data behind each.
@@ -166,39 +165,15 @@ def _expand_kernel(
         else:
             tl.store(y_ptrs, (scale * acc_v).to(y_ptr.dtype.element_ty), mask=n_mask)
     elif not ACCUMULATE:
-        # The delta alone (one row tile, ROW_TILES is 1): nothing of y is read, so a program walks COL_TILES column tiles
-        # of its rows with t's first rank step loaded once, and each tile's B loaded while the tile before is multiplied
-        # and stored. One tile per program was a chain of dependent round trips (slot, rank, t and B, then the store)
-        # with 32 KB behind it: on an H200 that chain, not the bytes, set the time (engine/PERF.md, session 4).
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
-        m_mask = offs_m < row_end
-        n_end = tl.minimum(n0 + BLOCK_N * COL_TILES, width)
-        offs_r = tl.arange(0, BLOCK_R)  # [BR]
-        r_mask = offs_r < rank
-        t_rows = t_base + offs_m.to(tl.int64)[:, None] * stride_tm  # [BM, 1]
-        t0 = tl.load(t_rows + offs_r[None, :] * stride_tr, mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BR]
-        b_rows = b_base + offs_r[:, None] * stride_br  # [BR, 1]
-        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] column within the slice
-        b_cur = tl.load(b_rows + (col_begin + offs_n)[None, :] * stride_bn, mask=r_mask[:, None] & (offs_n < n_end)[None, :],
-                        other=0.0)  # [BR, BN]  # fmt: skip
-        for _ in range(COL_TILES):
-            next_n = offs_n + BLOCK_N
-            b_next = tl.load(b_rows + (col_begin + next_n)[None, :] * stride_bn,
-                             mask=r_mask[:, None] & (next_n < n_end)[None, :], other=0.0)  # fmt: skip
-            acc = tl.dot(t0, b_cur.to(tl.float32), input_precision=DOT_PRECISION)  # [BM, BN] fp32
-            cols = col_begin + offs_n
-            col_mask = offs_n < n_end
-            for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks past 16, at their own cost
-                more_r = r0 + tl.arange(0, BLOCK_R)
-                more_mask = more_r < rank
-                tt = tl.load(t_rows + more_r[None, :] * stride_tr, mask=m_mask[:, None] & more_mask[None, :], other=0.0)
-                bt = tl.load(b_rows + (r0 * stride_br) + cols[None, :] * stride_bn, mask=more_mask[:, None] & col_mask[None, :],
-                             other=0.0)  # fmt: skip
-                acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
+        # The delta alone: nothing of y is read, so a program walks its ROW_TILES tiles in a loop (not unrolled: no
+        # load waits on a store, and the registers stay those of one tile).
+        for mi in range(ROW_TILES):
+            offs_m = m0 + mi * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            m_mask = offs_m < row_end
+            acc = _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                              BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32, before the scale
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
-            tl.store(y_ptrs, (scale * acc).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
-            offs_n = next_n
-            b_cur = b_next
+            tl.store(y_ptrs, (scale * acc).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
         if rank == 0:
             return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
@@ -239,9 +214,8 @@ def lora_expand(
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, y has {n}"
     if n == 0 or segments.num_groups == 0:
         return
-    block_m, block_n, num_warps, row_tiles, col_tiles = _config(segments, accumulate)
-    assert col_tiles == 1 or (row_tiles == 1 and not accumulate and block_m > 1), (block_m, row_tiles, col_tiles, accumulate)
-    num_ntiles = triton.cdiv(max(widths), block_n * col_tiles)
+    block_m, block_n, num_warps, row_tiles = _config(segments, accumulate)
+    num_ntiles = triton.cdiv(max(widths), block_n)
     grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _expand_kernel[grid](
@@ -257,26 +231,26 @@ def lora_expand(
         BLOCK_R=_BLOCK_R,
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # B exact, t to 11 bits
         ROW_TILES=row_tiles,
-        COL_TILES=col_tiles,
         ACCUMULATE=accumulate,
         num_warps=num_warps,
     )
 
 
-def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES, COL_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16,
-    rank 16; µs are CUDA-graph replays after an L2 flush)."""
+def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16;
+    µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
-        return 1, 512, 4, 1, 1  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
+        return 1, 512, 4, 1  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
     if segments.max_len <= 16:
-        return 16, 256, 4, 1, 1
+        return 16, 256, 4, 1
     if not accumulate:
         # The prefill delta, kernels.bench._sweep_prefill_delta on an H200 (8b, 32 x 512 tokens, rank 16): 64 x 256 tiles,
         # one per program, were the fastest for all four projections (gate_up 490 µs; 32 x 128 x 4 row tiles: 755).
-        return 64, 256, 4, 1, 8
+        return 64, 256, 4, 1
     # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
-    return 32, 128, 4, 1, 1
+    return 32, 128, 4, 1
+
 
 
 def lora_expand_ref(

@@ -204,21 +204,14 @@ def test_torch_references_match_float64(form):
     _assert_close(z, y_want - y0.double(), 1e-5, "lora_expand_ref delta")
 
 
-@pytest.mark.parametrize("tiles", [2, 4])
+@pytest.mark.parametrize("row_tiles", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
-def test_expand_with_several_tiles_per_program(monkeypatch, dtype, tiles):
-    """Prefill expand programs that each take several row tiles (adding into y) or column tiles (writing the delta), the
-    last ones past their group's end or their slice's width, compute what float64 does and leave rows without an adapter
-    untouched, over mixed ranks and the fused qkv slices (k and v narrower than one program's columns)."""
+def test_expand_with_several_row_tiles_per_program(monkeypatch, dtype, row_tiles):
+    """Prefill expand programs that each take several row tiles (the last ones past their group's end) compute what
+    float64 does and leave rows without an adapter untouched, over mixed ranks and the fused qkv slices."""
     default = lora_expand_module._config
-
-    def config(seg, accumulate=True):
-        if seg.start is None:
-            return default(seg, accumulate)
-        return (16, 64, 4, tiles, 1) if accumulate else (16, 32, 4, 1, tiles)
-
-    monkeypatch.setattr(lora_expand_module, "_config", config)
-    gen = torch.Generator().manual_seed(17 + tiles)
+    monkeypatch.setattr(lora_expand_module, "_config", lambda seg, accumulate=True: (16, 64, 4, row_tiles) if seg.start is not None else default(seg, accumulate))
+    gen = torch.Generator().manual_seed(17 + row_tiles)
     _run_case(dtype, "zipf", RANKS["mixed"], SLICES["qkv"], "prefill", IN_FEATURES, gen)
 
 
