@@ -431,63 +431,6 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
         print(f"{label:34} " + " ".join(f"{v:8.1f}" if i < 3 else f"{v:14.1f}" if i == 3 else f"{v:11.1f}" for i, v in enumerate(us)))
 
 
-def _chain_pdl(models: tuple[str, ...] = tuple(MODELS), rows: int = BATCH, rep: int = 30) -> None:
-    """A decode step's base GEMMs alone, layer after layer, as one CUDA graph: qkv -> o -> gate_up -> down, each reading
-    the previous one's output, with a fresh copy of the weights per layer (as a model has). cuBLAS against
-    kernels/decode_linear.py plain, as programmatic dependent launches (PDL), with W's L2 prefetch before the wait, and
-    both; against the floor of the weights' bytes over the copy bandwidth. Checks that every variant's output equals the
-    plain one (python -c "from kernels.bench import _chain_pdl; _chain_pdl()")."""
-    import kernels.decode_linear as linear_module
-
-    bandwidth = _measure_ceilings()[0]
-    torch.manual_seed(0)
-    print(f"\n{'model':9} {'layers':>6} {'floor':>8} {'cuBLAS':>8} {'ours':>8} {'+pdl':>8} {'+pdl late':>10}"
-          f"  (µs per step; x floor of the best)")
-    for name in models:
-        model = MODELS[name]
-        layers = {"llama-1b": 16, "llama-8b": 32}.get(name, 16)
-        projections = model.projections()
-        weights = [{proj: torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
-                    for proj, (in_f, widths) in projections.items()} for _ in range(layers)]
-        nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer.values())
-        x0 = torch.randn(rows, model.hidden, device=_DEVICE, dtype=DTYPE)
-        q = model.heads * model.head_dim
-
-        def step(mm) -> torch.Tensor:
-            h = x0
-            for layer in weights:
-                qkv = mm(h, layer["qkv"])
-                o = mm(qkv[:, :q], layer["o"])
-                gate_up = mm(o, layer["gate_up"])
-                h = mm(gate_up[:, : model.intermediate], layer["down"])
-            return h
-
-        variants = {
-            "cuBLAS": lambda h, w: torch.mm(h, w.t()),
-            "ours": lambda h, w: linear_module.decode_linear(h, w, pdl=0),
-            "+pdl": lambda h, w: linear_module.decode_linear(h, w, pdl=1),
-            "+pdl late": lambda h, w: linear_module.decode_linear(h, w, pdl=2),
-        }
-        times, outs = {}, {}
-        for label, mm in variants.items():
-            graph = torch.cuda.CUDAGraph()
-            step(mm)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                out = step(mm)
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[label] = out.clone()
-            times[label] = do_bench(graph.replay, warmup=10, rep=rep * 10, return_mode="median") * 1e3
-        for label in ("+pdl", "+pdl late"):
-            if not torch.equal(outs[label], outs["ours"]):
-                print(f"  {name} {label}: output differs from the plain launch (max abs {(outs[label].float() - outs['ours'].float()).abs().max():.3g})")
-        floor = nbytes / bandwidth * 1e6
-        best = min(times.values())
-        print(f"{name:9} {layers:6} {floor:8.1f} " + " ".join(f"{times[k]:8.1f}" if k != "+pdl late" else f"{times[k]:10.1f}"
-                                                        for k in variants) + f"  {best / floor:.2f}x", flush=True)
-
-
 def _probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
     """Where the prefill delta's time goes (kernels/lora_expand.py, accumulate=False), per projection at 32 sequences of
     `tokens` over 32 adapters of rank 16: the delta, the same launch with every rank 0 (its stores alone), torch's fill

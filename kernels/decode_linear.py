@@ -28,28 +28,17 @@ operands go to the tensor cores as they are, with fp32 accumulation. fp32 inputs
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_segments import DecodeLora, slice_starts
 
 MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
 _BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _prefetch_rows_l2(row_ptrs, row_bytes):
-    """Ask L2 for each of `row_ptrs`' `row_bytes` contiguous bytes (Hopper's bulk prefetch: one instruction a row, no
-    registers or shared memory held while it is in flight). Rows must start 16-byte aligned, row_bytes % 16 == 0."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [row_ptrs, tl.full(row_ptrs.shape, row_bytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -77,8 +66,6 @@ def _decode_linear_kernel(
     BLOCK_R: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)  # [BM]
@@ -87,12 +74,6 @@ def _decode_linear_kernel(
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
-    if PREFETCH:  # W is no earlier kernel's output: start this panel's rows on their way to L2 before waiting
-        _prefetch_rows_l2(w_ptr + tl.where(n_mask, offs_n, n0).to(tl.int64) * stride_wn, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    if PDL:  # x is the previous kernel's output: wait until that kernel is complete
-        gdc_wait()
-    if PDL == 1:  # ... and let the next kernel start its prologue now
-        gdc_launch_dependents()
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -101,8 +82,6 @@ def _decode_linear_kernel(
         wt = tl.load(w_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    if PDL == 2:  # ... or once this program's panel is read
-        gdc_launch_dependents()
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -135,15 +114,8 @@ def decode_linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     lora: DecodeLora | None = None,
-    *,
-    pdl: int | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:  # [M, N]
-    """x W^T + bias + each row's LoRA delta, in one launch (see Semantics).
-
-    pdl: launch as a programmatic dependent launch (Hopper on): the program waits for the previous kernel before reading
-    x, and lets the next one start once all programs have got that far. prefetch: first ask L2 for the program's panel
-    of W. Both default to on where the GPU has them (compute capability 9.0 on; never in the CPU interpreter)."""
+    """x W^T + bias + each row's LoRA delta, in one launch (see Semantics)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"decode_linear takes at most {MAX_ROWS} rows, got {m}"
@@ -165,11 +137,6 @@ def decode_linear(
             assert offset % block_n == 0, f"slice boundary {offset} is not a multiple of BLOCK_N {block_n}: slices {lora.slices}"
             offset += w
     interpreted = x.device.type == "cpu"
-    hopper = not interpreted and pdl_capable(x.device)
-    pdl = (1 if pdl is None else pdl) if hopper else 0
-    row_bytes = k * weight.element_size()
-    aligned = weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
-    prefetch = prefetch and hopper and aligned
     _decode_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y,
         lora.t if lora else x, lora.b_stack if lora else x, lora.rank if lora else x, lora.scale if lora else x,
@@ -187,19 +154,10 @@ def decode_linear(
         BLOCK_R=_BLOCK_R,
         DOT_DTYPE=tl.float32 if interpreted else _TL_DTYPE[x.dtype],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreted else "tf32",
-        PDL=pdl,
-        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
-
-
-@functools.cache
-def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched as programmatic dependent launches (Hopper, sm_90, and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
