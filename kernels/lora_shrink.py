@@ -48,7 +48,6 @@ _BLOCK_R = 16  # rank tile: the tensor-core minimum, and the granularity at whic
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 1024, 4  # prefill also pays a memset of t (1-3 MB) for a split
 _MIN_K_PER_SPLIT = 512
-_ALL_SLICES = True
 
 
 @triton.jit
@@ -64,15 +63,12 @@ def _shrink_kernel(
     stride_xm, stride_xk,
     stride_as, stride_ai, stride_ar, stride_ak,
     stride_ti, stride_tm, stride_tr,
-    NUM_SLICES: tl.constexpr,
     NUM_RTILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    ALL_SLICES: tl.constexpr,  # one program computes every slice of its rows (tiles only): x is read once, not S times
     HAS_START: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SLICE_COLS: tl.constexpr,  # next power of two of NUM_SLICES * BLOCK_R, for ALL_SLICES
     DOT_PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)  # slice x rank tile x K split: programs sharing an x tile are neighbours
@@ -80,7 +76,7 @@ def _shrink_kernel(
     group = tl.program_id(2)
     split = pid_c % SPLIT_K
     r_tile = (pid_c // SPLIT_K) % NUM_RTILES
-    sl = pid_c // (SPLIT_K * NUM_RTILES)  # 0 when ALL_SLICES
+    sl = pid_c // (SPLIT_K * NUM_RTILES)
 
     slot = tl.load(slot_ptr + group)
     if HAS_START:  # issued beside the slot's load, so that the two latencies overlap
@@ -124,33 +120,6 @@ def _shrink_kernel(
             tl.store(t_ptrs, acc_v, mask=r_mask)
         else:
             tl.atomic_add(t_ptrs, acc_v, mask=r_mask)
-    elif ALL_SLICES:
-        # Columns c of the tile are (slice c // BLOCK_R, rank r0 + c % BLOCK_R), all S slices side by side (padded to a
-        # power of two, the padding masked): one [BM, BK] x tile feeds every slice's A.
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
-        m_mask = offs_m < row_end
-        cols = tl.arange(0, SLICE_COLS)  # [SC]
-        col_slice = cols // BLOCK_R
-        col_rank = r0 + cols % BLOCK_R
-        col_mask = (col_slice < NUM_SLICES) & (col_rank < rank)
-        a_cols = a_ptr + slot.to(tl.int64) * stride_as + col_slice * stride_ai + col_rank * stride_ar  # [SC]
-        acc = tl.zeros((BLOCK_M, SLICE_COLS), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = offs_k < k_end
-            xt = tl.load(
-                x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # [BM, BK]
-            at = tl.load(a_cols[None, :] + offs_k[:, None] * stride_ak, mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BK, SC]
-            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision=DOT_PRECISION)
-        t_ptrs = t_ptr + col_slice[None, :] * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + col_rank[None, :] * stride_tr
-        mask = m_mask[:, None] & col_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(t_ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(t_ptrs, acc, mask=mask)
     else:
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
         m_mask = offs_m < row_end
@@ -206,9 +175,7 @@ def lora_shrink(
         return out
     num_rtiles = triton.cdiv(max_rank, _BLOCK_R)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    all_slices = block_m > 1 and num_slices > 1 and _ALL_SLICES
-    programs_c = (1 if all_slices else num_slices) * num_rtiles * split_k
-    grid = (programs_c, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _shrink_kernel[grid](
         x, a4, out, rank, segments.slot, start,
@@ -216,15 +183,12 @@ def lora_shrink(
         x.stride(0), x.stride(1),
         a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        NUM_SLICES=num_slices,
         NUM_RTILES=num_rtiles,
         SPLIT_K=split_k,
-        ALL_SLICES=all_slices,
         HAS_START=segments.start is not None,
         BLOCK_M=block_m,
         BLOCK_R=_BLOCK_R,
         BLOCK_K=block_k,
-        SLICE_COLS=triton.next_power_of_2(num_slices * _BLOCK_R),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact for widened fp16/bf16
         num_warps=num_warps,
     )
@@ -248,8 +212,7 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
         block_m, block_k, num_warps = 32, 256, 4
         target, max_split = _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
     # Programs live at rank <= 16: one rank tile per (group, row tile, slice).
-    per_tile = 1 if block_m > 1 and _ALL_SLICES else num_slices  # programs per (group, row tile) at rank <= 16
-    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * per_tile)
+    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * num_slices)
     split_k = 1
     while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2
