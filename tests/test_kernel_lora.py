@@ -216,21 +216,23 @@ def test_expand_with_several_row_tiles_per_program(monkeypatch, dtype, row_tiles
 
 
 @pytest.mark.parametrize("form", ["per_row", "prefill"])
-def test_split_k_adds_up_to_the_same_t(monkeypatch, form):
-    """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives, GEMV and tiles alike."""
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
+    """With K split 4 ways (fp32 atomics into a zeroed t) the shrink gives what one pass gives, GEMV and tiles alike,
+    one slice or three."""
     gen = torch.Generator().manual_seed(3)
     idx, segments = _batch(form, "uniform", gen)
-    a, _, rank, _ = _weights(32, [8, 16, 32], 256, 16, 1, torch.float32, gen)
+    a, _, rank, _ = _weights(32, [8, 16, 32], 256, 16, num_slices, torch.float32, gen)
     x = torch.randn(len(idx), 256, generator=gen)
     a, rank, x = a.to(DEVICE), rank.to(DEVICE), x.to(DEVICE)
-    assert lora_shrink_module._config(segments, 1, 256)[0] == 1
+    assert lora_shrink_module._config(segments, num_slices, 256)[0] == 1
     one_pass = lora_shrink(x, a, rank, segments)
     monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 64)
     monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 10**6)
     monkeypatch.setattr(lora_shrink_module, "_PREFILL_TARGET_PROGRAMS", 10**6)
-    assert lora_shrink_module._config(segments, 1, 256)[0] == 4  # 4 splits of 64: the last that keeps >= 64
+    assert lora_shrink_module._config(segments, num_slices, 256)[0] == 4  # 4 splits of 64: the last that keeps >= 64
     split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
-    defined = _defined(idx, rank.cpu(), 1, 32).to(DEVICE)
+    defined = _defined(idx, rank.cpu(), num_slices, 32).to(DEVICE)
     torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
     # out_zeroed: the caller zeroed `out` (one memset for many launches); the splits add into it as it is
     pre = lora_shrink(x, a, rank, segments, out=torch.zeros_like(one_pass), out_zeroed=True)
