@@ -65,7 +65,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 
-PREFILL_SAMPLES = 5  # prefill steps timed per run (base and mixed each); the figures are their medians
+PREFILL_SAMPLES = 11  # prefill steps timed per run (base and mixed each); the figures are their medians
 
 
 def bench_engine(
@@ -112,7 +112,8 @@ def bench_engine(
         single = {name: _run(engine, prompts, runs[name], new, f"{name}-single") for name in ("base", "mixed")}
         engine.config = engine.config.model_copy(update={"decode_steps": chained})
         # The prefill is one ~0.02-0.4 s step, and one sample of it varied by several % between runs (8b LoRA share
-        # +9.7% in one, +13.4% in another): its figures are medians of 5 samples, base and mixed interleaved.
+        # +9.7% in one, +13.4% in another; pairs of one run from +5.8% to +13.9%): its figures are medians of
+        # PREFILL_SAMPLES samples, base and mixed interleaved.
         samples: dict[str, list[dict]] = {"base": [base, single["base"]], "mixed": [mixed, single["mixed"]]}
         for i in range(PREFILL_SAMPLES - 2):
             for name in ("base", "mixed"):
