@@ -1,0 +1,205 @@
+"""Compile every Triton kernel for the H200 without a GPU: `python -m kernels.compile_check [--jobs N]`.
+
+Why: the CPU tests run the kernels in Triton's interpreter, which executes their Python but not the compiler,
+so an error only the compiler sees (a loop-carried value that changes dtype between iterations, an op the
+backend cannot lower, a block too big for shared memory) would otherwise first show on the device. On
+2026-11-29 one did, and it cost a device call.
+
+How: each launcher is called at issue 4's shapes (llama-1b and -8b: decode, grouped and prefill batches; bf16,
+fp16 and fp32) on "meta" tensors, which have shapes, dtypes and strides but no storage, so the launchers pick
+the same block sizes and constexprs they pick on CUDA. The launch itself is intercepted (JITFunction.run), and
+every distinct variant (kernel, argument types, constexprs, warps, stages) is then compiled to a cubin for
+sm_90 with the ptxas that Triton ships. One line per variant; exit status 1 if any fails. TRITON_INTERPRET must
+be unset: the interpreter replaces the very functions the compiler needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+TARGET_ARCH = 90  # the H200 (Hopper); issue 4's device
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+           torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+_MODELS = {  # hidden, heads, kv_heads, head_dim, intermediate (kernels.bench.MODELS, without importing triton.testing)
+    "llama-1b": (2048, 32, 8, 64, 8192),
+    "llama-8b": (4096, 32, 8, 128, 14336),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    module: str  # the kernel's module, imported again in the compiling process
+    kernel: str  # its name there
+    signature: tuple[tuple[str, str], ...]  # (parameter, Triton type or "constexpr") in order
+    constexprs: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
+        return f"{self.module}.{self.kernel}[{consts}; warps {self.num_warps}, stages {self.num_stages}]"
+
+
+def _type_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a {type(value).__name__} argument")
+
+
+def record_launches(calls: Callable[[], None]) -> list[Variant]:
+    """Run `calls` with every JITFunction launch intercepted; the distinct variants launched, in first-seen order."""
+    from triton.runtime.jit import JITFunction
+
+    seen: dict[Variant, None] = {}
+    original = JITFunction.run
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        params = self.params
+        num_warps = kwargs.pop("num_warps", 4)
+        num_stages = kwargs.pop("num_stages", 3)
+        bound = dict(zip((p.name for p in params), args))
+        bound.update(kwargs)
+        missing = [p.name for p in params if p.name not in bound]
+        assert not missing, f"{self.fn.__name__}: no value for {missing}"
+        signature = tuple((p.name, "constexpr" if p.is_constexpr else _type_of(bound[p.name])) for p in params)
+        constexprs = tuple((p.name, bound[p.name]) for p in params if p.is_constexpr)
+        seen[Variant(self.fn.__module__, self.fn.__name__, signature, constexprs, num_warps, num_stages)] = None
+
+    JITFunction.run = intercept
+    try:
+        calls()
+    finally:
+        JITFunction.run = original
+    return list(seen)
+
+
+def compile_variant(variant: Variant) -> tuple[str, str | None, float]:
+    """(label, error or None, seconds): the variant compiled to a cubin for sm_90."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    start = time.perf_counter()
+    try:
+        fn = getattr(importlib.import_module(variant.module), variant.kernel)
+        names = [name for name, _ in variant.signature]
+        constexprs = {(names.index(name),): value for name, value in variant.constexprs}
+        src = ASTSource(fn=fn, signature=dict(variant.signature), constexprs=constexprs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
+                                options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
+        assert kernel.asm.get("cubin"), "no cubin"
+        return variant.label, None, time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001  (every failure is reported, none stops the others)
+        return variant.label, _explain(exc), time.perf_counter() - start
+
+
+def _explain(exc: BaseException) -> str:
+    """The innermost cause of a compile failure: Triton nests one CompilationError per inlined function, each ending
+    on a caret under the call, and the reason is in the last one."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: " + "\n    ".join(lines[-4:])
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def issue_calls() -> Iterator[Callable[[], None]]:
+    """One call per launcher and shape of issue 4 (decode, grouped and prefill; three dtypes)."""
+    from kernels.decode_linear import DecodeLora, decode_linear
+    from kernels.lora_expand import lora_expand
+    from kernels.lora_segments import segments_from_indices, segments_per_row
+    from kernels.lora_shrink import lora_shrink
+    from kernels.paged_attention import paged_attention
+    from kernels.rms_norm import add_rms_norm
+    from kernels.rope_cache import rope_and_cache
+    from kernels.silu_mul import silu_mul
+
+    rows, adapters, max_rank, block = 32, 32, 64, 16
+    forms = {
+        "decode": segments_per_row(_meta(rows, dtype=torch.int64)),
+        "grouped": segments_from_indices([i // 4 for i in range(rows)], device="meta", pad_to=rows),
+        "prefill": segments_from_indices([i // 512 for i in range(rows * 512)], device="meta"),
+    }
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for hidden, heads, kv_heads, head_dim, inter in _MODELS.values():
+            q_out, kv_out = heads * head_dim, kv_heads * head_dim
+            projections = {"qkv": (hidden, (q_out, kv_out, kv_out)), "o": (q_out, (hidden,)),
+                           "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}  # fmt: skip
+            rank, scale = _meta(adapters, dtype=torch.int32), _meta(adapters, dtype=torch.float32)
+            for in_f, widths in projections.values():
+                out_f = sum(widths)
+                a = _meta(adapters, len(widths), max_rank, in_f, dtype=dtype)
+                b = _meta(adapters, max_rank, out_f, dtype=dtype)
+                for segments in forms.values():
+                    n = segments.num_rows
+                    x, y = _meta(n, in_f, dtype=dtype), _meta(n, out_f, dtype=dtype)
+                    t = _meta(len(widths), n, max_rank, dtype=torch.float32)
+                    yield lambda x=x, a=a, segments=segments, t=t: lora_shrink(x, a, rank, segments, out=t)
+                    for accumulate in (True, False):
+                        yield lambda y=y, t=t, b=b, segments=segments, widths=widths, accumulate=accumulate: lora_expand(
+                            y, t, b, rank, scale, segments, slices=widths, accumulate=accumulate)
+                x, w = _meta(rows, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
+                lora = DecodeLora(t=_meta(len(widths), rows, max_rank, dtype=torch.float32), b_stack=_meta(adapters, max_rank, out_f, dtype=dtype),
+                                  rank=rank, scale=scale, slot=_meta(rows, dtype=torch.int64), slices=widths)  # fmt: skip
+                bias = _meta(out_f, dtype=dtype)
+                yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
+            blocks = 64
+            k_cache = _meta(blocks * rows, block, kv_heads, head_dim, dtype=dtype)
+            tables = _meta(rows, blocks, dtype=torch.int32)
+            seq_lens = _meta(rows, dtype=torch.int32)
+            q_decode = _meta(rows, heads, head_dim, dtype=dtype)
+            for splits in (1, 4):
+                yield lambda q=q_decode, kc=k_cache, s=splits: paged_attention(q, kc, kc, tables, seq_lens, num_splits=s)
+            q_prefill = _meta(rows * 128, heads, head_dim, dtype=dtype)
+            cu = _meta(rows + 1, dtype=torch.int32)
+            yield lambda q=q_prefill, kc=k_cache: paged_attention(q, kc, kc, tables, seq_lens, cu_seqlens_q=cu, max_query_len=128)
+            h = _meta(rows, hidden, dtype=dtype)
+            yield lambda h=h: (add_rms_norm(h, _meta(hidden, dtype=dtype), 1e-5), add_rms_norm(h, _meta(hidden, dtype=dtype), 1e-5, h))
+            qkv = _meta(rows, q_out + 2 * kv_out, dtype=dtype)
+            pos = _meta(rows, dtype=torch.int64)
+            yield lambda qkv=qkv, kc=k_cache, heads=heads, hd=head_dim: rope_and_cache(
+                qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, heads)
+            yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: one per core)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
+        print("kernels.compile_check: unset TRITON_INTERPRET (the interpreter replaces what the compiler needs)", file=sys.stderr)
+        return 2
+    variants = record_launches(lambda: [call() for call in issue_calls()])
+    print(f"{len(variants)} kernel variants to compile for sm_{TARGET_ARCH}, {args.jobs} at a time", flush=True)
+    failed = 0
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for i, (label, error, seconds) in enumerate(pool.map(compile_variant, variants), 1):
+            failed += error is not None
+            print(f"[{i}/{len(variants)}] {'FAIL' if error else 'ok  '} {seconds:5.1f} s  {label}" + (f"\n    {error}" if error else ""),
+                  flush=True)
+    print(f"{len(variants) - failed} compiled, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
