@@ -105,3 +105,59 @@ def test_silu_mul_matches_float64(dtype, inter, rows):
     g, u = gate_up.double().chunk(2, dim=-1)
     _check(out, g * torch.sigmoid(g) * u, TOL[dtype], f"silu_mul {dtype} I {inter} rows {rows}")
     _check(out, silu_mul.silu_mul_ref(gate_up), TOL[dtype], "against the torch reference")
+
+
+LORA_RANKS = (8, 16, 32, 0, 64, 1)  # cycled over the slots: slot 3 is empty; 64 and 1 cross and undershoot BLOCK_R
+LORA_SLOTS, LORA_MAX_RANK = 6, 64
+
+
+@pytest.mark.parametrize("dtype,inter,rows", list(itertools.product(DTYPES, (200, 600), (1, 5, 32))))
+def test_silu_mul_lora_matches_float64_and_leaves_plain_rows_as_silu_mul(dtype, inter, rows):
+    """silu_mul_lora = the gate_up expand (rounded as the expand rounds y), silu x up, and down's shrink of the result
+    added into t_down, each row at its own rank. B, A and t are NaN beyond every rank, so reading past one fails;
+    rows without an adapter or with an empty slot equal silu_mul's bits and leave t_down as it was; t_down is added
+    into, not overwritten. I = 600 spans three column tiles, whose partial shrinks must add up."""
+    gen = torch.Generator().manual_seed(inter * 7 + rows)
+    rank = torch.tensor(LORA_RANKS, dtype=torch.int32)
+    slot = torch.tensor([(i * 5) % LORA_SLOTS if i % 4 != 3 else -1 for i in range(rows)], dtype=torch.int64)
+    scale = torch.rand(LORA_SLOTS, generator=gen) + 0.5
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 2).to(dtype)
+    b = torch.randn(LORA_SLOTS, LORA_MAX_RANK, 2 * inter, generator=gen) * 0.3
+    a = torch.randn(LORA_SLOTS, 1, LORA_MAX_RANK, inter, generator=gen) / inter**0.5
+    t = torch.randn(2, rows, LORA_MAX_RANK, generator=gen)
+    for s, r in enumerate(LORA_RANKS):
+        b[s, r:], a[s, :, r:] = float("nan"), float("nan")
+    live = [int(rank[s]) if s >= 0 else 0 for s in slot.tolist()]
+    for row, r in enumerate(live):
+        t[:, row, r:] = float("nan")
+    t_down0 = torch.full((1, rows, LORA_MAX_RANK), float("nan"))
+    for row, r in enumerate(live):
+        t_down0[0, row, :r] = torch.randn(r, generator=gen)
+    b, a = b.to(dtype), a.to(dtype)
+
+    # float64, rounding g' and u' to the dtype where the expand would
+    g, u = gate_up[:, :inter].double(), gate_up[:, inter:].double()
+    for row, (s, r) in enumerate(zip(slot.tolist(), live)):
+        if r:
+            g[row] = (g[row] + float(scale[s]) * (t[0, row, :r].double() @ b[s, :r, :inter].double())).to(dtype).double()
+            u[row] = (u[row] + float(scale[s]) * (t[1, row, :r].double() @ b[s, :r, inter:].double())).to(dtype).double()
+    want = g * torch.sigmoid(g) * u
+
+    on = lambda v: v.to(DEVICE)  # noqa: E731
+    t_down = on(t_down0.clone())
+    out = silu_mul.silu_mul_lora(on(gate_up), on(t), on(b), on(a), t_down, on(rank), on(scale), on(slot))
+    _check(out, want, TOL[dtype], f"silu_mul_lora out {dtype} I {inter} rows {rows}")
+    plain = silu_mul.silu_mul(on(gate_up))
+    unadapted = torch.tensor([r == 0 for r in live], device=DEVICE)
+    assert torch.equal(out[unadapted], plain[unadapted]), "rows without an adapter must be silu_mul's, bit for bit"
+
+    t_down = t_down.cpu()
+    for row, (s, r) in enumerate(zip(slot.tolist(), live)):
+        if r:
+            want_t = t_down0[0, row, :r].double() + a[s, 0, :r].double() @ out[row].cpu().double()
+            _check(t_down[0, row, :r], want_t, 1e-5 if dtype == torch.float32 else 1e-4, f"t_down row {row}")
+        assert t_down[0, row, r:].isnan().all(), f"row {row}: t_down written past rank {r}"
+
+    ref_t = t_down0.clone().to(DEVICE)
+    ref = silu_mul.silu_mul_lora_ref(on(gate_up), on(t), on(b), on(a), ref_t, on(rank), on(scale), on(slot))
+    _check(ref, want, TOL[dtype], "silu_mul_lora_ref")
