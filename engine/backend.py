@@ -2,8 +2,8 @@
 
 - triton: the kernels of `kernels/` (multi-LoRA shrink/expand at each adapter's true rank with fused
   slices, paged attention, the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
-  replace the model's composite ops, the decode projection with its LoRA delta in one launch, and SiLU x up
-  with the MLP's LoRA around it), and CUDA graphs for decode steps. The default on CUDA.
+  replace the model's composite ops, and the decode projection with its LoRA delta in one launch), and
+  CUDA graphs for decode steps. The default on CUDA.
 - torch: pure-torch references (gathered multi-LoRA of kernels/lora_ref.py, per-sequence SDPA), no
   graphs. The default on the CPU, where it is exact fp32.
 
@@ -38,7 +38,6 @@ class KernelBackend:
     decode_linear: Callable | None = None  # kernels.decode_linear.decode_linear
     decode_linear_fits: Callable | None = None  # kernels.decode_linear.fits: (rows, slices, in_features) -> bool
     interpreted: bool = False  # Triton's CPU interpreter (tests)
-    silu_mul_lora: Callable | None = None  # kernels.silu_mul.silu_mul_lora: gate_up's expand + SiLU x up + down's shrink
 
     @property
     def triton(self) -> bool:
@@ -71,7 +70,7 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
             code="config_invalid",
         )
     return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
-                         rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted, act.silu_mul_lora)  # fmt: skip
+                         rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

@@ -39,11 +39,7 @@ the activations' dtype before the GEMM adds into it, as y was before the delta w
 Decode (one row per group, as CUDA-graph steps run): at 32 rows the GEMM is bound by its bytes too, so
 writing the delta first saves nothing. Where kernels/decode_linear.py was measured faster than cuBLAS
 (llama-8b's o and down projections on an H200), the GEMM and the rows' deltas are one launch after the
-shrink (`one_launch`); elsewhere y = base(x), then the expand adds into y. In a CUDA-graph capture the MLP's
-LoRA also folds into its SiLU x up (`fused_mlp`, kernels.silu_mul.silu_mul_lora): gate_up returns its base
-output and leaves its shrink's t pending, the model's SiLU x up (this state's `silu_mul`, in its ModelOps) adds
-gate_up's delta before the activation and down's shrink after it, and down starts from that t. Two launches
-fewer per layer; an eager step keeps the separate ops, whose LoRA time the timer measures apart.
+shrink (`one_launch`); elsewhere y = base(x), then the expand adds into y.
 
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
 LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a
@@ -89,10 +85,6 @@ class LoraState:
         self.decode_t: torch.Tensor | None = None
         self.total_slices = 0  # slices of all wrapped projections, set by apply_lora
         self.timed = True  # False while a CUDA graph is captured: no timing events inside a graph
-        # The MLP handoff of `fused_mlp`: gate_up's wrapper and its shrink's t, waiting for `silu_mul`; then the down
-        # wrapper whose shrink silu_mul has done. Both None between an MLP's ops.
-        self.pending_gate_up: tuple[LoraLinear, torch.Tensor] | None = None
-        self.shrunk_down: LoraLinear | None = None
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write, not yet waited on
@@ -127,39 +119,8 @@ class LoraState:
         assert segments is None or self.backend.triton, "the torch backend takes slot_idx"
         self.slot_idx, self.segments = slot_idx, segments
         self.decode_t = None
-        self.pending_gate_up = self.shrunk_down = None
         if segments is not None and segments.start is None:
             self.decode_t = torch.zeros(self.total_slices * segments.num_rows * self.max_lora_rank, dtype=torch.float32, device=self.device)
-
-    @property
-    def fused_mlp(self) -> bool:
-        """Whether this forward's MLPs run gate_up's expand and down's shrink inside SiLU x up (module docstring,
-        "Decode"): decode rows with adapters (one per group), a backend with the kernel, and a CUDA-graph capture,
-        whose LoRA share is calibrated as a whole; an eager step times its LoRA ops apart, which a fused kernel cannot."""
-        return self.backend.silu_mul_lora is not None and self.decode_t is not None and not self.timed
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 I] -> [N, I]
-        """The model's SiLU x up (engine.runner.model_ops): with gate_up's shrink pending (`fused_mlp`), also its delta
-        before the activation and down's shrink after it, in one launch; otherwise the plain kernel."""
-        if self.pending_gate_up is None:
-            return self.backend.silu_mul(gate_up)
-        gate_up_proj, t_gu = self.pending_gate_up
-        self.pending_gate_up = None
-        down = gate_up_proj.feeds
-        assert down is not None and gate_up.shape[1] == sum(gate_up_proj.widths), (gate_up.shape, gate_up_proj.widths)
-        t_down = self._decode_t(down.slice_offset, 1, gate_up.shape[0])
-        act = self.backend.silu_mul_lora(gate_up, t_gu, gate_up_proj.b_stack, down.a_stack, t_down, self.rank, self.scale,
-                                         self.segments.slot)  # fmt: skip
-        self.shrunk_down = down
-        return act
-
-    def base_and_shrink(self, proj: LoraLinear, x: torch.Tensor) -> torch.Tensor:
-        """gate_up under `fused_mlp`: base(x) alone, with its shrink's t left for `silu_mul` to expand."""
-        assert self.pending_gate_up is None and self.shrunk_down is None, "an MLP's LoRA handoff was left unfinished"
-        t = self._decode_t(proj.slice_offset, len(proj.widths), x.shape[0])
-        self.backend.lora_shrink(x, proj.a_stack, self.rank, self.segments, out=t, out_zeroed=True)
-        self.pending_gate_up = (proj, t)
-        return proj.base(x)
 
     def one_launch(self, rows: int, widths: tuple[int, ...], in_features: int) -> bool:
         """Whether this projection runs as one decode-linear launch (base GEMM + the rows' deltas): the triton backend, a
@@ -171,30 +132,24 @@ class LoraState:
         return not self.active or (self.segments is not None and self.segments.start is None)
 
     def decode_linear(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                      widths: tuple[int, ...], slice_offset: int, shrunk: bool = False) -> torch.Tensor:  # fmt: skip
-        """base(x) + each row's adapter delta [N, out] in one launch after the shrink (kernels/decode_linear.py); `shrunk`:
-        the shrink's t is in place already (`silu_mul` computed it)."""
+                      widths: tuple[int, ...], slice_offset: int) -> torch.Tensor:  # fmt: skip
+        """base(x) + each row's adapter delta [N, out] in one launch after the shrink (kernels/decode_linear.py)."""
         lora = None
         if self.active:
             t = self._decode_t(slice_offset, len(widths), x.shape[0])
-            if not shrunk:
-                with self._section():
-                    self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=t, out_zeroed=True)
+            with self._section():
+                self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=t, out_zeroed=True)
             lora = DecodeLora(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, slot=self.segments.slot, slices=widths)
         return self.backend.decode_linear(x, base.weight, base.bias, lora)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...],
-              slice_offset: int, shrunk: bool = False) -> None:  # fmt: skip
+              slice_offset: int) -> None:  # fmt: skip
         """y [N, out] += each row's adapter delta of x [N, in], for every slice of the projection (whose first slice is
-        `slice_offset` among all wrapped projections' slices); `shrunk`: the shrink's t is in place (decode only)."""
+        `slice_offset` among all wrapped projections' slices)."""
         with self._section():
             if self.segments is not None:
                 out = self._decode_t(slice_offset, len(widths), x.shape[0]) if self.decode_t is not None else None
-                if shrunk:
-                    assert out is not None, "a shrink done ahead is a decode step's"
-                    t = out
-                else:
-                    t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
+                t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
                 self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, self.segments, slices=widths)
                 return
             off = 0
@@ -294,21 +249,15 @@ class LoraLinear(nn.Module):
         self.widths = widths  # [S] output width of each slice, summing to out
         self.state = state
         self.slice_offset = slice_offset  # slices of the projections wrapped before this one
-        self.feeds: LoraLinear | None = None  # gate_up: its layer's down, whose shrink `fused_mlp` folds into SiLU x up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
         if self.state.delta_first:
             return self.state.delta_then_base(self.base, x, self.a_stack, self.b_stack, self.widths)
-        if self.feeds is not None and self.state.fused_mlp:
-            return self.state.base_and_shrink(self, x)
-        shrunk = self.state.shrunk_down is self
-        if shrunk:
-            self.state.shrunk_down = None
         if self.state.one_launch(x.shape[0], self.widths, self.base.in_features):
-            return self.state.decode_linear(self.base, x, self.a_stack, self.b_stack, self.widths, self.slice_offset, shrunk)
+            return self.state.decode_linear(self.base, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
         y = self.base(x)  # [N, out]
         if self.state.active:
-            self.state.apply(y, x, self.a_stack, self.b_stack, self.widths, self.slice_offset, shrunk)
+            self.state.apply(y, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
         return y
 
 
@@ -333,5 +282,4 @@ def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, back
             state.stacks[(i, fused)] = (a_stack, b_stack)
             setattr(parent, fused, LoraLinear(base, a_stack, b_stack, state.widths[fused], state, state.total_slices))
             state.total_slices += len(parts)
-        layer.mlp.gate_up_proj.feeds = layer.mlp.down_proj
     return state

@@ -23,7 +23,7 @@ from engine.backend import KernelBackend
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.lora import LoraState, apply_lora
+from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
 from kernels.lora_segments import segments_from_indices, segments_per_row
 
@@ -65,7 +65,7 @@ class ModelRunner:
         self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend)
         if self.backend.triton:
-            self.model.ops = model_ops(self.backend, self.config.head_dim, self.lora)
+            self.model.ops = model_ops(self.backend, self.config.head_dim)
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,
@@ -230,10 +230,8 @@ def _logit_rows(items: list[BatchItem], query_lens: list[int]) -> list[int]:
     return rows
 
 
-def model_ops(backend: KernelBackend, head_dim: int, lora: LoraState | None = None) -> ModelOps:
+def model_ops(backend: KernelBackend, head_dim: int) -> ModelOps:
     """The fused kernels of the triton backend as the model's ops; RoPE + KV write stays composite for head sizes
-    that are not a power of two (the kernel loads whole halves of a head). With a LoRA state, SiLU x up is its
-    `silu_mul`, which folds the MLP's LoRA into the activation in graph-captured decode (engine.lora, "Decode")."""
+    that are not a power of two (the kernel loads whole halves of a head)."""
     pow2 = head_dim & (head_dim - 1) == 0
-    silu = lora.silu_mul if lora is not None and backend.silu_mul_lora is not None else backend.silu_mul
-    return ModelOps(add_rms_norm=backend.add_rms_norm, rope_and_cache=backend.rope_and_cache if pow2 else None, silu_mul=silu)
+    return ModelOps(add_rms_norm=backend.add_rms_norm, rope_and_cache=backend.rope_and_cache if pow2 else None, silu_mul=backend.silu_mul)
