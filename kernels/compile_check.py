@@ -132,7 +132,7 @@ def issue_calls() -> Iterator[Callable[[], None]]:
     from kernels.paged_attention import paged_attention
     from kernels.rms_norm import add_rms_norm
     from kernels.rope_cache import rope_and_cache
-    from kernels.silu_mul import silu_mul, silu_mul_lora
+    from kernels.silu_mul import silu_mul
 
     rows, adapters, max_rank, block = 32, 32, 64, 16
     forms = {
@@ -180,10 +180,6 @@ def issue_calls() -> Iterator[Callable[[], None]]:
             yield lambda qkv=qkv, kc=k_cache, heads=heads, hd=head_dim: rope_and_cache(
                 qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, heads)
             yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)
-            yield lambda g=_meta(rows, 2 * inter, dtype=dtype), inter=inter: silu_mul_lora(
-                g, _meta(2, rows, max_rank, dtype=torch.float32), _meta(adapters, max_rank, 2 * inter, dtype=dtype),
-                _meta(adapters, 1, max_rank, inter, dtype=dtype), _meta(1, rows, max_rank, dtype=torch.float32), rank, scale,
-                _meta(rows, dtype=torch.int64))
 
 
 def main(argv: list[str] | None = None) -> int:
