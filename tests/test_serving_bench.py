@@ -7,6 +7,7 @@ import json
 import torch
 
 from engine.bench import (
+    PREFILL_SAMPLES,
     SHAPES,
     adapter_bytes,
     bench_engine,
@@ -29,7 +30,7 @@ def test_bench_runs_on_cpu_with_the_peer_and_prints_one_json_line(capsys):
         assert isinstance(out[key], float) and out[key] > 0, (key, out[key])
     assert out["ranks"] == [4, 8, 16, 64] and out["device"] == "cpu"
     assert out["mixed_roofline_ms"] > out["base_roofline_ms"]  # the adapters' bytes are counted
-    assert out["prefill_samples"] == 5 and len(out["prefill_lora_overhead_pct_range"]) == 5  # prefill: medians of 5 pairs
+    assert out["prefill_samples"] == PREFILL_SAMPLES == len(out["prefill_lora_overhead_pct_range"])  # one share per pair
 
 
 def test_bench_table_and_no_peer(capsys):
