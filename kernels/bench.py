@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from kernels.decode_linear import decode_linear, decode_linear_ref
@@ -473,3 +474,81 @@ def _probe_beta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("ll
                 us += [_graph_us(lambda: torch.mm(x, w.t(), out=y), rep), _graph_us(lambda: z.addmm_(x, w.t()), rep)]
             torch.backends.cuda.preferred_blas_library(default)
             print(f"{name + ' ' + proj:20} {us[0]:8.1f} {us[1]:8.1f} {us[2]:10.1f} {us[3]:10.1f}", flush=True)
+
+
+@triton.jit
+def _probe_gemm_kernel(x_ptr, w_ptr, y_ptr, t_ptr, b_ptr, scale_ptr, tile_slot_ptr, M, N, K,
+                       stride_xm, stride_wn, stride_ym, stride_tm, stride_bs, stride_br,
+                       LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """y = x W^T, plus (LORA) scale * t[rows, :R] @ B[slot, :R, cols] in the epilogue, one slot per BM-row tile."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    group_m = tl.minimum(tiles_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] + k < K), other=0.0)
+        b = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] + k < K), other=0.0)
+        acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    if LORA:
+        slot = tl.load(tile_slot_ptr + pid_m)
+        offs_r = tl.arange(0, R)
+        tt = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :], mask=offs_m[:, None] < M, other=0.0)
+        bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :], mask=offs_n[None, :] < N,
+                     other=0.0)  # fmt: skip
+        acc += tl.load(scale_ptr + slot) * tl.dot(tt.to(bt.dtype), bt)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
+    """Whether a Triton GEMM with the prefill LoRA delta in its epilogue could replace cuBLAS + the delta at llama-8b's
+    prefill (32 x `tokens` rows, 32 adapters of rank 16, one adapter per 512-row segment): per projection, cuBLAS
+    alone, cuBLAS adding into the delta (the engine's path, the delta kernel excluded), and the Triton GEMM without and
+    with the epilogue, over a few tile configs; µs and TFLOP/s
+    (python -c "from kernels.bench import _probe_lora_gemm; _probe_lora_gemm()")."""
+    torch.manual_seed(0)
+    m = BATCH * tokens
+    for proj, (in_f, widths) in MODELS["llama-8b"].projections().items():
+        n = sum(widths)
+        x = torch.randn(m, in_f, device=_DEVICE, dtype=DTYPE)
+        w = torch.randn(n, in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+        y = torch.empty(m, n, device=_DEVICE, dtype=DTYPE)
+        z = torch.zeros_like(y)
+        t = torch.randn(m, RANK, device=_DEVICE, dtype=torch.float32)
+        b = torch.randn(ADAPTERS, RANK, n, device=_DEVICE, dtype=DTYPE)
+        scale = torch.rand(ADAPTERS, device=_DEVICE)
+        flops = 2 * m * n * in_f
+        cublas = _graph_us(lambda: torch.mm(x, w.t(), out=y), rep)
+        beta = _graph_us(lambda: z.addmm_(x, w.t()), rep)
+        line = f"{proj:8} cuBLAS {cublas:8.1f} µs ({flops / cublas / 1e6:5.0f} TFLOP/s), beta=1 {beta:8.1f} |"
+        for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)):
+            tile_slot = (torch.arange(triton.cdiv(m, bm), device=_DEVICE) * bm // tokens % ADAPTERS).to(torch.int32)
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+            def run(lora: bool) -> None:
+                _probe_gemm_kernel[grid](x, w, y, t, b, scale, tile_slot, m, n, in_f, x.stride(0), w.stride(0), y.stride(0),
+                                         t.stride(0), b.stride(0), b.stride(1), LORA=lora, BM=bm, BN=bn, BK=bk, R=RANK, GROUP=8,
+                                         num_warps=warps, num_stages=stages)  # fmt: skip
+
+            try:
+                plain, fused = _graph_us(lambda: run(False), rep), _graph_us(lambda: run(True), rep)
+                line += f" {bm}x{bn}x{bk}/{warps}/{stages}: {plain:8.1f} / {fused:8.1f}"
+            except (triton.CompilationError, triton.runtime.OutOfResources) as exc:
+                line += f" {bm}x{bn}x{bk}/{warps}/{stages}: {type(exc).__name__}"
+        print(line, flush=True)
+    run(True)
+    want = (x.float() @ w.float().t())[:bm]
+    print("epilogue check (last config, first tile): max abs err of the GEMM part",
+          float(((y.float()[:bm] - want) - (scale[tile_slot[0]] * (t[:bm].to(DTYPE).float() @ b[tile_slot[0]].float()))).abs().max()))
