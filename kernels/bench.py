@@ -517,7 +517,11 @@ def _probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
     prefill (32 x `tokens` rows, 32 adapters of rank 16, one adapter per 512-row segment): per projection, cuBLAS
     alone, cuBLAS adding into the delta (the engine's path, the delta kernel excluded), and the Triton GEMM without and
     with the epilogue, over a few tile configs; µs and TFLOP/s
-    (python -c "from kernels.bench import _probe_lora_gemm; _probe_lora_gemm()")."""
+    (python -c "from kernels.bench import _probe_lora_gemm; _probe_lora_gemm()").
+
+    On an H200 (triton 3.6, engine/PERF.md, session 4, call 12) this pointer-based GEMM (wgmma, no TMA, no warp
+    specialization) took 1.30-1.41x cuBLAS's time at its best config, and the epilogue's extra [BM, 16] x [16, BN] dot
+    made it 3-5x slower again: epilogue fusion needs a GEMM at cuBLAS's rate first."""
     torch.manual_seed(0)
     m = BATCH * tokens
     for proj, (in_f, widths) in MODELS["llama-8b"].projections().items():
