@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraSegments, rows_of, slice_starts
+from kernels.lora_segments import LoraDelta, LoraSegments, rows_of, slice_starts
 
 _BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at which ranks are skipped
 
@@ -236,6 +236,13 @@ def lora_expand(
     )
 
 
+def consumer_block_m(max_len: int) -> int:
+    """Rows per program of the ops that add a LoraDelta to their input (kernels/rope_cache.py, kernels/silu_mul.py): 64
+    for prefill segments, as the delta form of the expand, fewer for short groups (decode rows of a mixed step), and 16
+    at least, the tensor-core minimum of the delta's product."""
+    return max(16, min(64, triton.next_power_of_2(max(max_len, 1))))
+
+
 def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16;
     µs are CUDA-graph replays after an L2 flush)."""
@@ -250,7 +257,6 @@ def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, 
     # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
     return 32, 128, 4, 1
-
 
 
 def lora_expand_ref(
@@ -281,3 +287,11 @@ def lora_expand_ref(
             delta[:, col : col + w] = t[i, rows, :r] @ b_stack[s, :r, col : col + w].float()
             col += w
         y[rows] = (y[rows].float() + float(scale[s]) * delta).to(y.dtype)
+
+
+def with_delta_ref(y: torch.Tensor, lora: LoraDelta) -> torch.Tensor:  # [N, out]
+    """A copy of y plus each row's LoRA delta, rounded once (lora_expand_ref): the reference of what the ops that take a
+    LoraDelta (kernels/rope_cache.py, kernels/silu_mul.py) add to their input first."""
+    y = y.clone()
+    lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, lora.segments, slices=lora.slices)
+    return y

@@ -109,6 +109,23 @@ class DecodeLora:
     slices: tuple[int, ...]  # output width of each fused slice, summing to out
 
 
+@dataclass(frozen=True)
+class LoraDelta:
+    """A projection's LoRA delta left for the op that consumes its output to add (kernels/rope_cache.py after qkv,
+    kernels/silu_mul.py after gate_up): the shrink's t, the slots' B, the rows' groups, per-slot rank and scale.
+
+    The consumer adds scale * t[s, i, :r] @ B[slot_i, :r, cols] to its input tile and rounds the sum to the
+    activations' dtype before its own maths, so it computes exactly what kernels.lora_expand then the op would,
+    without the delta's pass over the projection's output (engine.lora, "Prefill")."""
+
+    t: torch.Tensor  # [S, N, R] fp32, x A^T at each row's rank (kernels.lora_shrink)
+    b_stack: torch.Tensor  # [slots, R, out], rank-major, slices side by side along out
+    rank: torch.Tensor  # [slots] int
+    scale: torch.Tensor  # [slots] fp32
+    segments: LoraSegments  # the rows' groups, as given to the shrink
+    slices: tuple[int, ...]  # output width of each fused slice, summing to out
+
+
 @functools.lru_cache(maxsize=64)
 def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:  # [S + 1] int32
     """First column of each fused slice, then the total, on `device`: what the expand and decode_linear read to find a

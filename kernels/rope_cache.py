@@ -18,6 +18,18 @@ and k, and two index_copy_ launches for the cache: five launches per layer, each
 sizes, 80 of a llama-1b decode step's ~270. Fused: one, reading qkv once and writing q, k and v once.
 
 One program per token: H + 2 KV heads of D values (llama-8b: 48 x 128), loaded as [heads, D/2] halves.
+
+With a LoRA delta (`lora`, kernels.lora_segments.LoraDelta; prefill and mixed steps, whose rows come in segments
+sharing an adapter), the qkv GEMM's output arrives without its adapters' share, and this kernel adds it first:
+
+    qkv'[n, c] = round(qkv[n, c] + scale[slot_n] * t[s, n, :r] @ B[slot_n, :r, c])    r = rank[slot_n], s = c's slice
+
+then rotates and stores qkv' as above: exactly what kernels.lora_expand and then this op compute, without the
+expand's pass over qkv. At llama-8b, 16,384 prefill tokens, that pass wrote the 201 MB delta and the GEMM read it
+back in its epilogue, which cost the GEMM +18% (engine/PERF.md, session 4): ~0.3 ms a layer. Here t and B add
+~3 MB a row tile's worth of reads from L2. Grid (head, tile of BLOCK_M rows of one group, group), as the expand's:
+the rows of a tile share a slot, so the delta is one tensor-core product per half-head (kernels.lora_expand's
+`_tile_delta`). Rows without an adapter (slot -1) and empty slots are rotated and stored unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +37,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.lora_expand import _BLOCK_R, _tile_delta, consumer_block_m, with_delta_ref
+from kernels.lora_segments import LoraDelta
 
 
 @triton.jit
@@ -74,6 +89,92 @@ def _rope_cache_kernel(
     tl.store(v_out + HALF, tl.load(v_row + HALF + j[None, :], mask=km, other=0.0), mask=km)
 
 
+@triton.jit
+def _rope_cache_lora_kernel(
+    qkv_ptr,  # [N, (H + 2 KV) D]
+    pos_ptr,  # [N] int
+    inv_freq_ptr,  # [D / 2] fp32
+    q_ptr,  # [N, H, D] out
+    k_cache_ptr,  # [slots, KV, D]
+    v_cache_ptr,  # [slots, KV, D]
+    slot_map_ptr,  # [N] int: cache slot of each token
+    t_ptr,  # [3, N, R] fp32
+    b_ptr,  # [adapter slots, R, (H + 2 KV) D]
+    rank_ptr,  # [adapter slots]
+    scale_ptr,  # [adapter slots] fp32
+    group_slot_ptr,  # [G] adapter slot of each row group
+    start_ptr,  # [G + 1], unused when HAS_START is False
+    stride_qkv, stride_qn, stride_qh, stride_cs, stride_ch,
+    stride_ti, stride_tm, stride_tr,
+    stride_bs, stride_br, stride_bn,
+    H: tl.constexpr,
+    KV: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_START: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)  # q heads, then k heads, then v heads
+    pid_m = tl.program_id(1)
+    group = tl.program_id(2)
+    slot = tl.load(group_slot_ptr + group)
+    if HAS_START:
+        row_begin = tl.load(start_ptr + group)
+        row_end = tl.load(start_ptr + group + 1)
+    else:
+        row_begin = group
+        row_end = group + 1
+    m0 = row_begin + pid_m * BLOCK_M
+    if m0 >= row_end:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < row_end
+    rows = offs_m.to(tl.int64)
+    j = tl.arange(0, HALF)  # [D/2]
+    col = head * (2 * HALF) + j  # [D/2] first-half columns of this head in qkv and B
+    x_ptrs = qkv_ptr + rows[:, None] * stride_qkv + col[None, :]  # [BM, D/2]
+    x1 = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    x2 = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)
+    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)
+    if rank > 0:
+        sl = (head >= H).to(tl.int32) + (head >= H + KV).to(tl.int32)  # slice: q, k or v
+        scale = tl.load(scale_ptr + slot).to(tl.float32)
+        t_base = t_ptr + sl * stride_ti
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs
+        all_cols = j < HALF
+        d1 = _tile_delta(t_base, b_base, offs_m, m_mask, col, all_cols, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                         BLOCK_M, HALF, BLOCK_R, DOT_PRECISION)  # [BM, D/2] fp32  # fmt: skip
+        d2 = _tile_delta(t_base, b_base, offs_m, m_mask, col + HALF, all_cols, rank, stride_tm, stride_tr, stride_br, stride_bn,
+                         BLOCK_M, HALF, BLOCK_R, DOT_PRECISION)  # fmt: skip
+        x1 = (x1.to(tl.float32) + scale * d1).to(x1.dtype)  # rounded as the expand rounds y
+        x2 = (x2.to(tl.float32) + scale * d2).to(x2.dtype)
+
+    if head >= H + KV:  # v: into the cache unrotated
+        cache = tl.load(slot_map_ptr + rows, mask=m_mask, other=0).to(tl.int64)  # [BM]
+        v_out = v_cache_ptr + cache[:, None] * stride_cs + (head - H - KV) * stride_ch + j[None, :]
+        tl.store(v_out, x1.to(v_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(v_out + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
+        return
+    pos = tl.load(pos_ptr + rows, mask=m_mask, other=0).to(tl.float32)  # [BM]
+    angle = pos[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [BM, D/2]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    r1 = a * cos - b * sin
+    r2 = b * cos + a * sin
+    if head < H:
+        q_out = q_ptr + rows[:, None] * stride_qn + head * stride_qh + j[None, :]
+        tl.store(q_out, r1.to(q_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(q_out + HALF, r2.to(q_ptr.dtype.element_ty), mask=m_mask[:, None])
+    else:
+        cache = tl.load(slot_map_ptr + rows, mask=m_mask, other=0).to(tl.int64)  # [BM]
+        k_out = k_cache_ptr + cache[:, None] * stride_cs + (head - H) * stride_ch + j[None, :]
+        tl.store(k_out, r1.to(k_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(k_out + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
 def rope_and_cache(
     qkv: torch.Tensor,  # [N, (H + 2 KV) * D]
     positions: torch.Tensor,  # [N] int
@@ -82,6 +183,7 @@ def rope_and_cache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
     slot_mapping: torch.Tensor,  # [N] int: flat cache slot of each token
     num_heads: int,
+    lora: LoraDelta | None = None,  # qkv's LoRA delta, added before the rotation (see Semantics)
 ) -> torch.Tensor:  # [N, H, D] rotated queries
     """Rotate q and k, write k and v into the caches at each token's slot, return q (see Semantics)."""
     n = qkv.shape[0]
@@ -93,6 +195,9 @@ def rope_and_cache(
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
+    if lora is not None:
+        _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, num_heads, lora)
+        return q
     _rope_cache_kernel[(n,)](
         qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), kv_heads * head_dim, head_dim,
@@ -102,10 +207,36 @@ def rope_and_cache(
     return q
 
 
-def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads) -> torch.Tensor:
-    """Pure torch, fp32 products rounded once: what the kernel computes, the caches written in place."""
+def _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, num_heads, lora: LoraDelta) -> None:
+    n = qkv.shape[0]
+    _, _, kv_heads, head_dim = k_cache.shape
+    t, b, seg = lora.t, lora.b_stack, lora.segments
+    widths = (num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    assert tuple(lora.slices) == widths, f"qkv's LoRA slices {lora.slices} are not q, k, v of {widths}"
+    assert t.shape == (3, n, b.shape[1]) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, n, tuple(b.shape))
+    assert b.shape[2] == qkv.shape[1] and b.dtype == qkv.dtype, (tuple(b.shape), tuple(qkv.shape), b.dtype, qkv.dtype)
+    assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, qkv has {n}"
+    block_m = consumer_block_m(seg.max_len)
+    grid = (num_heads + 2 * kv_heads, triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
+    start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
+    _rope_cache_lora_kernel[grid](
+        qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping,
+        t, b, lora.rank, lora.scale, seg.slot, start,
+        qkv.stride(0), q.stride(0), q.stride(1), kv_heads * head_dim, head_dim,
+        t.stride(0), t.stride(1), t.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        H=num_heads, KV=kv_heads, HALF=head_dim // 2, HAS_START=seg.start is not None,
+        BLOCK_M=block_m, BLOCK_R=_BLOCK_R, DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+
+
+def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, lora: LoraDelta | None = None) -> torch.Tensor:
+    """Pure torch, fp32 products rounded once: what the kernel computes, the caches written in place (the LoRA delta
+    added to qkv first, in fp32 and rounded once, as kernels.lora_expand_ref would)."""
     n = qkv.shape[0]
     _, _, kv_heads, d = k_cache.shape
+    if lora is not None:
+        qkv = with_delta_ref(qkv, lora)
     angle = positions.float()[:, None] * inv_freq.float()[None, :]  # [N, D/2]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [N, 1, D/2]
 

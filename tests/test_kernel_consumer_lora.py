@@ -1,0 +1,155 @@
+"""RoPE + KV write and SiLU x up with a LoRA delta added to their input (kernels.lora_segments.LoraDelta).
+
+Invariant: each fused op computes exactly what kernels.lora_expand followed by the plain op computes, i.e. its input
+plus every row's delta at the row's own rank, rounded once, then the op; rows without an adapter (or in an empty
+slot) get the plain op bit for bit. Grid (STYLE item 7): dtype x adapter popularity x rank mix x batch form (prefill
+segments of 1 to 23 tokens, decode rows grouped by slot and padded as a graph bucket), at small widths the
+interpreter runs, plus llama-8b's head layout. t and B hold NaN beyond each slot's rank, so a kernel that reads past
+a rank fails; every cache slot no token owns is NaN, so a stray write fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
+
+rope_cache, silu_mul, lora_segments, lora_expand = import_kernels("kernels.rope_cache", "kernels.silu_mul", "kernels.lora_segments", "kernels.lora_expand")
+LoraDelta = lora_segments.LoraDelta
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want|
+POPULARITY = ("distinct", "zipf", "identical")
+RANKS = {"uniform": (16, (16,)), "mixed": (64, (8, 16, 32, 64, 1, 0))}  # max rank, ranks cycled over the slots
+FORMS = ("prefill", "grouped")
+PREFILL_LENS = (5, 1, 23, 3, 17, 2)
+NUM_SLOTS = 8
+HEADS = {"gqa3": (6, 2, 32), "llama-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+
+
+def _rows(form: str, popularity: str, gen: torch.Generator) -> list[int]:
+    """Adapter slot of every row; every fourth sequence (prefill) or row (decode) has none."""
+    units = len(PREFILL_LENS) if form == "prefill" else 10
+    if popularity == "distinct":
+        unit = torch.arange(units) % NUM_SLOTS
+    elif popularity == "zipf":
+        unit = torch.multinomial(1.0 / torch.arange(1, NUM_SLOTS + 1, dtype=torch.float64) ** 1.5, units, replacement=True, generator=gen)
+    else:
+        unit = torch.zeros(units, dtype=torch.int64)
+    unit[3::4] = -1
+    if form == "prefill":
+        return [int(s) for s, n in zip(unit, PREFILL_LENS) for _ in range(n)]
+    return sorted(unit.tolist(), key=lambda s: (s < 0, s))  # the engine orders decode rows by slot
+
+
+def _delta(idx: list[int], widths: tuple[int, ...], ranks: str, form: str, dtype: torch.dtype, gen: torch.Generator) -> LoraDelta:
+    """A LoraDelta over rows `idx`: t and B random at each slot's rank, NaN beyond it."""
+    max_rank, cycle = RANKS[ranks]
+    n, out = len(idx), sum(widths)
+    rank = torch.tensor([cycle[s % len(cycle)] for s in range(NUM_SLOTS)], dtype=torch.int32)  # [slots]
+    b = torch.randn(NUM_SLOTS, max_rank, out, generator=gen) / max_rank**0.5  # [slots, R, out]
+    t = torch.randn(len(widths), n, max_rank, generator=gen)  # [S, N, R]
+    for s, r in enumerate(rank.tolist()):
+        b[s, r:] = float("nan")
+    for i, s in enumerate(idx):
+        t[:, i, int(rank[s]) if s >= 0 else 0 :] = float("nan")
+    scale = torch.rand(NUM_SLOTS, generator=gen) + 0.5  # [slots]
+    if form == "prefill":
+        seg = lora_segments.segments_from_indices(idx, device=DEVICE)
+    else:
+        seg = lora_segments.segments_from_indices(idx, device=DEVICE, pad_to=n)
+    return LoraDelta(t=t.to(DEVICE), b_stack=b.to(dtype).to(DEVICE), rank=rank.to(DEVICE), scale=scale.to(DEVICE), segments=seg,
+                     slices=widths)  # fmt: skip
+
+
+def _plain_rows(idx: list[int], lora: LoraDelta) -> torch.Tensor:
+    """[N] bool: rows whose op must equal the plain op's, bit for bit (no slot, or an empty slot)."""
+    slot = torch.tensor(idx)
+    return ((slot < 0) | (lora.rank.cpu().long()[slot.clamp(min=0)] == 0)).to(DEVICE)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert not got.isnan().any(), f"{what}: NaN in the output (a rank read past, or a row left unwritten)"
+    err = (got.double() - want.double()).abs()
+    scale = want.double().abs().max().clamp_min(1e-30)
+    assert err.max() / scale <= tol, f"{what}: max rel err {float(err.max() / scale):.3e}, mean {float(err.mean() / scale):.3e}"
+
+
+@pytest.mark.parametrize("dtype,popularity,ranks,form", list(itertools.product(DTYPES, POPULARITY, RANKS, FORMS)))
+def test_silu_mul_with_lora_delta(dtype, popularity, ranks, form):
+    """silu(g') * u' with g', u' = gate_up + each row's delta rounded once; plain rows bit for bit as silu_mul."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), popularity, ranks, form)) % 2**31)
+    idx = _rows(form, popularity, gen)
+    inter = 200  # no power of two: the column tiles end masked
+    gate_up = (torch.randn(len(idx), 2 * inter, generator=gen) * 2).to(dtype).to(DEVICE)
+    lora = _delta(idx, (inter, inter), ranks, form, dtype, gen)
+    out = silu_mul.silu_mul(gate_up, lora)
+    want = silu_mul.silu_mul_ref(gate_up, lora)
+    _check(out, want, TOL[dtype], f"silu_mul + LoRA {dtype} {popularity} {ranks} {form}")
+    g, u = lora_expand.with_delta_ref(gate_up, lora).double().chunk(2, dim=-1)
+    _check(out, g * torch.sigmoid(g) * u, TOL[dtype], "against float64")
+    plain = _plain_rows(idx, lora)
+    assert torch.equal(out[plain], silu_mul.silu_mul(gate_up)[plain]), "a row without an adapter must take the plain op"
+
+
+@pytest.mark.parametrize("dtype,popularity,ranks,form", list(itertools.product(DTYPES, POPULARITY, RANKS, FORMS)))
+def test_rope_and_cache_with_lora_delta(dtype, popularity, ranks, form):
+    """q, k and v of qkv + each row's delta: q rotated, k rotated and v raw in each token's cache slot only."""
+    _rope_case(dtype, popularity, ranks, form, "gqa3")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache_with_lora_delta_llama_8b_heads(dtype):
+    """The same at llama-8b's heads (32 q, 8 kv, 128 wide), mixed ranks, a prefill of six sequences."""
+    _rope_case(dtype, "zipf", "mixed", "prefill", "llama-8b")
+
+
+def _rope_case(dtype, popularity, ranks, form, shape):
+    heads, kv_heads, d = HEADS[shape]
+    gen = torch.Generator().manual_seed(hash((str(dtype), popularity, ranks, form, shape)) % 2**31)
+    idx = _rows(form, popularity, gen)
+    n = len(idx)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 4096, (n,), generator=gen).to(DEVICE)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, d, 2).double() / d))).float().to(DEVICE)
+    num_blocks, block_size = n + 3, 4
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n].to(DEVICE)  # shuffled, distinct
+    lora = _delta(idx, (heads * d, kv_heads * d, kv_heads * d), ranks, form, dtype, gen)
+
+    def caches():
+        return torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE), \
+            torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)  # fmt: skip
+
+    k, v = caches()
+    q = rope_cache.rope_and_cache(qkv, positions, inv_freq, k, v, slots, heads, lora)
+    k_ref, v_ref = caches()
+    q_ref = rope_cache.rope_and_cache_ref(qkv, positions, inv_freq, k_ref, v_ref, slots, heads, lora)
+    what = f"rope + LoRA {shape} {dtype} {popularity} {ranks} {form}"
+    k_flat, v_flat = k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+    _check(q, q_ref, TOL[dtype], f"{what}: q")
+    _check(k_flat[slots], k_ref.view(-1, kv_heads, d)[slots], TOL[dtype], f"{what}: k")
+    _check(v_flat[slots], v_ref.view(-1, kv_heads, d)[slots], TOL[dtype], f"{what}: v")
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert k_flat[untouched].isnan().all() and v_flat[untouched].isnan().all(), "a slot no token owns was written"
+
+    k_plain, v_plain = caches()
+    q_plain = rope_cache.rope_and_cache(qkv, positions, inv_freq, k_plain, v_plain, slots, heads)
+    plain = _plain_rows(idx, lora)
+    assert torch.equal(q[plain], q_plain[plain]), "q of a row without an adapter must equal the plain op's"
+    plain_slots = slots[plain]
+    assert torch.equal(k_flat[plain_slots], k_plain.view(-1, kv_heads, d)[plain_slots]), "k of a row without an adapter"
+    assert torch.equal(v_flat[plain_slots], v_plain.view(-1, kv_heads, d)[plain_slots]), "v of a row without an adapter"
+
+
+def test_lora_delta_must_match_the_op():
+    """A delta whose slices are not the op's (q, k, v; gate, up) is a programmer error, refused before any launch."""
+    gen = torch.Generator().manual_seed(0)
+    idx = _rows("prefill", "distinct", gen)
+    gate_up = torch.randn(len(idx), 400, generator=gen).to(DEVICE)
+    lora = _delta(idx, (150, 250), "uniform", "prefill", torch.float32, gen)
+    with pytest.raises(AssertionError, match="slices"):
+        silu_mul.silu_mul(gate_up, lora)
