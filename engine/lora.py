@@ -36,6 +36,21 @@ its bytes and its GEMM by its FLOPs, so this moves the read of the projection's 
 into the GEMM's epilogue, where the tensor cores' time covers it (kernels/lora_expand.py). z is rounded to
 the activations' dtype before the GEMM adds into it, as y was before the delta was added to it.
 
+Where the projection's output goes straight into a fused op that can take the delta (qkv into RoPE + the KV write,
+gate_up into SiLU x up: kernels/rope_cache.py, kernels/silu_mul.py), the delta is not written at all: the GEMM runs
+plain (beta = 0), the shrink's t waits beside its output (`pending`), and that op adds scale * t B^T to each tile it
+reads before its own maths, rounded once as the expand would round y. At llama-8b, 32 x 512 prefill tokens, this
+saves the delta's stores (qkv 201 MB, gate_up 940 MB a layer) and the GEMM's read of them in its epilogue, which cost
+qkv's GEMM +18% (engine/PERF.md, session 4). The model still knows nothing of LoRA: `wrap_ops` gives the runner the
+model's ops with the pending delta handed to them, and an op handed a tensor that is not the pending one is an
+assertion, not a delta silently dropped.
+
+Attribution: a step's LoRA time is what the LoRA sections measure (the cost model bills it to the adapter rows), so
+a fused op that adds the delta counts as LoRA only its extra time over the plain op on as many rows. The plain op's
+time is measured once per power-of-two row count (`ConsumerCalibration`, before the step's timer starts: the
+runner's `prepare`) and interpolated between the two around the step's rows; the section counts its measured time
+less that, never below zero.
+
 Decode (one row per group, as CUDA-graph steps run): at 32 rows the GEMM is bound by its bytes too, so
 writing the delta first saves nothing. Where kernels/decode_linear.py was measured faster than cuBLAS
 (llama-8b's o and down projections on an H200), the GEMM and the rows' deltas are one launch after the
@@ -49,7 +64,9 @@ CUDA-graph replay, whose LoRA share engine.cuda_graphs calibrates once per batch
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import torch
@@ -57,10 +74,14 @@ from torch import nn
 
 from engine.adapters import LoraAdapter
 from engine.backend import KernelBackend
-from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig
+from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig, ModelOps
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_ref import lora_ref
-from kernels.lora_segments import DecodeLora, LoraSegments
+from kernels.lora_segments import DecodeLora, LoraDelta, LoraSegments
+
+# Fused projection -> the model op its output goes straight into, which adds the projection's delta itself when the
+# triton backend runs that op fused (module docstring, "Prefill").
+CONSUMERS = {"qkv_proj": "rope_and_cache", "gate_up_proj": "silu_mul"}
 
 
 class LoraState:
@@ -85,6 +106,9 @@ class LoraState:
         self.decode_t: torch.Tensor | None = None
         self.total_slices = 0  # slices of all wrapped projections, set by apply_lora
         self.timed = True  # False while a CUDA graph is captured: no timing events inside a graph
+        self.consumers: frozenset[str] = frozenset()  # fused projections whose delta their consumer op adds (wrap_ops)
+        self.pending: tuple[torch.Tensor, LoraDelta] | None = None  # (projection output, its delta) awaiting that op
+        self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write, not yet waited on
@@ -111,9 +135,47 @@ class LoraState:
             z.add_(base.bias)
         return z
 
+    def base_then_pending(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                          widths: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+        """base(x) [N, out], its rows' deltas left `pending` for the op that consumes it (module docstring, "Prefill")."""
+        assert self.pending is None, "a LoRA delta is still pending: its consumer op did not run"
+        y = base(x)
+        with self._section():
+            t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
+        self.pending = (y, LoraDelta(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, segments=self.segments, slices=widths))
+        return y
+
+    def wrap_ops(self, ops: ModelOps, cfg: ModelConfig) -> ModelOps:
+        """The model's fused ops, those that consume a projection's output taking its pending delta (module docstring,
+        "Prefill"); the projections whose consumer is fused defer their delta to it from now on."""
+        wrapped, consumers = {}, set()
+        for projection, name in CONSUMERS.items():
+            op = getattr(ops, name)
+            if op is not None:
+                wrapped[name] = self._consumer(name, op)
+                consumers.add(projection)
+        self.consumers = frozenset(consumers)
+        self.calibration = ConsumerCalibration(ops, cfg, self.dtype, self.device)
+        return replace(ops, **wrapped)
+
+    def _consumer(self, name: str, op: Callable) -> Callable:
+        def consume(y: torch.Tensor, *args):  # y: the projection's output, as the model passes it
+            if self.pending is None:
+                return op(y, *args)
+            pending_y, lora = self.pending
+            assert pending_y is y, f"{name} was given another tensor than the projection output whose LoRA delta is pending"
+            self.pending = None
+            if not self.timed:
+                return op(y, *args, lora)
+            with self.timer.section(credit_us=self.calibration.plain_us(name, y.shape[0])):
+                return op(y, *args, lora)
+
+        return consume
+
     def set_batch(self, slot_idx: torch.Tensor | None = None, segments: LoraSegments | None = None) -> None:
         """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
         groups for the triton one; neither for a base-only batch."""
+        assert self.pending is None, "a LoRA delta was left pending: its consumer op did not run"
         assert slot_idx is None or (slot_idx.dim() == 1 and slot_idx.dtype == torch.int64), slot_idx
         assert slot_idx is None or not self.backend.triton, "the triton backend takes segments"
         assert segments is None or self.backend.triton, "the torch backend takes slot_idx"
@@ -240,9 +302,10 @@ class LoraState:
 class LoraLinear(nn.Module):
     """A (fused) projection computing `base(x)` plus each row's adapter from the slots, for all its slices."""
 
-    def __init__(self, base: nn.Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...], state: LoraState,
-                 slice_offset: int):  # fmt: skip
+    def __init__(self, name: str, base: nn.Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...],
+                 state: LoraState, slice_offset: int):  # fmt: skip
         super().__init__()
+        self.name = name  # the fused projection: qkv_proj, o_proj, gate_up_proj or down_proj
         self.base = base
         self.a_stack = a_stack  # [slots, S, R, in]
         self.b_stack = b_stack  # [slots, R, out]
@@ -252,6 +315,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
         if self.state.delta_first:
+            if self.name in self.state.consumers:
+                return self.state.base_then_pending(self.base, x, self.a_stack, self.b_stack, self.widths)
             return self.state.delta_then_base(self.base, x, self.a_stack, self.b_stack, self.widths)
         if self.state.one_launch(x.shape[0], self.widths, self.base.in_features):
             return self.state.decode_linear(self.base, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
@@ -280,6 +345,70 @@ def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, back
             a_stack = torch.zeros(max_loras, len(parts), max_lora_rank, base.in_features, dtype=state.dtype, device=state.device)
             b_stack = torch.zeros(max_loras, max_lora_rank, base.out_features, dtype=state.dtype, device=state.device)
             state.stacks[(i, fused)] = (a_stack, b_stack)
-            setattr(parent, fused, LoraLinear(base, a_stack, b_stack, state.widths[fused], state, state.total_slices))
+            setattr(parent, fused, LoraLinear(fused, base, a_stack, b_stack, state.widths[fused], state, state.total_slices))
             state.total_slices += len(parts)
     return state
+
+
+class ConsumerCalibration:
+    """The device time of the plain consumer ops (RoPE + KV write, SiLU x up) on N rows, for the attribution of the
+    fused ones (module docstring, "Attribution"): measured once per power-of-two row count on scratch inputs of the
+    model's widths, and interpolated linearly between the two counts around N.
+
+    Measuring syncs the device, so the runner asks for a step's row count before it times the step (`prepare`); a
+    count first seen inside a forward is measured there, which the step's own time then includes once."""
+
+    REPEATS = 3  # timed runs per count on CUDA, after a warm-up; the median is kept
+
+    def __init__(self, ops: ModelOps, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self._ops, self._cfg, self._dtype, self._device = ops, cfg, dtype, device
+        self._us: dict[tuple[str, int], float] = {}  # (op, rows) -> µs
+
+    def plain_us(self, op: str, rows: int) -> float:
+        """µs of the plain `op` on `rows` rows."""
+        if rows <= 0:
+            return 0.0
+        lo = 1 << (rows.bit_length() - 1)
+        hi = lo if lo == rows else lo * 2
+        a, b = self._measured(op, lo), self._measured(op, hi)
+        return a if hi == lo else a + (b - a) * (rows - lo) / (hi - lo)
+
+    def prepare(self, rows: int) -> None:
+        """Measure, now, what plain_us needs for `rows` rows of every fused consumer op."""
+        for op in CONSUMERS.values():
+            if getattr(self._ops, op) is not None:
+                self.plain_us(op, rows)
+
+    def _measured(self, op: str, rows: int) -> float:
+        key = (op, rows)
+        if key not in self._us:
+            run = self._scratch_run(op, rows)
+            if self._device.type == "cuda":
+                run()  # compiles, allocates
+                times = []
+                for _ in range(self.REPEATS):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    run()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1000)
+                self._us[key] = statistics.median(times)
+            else:  # the interpreter (tests): synchronous, and slow enough that one run is the measurement
+                t0 = time.perf_counter_ns()
+                run()
+                self._us[key] = (time.perf_counter_ns() - t0) / 1000
+        return self._us[key]
+
+    def _scratch_run(self, op: str, rows: int) -> Callable[[], object]:
+        """The plain op on `rows` rows of scratch inputs (the values do not change its time), writing nothing the model reads."""
+        cfg, kw = self._cfg, {"dtype": self._dtype, "device": self._device}
+        if op == "silu_mul":
+            gate_up = torch.randn(rows, 2 * cfg.intermediate_size, **kw)
+            return lambda: self._ops.silu_mul(gate_up)
+        d = cfg.head_dim
+        qkv = torch.randn(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, **kw)
+        positions = torch.arange(rows, device=self._device)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=self._device, dtype=torch.float32) / d))
+        k_cache, v_cache = (torch.empty(rows, 1, cfg.num_kv_heads, d, **kw) for _ in range(2))  # a slot per row
+        return lambda: self._ops.rope_and_cache(qkv, positions, inv_freq, k_cache, v_cache, positions, cfg.num_heads)

@@ -65,7 +65,7 @@ class ModelRunner:
         self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend)
         if self.backend.triton:
-            self.model.ops = model_ops(self.backend, self.config.head_dim)
+            self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config)
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,
@@ -99,11 +99,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, items: list[BatchItem]) -> None:
-        """Work a step may need once, done before the engine times the step: capturing a decode bucket's graphs."""
-        if self.graphs is not None and self.graphs.fits(items) and not self.graphs.captured(items):
-            self._ensure_blocks(items)
-            self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
-            self.graphs.prepare(items)
+        """Work a step may need once, done before the engine times the step: capturing a decode bucket's graphs, or
+        measuring the plain consumer ops at an eager LoRA step's row count (engine.lora, "Attribution")."""
+        if self.graphs is not None and self.graphs.fits(items):
+            if not self.graphs.captured(items):
+                self._ensure_blocks(items)
+                self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
+                self.graphs.prepare(items)
+        elif self.lora.calibration is not None and any(it.lora_slot >= 0 for it in items) and any(len(it.token_ids) > 1 for it in items):
+            self.lora.calibration.prepare(sum(len(it.token_ids) for it in items))
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:

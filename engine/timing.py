@@ -27,14 +27,17 @@ class DeviceTimer:
     def __init__(self, device: torch.device):
         self._cuda = torch.device(device).type == "cuda"
         self._ns = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []  # (start, end, credit µs)
 
     def reset(self) -> None:
         self._ns = 0
         self._events.clear()
 
     @contextmanager
-    def section(self) -> Iterator[None]:
+    def section(self, credit_us: float = 0.0) -> Iterator[None]:
+        """Time what runs inside. `credit_us`: time inside that is not this timer's to count (a fused launch doing
+        other work too: engine.lora, "Attribution"); the section counts its measured time less that, and never
+        less than zero."""
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -42,20 +45,20 @@ class DeviceTimer:
                 yield
             finally:
                 end.record()
-                self._events.append((start, end))
+                self._events.append((start, end, credit_us))
         else:
             t0 = time.perf_counter_ns()
             try:
                 yield
             finally:
-                self._ns += time.perf_counter_ns() - t0
+                self._ns += max(0, time.perf_counter_ns() - t0 - round(credit_us * 1000))
 
     def elapsed_us(self) -> int:
         """Total of the sections so far, in whole microseconds (waits for the last CUDA event)."""
         if not self._events:
             return self._ns // 1000
         self._events[-1][1].synchronize()
-        return round(sum(s.elapsed_time(e) for s, e in self._events) * 1000)
+        return round(sum(max(0.0, s.elapsed_time(e) * 1000 - credit) for s, e, credit in self._events))
 
 
 class Stopwatch:

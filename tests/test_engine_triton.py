@@ -188,3 +188,81 @@ def test_backends_agree_with_a_biased_qkv(tmp_path):
             assert err < TOL, f"qwen2 {what}: triton vs torch logits differ by {err:.2e}"
     finally:
         _release(engines, rows, "q")
+
+
+def test_prefill_deltas_of_qkv_and_gate_up_go_to_their_consumer_ops(engines, monkeypatch):
+    """A LoRA prefill's qkv and gate_up leave their delta pending for RoPE + KV write and SiLU x up (engine.lora,
+    "Prefill"), every one of them consumed within its layer; a decode step defers nothing; the logits still agree
+    with the torch backend's (the first test of this file, same rows)."""
+    runner = engines["triton"].runner
+    state = runner.lora
+    assert state.consumers == {"qkv_proj", "gate_up_proj"}, state.consumers
+    deferred, real = [], state.base_then_pending
+
+    def spy(base, x, a_stack, b_stack, widths):
+        assert state.pending is None, "the previous pending delta was not consumed"
+        deferred.append(b_stack.shape[-1])
+        return real(base, x, a_stack, b_stack, widths)
+
+    monkeypatch.setattr(state, "base_then_pending", spy)
+    rows = ROWS[:3]
+    slot = [-1 if a is None else engines["triton"].adapters.acquire(a)[0] for _, a in rows]
+    try:
+        runner.forward([BatchItem(("d", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+        cfg = runner.config
+        qkv, gate_up = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * cfg.intermediate_size
+        assert deferred == [qkv, gate_up] * cfg.num_layers and state.pending is None
+        deferred.clear()
+        runner.forward([BatchItem(("d", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)])
+        assert deferred == [], "a decode step's rows are their own groups: nothing is deferred"
+    finally:
+        for i, (_, a) in enumerate(rows):
+            runner.free(("d", i))
+            if a is not None:
+                engines["triton"].adapters.release(engines["triton"].adapters.sha_of(a))
+
+
+def test_a_pending_delta_reaching_another_tensor_is_refused(engines):
+    """The consumer op must receive the very tensor whose delta is pending: anything else is an assertion, never a
+    delta dropped or added to the wrong rows."""
+    state = engines["triton"].runner.lora
+    ops = engines["triton"].runner.model.ops
+    y = torch.zeros(2, 2 * engines["triton"].runner.config.intermediate_size, device=DEVICE)
+    state.pending = (y.clone(), None)
+    try:
+        with pytest.raises(AssertionError, match="another tensor"):
+            ops.silu_mul(y)
+    finally:
+        state.pending = None
+
+
+@pytest.mark.parametrize(("rows", "want"), [(0, 0.0), (1, 10.0), (8, 80.0), (12, 120.0), (16, 160.0), (20, 200.0)])
+def test_consumer_calibration_interpolates_between_powers_of_two(engines, monkeypatch, rows, want):
+    """The plain op's time at N rows: measured at the powers of two around N (once each), linear in between."""
+    cal = engines["triton"].runner.lora.calibration
+    measured = []
+
+    def fake(op, n):
+        measured.append(n)
+        return 10.0 * n if n != 16 else 160.0
+
+    monkeypatch.setattr(cal, "_measured", fake)
+    assert cal.plain_us("silu_mul", rows) == pytest.approx(want)
+    assert all(n & (n - 1) == 0 for n in measured), measured
+
+
+def test_a_timed_section_counts_its_time_less_the_credit():
+    """A section with a credit counts what it measured less the credit, never below zero (engine.timing)."""
+    import time as _time
+
+    from engine.timing import DeviceTimer
+
+    timer = DeviceTimer(torch.device("cpu"))
+    with timer.section(credit_us=1e9):
+        _time.sleep(0.002)
+    assert timer.elapsed_us() == 0
+    with timer.section():
+        _time.sleep(0.002)
+    with timer.section(credit_us=1000.0):
+        _time.sleep(0.003)
+    assert 2000 + 2000 <= timer.elapsed_us() < 2000 + 2000 + 50_000
