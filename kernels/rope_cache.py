@@ -216,7 +216,7 @@ def _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, nu
     assert t.shape == (3, n, b.shape[1]) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, n, tuple(b.shape))
     assert b.shape[2] == qkv.shape[1] and b.dtype == qkv.dtype, (tuple(b.shape), tuple(qkv.shape), b.dtype, qkv.dtype)
     assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, qkv has {n}"
-    block_m = consumer_block_m(seg.max_len)
+    block_m, num_warps = _config(seg)
     grid = (num_heads + 2 * kv_heads, triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
     start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
     _rope_cache_lora_kernel[grid](
@@ -226,8 +226,13 @@ def _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, nu
         t.stride(0), t.stride(1), t.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         H=num_heads, KV=kv_heads, HALF=head_dim // 2, HAS_START=seg.start is not None,
-        BLOCK_M=block_m, BLOCK_R=_BLOCK_R, DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_M=block_m, BLOCK_R=_BLOCK_R, DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )  # fmt: skip
+
+
+def _config(segments) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the LoRA form for these row groups."""
+    return consumer_block_m(segments.max_len), 4
 
 
 def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, lora: LoraDelta | None = None) -> torch.Tensor:

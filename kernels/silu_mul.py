@@ -28,7 +28,6 @@ from kernels.lora_expand import _BLOCK_R, _tile_delta, consumer_block_m, with_de
 from kernels.lora_segments import LoraDelta
 
 _BLOCK = 1024
-_LORA_BLOCK_N = 128  # columns of the LoRA form's tiles
 
 
 @triton.jit
@@ -121,8 +120,8 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
     assert t.shape == (2, n, b.shape[1]) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, n, tuple(b.shape))
     assert b.shape[2] == 2 * inter and b.dtype == gate_up.dtype, (tuple(b.shape), inter, b.dtype, gate_up.dtype)
     assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, gate_up has {n}"
-    block_m = consumer_block_m(seg.max_len)
-    block_n = min(_LORA_BLOCK_N, triton.next_power_of_2(inter))
+    block_m, block_n, num_warps = _config(seg)
+    block_n = min(block_n, triton.next_power_of_2(inter))
     grid = (triton.cdiv(inter, block_n), triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
     start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
     _silu_mul_lora_kernel[grid](
@@ -131,8 +130,13 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
         t.stride(0), t.stride(1), t.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         HAS_START=seg.start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_BLOCK_R,
-        DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )  # fmt: skip
+
+
+def _config(segments) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form for these row groups."""
+    return consumer_block_m(segments.max_len), 128, 4
 
 
 def silu_mul_ref(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:  # [N, 2 I] -> [N, I]

@@ -11,6 +11,7 @@ a rank fails; every cache slot no token owns is NaN, so a stray write fails.
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ rope_cache, silu_mul, lora_segments, lora_expand = import_kernels("kernels.rope_
 LoraDelta = lora_segments.LoraDelta
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want|
+# max |err| / max |want|: twice the plain ops' (tests/test_kernel_fused.py), as the input is rounded once more (x + delta
+# to the dtype, as the expand rounds y), and the delta's TF32 products may tip that rounding to the neighbouring value
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 POPULARITY = ("distinct", "zipf", "identical")
 RANKS = {"uniform": (16, (16,)), "mixed": (64, (8, 16, 32, 64, 1, 0))}  # max rank, ranks cycled over the slots
 FORMS = ("prefill", "grouped")
@@ -81,7 +84,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None
 @pytest.mark.parametrize("dtype,popularity,ranks,form", list(itertools.product(DTYPES, POPULARITY, RANKS, FORMS)))
 def test_silu_mul_with_lora_delta(dtype, popularity, ranks, form):
     """silu(g') * u' with g', u' = gate_up + each row's delta rounded once; plain rows bit for bit as silu_mul."""
-    gen = torch.Generator().manual_seed(hash((str(dtype), popularity, ranks, form)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form}".encode()))
     idx = _rows(form, popularity, gen)
     inter = 200  # no power of two: the column tiles end masked
     gate_up = (torch.randn(len(idx), 2 * inter, generator=gen) * 2).to(dtype).to(DEVICE)
@@ -109,7 +112,7 @@ def test_rope_and_cache_with_lora_delta_llama_8b_heads(dtype):
 
 def _rope_case(dtype, popularity, ranks, form, shape):
     heads, kv_heads, d = HEADS[shape]
-    gen = torch.Generator().manual_seed(hash((str(dtype), popularity, ranks, form, shape)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form} {shape}".encode()))
     idx = _rows(form, popularity, gen)
     n = len(idx)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).to(DEVICE)
