@@ -591,7 +591,7 @@ def _probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] =
                 def op(y, lora=None):
                     return rope_and_cache(y, positions, inv_freq, kc, vc, slots, m.heads, lora)
 
-                module, cands = rope_module, list(itertools.product((32, 64, 128), (4, 8)))
+                module, cands = rope_module, list(itertools.product((16, 32, 64), (4, 8)))
             else:
                 def op(y, lora=None):
                     return silu_mul(y, lora)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import _BLOCK_R, _tile_delta, consumer_block_m, with_delta_ref
+from kernels.lora_expand import _BLOCK_R, consumer_block_m, with_delta_ref
 from kernels.lora_segments import LoraDelta
 
 
@@ -90,6 +90,21 @@ def _rope_cache_kernel(
 
 
 @triton.jit
+def _lora_half(acc, t_base, b_base, rows, m_mask, cols, rank, scale, stride_tm, stride_tr, stride_br, stride_bn,
+               BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BM, D/2] fp32 + scale * t[rows, :rank] @ B[:rank, cols], with acc as the product's accumulator: the sum comes
+    out in the tensor cores' layout and the rotation runs there, with no layout change of a [BM, D/2] tile."""
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        r_mask = offs_r < rank
+        tt = tl.load(t_base + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr, mask=m_mask[:, None] & r_mask[None, :],
+                     other=0.0)  # [BM, BR] fp32  # fmt: skip
+        bt = tl.load(b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn, mask=r_mask[:, None], other=0.0)  # [BR, D/2]
+        acc = tl.dot(tt * scale, bt.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _rope_cache_lora_kernel(
     qkv_ptr,  # [N, (H + 2 KV) D]
     pos_ptr,  # [N] int
@@ -115,9 +130,8 @@ def _rope_cache_lora_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    head = tl.program_id(0)  # q heads, then k heads, then v heads
-    pid_m = tl.program_id(1)
-    group = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    group = tl.program_id(1)
     slot = tl.load(group_slot_ptr + group)
     if HAS_START:
         row_begin = tl.load(start_ptr + group)
@@ -132,47 +146,49 @@ def _rope_cache_lora_kernel(
     m_mask = offs_m < row_end
     rows = offs_m.to(tl.int64)
     j = tl.arange(0, HALF)  # [D/2]
-    col = head * (2 * HALF) + j  # [D/2] first-half columns of this head in qkv and B
-    x_ptrs = qkv_ptr + rows[:, None] * stride_qkv + col[None, :]  # [BM, D/2]
-    x1 = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-    x2 = tl.load(x_ptrs + HALF, mask=m_mask[:, None], other=0.0)
-    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)
-    if rank > 0:
-        sl = (head >= H).to(tl.int32) + (head >= H + KV).to(tl.int32)  # slice: q, k or v
-        scale = tl.load(scale_ptr + slot).to(tl.float32)
-        t_base = t_ptr + sl * stride_ti
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        all_cols = j < HALF
-        d1 = _tile_delta(t_base, b_base, offs_m, m_mask, col, all_cols, rank, stride_tm, stride_tr, stride_br, stride_bn,
-                         BLOCK_M, HALF, BLOCK_R, DOT_PRECISION)  # [BM, D/2] fp32  # fmt: skip
-        d2 = _tile_delta(t_base, b_base, offs_m, m_mask, col + HALF, all_cols, rank, stride_tm, stride_tr, stride_br, stride_bn,
-                         BLOCK_M, HALF, BLOCK_R, DOT_PRECISION)  # fmt: skip
-        x1 = (x1.to(tl.float32) + scale * d1).to(x1.dtype)  # rounded as the expand rounds y
-        x2 = (x2.to(tl.float32) + scale * d2).to(x2.dtype)
-
-    if head >= H + KV:  # v: into the cache unrotated
-        cache = tl.load(slot_map_ptr + rows, mask=m_mask, other=0).to(tl.int64)  # [BM]
-        v_out = v_cache_ptr + cache[:, None] * stride_cs + (head - H - KV) * stride_ch + j[None, :]
-        tl.store(v_out, x1.to(v_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
-        tl.store(v_out + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
-        return
+    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)  # no adapter: rank 0, no product at all
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0)).to(tl.float32)
+    b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    # cos and sin once per row tile, for every head (per head, their transcendentals cost more than the whole plain op)
     pos = tl.load(pos_ptr + rows, mask=m_mask, other=0).to(tl.float32)  # [BM]
     angle = pos[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [BM, D/2]
     cos = tl.cos(angle)
     sin = tl.sin(angle)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    r1 = a * cos - b * sin
-    r2 = b * cos + a * sin
-    if head < H:
-        q_out = q_ptr + rows[:, None] * stride_qn + head * stride_qh + j[None, :]
-        tl.store(q_out, r1.to(q_ptr.dtype.element_ty), mask=m_mask[:, None])
-        tl.store(q_out + HALF, r2.to(q_ptr.dtype.element_ty), mask=m_mask[:, None])
+    cache = tl.load(slot_map_ptr + rows, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    row_ptrs = qkv_ptr + rows[:, None] * stride_qkv + j[None, :]  # [BM, D/2] first half of head 0
+
+    t_q = t_ptr
+    for h in range(H):
+        _lora_rope_head(row_ptrs, h * (2 * HALF), t_q, b_base, q_ptr + rows[:, None] * stride_qn + h * stride_qh + j[None, :], rows,
+                        m_mask, j, cos, sin, rank, scale, stride_tm, stride_tr, stride_br, stride_bn, True, HALF, BLOCK_R,
+                        DOT_PRECISION)  # fmt: skip
+    for h in range(KV):
+        _lora_rope_head(row_ptrs, (H + h) * (2 * HALF), t_q + stride_ti, b_base,
+                        k_cache_ptr + cache[:, None] * stride_cs + h * stride_ch + j[None, :], rows, m_mask, j, cos, sin, rank, scale,
+                        stride_tm, stride_tr, stride_br, stride_bn, True, HALF, BLOCK_R, DOT_PRECISION)  # fmt: skip
+    for h in range(KV):
+        _lora_rope_head(row_ptrs, (H + KV + h) * (2 * HALF), t_q + 2 * stride_ti, b_base,
+                        v_cache_ptr + cache[:, None] * stride_cs + h * stride_ch + j[None, :], rows, m_mask, j, cos, sin, rank, scale,
+                        stride_tm, stride_tr, stride_br, stride_bn, False, HALF, BLOCK_R, DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _lora_rope_head(row_ptrs, col, t_base, b_base, out_ptrs, rows, m_mask, j, cos, sin, rank, scale, stride_tm, stride_tr, stride_br,
+                    stride_bn, ROTATE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One head of a row tile: its two halves plus their LoRA delta, rounded to the activations' dtype as the expand
+    rounds y, then rotated (q and k) or not (v), and stored at out_ptrs [BM, D/2] (first half; the second follows)."""
+    x1 = tl.load(row_ptrs + col, mask=m_mask[:, None], other=0.0)
+    x2 = tl.load(row_ptrs + col + HALF, mask=m_mask[:, None], other=0.0)
+    a = _lora_half(x1.to(tl.float32), t_base, b_base, rows, m_mask, col + j, rank, scale, stride_tm, stride_tr, stride_br, stride_bn,
+                   BLOCK_R, DOT_PRECISION).to(x1.dtype).to(tl.float32)  # fmt: skip
+    b = _lora_half(x2.to(tl.float32), t_base, b_base, rows, m_mask, col + HALF + j, rank, scale, stride_tm, stride_tr, stride_br,
+                   stride_bn, BLOCK_R, DOT_PRECISION).to(x2.dtype).to(tl.float32)  # fmt: skip
+    if ROTATE:
+        tl.store(out_ptrs, (a * cos - b * sin).to(out_ptrs.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(out_ptrs + HALF, (b * cos + a * sin).to(out_ptrs.dtype.element_ty), mask=m_mask[:, None])
     else:
-        cache = tl.load(slot_map_ptr + rows, mask=m_mask, other=0).to(tl.int64)  # [BM]
-        k_out = k_cache_ptr + cache[:, None] * stride_cs + (head - H) * stride_ch + j[None, :]
-        tl.store(k_out, r1.to(k_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
-        tl.store(k_out + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(out_ptrs, a.to(out_ptrs.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(out_ptrs + HALF, b.to(out_ptrs.dtype.element_ty), mask=m_mask[:, None])
 
 
 def rope_and_cache(
@@ -217,7 +233,7 @@ def _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, nu
     assert b.shape[2] == qkv.shape[1] and b.dtype == qkv.dtype, (tuple(b.shape), tuple(qkv.shape), b.dtype, qkv.dtype)
     assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, qkv has {n}"
     block_m, num_warps = _config(seg)
-    grid = (num_heads + 2 * kv_heads, triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
+    grid = (triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
     start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
     _rope_cache_lora_kernel[grid](
         qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping,
@@ -232,7 +248,7 @@ def _launch_lora(qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping, nu
 
 def _config(segments) -> tuple[int, int]:
     """(BLOCK_M, num_warps) of the LoRA form for these row groups."""
-    return consumer_block_m(segments.max_len), 4
+    return min(32, consumer_block_m(segments.max_len)), 4
 
 
 def rope_and_cache_ref(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, lora: LoraDelta | None = None) -> torch.Tensor:

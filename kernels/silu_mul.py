@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import _BLOCK_R, _tile_delta, consumer_block_m, with_delta_ref
+from kernels.lora_expand import _BLOCK_R, consumer_block_m, with_delta_ref
 from kernels.lora_segments import LoraDelta
 
 _BLOCK = 1024
@@ -80,20 +80,27 @@ def _silu_mul_lora_kernel(
     n_mask = cols < inter
     mask = m_mask[:, None] & n_mask[None, :]
     g_ptrs = gu_ptr + rows[:, None] * stride_gu + cols[None, :]  # [BM, BN]
-    g = tl.load(g_ptrs, mask=mask, other=0.0)
-    u = tl.load(g_ptrs + inter, mask=mask, other=0.0)
-    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)
-    if rank > 0:
-        scale = tl.load(scale_ptr + slot).to(tl.float32)
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        dg = _tile_delta(t_ptr, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
-                         BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32  # fmt: skip
-        du = _tile_delta(t_ptr + stride_ti, b_base, offs_m, m_mask, inter + cols, n_mask, rank, stride_tm, stride_tr, stride_br,
-                         stride_bn, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # fmt: skip
-        g = (g.to(tl.float32) + scale * dg).to(g.dtype)  # rounded as the expand rounds y
-        u = (u.to(tl.float32) + scale * du).to(u.dtype)
-    gf = g.to(tl.float32)
-    out = gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)  # no adapter: rank 0, no product at all
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0)).to(tl.float32)
+    b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    # g and u are the products' accumulators: the sums come out in the tensor cores' layout and the activation runs
+    # there, with no layout change of the [BM, BN] tiles (as a separate delta tile added to g would need).
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        r_mask = offs_r < rank
+        t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr  # [BM, BR]
+        t_mask = m_mask[:, None] & r_mask[None, :]
+        b_ptrs = b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn  # [BR, BN]
+        b_mask = r_mask[:, None] & n_mask[None, :]
+        tg = tl.load(t_ptrs, mask=t_mask, other=0.0) * scale
+        tu = tl.load(t_ptrs + stride_ti, mask=t_mask, other=0.0) * scale
+        g = tl.dot(tg, tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32), g, input_precision=DOT_PRECISION)
+        u = tl.dot(tu, tl.load(b_ptrs + inter * stride_bn, mask=b_mask, other=0.0).to(tl.float32), u, input_precision=DOT_PRECISION)
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the expand rounds y
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -136,7 +143,7 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
 
 def _config(segments) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form for these row groups."""
-    return consumer_block_m(segments.max_len), 128, 4
+    return min(32, consumer_block_m(segments.max_len)), 128, 4
 
 
 def silu_mul_ref(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:  # [N, 2 I] -> [N, I]
