@@ -36,14 +36,14 @@ its bytes and its GEMM by its FLOPs, so this moves the read of the projection's 
 into the GEMM's epilogue, where the tensor cores' time covers it (kernels/lora_expand.py). z is rounded to
 the activations' dtype before the GEMM adds into it, as y was before the delta was added to it.
 
-Where the projection's output goes straight into a fused op that can take the delta (qkv into RoPE + the KV write,
-gate_up into SiLU x up: kernels/rope_cache.py, kernels/silu_mul.py), the delta is not written at all: the GEMM runs
-plain (beta = 0), the shrink's t waits beside its output (`pending`), and that op adds scale * t B^T to each tile it
-reads before its own maths, rounded once as the expand would round y. At llama-8b, 32 x 512 prefill tokens, this
-saves the delta's stores (qkv 201 MB, gate_up 940 MB a layer) and the GEMM's read of them in its epilogue, which cost
-qkv's GEMM +18% (engine/PERF.md, session 4). The model still knows nothing of LoRA: `wrap_ops` gives the runner the
-model's ops with the pending delta handed to them, and an op handed a tensor that is not the pending one is an
-assertion, not a delta silently dropped.
+Where the projection's output goes straight into a fused op that can take the delta (gate_up into SiLU x up,
+kernels/silu_mul.py), the delta is not written at all: the GEMM runs plain (beta = 0), the shrink's t waits beside its
+output (`pending`), and the op adds scale * t B^T to each tile it reads before its own maths, rounded once as the
+expand would round y. At llama-8b, 32 x 512 prefill tokens, this saves the delta's 940 MB of stores a layer and the
+GEMM's read of them in its epilogue; the engine's prefill LoRA share went from +10.4% to +8.7% with it (engine/PERF.md,
+session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
+The model still knows nothing of LoRA: `wrap_ops` gives the runner the model's ops with the pending delta handed to
+them, and an op handed a tensor that is not the pending one is an assertion, not a delta silently dropped.
 
 Attribution: a step's LoRA time is what the LoRA sections measure (the cost model bills it to the adapter rows), so
 a fused op that adds the delta counts as LoRA only its extra time over the plain op on as many rows. The plain op's
@@ -81,7 +81,7 @@ from kernels.lora_segments import DecodeLora, LoraDelta, LoraSegments
 
 # Fused projection -> the model op its output goes straight into, which adds the projection's delta itself when the
 # triton backend runs that op fused (module docstring, "Prefill").
-CONSUMERS = {"qkv_proj": "rope_and_cache", "gate_up_proj": "silu_mul"}
+CONSUMERS = {"gate_up_proj": "silu_mul"}
 
 
 class LoraState:
@@ -351,9 +351,9 @@ def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, back
 
 
 class ConsumerCalibration:
-    """The device time of the plain consumer ops (RoPE + KV write, SiLU x up) on N rows, for the attribution of the
-    fused ones (module docstring, "Attribution"): measured once per power-of-two row count on scratch inputs of the
-    model's widths, and interpolated linearly between the two counts around N.
+    """The device time of the plain consumer op (SiLU x up) on N rows, for the attribution of the fused one (module
+    docstring, "Attribution"): measured once per power-of-two row count on scratch inputs of the model's width, and
+    interpolated linearly between the two counts around N.
 
     Measuring syncs the device, so the runner asks for a step's row count before it times the step (`prepare`); a
     count first seen inside a forward is measured there, which the step's own time then includes once."""
@@ -402,13 +402,6 @@ class ConsumerCalibration:
 
     def _scratch_run(self, op: str, rows: int) -> Callable[[], object]:
         """The plain op on `rows` rows of scratch inputs (the values do not change its time), writing nothing the model reads."""
-        cfg, kw = self._cfg, {"dtype": self._dtype, "device": self._device}
-        if op == "silu_mul":
-            gate_up = torch.randn(rows, 2 * cfg.intermediate_size, **kw)
-            return lambda: self._ops.silu_mul(gate_up)
-        d = cfg.head_dim
-        qkv = torch.randn(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, **kw)
-        positions = torch.arange(rows, device=self._device)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=self._device, dtype=torch.float32) / d))
-        k_cache, v_cache = (torch.empty(rows, 1, cfg.num_kv_heads, d, **kw) for _ in range(2))  # a slot per row
-        return lambda: self._ops.rope_and_cache(qkv, positions, inv_freq, k_cache, v_cache, positions, cfg.num_heads)
+        assert op == "silu_mul", op
+        gate_up = torch.randn(rows, 2 * self._cfg.intermediate_size, dtype=self._dtype, device=self._device)
+        return lambda: self._ops.silu_mul(gate_up)

@@ -559,63 +559,43 @@ def _probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
 
 
 def _probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",), sweep: bool = True) -> None:
-    """qkv -> RoPE + KV write and gate_up -> SiLU x up at prefill (32 sequences of `tokens`, 32 adapters of rank 16), three
-    ways: base only (GEMM, plain op); the delta first (shrink, delta z, GEMM adding into z, plain op: engine.lora before
-    session 5); the delta left to the op (GEMM, shrink, the op adding t B^T itself). µs per projection and LoRA's share;
-    with `sweep`, the fused ops' tile configs first (python -c "from kernels.bench import _probe_consumers; _probe_consumers()")."""
+    """gate_up -> SiLU x up at prefill (32 sequences of `tokens`, 32 adapters of rank 16), three ways: base only (GEMM,
+    plain op); the delta first (shrink, delta z, GEMM adding into z, plain op); the delta left to the op (GEMM, shrink,
+    the op adding t B^T itself: engine.lora "Prefill"). µs and LoRA's share; with `sweep`, the fused op's tile configs
+    first (python -c "from kernels.bench import _probe_consumers; _probe_consumers()")."""
     import itertools
 
-    import kernels.rope_cache as rope_module
     import kernels.silu_mul as silu_module
     from kernels.lora_segments import LoraDelta
-    from kernels.rope_cache import rope_and_cache
     from kernels.silu_mul import silu_mul
 
     torch.manual_seed(0)
     for name in models:
-        m = MODELS[name]
-        projections = m.projections()
-        for proj in ("qkv", "gate_up"):
-            in_f, widths = projections[proj]
-            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-            n, out_f = case.y.shape
-            w = torch.randn(out_f, in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
-            z = torch.empty_like(case.y)
-            lora = LoraDelta(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, segments=case.segments, slices=widths)
-            if proj == "qkv":
-                positions = torch.arange(n, device=_DEVICE) % tokens
-                inv_freq = 1.0 / (500000.0 ** (torch.arange(0, m.head_dim, 2, device=_DEVICE, dtype=torch.float32) / m.head_dim))
-                kc, vc = (torch.empty(n, 1, m.kv_heads, m.head_dim, device=_DEVICE, dtype=DTYPE) for _ in range(2))
-                slots = torch.arange(n, device=_DEVICE)
+        in_f, widths = MODELS[name].projections()["gate_up"]
+        case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+        w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+        z = torch.empty_like(case.y)
+        lora = LoraDelta(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, segments=case.segments, slices=widths)
+        if sweep:
+            cands = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8)))
+            _best(f"{name} gate_up fused op", silu_module, cands, lambda: _graph_us(lambda: silu_mul(case.y, lora), rep))
 
-                def op(y, lora=None):
-                    return rope_and_cache(y, positions, inv_freq, kc, vc, slots, m.heads, lora)
+        def base() -> None:
+            torch.mm(case.x, w.t(), out=case.y)
+            silu_mul(case.y)
 
-                module, cands = rope_module, list(itertools.product((16, 32, 64), (4, 8)))
-            else:
-                def op(y, lora=None):
-                    return silu_mul(y, lora)
+        def delta_first() -> None:
+            lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
+            lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
+            z.addmm_(case.x, w.t())
+            silu_mul(z)
 
-                module, cands = silu_module, list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8)))
-            if sweep:
-                _best(f"{name} {proj} fused op", module, cands, lambda: _graph_us(lambda: op(case.y, lora), rep))
+        def to_op() -> None:
+            torch.mm(case.x, w.t(), out=case.y)
+            lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
+            silu_mul(case.y, lora)
 
-            def base() -> None:
-                torch.mm(case.x, w.t(), out=case.y)
-                op(case.y)
-
-            def delta_first() -> None:
-                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
-                lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
-                z.addmm_(case.x, w.t())
-                op(z)
-
-            def to_op() -> None:
-                torch.mm(case.x, w.t(), out=case.y)
-                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
-                op(case.y, lora)
-
-            plain_op, fused_op = _graph_us(lambda: op(case.y), rep), _graph_us(lambda: op(case.y, lora), rep)
-            b, d, c = _graph_us(base, rep), _graph_us(delta_first, rep), _graph_us(to_op, rep)
-            print(f"{name} {proj:8} base {b:8.1f} µs | delta first {d:8.1f} (+{100 * (d / b - 1):.1f}%) | delta in the op {c:8.1f} "
-                  f"(+{100 * (c / b - 1):.1f}%) | op plain {plain_op:.1f}, fused {fused_op:.1f}", flush=True)
+        plain_op, fused_op = _graph_us(lambda: silu_mul(case.y), rep), _graph_us(lambda: silu_mul(case.y, lora), rep)
+        b, d, c = _graph_us(base, rep), _graph_us(delta_first, rep), _graph_us(to_op, rep)
+        print(f"{name} gate_up base {b:8.1f} µs | delta first {d:8.1f} (+{100 * (d / b - 1):.1f}%) | delta in the op {c:8.1f} "
+              f"(+{100 * (c / b - 1):.1f}%) | op plain {plain_op:.1f}, fused {fused_op:.1f}", flush=True)

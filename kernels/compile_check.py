@@ -180,19 +180,11 @@ def issue_calls() -> Iterator[Callable[[], None]]:
             yield lambda qkv=qkv, kc=k_cache, heads=heads, hd=head_dim: rope_and_cache(
                 qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, heads)
             yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)
-            for segments in (forms["grouped"], forms["prefill"]):  # the forms whose steps add a LoraDelta in these ops
-                n = segments.num_rows
-                for name, widths in (("qkv", (q_out, kv_out, kv_out)), ("gate_up", (inter, inter))):
-                    lora = LoraDelta(t=_meta(len(widths), n, max_rank, dtype=torch.float32), b_stack=_meta(adapters, max_rank, sum(widths), dtype=dtype),
-                                     rank=rank, scale=scale, segments=segments, slices=widths)  # fmt: skip
-                    x = _meta(n, sum(widths), dtype=dtype)
-                    if name == "qkv":
-                        p = _meta(n, dtype=torch.int64)
-                        yield lambda x=x, p=p, kc=k_cache, heads=heads, hd=head_dim, lora=lora: rope_and_cache(
-                            x, p, _meta(hd // 2, dtype=torch.float32), kc, kc, p, heads, lora)
-                    else:
-                        yield lambda x=x, lora=lora: silu_mul(x, lora)
-
+            for segments in (forms["grouped"], forms["prefill"]):  # the forms whose steps add gate_up's LoraDelta in silu_mul
+                n, widths = segments.num_rows, (inter, inter)
+                lora = LoraDelta(t=_meta(2, n, max_rank, dtype=torch.float32), b_stack=_meta(adapters, max_rank, 2 * inter, dtype=dtype),
+                                 rank=rank, scale=scale, segments=segments, slices=widths)  # fmt: skip
+                yield lambda g=_meta(n, 2 * inter, dtype=dtype), lora=lora: silu_mul(g, lora)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.splitlines()[0])

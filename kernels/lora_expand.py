@@ -237,7 +237,7 @@ def lora_expand(
 
 
 def consumer_block_m(max_len: int) -> int:
-    """Rows per program of the ops that add a LoraDelta to their input (kernels/rope_cache.py, kernels/silu_mul.py): 64
+    """Rows per program of the ops that add a LoraDelta to their input (kernels/silu_mul.py): 64
     for prefill segments, as the delta form of the expand, fewer for short groups (decode rows of a mixed step), and 16
     at least, the tensor-core minimum of the delta's product."""
     return max(16, min(64, triton.next_power_of_2(max(max_len, 1))))
@@ -291,7 +291,7 @@ def lora_expand_ref(
 
 def with_delta_ref(y: torch.Tensor, lora: LoraDelta) -> torch.Tensor:  # [N, out]
     """A copy of y plus each row's LoRA delta, rounded once (lora_expand_ref): the reference of what the ops that take a
-    LoraDelta (kernels/rope_cache.py, kernels/silu_mul.py) add to their input first."""
+    LoraDelta (kernels/silu_mul.py) add to their input first."""
     y = y.clone()
     lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, lora.segments, slices=lora.slices)
     return y

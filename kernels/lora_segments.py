@@ -111,8 +111,8 @@ class DecodeLora:
 
 @dataclass(frozen=True)
 class LoraDelta:
-    """A projection's LoRA delta left for the op that consumes its output to add (kernels/rope_cache.py after qkv,
-    kernels/silu_mul.py after gate_up): the shrink's t, the slots' B, the rows' groups, per-slot rank and scale.
+    """A projection's LoRA delta left for the op that consumes its output to add (kernels/silu_mul.py after gate_up): the
+    shrink's t, the slots' B, the rows' groups, per-slot rank and scale.
 
     The consumer adds scale * t[s, i, :r] @ B[slot_i, :r, cols] to its input tile and rounds the sum to the
     activations' dtype before its own maths, so it computes exactly what kernels.lora_expand then the op would,

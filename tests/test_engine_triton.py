@@ -190,13 +190,13 @@ def test_backends_agree_with_a_biased_qkv(tmp_path):
         _release(engines, rows, "q")
 
 
-def test_prefill_deltas_of_qkv_and_gate_up_go_to_their_consumer_ops(engines, monkeypatch):
-    """A LoRA prefill's qkv and gate_up leave their delta pending for RoPE + KV write and SiLU x up (engine.lora,
-    "Prefill"), every one of them consumed within its layer; a decode step defers nothing; the logits still agree
-    with the torch backend's (the first test of this file, same rows)."""
+def test_prefill_delta_of_gate_up_goes_to_silu_mul(engines, monkeypatch):
+    """A LoRA prefill's gate_up leaves its delta pending for SiLU x up (engine.lora, "Prefill"), consumed within its
+    layer; a decode step defers nothing; the logits still agree with the torch backend's (the first test of this
+    file, same rows)."""
     runner = engines["triton"].runner
     state = runner.lora
-    assert state.consumers == {"qkv_proj", "gate_up_proj"}, state.consumers
+    assert state.consumers == {"gate_up_proj"}, state.consumers
     deferred, real = [], state.base_then_pending
 
     def spy(base, x, a_stack, b_stack, widths):
@@ -210,8 +210,7 @@ def test_prefill_deltas_of_qkv_and_gate_up_go_to_their_consumer_ops(engines, mon
     try:
         runner.forward([BatchItem(("d", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
         cfg = runner.config
-        qkv, gate_up = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * cfg.intermediate_size
-        assert deferred == [qkv, gate_up] * cfg.num_layers and state.pending is None
+        assert deferred == [2 * cfg.intermediate_size] * cfg.num_layers and state.pending is None
         deferred.clear()
         runner.forward([BatchItem(("d", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)])
         assert deferred == [], "a decode step's rows are their own groups: nothing is deferred"

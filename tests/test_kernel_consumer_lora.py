@@ -1,11 +1,10 @@
-"""RoPE + KV write and SiLU x up with a LoRA delta added to their input (kernels.lora_segments.LoraDelta).
+"""SiLU x up with gate_up's LoRA delta added to its input (kernels.lora_segments.LoraDelta, engine.lora "Prefill").
 
-Invariant: each fused op computes exactly what kernels.lora_expand followed by the plain op computes, i.e. its input
-plus every row's delta at the row's own rank, rounded once, then the op; rows without an adapter (or in an empty
-slot) get the plain op bit for bit. Grid (STYLE item 7): dtype x adapter popularity x rank mix x batch form (prefill
-segments of 1 to 23 tokens, decode rows grouped by slot and padded as a graph bucket), at small widths the
-interpreter runs, plus llama-8b's head layout. t and B hold NaN beyond each slot's rank, so a kernel that reads past
-a rank fails; every cache slot no token owns is NaN, so a stray write fails.
+Invariant: the fused op computes what kernels.lora_expand followed by the plain op computes, i.e. its input plus every
+row's delta at the row's own rank, rounded once, then the op; rows without an adapter (or in an empty slot) get the
+plain op. Grid (STYLE item 7): dtype x adapter popularity x rank mix x batch form (prefill segments of 1 to 23 tokens,
+decode rows grouped by slot and padded as a graph bucket) at a width no tile divides, plus llama-8b's width. t and B
+hold NaN beyond each slot's rank, so a kernel that reads past a rank fails.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 
 from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
-rope_cache, silu_mul, lora_segments, lora_expand = import_kernels("kernels.rope_cache", "kernels.silu_mul", "kernels.lora_segments", "kernels.lora_expand")
+silu_mul, lora_segments, lora_expand = import_kernels("kernels.silu_mul", "kernels.lora_segments", "kernels.lora_expand")
 LoraDelta = lora_segments.LoraDelta
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,7 +29,6 @@ RANKS = {"uniform": (16, (16,)), "mixed": (64, (8, 16, 32, 64, 1, 0))}  # max ra
 FORMS = ("prefill", "grouped")
 PREFILL_LENS = (5, 1, 23, 3, 17, 2)
 NUM_SLOTS = 8
-HEADS = {"gqa3": (6, 2, 32), "llama-8b": (32, 8, 128)}  # heads, kv heads, head_dim
 
 
 def _rows(form: str, popularity: str, gen: torch.Generator) -> list[int]:
@@ -76,7 +74,7 @@ def _plain_rows(idx: list[int], lora: LoraDelta) -> torch.Tensor:
 
 def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Bit for bit in the interpreter; within one unit in the last place on CUDA, where the compiler may contract the
-    two kernels' a * cos - b * sin into fused multiply-adds differently."""
+    two kernels' arithmetic into fused multiply-adds differently."""
     if DEVICE.type == "cpu":
         assert torch.equal(got, want), what
     else:
@@ -93,10 +91,19 @@ def _check(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None
 
 @pytest.mark.parametrize("dtype,popularity,ranks,form", list(itertools.product(DTYPES, POPULARITY, RANKS, FORMS)))
 def test_silu_mul_with_lora_delta(dtype, popularity, ranks, form):
-    """silu(g') * u' with g', u' = gate_up + each row's delta rounded once; plain rows bit for bit as silu_mul."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form}".encode()))
+    """silu(g') * u' with g', u' = gate_up + each row's delta rounded once; plain rows as silu_mul's."""
+    _silu_case(dtype, popularity, ranks, form, inter=200)  # no power of two: the column tiles end masked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_with_lora_delta_at_llama_8b_width(dtype):
+    """The same at llama-8b's intermediate size (14336), mixed ranks, a prefill of six sequences."""
+    _silu_case(dtype, "zipf", "mixed", "prefill", inter=14336)
+
+
+def _silu_case(dtype, popularity, ranks, form, inter):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form} {inter}".encode()))
     idx = _rows(form, popularity, gen)
-    inter = 200  # no power of two: the column tiles end masked
     gate_up = (torch.randn(len(idx), 2 * inter, generator=gen) * 2).to(dtype).to(DEVICE)
     lora = _delta(idx, (inter, inter), ranks, form, dtype, gen)
     out = silu_mul.silu_mul(gate_up, lora)
@@ -106,56 +113,6 @@ def test_silu_mul_with_lora_delta(dtype, popularity, ranks, form):
     _check(out, g * torch.sigmoid(g) * u, TOL[dtype], "against float64")
     plain = _plain_rows(idx, lora)
     _same(out[plain], silu_mul.silu_mul(gate_up)[plain], "a row without an adapter must take the plain op")
-
-
-@pytest.mark.parametrize("dtype,popularity,ranks,form", list(itertools.product(DTYPES, POPULARITY, RANKS, FORMS)))
-def test_rope_and_cache_with_lora_delta(dtype, popularity, ranks, form):
-    """q, k and v of qkv + each row's delta: q rotated, k rotated and v raw in each token's cache slot only."""
-    _rope_case(dtype, popularity, ranks, form, "gqa3")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache_with_lora_delta_llama_8b_heads(dtype):
-    """The same at llama-8b's heads (32 q, 8 kv, 128 wide), mixed ranks, a prefill of six sequences."""
-    _rope_case(dtype, "zipf", "mixed", "prefill", "llama-8b")
-
-
-def _rope_case(dtype, popularity, ranks, form, shape):
-    heads, kv_heads, d = HEADS[shape]
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form} {shape}".encode()))
-    idx = _rows(form, popularity, gen)
-    n = len(idx)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).to(DEVICE)
-    positions = torch.randint(0, 4096, (n,), generator=gen).to(DEVICE)
-    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, d, 2).double() / d))).float().to(DEVICE)
-    num_blocks, block_size = n + 3, 4
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n].to(DEVICE)  # shuffled, distinct
-    lora = _delta(idx, (heads * d, kv_heads * d, kv_heads * d), ranks, form, dtype, gen)
-
-    def caches():
-        return torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE), \
-            torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)  # fmt: skip
-
-    k, v = caches()
-    q = rope_cache.rope_and_cache(qkv, positions, inv_freq, k, v, slots, heads, lora)
-    k_ref, v_ref = caches()
-    q_ref = rope_cache.rope_and_cache_ref(qkv, positions, inv_freq, k_ref, v_ref, slots, heads, lora)
-    what = f"rope + LoRA {shape} {dtype} {popularity} {ranks} {form}"
-    k_flat, v_flat = k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
-    _check(q, q_ref, TOL[dtype], f"{what}: q")
-    _check(k_flat[slots], k_ref.view(-1, kv_heads, d)[slots], TOL[dtype], f"{what}: k")
-    _check(v_flat[slots], v_ref.view(-1, kv_heads, d)[slots], TOL[dtype], f"{what}: v")
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
-    untouched[slots] = False
-    assert k_flat[untouched].isnan().all() and v_flat[untouched].isnan().all(), "a slot no token owns was written"
-
-    k_plain, v_plain = caches()
-    q_plain = rope_cache.rope_and_cache(qkv, positions, inv_freq, k_plain, v_plain, slots, heads)
-    plain = _plain_rows(idx, lora)
-    _same(q[plain], q_plain[plain], "q of a row without an adapter must equal the plain op's")
-    plain_slots = slots[plain]
-    _same(k_flat[plain_slots], k_plain.view(-1, kv_heads, d)[plain_slots], "k of a row without an adapter")
-    assert torch.equal(v_flat[plain_slots], v_plain.view(-1, kv_heads, d)[plain_slots]), "v of a row without an adapter, bit for bit"
 
 
 def test_lora_delta_must_match_the_op():
