@@ -23,7 +23,9 @@ decode_steps steps back to back (engine.cuda_graphs "Chains") and launches the n
 reads the last (engine.engine); `decode_rounds` counts the calls, and `*_one_per_round` are the same
 batches with decode_steps 1; tokens/s is B x decode steps / their wall time;
 `device_step_ms` is the engine's own measurement of the same steps (CUDA events around the
-forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for.
+forward and sampling, engine.timing), so the gap between the two is host time the GPU waits for;
+`decode_first_call_ms` (the host's time before the first round is launched, the GPU idle) and
+`decode_last_call_ms` (the wait for the last round and its bookkeeping) say where.
 prefill_tflops counts the matmul and attention FLOPs of the base prefill step over its wall time;
 prefill_lora_overhead_pct is the mixed prefill step's extra time over the base one; both from the medians of
 PREFILL_SAMPLES prefills each (base and mixed interleaved), `prefill_lora_overhead_pct_range` the share of each
@@ -127,6 +129,7 @@ def bench_engine(
             backend=engine.runner.backend.name, cuda_graphs=engine.runner.graphs is not None,
             ours_base_tok_s=base["tok_s"], ours_mixed_tok_s=mixed["tok_s"],
             base_step_ms=base["step_ms"], mixed_step_ms=mixed["step_ms"], decode_rounds=base["decode_rounds"],
+            decode_first_call_ms=base["first_call_ms"], decode_last_call_ms=base["last_call_ms"],
             decode_steps=chained, base_step_ms_one_per_round=single["base"]["step_ms"],
             mixed_step_ms_one_per_round=single["mixed"]["step_ms"],
             base_device_step_ms=base["device_step_ms"], mixed_device_step_ms=mixed["device_step_ms"],
@@ -345,9 +348,12 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
     results = engine.step()
     _sync(engine.device)
     t1 = time.perf_counter()
-    calls = 0
+    calls, first_call_s, last_call_s = 0, 0.0, 0.0
     while engine.has_unfinished():
+        c0 = time.perf_counter()
         results += engine.step()
+        last_call_s = time.perf_counter() - c0
+        first_call_s = first_call_s or last_call_s
         calls += 1
     _sync(engine.device)
     t2 = time.perf_counter()
@@ -364,6 +370,8 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
         "device_step_ms": statistics.median(r.total_us for r in records[1:]) / 1e3,
         "tok_s": len(prompts) * decode_steps / (t2 - t1),
         "decode_rounds": calls,
+        "first_call_ms": first_call_s * 1e3,  # host time before the first decode round is launched: the GPU idles
+        "last_call_ms": last_call_s * 1e3,  # the wait for the last round and its bookkeeping
     }
 
 
