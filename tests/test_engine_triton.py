@@ -235,19 +235,26 @@ def test_a_pending_delta_reaching_another_tensor_is_refused(engines):
         state.pending = None
 
 
-@pytest.mark.parametrize(("rows", "want"), [(0, 0.0), (1, 10.0), (8, 80.0), (12, 120.0), (16, 160.0), (20, 200.0)])
-def test_consumer_calibration_interpolates_between_powers_of_two(engines, monkeypatch, rows, want):
-    """The plain op's time at N rows: measured at the powers of two around N (once each), linear in between."""
+@pytest.mark.parametrize(("rows", "points"), [(0, []), (1, [1]), (12, [12]), (16, [16]), (17, [16, 18]), (1000, [960, 1024]),
+                                             (16385, [16384, 18432])])  # fmt: skip
+def test_consumer_calibration_interpolates_between_grid_points(engines, monkeypatch, rows, points):
+    """The plain op's time at N rows: measured once at each of the two grid points around N (8 a power of two, so the
+    scratch input is at most 1/8 larger than the step's), linear in between; N on the grid is measured as it is."""
     cal = engines["triton"].runner.lora.calibration
     measured = []
 
     def fake(op, n):
         measured.append(n)
-        return 10.0 * n if n != 16 else 160.0
+        return float(n * n)  # not linear: the interpolation's weights show
 
     monkeypatch.setattr(cal, "_measured", fake)
-    assert cal.plain_us("silu_mul", rows) == pytest.approx(want)
-    assert all(n & (n - 1) == 0 for n in measured), measured
+    got = cal.plain_us("silu_mul", rows)
+    assert sorted(set(measured)) == points
+    if len(points) == 2:
+        lo, hi = points
+        assert got == pytest.approx(lo * lo + (hi * hi - lo * lo) * (rows - lo) / (hi - lo))
+    else:
+        assert got == rows * rows
 
 
 def test_a_timed_section_counts_its_time_less_the_credit():
