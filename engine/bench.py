@@ -443,3 +443,34 @@ def _print_table(out: dict) -> None:
     print(f"prefill {out['prefill_tflops']:.2f} TFLOP/s ({out['prefill_matmul_pct']:.1f}% of the {out['matmul_tflops']:.1f} TFLOP/s matmul), "
           f"LoRA +{out['prefill_lora_overhead_pct']:.1f}% (median of {out['prefill_samples']}; each pair: "
           f"{', '.join(f'{v:+.1f}%' for v in out['prefill_lora_overhead_pct_range'])}); copy bandwidth {out['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
+
+
+def ab_prefill_consumers(shape: str = "llama-1b", adapters: int = 32, rank: int = 16, batch: int = 32, prompt: int = 128,
+                         pairs: int = PREFILL_SAMPLES) -> dict:  # fmt: skip
+    """A/B of gate_up's delta in SiLU x up (engine.lora "Prefill") against the delta-first order, in one process on one
+    engine: base, mixed with it and mixed without it, interleaved `pairs` times; medians of the prefill's wall and
+    device ms and each form's LoRA share (python -c "from engine.bench import ab_prefill_consumers as f; f('llama-1b')";
+    prompt 512 for llama-8b, as the issue's prefill)."""
+    dev = pick_device("auto")
+    cfg = model_config(shape)
+    prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).tolist() for _ in range(batch)]
+    keys = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine, _ = build_bench_engine(cfg, shape, [rank] * adapters, None, batch, prompt, 2, dev, pick_dtype("auto", dev), Path(tmp))
+        state = engine.runner.lora
+        consumers = state.consumers
+        runs: dict[str, list[dict]] = {"base": [], "in the op": [], "delta first": []}
+        for i in range(pairs + 1):  # the first round warms up
+            for name in runs:
+                state.consumers = consumers if name == "in the op" else frozenset()
+                got = _run(engine, prompts, keys["base" if name == "base" else "mixed"], 2, f"ab{i}-{name}")
+                if i:
+                    runs[name].append(got)
+        state.consumers = consumers
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("prefill_ms", "prefill_device_ms")} for name, rs in runs.items()}
+    out = {"shape": shape, "pairs": pairs, **{f"{name} {k}": round(v, 3) for name, m in med.items() for k, v in m.items()}}
+    for name in ("in the op", "delta first"):
+        out[f"{name} lora_pct"] = round(100 * (med[name]["prefill_ms"] / med["base"]["prefill_ms"] - 1), 2)
+        out[f"{name} lora_pct_device"] = round(100 * (med[name]["prefill_device_ms"] / med["base"]["prefill_device_ms"] - 1), 2)
+    print(json.dumps(out), flush=True)
+    return out
