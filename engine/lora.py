@@ -107,7 +107,8 @@ class LoraState:
         self.total_slices = 0  # slices of all wrapped projections, set by apply_lora
         self.timed = True  # False while a CUDA graph is captured: no timing events inside a graph
         self.consumers: frozenset[str] = frozenset()  # fused projections whose delta their consumer op adds (wrap_ops)
-        self.pending: tuple[torch.Tensor, LoraDelta] | None = None  # (projection output, its delta) awaiting that op
+        # (projection output, its delta, the open timing section or None) awaiting that op
+        self.pending: tuple[torch.Tensor, LoraDelta, object] | None = None
         self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -140,9 +141,12 @@ class LoraState:
         """base(x) [N, out], its rows' deltas left `pending` for the op that consumes it (module docstring, "Prefill")."""
         assert self.pending is None, "a LoRA delta is still pending: its consumer op did not run"
         y = base(x)
-        with self._section():
-            t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
-        self.pending = (y, LoraDelta(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, segments=self.segments, slices=widths))
+        # One timed section from the shrink to the consumer op's end (nothing runs between them), credited with the plain
+        # op's time there: two CUDA events a layer rather than four, host time a short prefill's GPU waits for.
+        start = self.timer.begin() if self.timed else None
+        t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
+        self.pending = (y, LoraDelta(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, segments=self.segments, slices=widths),
+                        start)  # fmt: skip
         return y
 
     def wrap_ops(self, ops: ModelOps, cfg: ModelConfig) -> ModelOps:
@@ -162,13 +166,13 @@ class LoraState:
         def consume(y: torch.Tensor, *args):  # y: the projection's output, as the model passes it
             if self.pending is None:
                 return op(y, *args)
-            pending_y, lora = self.pending
+            pending_y, lora, start = self.pending
             assert pending_y is y, f"{name} was given another tensor than the projection output whose LoRA delta is pending"
             self.pending = None
-            if not self.timed:
-                return op(y, *args, lora)
-            with self.timer.section(credit_us=self.calibration.plain_us(name, y.shape[0])):
-                return op(y, *args, lora)
+            out = op(y, *args, lora)
+            if start is not None:
+                self.timer.end(start, credit_us=self.calibration.plain_us(name, y.shape[0]))
+            return out
 
         return consume
 

@@ -38,20 +38,28 @@ class DeviceTimer:
         """Time what runs inside. `credit_us`: time inside that is not this timer's to count (a fused launch doing
         other work too: engine.lora, "Attribution"); the section counts its measured time less that, and never
         less than zero."""
+        start = self.begin()
+        try:
+            yield
+        finally:
+            self.end(start, credit_us)
+
+    def begin(self) -> object:
+        """Open a section that `end` closes: for one that spans calls no single `with` can wrap."""
         if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._events.append((start, end, credit_us))
+            return start
+        return time.perf_counter_ns()
+
+    def end(self, start: object, credit_us: float = 0.0) -> None:
+        """Close the section `begin` opened (see `section` for the credit)."""
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end, credit_us))
         else:
-            t0 = time.perf_counter_ns()
-            try:
-                yield
-            finally:
-                self._ns += max(0, time.perf_counter_ns() - t0 - round(credit_us * 1000))
+            self._ns += max(0, time.perf_counter_ns() - start - round(credit_us * 1000))
 
     def elapsed_us(self) -> int:
         """Total of the sections so far, in whole microseconds (waits for the last CUDA event)."""

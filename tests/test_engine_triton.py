@@ -227,7 +227,7 @@ def test_a_pending_delta_reaching_another_tensor_is_refused(engines):
     state = engines["triton"].runner.lora
     ops = engines["triton"].runner.model.ops
     y = torch.zeros(2, 2 * engines["triton"].runner.config.intermediate_size, device=DEVICE)
-    state.pending = (y.clone(), None)
+    state.pending = (y.clone(), None, None)
     try:
         with pytest.raises(AssertionError, match="another tensor"):
             ops.silu_mul(y)
@@ -272,3 +272,21 @@ def test_a_timed_section_counts_its_time_less_the_credit():
     with timer.section(credit_us=1000.0):
         _time.sleep(0.003)
     assert 2000 + 2000 <= timer.elapsed_us() < 2000 + 2000 + 50_000
+
+
+def test_a_lora_prefill_step_charges_lora_time_through_the_fused_op(engines, monkeypatch):
+    """A prefill whose gate_up delta goes to SiLU x up still books LoRA time: the shrink and the fused op's excess over
+    the plain op (calibrated), within the step's measured total; a huge calibrated plain time leaves the shrinks of the
+    other projections alone, never a negative share."""
+    eng = engines["triton"]
+    # prompts no other test sends (the prefix cache would shorten the prefill), reversed for the second run
+    prompts = [tuple(range(300 + 20 * i, 300 + 20 * i + len(p))) for i, (p, _) in enumerate(ROWS)]
+    for tag, reverse in (("lp", False), ("lq", True)):
+        if reverse:
+            monkeypatch.setattr(eng.runner.lora.calibration, "plain_us", lambda op, rows: 1e12)
+        reqs = [GenerationRequest(request_id=f"{tag}{i}", input_ids=p[::-1] if reverse else p, adapter=a,
+                                  sampling=SamplingParams(max_new_tokens=1)) for i, (p, (_, a)) in enumerate(zip(prompts, ROWS))]  # fmt: skip
+        eng.pop_step_records()
+        assert all(r.ok for r in eng.generate(reqs))
+        prefill = eng.pop_step_records()[0]
+        assert prefill.tokens == sum(map(len, prompts)) and 0 < prefill.lora_us <= prefill.total_us, (tag, prefill)
