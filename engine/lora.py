@@ -40,8 +40,8 @@ Where the projection's output goes straight into a fused op that can take the de
 kernels/silu_mul.py), the delta is not written at all: the GEMM runs plain (beta = 0), the shrink's t waits beside its
 output (`pending`), and the op adds scale * t B^T to each tile it reads before its own maths, rounded once as the
 expand would round y. At llama-8b, 32 x 512 prefill tokens, this saves the delta's 940 MB of stores a layer and the
-GEMM's read of them in its epilogue; the engine's prefill LoRA share went from +10.4% to +8.7% with it (engine/PERF.md,
-session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
+GEMM's read of them in its epilogue: the engine's prefill LoRA share is +8.3-8.5% with it against +9.9-10.5% without, on
+one engine in one process (engine.bench.ab_prefill_consumers; engine/PERF.md, session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
 The model still knows nothing of LoRA: `wrap_ops` gives the runner the model's ops with the pending delta handed to
 them, and an op handed a tensor that is not the pending one is an assertion, not a delta silently dropped.
 
@@ -179,7 +179,7 @@ class LoraState:
     def set_batch(self, slot_idx: torch.Tensor | None = None, segments: LoraSegments | None = None) -> None:
         """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
         groups for the triton one; neither for a base-only batch."""
-        assert self.pending is None, "a LoRA delta was left pending: its consumer op did not run"
+        self.pending = None  # (a forward that raised may leave one behind: nothing of it may reach the next batch)
         assert slot_idx is None or (slot_idx.dim() == 1 and slot_idx.dtype == torch.int64), slot_idx
         assert slot_idx is None or not self.backend.triton, "the triton backend takes segments"
         assert segments is None or self.backend.triton, "the torch backend takes slot_idx"

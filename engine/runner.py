@@ -182,7 +182,9 @@ class ModelRunner:
             logit_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)  # [M]
             self.lora.set_batch(slot_idx=torch.tensor(token_slots, dtype=torch.int64, device=self.device) if lora else None)
         try:
-            return self.model(input_ids, pos, attn, logit_rows)
+            logits = self.model(input_ids, pos, attn, logit_rows)
+            assert self.lora.pending is None, "a LoRA delta was left pending: its consumer op did not run"
+            return logits
         finally:
             self.lora.set_batch()
 

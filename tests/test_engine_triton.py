@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,28 @@ def test_a_lora_prefill_step_charges_lora_time_through_the_fused_op(engines, mon
         assert all(r.ok for r in eng.generate(reqs))
         prefill = eng.pop_step_records()[0]
         assert prefill.tokens == sum(map(len, prompts)) and 0 < prefill.lora_us <= prefill.total_us, (tag, prefill)
+
+
+def test_a_forward_that_raises_leaves_no_pending_delta(engines, monkeypatch):
+    """A prefill that fails after gate_up deferred its delta (here SiLU x up raises) leaves nothing pending: the next
+    batch runs and agrees with the torch backend, so one failed step cannot wedge the engine."""
+    eng = engines["triton"]
+    ops = eng.runner.model.ops
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(eng.runner.model, "ops", replace(ops, silu_mul=broken))
+    rows = ROWS[:2]
+    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.runner.forward([BatchItem(("r", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+    finally:
+        for i, (_, a) in enumerate(rows):
+            eng.runner.free(("r", i))
+            if a is not None:
+                eng.adapters.release(eng.adapters.sha_of(a))
+    assert eng.runner.lora.pending is None
+    monkeypatch.setattr(eng.runner.model, "ops", ops)
+    test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engines)
