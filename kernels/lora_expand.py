@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import LoraDelta, LoraSegments, rows_of, slice_starts
+from kernels.lora_shrink import group_rows
 
 _BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at which ranks are skipped
 
@@ -108,12 +109,7 @@ def _expand_kernel(
     slot = tl.load(slot_ptr + group)
     col_begin = tl.load(slice_ptr + sl)
     width = tl.load(slice_ptr + sl + 1) - col_begin
-    if HAS_START:
-        row_begin = tl.load(start_ptr + group)
-        row_end = tl.load(start_ptr + group + 1)
-    else:
-        row_begin = group
-        row_end = group + 1
+    row_begin, row_end = group_rows(start_ptr, group, HAS_START)
     if ACCUMULATE:
         if slot < 0:
             return
@@ -234,13 +230,6 @@ def lora_expand(
         ACCUMULATE=accumulate,
         num_warps=num_warps,
     )
-
-
-def consumer_block_m(max_len: int) -> int:
-    """Rows per program of the ops that add a LoraDelta to their input (kernels/silu_mul.py): 64
-    for prefill segments, as the delta form of the expand, fewer for short groups (decode rows of a mixed step), and 16
-    at least, the tensor-core minimum of the delta's product."""
-    return max(16, min(64, triton.next_power_of_2(max(max_len, 1))))
 
 
 def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int]:

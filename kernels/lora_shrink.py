@@ -51,6 +51,19 @@ _MIN_K_PER_SPLIT = 512
 
 
 @triton.jit
+def group_rows(start_ptr, group, HAS_START: tl.constexpr):
+    """(first row, end row) of row group `group` (kernels/lora_segments.py): from `start` when the groups are segments,
+    else the group is its own row. Shared by every kernel that walks the groups."""
+    if HAS_START:
+        row_begin = tl.load(start_ptr + group)
+        row_end = tl.load(start_ptr + group + 1)
+    else:
+        row_begin = group
+        row_end = group + 1
+    return row_begin, row_end
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,  # [N, in]
     a_ptr,  # [slots, S, R, in]
@@ -79,12 +92,7 @@ def _shrink_kernel(
     sl = pid_c // (SPLIT_K * NUM_RTILES)
 
     slot = tl.load(slot_ptr + group)
-    if HAS_START:  # issued beside the slot's load, so that the two latencies overlap
-        row_begin = tl.load(start_ptr + group)
-        row_end = tl.load(start_ptr + group + 1)
-    else:
-        row_begin = group
-        row_end = group + 1
+    row_begin, row_end = group_rows(start_ptr, group, HAS_START)  # issued beside the slot's load: the latencies overlap
     if slot < 0:
         return
     m0 = row_begin + pid_m * BLOCK_M

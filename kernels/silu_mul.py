@@ -18,7 +18,7 @@ half's delta is one tensor-core product per rank step, and g and u are that prod
 in the tensor cores' layout and the activation runs there, with no layout change of the [BM, BN] tiles. Rows without an
 adapter (slot -1) and empty slots run no product and take the plain activation.
 
-On an H200 (kernels.bench._probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, session 5):
+On an H200 (kernels.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, session 5):
 this op 639 µs against 341 plain (32 x 256 tiles, 8 warps, the best of 18 configs); GEMM + shrink + this op took +20.8%
 over GEMM + plain op, the delta written first and the GEMM adding into it +22.5%. The same fusion into RoPE + KV write
 (qkv) lost to the delta-first order there (+33.6% against +24.9%) and was not kept.
@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import _BLOCK_R, consumer_block_m, with_delta_ref
+from kernels.lora_expand import _BLOCK_R, with_delta_ref
 from kernels.lora_segments import LoraDelta
+from kernels.lora_shrink import group_rows
 
 _BLOCK = 1024
 
@@ -70,12 +71,7 @@ def _silu_mul_lora_kernel(
     pid_m = tl.program_id(1)
     group = tl.program_id(2)
     slot = tl.load(group_slot_ptr + group)
-    if HAS_START:
-        row_begin = tl.load(start_ptr + group)
-        row_end = tl.load(start_ptr + group + 1)
-    else:
-        row_begin = group
-        row_end = group + 1
+    row_begin, row_end = group_rows(start_ptr, group, HAS_START)
     m0 = row_begin + pid_m * BLOCK_M
     if m0 >= row_end:
         return
@@ -148,8 +144,10 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
 
 
 def _config(segments) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form for these row groups."""
-    return min(32, consumer_block_m(segments.max_len)), 256, 8
+    """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form: 32 x 256 tiles at 8 warps, the best of 18 on an H200 at 8b and 1b
+    prefill (module docstring); fewer rows for short groups (decode rows of a mixed step), 16 at least, the tensor-core
+    minimum of the delta's product."""
+    return max(16, min(32, triton.next_power_of_2(max(segments.max_len, 1)))), 256, 8
 
 
 def silu_mul_ref(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:  # [N, 2 I] -> [N, I]
