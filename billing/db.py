@@ -79,9 +79,10 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
+        # The busy timeout first: switching to WAL takes the file's lock, and must wait as long as any statement.
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
     finally:
         cursor.close()
 

@@ -12,14 +12,14 @@ after its tenant's invoice of its month was closed is billed on the next open pe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy import Engine, func, inspect, select, tuple_
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
@@ -27,16 +27,18 @@ from billing.cost import gpu_cost
 from billing.db import current_revision, dialect_insert, head_revision, session_factory
 from billing.errors import LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
-from billing.models import AdapterLoad, Busy, Usage
+from billing.models import AdapterLoad, Base, Busy, Usage
 from billing.periods import period_of
 from billing.pg_copy import copy_insert
 from billing.prices import PriceBook, gpu_price_list
-from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
+from billing.records import AdapterLoadRecord, AnsweredRow, BusyRecord, UsageRecord
 
-
+# Keys per statement of Ledger.answered: 1000 bound parameters, far below SQLite's limit (32766) and
+# PostgreSQL's (65535), and one statement answers a whole 500-job flush.
+ANSWERED_CHUNK = 500
 
 class Ledger:
-    """Writes usage and adapter-load records to the ledger database and reads single rows back."""
+    """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
 
     def __init__(self, engine: Engine, config: LedgerConfig):
         self._engine = engine
@@ -117,6 +119,25 @@ class Ledger:
         with self._database_errors(), self._sessions() as session:
             return session.scalars(statement).one_or_none()
 
+    def answered(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], AnsweredRow]:
+        """For each (tenant_id, request_id) of `keys` that already has its usage row, what that row holds.
+
+        Keys without a row are absent from the answer. One read transaction, one statement per
+        ANSWERED_CHUNK distinct keys.
+        """
+        wanted = sorted(set(keys))
+        columns = [Usage.__table__.c[f.name] for f in fields(AnsweredRow)]
+        found: dict[tuple[str, str], AnsweredRow] = {}
+        if not wanted:
+            return found
+        with self._database_errors(), self._sessions() as session:
+            for start in range(0, len(wanted), ANSWERED_CHUNK):
+                chunk = wanted[start:start + ANSWERED_CHUNK]
+                statement = select(Usage.tenant_id, Usage.request_id, *columns).where(tuple_(Usage.tenant_id, Usage.request_id).in_(chunk))
+                for tenant_id, request_id, *values in session.execute(statement):
+                    found[(tenant_id, request_id)] = AnsweredRow(*values)
+        return found
+
     def count_usage(self, tenant_id: str | None = None) -> int:
         """Number of usage rows, of one tenant or of all."""
         statement = select(func.count()).select_from(Usage)
@@ -186,26 +207,42 @@ class Ledger:
 
     @contextmanager
     def _database_errors(self) -> Iterator[None]:
-        """Database failures as the ledger's typed errors, each saying what to do about it."""
+        """Database failures as the ledger's typed errors, each saying what to do about it.
+
+        A schema that is missing, behind, or lost tables (dropped outside Alembic) is LedgerSchemaError,
+        whatever the failing statement raised: retrying cannot help. Otherwise a database that did not
+        answer (refused, closed or lost connection, locked file) is the retriable LedgerUnavailableError.
+        """
         url = self._engine.url.render_as_string(hide_password=True)
         try:
             yield
-        except (OperationalError, ProgrammingError) as exc:
+        except DBAPIError as exc:
             try:
-                at, want = current_revision(self._engine), head_revision()
-            except OperationalError:
-                at = want = None  # the database cannot be reached at all
-            if at != want:
-                raise LedgerSchemaError(
-                    f"the ledger database at {url} is at schema revision {at} but this code needs {want}; "
-                    f"migrate it with billing.db.upgrade(url) or `alembic -x url=URL upgrade head` from the repository root"
-                ) from exc
-            if isinstance(exc, ProgrammingError):
+                schema = _schema_fault(self._engine)
+            except DBAPIError:
+                schema = None  # the database cannot be reached to look: the failure is the connection
+            if schema is not None:
+                raise LedgerSchemaError(f"the ledger database at {url} {schema}") from exc
+            if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise
             raise LedgerUnavailableError(
                 f"the ledger database at {url} failed: {exc.orig}; check that it is running and reachable, "
                 f"then retry (ledger writes are idempotent, a retry adds no duplicate row)"
             ) from exc
+
+
+def _schema_fault(engine: Engine) -> str | None:
+    """What is wrong with the ledger schema at `engine`, completing "the ledger database at URL ..."; None when nothing is."""
+    at, want = current_revision(engine), head_revision()
+    if at != want:
+        return (f"is at schema revision {at} but this code needs {want}; "
+                f"migrate it with billing.db.upgrade(url) or `alembic -x url=URL upgrade head` from the repository root")
+    missing = sorted(Base.metadata.tables.keys() - set(inspect(engine).get_table_names()))
+    if missing:
+        return (f"is at schema revision {at} but has lost table(s) {', '.join(missing)} (dropped outside Alembic); "
+                f"restore them from a backup, or drop the remaining ledger tables and alembic_version and migrate afresh "
+                f"with billing.db.upgrade(url)")
+    return None
 
 
 _USAGE_CHECK = RowChecker(Usage.__table__, (f.name for f in fields(UsageRecord)))

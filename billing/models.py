@@ -132,6 +132,9 @@ class Usage(Base):
     invoice_period: Mapped[str] = mapped_column(CHAR(7))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     worker_id: Mapped[str] = mapped_column(String(128))
+    # The result body the worker published (JSON text), so a resubmitted request is answered from here
+    # instead of run again; NULL on rows written before revision 0004.
+    result_json: Mapped[str | None] = mapped_column(Text)
 
 
 class AdapterLoad(Base):

@@ -30,6 +30,29 @@ class UsageRecord:
     ttft_us: int = 0
     total_us: int = 0
     worker_id: str = ""
+    result_json: str | None = None  # the published result body (JSON text), returned to a resubmission
+
+
+@dataclass(frozen=True)
+class AnsweredRow:
+    """What the ledger holds of a request that already ran: enough to answer its resubmission without running it.
+
+    result_json is None for rows written before the ledger stored result bodies.
+    """
+
+    result_json: str | None
+    status: str  # "succeeded" | "failed"
+    error_code: str | None
+    adapter: str | None  # resolved "name@version", None for the base model
+    batch_id: str | None
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    base_us: int
+    lora_us: int
+    routing_us: int
+    kv_saved_us: int
+    worker_id: str
 
 
 @dataclass(frozen=True)

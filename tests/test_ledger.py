@@ -195,6 +195,7 @@ def test_row_holds_the_record(ledger: Ledger) -> None:
         ttft_us=9,
         total_us=10,
         worker_id="gpu-3",
+        result_json='{"request_id": "r1", "text": "caf\u00e9"}',
     )
     ledger.record_usage([record])
     row = ledger.usage_for("acme", "r1")

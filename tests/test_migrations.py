@@ -214,3 +214,25 @@ def test_0002_keeps_existing_rows(db_url: str) -> None:
             assert connection.execute(text("SELECT count(*) FROM adapter_loads")).scalar() == 1
     finally:
         engine.dispose()
+
+
+def test_0004_adds_result_json_and_keeps_rows(db_url: str) -> None:
+    """0004 adds the nullable usage.result_json (old rows read NULL); its downgrade drops the column and keeps the rows."""
+    db.upgrade(db_url, "0003")
+    engine = db.make_engine(db_url)
+    usage = ("INSERT INTO usage (tenant_id, request_id, status, route_reason, input_tokens, output_tokens, cached_tokens, base_us, lora_us, "
+             "routing_us, kv_saved_us, queue_us, ttft_us, total_us, cost, period, invoice_period, created_at, worker_id) VALUES "
+             "('acme', 'r1', 'succeeded', '', 1, 1, 0, 5, 0, 0, 0, 0, 0, 5, 0, '2026-03', '2026-03', '2026-03-02 10:00:00+00', 'w0')")
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(usage))
+        db.upgrade(db_url, "0004")
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT request_id, result_json FROM usage")).all() == [("r1", None)]
+        db.downgrade(db_url, "0003")
+        engine.dispose()  # SQLite's batch mode rebuilt the table under the pooled connections
+        assert "result_json" not in {c["name"] for c in inspect(engine).get_columns("usage")}
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT request_id FROM usage")).all() == [("r1",)]
+    finally:
+        engine.dispose()
