@@ -3,12 +3,31 @@
 The consumer talks to the engine only through these and `Engine`'s methods; nothing here knows of
 Kafka, Redis or SQL. Times are integer microseconds so that the shares of one step add up to the
 measured step time exactly (billing converts to milliseconds at the edge).
+
+A request's identity is (tenant, request_id): two tenants may use the same request_id at the same time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+# Error codes that mean the adapter itself is at fault (its files cannot be read, are corrupt, unsafe, too large,
+# changed since registration, do not fit the base, or loading them raised): the ones a caller should count toward
+# an adapter's circuit breaker. Not in it: unknown_adapter (the key was never registered: the caller's mistake),
+# adapter_in_use / adapter_key_in_use / invalid_slo_tier (calls made wrongly), and every request or engine code.
+ADAPTER_ERROR_CODES = frozenset({
+    "adapter_invalid",  # engine.adapters: the config or weights are not a valid PEFT LoRA adapter
+    "adapter_corrupt",  # engine.adapters / engine.store: unreadable JSON or safetensors
+    "adapter_base_mismatch",  # engine.adapters: shapes or base fingerprint of another model
+    "adapter_rank_too_large",  # engine.adapters: rank over engine.max_lora_rank
+    "adapter_missing",  # engine.store: the folder or a file is missing
+    "adapter_unsafe",  # engine.store: a path escapes the store, a link, not a regular file
+    "adapter_too_large",  # engine.store: over engine.max_adapter_bytes
+    "adapter_unavailable",  # engine.adapter_pool: reading the files failed (OSError; retriable)
+    "adapter_changed",  # engine.adapter_pool: the files no longer hash to the registered sha256
+    "adapter_load_failed",  # engine.scheduler: loading it raised an unexpected error
+})  # fmt: skip
 
 FinishReason = Literal["stop", "length", "eos"]
 
@@ -94,6 +113,7 @@ class RequestTimings:
 class GenerationResult:
     request_id: str
     adapter: str | None
+    tenant: str = ""  # the request's, so that (tenant, request_id) routes the result
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None

@@ -6,9 +6,13 @@ request submitted while others run joins the running batch at the next step (con
 across callers). Results go back to each caller's event loop with `loop.call_soon_threadsafe`; the
 event loop never blocks on the engine, so Kafka heartbeats and the like keep running.
 
+Requests are known by (tenant, request_id), as in the engine: two tenants may use one request_id at once.
 Cancelling the task awaiting `generate` aborts its request in the engine (the CancelledError is
-re-raised, never swallowed). If a step raises (a bug, an out-of-memory), every request in flight fails
-with code `engine_failed` (retriable) and is aborted, and the loop goes on with new requests.
+re-raised, never swallowed). The engine fails a request alone when its admission, forward, sampling
+or detokenizing fails (engine.engine, "Isolation", which lists the error codes). Only if a step raises
+anyway (a bug outside those paths) does every request in flight fail, with code `engine_failed`
+(retriable), and the loop goes on with new requests: the thread never dies of a request, and every
+awaited `generate` settles (a request the engine lost track of fails with `engine_failed` too).
 
     async with AsyncEngine(Engine(config)) as engine:
         await engine.call(lambda e: e.register_adapter("acme/support@3", path))
@@ -37,7 +41,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = queue.SimpleQueue()
-        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # engine thread only
+        # (tenant, request_id) -> the caller's loop and future; engine thread only
+        self._pending: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
 
@@ -58,7 +63,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         if not drain:
-            await self.call(lambda e: self._abort_all(RequestError("the engine is closing", code="aborted")))
+            await self.call(lambda e: self._fail_all(RequestError("the engine is closing", code="aborted")))
         self._commands.put((self._request_stop, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
@@ -81,12 +86,12 @@ class AsyncEngine:
         try:
             return await fut
         except asyncio.CancelledError:
-            self._commands.put((lambda: self._abort(req.request_id, fut), None))
+            self._commands.put((lambda: self._abort((req.tenant, req.request_id), fut), None))
             raise
 
-    async def abort(self, request_id: str) -> GenerationResult | None:
-        """Abort a request in flight; its `generate` returns the partial result (code `aborted`)."""
-        return await self.call(lambda e: self._abort(request_id, None))
+    async def abort(self, request_id: str, tenant: str = "") -> GenerationResult | None:
+        """Abort the request (tenant, request_id) in flight; its `generate` returns the partial result (code `aborted`)."""
+        return await self.call(lambda e: self._abort((tenant, request_id), None))
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
@@ -102,22 +107,27 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop or self._pending:
-            if not self.engine.has_unfinished():
-                self._drain_commands(block_s=_IDLE_WAIT_S)
-                continue
-            self._drain_commands(block_s=0.0)
             try:
-                results = self.engine.step()
-            except Exception as e:  # a bug or an OOM in one step must not kill the thread and strand every caller
+                self._turn()
+            except Exception as e:  # a bug in one step must not kill the thread and strand every caller
                 log.exception("engine step failed; failing the %d requests in flight", len(self._pending))
-                self._abort_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",
-                                            code="engine_failed", retriable=True))
-                continue
-            for res in results:
-                self._deliver(res)
-            wait = self.engine.idle_wait_s()  # > 0 when nothing could run (e.g. adapter loads rate-limited)
-            if wait > 0:
-                self._drain_commands(block_s=min(wait, _IDLE_WAIT_S))
+                self._fail_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",
+                                           code="engine_failed", retriable=True))  # fmt: skip
+
+    def _turn(self) -> None:
+        """One pass of the loop: the commands queued, then a step if anything is unfinished."""
+        if not self.engine.has_unfinished():
+            if self._pending:  # every request added is unfinished or has its result waiting: these were lost (a bug)
+                log.error("%d requests awaited but unknown to the engine; failing them", len(self._pending))
+                self._fail_all(EngineError("the engine lost track of this request; it was logged", code="engine_failed", retriable=True))
+            self._drain_commands(block_s=_IDLE_WAIT_S)
+            return
+        self._drain_commands(block_s=0.0)
+        for res in self.engine.step():
+            self._deliver(res)
+        wait = self.engine.idle_wait_s()  # > 0 when nothing could run (e.g. adapter loads rate-limited)
+        if wait > 0:
+            self._drain_commands(block_s=min(wait, _IDLE_WAIT_S))
 
     def _drain_commands(self, block_s: float) -> None:
         try:
@@ -148,38 +158,48 @@ class AsyncEngine:
             done.set_result(value)
 
     def _add(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        if req.request_id in self._pending:
-            dup = RequestError(f"request_id {req.request_id!r} is already in flight; use unique ids", code="duplicate_request_id")
-            loop.call_soon_threadsafe(_settle, fut, GenerationResult(request_id=req.request_id, adapter=req.adapter, error=dup))
+        key = (req.tenant, req.request_id)
+        if key in self._pending:
+            dup = RequestError(f"request_id {req.request_id!r} of tenant {req.tenant!r} is already in flight; use unique ids "
+                               "per tenant", code="duplicate_request_id")  # fmt: skip
+            res = GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=dup)
+            loop.call_soon_threadsafe(_settle, fut, res)
             return
-        self._pending[req.request_id] = (loop, fut)
-        self.engine.add_request(req)
+        self._pending[key] = (loop, fut)
+        try:
+            self.engine.add_request(req)  # (fails the request into its results rather than raising)
+        except Exception as e:
+            log.exception("adding request %r raised", key)
+            error = EngineError(f"admitting the request raised {type(e).__name__}; it was logged", code="admission_failed")
+            self._deliver(GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=error))
 
-    def _abort(self, request_id: str, only: asyncio.Future | None) -> GenerationResult | None:
-        entry = self._pending.get(request_id)
+    def _abort(self, key: tuple[str, str], only: asyncio.Future | None) -> GenerationResult | None:
+        entry = self._pending.get(key)
         if only is not None and (entry is None or entry[1] is not only):
             return None  # the request already finished, or the id now belongs to a newer request
-        res = self.engine.abort(request_id)
+        tenant, request_id = key
+        res = self.engine.abort(request_id, tenant)
         if res is not None:
             self._deliver(res)
         return res
 
-    def _abort_all(self, error: EngineError) -> None:
-        for request_id in list(self._pending):
-            try:
-                res = self.engine.abort(request_id)
-            except Exception:
-                log.exception("could not abort %r after an engine failure", request_id)
-                res = None
-            if res is None:
-                res = GenerationResult(request_id=request_id, adapter=None)
-            res.error = error
+    def _fail_all(self, error: EngineError) -> None:
+        """Fail every request in the engine and every caller waiting with `error` (results already made are delivered
+        as they are)."""
+        try:
+            results = self.engine.abort_all(error)
+        except Exception:
+            log.exception("could not abort the requests in flight after an engine failure")
+            results = []
+        for res in results:
             self._deliver(res)
+        for tenant, request_id in list(self._pending):
+            self._deliver(GenerationResult(request_id=request_id, adapter=None, tenant=tenant, error=error))
 
     def _deliver(self, res: GenerationResult) -> None:
-        entry = self._pending.pop(res.request_id, None)
+        entry = self._pending.pop((res.tenant, res.request_id), None)
         if entry is None:
-            log.warning("result for %r, which no caller awaits", res.request_id)
+            log.warning("result for %r of tenant %r, which no caller awaits", res.request_id, res.tenant)
             return
         loop, fut = entry
         loop.call_soon_threadsafe(_settle, fut, res)

@@ -31,6 +31,30 @@ one reported with its tier (`pop_load_events`) and charged as adapter_load_us to
 that uses the adapter after it. Tokens recomputed after a preemption are computed, and so charged,
 like any others.
 
+Identity: a request is (tenant, request_id); two tenants may use one request_id at once. Inside, each sequence
+has its own id (`Sequence.seq_id`) for KV blocks and batch rows.
+
+Isolation: one request's failure fails that request alone, with a code; its batchmates go on.
+- Admission: a request that fails validation, or whose admission raises, comes back failed from the next step().
+- Sampling: a row whose logits are unusable (NaN, +inf, nothing finite: engine.sampling) or whose sampling or
+  logprobs raise fails its request; the other rows get their tokens. The batch is sampled at once, and each row
+  alone only after the batch raised (then the rows sampled before the fault have drawn twice from their generator).
+- Detokenizing and stop strings (Sequence.append_token): raising fails that request.
+- The forward: when a step's forward raises, the same items are run again in halves, and the failing halves in
+  halves again, down to single requests (`_forward_isolated`). This is safe in place: an item's forward reads only
+  its own KV and writes only its new tokens' slots (the same values again), and nothing of the step is booked
+  before its forward returns. A request that fails alone fails (`forward_failed`); the others take their step. If
+  every request fails alone too (a broken device, or a step of one request), they all fail with `engine_failed`,
+  retriable. A decode round that fails to launch falls back to one isolated eager step.
+
+Error codes of failed results (EngineError.code; retriable only where said): those of engine.validation;
+duplicate_request_id (the same (tenant, request_id) is unfinished); unknown_adapter; the adapter's load errors
+(engine.api.ADAPTER_ERROR_CODES; adapter_load_failed when loading raised unexpectedly); admission_failed (building
+the request raised unexpectedly); sampling_failed (unusable logits, or sampling or logprobs raised); decode_failed
+(detokenizing or stop-string matching raised); forward_failed (the forward raised with this request alone);
+engine_failed (retriable: the forward raised for every request alone, or, from engine.async_engine, a step raised
+outside all of this); aborted (`abort`).
+
 Single-threaded: call every method from one thread (`engine.async_engine.AsyncEngine` runs the step
 loop in its own thread for asyncio callers).
 """
@@ -61,7 +85,7 @@ from engine.backend import graph_batch_sizes, pick_backend
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
-from engine.sampling import openai_logprob_entry, sample_on_device, sample_tokens, token_logprobs
+from engine.sampling import generator_seed, is_greedy, openai_logprob_entry, sample_on_device, token_logprobs, usable_rows
 from engine.scheduler import Plan, Scheduler
 from engine.sequence import Sequence
 from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
@@ -149,7 +173,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner.blocks, self.adapters, fingerprint)
         self.step_records: list[StepRecord] = []
         self.prefill_cost = PrefillCost()  # measured us per prefill token (engine.timing)
-        self._unfinished: dict[str, Sequence] = {}  # request_id -> sequence, waiting or running
+        self._unfinished: dict[tuple[str, str], Sequence] = {}  # (tenant, request_id) -> sequence, waiting or running
         self._done: list[GenerationResult] = []  # finished, not yet returned by step()
         self._order = itertools.count()
         self._step_ids = itertools.count()
@@ -171,7 +195,7 @@ class Engine:
         return self.adapters.load(key, Path(path), tenant=tenant, slo_tier=slo_tier)
 
     def unload_adapter(self, key: str) -> None:
-        users = [rid for rid, s in self._unfinished.items() if s.adapter_key == key]
+        users = [k for k, s in self._unfinished.items() if s.adapter_key == key]
         if users:
             raise AdapterError(
                 f"adapter {key!r} is in use by {len(users)} unfinished requests (e.g. {users[0]!r}); "
@@ -195,29 +219,55 @@ class Engine:
     # ---- requests
 
     def add_request(self, req: GenerationRequest) -> None:
-        """Queue a request; a request that fails validation comes back from the next step() with its error."""
+        """Queue a request; a request that fails validation (or whose admission raises) comes back from the next step()
+        with its error. Never raises for the request's content."""
         now = _now_us()
-        arrival = req.arrival_us if req.arrival_us is not None else now
+        arrival = req.arrival_us if isinstance(req.arrival_us, int) else now
         try:
             seq = self._new_sequence(req, arrival)
+            if req.adapter is not None:
+                self.adapters.note_request(req.adapter)
         except RequestError as e:
-            timings = RequestTimings(total_us=max(0, now - arrival))
-            self._done.append(GenerationResult(request_id=req.request_id, adapter=req.adapter, error=e, timings=timings))
+            self._done.append(_failed(req, e, max(0, now - arrival)))
             return
-        if req.adapter is not None:
-            self.adapters.note_request(req.adapter)
+        except Exception as e:  # a bug met by this request's content: it fails alone
+            log.exception("admitting request %r of tenant %r raised", req.request_id, req.tenant)
+            error = RequestError(f"admitting the request raised {type(e).__name__}: {e}; it was logged", code="admission_failed")
+            self._done.append(_failed(req, error, max(0, now - arrival)))
+            return
         self.scheduler.add(seq)
-        self._unfinished[seq.request_id] = seq
+        self._unfinished[seq.key] = seq
 
-    def abort(self, request_id: str) -> GenerationResult | None:
-        """Stop an unfinished request now; returns its partial result (error code `aborted`), or None if unknown."""
+    def abort(self, request_id: str, tenant: str = "") -> GenerationResult | None:
+        """Stop the unfinished request (tenant, request_id) now; returns its partial result (error code `aborted`), or
+        None if unknown."""
         self._drain()  # its blocks and slot may not be released under a round still running on the device
-        seq = self._unfinished.pop(request_id, None)
+        seq = self._unfinished.pop((tenant, request_id), None)
         if seq is None:
             return None
         self.scheduler.remove(seq)
-        seq.text = seq.text or self.tokenizer.decode(seq.output_ids)
+        try:
+            seq.text = seq.text or self.tokenizer.decode(seq.output_ids)
+        except Exception:
+            log.exception("decoding the partial text of aborted request %r raised", seq.key)
         return self._result(seq, RequestError(f"request {request_id!r} was aborted", code="aborted"))
+
+    def abort_all(self, error: EngineError) -> list[GenerationResult]:
+        """Fail every unfinished request with `error` and hand out every result not yet returned: the last resort of a
+        caller whose step() raised (engine.async_engine), so that no request is left unsettled."""
+        try:
+            self._drain()
+        except Exception:
+            log.exception("reading back the decode round in flight raised; its tokens are lost")
+        out, self._done = self._done, []
+        for key in list(self._unfinished):
+            seq = self._unfinished.pop(key)
+            try:
+                self.scheduler.remove(seq)
+            except Exception:
+                log.exception("releasing request %r raised", key)
+            out.append(self._result(seq, error))
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished or self._done)
@@ -230,8 +280,11 @@ class Engine:
         self._step_timer.reset()
         self.runner.begin_step()
         if self._inflight is not None:
-            rnd = self._inflight
-            self._inflight = self._next_round(rnd)
+            rnd, self._inflight = self._inflight, None
+            try:
+                self._inflight = self._next_round(rnd)
+            except Exception:  # the next step schedules afresh, eagerly
+                log.exception("launching the next decode round raised; stepping afresh")
             self._process_round(rnd)
             self._ran = True
             done, self._done = self._done, []
@@ -239,7 +292,7 @@ class Engine:
         plan = self.scheduler.schedule()
         now = _now_us()
         for seq, error in plan.failed:
-            del self._unfinished[seq.request_id]
+            del self._unfinished[seq.key]
             self._done.append(self._result(seq, error, now))
         self._ran = bool(plan.items)
         if plan.items:
@@ -252,20 +305,21 @@ class Engine:
     def generate(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         """Run `reqs` to completion; results in input order. Other requests' results stay for step()."""
         results: list[GenerationResult | None] = [None] * len(reqs)
-        slot_of: dict[str, int] = {}
+        slot_of: dict[tuple[str, str], int] = {}  # (tenant, request_id) -> index
         for i, req in enumerate(reqs):
-            if req.request_id in slot_of or req.request_id in self._unfinished:
-                # Caught here rather than by add_request: two results of one id could not be told apart.
-                results[i] = GenerationResult(request_id=req.request_id, adapter=req.adapter, error=_duplicate(req.request_id))
+            key = (req.tenant, req.request_id)
+            if key in slot_of or key in self._unfinished:
+                # Caught here rather than by add_request: two results of one identity could not be told apart.
+                results[i] = _failed(req, _duplicate(req))
                 continue
-            slot_of[req.request_id] = i
+            slot_of[key] = i
             self.add_request(req)
         others: list[GenerationResult] = []
         try:
             while slot_of:
                 finished = self.step()
                 for res in finished:
-                    i = slot_of.pop(res.request_id, None)
+                    i = slot_of.pop((res.tenant, res.request_id), None)
                     if i is None:
                         others.append(res)
                     else:
@@ -273,8 +327,8 @@ class Engine:
                 if not finished and (wait := self.idle_wait_s()) > 0:
                     time.sleep(min(0.05, wait))
         finally:
-            for rid in slot_of:  # only after an exception: leave no half-run request behind
-                self.abort(rid)
+            for tenant, rid in slot_of:  # only after an exception: leave no half-run request behind
+                self.abort(rid, tenant)
             self._done = others + self._done
         return results  # type: ignore[return-value]
 
@@ -318,8 +372,8 @@ class Engine:
     # ---- internals
 
     def _new_sequence(self, req: GenerationRequest, arrival: int) -> Sequence:
-        if req.request_id in self._unfinished:
-            raise _duplicate(req.request_id)
+        if (req.tenant, req.request_id) in self._unfinished:
+            raise _duplicate(req)
         if req.adapter is not None and not self.adapters.has(req.adapter):
             raise RequestError(
                 f"adapter {req.adapter!r} is not registered; register it with register_adapter or load_adapter first",
@@ -329,9 +383,9 @@ class Engine:
         check_sampling(req.sampling, self.config)
         check_context(len(ids), req.sampling, self.runner.config.max_position_embeddings)
         generator = None
-        if req.sampling.temperature > 0:
+        if not is_greedy(req.sampling):
             seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(generator_seed(seed))
         return Sequence(
             request=req,
             order=next(self._order),
@@ -350,47 +404,120 @@ class Engine:
                 seq.scheduled_once = True
                 seq.timings.queue_us = max(0, now_us - seq.arrival_us)
                 seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.prefill_cost.value or 0.0))
-        items = [BatchItem(it.seq.request_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
+        items = [BatchItem(it.seq.seq_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
         steps = self._chain_length(plan, items)
         if steps > 1:
-            self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
-            return
-        self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
-        with self._step_timer.section():
-            logits = self.runner.forward(items)  # [M, V] fp32, one row per sampling item
+            try:
+                self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
+                return
+            except Exception:  # (blocks grown for the round stay the sequences', for their next tokens)
+                log.exception("launching a decode round of %d requests raised; running one isolated step instead", len(items))
+                self._step_timer.reset()
+                self.runner.begin_step()
+        logits, failed = self._forward_isolated(items)  # [M', V] for the sampling items that ran
         self._load_ahead()  # between launching the forward and reading its results: on CUDA, overlapped with it
-        samplers = [it.seq for it in plan.items if it.samples]
+        samplers = [it.seq for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
-            chosen = self._sample(logits, samplers)
+            chosen, sample_errors = self._sample(logits, samplers)
         end_us = _now_us()
 
         total_us = self._step_timer.elapsed_us()
         # Event rounding may overshoot by 1 us; a graph's calibrated share may exceed a faster step's total.
         lora_us = min(self.runner.lora_us(), total_us)
-        rows = [(it.seq.request_id, len(it.tokens), it.seq.lora_slot >= 0) for it in plan.items]
+        rows = [(it.seq.key, len(it.tokens), it.seq.lora_slot >= 0) for it in plan.items]
         record = attribute_step(next(self._step_ids), total_us, lora_us, rows)
         self.step_records.append(record)
         self._steps += 1
-        for it, share in zip(plan.items, record.shares):
+        for i, (it, share) in enumerate(zip(plan.items, record.shares)):
             seq, t = it.seq, it.seq.timings
             t.base_us += share.base_us
             t.lora_us += share.lora_us
             t.steps += 1
+            if i in failed:
+                continue
             start = seq.num_computed
             in_prompt = max(0, min(start + len(it.tokens), len(seq.prompt_ids)) - start)
             t.prefill_tokens += in_prompt
             t.decode_tokens += len(it.tokens) - in_prompt
             seq.num_computed += len(it.tokens)
-            self.runner.blocks.commit(seq.request_id, seq.tokens, seq.num_computed)
-        self.prefill_cost.update(record.tokens, total_us)
-        for seq, token in zip(samplers, chosen):
-            seq.append_token(token, self.eos_ids)
+            self.runner.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+        if not failed:  # (retried forwards would skew the fit)
+            self.prefill_cost.update(record.tokens, total_us)
+        for i, error in failed.items():
+            self._fail(plan.items[i].seq, error, end_us)
+        for j, (seq, token) in enumerate(zip(samplers, chosen)):
+            if j in sample_errors:
+                self._fail(seq, sample_errors[j], end_us)
+                continue
+            if not self._take_token(seq, token, end_us):
+                continue
             if seq.timings.ttft_us == 0:
                 seq.timings.ttft_us = end_us - seq.arrival_us
-            if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
-                del self._unfinished[seq.request_id]
-                self._done.append(self._result(seq, None, end_us))
+
+    def _take_token(self, seq: Sequence, token: int, end_us: int) -> bool:
+        """Append a sampled token to `seq`, finishing it if it is done; False if that raised (and failed the request)."""
+        try:
+            seq.append_token(token, self.eos_ids)
+        except Exception as e:
+            log.exception("detokenizing token %d of request %r raised", token, seq.key)
+            self._fail(seq, EngineError(f"detokenizing the output raised {type(e).__name__}: {e}; it was logged", code="decode_failed"), end_us)
+            return False
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+            del self._unfinished[seq.key]
+            self._done.append(self._result(seq, None, end_us))
+        return True
+
+    def _fail(self, seq: Sequence, error: EngineError, now_us: int) -> None:
+        """End an unfinished request with `error`, releasing its blocks and adapter pin."""
+        log.warning("request %r failed alone with %s: %s", seq.key, error.code, error)
+        seq.error = error
+        self.scheduler.remove(seq)
+        del self._unfinished[seq.key]
+        self._done.append(self._result(seq, error, now_us))
+
+    def _forward(self, items: list[BatchItem]) -> torch.Tensor:
+        self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
+        with self._step_timer.section():
+            return self.runner.forward(items)  # [M, V] fp32, one row per sampling item
+
+    def _forward_isolated(self, items: list[BatchItem]) -> tuple[torch.Tensor, dict[int, EngineError]]:
+        """The forward of `items`: logits [M', V] of the sampling items that ran, in order, and the error of each item
+        that did not, by index. When the forward raises, halves are run, and failing halves halved again, down to
+        single items (the module docstring, "Isolation"): at most 2n - 1 forwards for n items."""
+        try:
+            return self._forward(items), {}
+        except Exception as e:
+            log.warning("a forward of %d items raised %s: %s; running them in halves to find the culprit",
+                        len(items), type(e).__name__, e, exc_info=True)  # fmt: skip
+        rows: dict[int, torch.Tensor] = {}  # item index -> its logits [V]
+        culprits: dict[int, Exception] = {}
+
+        def probe(idx: list[int]) -> None:
+            try:
+                out = self._forward([items[i] for i in idx])
+            except Exception as e:
+                if len(idx) == 1:
+                    culprits[idx[0]] = e
+                    return
+                probe(idx[: len(idx) // 2])
+                probe(idx[len(idx) // 2 :])
+                return
+            rows.update(zip([i for i in idx if items[i].logits], out))
+
+        if len(items) > 1:
+            probe(list(range(len(items) // 2)))
+            probe(list(range(len(items) // 2, len(items))))
+            failed = {i: EngineError(f"the forward raised {type(e).__name__} with this request alone in the batch ({e}); it was logged",
+                                     code="forward_failed") for i, e in culprits.items()}  # fmt: skip
+        if len(items) == 1 or len(culprits) == len(items):
+            log.error("the forward raised for each of the %d requests alone: failing them all with engine_failed", len(items))
+            error = EngineError("the engine failed while running this request (the forward raised for every request); it was "
+                                "logged: retry", code="engine_failed", retriable=True)  # fmt: skip
+            return torch.empty(0), dict.fromkeys(range(len(items)), error)
+        kept = [rows[i] for i, it in enumerate(items) if it.logits and i not in failed]
+        logits = torch.stack(kept) if kept else torch.empty(0)
+        return logits, failed
 
     def _chain_length(self, plan: Plan, items: list[BatchItem]) -> int:
         """Decode steps this round runs back to back (engine.config `decode_steps`, engine.cuda_graphs "Chains"): more
@@ -409,13 +536,19 @@ class Engine:
     def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> _Round:
         """Launch `steps` decode steps of `seqs` back to back (engine.cuda_graphs "Chains") and the copy of their
         tokens to pinned host memory; nothing waits for them here. `first_ids`: the first step's input tokens on the
-        device (the last tokens of the round before), instead of the items' own."""
+        device (the last tokens of the round before), instead of the items' own. A row whose logits are unusable is
+        fed a valid token on the device and read back as -1 (its request fails when the round is read)."""
         self.runner.prepare(items)
         params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
         timers = [DeviceTimer(self.device) for _ in range(steps)]
-        chosen = self.runner.decode_chain(items, steps, lambda logits: sample_on_device(logits, params, generators),
-                                          lambda j: timers[j].section(), first_ids=first_ids)  # fmt: skip
-        stacked = torch.stack(chosen)  # [steps, M] on the device
+        usable: list[torch.Tensor] = []  # [M] bool per step
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            usable.append(usable_rows(logits))
+            return sample_on_device(logits, params, generators)
+
+        chosen = self.runner.decode_chain(items, steps, sample, lambda j: timers[j].section(), first_ids=first_ids)
+        stacked = torch.where(torch.stack(usable), torch.stack(chosen), -1)  # [steps, M] on the device
         host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(stacked, non_blocking=True)
         done = None
@@ -432,10 +565,10 @@ class Engine:
         be admitted (`_admissible`), when a request of `rnd` reaches its max_new_tokens in it, or when blocks or
         graphs do not allow it. Sequences that stop in `rnd` by EOS or a stop string are found only when it is read:
         they keep their row in this round, charged to them and dropped (as in a round, `_chain_length`)."""
-        if self._admissible() or any(s.finish_reason is not None for s in rnd.seqs):
+        if self._admissible() or any(s.finish_reason is not None or s.error is not None for s in rnd.seqs):
             return None  # (a sequence that finished in the round before this one: not carried any further)
         steps = min(self.config.decode_steps, *(_tokens_left(s) - rnd.steps for s in rnd.seqs))
-        items = [BatchItem(s.request_id, (0,), s.num_computed + rnd.steps, s.lora_slot, True) for s in rnd.seqs]
+        items = [BatchItem(s.seq_id, (0,), s.num_computed + rnd.steps, s.lora_slot, True) for s in rnd.seqs]
         if steps < 1 or not self._reserve_round(items, steps):
             return None
         return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
@@ -463,12 +596,12 @@ class Engine:
         """Read a round's tokens back (the one wait) and book its steps: each step is measured and attributed as a step
         of its own (one StepRecord each). A sequence that finishes at step j (EOS, stop string) still has a row in
         the steps after j: that row's time is charged to it, as the lookahead computed it on its behalf, and its
-        tokens are dropped."""
+        tokens are dropped. So has one that fails at step j (unusable logits: token -1; detokenizing raised)."""
         if rnd.done is not None:
             rnd.done.synchronize()
         tokens = rnd.tokens.tolist()  # [steps, M]
         end_us = _now_us()
-        rows = [(s.request_id, 1, s.lora_slot >= 0) for s in rnd.seqs]
+        rows = [(s.key, 1, s.lora_slot >= 0) for s in rnd.seqs]
         blocks = self.runner.blocks
         for j in range(rnd.steps):
             total_us = rnd.timers[j].elapsed_us()
@@ -480,17 +613,16 @@ class Engine:
                 t = seq.timings
                 t.base_us += share.base_us
                 t.lora_us += share.lora_us
-                if seq.finish_reason is not None:
+                if seq.finish_reason is not None or seq.error is not None:
                     continue  # computed past its end: charged, not kept
                 t.steps += 1
                 t.decode_tokens += 1
                 seq.num_computed += 1
-                blocks.commit(seq.request_id, seq.tokens, seq.num_computed)
-                seq.append_token(token, self.eos_ids)
-                if seq.finish_reason is not None:
-                    self.scheduler.remove(seq)
-                    del self._unfinished[seq.request_id]
-                    self._done.append(self._result(seq, None, end_us))
+                blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+                if token < 0:
+                    self._fail(seq, _unusable_logits(), end_us)
+                    continue
+                self._take_token(seq, token, end_us)
 
     def _drain(self) -> None:
         """Read back and book the round in flight, if any, launching nothing after it."""
@@ -504,17 +636,47 @@ class Engine:
         self.scheduler.prefetch(s.lora_slot for s in self.scheduler.running if s.lora_slot >= 0)
         self.adapters.warm()
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, EngineError]]:
+        """The next token of each of `seqs` (rows of `logits`), their logprobs appended, and the error of each row that
+        failed (module docstring, "Isolation"), by index."""
         if not seqs:
-            return []
-        params = [s.request.sampling for s in seqs]
-        chosen = sample_tokens(logits, params, [s.generator for s in seqs])
-        want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+            return [], {}
+        params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
+        errors: dict[int, EngineError] = {}
+        try:
+            chosen = _draw(logits, params, generators)
+        except Exception:
+            log.exception("sampling %d rows raised; sampling each row alone", len(seqs))
+            chosen = []
+            for i in range(len(seqs)):
+                try:
+                    chosen += _draw(logits[i : i + 1], params[i : i + 1], generators[i : i + 1])
+                except Exception as e:
+                    chosen.append(-1)
+                    errors[i] = EngineError(f"sampling raised {type(e).__name__}: {e}; it was logged", code="sampling_failed")
+        for i, token in enumerate(chosen):
+            if token < 0 and i not in errors:
+                errors[i] = _unusable_logits()
+        want = [i for i, s in enumerate(seqs) if s.logprobs is not None and i not in errors]
         if want:
-            lps = token_logprobs(logits[want], [chosen[i] for i in want], [params[i].logprobs for i in want])
-            for i, lp in zip(want, lps):
-                seqs[i].logprobs.append(openai_logprob_entry(lp, self.tokenizer.token_bytes))
-        return chosen
+            try:
+                entries = self._logprob_entries(logits[want], [chosen[i] for i in want], [params[i].logprobs for i in want])
+            except Exception:
+                log.exception("logprobs of %d rows raised; taking each row alone", len(want))
+                entries = []
+                for i in want:
+                    try:
+                        entries += self._logprob_entries(logits[i : i + 1], [chosen[i]], [params[i].logprobs])
+                    except Exception as e:
+                        entries.append(None)
+                        errors[i] = EngineError(f"logprobs raised {type(e).__name__}: {e}; it was logged", code="sampling_failed")
+            for i, entry in zip(want, entries):
+                if entry is not None:
+                    seqs[i].logprobs.append(entry)
+        return chosen, errors
+
+    def _logprob_entries(self, logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[dict]:
+        return [openai_logprob_entry(lp, self.tokenizer.token_bytes) for lp in token_logprobs(logits, chosen, top_n)]
 
     def _result(self, seq: Sequence, error: EngineError | None, now_us: int | None = None) -> GenerationResult:
         t = seq.timings
@@ -554,8 +716,26 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     return _DTYPES[choice]
 
 
-def _duplicate(request_id: str) -> RequestError:
-    return RequestError(f"request_id {request_id!r} is already in flight; use unique ids", code="duplicate_request_id")
+def _draw(logits: torch.Tensor, params: list, generators: list) -> list[int]:
+    """Each row's token, or -1 for a row whose logits are unusable: one host sync."""
+    chosen = sample_on_device(logits, params, generators)  # [M]
+    return torch.where(usable_rows(logits), chosen, -1).tolist()
+
+
+def _unusable_logits() -> EngineError:
+    return EngineError("the model's logits for this request hold NaN or +inf, or nothing finite: the request cannot be "
+                       "sampled (a fault of the model or adapter weights, or of the kernels)", code="sampling_failed")
+
+
+def _failed(req: GenerationRequest, error: EngineError, total_us: int = 0) -> GenerationResult:
+    """The result of a request that failed before it became a sequence."""
+    return GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=error,
+                            timings=RequestTimings(total_us=total_us))  # fmt: skip
+
+
+def _duplicate(req: GenerationRequest) -> RequestError:
+    return RequestError(f"request_id {req.request_id!r} of tenant {req.tenant!r} is already in flight; use unique ids per tenant",
+                        code="duplicate_request_id")  # fmt: skip
 
 
 def _now_us() -> int:

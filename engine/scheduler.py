@@ -26,14 +26,17 @@ next step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.adapter_pool import AdapterPool
-from engine.api import EngineError
+from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
 from engine.sequence import Sequence
+
+log = logging.getLogger("lorabatch.engine")
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,9 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             seq = queue[i]
             n = min(seq.num_uncomputed, budget)
-            assert n > 0, seq.request_id
+            assert n > 0, seq.key
             total = seq.num_computed + n
-            while (why := self.blocks.can_grow(seq.request_id, total)) is not None:
+            while (why := self.blocks.can_grow(seq.seq_id, total)) is not None:
                 lower = [s for s in queue[i + 1 :] if why == "pool" or s.tenant == seq.tenant]
                 victim = lower[-1] if lower else seq
                 self._preempt(victim, plan)
@@ -98,7 +101,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq.request_id, total)
+                self.blocks.grow(seq.seq_id, total)
                 plan.items.append(Scheduled(seq, seq.chunk(n), total == len(seq.tokens)))
                 budget -= n
                 i += 1
@@ -135,7 +138,7 @@ class Scheduler:
         if seq.adapter_key is not None and seq.lora_slot < 0:
             known = self.pool.sha_of(seq.adapter_key)
             try:
-                got = self.pool.acquire(seq.adapter_key)
+                got = self._acquire(seq.adapter_key)
             except EngineError as e:
                 if not seq.request.allow_base_fallback:
                     self.waiting.remove(seq)
@@ -157,8 +160,8 @@ class Scheduler:
                     self.pool.release(seq.adapter_sha)
                     seq.lora_slot = -1
                     return None
-        cached = self.blocks.open(seq.request_id, seq.tenant, self._namespace(seq), hits, keys)
-        self.blocks.grow(seq.request_id, total)
+        cached = self.blocks.open(seq.seq_id, seq.tenant, self._namespace(seq), hits, keys)
+        self.blocks.grow(seq.seq_id, total)
         seq.num_computed = cached
         if not seq.scheduled_once:
             self.prompt_tokens_looked_up += len(seq.prompt_ids)
@@ -167,6 +170,17 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         return Scheduled(seq, seq.chunk(total - cached), total == len(seq.tokens))
+
+    def _acquire(self, key: str) -> tuple[int, list] | str:
+        """pool.acquire, with an unexpected exception (a bug met by this adapter's content) as the AdapterError
+        `adapter_load_failed`, so that it fails the adapter's requests alone instead of the step."""
+        try:
+            return self.pool.acquire(key)
+        except EngineError:
+            raise
+        except Exception as e:
+            log.exception("acquiring adapter %r raised", key)
+            raise AdapterError(f"loading adapter {key!r} raised {type(e).__name__}: {e}; it was logged", code="adapter_load_failed") from e
 
     def _fits(self, seq: Sequence, hits: list[int], total: int) -> bool:
         return self._why_not(seq, hits, total) is None
@@ -205,7 +219,7 @@ class Scheduler:
         plan.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.request_id)
+        self.blocks.free(seq.seq_id)
         if seq.lora_slot >= 0:
             assert seq.adapter_sha is not None
             self.pool.release(seq.adapter_sha)

@@ -27,7 +27,8 @@ from engine.tokenizer import IncrementalDetokenizer
 @dataclass(eq=False)  # identity: two sequences are never the same request
 class Sequence:
     request: GenerationRequest
-    order: int  # arrival order, the tie-break among equal priorities
+    order: int  # arrival order, the tie-break among equal priorities; unique per engine, so also the sequence's
+    # internal id (`seq_id`) for KV blocks and batch rows: a request_id is unique only within its tenant
     prompt_ids: list[int]
     arrival_us: int  # monotonic
     detok: IncrementalDetokenizer
@@ -45,6 +46,7 @@ class Sequence:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[dict] | None = None
+    error: EngineError | None = None  # set when the request failed alone (engine.engine, "Isolation")
     timings: RequestTimings = field(default_factory=RequestTimings)
 
     def __post_init__(self) -> None:
@@ -52,8 +54,17 @@ class Sequence:
             self.tokens = list(self.prompt_ids)
 
     @property
+    def seq_id(self) -> int:
+        return self.order
+
+    @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The request's identity, (tenant, request_id)."""
+        return (self.request.tenant, self.request.request_id)
 
     @property
     def tenant(self) -> str:
@@ -108,6 +119,7 @@ class Sequence:
         return GenerationResult(
             request_id=self.request_id,
             adapter=self.adapter_key,
+            tenant=self.tenant,
             output_ids=list(self.output_ids),
             text=self.text,
             finish_reason=self.finish_reason,

@@ -171,6 +171,7 @@ class RequestShare:
     has_lora: bool
     base_us: int
     lora_us: int
+    tenant: str = ""  # with request_id, the request's identity
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,8 @@ class StepRecord:
     shares: tuple[RequestShare, ...]
 
 
-def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[str, int, bool]]) -> StepRecord:
-    """Split a step's measured time among its (request_id, tokens, has_lora) rows."""
+def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[tuple[str, str], int, bool]]) -> StepRecord:
+    """Split a step's measured time among its ((tenant, request_id), tokens, has_lora) rows."""
     assert 0 <= lora_us <= total_us, (lora_us, total_us)
     tokens = [t for _, t, _ in rows]
     lora_tokens = [t if has_lora else 0 for _, t, has_lora in rows]
@@ -202,5 +203,5 @@ def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[s
         lora_us=lora_us,
         tokens=sum(tokens),
         lora_tokens=sum(lora_tokens),
-        shares=tuple(RequestShare(rid, t, h, b, lo) for (rid, t, h), b, lo in zip(rows, base, lora)),
+        shares=tuple(RequestShare(rid, t, h, b, lo, tenant) for ((tenant, rid), t, h), b, lo in zip(rows, base, lora)),
     )

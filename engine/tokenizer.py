@@ -59,9 +59,12 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (OpenAI's logprobs `bytes`); may be part of a UTF-8 character."""
-        piece = self._tok.id_to_token(token_id)
-        assert piece is not None, token_id
+        """The raw bytes one token stands for (OpenAI's logprobs `bytes`); may be part of a UTF-8 character. An id the
+        tokenizer does not know (real checkpoints pad the model's vocabulary past the tokenizer's, e.g. to a multiple
+        of 64, and the padding rows' logits may still win) stands for no bytes; `decode` skips such ids too."""
+        piece = self._tok.id_to_token(token_id) if token_id >= 0 else None
+        if piece is None:
+            return b""
         if token_id in self._added_ids:
             return piece.encode()
         if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):

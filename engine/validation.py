@@ -2,7 +2,9 @@
 
 Every failure is a RequestError with a stable code, so that one bad request becomes one failed result
 and never fails its batch. The engine checks the adapter, then the prompt, then the sampling limits,
-then that both fit the model's positions: a request with several faults reports the first of these. Codes: invalid_request, empty_prompt, invalid_input_ids, prompt_too_long,
+then that both fit the model's positions: a request with several faults reports the first of these. Sampling
+parameters are checked for type and finiteness only (a seed may be any int, a top_k any size): engine.sampling is
+numerically safe for every value let through. Codes: invalid_request, empty_prompt, invalid_input_ids, prompt_too_long,
 max_new_tokens_too_large, invalid_sampling_params, invalid_messages, no_chat_template.
 """
 
@@ -21,7 +23,7 @@ def check_sampling(sp: SamplingParams, config: EngineConfig) -> None:
     def bad(what: str) -> RequestError:
         return RequestError(f"sampling: {what}", code="invalid_sampling_params")
 
-    if not isinstance(sp.max_new_tokens, int) or sp.max_new_tokens < 1:
+    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
         raise bad(f"max_new_tokens={sp.max_new_tokens!r}; ask for at least 1 token")
     if sp.max_new_tokens > config.max_new_tokens:
         raise RequestError(
@@ -29,18 +31,32 @@ def check_sampling(sp: SamplingParams, config: EngineConfig) -> None:
             "(engine.max_new_tokens); ask for fewer",
             code="max_new_tokens_too_large",
         )
-    if not (isinstance(sp.temperature, (int, float)) and math.isfinite(sp.temperature) and sp.temperature >= 0):
-        raise bad(f"temperature={sp.temperature!r}; use 0 (greedy) or a positive number")
-    if not (0 < sp.top_p <= 1):
-        raise bad(f"top_p={sp.top_p!r}; it must be in (0, 1]")
-    if not isinstance(sp.top_k, int) or sp.top_k < 0:
+    if not (_is_finite_real(sp.temperature) and sp.temperature >= 0):
+        raise bad(f"temperature={sp.temperature!r}; use 0 (greedy) or a finite positive number")
+    if not (_is_finite_real(sp.top_p) and 0 < sp.top_p <= 1):
+        raise bad(f"top_p={sp.top_p!r}; use a finite number in (0, 1]")
+    if not _is_int(sp.top_k) or sp.top_k < 0:
         raise bad(f"top_k={sp.top_k!r}; use 0 (no cut) or a positive integer")
-    if sp.logprobs is not None and not (isinstance(sp.logprobs, int) and 0 <= sp.logprobs <= MAX_TOP_LOGPROBS):
+    if sp.logprobs is not None and not (_is_int(sp.logprobs) and 0 <= sp.logprobs <= MAX_TOP_LOGPROBS):
         raise bad(f"logprobs={sp.logprobs!r}; use None or 0..{MAX_TOP_LOGPROBS} top log-probabilities")
-    if sp.seed is not None and not isinstance(sp.seed, int):
+    if sp.seed is not None and not _is_int(sp.seed):
         raise bad(f"seed={sp.seed!r}; use an integer")
     if not isinstance(sp.stop, tuple) or any(not isinstance(s, str) or not s for s in sp.stop):
         raise bad(f"stop={sp.stop!r}; use a tuple of non-empty strings")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_real(x: object) -> bool:
+    """An int or float that is finite as a float (10**400 is not: it overflows float())."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfig, *, vocab_size: int) -> list[int]:
