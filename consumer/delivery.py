@@ -1,31 +1,42 @@
-"""Delivery: publish results and DLQ records, write ledger rows, and only then mark offsets done.
+"""Delivery: publish results and DLQ records once, bill them (ledger or spool), and only then mark offsets done.
 
-Outcomes queue in an outbox that a single task flushes in batches (one produce round and one ledger
-statement per flush). A broker or database hiccup is retried with backoff and the outcomes stay in the
-outbox meanwhile, so a drain waits for them and nothing is committed before it is saved. A record the
-ledger refuses outright (not retriable) goes to the DLQ with the reason instead of blocking its
-partition forever.
+Outcomes queue in an outbox that one task flushes in batches, in two stages:
+
+1. Publish. Each outcome's result and DLQ record is sent once; an outcome that is published is never
+   sent again, whatever fails later. A broker that does not answer is waited for (a log line and the
+   `lorabatch_waiting` gauge say so); a message the broker can never take (larger than
+   `kafka.max_message_bytes`, or refused outright) is replaced by a small failed result naming why,
+   and its body goes to the DLQ, cut to size with its length and sha256, so nothing retries forever.
+2. Bill. Usage rows go to the ledger in one statement. A record the ledger refuses (it is malformed)
+   goes to the DLQ with the reason; when the ledger is down or behind its schema, the records go to the
+   durable local spool (consumer/spool.py) and a flusher writes them when it is back. Either way the
+   outcomes are then done and their offsets may commit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import dataclasses
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
-from billing.errors import LedgerError
-from billing.records import UsageRecord
+from billing.errors import LedgerError, LedgerRecordError, LedgerSchemaError
+from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 from consumer.config import KafkaConfig
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
-from consumer.schemas import DlqRecord, ErrorInfo, Result
+from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
+from consumer.spool import Spool
 
 log = logging.getLogger("lorabatch.worker")
+
+_ENVELOPE_BYTES = 1024  # key, headers and record overhead kept free under kafka.max_message_bytes
+_BACKOFF_MAX_S = 5.0
 
 
 @dataclass
@@ -37,11 +48,23 @@ class Outcome:
     result: Result | None = None
     usage: UsageRecord | None = None
     dlq: DlqRecord | None = None
+    epoch: int | None = None  # the partition epoch its offset belongs to (consumer/offsets.py)
+    sent: set[str] = dataclasses.field(default_factory=set)  # "result", "dlq": what the broker has taken
+    replaced: bool = False  # the result was swapped for a small failed one (too large or refused)
+
+    @property
+    def published(self) -> bool:
+        return (self.result is None or "result" in self.sent) and (self.dlq is None or "dlq" in self.sent)
+
+
+def _retriable(e: BaseException) -> bool:
+    return isinstance(e, (KafkaTimeoutError, OSError)) or isinstance(e, KafkaError) and bool(e.retriable)
 
 
 class Deliverer:
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
-                 metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool]):
+                 metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
+                 flush_s: float = 1.0):
         self.k = kafka
         self.producer = producer
         self.ledger = ledger
@@ -49,8 +72,13 @@ class Deliverer:
         self.metrics = metrics
         self.worker_id = worker_id
         self.known_tenant = known_tenant
+        self.spool = spool
+        self.flush_s = flush_s
         self.outbox: list[Outcome] = []
         self._event = asyncio.Event()
+        self.ledger_down: str | None = None  # why the ledger cannot take writes now; None when it can
+        self.schema_behind = False  # the ledger's schema is missing or old: the worker holds its fetching
+        self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
         self.outbox.append(outcome)
@@ -63,18 +91,8 @@ class Deliverer:
             if not self.outbox:
                 continue
             batch = self.outbox[:]  # stays in the outbox until delivered, so a drain waits for it
-            delay = 0.1
-            while True:
-                try:
-                    await self.deliver(batch)
-                    del self.outbox[: len(batch)]
-                    break
-                except (KafkaError, OSError) as e:
-                    log.warning("publishing %d outcomes failed (%s); retrying in %.1fs", len(batch), e, delay)
-                except LedgerError as e:
-                    log.warning("ledger write of %d outcomes failed (%s); retrying in %.1fs", len(batch), e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            await self.deliver(batch)
+            del self.outbox[: len(batch)]
 
     async def drain(self) -> None:
         """Wait until everything emitted so far is delivered."""
@@ -83,26 +101,210 @@ class Deliverer:
             await asyncio.sleep(0.01)
 
     async def deliver(self, batch: list[Outcome]) -> None:
-        sends = []
         for o in batch:
-            if o.result is not None:
-                sends.append(await self.producer.send(
-                    self.k.results_topic, o.result.model_dump_json().encode(), key=o.result.request_id.encode()))
-            if o.dlq is not None:
-                sends.append(await self.producer.send(self.k.dlq_topic, o.dlq.model_dump_json().encode()))
-        await asyncio.gather(*sends)
-        billed = [o for o in batch if o.usage is not None]
+            self._fit(o)
+        await self._publish(batch)
+        billed = [o.usage for o in batch if o.usage is not None]
         if billed:
-            try:
-                await asyncio.to_thread(self.ledger.record_usage, [o.usage for o in billed])
-            except LedgerError as e:
-                if e.retriable:
-                    raise
-                await self._record_one_by_one(billed)
+            await self.write(billed)
         for o in batch:
-            self.offsets.finished(o.tp, o.offset)
+            self.offsets.finished(o.tp, o.offset, o.epoch)
             if o.result is not None:
                 self._count(o.result)
+
+    # ---------------------------------------------------------------- publish
+
+    def _limit(self) -> int:
+        return self.k.max_message_bytes - _ENVELOPE_BYTES
+
+    def _fit(self, o: Outcome) -> None:
+        """Make the outcome's messages fit the broker, and keep the result body with its usage row."""
+        if o.result is not None and not o.published:
+            body = o.result.model_dump_json().encode()
+            if len(body) > self._limit():
+                self._undeliverable(o, body, "result_too_large", f"the result is {len(body)} bytes, over "
+                                    f"kafka.max_message_bytes={self.k.max_message_bytes}; ask for fewer max_new_tokens or logprobs")
+                body = o.result.model_dump_json().encode()
+            if o.usage is not None:
+                o.usage = dataclasses.replace(o.usage, result_json=body.decode())
+        if o.dlq is not None and len(o.dlq.model_dump_json()) > self._limit():
+            o.dlq = o.dlq.model_copy(update={"raw": "", "raw_b64": "", "raw_truncated": True})
+
+    def _undeliverable(self, o: Outcome, body: bytes, code: str, why: str) -> None:
+        """Replace a result the broker cannot take by a small failed one; its body goes to the DLQ, cut to size."""
+        r = o.result
+        assert r is not None
+        error = ErrorInfo(code=code, message=why)
+        o.result = r.model_copy(update={"status": "failed", "text": "", "output_ids": [], "logprobs": None, "error": error})
+        o.replaced = True
+        o.dlq = dlq_record(body, error, topic=self.k.results_topic, partition=o.tp.partition, offset=o.offset,
+                           timestamp_ms=None, worker_id=self.worker_id, max_bytes=self.k.max_message_bytes,
+                           request_id=r.request_id, tenant_id=r.tenant_id, batch_id=r.batch_id)
+        if o.usage is not None:  # the GPU time was spent: the row keeps it, with the status the tenant saw
+            o.usage = dataclasses.replace(o.usage, status="failed", error_code=code)
+        self.metrics.dlq.labels(code).inc()
+        log.error("result of %s/%s is undeliverable (%s); a failed result and a DLQ record go out instead",
+                  r.tenant_id, r.request_id, why)
+
+    async def _publish(self, batch: list[Outcome]) -> None:
+        delay = 0.1
+        started = time.monotonic()
+        while todo := [o for o in batch if not o.published]:
+            sent = await asyncio.gather(*(self._send(o) for o in todo), return_exceptions=True)
+            waiting = None
+            for o, err in zip(todo, sent):
+                if err is None:
+                    continue
+                if isinstance(err, asyncio.CancelledError):
+                    raise err
+                if _retriable(err):
+                    waiting = err
+                elif o.replaced or o.result is None or "result" in o.sent:
+                    # Even the small form (or a bounded DLQ record) was refused: nothing smaller can be sent.
+                    o.sent.update(("result", "dlq"))
+                    self.metrics.undeliverable.inc()
+                    log.error("the broker refused the %s of %s:%s@%s (%s); it is dropped",
+                              "result" if o.result else "DLQ record", o.tp.topic, o.tp.partition, o.offset, err)
+                else:
+                    body = o.result.model_dump_json().encode()
+                    self._undeliverable(o, body, "result_undeliverable", f"the broker refused the result: {err}")
+            if waiting is not None:
+                self.metrics.waiting.labels("broker").set(1)
+                self.metrics.retries.labels("publish").inc()
+                log.warning("waiting for the broker to publish %d outcomes for %.0fs (%s); retrying in %.1fs",
+                            len([o for o in batch if not o.published]), time.monotonic() - started, waiting, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+        self.metrics.waiting.labels("broker").set(0)
+
+    async def _send(self, o: Outcome) -> None:
+        """Send what of the outcome the broker has not taken yet; each part is sent once."""
+        if o.result is not None and "result" not in o.sent:
+            key = o.result.request_id.encode()
+            await (await self.producer.send(self.k.results_topic, o.result.model_dump_json().encode(), key=key))
+            o.sent.add("result")
+        if o.dlq is not None and "dlq" not in o.sent:
+            await (await self.producer.send(self.k.dlq_topic, o.dlq.model_dump_json().encode()))
+            o.sent.add("dlq")
+
+    # ---------------------------------------------------------------- bill
+
+    async def write(self, records: Sequence[UsageRecord | BusyRecord | AdapterLoadRecord]) -> None:
+        """Write records of one kind to the ledger, or spool them when it cannot take them now."""
+        if not records:
+            return
+        if self.ledger_down is not None and len(self.spool):  # keep their order behind what already waits
+            await self._spool(records)
+            return
+        try:
+            await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+        except LedgerRecordError:
+            await self._one_by_one(records)
+        except LedgerError as e:
+            self._down(e)
+            await self._spool(records)
+        except Exception as e:  # noqa: BLE001 - an unmapped database failure: keep the records, say so
+            log.exception("ledger write of %d %s failed unexpectedly; spooled", len(records), type(records[0]).__name__)
+            self._down(e)
+            await self._spool(records)
+        else:
+            self._up()
+
+    async def _one_by_one(self, records: Sequence) -> None:
+        """The ledger refused a batch for a bad record: write the others, send the refused ones to the DLQ."""
+        for r in records:
+            try:
+                await asyncio.to_thread(_writer(self.ledger, r), [r])
+            except LedgerRecordError as e:
+                await self._refused(r, e)
+            except LedgerError as e:
+                self._down(e)
+                await self._spool([r])
+
+    async def _refused(self, r, e: Exception) -> None:
+        body = (getattr(r, "result_json", None) or repr(r)).encode()
+        record = dlq_record(body, ErrorInfo(code="ledger_rejected", message=str(e)), topic="ledger", partition=-1,
+                            offset=-1, timestamp_ms=None, worker_id=self.worker_id, max_bytes=self.k.max_message_bytes,
+                            request_id=getattr(r, "request_id", None), tenant_id=getattr(r, "tenant_id", None),
+                            batch_id=getattr(r, "batch_id", None))
+        log.error("ledger refused %s: %s; sent to the DLQ", type(r).__name__, e)
+        self.metrics.dlq.labels("ledger_rejected").inc()
+        dead = Outcome(TopicPartition("ledger", -1), -1, dlq=record)
+        await self._publish([dead])
+
+    async def _spool(self, records: Sequence) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await asyncio.to_thread(self.spool.put, records)
+                break
+            except Exception as e:  # noqa: BLE001 - a full disk: nothing can be done but wait and say so
+                self.metrics.waiting.labels("spool").set(1)
+                self.metrics.retries.labels("spool").inc()
+                log.error("cannot write %d records to the spool at %s (%s); waiting %.1fs", len(records),
+                          self.spool.path, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+        self.metrics.waiting.labels("spool").set(0)
+        self.metrics.spool_records.set(len(self.spool))
+
+    def _down(self, e: Exception) -> None:
+        schema = isinstance(e, LedgerSchemaError)
+        if self.ledger_down is None or schema != self.schema_behind:
+            if schema:
+                log.error("THE LEDGER'S SCHEMA IS MISSING OR BEHIND: %s. The worker holds new jobs and spools records "
+                          "to %s until it is migrated.", e, self.spool.path)
+            else:
+                log.error("the ledger is unavailable (%s); records are spooled to %s until it returns", e, self.spool.path)
+        self.ledger_down = str(e)
+        self.schema_behind = schema
+        self.metrics.ledger_up.set(0)
+        self.metrics.ledger_schema_ok.set(0 if schema else 1)
+
+    def _up(self) -> None:
+        if self.ledger_down is not None:
+            log.warning("the ledger takes writes again; %d spooled records to flush", len(self.spool))
+        self.ledger_down = None
+        self.schema_behind = False
+        self.metrics.ledger_up.set(1)
+        self.metrics.ledger_schema_ok.set(1)
+
+    async def flush_spool(self) -> None:
+        """Write spooled records to the ledger, oldest first, while it takes them; forever, as a task."""
+        delay = self.flush_s
+        while True:
+            await asyncio.sleep(delay)
+            delay = await self.flush_once()
+
+    async def flush_once(self, chunk: int = 500) -> float:
+        """One pass over the spool; return how long to wait before the next."""
+        while len(self.spool):
+            kind, ids, records = await asyncio.to_thread(self.spool.oldest, chunk)
+            if not ids:
+                break
+            try:
+                await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+            except LedgerRecordError:
+                for i, r in zip(ids, records):
+                    try:
+                        await asyncio.to_thread(_writer(self.ledger, r), [r])
+                    except LedgerRecordError as e:
+                        await self._refused(r, e)
+                    except (LedgerError, Exception) as e:  # noqa: BLE001
+                        self._down(e)
+                        return min(_BACKOFF_MAX_S, self.flush_s * 2)
+                    await asyncio.to_thread(self.spool.remove, [i])
+            except Exception as e:  # noqa: BLE001 - down, behind its schema, or unmapped: keep and retry
+                self._down(e)
+                self.metrics.retries.labels("ledger").inc()
+                return min(_BACKOFF_MAX_S, self.flush_s * 2)
+            else:
+                await asyncio.to_thread(self.spool.remove, ids)
+            self.metrics.spool_records.set(len(self.spool))
+        if self.ledger_down is not None and not len(self.spool):
+            self._up()
+        self.metrics.spool_records.set(len(self.spool))
+        return self.flush_s
 
     def _count(self, r: Result) -> None:
         tenant = r.tenant_id if self.known_tenant(r.tenant_id) else "unknown"
@@ -112,20 +314,11 @@ class Deliverer:
             self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
             self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
 
-    async def _record_one_by_one(self, batch: list[Outcome]) -> None:
-        """The ledger refused a batch for a bad record: write the others, send the refused ones to the DLQ."""
-        for o in batch:
-            try:
-                await asyncio.to_thread(self.ledger.record_usage, [o.usage])
-            except LedgerError as e:
-                if e.retriable:
-                    raise
-                raw = (o.result.model_dump_json() if o.result else "").encode()
-                record = DlqRecord(
-                    error=ErrorInfo(code="ledger_rejected", message=str(e)), source_topic=o.tp.topic,
-                    source_partition=o.tp.partition, source_offset=o.offset, raw=raw.decode(),
-                    raw_b64=base64.b64encode(raw).decode(), request_id=o.usage.request_id,
-                    tenant_id=o.usage.tenant_id, batch_id=o.usage.batch_id, worker_id=self.worker_id)
-                log.error("ledger refused %s/%s: %s; sent to the DLQ", o.usage.tenant_id, o.usage.request_id, e)
-                self.metrics.dlq.labels("ledger_rejected").inc()
-                await self.producer.send_and_wait(self.k.dlq_topic, record.model_dump_json().encode())
+
+def _writer(ledger, record) -> Callable[[Sequence], int]:
+    if isinstance(record, UsageRecord):
+        return ledger.record_usage
+    if isinstance(record, BusyRecord):
+        return ledger.record_busy
+    assert isinstance(record, AdapterLoadRecord), type(record)
+    return ledger.record_adapter_loads

@@ -21,15 +21,12 @@ from consumer.outcomes import Served, succeeded_or_failed, to_request
 from consumer.registry import AdapterView
 from consumer.routing import Route
 from consumer.schemas import Job
+from engine.api import ADAPTER_ERROR_CODES
 from engine.async_engine import AsyncEngine
 from engine.store import AdapterStore
 
 log = logging.getLogger("lorabatch.worker")
 
-# Failures that are the caller's doing, not the adapter's: they do not count against its circuit.
-CALLER_ERRORS = frozenset({"prompt_too_long", "max_new_tokens_too_large", "empty_prompt", "invalid_input_ids",
-                           "invalid_request", "invalid_sampling_params", "invalid_messages", "no_chat_template",
-                           "aborted", "duplicate_request_id"})
 
 
 @dataclass
@@ -41,6 +38,7 @@ class Routed:
     received_at: datetime
     received_mono_us: int
     abandoned: bool = False  # its partition was revoked: its result must not be published
+    epoch: int | None = None  # of its partition's log (consumer/offsets.py)
 
 
 @dataclass
@@ -93,8 +91,10 @@ class EngineFeeder:
         served = Served(item.job, ran_on.ref if ran_on else None, ran_on.sha256 if ran_on else None, label,
                         item.route.decision_us, item.received_at)
         result, usage = succeeded_or_failed(served, res, self.worker_id)
-        ok = res.error is None and not res.base_fallback or (res.error is not None and res.error.code in CALLER_ERRORS)
-        return Served_(Outcome(item.tp, item.offset, result=result, usage=usage), a.key if a else None, ok)
+        # Only the adapter's own failures count against its circuit: a caller's bad request, another
+        # request's fault or an engine failure says nothing about the adapter.
+        ok = not res.base_fallback and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
+        return Served_(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), a.key if a else None, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
         """Adapter loads and measured busy time since the last call, as ledger records."""

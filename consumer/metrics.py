@@ -43,6 +43,19 @@ class WorkerMetrics:
         )
         self.route_cache_errors = Counter("lora_route_cache_errors_total", "Routing cache (Redis) failures", registry=r)
         self.circuit_open = Gauge("lora_adapter_circuits_open", "Adapters whose circuit breaker is open", registry=r)
+        # Faults: each wait below has a gauge that is 1 while it lasts and a log line saying what it waits for.
+        self.waiting = Gauge("lorabatch_waiting", "1 while delivery waits on this dependency", ["on"], registry=r)
+        self.retries = Counter("lorabatch_retries_total", "Retries of a failed publish, spool or ledger write", ["what"], registry=r)
+        self.undeliverable = Counter("lorabatch_undeliverable_total", "Messages the broker refused even in their small form", registry=r)
+        self.spool_records = Gauge("lorabatch_spool_records", "Ledger records waiting in the local spool", registry=r)
+        self.ledger_up = Gauge("lorabatch_ledger_up", "1 while the ledger takes writes", registry=r)
+        self.ledger_schema_ok = Gauge("lorabatch_ledger_schema_ok", "0 while the ledger's schema is missing or behind", registry=r)
+        self.log_resets = Counter("lorabatch_log_resets_total", "Partitions whose log was reset under the worker's marks", registry=r)
+        self.replays = Counter("lorabatch_replayed_results_total", "Jobs answered from a stored result instead of run",
+                               ["source"], registry=r)
+        self.fetch_errors = Counter("lorabatch_fetch_errors_total", "Fetches from the broker that failed", registry=r)
+        self.ledger_up.set(1)
+        self.ledger_schema_ok.set(1)
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -1,33 +1,44 @@
-"""Per-partition offset bookkeeping for effectively-once consumption.
+"""Per-partition offset bookkeeping for effectively-once consumption, following the log actually served.
 
-A message counts as done once its result is published and its ledger row written (or its DLQ record
-published). Only the highest *contiguous* done offset may be committed: with offsets 5, 6, 7 fetched
-and 5 and 7 done, the commit stays at 6 (i.e. "next to read is 6") until 6 is done, so a crash
-redelivers 6 and 7 and the ledger's unique key absorbs the repeat of 7.
+A message counts as done once its result is published and its ledger row written (or spooled), or its
+DLQ record published. Only the highest *contiguous* done offset may be committed: with offsets 5, 6, 7
+fetched and 5 and 7 done, the commit stays at 6 (i.e. "next to read is 6") until 6 is done, so a crash
+redelivers 6 and 7 and the request identity (tenant, request_id) answers the repeat of 7 from what was
+stored.
+
+Marks belong to one *epoch* of a partition's log. The consumer reads a partition in increasing offset
+order, so an offset at or below one already fetched means the fetch position went back: the log was
+reset (a restarted memory-only broker, a recreated or truncated topic) and the consumer resumed from
+the earliest offset. The partition then starts a new epoch from that offset; outcomes of the old epoch
+still publish their results and bill their rows, but no longer move (or commit) the new epoch's marks.
+The worker also resets a partition whose log ends below its mark, or whose committed offset the broker
+no longer knows (see `Worker._check_logs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import count
 
 
 @dataclass
 class PartitionOffsets:
+    epoch: int
     next_commit: int | None = None  # the offset Kafka should resume from (last contiguous done + 1)
     pending: set[int] = field(default_factory=set)  # fetched, not yet done
     done: set[int] = field(default_factory=set)  # done, but above a pending offset
-    committed: int | None = None  # what was last sent to the broker
+    committed: int | None = None  # what was last sent to the broker in this epoch
     fetched_to: int | None = None  # one past the highest offset fetched
+    after_reset: bool = False  # a new epoch of a reset log: nothing of it is committed yet
+    confirmed: bool = False  # this worker committed `committed` itself (the broker must know it)
 
-    def fetched(self, offset: int) -> bool:
-        """Note a fetched offset; False when it is a redelivery of work already done here."""
-        if self.next_commit is None:  # the group resumed us here, so this is what is committed already
-            self.next_commit = self.committed = offset
-        self.fetched_to = max(self.fetched_to or 0, offset + 1)
-        if offset < self.next_commit or offset in self.done:
-            return False
+    def fetched(self, offset: int) -> None:
+        if self.next_commit is None:
+            self.next_commit = offset
+            if not self.after_reset:  # the group resumed us here, so this is what is committed already
+                self.committed = offset
+        self.fetched_to = offset + 1
         self.pending.add(offset)
-        return True
 
     def finished(self, offset: int) -> None:
         if offset not in self.pending:
@@ -50,13 +61,29 @@ class OffsetTracker:
 
     def __init__(self) -> None:
         self._parts: dict = {}
+        self._epochs = count(1)
+        self.resets = 0  # log resets seen (a metric)
 
-    def fetched(self, tp, offset: int) -> bool:
-        return self._parts.setdefault(tp, PartitionOffsets()).fetched(offset)
+    def fetched(self, tp, offset: int) -> int:
+        """Note a fetched offset; return the epoch its outcome must carry to `finished`."""
+        part = self._parts.get(tp)
+        if part is not None and part.fetched_to is not None and offset < part.fetched_to:
+            part = self.reset(tp)  # the position went back: the log under the marks is not the one we read
+        if part is None:
+            part = self._parts[tp] = PartitionOffsets(next(self._epochs))
+        part.fetched(offset)
+        return part.epoch
 
-    def finished(self, tp, offset: int) -> None:
-        if tp in self._parts:
-            self._parts[tp].finished(offset)
+    def reset(self, tp) -> PartitionOffsets:
+        """Drop a partition's marks (its log was reset); what is in flight finishes without moving them."""
+        self.resets += 1
+        part = self._parts[tp] = PartitionOffsets(next(self._epochs), after_reset=True)
+        return part
+
+    def finished(self, tp, offset: int, epoch: int | None = None) -> None:
+        part = self._parts.get(tp)
+        if part is not None and (epoch is None or epoch == part.epoch):
+            part.finished(offset)
 
     def committable(self) -> dict:
         out = {}
@@ -69,6 +96,17 @@ class OffsetTracker:
         for tp, offset in offsets.items():
             if tp in self._parts:
                 self._parts[tp].committed = offset
+                self._parts[tp].confirmed = True
+
+    def confirmed(self, tp) -> int | None:
+        """The offset this worker itself committed in the partition's current epoch, or None."""
+        part = self._parts.get(tp)
+        return part.committed if part is not None and part.confirmed else None
+
+    def mark(self, tp) -> int | None:
+        """The highest offset this epoch claims the log holds (one past the last fetched)."""
+        part = self._parts.get(tp)
+        return part.fetched_to if part else None
 
     def in_flight(self, tp=None) -> int:
         if tp is not None:

@@ -6,6 +6,8 @@ and goes to the DLQ. Any other invalid field gets a `failed` result that names t
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -13,6 +15,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 CONTRACT_VERSION = 1
+MAX_NEW_TOKENS = 131_072  # the contract's bound; each engine also has its own (engine.max_new_tokens)
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 1_000_000  # any top_k at or above the vocabulary is no cut
+MAX_SEED = 2**63 - 1
+DLQ_RAW_BYTES = 65_536  # at most this much of an unanswerable message is kept in its DLQ record
 
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/\-]+$")]
 TenantId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
@@ -37,12 +44,12 @@ class Job(BaseModel):
     session_id: Ident | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    input_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    input_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None
+    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(0.0, ge=0.0, le=5.0, allow_inf_nan=False, description="0, or near it, is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0: no top-k cut")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
     priority: int = Field(0, ge=-100, le=100)
     allow_base_fallback: bool = False
@@ -120,8 +127,13 @@ class DlqRecord(BaseModel):
     source_partition: int
     source_offset: int
     source_timestamp_ms: int | None = None
-    raw: str  # the message value, decoded as UTF-8 with replacement; raw_b64 holds the exact bytes
+    # The message value's first DLQ_RAW_BYTES bytes: decoded as UTF-8 with replacement, and exactly (base64).
+    # raw_bytes and raw_sha256 are of the whole value, so a truncated record still identifies it.
+    raw: str
     raw_b64: str
+    raw_bytes: int = 0
+    raw_sha256: str = ""
+    raw_truncated: bool = False
     request_id: str | None = None  # when it could be read, so batch collectors can account for it
     tenant_id: str | None = None
     batch_id: str | None = None
@@ -147,13 +159,37 @@ class Rejection:
     batch_id: str | None = None
 
 
+def _allowed(name: str) -> str | None:
+    """The allowed range of a numeric job field, as `lo..hi` (from its Field constraints), or None."""
+    info = Job.model_fields.get(name)
+    if info is None:
+        return None
+    lo = hi = None
+    for c in info.metadata:
+        lo = getattr(c, "ge", None) if getattr(c, "ge", None) is not None else lo
+        lo = f"> {c.gt}" if getattr(c, "gt", None) is not None else lo
+        hi = getattr(c, "le", None) if getattr(c, "le", None) is not None else hi
+    if lo is None and hi is None:
+        return None
+    if isinstance(lo, str):
+        return f"{lo} and <= {hi}"
+    return f"{lo}..{hi}"
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                           "int_parsing", "int_type", "float_parsing", "float_type", "int_from_float"})
+
+
 def _describe(e: dict, total: int) -> ErrorInfo:
     field = ".".join(str(p) for p in e["loc"]) or None
     msg = e["msg"].removeprefix("Value error, ")
+    allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
+    if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:
+        allowed = f"token ids 0..{MAX_TOKEN_ID}"
     hint = {
         "missing": f"add the field `{field}`",
-        "extra_forbidden": f"remove `{field}`; see the job contract in DESIGN.md for the known fields",
-    }.get(e["type"], "fix the value and send the job again")
+        "extra_forbidden": f"remove `{field}`; the README's job contract lists the known fields",
+    }.get(e["type"], f"send a value in {allowed}" if allowed else "fix the value and send the job again")
     where = f"{field}: " if field else ""
     more = f" (+{total - 1} more)" if total > 1 else ""
     return ErrorInfo(code="invalid_job", field=field, message=f"{where}{msg}; {hint}{more}")
@@ -174,6 +210,9 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
             ErrorInfo(code="malformed_json", message=f"not valid UTF-8 JSON ({e}); send one JSON object per message"),
             False,
         )
+    except (RecursionError, ValueError, MemoryError) as e:  # nesting too deep, an integer of thousands of digits
+        return Rejection(ErrorInfo(code="malformed_json", message=f"the JSON cannot be decoded ({type(e).__name__}: "
+                                   f"{str(e)[:200]}); send a flat job object of plain numbers and strings"), False)
     if not isinstance(data, dict):
         return Rejection(
             ErrorInfo(code="malformed_json", message=f"expected a JSON object, got {type(data).__name__}"), False
@@ -182,8 +221,28 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
     try:
         return Job.model_validate(data)
     except ValidationError as e:
-        errors = e.errors()
+        errors = e.errors(include_input=False, include_url=False)
+    except RecursionError:
+        return Rejection(ErrorInfo(code="invalid_job", message="the job nests values too deeply; send the fields "
+                                   "the README's job contract lists"), ids["request_id"] is not None and ids["tenant_id"] is not None, **ids)
     identity = [err for err in errors if err["loc"] and str(err["loc"][0]) in ("request_id", "tenant_id", "v")]
     info = _describe((identity or errors)[0], len(errors))
     addressable = not identity and ids["request_id"] is not None and ids["tenant_id"] is not None
     return Rejection(info, addressable, **ids)
+
+
+def dlq_record(raw: bytes | None, error: ErrorInfo, *, topic: str, partition: int, offset: int, timestamp_ms: int | None,
+               worker_id: str, max_bytes: int, request_id: str | None = None, tenant_id: str | None = None,
+               batch_id: str | None = None) -> DlqRecord:
+    """A DLQ record for one message value that fits a message of `max_bytes`: the value is cut to a share of
+    the limit (escaping can grow text six-fold, base64 by a third), its length and sha256 kept whole."""
+    raw = raw or b""
+    keep = min(DLQ_RAW_BYTES, max(0, max_bytes // 16))
+    head = raw[:keep]
+    return DlqRecord(
+        error=error.model_copy(update={"message": error.message[:2000]}), source_topic=topic, source_partition=partition,
+        source_offset=offset, source_timestamp_ms=timestamp_ms, raw=head.decode("utf-8", "replace"),
+        raw_b64=base64.b64encode(head).decode(), raw_bytes=len(raw), raw_sha256=hashlib.sha256(raw).hexdigest(),
+        raw_truncated=len(head) < len(raw), request_id=request_id, tenant_id=tenant_id, batch_id=batch_id,
+        worker_id=worker_id,
+    )

@@ -15,12 +15,14 @@ redelivered job from being billed twice.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import socket
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
@@ -39,8 +41,9 @@ from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
 from consumer.routing import RouteError, Router
 from consumer.rules import RuleClassifier
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
+from consumer.schemas import Cost, ErrorInfo, Job, Rejection, Result, Usage, dlq_record, parse_job
+from consumer.spool import Spool
 from engine.async_engine import AsyncEngine
-from consumer.schemas import DlqRecord, ErrorInfo, Job, Rejection, parse_job
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -53,6 +56,19 @@ def make_route_cache(s: Settings) -> RouteCache:
         return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, prefix=r.redis_prefix,
                                timeout_s=r.redis_timeout_ms / 1000, backoff_s=r.redis_backoff_s)
     return LruRouteCache(r.cache_entries, r.cache_ttl_s)
+
+
+Key = tuple[str, str]  # (tenant_id, request_id): a request's identity everywhere
+
+
+@dataclass
+class _Copy:
+    """A message whose (tenant, request_id) is already running here: it waits for the first one's answer."""
+
+    tp: TopicPartition
+    offset: int
+    epoch: int
+    parsed: Job | Rejection
 
 
 class Worker:
@@ -74,13 +90,18 @@ class Worker:
         self.offsets = OffsetTracker()
         self.aengine = AsyncEngine(engine)
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
+        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{self.worker_id}.sqlite", w.spool_max_records)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._snapshot_at = 0.0
         self._apply_snapshot(registry.snapshot())
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
+        self._running: dict[Key, list[_Copy]] = {}  # keys queued or in the engine here, with their waiting copies
+        self._answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
         self._paused = False
         self._cache_errors_seen = 0
+        self._logs_checked_at = 0.0
+        self._lookup_warned_at = 0.0
         self.consumer = None
         self.deliverer: Deliverer | None = None
 
@@ -98,7 +119,8 @@ class Worker:
         self.consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
         self.consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
         self.deliverer = Deliverer(k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
-                                   lambda t: t in self._snapshot.tenants)
+                                   lambda t: t in self._snapshot.tenants, self.spool,
+                                   flush_s=self.s.worker.ledger_flush_ms / 1000)
         await producer.start()
         self.aengine.start()
         try:
@@ -111,6 +133,7 @@ class Worker:
         finally:
             await self.aengine.close(drain=False)
             await producer.stop()
+            self.spool.close()
             close = getattr(self.router.cache, "close", None)
             if close is not None:
                 await close()
@@ -122,20 +145,22 @@ class Worker:
         deliver = asyncio.create_task(self.deliverer.run(), name="deliver")
         commit = asyncio.create_task(self._commit_loop(), name="commit")
         gpu_time = asyncio.create_task(self._gpu_time_loop(), name="gpu-time")
-        tasks = [fetch, dispatch, deliver, commit, gpu_time]
+        flush = asyncio.create_task(self.deliverer.flush_spool(), name="spool-flush")
+        tasks = [fetch, dispatch, deliver, commit, gpu_time, flush]
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
-            # The deliverer never ends on its own: if it does, it failed, and so does the worker.
+            # The others never end on their own: if one does, it failed, and so does the worker.
             running = {fetch, dispatch}
             while running:
-                done, _ = await asyncio.wait(running | {deliver, gpu_time}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush}, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()
-                    if t in (deliver, gpu_time):
+                    if t in (deliver, gpu_time, flush):
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
             await self._record_gpu_time()
             await asyncio.wait_for(self.deliverer.drain(), timeout=60)
+            await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
             for t in tasks:
                 t.cancel()
@@ -144,25 +169,61 @@ class Worker:
     # ---------------------------------------------------------------- fetch, route, queue
 
     async def _fetch_loop(self) -> None:
+        delay = 0.1
         while not self._stopping.is_set():
             self._backpressure()
-            batches = await self.consumer.getmany(timeout_ms=100, max_records=500)
+            try:
+                batches = await self.consumer.getmany(timeout_ms=100, max_records=500)
+            except KafkaError as e:  # the broker went away or the log moved under us: look again, never die
+                self.metrics.fetch_errors.inc()
+                log.warning("fetch failed (%s); checking the partitions' logs and retrying in %.1fs", e, delay)
+                await self._check_logs()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
             if batches:
                 await self._ingest([(tp, m) for tp, messages in batches.items() for m in messages])
+            if time.monotonic() - self._logs_checked_at >= self.s.worker.log_check_s:
+                await self._check_logs()
             self._refresh_registry()
             self._gauges()
 
     def _backpressure(self) -> None:
         w = self.s.worker
-        over = len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs or self.scheduler.queued_tokens >= w.max_queued_tokens
+        d = self.deliverer
+        over = (len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs
+                or self.scheduler.queued_tokens >= w.max_queued_tokens
+                or d is not None and (self.spool.full or d.schema_behind))
         assigned = self.consumer.assignment()
         if over and not self._paused and assigned:
             self.consumer.pause(*assigned)
             self._paused = True
-            log.info("backpressure: %d jobs, %d tokens queued; partitions paused", len(self.scheduler), self.scheduler.queued_tokens)
+            why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
+                   f"the spool holds {len(self.spool)} records" if self.spool.full else
+                   f"{len(self.scheduler)} jobs, {self.scheduler.queued_tokens} tokens queued")
+            log.warning("fetching paused: %s", why)
         elif not over and self._paused:
             self.consumer.resume(*self.consumer.paused())
             self._paused = False
+            log.info("fetching resumed")
+
+    async def _check_logs(self) -> None:
+        """Reset the marks of a partition whose log now ends below them (truncated, recreated, a memory-only
+        broker restarted): the partition starts a new epoch and is read again from the beginning, as
+        `auto_offset_reset = earliest` does. The log end is the high watermark of the latest fetch response
+        (the embedded broker's ListOffsets answers the last batch's base offset + 1, not the log end)."""
+        self._logs_checked_at = time.monotonic()
+        for tp in list(self.consumer.assignment()):
+            mark, end = self.offsets.mark(tp), self.consumer.highwater(tp)
+            if end is None or mark is None or end >= mark:
+                continue
+            self.offsets.reset(tp)
+            self.metrics.log_resets.inc()
+            await self.consumer.seek_to_beginning(tp)
+            log.warning("the log of %s:%s ends at %s, below the %s this worker fetched: it was reset (a broker restart, "
+                        "a recreated topic); its marks are dropped and it is read again from the beginning",
+                        tp.topic, tp.partition, end, mark)
 
     def _apply_snapshot(self, snapshot: RegistrySnapshot) -> None:
         self._snapshot = snapshot
@@ -179,68 +240,133 @@ class Worker:
                 self._snapshot_at = time.monotonic()
                 log.exception("registry refresh failed; routing on the previous snapshot")
 
+    def _parse(self, m) -> Job | Rejection:
+        if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
+            return Rejection(ErrorInfo(
+                code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
+                f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
+        try:
+            return parse_job(m.value)
+        except Exception as e:  # noqa: BLE001 - whatever a message does to the parser, it is that message's fault
+            log.exception("parsing %s:%s@%s failed", m.topic, m.partition, m.offset)
+            return Rejection(ErrorInfo(code="unprocessable", message=f"the message could not be read as a job "
+                                       f"({type(e).__name__}); send one JSON job object"), False)
+
     async def _ingest(self, messages: list) -> None:
         now = datetime.now(UTC)
-        jobs: list[tuple[TopicPartition, object, Job]] = []
+        items: list[tuple[TopicPartition, object, int, Job | Rejection]] = []
         for tp, m in messages:
-            if not self.offsets.fetched(tp, m.offset):
-                continue  # redelivered after we finished it: already published and billed
-            if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
-                parsed: Job | Rejection = Rejection(ErrorInfo(
-                    code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
-                    f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
-            else:
-                parsed = parse_job(m.value)
-            if isinstance(parsed, Rejection):
-                self._reject(tp, m, parsed, now)
-            else:
-                jobs.append((tp, m, parsed))
+            epoch = self.offsets.fetched(tp, m.offset)
+            items.append((tp, m, epoch, self._parse(m)))
+        fresh = {k for *_, p in items if (k := _key(p)) is not None and k not in self._running and k not in self._answers}
+        stored = await self._stored(fresh)
+        jobs: list[tuple[TopicPartition, int, int, Job]] = []
+        for tp, m, epoch, parsed in items:
+            try:
+                key = _key(parsed)
+                if key is None:
+                    self._dead_letter(tp, m, epoch, parsed)
+                elif key in self._running:
+                    self._running[key].append(_Copy(tp, m.offset, epoch, parsed))
+                elif (answer := self._answers.get(key)) is not None or (answer := stored.get(key)) is not None:
+                    self.metrics.replays.labels("memory" if key in self._answers else "ledger").inc()
+                    self.deliverer.emit(Outcome(tp, m.offset, result=answer, epoch=epoch))
+                elif isinstance(parsed, Rejection):
+                    self._reject(tp, m.offset, epoch, parsed, now)
+                else:
+                    self._running[key] = []
+                    jobs.append((tp, m.offset, epoch, parsed))
+            except Exception as e:  # noqa: BLE001 - a bug on our side: this message alone goes to the DLQ
+                log.exception("ingesting %s:%s@%s failed", tp.topic, tp.partition, m.offset)
+                self._dead_letter(tp, m, epoch, Rejection(ErrorInfo(
+                    code="unprocessable", message=f"the worker failed on this message ({type(e).__name__}); it was logged"), False))
+        await self._admit(jobs, now)
+
+    async def _admit(self, jobs: list[tuple[TopicPartition, int, int, Job]], now: datetime) -> None:
+        """Route jobs (one cache round trip) and queue them in the fair scheduler."""
         if not jobs:
             return
-        routes = await self.router.route_batch(self._snapshot, self._classifier, [j for _, _, j in jobs])
+        try:
+            routes = await self.router.route_batch(self._snapshot, self._classifier, [j for *_, j in jobs])
+        except Exception as e:  # noqa: BLE001 - routing must not lose the batch: each job fails on its own
+            log.exception("routing %d jobs failed", len(jobs))
+            routes = [RouteError(ErrorInfo(code="routing_failed", retriable=True,
+                                           message=f"routing failed ({type(e).__name__}); it was logged")) for _ in jobs]
         mono_us = time.monotonic_ns() // 1000
-        for (tp, m, job), route in zip(jobs, routes):
+        for (tp, offset, epoch, job), route in zip(jobs, routes):
             if isinstance(route, RouteError):
-                self._fail(tp, m.offset, job, route.info, now, route.info.code)
+                self._fail(tp, offset, epoch, job, route.info, now, route.info.code)
                 continue
             self.metrics.route_decisions.labels(route.reason).inc()
             self.metrics.route_decision.observe(route.decision_us / 1e6)
             tokens = _estimate_tokens(job)
             if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
                 t = self._snapshot.tenants[job.tenant_id]
-                self._fail(tp, m.offset, job, ErrorInfo(
+                # Not an answer to keep: nothing ran, so the same request_id may be sent again later.
+                self._fail(tp, offset, epoch, job, ErrorInfo(
                     code="quota_exceeded", retriable=True, message=f"tenant {job.tenant_id!r} is over its rate limit "
                     f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
-                    f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label)
+                    f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
                 continue
-            item = Routed(job, route, tp, m.offset, now, mono_us)
+            item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch)
             self.scheduler.push(Pending(job.tenant_id, route.adapter.key if route.adapter else None, tokens,
                                         time.monotonic(), item, partition=tp, priority=job.priority))
         self._work_event.set()
 
-    def _fail(self, tp: TopicPartition, offset: int, job: Job, error: ErrorInfo, now: datetime, reason: str) -> None:
+    async def _stored(self, keys: set[Key]) -> dict[Key, Result]:
+        """Answers already given to these keys: in the spool (not yet in the ledger) or in the ledger."""
+        if not keys:
+            return {}
+        found: dict[Key, Result] = {}
+        try:
+            for key, usage in (await asyncio.to_thread(self.spool.usage, keys)).items():
+                found[key] = _stored_result(key, usage.result_json, usage)
+            rest = keys - found.keys()
+            if rest:
+                for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
+                    found[key] = _stored_result(key, row.result_json, row)
+        except LedgerError as e:
+            # Answers written by this worker are in memory or the spool; another worker's, written while the
+            # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
+            if time.monotonic() - self._lookup_warned_at > 30:
+                self._lookup_warned_at = time.monotonic()
+                log.warning("cannot ask the ledger for stored answers (%s); going by this worker's own", e)
+        return found
+
+    def _answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
+        """Emit the answer to a key's first message, then the same answer to every copy that waited for it."""
+        self.deliverer.emit(outcome)
+        result = outcome.result
+        assert result is not None, outcome
+        if keep and self.s.worker.answered_cache:
+            self._answers[key] = result
+            self._answers.move_to_end(key)
+            while len(self._answers) > self.s.worker.answered_cache:
+                self._answers.popitem(last=False)
+        for c in self._running.pop(key, []):
+            self.metrics.replays.labels("waited").inc()
+            self.deliverer.emit(Outcome(c.tp, c.offset, result=result, epoch=c.epoch))
+
+    def _fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
+              keep: bool = True) -> None:
         if error.code not in ("quota_exceeded",):
             self.metrics.route_decisions.labels(error.code).inc()
         result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
-                                             route_reason=reason, bill=job.tenant_id in self._snapshot.tenants)
-        self.deliverer.emit(Outcome(tp, offset, result=result, usage=usage))
+                                             route_reason=reason, bill=keep and job.tenant_id in self._snapshot.tenants)
+        self._answer((job.tenant_id, job.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch), keep=keep)
 
-    def _reject(self, tp: TopicPartition, m, rej: Rejection, now: datetime) -> None:
-        if rej.addressable:
-            result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
-                                                 self.worker_id, bill=rej.tenant_id in self._snapshot.tenants)
-            self.deliverer.emit(Outcome(tp, m.offset, result=result, usage=usage))
-            return
-        raw = m.value or b""
-        record = DlqRecord(
-            error=rej.error, source_topic=tp.topic, source_partition=tp.partition, source_offset=m.offset,
-            source_timestamp_ms=m.timestamp, raw=raw.decode("utf-8", "replace")[:65536],
-            raw_b64=base64.b64encode(raw).decode(), request_id=rej.request_id, tenant_id=rej.tenant_id,
-            batch_id=rej.batch_id, worker_id=self.worker_id,
-        )
+    def _reject(self, tp: TopicPartition, offset: int, epoch: int, rej: Rejection, now: datetime) -> None:
+        result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
+                                             self.worker_id, bill=rej.tenant_id in self._snapshot.tenants)
+        self._answer((rej.tenant_id, rej.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch))
+
+    def _dead_letter(self, tp: TopicPartition, m, epoch: int, rej: Rejection) -> None:
+        record = dlq_record(m.value, rej.error, topic=tp.topic, partition=tp.partition, offset=m.offset,
+                            timestamp_ms=m.timestamp, worker_id=self.worker_id, max_bytes=self.s.kafka.max_message_bytes,
+                            request_id=rej.request_id, tenant_id=rej.tenant_id, batch_id=rej.batch_id)
         self.metrics.dlq.labels(rej.error.code).inc()
-        log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message)
-        self.deliverer.emit(Outcome(tp, m.offset, dlq=record))
+        log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message[:300])
+        self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
 
     # ---------------------------------------------------------------- dispatch
 
@@ -265,31 +391,49 @@ class Worker:
             self.metrics.batch_size.observe(len(batch))
             for p in batch:
                 self._in_engine[id(p)] = (p, p.payload)
-                asyncio.create_task(self._serve(p), name=f"serve-{p.payload.job.request_id}")
+                asyncio.create_task(self._serve(p), name=f"serve-{p.payload.job.tenant_id}/{p.payload.job.request_id}")
 
     async def _serve(self, p: Pending) -> None:
         item: Routed = p.payload
+        key = (item.job.tenant_id, item.job.request_id)
         tier = self._snapshot.tenants.get(item.job.tenant_id)
         slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
         try:
             served = await self.feeder.serve(item, slo_tier)
         except Exception:  # a bug on our side: fail this job alone, keep the worker
-            log.exception("serving %s failed", item.job.request_id)
+            log.exception("serving %s/%s failed", *key)
             result, usage = failed_before_engine(
                 (item.job.request_id, item.job.tenant_id, item.job.batch_id),
                 ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True),
                 item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.decision_us)
             if not item.abandoned:
-                self.deliverer.emit(Outcome(item.tp, item.offset, result=result, usage=usage))
+                self._answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch))
         else:
             if served.adapter_key is not None:
                 self.breakers.record(served.adapter_key, served.adapter_ok)
             if served.outcome is not None:
-                self.deliverer.emit(served.outcome)
+                self._answer(key, served.outcome)
         finally:
             self._in_engine.pop(id(p), None)
             self.scheduler.finished(p)
+            if item.abandoned:
+                await self._orphaned(key)
             self._work_event.set()
+
+    async def _orphaned(self, key: Key) -> None:
+        """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
+        runs in its place; copies from revoked partitions are left to their new owner."""
+        copies = [c for c in self._running.pop(key, []) if c.tp in self.consumer.assignment()]
+        if not copies:
+            return
+        first, *rest = copies
+        if isinstance(first.parsed, Rejection):
+            self._reject(first.tp, first.offset, first.epoch, first.parsed, datetime.now(UTC))
+            for c in rest:
+                self.deliverer.emit(Outcome(c.tp, c.offset, result=self._answers.get(key), epoch=c.epoch))
+            return
+        self._running[key] = rest
+        await self._admit([(first.tp, first.offset, first.epoch, first.parsed)], datetime.now(UTC))
 
     async def _gpu_time_loop(self) -> None:
         while True:
@@ -305,23 +449,14 @@ class Worker:
             m.warm_pool_hit_rate.set(stats.get("warm_pool_hit_rate", 0.0))
 
     async def _record_gpu_time(self) -> None:
-        """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation.
-        Both writes are idempotent, so a retry after a hiccup cannot double them."""
+        """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation. Written
+        to the ledger, or to the spool while it is away: never dropped."""
         loads, busy = await self.feeder.drain_gpu_time()
         for load in loads:
             self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
-        for write, records in ((self.ledger.record_adapter_loads, loads), (self.ledger.record_busy, [busy] if busy else [])):
-            if not records:
-                continue
-            for attempt in range(5):
-                try:
-                    await asyncio.to_thread(write, records)
-                    break
-                except LedgerError as e:
-                    if not e.retriable or attempt == 4:
-                        log.error("could not record %d %s: %s", len(records), type(records[0]).__name__, e)
-                        break
-                    await asyncio.sleep(0.2 * 2**attempt)
+        await self.deliverer.write(loads)
+        if busy is not None:
+            await self.deliverer.write([busy])
 
     def _resident(self) -> set[str | None]:
         has = getattr(self.engine, "resident_adapters", None)
@@ -360,7 +495,7 @@ class Worker:
             await asyncio.sleep(0.02)
         for item in revoked_running():
             item.abandoned = True
-            await self.aengine.abort(item.job.request_id)
+            await self.aengine.abort(item.job.request_id, tenant=item.job.tenant_id)
         if self.deliverer is not None:
             try:
                 await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))
@@ -368,6 +503,11 @@ class Worker:
                 log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
         await self._commit(only=set(revoked))
         dropped = self.scheduler.drop(set(revoked))
+        for p in dropped:  # queued, never run: the new owner answers them, and the copies that waited here
+            item = p.payload
+            key = (item.job.tenant_id, item.job.request_id)
+            item.abandoned = True
+            await self._orphaned(key)
         self.offsets.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
@@ -388,6 +528,27 @@ class Worker:
             nxt = self.offsets.next_fetch(tp)
             if high is not None and nxt is not None:
                 m.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
+
+
+def _key(parsed: Job | Rejection) -> Key | None:
+    if isinstance(parsed, Job):
+        return parsed.tenant_id, parsed.request_id
+    if parsed.addressable and parsed.tenant_id is not None and parsed.request_id is not None:
+        return parsed.tenant_id, parsed.request_id
+    return None
+
+
+def _stored_result(key: Key, body: str | None, row) -> Result:
+    """The answer stored with a ledger or spool row: its published body, or (rows older than the bodies'
+    column) one rebuilt from the row's figures."""
+    if body:
+        return Result.model_validate_json(body)
+    error = ErrorInfo(code=row.error_code, message="answered from the ledger row of an earlier run") if row.error_code else None
+    return Result(request_id=key[1], tenant_id=key[0], batch_id=row.batch_id, adapter=row.adapter, status=row.status,
+                  usage=Usage(input_tokens=row.input_tokens, output_tokens=row.output_tokens, cached_tokens=row.cached_tokens),
+                  cost=Cost(base_ms=row.base_us / 1000, routing_ms=(row.routing_us + row.lora_us) / 1000,
+                            kv_saved_ms=row.kv_saved_us / 1000),
+                  error=error, worker_id=row.worker_id)
 
 
 class _Rebalance(ConsumerRebalanceListener):

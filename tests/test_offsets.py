@@ -26,13 +26,44 @@ def test_commit_is_contiguous(fetched, finished, expect):
     assert t.committable() == expect
 
 
-def test_redelivery_of_done_work_is_recognised():
-    """A message fetched again after it finished (a rebalance replay) is reported as not new."""
+def test_position_going_back_starts_a_new_epoch():
+    """An offset at or below one already fetched means the log was reset: the old marks are dropped, the
+    new log's offsets are tracked (and committed) from where it was read, and the old epoch's outcomes
+    no longer move the marks."""
     t = OffsetTracker()
-    assert t.fetched("p", 3)
-    t.finished("p", 3)
-    assert not t.fetched("p", 3)
-    assert t.fetched("p", 4)
+    old = t.fetched("p", 100)
+    t.fetched("p", 101)
+    t.finished("p", 100, old)
+    t.mark_committed(t.committable())
+    assert t.confirmed("p") == 101
+    new = t.fetched("p", 0)  # a restarted broker's empty log, read from the beginning
+    assert new != old
+    assert t.confirmed("p") is None
+    t.finished("p", 101, old)  # the old log's last job finishes: it must not count in the new log
+    assert t.committable() == {"p": 0}
+    t.finished("p", 0, new)
+    assert t.committable() == {"p": 1}
+    assert t.in_flight() == 0
+
+
+@pytest.mark.parametrize("offsets", [[3, 3], [5, 6, 2], [0, 1, 1]])
+def test_no_offset_is_skipped_after_a_reset(offsets):
+    """Whatever order the log hands offsets in, every fetched message is tracked as pending: none is
+    taken for a redelivery and silently skipped (the worker answers true repeats by request identity)."""
+    t = OffsetTracker()
+    epochs = [t.fetched("p", o) for o in offsets]
+    t.finished("p", offsets[-1], epochs[-1])
+    assert t.committable() == {"p": offsets[-1] + 1}
+
+
+def test_reset_marks_commit_the_new_position():
+    """After a reset, the new log's read position is committed even before anything finishes, so the broker
+    learns it (the old committed offset may not exist in the new log)."""
+    t = OffsetTracker()
+    t.fetched("p", 50)
+    t.reset("p")
+    t.fetched("p", 0)
+    assert t.committable() == {"p": 0}
 
 
 def test_committed_offsets_are_not_recommitted():

@@ -64,3 +64,62 @@ def test_messages_and_input_ids_jobs():
     assert isinstance(parse_job(_with(prompt=None, input_ids=[1, 2, 3])), Job)
     bad_role = parse_job(_with(prompt=None, messages=[{"role": "robot", "content": "hi"}]))
     assert isinstance(bad_role, Rejection) and bad_role.error.field == "messages.0.role"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("seed", -1, "0..9223372036854775807"),
+        ("seed", 2**63, "0..9223372036854775807"),
+        ("temperature", 5.0001, "0.0..5.0"),
+        ("temperature", -0.1, "0.0..5.0"),
+        ("top_p", 0, "> 0.0 and <= 1.0"),
+        ("top_p", 1.5, "> 0.0 and <= 1.0"),
+        ("top_k", -1, "0..1000000"),
+        ("top_k", 10**12, "0..1000000"),
+        ("priority", 101, "-100..100"),
+        ("max_new_tokens", 0, "1..131072"),
+        ("max_new_tokens", 10**9, "1..131072"),
+        ("logprobs", 21, "0..20"),
+    ],
+)
+def test_numbers_out_of_range_name_the_field_and_its_range(field, value, says):
+    """Every numeric field is range-checked in the contract: the error names the field and what it allows."""
+    rej = parse_job(_with(**{field: value}))
+    assert isinstance(rej, Rejection) and rej.addressable
+    assert rej.error.field == field and field in rej.error.message and says in rej.error.message, rej.error
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_non_finite_floats_are_refused(field, literal):
+    """NaN and infinities (JSON extensions Python accepts) never reach the sampler."""
+    raw = _with(**{field: 0.5}).replace(b'0.5', literal)
+    rej = parse_job(raw)
+    assert isinstance(rej, Rejection) and rej.error.field == field
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"9" * 5000 + b"}", b'{"v": 1, "x": ' + b'{"y": ' * 5000 + b"1" + b"}" * 5001,
+     b"\xff\xfe", b"", b"null", b'"\\ud800"'],
+)
+def test_json_the_decoder_cannot_take_is_a_rejection_not_an_exception(raw):
+    """Depth, integer-digit limits, bad UTF-8, empty values: each is a Rejection for the DLQ, never a raise."""
+    assert isinstance(parse_job(raw), Rejection)
+
+
+@pytest.mark.parametrize("size", [0, 10, 65_536, 2_000_000])
+def test_dlq_records_are_bounded_and_identify_the_message(size):
+    """A DLQ record fits the broker's limit whatever the message, and keeps its length and sha256."""
+    import hashlib
+
+    from consumer.schemas import ErrorInfo, dlq_record
+
+    raw = b"\x00\xff" * (size // 2)  # escapes grow NUL six-fold in JSON: the worst case for the text copy
+    for limit in (4096, 65_536, 1_000_000):
+        rec = dlq_record(raw, ErrorInfo(code="x", message="m" * 10_000), topic="t", partition=0, offset=1,
+                         timestamp_ms=None, worker_id="w", max_bytes=limit)
+        assert len(rec.model_dump_json()) < limit
+        assert rec.raw_bytes == len(raw) and rec.raw_sha256 == hashlib.sha256(raw).hexdigest()
+        assert rec.raw_truncated is (len(raw) > min(65_536, limit // 16))

@@ -1,0 +1,129 @@
+"""The worker's durable local spool: ledger records that wait while the ledger is down or behind its schema.
+
+When a usage, GPU-busy or adapter-load write fails for a reason the ledger cannot fix by itself (the
+database is unreachable, or its schema is missing or older than this code), the records go into a
+SQLite file beside the worker, in one fsynced transaction, and the messages they answer count as done:
+their results are published once and their offsets commit. A flusher writes the spooled records to the
+ledger, oldest first, once it answers again; the ledger's idempotent keys make a flush that is
+interrupted and retried add nothing twice. The worker pauses fetching while the spool holds
+`max_records` or more, so an outage of any length costs disk up to a bound, never records.
+
+Usage records keep their (tenant_id, request_id) in columns, so a resubmitted job whose first answer is
+still spooled is answered from here (the ledger cannot see it yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
+
+KINDS: dict[str, type] = {"usage": UsageRecord, "busy": BusyRecord, "load": AdapterLoadRecord}
+_KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+_TIMES = {f.name for cls in KINDS.values() for f in dataclasses.fields(cls) if f.type in ("datetime", datetime)}
+
+
+def _encode(record) -> str:
+    d = dataclasses.asdict(record)
+    return json.dumps({k: v.isoformat() if isinstance(v, datetime) else v for k, v in d.items()})
+
+
+def _decode(kind: str, body: str):
+    d = json.loads(body)
+    return KINDS[kind](**{k: datetime.fromisoformat(v) if k in _TIMES and v is not None else v for k, v in d.items()})
+
+
+class Spool:
+    """A bounded, durable FIFO of ledger records in one SQLite file (thread-safe; calls are short)."""
+
+    def __init__(self, path: str | Path, max_records: int):
+        assert max_records >= 1, max_records
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_records = max_records
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a spooled record survives a crash of the machine
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, "
+            "tenant_id TEXT, request_id TEXT, body TEXT NOT NULL)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS spool_key ON spool (tenant_id, request_id)")
+        self._count = self._db.execute("SELECT count(*) FROM spool").fetchone()[0]
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def full(self) -> bool:
+        return self._count >= self.max_records
+
+    def put(self, records: Sequence) -> None:
+        """Append records (any of the three kinds) in one durable transaction."""
+        rows = []
+        for r in records:
+            kind = _KIND_OF[type(r)]
+            key = (r.tenant_id, r.request_id) if kind == "usage" else (None, None)
+            rows.append((kind, *key, _encode(r)))
+        if not rows:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._count += len(rows)
+
+    def oldest(self, limit: int) -> tuple[str, list[int], list]:
+        """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, kind, body FROM spool ORDER BY id LIMIT ?", (limit,)).fetchall()
+        if not rows:
+            return "", [], []
+        kind = rows[0][1]
+        run = [r for r in rows[: next((i for i, r in enumerate(rows) if r[1] != kind), len(rows))]]
+        return kind, [r[0] for r in run], [_decode(kind, r[2]) for r in run]
+
+    def remove(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                removed = 0
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i: i + 500]
+                    cur = self._db.execute(f"DELETE FROM spool WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+                    removed += cur.rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._count -= removed
+
+    def usage(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], UsageRecord]:
+        """Spooled usage records of the given (tenant_id, request_id) keys (the first one of each)."""
+        out: dict[tuple[str, str], UsageRecord] = {}
+        keys = list(set(keys))
+        with self._lock:
+            for i in range(0, len(keys), 400):
+                chunk = keys[i: i + 400]
+                where = " OR ".join("(tenant_id = ? AND request_id = ?)" for _ in chunk)
+                params = [p for k in chunk for p in k]
+                for tenant, rid, body in self._db.execute(
+                        f"SELECT tenant_id, request_id, body FROM spool WHERE kind = 'usage' AND ({where}) ORDER BY id",
+                        params):
+                    out.setdefault((tenant, rid), _decode("usage", body))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
