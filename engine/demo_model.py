@@ -123,15 +123,18 @@ chairs and picture books. The librarian knew every reader by name and always had
 ARCHS = ("llama", "llama3", "mistral", "qwen2")
 
 
-def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama") -> None:
-    """Write a small random-weight model of `arch` (module docstring) with its tokenizer into `out_dir` (HF format)."""
+def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab_multiple: int = 1) -> None:
+    """Write a small random-weight model of `arch` (module docstring) with its tokenizer into `out_dir` (HF format).
+    `vocab_multiple`: the model's vocabulary is the tokenizer's rounded up to a multiple of it, as real checkpoints
+    pad it (e.g. to 64): the ids past the tokenizer's have embeddings and logits but no text."""
+    assert isinstance(vocab_multiple, int) and vocab_multiple >= 1, vocab_multiple
     if arch not in ARCHS:
         raise ValueError(f"write_demo_model: arch={arch!r} is not supported; use one of {ARCHS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _train_tokenizer()
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = -(-tokenizer.get_vocab_size(with_added_tokens=True) // vocab_multiple) * vocab_multiple
     unk, bos, eos, pad = (tokenizer.token_to_id(t) for t in _SPECIAL_TOKENS)
     tokenizer.save(str(out_dir / "tokenizer.json"))
 

@@ -5,8 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.api import SamplingParams
-from engine.sampling import filtered_probs, openai_logprob_entry, sample_tokens, token_logprobs
+from engine.api import RequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.sampling import (
+    MIN_LOGPROB,
+    TEMPERATURE_FLOOR,
+    filtered_probs,
+    generator_seed,
+    is_greedy,
+    openai_logprob_entry,
+    sample_tokens,
+    token_logprobs,
+    usable_rows,
+)
+from engine.validation import check_sampling
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -157,3 +169,119 @@ def test_incremental_detokenizer_rebuilds_the_full_decode(demo_set, text):
     pieces = [detok.push(t) for t in ids]
     assert "".join(pieces) == detok.text == tok.decode(ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+# ---- numerical safety (engine.sampling, "Numerical safety")
+
+_ROW = torch.randn(64, generator=torch.Generator().manual_seed(11)) * 3  # [V]
+
+
+def _poisoned(kind: str) -> torch.Tensor:
+    row = _ROW.clone()
+    if kind == "nan":
+        row[3] = float("nan")
+    elif kind == "all nan":
+        row[:] = float("nan")
+    elif kind == "+inf":
+        row[5] = float("inf")
+    elif kind == "all -inf":
+        row[:] = float("-inf")
+    elif kind == "some -inf":
+        row[10:] = float("-inf")
+    elif kind == "huge":
+        row = row * 1e37
+    return row
+
+
+_EXTREME = [
+    SamplingParams(temperature=2e-5),  # just above TEMPERATURE_FLOOR
+    SamplingParams(temperature=5.0),
+    SamplingParams(temperature=1e6),
+    SamplingParams(temperature=1.0, top_p=1e-300),
+    SamplingParams(temperature=1.0, top_p=5e-324),
+    SamplingParams(temperature=1.0, top_k=10**12),
+    SamplingParams(temperature=0.5, top_k=1, top_p=1e-300),
+    SamplingParams(temperature=3.0, top_k=64, top_p=0.999999),
+]
+
+
+@pytest.mark.parametrize("kind", ["clean", "nan", "all nan", "+inf", "all -inf", "some -inf", "huge"])
+@pytest.mark.parametrize("params", _EXTREME, ids=lambda p: f"T={p.temperature},p={p.top_p},k={p.top_k}")
+def test_filtered_probs_are_always_a_finite_distribution(params, kind):
+    """Whatever the parameters the contract allows and whatever the logits (NaN, inf, nothing finite, 1e37), the
+    probabilities handed to torch.multinomial are finite, >= 0 and sum to 1, and a draw succeeds."""
+    probs = filtered_probs(_poisoned(kind), params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
+    assert torch.isclose(probs.sum(), torch.tensor(1.0), atol=1e-5), probs.sum()
+    torch.multinomial(probs, 1, generator=_gen(0))
+
+
+@pytest.mark.parametrize(
+    ("kind", "usable"),
+    [("clean", True), ("some -inf", True), ("huge", True), ("nan", False), ("all nan", False), ("+inf", False), ("all -inf", False)],
+)
+def test_usable_rows_flags_rows_that_cannot_be_sampled(kind, usable):
+    """A row is usable iff it has no NaN, no +inf and at least one finite logit; other rows are judged on their own."""
+    logits = torch.stack([_poisoned("clean"), _poisoned(kind)])
+    assert usable_rows(logits).tolist() == [True, usable]
+    tokens = sample_tokens(logits, [SamplingParams(temperature=1.0), SamplingParams()], [_gen(0), None])
+    assert all(0 <= t < logits.shape[1] for t in tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-6, TEMPERATURE_FLOOR])
+def test_a_temperature_at_or_below_the_floor_is_greedy(temperature):
+    """Temperatures up to TEMPERATURE_FLOOR take the argmax and need no generator."""
+    p = SamplingParams(temperature=temperature)
+    assert is_greedy(p)
+    assert sample_tokens(_ROW[None], [p], [None]) == [int(_ROW.argmax())]
+
+
+@pytest.mark.parametrize(
+    ("seed", "folded"),
+    [(0, 0), (1, 1), (2**63 - 1, 2**63 - 1), (2**64 - 1, 2**64 - 1), (2**64, 0), (-1, 2**64 - 1), (-(2**63), 2**63), (2**200 + 5, 5)],
+)
+def test_seeds_fold_into_manual_seeds_range(seed, folded):
+    """generator_seed is the identity on the contract's [0, 2**63 - 1] and maps every other int into [0, 2**64)."""
+    assert generator_seed(seed) == folded
+    torch.Generator().manual_seed(generator_seed(seed))
+
+
+def test_logprobs_of_masked_tokens_are_json_safe():
+    """A token of probability 0 (logit -inf) is reported as MIN_LOGPROB, never -inf."""
+    row = _poisoned("some -inf")[None]
+    lp = token_logprobs(row, [int(row.argmax())], [20])[0]
+    assert all(v >= MIN_LOGPROB for _, v in lp.top) and MIN_LOGPROB in [v for _, v in lp.top]
+
+
+def test_token_bytes_of_an_id_past_the_vocabulary_is_empty(demo_set):
+    """Ids the tokenizer does not know (a padded model vocabulary) stand for no bytes and decode to nothing."""
+    tok = Tokenizer(demo_set["model"])
+    v = tok.vocab_size
+    assert tok.token_bytes(v) == b"" and tok.token_bytes(v + 63) == b""
+    assert tok.decode([v, v + 1]) == ""
+    entry = openai_logprob_entry(token_logprobs(torch.zeros(1, v + 64), [v + 1], [2])[0], tok.token_bytes)
+    assert entry["token"] == "" and entry["bytes"] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "ok"),
+    [
+        ("temperature", 1e-300, True), ("temperature", 5.0, True), ("temperature", float("inf"), False),
+        ("temperature", float("nan"), False), ("temperature", 10**400, False), ("temperature", True, False),
+        ("top_p", 1e-300, True), ("top_p", 1, True), ("top_p", float("nan"), False), ("top_p", float("inf"), False),
+        ("top_p", "0.5", False), ("top_p", 0.0, False), ("top_p", 1.0000001, False),
+        ("top_k", 10**12, True), ("top_k", 0, True), ("top_k", -1, False), ("top_k", True, False), ("top_k", 2.0, False),
+        ("seed", 0, True), ("seed", 2**63 - 1, True), ("seed", 2**80, True), ("seed", 1.5, False), ("seed", False, False),
+        ("logprobs", 20, True), ("logprobs", True, False),
+    ],
+)  # fmt: skip
+def test_check_sampling_refuses_non_finite_and_mistyped_params(field, value, ok):
+    """check_sampling lets through exactly what the sampler handles, and refuses NaN/inf, wrong types and out-of-range
+    values with invalid_sampling_params naming the field."""
+    sp = SamplingParams(max_new_tokens=4, **{field: value})
+    if ok:
+        check_sampling(sp, EngineConfig(model_dir="unused"))
+    else:
+        with pytest.raises(RequestError) as err:
+            check_sampling(sp, EngineConfig(model_dir="unused"))
+        assert err.value.code == "invalid_sampling_params" and field in str(err.value)
