@@ -76,7 +76,7 @@ class WorkerConfig(_Section):
     headroom_slots: int = Field(2, ge=0, description="engine slots kept for tenants under their fair share")
     ledger_flush_ms: int = Field(1000, ge=10, description="how often adapter loads and GPU busy time are written")
     spool_path: str = Field("", description="the durable local spool of ledger records while the ledger is down; "
-                            "empty: .lorabatch/spool/<worker_id>.sqlite")
+                            "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")
     spool_max_records: int = Field(100_000, ge=1, description="fetching pauses while the spool holds this many records")
     answered_cache: int = Field(100_000, ge=0, description="recent (tenant, request_id) answers kept in memory, so "
                                 "a redelivered job is answered without asking the ledger")

@@ -48,21 +48,23 @@ class Spool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a spooled record survives a crash of the machine
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, "
             "tenant_id TEXT, request_id TEXT, body TEXT NOT NULL)")
         self._db.execute("CREATE INDEX IF NOT EXISTS spool_key ON spool (tenant_id, request_id)")
-        self._count = self._db.execute("SELECT count(*) FROM spool").fetchone()[0]
 
     def __len__(self) -> int:
-        return self._count
+        # Counted, not remembered: workers on one host may share the file (each flushes what it finds;
+        # the ledger's keys make a record written by two of them land once).
+        with self._lock:
+            return self._db.execute("SELECT count(*) FROM spool").fetchone()[0]
 
     @property
     def full(self) -> bool:
-        return self._count >= self.max_records
+        return len(self) >= self.max_records
 
     def put(self, records: Sequence) -> None:
         """Append records (any of the three kinds) in one durable transaction."""
@@ -81,7 +83,6 @@ class Spool:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._count += len(rows)
 
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
         """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty."""
@@ -98,16 +99,13 @@ class Spool:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                removed = 0
                 for i in range(0, len(ids), 500):
                     chunk = ids[i: i + 500]
-                    cur = self._db.execute(f"DELETE FROM spool WHERE id IN ({','.join('?' * len(chunk))})", chunk)
-                    removed += cur.rowcount
+                    self._db.execute(f"DELETE FROM spool WHERE id IN ({','.join('?' * len(chunk))})", chunk)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._count -= removed
 
     def usage(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], UsageRecord]:
         """Spooled usage records of the given (tenant_id, request_id) keys (the first one of each)."""

@@ -90,7 +90,8 @@ class Worker:
         self.offsets = OffsetTracker()
         self.aengine = AsyncEngine(engine)
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
-        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{self.worker_id}.sqlite", w.spool_max_records)
+        # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
+        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._snapshot_at = 0.0

@@ -1,0 +1,170 @@
+"""Delivery: each result published once whatever fails after it; the ledger's outages spooled, never dropped.
+
+Through the real broker and a real migrated ledger; the ledger's outage is switched on and off around it
+(a stopped database is tested end to end in tests/adversarial), and the broker's refusal of one message
+by a producer that refuses what it is told to (the embedded broker takes any size the producer sends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+
+from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
+from billing.ledger import Ledger
+from billing.records import UsageRecord
+from consumer.delivery import Deliverer, Outcome
+from consumer.kafka import make_producer
+from consumer.metrics import WorkerMetrics
+from consumer.offsets import OffsetTracker
+from consumer.schemas import DlqRecord, Result
+from consumer.services import open_services
+from consumer.spool import Spool
+from tests.service_fixtures import read_all, service_settings
+
+NOW = datetime.now(UTC)
+
+
+class Outage:
+    """The real ledger behind a switch: while `error` is set, every write raises it (as the ledger does)."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+        self.error: Exception | None = None
+        self.refuse: set[str] = set()  # request ids the ledger refuses as malformed records
+
+    def _guard(self, records):
+        if self.error is not None:
+            raise self.error
+        bad = [r for r in records if getattr(r, "request_id", None) in self.refuse]
+        if bad:
+            raise LedgerRecordError(f"usage record request_id={bad[0].request_id!r}: refused")
+
+    def record_usage(self, records):
+        self._guard(records)
+        return self.ledger.record_usage(records)
+
+    def record_busy(self, records):
+        self._guard(records)
+        return self.ledger.record_busy(records)
+
+    def record_adapter_loads(self, records):
+        self._guard(records)
+        return self.ledger.record_adapter_loads(records)
+
+
+class CountingProducer:
+    """The real producer, counting what it sends and refusing chosen sends as the broker would."""
+
+    def __init__(self, producer):
+        self.producer = producer
+        self.sent: list[tuple[str, bytes]] = []
+        self.fail: list[Exception] = []  # raised by the next sends, one each
+
+    async def send(self, topic, value, key=None):
+        if self.fail:
+            raise self.fail.pop(0)
+        self.sent.append((topic, value))
+        return await self.producer.send(topic, value, key=key)
+
+
+def _outcome(i: int, text: str = "hello", tenant: str = "acme") -> Outcome:
+    rid = f"r{i}"
+    result = Result(request_id=rid, tenant_id=tenant, status="succeeded", text=text)
+    usage = UsageRecord(tenant_id=tenant, request_id=rid, status="succeeded", created_at=NOW, base_us=1000 + i,
+                        output_tokens=2)
+    return Outcome(TopicPartition("jobs", 0), i, result=result, usage=usage, epoch=1)
+
+
+@pytest.fixture
+async def rig(broker, tmp_path, demo_set, ledger_url):
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"], **{"kafka.max_message_bytes": 16_384})
+    svc = open_services(s)
+    producer = make_producer(s.kafka)
+    await producer.start()
+    counting = CountingProducer(producer)
+    ledger = Outage(svc.ledger)
+    offsets = OffsetTracker()
+    for i in range(10):
+        offsets.fetched(TopicPartition("jobs", 0), i)
+    spool = Spool(tmp_path / "spool.sqlite", max_records=1000)
+    d = Deliverer(s.kafka, counting, ledger, offsets, WorkerMetrics(), "w1", lambda t: True, spool, flush_s=0.01)
+    yield s, svc, d, counting, ledger, offsets, spool
+    await producer.stop()
+    spool.close()
+    svc.close()
+
+
+def _results(counting) -> list[str]:
+    return [v.decode() for t, v in counting.sent if t.endswith(".results")]
+
+
+@pytest.mark.parametrize("error", [LedgerUnavailableError("down"), LedgerSchemaError("no schema")])
+async def test_ledger_outage_spools_and_publishes_once(rig, error):
+    """While the ledger cannot take writes, results still go out exactly once, the usage waits in the spool
+    (never the DLQ), the offsets are done; when it returns, the flush writes each row once."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    ledger.error = error
+    for round_ in range(3):
+        await d.deliver([_outcome(round_ * 2), _outcome(round_ * 2 + 1)])
+    assert len(_results(counting)) == 6 and not [t for t, _ in counting.sent if t.endswith(".dlq")]
+    assert len(spool) == 6 and d.ledger_down is not None
+    assert d.schema_behind is isinstance(error, LedgerSchemaError)
+    assert offsets.committable() == {TopicPartition("jobs", 0): 6}
+    assert svc.ledger.count_usage() == 0
+    await d.flush_once()  # still down: nothing moves, nothing is lost
+    assert len(spool) == 6
+    ledger.error = None
+    await d.flush_once()
+    assert len(spool) == 0 and d.ledger_down is None and not d.schema_behind
+    assert svc.ledger.count_usage() == 6
+    row = svc.ledger.usage_for("acme", "r3")
+    assert row.base_us == 1003 and Result.model_validate_json(row.result_json).text == "hello"
+    await d.flush_once()
+    assert svc.ledger.count_usage() == 6 and len(_results(counting)) == 6
+
+
+async def test_a_refused_record_goes_to_the_dlq_and_the_rest_are_written(rig):
+    """One malformed record does not hold its batch: it is dead-lettered with the reason, the others land."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    ledger.refuse = {"r1"}
+    await d.deliver([_outcome(0), _outcome(1), _outcome(2)])
+    assert svc.ledger.count_usage() == 2 and len(spool) == 0
+    dlq = await read_all(s, s.kafka.dlq_topic, DlqRecord, lambda got: len(got) >= 1)
+    assert [(r.error.code, r.request_id) for r in dlq] == [("ledger_rejected", "r1")]
+
+
+async def test_oversized_result_is_answered_small_and_dead_lettered(rig):
+    """A result over kafka.max_message_bytes goes out as a small failed result naming the limit; its body goes
+    to the DLQ cut to size; the row keeps the GPU time that was spent, with the status the tenant saw."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    await d.deliver([_outcome(0, text="x" * 50_000), _outcome(1)])
+    results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 2)
+    big = next(r for r in results if r.request_id == "r0")
+    assert big.status == "failed" and big.error.code == "result_too_large" and "max_message_bytes" in big.error.message
+    dlq = await read_all(s, s.kafka.dlq_topic, DlqRecord, lambda got: len(got) >= 1)
+    assert dlq[0].error.code == "result_too_large" and dlq[0].raw_bytes > 50_000 and dlq[0].raw_truncated
+    row = svc.ledger.usage_for("acme", "r0")
+    assert row.status == "failed" and row.error_code == "result_too_large" and row.base_us == 1000
+
+
+async def test_broker_refusals_are_bounded_and_retries_send_each_part_once(rig):
+    """A retriable broker error is waited out and each message is sent once in the end; a message the broker
+    refuses outright is replaced by its small failed form, and a refused small form is dropped loudly:
+    no retry loop is unbounded."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    counting.fail = [KafkaConnectionError("broker away"), KafkaConnectionError("still away")]
+    await d.deliver([_outcome(0)])
+    assert len(_results(counting)) == 1
+    counting.fail = [MessageSizeTooLargeError("no")]
+    await d.deliver([_outcome(1)])
+    assert [r for r in _results(counting) if '"r1"' in r and "result_undeliverable" in r]
+    counting.fail = [MessageSizeTooLargeError("no"), MessageSizeTooLargeError("not even small")]
+    await asyncio.wait_for(d.deliver([_outcome(2)]), 10)
+    assert d.metrics.undeliverable._value.get() == 1
+    assert offsets.committable() == {TopicPartition("jobs", 0): 3}
+    assert svc.ledger.count_usage() == 3
