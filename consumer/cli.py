@@ -306,27 +306,40 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
 # ------------------------------------------------------------------------- submit and results
 
 
+def _broker_failed(s: Settings, e: Exception, again: str = "run the command again") -> str:
+    return (f"the broker at {s.kafka.bootstrap_servers} failed: {e!r}; start it with `lorabatch broker start` "
+            f"or set kafka.bootstrap_servers to a running one, then {again}")
+
+
 @app.command("submit")
 def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs belong to")],
            batch_id: Annotated[Optional[str], typer.Option("--batch-id")] = None,
            key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter, adapter-balanced or request")] = None,
            config: ConfigOpt = None) -> None:
     """Produce jobs from a native or OpenAI Batch API JSONL file."""
+    from aiokafka.errors import KafkaError
+
     from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs
 
     s = _settings(config, **({"kafka.partition_key": key} if key else {}))
     bid = batch_id or new_batch_id()
     try:
-        prepared = prepare(file, tenant, bid)
+        prepared = prepare(file, tenant, bid, max_message_bytes=s.kafka.max_message_bytes, key_by=s.kafka.partition_key)
     except SubmitError as e:
         _fail(str(e))
     for err in prepared.errors:
         console.print(f"[yellow]rejected[/yellow] {file}: {err}", highlight=False)
     if prepared.jobs:
-        with progress_bar() as bar:
-            task = bar.add_task("submitting", total=len(prepared.jobs))
-            asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
-                                     progress=lambda n: bar.advance(task, n)))
+        try:
+            with progress_bar() as bar:
+                task = bar.add_task("submitting", total=len(prepared.jobs))
+                asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
+                                         progress=lambda n: bar.advance(task, n)))
+        except SubmitError as e:
+            _fail(str(e))
+        except KafkaError as e:
+            # The same batch id gives the same request ids, so jobs already produced are not run twice.
+            _fail(_broker_failed(s, e, f"submit again with --batch-id {bid}"))
     typer.echo(json.dumps({"batch_id": bid, "submitted": len(prepared.jobs), "rejected": len(prepared.errors)}))
     if prepared.errors:
         raise typer.Exit(1)
@@ -334,22 +347,32 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
 
 @app.command("results")
 def results(batch_id: Annotated[str, typer.Option("--batch-id")],
+            tenant: Annotated[str, typer.Option(help="tenant the batch was submitted for")],
             output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write JSONL here instead of stdout")] = None,
             fmt: Annotated[str, typer.Option("--format", help="native or openai")] = "native",
             timeout: Annotated[float, typer.Option(help="seconds to wait for the batch to complete")] = 600.0,
             config: ConfigOpt = None) -> None:
-    """Collect a batch's results until every job has one, as JSONL in submission order."""
+    """Collect a tenant's batch's results until every job has one, as JSONL in submission order."""
+    from aiokafka.errors import KafkaError
+
     from consumer.submit import collect_results, read_manifest, to_openai_line
 
     if fmt not in ("native", "openai"):
         _fail(f"--format {fmt!r}: use native or openai")
     s = _settings(config)
-    manifest = asyncio.run(read_manifest(s.kafka, batch_id))
+    try:
+        manifest = asyncio.run(read_manifest(s.kafka, tenant, batch_id))
+    except KafkaError as e:
+        _fail(_broker_failed(s, e))
     if manifest is None:
-        _fail(f"no batch {batch_id!r} was submitted to {s.kafka.bootstrap_servers}; check the id `lorabatch submit` printed")
+        _fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}; "
+              f"check the id `lorabatch submit` printed and the --tenant it was submitted with")
     with progress_bar() as bar:
-        task = bar.add_task(f"batch {batch_id}", total=len(manifest.request_ids))
-        got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=lambda n: bar.advance(task, n)))
+        task = bar.add_task(f"batch {tenant}/{batch_id}", total=len(manifest.request_ids))
+        try:
+            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=lambda n: bar.advance(task, n)))
+        except KafkaError as e:
+            _fail(_broker_failed(s, e))
     lines = []
     for rid in manifest.request_ids:
         if rid in got:

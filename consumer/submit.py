@@ -2,8 +2,13 @@
 
 Input lines are native jobs (the contract in schemas.py) or OpenAI Batch API lines
 (`{"custom_id", "method", "url", "body": {"model", "prompt" | "messages", "max_tokens", ...}}`), where
-`body.model` names the adapter. Each submission writes a manifest (batch id, request ids) to the
-batches topic so that `results` knows when the batch is complete.
+`body.model` names the adapter. Each submission writes a manifest (tenant, batch id, request ids) to
+the batches topic so that `results` knows when the batch is complete. Every message is checked against
+`kafka.max_message_bytes` before anything is produced: a job over it is a rejected line, and a manifest
+over it is written as several parts that `results` merges.
+
+A batch is a tenant's: `results` finds the manifest by (tenant, batch id) and takes the results whose
+(tenant, request id) the manifest lists, one per request id however often it was published.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from aiokafka import TopicPartition
 from pydantic import ValidationError
 
 from consumer.config import KafkaConfig
-from consumer.kafka import make_consumer, make_producer
+from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.schemas import BatchManifest, DlqRecord, Job, Result
 
 
@@ -61,13 +66,18 @@ def _from_openai(line: dict) -> dict:
     return job
 
 
-def prepare(path: Path, tenant_id: str, batch_id: str) -> Prepared:
-    """Parse and validate every line; bad lines are reported, not sent."""
+def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int | None = None, key_by: str = "tenant") -> Prepared:
+    """Parse and validate every line; bad lines are reported, not sent.
+
+    With `max_message_bytes` (kafka.max_message_bytes), a line whose job would be a Kafka message
+    larger than that (keyed by `key_by`) is a bad line too.
+    """
     out = Prepared()
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise SubmitError(f"cannot read {path}: {e}") from e
+    first_line: dict[str, int] = {}  # request_id -> the line that used it first
     for n, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -82,7 +92,15 @@ def prepare(path: Path, tenant_id: str, batch_id: str) -> Prepared:
             data["tenant_id"] = tenant_id
             data.setdefault("batch_id", batch_id)
             data.setdefault("request_id", f"{batch_id}-{n}")
-            out.jobs.append(Job.model_validate(data))
+            job = Job.model_validate(data)
+            if job.request_id in first_line:
+                raise ValueError(f"request_id {job.request_id!r} appears twice (first on line {first_line[job.request_id]}); "
+                                 f"request ids are unique per tenant")
+            if max_message_bytes is not None and (size := record_size(*job_message(job, key_by))) > max_message_bytes:
+                raise ValueError(f"the job is {size} bytes as a Kafka message, over kafka.max_message_bytes={max_message_bytes}; "
+                                 f"shorten its prompt (workers dead-letter larger messages) or raise the limit")
+            first_line[job.request_id] = n
+            out.jobs.append(job)
         except json.JSONDecodeError as e:
             out.errors.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
         except ValidationError as e:
@@ -92,13 +110,6 @@ def prepare(path: Path, tenant_id: str, batch_id: str) -> Prepared:
             out.errors.append(f"line {n}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}{more}")
         except ValueError as e:
             out.errors.append(f"line {n}: {e}")
-    seen: set[str] = set()
-    for job in out.jobs:
-        if job.request_id in seen:
-            out.errors.append(f"request_id {job.request_id!r} appears twice; request ids are unique per tenant")
-        seen.add(job.request_id)
-    if len(seen) != len(out.jobs):
-        out.jobs = list({j.request_id: j for j in out.jobs}.values())
     return out
 
 
@@ -107,6 +118,35 @@ def partition_key(job: Job, by: str) -> bytes:
     by = "adapter" if by == "adapter-balanced" else by
     value = {"tenant": job.tenant_id, "adapter": f"{job.tenant_id}/{job.adapter or ''}", "request": job.request_id}[by]
     return value.encode()
+
+
+def job_message(job: Job, key_by: str) -> tuple[bytes, bytes]:
+    """The record a job is produced as: (key, value)."""
+    return partition_key(job, key_by), job.model_dump_json(exclude_none=True).encode()
+
+
+def manifest_parts(batch_id: str, tenant_id: str, request_ids: list[str], source: str, max_message_bytes: int) -> list[BatchManifest]:
+    """The batch's manifest as messages of at most `max_message_bytes` each; `read_manifest` merges them.
+
+    One part unless the ids do not fit: at the default 1,000,000-byte limit a part holds ~7,600 ids of
+    the longest kind (128 characters), ~40,000 of the generated `batch_<16 hex>-<line>` kind.
+    """
+    created_at = datetime.now(UTC).isoformat(timespec="microseconds")
+    empty = BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=[], source=source, created_at=created_at)
+    budget = max_message_bytes - record_size(batch_id.encode(), empty.model_dump_json().encode())
+    parts: list[list[str]] = [[]]
+    used = 0
+    for rid in request_ids:
+        cost = len(json.dumps(rid)) + 1  # ASCII-escaped, so never shorter than pydantic's UTF-8; the comma
+        if cost > budget:
+            raise SubmitError(f"kafka.max_message_bytes={max_message_bytes} leaves no room in a batch manifest for request id {rid!r} "
+                              f"(source {source!r}); raise the limit or shorten the source path and ids")
+        if used + cost > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(rid)
+        used += cost
+    return [empty.model_copy(update={"request_ids": ids}) for ids in parts]
 
 
 def job_weight(job: Job) -> int:
@@ -151,22 +191,28 @@ def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
 
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
                        progress=None) -> None:
+    """Produce the jobs, then the batch's manifest; nothing at all when a job is over kafka.max_message_bytes."""
+    records = [job_message(job, key_by) for job in jobs]
+    too_big = [(job.request_id, size) for job, record in zip(jobs, records) if (size := record_size(*record)) > cfg.max_message_bytes]
+    if too_big:
+        named = ", ".join(f"{rid!r} ({size} bytes)" for rid, size in too_big[:3])
+        raise SubmitError(f"{len(too_big)} of {len(jobs)} jobs are over kafka.max_message_bytes={cfg.max_message_bytes} as Kafka messages: "
+                          f"{named}{', ...' if len(too_big) > 3 else ''}; nothing was produced; shorten their prompts or raise the limit")
+    manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes)
     producer = make_producer(cfg, client_id="lorabatch-submit")
-    await producer.start()
     try:
+        await producer.start()  # inside: a start that fails (broker down) still closes what it opened
         placed: list[int | None] = [None] * len(jobs)
         if key_by == "adapter-balanced" and jobs:
             placed = balanced_partitions(jobs, sorted(await producer.partitions_for(cfg.jobs_topic)))
         futures = []
-        for job, partition in zip(jobs, placed):
-            futures.append(await producer.send(cfg.jobs_topic, job.model_dump_json(exclude_none=True).encode(),
-                                               key=partition_key(job, key_by), partition=partition))
+        for (key, value), partition in zip(records, placed):
+            futures.append(await producer.send(cfg.jobs_topic, value, key=key, partition=partition))
             if progress is not None:
                 progress(1)
         await asyncio.gather(*futures)
-        manifest = BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=[j.request_id for j in jobs],
-                                 source=source, created_at=datetime.now(UTC).isoformat())
-        await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=batch_id.encode())
+        for manifest in manifests:  # one key, so one partition: the parts stay in order
+            await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=batch_id.encode())
     finally:
         await producer.stop()
 
@@ -178,8 +224,8 @@ def new_batch_id() -> str:
 async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, timeout_s: float) -> None:
     """Read whole topics from the beginning without a group, handing each message to its topic's handler."""
     consumer = make_consumer(cfg, group_id=None, client_id="lorabatch-results")
-    await consumer.start()
     try:
+        await consumer.start()  # inside: a start that fails (broker down) still closes what it opened
         tps = [TopicPartition(t, p) for t in handlers for p in sorted(consumer.partitions_for_topic(t) or ())]
         if not tps:
             return
@@ -204,39 +250,50 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
         await consumer.stop()
 
 
-async def read_manifest(cfg: KafkaConfig, batch_id: str, timeout_s: float = 10.0) -> BatchManifest | None:
+async def read_manifest(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout_s: float = 10.0) -> BatchManifest | None:
+    """The manifest of `tenant_id`'s batch `batch_id`: its parts and resubmissions merged, ids in first-seen order.
+
+    Another tenant's batch of the same id is not this one.
+    """
     found: list[BatchManifest] = []
 
     def take(key, value):
-        if key == batch_id.encode():
-            found.append(BatchManifest.model_validate_json(value))
+        if key == batch_id.encode():  # manifests are keyed by batch id alone: the tenant is in the value
+            manifest = BatchManifest.model_validate_json(value)
+            if manifest.tenant_id == tenant_id and manifest.batch_id == batch_id:
+                found.append(manifest)
 
     await _read_topics(cfg, {cfg.batches_topic: take}, True, lambda: False, timeout_s)
     if not found:
         return None
-    merged = found[0]
-    for later in found[1:]:  # the same batch id submitted again adds its new request ids
-        ids = merged.request_ids + [r for r in later.request_ids if r not in set(merged.request_ids)]
-        merged = merged.model_copy(update={"request_ids": ids})
-    return merged
+    # The same batch id submitted again, or a manifest written in parts, adds its new request ids.
+    ids = list(dict.fromkeys(rid for manifest in found for rid in manifest.request_ids))
+    return found[0].model_copy(update={"request_ids": ids})
 
 
 async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: float, progress=None) -> tuple[dict[str, Result], dict[str, DlqRecord]]:
-    """Results (first one per request id) and DLQ records of the batch, until all are in or the time is up."""
-    wanted = set(manifest.request_ids)
+    """The batch's results and DLQ records by request id, until every request has one or the time is up.
+
+    Only the manifest's tenant's records count. A result is the answer to its (tenant, request id)
+    whatever batch it was published for (a resubmitted request is answered with its first result),
+    and the first one read is kept: a replayed result is the same answer again. A DLQ record is of one
+    message, so it must be of this batch.
+    """
+    tenant_id, wanted = manifest.tenant_id, set(manifest.request_ids)
     results: dict[str, Result] = {}
     dlq: dict[str, DlqRecord] = {}
 
     def take_result(key, value):
         r = Result.model_validate_json(value)
-        if r.batch_id == manifest.batch_id and r.request_id in wanted and r.request_id not in results:
+        if r.tenant_id == tenant_id and r.request_id in wanted and r.request_id not in results:
             results[r.request_id] = r
             if progress is not None and r.request_id not in dlq:
                 progress(1)
 
     def take_dlq(key, value):
         d = DlqRecord.model_validate_json(value)
-        if d.batch_id == manifest.batch_id and d.request_id in wanted and d.request_id not in dlq:
+        if (d.tenant_id == tenant_id and d.batch_id == manifest.batch_id and d.request_id in wanted
+                and d.request_id not in dlq):
             dlq[d.request_id] = d
             if progress is not None and d.request_id not in results:
                 progress(1)

@@ -2,8 +2,11 @@
 
 import json
 
-from consumer.schemas import Result, Usage
-from consumer.submit import partition_key, prepare, to_openai_line
+import pytest
+
+from consumer.kafka import record_size
+from consumer.schemas import Job, Result, Usage
+from consumer.submit import job_message, manifest_parts, partition_key, prepare, to_openai_line
 
 
 def _write(tmp_path, lines):
@@ -66,3 +69,52 @@ def test_openai_output_line():
     assert line["custom_id"] == "r" and line["error"] is None
     assert line["response"]["body"]["choices"][0]["finish_reason"] == "stop"
     assert line["response"]["body"]["usage"]["total_tokens"] == 5
+
+
+def test_duplicate_keeps_the_first_line(tmp_path):
+    """The first line of a request id is the job; the later one is a rejected line naming the first."""
+    p = _write(tmp_path, [{"prompt": "first", "request_id": "same"}, {"prompt": "ok"}, {"prompt": "second", "request_id": "same"}])
+    out = prepare(p, "acme", "b")
+    assert [j.prompt for j in out.jobs] == ["first", "ok"]
+    assert out.errors == ["line 3: request_id 'same' appears twice (first on line 1); request ids are unique per tenant"]
+
+
+def _sized(limit, size, key_by="tenant"):
+    """A native job line whose Kafka record is exactly `size` bytes (keyed by `key_by`)."""
+    job = {"prompt": "x", "request_id": "r", "adapter": "support"}
+    base = record_size(*job_message(Job.model_validate(job | {"tenant_id": "acme", "batch_id": "b"}), key_by))
+    return job | {"prompt": "x" * (1 + size - base)}
+
+
+@pytest.mark.parametrize("key_by", ["tenant", "adapter", "request"])
+@pytest.mark.parametrize(("over", "refused"), [(-1, False), (0, False), (1, True)])
+def test_lines_over_the_message_limit_are_refused(tmp_path, key_by, over, refused):
+    """A line whose record (key included) passes kafka.max_message_bytes is rejected with its number, size and the limit; at the limit it is sent."""
+    limit = 2048
+    p = _write(tmp_path, [{"prompt": "small"}, _sized(limit, limit + over, key_by)])
+    out = prepare(p, "acme", "b", max_message_bytes=limit, key_by=key_by)
+    assert [j.request_id for j in out.jobs] == (["b-1"] if refused else ["b-1", "r"])
+    assert out.errors == ([f"line 2: the job is {limit + over} bytes as a Kafka message, over kafka.max_message_bytes={limit}; "
+                           "shorten its prompt (workers dead-letter larger messages) or raise the limit"] if refused else [])
+
+
+def test_no_limit_no_size_check(tmp_path):
+    """Without a limit (offline callers), prepare checks only the contract."""
+    out = prepare(_write(tmp_path, [_sized(1024, 5000)]), "acme", "b")
+    assert len(out.jobs) == 1 and out.errors == []
+
+
+@pytest.mark.parametrize(("ids", "limit", "parts"), [
+    ([], 1024, 1),  # an empty batch still has its manifest
+    ([f"b-{i}" for i in range(10)], 1024, 1),
+    ([f"b-{i}" for i in range(400)], 1024, 5),
+    (["r" * 128] * 3 + ["é" * 100], 1024, 2),
+])
+def test_manifest_parts_fit_the_limit(ids, limit, parts):
+    """A manifest too big for one message is cut into parts that each fit and that hold every id in order."""
+    got = manifest_parts("batch_0123456789abcdef", "acme", ids, "/some/where/jobs.jsonl", limit)
+    assert len(got) == parts
+    assert [rid for m in got for rid in m.request_ids] == ids
+    for m in got:
+        assert record_size(m.batch_id.encode(), m.model_dump_json().encode()) <= limit
+        assert (m.tenant_id, m.batch_id, m.created_at) == ("acme", got[0].batch_id, got[0].created_at)

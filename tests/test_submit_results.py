@@ -1,0 +1,219 @@
+"""`lorabatch submit` and `lorabatch results` against the embedded broker (real Kafka protocol).
+
+Submit checks every message against kafka.max_message_bytes before it produces anything; results are a
+tenant's: two tenants that use the same batch id and request ids never see each other's results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from aiokafka.errors import MessageSizeTooLargeError
+from typer.testing import CliRunner
+
+from consumer.broker import ensure_topics
+from consumer.cli import app
+from consumer.config import Settings, load_settings
+from consumer.kafka import make_producer, record_size
+from consumer.schemas import BatchManifest, DlqRecord, ErrorInfo, Job, Result
+from consumer.submit import SubmitError, collect_results, produce_jobs, read_manifest
+from tests.service_fixtures import read_all
+
+runner = CliRunner()
+
+
+def _settings(broker, **extra) -> tuple[Settings, dict]:
+    run = uuid.uuid4().hex[:8]
+    overrides = {
+        "kafka.bootstrap_servers": broker.bootstrap,
+        "kafka.jobs_topic": f"{run}.jobs",
+        "kafka.results_topic": f"{run}.results",
+        "kafka.dlq_topic": f"{run}.dlq",
+        "kafka.batches_topic": f"{run}.batches",
+        "kafka.partitions": 2,
+        **extra,
+    }
+    s = load_settings(None, overrides)
+    k = s.kafka
+    asyncio.run(ensure_topics(k.bootstrap_servers, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions))
+    return s, overrides
+
+
+def _config_file(tmp_path, overrides: dict) -> str:
+    """The overrides' kafka keys as a TOML file for the CLI."""
+    lines = ["[kafka]"] + [f"{key.split('.', 1)[1]} = {json.dumps(value)}" for key, value in overrides.items()]
+    path = tmp_path / "lorabatch.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _job(tenant: str, rid: str, prompt: str = "hi", batch: str = "b1") -> Job:
+    return Job.model_validate({"tenant_id": tenant, "request_id": rid, "batch_id": batch, "prompt": prompt})
+
+
+async def _produce(s: Settings, topic: str, values: list[bytes], key: bytes | None = None) -> None:
+    producer = make_producer(s.kafka)
+    await producer.start()
+    try:
+        for value in values:
+            await producer.send_and_wait(topic, value, key=key)
+    finally:
+        await producer.stop()
+
+
+# ---- the message limit ---------------------------------------------------------------------------------
+
+
+def test_producer_limit_is_the_configured_limit(broker):
+    """The producer takes a record of exactly kafka.max_message_bytes (as record_size counts it) and refuses one byte more."""
+    s, _ = _settings(broker, **{"kafka.max_message_bytes": 2048})
+    key = b"acme"
+
+    async def send(size: int) -> None:
+        value = b"x" * (size - record_size(key, b"x" * 1000) + 1000)  # the length's varint as long as at `size`
+        assert record_size(key, value) == size
+        await _produce(s, s.kafka.jobs_topic, [value], key=key)
+
+    asyncio.run(send(2048))
+    with pytest.raises(MessageSizeTooLargeError):
+        asyncio.run(send(2049))
+
+
+def test_produce_jobs_refuses_a_batch_with_an_oversized_job(broker):
+    """One job over the limit and nothing is produced: no job, no manifest; the error names it, its size and the limit."""
+    s, _ = _settings(broker, **{"kafka.max_message_bytes": 2048})
+    jobs = [_job("acme", "small"), _job("acme", "big", "x" * 3000)]
+    with pytest.raises(SubmitError, match=r"1 of 2 jobs are over kafka.max_message_bytes=2048.*'big' \(\d+ bytes\); nothing was produced"):
+        asyncio.run(produce_jobs(s.kafka, jobs, "b1", "acme", "test", "tenant"))
+    assert asyncio.run(read_all(s, s.kafka.jobs_topic, Job, lambda got: False, timeout_s=1.5)) == []
+    assert asyncio.run(read_all(s, s.kafka.batches_topic, BatchManifest, lambda got: False, timeout_s=1.5)) == []
+
+
+def test_cli_submit_rejects_the_oversized_line(broker, tmp_path):
+    """`submit` names the line over kafka.max_message_bytes with its size and the limit, sends the rest, and exits 1."""
+    s, overrides = _settings(broker, **{"kafka.max_message_bytes": 2048})
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a", "x" * 3000, "c")) + "\n")
+    out = runner.invoke(app, ["submit", str(jobs), "--tenant", "acme", "--batch-id", "b1", "--config", _config_file(tmp_path, overrides)])
+    assert out.exit_code == 1, out.output
+    said = " ".join(out.output.split())  # the console wraps long lines
+    assert "line 2: the job is " in said and "bytes as a Kafka message, over kafka.max_message_bytes=2048" in said
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"batch_id": "b1", "submitted": 2, "rejected": 1}
+    sent = asyncio.run(read_all(s, s.kafka.jobs_topic, Job, lambda got: len(got) >= 2, timeout_s=20))
+    assert sorted(j.request_id for j in sent) == ["b1-1", "b1-3"]
+    assert asyncio.run(read_manifest(s.kafka, "acme", "b1")).request_ids == ["b1-1", "b1-3"]
+
+
+def test_a_large_manifest_goes_in_parts(broker):
+    """A batch whose manifest passes the limit is written as several manifests, read back as one with every id in order."""
+    s, _ = _settings(broker, **{"kafka.max_message_bytes": 1024})
+    jobs = [_job("acme", f"request-{i:04d}") for i in range(300)]
+    asyncio.run(produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request"))
+    parts = asyncio.run(read_all(s, s.kafka.batches_topic, BatchManifest, lambda got: False, timeout_s=2))
+    assert len(parts) > 1
+    assert asyncio.run(read_manifest(s.kafka, "acme", "b1")).request_ids == [j.request_id for j in jobs]
+
+
+# ---- results are a tenant's ----------------------------------------------------------------------------
+
+
+def _result(tenant: str, rid: str, text: str, batch: str | None = "b1", worker: str = "w0") -> bytes:
+    return Result(request_id=rid, tenant_id=tenant, batch_id=batch, status="succeeded", text=text, worker_id=worker).model_dump_json().encode()
+
+
+def _dlq(tenant: str, rid: str, batch: str = "b1") -> bytes:
+    return DlqRecord(error=ErrorInfo(code="message_too_large", message="too large"), source_topic="jobs", source_partition=0,
+                     source_offset=7, raw="", raw_b64="", request_id=rid, tenant_id=tenant, batch_id=batch).model_dump_json().encode()
+
+
+@pytest.fixture
+def two_tenants(broker):
+    """acme and globex both submitted batch b1 with request ids r1 and r2 (globex also r3, dead-lettered)."""
+    s, overrides = _settings(broker)
+    k = s.kafka
+
+    async def write() -> None:
+        for tenant, ids in (("acme", ["r1", "r2"]), ("globex", ["r1", "r2", "r3"])):
+            manifest = BatchManifest(batch_id="b1", tenant_id=tenant, request_ids=ids)
+            await _produce(s, k.batches_topic, [manifest.model_dump_json().encode()], key=b"b1")
+        await _produce(s, k.results_topic, [
+            _result("globex", "r1", "globex one"),
+            _result("acme", "r1", "acme one"),
+            _result("globex", "r2", "globex two"),
+            _result("acme", "r2", "acme two"),
+            _result("acme", "r2", "acme two", worker="w1"),  # a replay: the same answer again
+            _result("acme", "r9", "not in the batch"),
+        ], key=None)
+        await _produce(s, k.dlq_topic, [_dlq("globex", "r3"), _dlq("acme", "r3")])
+
+    asyncio.run(write())
+    return s, overrides
+
+
+def test_manifests_are_found_by_tenant_and_batch(two_tenants):
+    """The same batch id of two tenants is two batches; a tenant that submitted none has none."""
+    s, _ = two_tenants
+    assert asyncio.run(read_manifest(s.kafka, "acme", "b1")).request_ids == ["r1", "r2"]
+    assert asyncio.run(read_manifest(s.kafka, "globex", "b1")).request_ids == ["r1", "r2", "r3"]
+    assert asyncio.run(read_manifest(s.kafka, "initech", "b1")) is None
+
+
+def test_results_count_only_the_manifests_tenant(two_tenants):
+    """Each tenant collects its own results and DLQ records by request id, a replayed result once."""
+    s, _ = two_tenants
+    for tenant, texts, dead in (("acme", {"r1": "acme one", "r2": "acme two"}, {}),
+                                ("globex", {"r1": "globex one", "r2": "globex two"}, {"r3"})):
+        manifest = asyncio.run(read_manifest(s.kafka, tenant, "b1"))
+        ticks: list[int] = []
+        got, dlq = asyncio.run(collect_results(s.kafka, manifest, 20, progress=ticks.append))
+        assert {rid: r.text for rid, r in got.items()} == texts
+        assert {r.tenant_id for r in got.values()} == {tenant}
+        assert {rid: d.tenant_id for rid, d in dlq.items()} == {rid: tenant for rid in dead}
+        assert sum(ticks) == len(manifest.request_ids)  # the replay is not counted twice
+
+
+def test_a_resubmitted_request_is_answered_by_its_first_result(broker):
+    """A request id of the tenant resubmitted in a new batch takes the result published for it before, whatever its batch id."""
+    s, _ = _settings(broker)
+
+    async def write() -> None:
+        manifest = BatchManifest(batch_id="b2", tenant_id="acme", request_ids=["r1"])
+        await _produce(s, s.kafka.batches_topic, [manifest.model_dump_json().encode()], key=b"b2")
+        await _produce(s, s.kafka.results_topic, [_result("acme", "r1", "from b1", batch="b1")])
+        await _produce(s, s.kafka.dlq_topic, [_dlq("acme", "r1", batch="b1")])  # a dead-lettered message of b1 is not b2's
+
+    asyncio.run(write())
+    got, dlq = asyncio.run(collect_results(s.kafka, asyncio.run(read_manifest(s.kafka, "acme", "b2")), 20))
+    assert {rid: r.text for rid, r in got.items()} == {"r1": "from b1"} and dlq == {}
+
+
+def test_cli_results_takes_the_tenant(two_tenants, tmp_path):
+    """`results --tenant T --batch-id B` writes T's results in submission order; --tenant is required; another tenant's batch id is not found."""
+    s, overrides = two_tenants
+    config = _config_file(tmp_path, overrides)
+    out = runner.invoke(app, ["results", "--tenant", "globex", "--batch-id", "b1", "--timeout", "20", "--config", config])
+    assert out.exit_code == 0, out.output
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["request_id"], r["status"], r.get("text")) for r in lines] == [
+        ("r1", "succeeded", "globex one"), ("r2", "succeeded", "globex two"), ("r3", "dlq", None)]
+    missing = runner.invoke(app, ["results", "--batch-id", "b1", "--config", config])
+    assert missing.exit_code == 2 and "--tenant" in missing.output
+    other = runner.invoke(app, ["results", "--tenant", "initech", "--batch-id", "b1", "--config", config])
+    assert other.exit_code == 2 and "no batch 'b1' of tenant 'initech'" in other.output
+
+
+def test_cli_says_when_the_broker_is_down(tmp_path):
+    """With no broker, submit and results exit 2 naming the servers; submit says which --batch-id to submit again with."""
+    from consumer.broker import free_port
+
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "a"}\n')
+    out = runner.invoke(app, ["submit", str(jobs), "--tenant", "acme", "--batch-id", "b7", "--config", config])
+    said = " ".join(out.output.split())
+    assert out.exit_code == 2 and "failed" in said and "submit again with --batch-id b7" in said, out.output
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b7", "--config", config])
+    assert out.exit_code == 2 and "lorabatch broker start" in " ".join(out.output.split()), out.output
