@@ -44,7 +44,7 @@ def write_config(home: Path, port: int) -> Path:
     cfg = {
         "kafka": {"bootstrap_servers": f"127.0.0.1:{port}", "group_id": "lorabatch-demo"},
         "broker": {"port": port, "state_dir": str(home / "broker")},
-        "worker": {"max_batch_size": 32, "metrics_port": 0},
+        "worker": {"max_batch_size": 32, "metrics_port": 0, "spool_path": str(home / "spool.sqlite")},
         "store": {"adapter_dir": str(home / "adapters")},
         "engine": {"model_dir": str(home / "set" / "model"), "device": "cpu", "max_new_tokens": 64},
         "ledger": {"url": f"sqlite:///{home / 'ledger.db'}"},

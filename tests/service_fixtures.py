@@ -52,6 +52,7 @@ async def service_settings(broker: EmbeddedBroker, tmp_path, ledger_url: str, mo
         "engine.max_new_tokens": 32,
         "engine.max_prompt_tokens": 200,
         "worker.commit_interval_ms": 50,
+        "worker.spool_path": str(tmp_path / f"spool-{run}.sqlite"),
         "ledger.url": ledger_url,
         **extra,
     }
