@@ -1,0 +1,98 @@
+"""Scenario 3, broker restart with an empty log: offset marks follow the log actually served (DESIGN.md,
+"Reliability and security"). A memory-only broker restarted on the same port has lost its topics and
+committed offsets; the worker must answer the new log from its start, not skip what lies below its
+old marks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from billing import db
+from consumer.broker import EmbeddedBroker, ensure_topics, free_port
+from tests.adversarial.harness import (
+    Collector,
+    account,
+    adversarial_settings,
+    fill_tally,
+    job_message,
+    ledger_problems,
+    live_worker,
+    produce,
+    register_two_tenants,
+    wait_conserved,
+    wait_rows,
+)
+from tests.db_fixtures import fresh_pg_schema
+from tests.service_fixtures import open_services
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+
+def _jobs(tag: str, n: int) -> list[dict]:
+    return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"{tag} job {i}", "max_new_tokens": 2}
+            for i in range(n)]
+
+
+async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set, pg_database):
+    """Jobs before a broker restart are answered; the broker is killed and a fresh one (no topics, no
+    committed offsets) started on the same port with the topics recreated; every job produced to the
+    new log (its offsets all below the worker's old marks) is answered once, the worker stays alive,
+    and the ledger has one row per job with busy == attributed."""
+    port = free_port()
+    first = EmbeddedBroker(port, log_path=tmp_path / "tansu-1.log")
+    await asyncio.to_thread(first.start, [], 1)  # start() runs its own event loop: off this one
+    second = EmbeddedBroker(port, log_path=tmp_path / "tansu-2.log")
+    try:
+        with fresh_pg_schema(pg_database) as url:
+            db.upgrade(url)
+            s = await adversarial_settings(first, tmp_path, url, demo_set["model"])
+            k = s.kafka
+            svc = open_services(s)
+            register_two_tenants(svc, demo_set)
+            before, after = _jobs("before", 24), _jobs("after", 8)  # 12 a partition before, 4 after: all below the marks
+            try:
+                async with live_worker(s, svc) as lw:
+                    async with Collector(s) as col1:
+                        sent1 = await produce(s, [job_message(j) for j in before])
+                        await col1.until(lambda c: c.answered(sent1) or not lw.alive(), 60)
+                        await col1.settle(0.5)
+                    acct1 = account(sent1, col1)
+                    rows1 = await wait_rows(svc.db, [m.identity for m in sent1], 15)
+                    await wait_conserved(svc.db, lw.worker_id)  # everything flushed: nothing of it rides on the old broker
+
+                    first.process.kill()
+                    first.process.wait(10)
+                    await asyncio.to_thread(second.start, [], 1)
+                    await ensure_topics(second.bootstrap, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
+
+                    async with Collector(s) as col2:
+                        sent2 = await produce(s, [job_message(j) for j in after])
+                        await col2.until(lambda c: c.answered(sent2) or not lw.alive(), 120)
+                        await col2.settle(1.0)
+                    acct2 = account(sent2, col2)
+                    identities = [m.identity for m in sent1 + sent2]
+                    rows = await wait_rows(svc.db, identities, 15)
+                    busy = await wait_conserved(svc.db, lw.worker_id)
+                    alive = lw.alive()
+                    unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, {**acct1.results, **acct2.results})
+                    fill_tally(tally, sent1 + sent2, acct2, col2, [lw], unbilled, double, busy)
+                    tally.lost += len(acct1.lost)
+                    tally.published_twice += len(acct1.extra)
+                    tally.cases = len(sent1) + len(sent2)
+                    assert alive, lw.death()
+            finally:
+                svc.close()
+    finally:
+        second.stop()
+        first.stop()
+    assert not acct1.lost and not acct1.extra, (acct1.lost, acct1.extra)
+    assert all(r.status == "succeeded" for rs in acct1.results.values() for r in rs)
+    assert all(rows1.values()), "the jobs before the restart have their rows"
+    assert not acct2.lost, f"{len(acct2.lost)} of {len(sent2)} jobs on the new log were never answered: {acct2.lost}"
+    assert not acct2.extra and not acct2.stray, (acct2.extra, acct2.stray)
+    assert all(r.status == "succeeded" for rs in acct2.results.values() for r in rs), [r.error for rs in acct2.results.values() for r in rs]
+    assert not col2.dlq, [d.error for d, _ in col2.dlq]
+    assert not unbilled and not double, unbilled + double
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"

@@ -1,0 +1,147 @@
+"""Scenarios 4 and 5, the ledger away: PostgreSQL stopped and started mid-run, and the ledger's schema
+dropped under a running worker. DESIGN.md, "Reliability and security": results go out once,
+usage/busy/load records wait in a bounded durable local spool (worker.spool_path), nothing is dropped or
+dead-lettered for it; once the ledger is back, every job has exactly one row and busy == attributed.
+
+Both run on a PostgreSQL cluster of this module's own (tests/adversarial/pg_cluster.py), so stopping it
+disturbs no other test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from billing import db
+from tests.adversarial.harness import (
+    Collector,
+    account,
+    adversarial_settings,
+    fill_tally,
+    job_message,
+    ledger_problems,
+    live_worker,
+    produce,
+    register_two_tenants,
+    wait_conserved,
+    wait_rows,
+)
+from tests.service_fixtures import open_services
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+
+def _jobs(tag: str, n: int, new_tokens: int = 3) -> list[dict]:
+    return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"{tag} job {i}",
+             "max_new_tokens": new_tokens} for i in range(n)]
+
+
+async def _spooling_worker_settings(broker, tmp_path, url, demo_set):
+    return await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
+        "worker.spool_path": str(tmp_path / "spool.sqlite"), "worker.spool_max_records": 10_000,
+        "worker.registry_refresh_s": 0.5})
+
+
+async def test_postgres_stopped_and_started_mid_run(tally, broker, tmp_path, demo_set, own_pg):
+    """PostgreSQL is stopped (fast shutdown) while jobs flow and more are produced while it is down:
+    every job's result is published exactly once while it is down (no republish storm on the ledger's
+    retries), nothing is dead-lettered, the worker stays alive; once it is started again, every job has
+    exactly one ledger row with its usage and the worker's busy time equals its attributed time."""
+    url = own_pg.new_database()
+    db.upgrade(url)
+    s = await _spooling_worker_settings(broker, tmp_path, url, demo_set)
+    svc = open_services(s)
+    register_two_tenants(svc, demo_set)
+    down_since = None
+    try:
+        async with live_worker(s, svc) as lw, Collector(s) as col:
+            warm = await produce(s, [job_message(j) for j in _jobs("warm", 6)])
+            await col.until(lambda c: c.answered(warm) or not lw.alive(), 60)
+
+            flowing = await produce(s, [job_message(j) for j in _jobs("flowing", 24, new_tokens=8)])
+            await asyncio.to_thread(own_pg.stop)
+            down_since = time.monotonic()
+            down = await produce(s, [job_message(j) for j in _jobs("down", 12)])
+            sent = warm + flowing + down
+            answered_while_down = await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+            await col.settle(2.0)  # a republish on the ledger's retries would show here
+            published_while_down = len(col.results)
+            alive_while_down = lw.alive()
+            await asyncio.to_thread(own_pg.start)
+            down_s = time.monotonic() - down_since
+
+            identities = [m.identity for m in sent]
+            rows = await wait_rows(svc.db, identities, 60)
+            busy = await wait_conserved(svc.db, lw.worker_id, 30)
+            await col.until(lambda c: c.answered(sent) or not lw.alive(), 30)
+            await col.settle(2.0)
+            acct = account(sent, col)
+            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
+            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            tally.note(f"PostgreSQL down {down_s:.1f}s; {published_while_down} results published while down")
+            assert lw.alive(), lw.death()
+    finally:
+        svc.close()
+    assert alive_while_down, "the worker died while the ledger was down"
+    assert not acct.extra, f"results published more than once: {acct.extra}"
+    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
+    assert answered_while_down, (f"only {published_while_down} of {len(sent)} results were published while the ledger was down; "
+                                 "results must go out while ledger records wait in the spool")
+    assert not acct.stray, acct.stray
+    assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
+    assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
+    assert not unbilled and not double, unbilled[:10] + double[:10]
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us after the restart"
+
+
+async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_path, demo_set, own_pg):
+    """The ledger's schema is dropped (DROP SCHEMA public CASCADE) under a running worker and jobs keep
+    coming: their results are published once, nothing goes to the DLQ with a ledger error, the worker
+    stays alive; after re-migrating (billing.db.upgrade), the spooled records land: one row each, and the
+    busy records that wait with them equal the time attributed to those rows."""
+    url = own_pg.new_database()
+    db.upgrade(url)
+    s = await _spooling_worker_settings(broker, tmp_path, url, demo_set)
+    svc = open_services(s)
+    register_two_tenants(svc, demo_set)
+    try:
+        async with live_worker(s, svc) as lw, Collector(s) as col:
+            warm = await produce(s, [job_message(j) for j in _jobs("warm", 6)])
+            await col.until(lambda c: c.answered(warm) or not lw.alive(), 60)
+            warm_rows = await wait_rows(svc.db, [m.identity for m in warm], 15)
+            await wait_conserved(svc.db, lw.worker_id)  # the warm-up's busy time is in before the schema goes
+
+            own_pg.execute(url, "SET lock_timeout = '20s'", "DROP SCHEMA public CASCADE", "CREATE SCHEMA public")
+            during = await produce(s, [job_message(j) for j in _jobs("dropped", 16, new_tokens=6)])
+            sent = warm + during
+            answered_without_schema = await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+            await col.settle(2.0)
+            published_without_schema = len(col.results)
+            alive_without_schema = lw.alive()
+
+            await asyncio.to_thread(db.upgrade, url)
+            register_two_tenants(svc, demo_set)  # the registry lived in the dropped schema too
+            identities = [m.identity for m in during]
+            rows = await wait_rows(svc.db, identities, 60)
+            busy = await wait_conserved(svc.db, lw.worker_id, 30)
+            await col.settle(2.0)
+            acct = account(sent, col)
+            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
+            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            tally.note(f"{published_without_schema} results published without a schema")
+            assert lw.alive(), lw.death()
+    finally:
+        svc.close()
+    ledger_dlq = [(d.error.code, d.error.message[:200]) for d, _ in col.dlq if d.error.code.startswith("ledger")]
+    assert all(warm_rows.values()), "the warm-up has its rows before the drop"
+    assert alive_without_schema, "the worker died while the ledger had no schema"
+    assert not ledger_dlq, f"dead-lettered for the ledger's schema: {ledger_dlq}"
+    assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
+    assert not acct.extra, f"results published more than once: {acct.extra}"
+    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
+    assert answered_without_schema, f"only {published_without_schema} of {len(sent)} results were published without a schema"
+    assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
+    assert not unbilled and not double, unbilled[:10] + double[:10]
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us once the spool landed"
