@@ -1,0 +1,90 @@
+"""Scenario 6, Redis away: routing goes on through L3 and defaults, the reason says so, nothing blocks
+(DESIGN.md, "Routing"). A Redis of the test's own (tests/service_fixtures.py RedisServer) is stopped
+while jobs flow, and frozen (SIGSTOP: connections open, no answers) in a second test."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from billing import db
+from tests.adversarial.harness import (
+    Collector,
+    account,
+    adversarial_settings,
+    fill_tally,
+    job_message,
+    ledger_problems,
+    live_worker,
+    produce,
+    register_two_tenants,
+    wait_conserved,
+    wait_rows,
+)
+from tests.db_fixtures import fresh_pg_schema
+from tests.service_fixtures import open_services
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+
+def _wave(tag: str, n: int) -> list[dict]:
+    return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "user_id": f"u{i % 3}",
+             "session_id": f"s{i % 4}", "prompt": f"{tag} hello {i}", "max_new_tokens": 3} for i in range(n)]
+
+
+async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, outage, recover) -> None:
+    with fresh_pg_schema(pg_database) as url:
+        db.upgrade(url)
+        s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
+            "routing.cache": "redis", "routing.redis_url": redis_server.url, "routing.redis_backoff_s": 0.2})
+        svc = open_services(s)
+        register_two_tenants(svc, demo_set)
+        try:
+            async with live_worker(s, svc) as lw, Collector(s) as col:
+                before = await produce(s, [job_message(j) for j in _wave("before", 16)])
+                outage()  # while the first wave is still being fetched and routed
+                during = await produce(s, [job_message(j) for j in _wave("during", 16)])
+                ok_during = await col.until(lambda c: c.answered(before + during) or not lw.alive(), 60)
+                recover()
+                after = await produce(s, [job_message(j) for j in _wave("after", 16)])
+                sent = before + during + after
+                await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+                await col.settle(1.0)
+                identities = [m.identity for m in sent]
+                rows = await wait_rows(svc.db, identities, 15)
+                busy = await wait_conserved(svc.db, lw.worker_id)
+                acct = account(sent, col)
+                unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
+                fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+                assert lw.alive(), lw.death()
+        finally:
+            svc.close()
+    assert ok_during, "jobs were not answered while Redis was away"
+    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
+    assert not col.dlq, [d.error for d, _ in col.dlq]
+    failed = [(i, r.error) for i, rs in acct.results.items() for r in rs if r.status != "succeeded"]
+    assert not failed, failed
+    during_routes = [acct.results[m.identity][0].route for m in during]
+    assert all("cache unavailable" in r for r in during_routes), f"routing during the outage must say so: {during_routes}"
+    assert not unbilled and not double, unbilled + double
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
+
+
+async def test_redis_stopped_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server):
+    """Redis (routing.cache = "redis") is stopped while jobs flow and started again (empty): every job is
+    answered once and succeeds, routing during the outage falls back and says "cache unavailable", the
+    worker stays alive, one ledger row each, busy == attributed."""
+    await _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, redis_server.stop, redis_server.start)
+
+
+async def test_redis_frozen_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server):
+    """Redis frozen (SIGSTOP: its socket accepts, nothing answers) while jobs flow, then thawed: each call
+    costs at most routing.redis_timeout_ms and then the backoff routes without it, so every job is
+    answered once and succeeds, the worker stays alive, one ledger row each, busy == attributed."""
+    proc = redis_server.proc
+    try:
+        await _run(tally, broker, tmp_path, demo_set, pg_database, redis_server,
+                   lambda: proc.send_signal(signal.SIGSTOP), lambda: proc.send_signal(signal.SIGCONT))
+    finally:
+        proc.send_signal(signal.SIGCONT)
