@@ -78,7 +78,7 @@ class WorkerConfig(_Section):
     spool_path: str = Field("", description="the durable local spool of ledger records while the ledger is down; "
                             "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")
     spool_max_records: int = Field(100_000, ge=1, description="fetching pauses while the spool holds this many records")
-    answered_cache: int = Field(100_000, ge=0, description="recent (tenant, request_id) answers kept in memory, so "
+    answered_cache: int = Field(10_000, ge=0, description="recent (tenant, request_id) answers kept in memory, so "
                                 "a redelivered job is answered without asking the ledger")
     log_check_s: float = Field(2.0, gt=0, description="how often the partitions' log ends and committed offsets are "
                                "checked against the worker's marks (a broker restart, a recreated topic)")

@@ -115,7 +115,7 @@ class Deliverer:
     # ---------------------------------------------------------------- publish
 
     def _limit(self) -> int:
-        return self.k.max_message_bytes - _ENVELOPE_BYTES
+        return self.k.max_message_bytes - min(_ENVELOPE_BYTES, self.k.max_message_bytes // 8)
 
     def _fit(self, o: Outcome) -> None:
         """Make the outcome's messages fit the broker, and keep the result body with its usage row."""

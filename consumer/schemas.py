@@ -240,7 +240,7 @@ def dlq_record(raw: bytes | None, error: ErrorInfo, *, topic: str, partition: in
     keep = min(DLQ_RAW_BYTES, max(0, max_bytes // 16))
     head = raw[:keep]
     return DlqRecord(
-        error=error.model_copy(update={"message": error.message[:2000]}), source_topic=topic, source_partition=partition,
+        error=error.model_copy(update={"message": error.message[: max(200, min(2000, max_bytes // 16))]}), source_topic=topic, source_partition=partition,
         source_offset=offset, source_timestamp_ms=timestamp_ms, raw=head.decode("utf-8", "replace"),
         raw_b64=base64.b64encode(head).decode(), raw_bytes=len(raw), raw_sha256=hashlib.sha256(raw).hexdigest(),
         raw_truncated=len(head) < len(raw), request_id=request_id, tenant_id=tenant_id, batch_id=batch_id,

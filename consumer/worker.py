@@ -48,6 +48,7 @@ from engine.async_engine import AsyncEngine
 log = logging.getLogger("lorabatch.worker")
 
 SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction weights know these tiers
+_CACHED_ANSWER_CHARS = 16_384  # answers kept in memory stay small: 10,000 of them are under ~200 MB
 
 
 def make_route_cache(s: Settings) -> RouteCache:
@@ -102,6 +103,7 @@ class Worker:
         self._paused = False
         self._cache_errors_seen = 0
         self._logs_checked_at = 0.0
+        self._revoked: set[TopicPartition] = set()  # of the latest rebalance
         self._lookup_warned_at = 0.0
         self.consumer = None
         self.deliverer: Deliverer | None = None
@@ -322,11 +324,14 @@ class Worker:
         try:
             for key, usage in (await asyncio.to_thread(self.spool.usage, keys)).items():
                 found[key] = _stored_result(key, usage.result_json, usage)
-            rest = keys - found.keys()
+        except Exception:  # noqa: BLE001 - the spool file is unreadable: the ledger may still know
+            log.exception("cannot read stored answers from the spool at %s", self.spool.path)
+        rest = keys - found.keys()
+        try:
             if rest:
                 for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
                     found[key] = _stored_result(key, row.result_json, row)
-        except LedgerError as e:
+        except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
             # Answers written by this worker are in memory or the spool; another worker's, written while the
             # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
             if time.monotonic() - self._lookup_warned_at > 30:
@@ -339,7 +344,8 @@ class Worker:
         self.deliverer.emit(outcome)
         result = outcome.result
         assert result is not None, outcome
-        if keep and self.s.worker.answered_cache:
+        if keep and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
+                and result.logprobs is None:  # big answers are read back from the spool or the ledger instead
             self._answers[key] = result
             self._answers.move_to_end(key)
             while len(self._answers) > self.s.worker.answered_cache:
@@ -418,13 +424,13 @@ class Worker:
             self._in_engine.pop(id(p), None)
             self.scheduler.finished(p)
             if item.abandoned:
-                await self._orphaned(key)
+                await self._orphaned(key, self._revoked)
             self._work_event.set()
 
-    async def _orphaned(self, key: Key) -> None:
+    async def _orphaned(self, key: Key, revoked: set[TopicPartition]) -> None:
         """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
         runs in its place; copies from revoked partitions are left to their new owner."""
-        copies = [c for c in self._running.pop(key, []) if c.tp in self.consumer.assignment()]
+        copies = [c for c in self._running.pop(key, []) if c.tp not in revoked]
         if not copies:
             return
         first, *rest = copies
@@ -488,6 +494,7 @@ class Worker:
         rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new owner redoes
         it) and leave the queued jobs to the new owner."""
         deadline = time.monotonic() + self.s.worker.revoke_deadline_s
+        self._revoked = set(revoked)
 
         def revoked_running() -> list[Routed]:
             return [r for _, r in self._in_engine.values() if r.tp in revoked]
@@ -508,7 +515,7 @@ class Worker:
             item = p.payload
             key = (item.job.tenant_id, item.job.request_id)
             item.abandoned = True
-            await self._orphaned(key)
+            await self._orphaned(key, revoked)
         self.offsets.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
