@@ -18,13 +18,14 @@ from datetime import datetime, timezone
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
+from billing.billable import check_known_tenant, check_period_range
 from billing.config import LedgerConfig
 from billing.db import session_factory
 from billing.errors import PeriodNotEndedError
 from billing.filing import lock_periods
 from billing.invoice import Invoice, build_invoice, draft_invoices, read_closed, tune_aggregates
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine, ColdStartShare
-from billing.periods import check_period, period_end
+from billing.periods import period_end
 from billing.prices import PriceBook
 from billing.tally import live_spread
 
@@ -32,7 +33,7 @@ from billing.tally import live_spread
 def _check_ended(period: str, now: datetime | None) -> datetime:
     now = now or datetime.now(timezone.utc)
     assert now.utcoffset() is not None, f"naive datetime {now!r}: pass an aware one"
-    end = period_end(check_period(period))
+    end = period_end(check_period_range(period))
     if now < end:
         raise PeriodNotEndedError(
             f"period {period} runs until {end:%Y-%m-%dT%H:%MZ} and it is {now.astimezone(timezone.utc):%Y-%m-%dT%H:%MZ}; "
@@ -43,9 +44,9 @@ def _check_ended(period: str, now: datetime | None) -> datetime:
 
 def close_invoice(engine: Engine, config: LedgerConfig, tenant_id: str, period: str, *, now: datetime | None = None) -> Invoice:
     """Close `tenant_id`'s invoice of `period` and return it as frozen (at once, if it already was)."""
-    assert tenant_id, "tenant_id must name a tenant"
     closed_at = _check_ended(period, now)
     with session_factory(engine).begin() as session:
+        check_known_tenant(session, tenant_id)  # before anything is locked or stored: an unknown id gets no closed invoice
         state = lock_periods(session, [period], exclusive=True)[period]
         tune_aggregates(session)
         if state.closed or read_closed(session, period, tenant_id):

@@ -4,9 +4,10 @@ For a period P (a UTC month), exactly:
 
   1. attributed_us == busy_us, where attributed_us is the sum of base_us + lora_us over the usage rows
      created in P and busy_us the sum of busy_us over the GPU busy records started in P. Each step's
-     time is split over its requests to the microsecond (billing/attribution.py) and a busy record sums
-     the same steps, so the two agree whenever each engine batch's busy record and its requests fall
-     in the same month; a batch that straddles a month's first instant moves its microseconds between
+     time is split over its requests to the microsecond by the engine (engine/timing.py; billing
+     takes the sums as plain records and imports nothing of it) and a busy record sums the same
+     steps, so the two agree whenever each engine batch's busy record and its requests fall in the
+     same month; a batch that straddles a month's first instant moves its microseconds between
      the two months, and `unattributed_us` (busy - attributed) shows it.
   2. cold_start_us == load_us, where cold_start_us is the sum of the cold-start time on every invoice
      of P and load_us the sum of load_us over the loads billed to P whose adapter (name@version and

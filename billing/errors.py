@@ -37,3 +37,11 @@ class PriceError(LedgerError, ValueError):
 
 class PeriodNotEndedError(LedgerError, ValueError):
     """A period cannot be closed before it has ended: its usage is still arriving."""
+
+
+class UnknownTenantError(LedgerError, ValueError):
+    """A tenant id that neither the registry nor the ledger holds: nothing can be billed to it."""
+
+
+class UnbillablePeriodError(LedgerError, ValueError):
+    """A well-formed period that cannot be billed: outside the years the ledger bills, or not begun and empty."""

@@ -10,6 +10,7 @@ Decimals. With no revenue at all in the period every tenant that used the GPU is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from sqlalchemy import Engine
@@ -55,11 +56,12 @@ def _share(part: Decimal, whole: Decimal) -> Decimal:
     return (part / whole).quantize(_SHARE_QUANTUM, rounding=ROUND_HALF_EVEN) if whole else Decimal(0).quantize(_SHARE_QUANTUM)
 
 
-def finance_report(db: Engine | Session, period: str, config: LedgerConfig, flag_factor: Decimal | None = None) -> FinanceReport:
-    """The finance report of `period`; `flag_factor` overrides config.finance_flag_factor."""
+def finance_report(db: Engine | Session, period: str, config: LedgerConfig, flag_factor: Decimal | None = None, *,
+                   now: datetime | None = None) -> FinanceReport:
+    """The finance report of `period`; `flag_factor` overrides config.finance_flag_factor (a period that cannot be billed is refused)."""
     factor = config.finance_flag_factor if flag_factor is None else flag_factor
     assert isinstance(factor, Decimal) and factor > 0, f"flag_factor must be a positive Decimal, got {factor!r}"
-    invoices: list[Invoice] = period_invoices(db, period, config)
+    invoices: list[Invoice] = period_invoices(db, period, config, now=now)
     gpu_total = sum((i.totals.gpu_ms for i in invoices), Decimal(0))
     revenue_total = sum((i.totals.revenue for i in invoices), ZERO_COST)
     tenants = []

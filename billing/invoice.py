@@ -24,6 +24,7 @@ from decimal import Decimal
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
+from billing.billable import check_billable_period, check_known_tenant
 from billing.config import LedgerConfig
 from billing.cost import ZERO_COST, gpu_cost, us_to_ms
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine
@@ -134,17 +135,19 @@ def _snapshot(db: Session | Engine) -> Session:
     return session
 
 
-def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: LedgerConfig) -> Invoice:
+def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: LedgerConfig, *, now: datetime | None = None) -> Invoice:
     """The invoice of `tenant_id` for `period` ("YYYY-MM", UTC): the frozen one once closed, else the draft.
 
     Given an Engine, it is read in one snapshot; given a Session, in that session's transaction. The
     draft prices GPU time with the price lists of config.gpu_kind (config.gpu_price_per_hour where none
-    applies) and tokens with the tenant tier's list.
+    applies) and tokens with the tenant tier's list. A period that cannot be billed, or a tenant nobody
+    knows, is refused (billing/billable.py), `now` deciding whether the period has begun.
     """
     check_period(period)
-    assert tenant_id, "tenant_id must name a tenant"
     session = _snapshot(db)
     try:
+        check_billable_period(session, period, now)
+        check_known_tenant(session, tenant_id)
         closed = read_closed(session, period, tenant_id)
         if tenant_id in closed:
             return closed[tenant_id]
@@ -210,11 +213,12 @@ def read_closed(session: Session, period: str, tenant_id: str | None = None) -> 
     }
 
 
-def period_invoices(db: Session | Engine, period: str, config: LedgerConfig) -> list[Invoice]:
-    """Every invoice of `period`, by tenant: the closed ones as frozen, the others as drafts now."""
+def period_invoices(db: Session | Engine, period: str, config: LedgerConfig, *, now: datetime | None = None) -> list[Invoice]:
+    """Every invoice of `period`, by tenant: the closed ones as frozen, the others as drafts now (a period that cannot be billed is refused)."""
     check_period(period)
     session = _snapshot(db)
     try:
+        check_billable_period(session, period, now)
         invoices = read_closed(session, period)
         period_closed = session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period)) is not None
         if not period_closed:

@@ -8,6 +8,7 @@ import json
 from dataclasses import fields
 from decimal import Decimal
 
+from billing.credit import KV_CREDIT_RULE
 from billing.invoice import Invoice, InvoiceAmounts
 
 AMOUNT_KEYS = tuple(f.name for f in fields(InvoiceAmounts))
@@ -31,7 +32,7 @@ def _amounts(amounts: InvoiceAmounts) -> dict[str, int | str]:
 
 
 def invoice_document(invoice: Invoice) -> dict[str, object]:
-    """The invoice as plain JSON values: tenant, period, status, currency, lines, totals."""
+    """The invoice as plain JSON values: tenant, period, status, currency, lines, totals, and the rule its KV credit follows."""
     return {
         "tenant": invoice.tenant,
         "period": invoice.period,
@@ -42,6 +43,7 @@ def invoice_document(invoice: Invoice) -> dict[str, object]:
             for line in invoice.lines
         ],
         "totals": {**_amounts(invoice.totals), "unpriced_requests": invoice.unpriced_requests},
+        "kv_credit_rule": KV_CREDIT_RULE,
     }
 
 

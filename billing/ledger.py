@@ -20,14 +20,16 @@ from typing import Any
 
 from sqlalchemy import Engine, func, inspect, select, tuple_
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.orm import Session
 
 from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
+from billing.credit import kv_credit_us
 from billing.db import current_revision, dialect_insert, head_revision, session_factory
 from billing.errors import LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
-from billing.models import AdapterLoad, Base, Busy, Usage
+from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
 from billing.periods import period_of
 from billing.pg_copy import copy_insert
 from billing.prices import PriceBook, gpu_price_list
@@ -53,9 +55,11 @@ class Ledger:
         """Write `records` in one transaction (binary COPY on PostgreSQL, multi-row INSERTs on SQLite); return how many rows are new.
 
         A record whose (tenant_id, request_id) is already in the ledger, or earlier in `records`, adds
-        no row. Every record is checked before anything is written, so a bad one fails the whole batch
-        with LedgerRecordError and leaves the ledger untouched. Each row's `cost` is its net GPU time at
-        the GPU price in effect at its created_at (informational: invoices price the sums).
+        no row; if another run measured it (another worker or receipt), it is kept as redelivered work.
+        Every record is checked before anything is written, so a bad one fails the whole batch with
+        LedgerRecordError and leaves the ledger untouched. Each row's `cost` is its net GPU time (less
+        the KV credit as billed, billing/credit.py) at the GPU price in effect at its created_at
+        (informational: invoices price the sums).
         """
         # Sorted by the unique key, two workers writing overlapping batches take row locks in the same
         # order, so PostgreSQL makes one wait for the other instead of failing one as a deadlock (two
@@ -76,11 +80,45 @@ class Ledger:
             prices = PriceBook(gpu_price_list(session, self._config.gpu_kind), (), self._config.gpu_price_per_hour)
             for row in rows:
                 row["invoice_period"] = filed[(row["tenant_id"], row["period"])]
-                net_us = row["base_us"] + row["lora_us"] + row["routing_us"] - row["kv_saved_us"]
+                credit = kv_credit_us(kv_saved_us=row["kv_saved_us"], base_us=row["base_us"], lora_us=row["lora_us"],
+                                      input_tokens=row["input_tokens"], cached_tokens=row["cached_tokens"], output_tokens=row["output_tokens"])
+                net_us = row["base_us"] + row["lora_us"] + row["routing_us"] - credit
                 row["cost"] = gpu_cost(net_us, prices.gpu_price_at(row["created_at"]))
             if self._copy:
-                return copy_insert(session, table, rows, key=("tenant_id", "request_id"))
-            return len(session.execute(statement, rows).all())
+                inserted = copy_insert(session, table, rows, key=("tenant_id", "request_id"))
+            else:
+                inserted = len(session.execute(statement, rows).all())
+            if inserted < len(rows):
+                self._keep_redeliveries(session, rows)
+            return inserted
+
+    def _keep_redeliveries(self, session: Session, rows: list[dict[str, Any]]) -> None:
+        """Keep the copies in `rows` that a second run measured (billing.models.UsageRedelivery).
+
+        Read only when some row was not new. A copy whose worker and receipt (created_at) are those of the
+        stored row is the same run written again (a retried flush, the spool): nothing to keep.
+        """
+        keys = sorted({(row["tenant_id"], row["request_id"]) for row in rows})
+        stored: dict[tuple[str, str], tuple[str, Any]] = {}
+        for start in range(0, len(keys), ANSWERED_CHUNK):
+            chunk = keys[start:start + ANSWERED_CHUNK]
+            statement = select(Usage.tenant_id, Usage.request_id, Usage.worker_id, Usage.created_at).where(
+                tuple_(Usage.tenant_id, Usage.request_id).in_(chunk))
+            for tenant_id, request_id, worker_id, created_at in session.execute(statement):
+                stored[(tenant_id, request_id)] = (worker_id, created_at)
+        copies = {}
+        for row in rows:
+            first = stored[(row["tenant_id"], row["request_id"])]
+            if first != (row["worker_id"], row["created_at"]):
+                copy = {name: row[name] for name in _REDELIVERY_COLUMNS}
+                copies[(copy["tenant_id"], copy["request_id"], copy["worker_id"], copy["created_at"])] = copy
+        if copies:
+            table = UsageRedelivery.__table__
+            session.execute(
+                self._insert(table).on_conflict_do_nothing(
+                    index_elements=[table.c.tenant_id, table.c.request_id, table.c.worker_id, table.c.created_at]),
+                [copies[key] for key in sorted(copies)],
+            )
 
     def record_adapter_loads(self, records: Sequence[AdapterLoadRecord]) -> int:
         """Write one row per adapter load; return how many are new (a load written twice counts once)."""
@@ -245,6 +283,7 @@ def _schema_fault(engine: Engine) -> str | None:
     return None
 
 
+_REDELIVERY_COLUMNS = ("tenant_id", "request_id", "worker_id", "created_at", "period", "adapter", "base_us", "lora_us", "routing_us")
 _USAGE_CHECK = RowChecker(Usage.__table__, (f.name for f in fields(UsageRecord)))
 _LOAD_CHECK = RowChecker(AdapterLoad.__table__, (f.name for f in fields(AdapterLoadRecord)))
 _BUSY_CHECK = RowChecker(Busy.__table__, (f.name for f in fields(BusyRecord)))

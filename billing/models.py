@@ -137,6 +137,32 @@ class Usage(Base):
     result_json: Mapped[str | None] = mapped_column(Text)
 
 
+class UsageRedelivery(Base):
+    """A copy of a request that ran again after its usage row was written: GPU busy time billed to nobody.
+
+    The usage row that was written first bills the request; a later copy measured by another run (another
+    worker, or another receipt of the job) adds no usage row, and is kept here so that the busy time it
+    took is named as redelivered work (billing/reconcile.py). A retried write of the same copy adds nothing.
+    """
+
+    __tablename__ = "usage_redeliveries"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "request_id", "worker_id", "created_at"),
+        Index(None, "period"),
+    )
+
+    id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    request_id: Mapped[str] = mapped_column(String(256))
+    worker_id: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # the copy's own receipt
+    period: Mapped[str] = mapped_column(CHAR(7))  # the UTC month of created_at
+    adapter: Mapped[str | None] = mapped_column(String(200))
+    base_us: Mapped[int] = mapped_column(BigInteger)
+    lora_us: Mapped[int] = mapped_column(BigInteger)
+    routing_us: Mapped[int] = mapped_column(BigInteger)
+
+
 class AdapterLoad(Base):
     """One adapter load (a cold start), spread over the adapter's requests of its period."""
 

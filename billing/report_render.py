@@ -1,4 +1,4 @@
-"""The finance and SRE reports as a text table, JSON, CSV, or one self-contained HTML page with charts.
+"""The finance, SRE and reconciliation reports as a text table, JSON, CSV, or one self-contained HTML page with charts.
 
 Every renderer works from the same three things: a title, a summary (name -> value) and the report's
 tables (a name, a header and rows), so the four formats always carry the same figures. Decimals are
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from billing.finance import FinanceReport
+from billing.cost import us_to_ms
 from billing.invoice_render import decimal_text
+from billing.reconcile import ReconcileReport, reconcile_summary
 from billing.sre import PERCENTILES, SreReport
 
 FORMATS = ("table", "json", "csv", "html")
@@ -43,8 +45,15 @@ def _json_value(value: object) -> object:
     return decimal_text(value) if isinstance(value, Decimal) else value
 
 
-def _parts(report: FinanceReport | SreReport) -> tuple[str, str, dict[str, object], list[Table]]:
+Report = FinanceReport | SreReport | ReconcileReport
+
+
+def _parts(report: Report) -> tuple[str, str, dict[str, object], list[Table]]:
     """(kind, title, summary, tables) of a report."""
+    if isinstance(report, ReconcileReport):
+        lines = Table("lines", ("item", "kind", "us", "ms", "note"),
+                      tuple((line.item, line.kind, line.us, us_to_ms(line.us), line.note) for line in report.lines))
+        return "reconcile", f"Reconciliation {report.period}", reconcile_summary(report), [lines]
     if isinstance(report, FinanceReport):
         summary = {"currency": report.currency, "flag_factor": report.flag_factor, "tenants": len(report.tenants), "requests": report.requests,
                    "gpu_ms": report.gpu_ms, "cost": report.cost, "revenue": report.revenue, "margin": report.margin,
@@ -59,10 +68,10 @@ def _parts(report: FinanceReport | SreReport) -> tuple[str, str, dict[str, objec
     latency = tuple(f"{kind}_p{p}_ms" for kind in ("total", "ttft") for p in PERCENTILES)
     adapters = Table(
         "adapters",
-        ("adapter", "requests", "failed", "base_s", "lora_s", "routing_s", "kv_saved_s", "cold_start_s", "gpu_s", "routing_overhead",
-         "cached_tokens", "cold_starts", *latency),
-        tuple((a.adapter, a.requests, a.failed, a.base_s, a.lora_s, a.routing_s, a.kv_saved_s, a.cold_start_s, a.gpu_s, a.routing_overhead,
-               a.cached_tokens, a.cold_starts, *a.total_ms, *a.ttft_ms) for a in report.adapters),
+        ("adapter", "requests", "failed", "base_s", "lora_s", "routing_s", "kv_saved_s", "kv_measured_s", "cold_start_s", "gpu_s",
+         "routing_overhead", "cached_tokens", "cold_starts", *latency),
+        tuple((a.adapter, a.requests, a.failed, a.base_s, a.lora_s, a.routing_s, a.kv_saved_s, a.kv_measured_s, a.cold_start_s, a.gpu_s,
+               a.routing_overhead, a.cached_tokens, a.cold_starts, *a.total_ms, *a.ttft_ms) for a in report.adapters),
     )
     workers = Table(
         "workers",
@@ -72,21 +81,29 @@ def _parts(report: FinanceReport | SreReport) -> tuple[str, str, dict[str, objec
     return "sre", f"SRE report {report.period}", summary, [adapters, workers]
 
 
-def render_report_table(report: FinanceReport | SreReport) -> str:
+def _cell(value: object) -> str:
+    """A table cell: "-" where the other formats leave the value empty, so that every row has all its columns."""
+    return _text(value) or "-"
+
+
+def render_report_table(report: Report) -> str:
+    """Title, the summary as key=value, then each table aligned (text left, numbers right; the last column may hold spaces)."""
     _, title, summary, tables = _parts(report)
-    out = [title, "  ".join(f"{key}={_text(value)}" for key, value in summary.items())]
+    out = [title, "  ".join(f"{key}={_cell(value)}" for key, value in summary.items())]
     for table in tables:
-        cells = [table.header, *(tuple(map(_text, row)) for row in table.rows)]
+        cells = [table.header, *(tuple(map(_cell, row)) for row in table.rows)]
         widths = [max(len(row[i]) for row in cells) for i in range(len(table.header))]
+        numeric = [i > 0 and all(isinstance(row[i], (int, Decimal)) and not isinstance(row[i], bool) for row in table.rows)
+                   for i in range(len(table.header))]
         out += ["", f"{table.name}:"]
         for n, row in enumerate(cells):
-            out.append("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]))
+            out.append("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip())
             if n == 0:
                 out.append("  ".join("-" * w for w in widths))
     return "\n".join(out) + "\n"
 
 
-def render_report_json(report: FinanceReport | SreReport) -> str:
+def render_report_json(report: Report) -> str:
     kind, _, summary, tables = _parts(report)
     document: dict[str, object] = {"report": kind, "period": report.period, "summary": {k: _json_value(v) for k, v in summary.items()}}
     for table in tables:
@@ -94,15 +111,17 @@ def render_report_json(report: FinanceReport | SreReport) -> str:
     return json.dumps(document, indent=2)
 
 
-def render_report_csv(report: FinanceReport | SreReport) -> str:
-    """One CSV: a `section` column names each row's table, the header is the union of the tables' columns."""
-    _, _, _, tables = _parts(report)
+def render_report_csv(report: Report) -> str:
+    """One CSV: a `section` column names each row's table ("summary" for the first row, the summary's
+    figures), the header is the union of the summary's keys and the tables' columns."""
+    _, _, summary, tables = _parts(report)
     columns: list[str] = []
-    for table in tables:
-        columns += [c for c in table.header if c not in columns]
+    for header in (tuple(summary), *(table.header for table in tables)):
+        columns += [c for c in header if c not in columns]
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=["section", *columns])
     writer.writeheader()
+    writer.writerow({"section": "summary", **{key: _text(value) for key, value in summary.items()}})
     for table in tables:
         for row in table.rows:
             writer.writerow({"section": table.name, **{key: _text(value) for key, value in zip(table.header, row)}})
@@ -120,7 +139,7 @@ dl { display: grid; grid-template-columns: max-content max-content; gap: 0.2em 1
 """
 
 
-def render_report_html(report: FinanceReport | SreReport, charts: Sequence[tuple[str, bytes]]) -> str:
+def render_report_html(report: Report, charts: Sequence[tuple[str, bytes]]) -> str:
     """One self-contained HTML page: summary, charts (inline PNG data URLs) and every table."""
     _, title, summary, tables = _parts(report)
     e = html.escape
@@ -149,12 +168,14 @@ def render_report_html(report: FinanceReport | SreReport, charts: Sequence[tuple
     return "\n".join(parts) + "\n"
 
 
-def render_report(report: FinanceReport | SreReport, fmt: str) -> str:
+def render_report(report: Report, fmt: str) -> str:
     """`report` in `fmt` (one of FORMATS); html draws the charts."""
     assert fmt in FORMATS, fmt
     if fmt == "html":
         from billing.charts import finance_charts, sre_charts
 
+        if isinstance(report, ReconcileReport):
+            return render_report_html(report, ())  # one table of signed figures: nothing a chart adds
         charts = finance_charts(report) if isinstance(report, FinanceReport) else sre_charts(report)
         return render_report_html(report, charts)
     return {"table": render_report_table, "json": render_report_json, "csv": render_report_csv}[fmt](report)

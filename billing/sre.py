@@ -1,7 +1,7 @@
 """The SRE report of a period: where the GPU's time went, per adapter and per worker.
 
 Per adapter (requests created in the period; "base" for the base model): requests, GPU seconds by
-component (base, LoRA, routing decision, KV credit, cold start), routing overhead as a share of the
+component (base, LoRA, routing decision, KV credit as billed and as measured, cold start), routing overhead as a share of the
 GPU time (decision + LoRA over base + LoRA + decision), KV savings, cold starts (loads in the period,
 how many and how long) and latency percentiles of total and first-token time. Per worker, from its
 busy records: busy time, the wall span from its first record's start to its last one's end, and the
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from sqlalchemy import Engine, case, func, select
 from sqlalchemy.orm import Session
 
+from billing.billable import check_billable_period
 from billing.cost import us_to_ms
+from billing.credit import kv_credit_sql
 from billing.models import AdapterLoad, Busy, Usage
 from billing.periods import check_period
 from billing.tally import BASE_MODEL
@@ -57,7 +59,8 @@ class AdapterSre:
     base_s: Decimal
     lora_s: Decimal
     routing_s: Decimal  # the routing decisions
-    kv_saved_s: Decimal
+    kv_saved_s: Decimal  # the KV credit as billed (billing/credit.py)
+    kv_measured_s: Decimal  # the saving the engine measured, before billing's cap
     cold_start_s: Decimal  # the adapter's load time in the period
     gpu_s: Decimal  # base + lora + routing - kv_saved + cold_start
     routing_overhead: Decimal  # (routing + lora) / (base + lora + routing), 0..1
@@ -100,7 +103,8 @@ def _adapter_sums(session: Session, period: str) -> dict[str, dict[str, int]]:
             func.sum(Usage.base_us).label("base_us"),
             func.sum(Usage.lora_us).label("lora_us"),
             func.sum(Usage.routing_us).label("routing_us"),
-            func.sum(Usage.kv_saved_us).label("kv_saved_us"),
+            func.sum(kv_credit_sql()).label("kv_saved_us"),
+            func.sum(Usage.kv_saved_us).label("kv_measured_us"),
             func.sum(Usage.cached_tokens).label("cached_tokens"),
         )
         .where(Usage.period == period)
@@ -122,7 +126,8 @@ def _latencies(session: Session, period: str) -> dict[str, tuple[list[int], list
     return totals
 
 
-def _workers(session: Session, period: str) -> list[WorkerSre]:
+def worker_times(session: Session, period: str) -> list[WorkerSre]:
+    """Per worker of `period`'s busy records: busy time, wall span (first start to last end) and idle time between."""
     statement = (
         select(
             Busy.worker_id, func.count(), func.sum(Busy.steps), func.sum(Busy.busy_us), func.min(Busy.started_at), func.max(Busy.ended_at),
@@ -143,11 +148,12 @@ def _workers(session: Session, period: str) -> list[WorkerSre]:
     return workers
 
 
-def sre_report(db: Engine | Session, period: str) -> SreReport:
-    """The SRE report of `period` (requests, loads and busy records by their own UTC month)."""
+def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None) -> SreReport:
+    """The SRE report of `period` (requests, loads and busy records by their own UTC month); a period that cannot be billed is refused."""
     check_period(period)
     session = db if isinstance(db, Session) else Session(db)
     try:
+        check_billable_period(session, period, now)
         sums = _adapter_sums(session, period)
         latencies = _latencies(session, period)
         loads = {
@@ -164,13 +170,14 @@ def sre_report(db: Engine | Session, period: str) -> SreReport:
             total, ttft = latencies.get(adapter, ([], []))
             adapters.append(AdapterSre(
                 adapter=adapter, requests=s["requests"], failed=s["failed"], base_s=us_to_s(s["base_us"]), lora_s=us_to_s(s["lora_us"]),
-                routing_s=us_to_s(s["routing_us"]), kv_saved_s=us_to_s(s["kv_saved_us"]), cold_start_s=us_to_s(cold_us), gpu_s=us_to_s(gpu_us),
+                routing_s=us_to_s(s["routing_us"]), kv_saved_s=us_to_s(s["kv_saved_us"]),
+                kv_measured_s=us_to_s(s["kv_measured_us"]), cold_start_s=us_to_s(cold_us), gpu_s=us_to_s(gpu_us),
                 routing_overhead=share(s["routing_us"] + s["lora_us"], s["base_us"] + s["lora_us"] + s["routing_us"]),
                 cached_tokens=s["cached_tokens"], cold_starts=cold_starts,
                 total_ms=tuple(us_to_ms(nearest_rank(total, p)) for p in PERCENTILES),
                 ttft_ms=tuple(us_to_ms(nearest_rank(ttft, p)) for p in PERCENTILES),
             ))
-        workers = _workers(session, period)
+        workers = worker_times(session, period)
         busy_us = int(session.scalar(select(func.sum(Busy.busy_us)).where(Busy.period == period)) or 0)
         attributed_us = sum(s["base_us"] + s["lora_us"] for s in sums.values())
         unused_us = sum(us for adapter, (_, us) in loads.items() if adapter not in sums)

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from billing.apportion import apportion
 from billing.cost import MONEY_PLACES, ZERO_COST
+from billing.credit import kv_credit_sql
 from billing.models import AdapterLoad, ColdStartShare, Tenant, Usage
 from billing.prices import PriceBook, TokenPriceEntry
 
@@ -50,7 +51,7 @@ class Tally:
     cached_tokens: int = 0
     base_us: int = 0
     routing_us: int = 0  # the routing decision plus the LoRA compute
-    kv_saved_us: int = 0
+    kv_saved_us: int = 0  # the KV credit as billed (billing/credit.py), never more than base + LoRA of its requests
     cold_start_us: int = 0
     revenue: Decimal = ZERO_COST
     unpriced_requests: int = 0  # succeeded requests whose tenant tier had no token price then
@@ -97,7 +98,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             func.sum(Usage.cached_tokens).label("cached_tokens"),
             func.sum(Usage.base_us).label("base_us"),
             func.sum(Usage.routing_us + Usage.lora_us).label("routing_us"),
-            func.sum(Usage.kv_saved_us).label("kv_saved_us"),
+            func.sum(kv_credit_sql()).label("kv_saved_us"),  # the credit as billed (billing/credit.py)
             func.sum(case((succeeded, Usage.input_tokens), else_=0)).label("billed_input"),
             func.sum(case((succeeded, Usage.output_tokens), else_=0)).label("billed_output"),
         )

@@ -1,4 +1,4 @@
-"""Billing commands: invoices (draft, close), price lists, and the finance and SRE reports."""
+"""Billing commands: invoices (draft, close), price lists, and the finance, SRE and reconciliation reports."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import typer
 from consumer.cli_common import ConfigOpt, _fail, _services, _settings
 
 prices_app = typer.Typer(help="Price lists with effective dates: GPU hours (cost) and tier tokens (revenue).", no_args_is_help=True)
-report_app = typer.Typer(help="Reports over a billing period: finance and SRE.", no_args_is_help=True)
+report_app = typer.Typer(help="Reports over a billing period: finance, SRE and reconciliation.", no_args_is_help=True)
 
 PeriodOpt = Annotated[str, typer.Option("--period", help="YYYY-MM (a UTC month)")]
 FromOpt = Annotated[str, typer.Option("--from", help="first day it applies, YYYY-MM-DD (from midnight UTC)")]
@@ -187,6 +187,7 @@ def prices_list(fmt: Annotated[str, typer.Option("--format", help="table or json
 def _report(kind: str, period: str, fmt: str, output: Path | None, config: Path | None, flag_factor: str | None = None) -> None:
     from billing.errors import LedgerError
     from billing.finance import finance_report
+    from billing.reconcile import reconcile_report
     from billing.report_render import FORMATS, render_report
     from billing.sre import sre_report
 
@@ -200,7 +201,12 @@ def _report(kind: str, period: str, fmt: str, output: Path | None, config: Path 
             _fail(f"--flag-factor {flag_factor}: pass a factor above 0, e.g. 1.5")
     svc = _services(s)
     try:
-        report = finance_report(svc.db, period, s.ledger, factor) if kind == "finance" else sre_report(svc.db, period)
+        if kind == "finance":
+            report = finance_report(svc.db, period, s.ledger, factor)
+        elif kind == "sre":
+            report = sre_report(svc.db, period)
+        else:
+            report = reconcile_report(svc.db, period, s.ledger)
     except LedgerError as e:
         _fail(str(e))
     finally:
@@ -222,3 +228,10 @@ def report_sre(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", h
                output: OutOpt = None, config: ConfigOpt = None) -> None:
     """Per adapter: GPU time by component, routing overhead, KV savings, cold starts, latency; GPU idle per worker."""
     _report("sre", period, fmt, output, config)
+
+
+@report_app.command("reconcile")
+def report_reconcile(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
+                     output: OutOpt = None, config: ConfigOpt = None) -> None:
+    """Measured GPU busy and load time against what the invoices attribute; every residue named (idle, redelivered work, ...)."""
+    _report("reconcile", period, fmt, output, config)

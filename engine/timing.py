@@ -114,8 +114,10 @@ class PrefillCost:
     1 / alpha steps count). Example: steps of 1 token at 900 us and of 33 tokens at 1500 us give
     600 / 32 = 18.75 us per token, where the 33-token step's average, 45 us per token, would count the
     fixed part as saved too. The slope is capped at the weighted average cost per token (which it
-    exceeds only if the fitted fixed part is negative), and is that average until two different token
-    counts have been seen.
+    exceeds only if the fitted fixed part is negative) and floored at 0. There is no value (so no
+    credit) until steps of two different token counts have been seen: one token count fits no slope,
+    and its average carries the fixed part (a 46 ms one-token first step credited 846 ms on a request
+    with cached tokens that way; billing caps the credit as well, billing/credit.py).
     """
 
     def __init__(self, alpha: float = 0.05):
@@ -134,15 +136,14 @@ class PrefillCost:
 
     @property
     def value(self) -> float | None:
-        """us per token, or None before any step."""
+        """us per token, or None before steps of two different token counts (no slope to fit yet)."""
         if self._x == 0:
             return None
-        average = self._y / self._x
         var = self._w * self._xx - self._x * self._x
         if var <= 1e-9 * self._w * self._xx:
-            return average
+            return None
         slope = (self._w * self._xy - self._x * self._y) / var
-        return min(max(slope, 0.0), average)
+        return min(max(slope, 0.0), self._y / self._x)
 
 
 def apportion(total: int, weights: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -19,7 +20,6 @@ from sqlalchemy import Engine, delete, select
 from sqlalchemy.orm import Session
 
 from billing import db
-from billing.attribution import Step, StepRequest, attribute_steps
 from billing.closing import close_period
 from billing.config import LedgerConfig
 from billing.conservation import period_conservation
@@ -29,6 +29,7 @@ from billing.invoice_render import render_json
 from billing.ledger import Ledger
 from billing.models import Base, Busy
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
+from engine.timing import attribute_step
 
 PRICE = Decimal("7.20")
 CONFIG = LedgerConfig(gpu_price_per_hour=PRICE)
@@ -82,14 +83,31 @@ def test_step_rounding_slack_is_allowed(ledger: Ledger) -> None:
 # ---- conservation ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Step:
+    """One engine step as measured: its time, the LoRA part of it, and (request_id, tokens, adapter) per request."""
+
+    total_us: int
+    lora_us: int
+    requests: tuple[tuple[str, int, str | None], ...]
+
+
 def _batch(steps: list[Step], tenant_of: dict[str, str], adapter_of: dict[str, str | None], start: datetime, worker: str) -> tuple[list[UsageRecord], BusyRecord]:
-    """The usage rows and the busy record one engine batch of `steps` produces, times from the billing-side attribution."""
-    times = attribute_steps(steps)
+    """The usage rows and the busy record one engine batch of `steps` produces, times split by the engine's own attribute_step."""
+    times: dict[str, list[int]] = {}
+    tokens: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        record = attribute_step(i, step.total_us, step.lora_us, [((tenant_of[rid], rid), n, adapter is not None) for rid, n, adapter in step.requests])
+        for share in record.shares:
+            base_lora = times.setdefault(share.request_id, [0, 0])
+            base_lora[0] += share.base_us
+            base_lora[1] += share.lora_us
+            tokens[share.request_id] = tokens.get(share.request_id, 0) + share.tokens
     usage = [
         UsageRecord(tenant_id=tenant_of[rid], request_id=rid, status="succeeded", created_at=start, adapter=adapter_of[rid],
-                    adapter_sha256=ADAPTERS.get(adapter_of[rid] or ""), input_tokens=sum(r.tokens for s in steps for r in s.requests if r.request_id == rid),
-                    output_tokens=1, base_us=t.base_us, lora_us=t.lora_us, routing_us=37, worker_id=worker)
-        for rid, t in sorted(times.items())
+                    adapter_sha256=ADAPTERS.get(adapter_of[rid] or ""), input_tokens=tokens[rid],
+                    output_tokens=1, base_us=base_us, lora_us=lora_us, routing_us=37, worker_id=worker)
+        for rid, (base_us, lora_us) in sorted(times.items())
     ]
     total = sum(s.total_us for s in steps)
     return usage, busy(worker, start, total, steps=len(steps), span_us=total + 1_000)
@@ -99,10 +117,10 @@ def test_period_conservation_by_hand(ledger: Ledger, engine: Engine) -> None:
     """Per-period conservation: October's base + LoRA equals October's busy time; its invoices' cold start equals the loads of used adapters; a batch started at November's first instant is November's."""
     tenant_of = {"a": "acme", "b": "acme", "g": "globex", "n": "acme"}
     adapter_of: dict[str, str | None] = {"a": "x@1", "b": None, "g": "x@1", "n": "y@1"}
-    steps = [Step(1_000, 200, (StepRequest("a", 3, "x@1"), StepRequest("b", 1), StepRequest("g", 2, "x@1"))),
-             Step(333, 33, (StepRequest("a", 1, "x@1"), StepRequest("g", 1, "x@1")))]
+    steps = [Step(1_000, 200, (("a", 3, "x@1"), ("b", 1, None), ("g", 2, "x@1"))),
+             Step(333, 33, (("a", 1, "x@1"), ("g", 1, "x@1")))]
     usage, record = _batch(steps, tenant_of, adapter_of, OCT + timedelta(days=3), "w0")
-    nov_usage, nov_record = _batch([Step(999, 99, (StepRequest("n", 1, "y@1"),))], tenant_of, adapter_of, datetime(2026, 11, 1, tzinfo=timezone.utc), "w0")
+    nov_usage, nov_record = _batch([Step(999, 99, (("n", 1, "y@1"),))], tenant_of, adapter_of, datetime(2026, 11, 1, tzinfo=timezone.utc), "w0")
     ledger.record_usage(usage + nov_usage)
     ledger.record_busy([record, nov_record])
     ledger.record_adapter_loads([
@@ -157,7 +175,7 @@ def test_two_workers_recording_the_same_work(migrated_url: str) -> None:
 # ---- the property ------------------------------------------------------------------------------------
 
 
-_LEDGER_TABLES = ("invoice_lines", "invoices", "cold_start_shares", "billing_periods", "gpu_busy", "adapter_loads", "usage")
+_LEDGER_TABLES = ("invoice_lines", "invoices", "cold_start_shares", "billing_periods", "gpu_busy", "adapter_loads", "usage", "usage_redeliveries")
 
 
 def _wipe(engine: Engine) -> None:
@@ -179,11 +197,11 @@ def month_of_work(draw: st.DrawFn) -> tuple[list[UsageRecord], list[BusyRecord],
         steps = []
         for _ in range(draw(st.integers(1, 4))):
             present = draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))
-            requests = tuple(StepRequest(rid, draw(st.integers(1, 64)), adapter_of[rid]) for rid in present)
+            requests = tuple((rid, draw(st.integers(1, 64)), adapter_of[rid]) for rid in present)
             total = draw(st.integers(0, 10**7))
-            lora = draw(st.integers(0, total)) if any(r.adapter for r in requests) else 0
+            lora = draw(st.integers(0, total)) if any(adapter for _, _, adapter in requests) else 0
             steps.append(Step(total, lora, requests))
-        stepped = {r.request_id for s in steps for r in s.requests}
+        stepped = {rid for s in steps for rid, _, _ in s.requests}
         tenant_of = {rid: tenant_of[rid] for rid in stepped}
         start = OCT + timedelta(days=draw(st.integers(0, 30)), seconds=b)
         batch_usage, record = _batch(steps, tenant_of, adapter_of, start, f"w{b % 2}")

@@ -16,12 +16,13 @@ from fractions import Fraction
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from billing.apportion import apportion
 from billing.config import LedgerConfig
-from billing.errors import InvalidPeriodError
+from billing.credit import KV_CREDIT_RULE
+from billing.errors import InvalidPeriodError, UnbillablePeriodError, UnknownTenantError
 from billing.invoice import Invoice, build_invoice
 from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
@@ -65,7 +66,7 @@ def march(ledger: Ledger) -> Ledger:
                 input_tokens=50, base_us=5_000, lora_us=1_000, routing_us=500,
             ),
             usage_record(
-                "a4", created_at=at(5), adapter="support@2", adapter_sha256=S2, input_tokens=200, output_tokens=200,
+                "a4", created_at=at(5), adapter="support@2", adapter_sha256=S2, input_tokens=200, output_tokens=200, cached_tokens=50,
                 base_us=80_000, lora_us=20_000, routing_us=1_500, kv_saved_us=5_000,
             ),
             usage_record("a5", created_at=datetime(2026, 2, 20, tzinfo=timezone.utc), adapter="summarize@1", adapter_sha256=S1, input_tokens=10**6),
@@ -110,17 +111,18 @@ ACME_MARCH_JSON = {
             "gpu_ms": "181.833", "cost": "0.000363666", "revenue": "0.000000000",
         },
         {   # a4: gpu = 80_000 + 21_500 - 5_000 + 50_000 = 146_500 us
-            "adapter": "support@2", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 200, "output_tokens": 200, "cached_tokens": 0,
+            "adapter": "support@2", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 200, "output_tokens": 200, "cached_tokens": 50,
             "base_ms": "80.000", "routing_ms": "21.500", "kv_saved_ms": "5.000", "cold_start_ms": "50.000",
             "gpu_ms": "146.500", "cost": "0.000293000", "revenue": "0.000000000",
         },
     ],
     "totals": {
-        "requests": 4, "failed": 1, "input_tokens": 650, "output_tokens": 350, "cached_tokens": 64,
+        "requests": 4, "failed": 1, "input_tokens": 650, "output_tokens": 350, "cached_tokens": 114,
         "base_ms": "245.000", "routing_ms": "56.000", "kv_saved_ms": "15.000", "cold_start_ms": "83.333",
         "gpu_ms": "369.333", "cost": "0.000738666", "revenue": "0.000000000",
         "unpriced_requests": 3,  # a1, a2, a4 succeeded; acme has no tier with a token price, so they earned nothing
     },
+    "kv_credit_rule": KV_CREDIT_RULE,  # a2: 10_000 <= 150_000 * 64 // 336; a4: 5_000 <= 100_000 * 50 // 350 (billing/credit.py)
 }  # fmt: skip
 
 
@@ -173,7 +175,9 @@ def test_tokenless_requests_share_load_time_equally(ledger: Ledger, engine: Engi
 
 
 def test_empty_invoice(migrated_url: str, engine: Engine) -> None:
-    """A tenant without usage in the period gets no lines and zero totals, rendered as plain zeros."""
+    """A registered tenant without usage in the period gets no lines and zero totals, rendered as plain zeros."""
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO tenants (id, display_name) VALUES ('acme', 'Acme')"))
     invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     assert invoice.lines == ()
     document = json.loads(render_json(invoice))
@@ -206,9 +210,9 @@ def test_period_is_the_utc_month(ledger: Ledger, engine: Engine) -> None:
 
 
 def test_render_json_has_exactly_the_contract_keys(march: Ledger, engine: Engine) -> None:
-    """The JSON carries tenant, period, status, currency, lines, totals and nothing else; every decimal is a string."""
+    """The JSON carries tenant, period, status, currency, lines, totals, the KV credit rule and nothing else; every decimal is a string."""
     document = json.loads(render_json(build_invoice(engine, "acme", "2026-03", CONFIG)))
-    assert list(document) == ["tenant", "period", "status", "currency", "lines", "totals"]
+    assert list(document) == ["tenant", "period", "status", "currency", "lines", "totals", "kv_credit_rule"]
     amount_keys = ["requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "routing_ms",
                    "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"]  # fmt: skip
     assert all(list(line) == ["adapter", "adjustment_for", "gpu_price_per_hour", *amount_keys] for line in document["lines"])
@@ -255,6 +259,43 @@ def test_bad_period_is_refused(migrated_url: str, engine: Engine, period: str | 
     """A period not written YYYY-MM is refused with an error that names the field and the expected form."""
     with pytest.raises(InvalidPeriodError, match=r"period=.*YYYY-MM.*'2026-01'"):
         build_invoice(engine, "acme", period, CONFIG)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tenant", ["acme", "", "globex "])
+def test_unknown_tenant_is_refused(march: Ledger, engine: Engine, tenant: str) -> None:
+    """An id that neither the registry nor the ledger holds gets no invoice, empty or not: the error names it."""
+    if tenant == "acme":
+        tenant = "acme-typo"
+    with pytest.raises(UnknownTenantError, match=f"tenant {tenant!r} is unknown.*lorabatch tenants"):
+        build_invoice(engine, tenant, "2026-03", CONFIG)
+
+
+def test_tenant_known_only_to_the_ledger_is_billed(march: Ledger, engine: Engine) -> None:
+    """A tenant the registry does not hold (removed, or never registered) is still billed for its usage, in any month."""
+    assert build_invoice(engine, "globex", "2026-03", CONFIG).totals.requests == 2
+    assert build_invoice(engine, "globex", "2026-01", CONFIG).lines == ()  # known, nothing used that month
+
+
+@pytest.mark.parametrize(
+    ("period", "hint"),
+    [
+        ("0000-01", "bills the months 1970-01 to 9998-12"),
+        ("1969-12", "bills the months 1970-01 to 9998-12"),
+        ("9999-12", "bills the months 1970-01 to 9998-12"),
+        ("2062-10", "has not begun .*holds nothing filed to it"),
+    ],
+)
+def test_unbillable_period_is_refused(march: Ledger, engine: Engine, period: str, hint: str) -> None:
+    """A well-formed month that cannot be billed (no instant, no end, not begun and empty) is refused, naming the period."""
+    with pytest.raises(UnbillablePeriodError, match=f"period {period} cannot be billed.*{hint}"):
+        build_invoice(engine, "acme", period, CONFIG, now=datetime(2026, 12, 1, tzinfo=timezone.utc))
+
+
+def test_a_month_not_begun_is_billed_once_it_holds_usage(ledger: Ledger, engine: Engine) -> None:
+    """A worker whose clock runs ahead is billed for what it recorded: a future month with usage is not refused."""
+    ledger.record_usage([usage_record("f1", created_at=datetime(2027, 2, 3, tzinfo=timezone.utc), base_us=5)])
+    invoice = build_invoice(engine, "acme", "2027-02", CONFIG, now=datetime(2026, 12, 1, tzinfo=timezone.utc))
+    assert invoice.totals.base_ms == Decimal("0.005")
 
 
 # ---- apportionment -----------------------------------------------------------------------------------

@@ -91,10 +91,12 @@ def test_gpu_cost_matches_exact_rational_arithmetic(gpu_us: int, price: Decimal)
 
 
 def test_stored_cost_is_exact_decimal(ledger: Ledger) -> None:
-    """The cost column reads back as the exact Decimal: (base + lora + routing - kv_saved) at the configured price."""
+    """The cost column reads back as the exact Decimal: (base + lora + routing - KV credit) at the configured price."""
     ledger.record_usage(
         [
-            usage_record("small", base_us=1_000_000, lora_us=200_000, routing_us=50_000, kv_saved_us=250_000),
+            # The credit stands whole: 250_000 <= 1_200_000 * 100 // 300 (billing/credit.py).
+            usage_record("small", base_us=1_000_000, lora_us=200_000, routing_us=50_000, kv_saved_us=250_000,
+                         input_tokens=300, cached_tokens=100, output_tokens=100),
             usage_record("large", base_us=3_600_000_000_000 + 1),  # 1000 h and 1 us: 13 significant digits
         ]
     )

@@ -1,4 +1,4 @@
-"""The finance and SRE reports: figures by hand, the four formats, and the HTML page in headless Chromium.
+"""The finance, SRE and reconciliation reports: figures by hand, the four formats read back alike, and the HTML page in headless Chromium.
 
 Runs on SQLite and the machine's PostgreSQL (the Chromium checks on SQLite only: the page is the same).
 """
@@ -21,9 +21,11 @@ from billing.finance import finance_report
 from billing.ledger import Ledger
 from billing.prices import set_token_price
 from billing.records import AdapterLoadRecord, BusyRecord
-from billing.report_render import render_report
+from billing.reconcile import reconcile_report
+from billing.report_render import FORMATS, render_report
 from billing.sre import nearest_rank, sre_report
 from tests.browser import CHROMIUM, page_problems
+from tests.report_formats import READERS
 from tests.test_ledger import usage_record
 
 CONFIG = LedgerConfig(gpu_price_per_hour=Decimal("3.60"))  # 1e-9 per us
@@ -50,6 +52,7 @@ def october(engine: Engine) -> Engine:
     ledger.record_usage([
         usage_record("a1", created_at=oct_(3), input_tokens=10**6, base_us=1_000_000, total_us=1_500_000, ttft_us=100_000),
         *[usage_record(f"g{i}", tenant_id="globex", created_at=oct_(4), adapter="x@1", adapter_sha256=SX, input_tokens=10**4,
+                       cached_tokens=1_000,
                        base_us=20_000, lora_us=9_000, routing_us=1_500, kv_saved_us=500, total_us=(i + 1) * 1_000, ttft_us=(i + 1) * 100)
           for i in range(100)],
     ])
@@ -83,7 +86,7 @@ def test_sre_report_by_hand(october: Engine) -> None:
     assert (base.adapter, base.requests, base.base_s, base.total_ms) == ("base", 1, Decimal("1.000000"), (Decimal("1500.000"),) * 3)
     assert (x.requests, x.base_s, x.lora_s, x.routing_s, x.kv_saved_s, x.cold_start_s, x.cold_starts) == (
         100, Decimal("2.000000"), Decimal("0.900000"), Decimal("0.150000"), Decimal("0.050000"), Decimal("0.200000"), 1)
-    assert x.gpu_s == Decimal("3.200000")
+    assert (x.gpu_s, x.kv_measured_s, x.cached_tokens) == (Decimal("3.200000"), Decimal("0.050000"), 100_000)
     assert x.routing_overhead == Decimal("0.3443")  # (1_500 + 9_000) / (20_000 + 9_000 + 1_500)
     assert x.total_ms == (Decimal("50.000"), Decimal("95.000"), Decimal("99.000"))  # 1..100 ms: nearest rank
     assert x.ttft_ms == (Decimal("5.000"), Decimal("9.500"), Decimal("9.900"))
@@ -100,19 +103,45 @@ def test_nearest_rank(values: list[int], p: int, expected: int) -> None:
     assert nearest_rank(values, p) == expected
 
 
-def test_report_formats_carry_the_same_figures(october: Engine) -> None:
-    """JSON, CSV and the table show the same figures; decimals are fixed-point strings in JSON."""
+@pytest.mark.parametrize("kind", ["finance", "sre", "reconcile"])
+def test_every_format_carries_the_same_figures(october: Engine, kind: str) -> None:
+    """One report rendered as table, JSON, CSV and HTML reads back to the same summary and rows in all four (the CSV's summary row included)."""
+    report = {"finance": lambda: finance_report(october, "2026-10", CONFIG), "sre": lambda: sre_report(october, "2026-10"),
+              "reconcile": lambda: reconcile_report(october, "2026-10", CONFIG)}[kind]()
+    forms = {fmt: READERS[fmt](render_report(report, fmt)) for fmt in FORMATS}
+    assert forms["json"]["summary"][0] and all(forms["json"].values())  # a summary, and rows in every table
+    for fmt in ("table", "csv", "html"):
+        assert forms[fmt] == forms["json"], fmt
+
+
+def test_report_figures_by_format(october: Engine) -> None:
+    """The figures a reader looks for, in JSON (decimals as fixed-point strings) and CSV (summary first)."""
     finance = finance_report(october, "2026-10", CONFIG)
     document = json.loads(render_report(finance, "json"))
     assert document["report"] == "finance" and document["summary"]["revenue"] == "2.500000000" and document["summary"]["flagged"] == 1
     assert [(t["tenant"], t["margin"], t["flagged"]) for t in document["tenants"]] == [("acme", "1.999000000", False), ("globex", "0.496800000", True)]
     rows = list(csv.DictReader(io.StringIO(render_report(finance, "csv"))))
-    assert [(r["section"], r["tenant"], r["margin"], r["flagged"]) for r in rows] == [("tenants", "acme", "1.999000000", ""), ("tenants", "globex", "0.496800000", "yes")]
+    assert [(r["section"], r["tenant"], r["margin"], r["flagged"]) for r in rows] == [
+        ("summary", "", "2.495800000", "1"), ("tenants", "acme", "1.999000000", ""), ("tenants", "globex", "0.496800000", "yes")]
     sre = sre_report(october, "2026-10")
     rows = list(csv.DictReader(io.StringIO(render_report(sre, "csv"))))
-    assert [(r["section"], r["adapter"] or r["worker"]) for r in rows] == [("adapters", "base"), ("adapters", "x@1"), ("workers", "w0"), ("workers", "w1")]
+    assert [(r["section"], r["adapter"] or r["worker"]) for r in rows] == [("summary", ""), ("adapters", "base"), ("adapters", "x@1"), ("workers", "w0"), ("workers", "w1")]
+    assert rows[0]["unattributed_s"] == "0.000000" and rows[0]["busy_s"] == "3.900000"
     table = render_report(sre, "table")
     assert table.startswith("SRE report 2026-10\n") and "unattributed_s=0.000000" in table and "x@1" in table
+
+
+def test_reconcile_by_hand(october: Engine) -> None:
+    """October: busy 3.9 s = base 3.0 + LoRA 0.9 s exactly; the invoices' 4.2 s = that + 0.15 s decisions - 0.05 s credit + 0.2 s load."""
+    report = reconcile_report(october, "2026-10", CONFIG)
+    figures = {line.item: line.us for line in report.lines}
+    assert figures == {
+        "gpu_busy": 3_900_000, "gpu_idle": 1_100_000, "adapter_loads": 200_000,
+        "base": 3_000_000, "lora": 900_000, "routing_decisions": 150_000, "kv_credit": -50_000, "cold_start_spread": 200_000,
+        "late_usage": 0, "invoiced": 4_200_000,
+        "billed_later": 0, "redelivered_work": 0, "unused_loads": 0, "unexplained_busy": 0, "invoice_difference": 0,
+    }
+    assert report.conserved and report.residue_us == 0 and (report.invoices, report.closed_invoices) == (2, 0)
 
 
 needs_chromium = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="Debian's chromium is not installed (.ci/run installs it)")

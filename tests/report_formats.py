@@ -1,0 +1,114 @@
+"""Read a rendered report back, whatever its format, into one canonical form, so that formats can be compared.
+
+Canonical form: {section: [row, ...]} where the summary is the one-row section "summary" and every row
+maps a column to its text, empty values left out (JSON's null and false, CSV's and HTML's empty cells,
+the text table's "-"). Two renderings carry the same figures exactly when their canonical forms are equal.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from html.parser import HTMLParser
+
+Canonical = dict[str, list[dict[str, str]]]
+
+
+def _json_text(value: object) -> str:
+    if value is None or value is False:
+        return ""
+    if value is True:
+        return "yes"
+    return str(value)
+
+
+def _row(pairs: object) -> dict[str, str]:
+    return {k: v for k, v in pairs if v != ""}  # type: ignore[attr-defined]
+
+
+def from_json(text: str) -> Canonical:
+    document = json.loads(text)
+    out: Canonical = {"summary": [_row((k, _json_text(v)) for k, v in document["summary"].items())]}
+    for name, rows in document.items():
+        if name not in ("report", "period", "summary"):
+            out[name] = [_row((k, _json_text(v)) for k, v in row.items()) for row in rows]
+    return out
+
+
+def from_csv(text: str) -> Canonical:
+    out: Canonical = {}
+    for row in csv.DictReader(io.StringIO(text)):
+        section = row.pop("section")
+        out.setdefault(section, []).append(_row(row.items()))
+    return out
+
+
+def from_table(text: str) -> Canonical:
+    lines = text.rstrip("\n").split("\n")
+    summary = [item.partition("=") for item in lines[1].split()]
+    out: Canonical = {"summary": [_row((k, "" if v == "-" else v) for k, _, v in summary)]}
+    i = 2
+    while i < len(lines):
+        assert lines[i] == "", lines[i]
+        name, header = lines[i + 1].rstrip(":"), lines[i + 2].split()
+        assert set(lines[i + 3].replace(" ", "")) <= {"-"}, lines[i + 3]
+        rows = []
+        i += 4
+        while i < len(lines) and lines[i] != "":
+            cells = lines[i].split(None, len(header) - 1)
+            cells += [""] * (len(header) - len(cells))
+            rows.append(_row((k, "" if v == "-" else v) for k, v in zip(header, cells)))
+            i += 1
+        out[name] = rows
+    return out
+
+
+class _Html(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: Canonical = {}
+        self._summary: list[tuple[str, str]] = []
+        self._tag = ""
+        self._text = ""
+        self._section = ""
+        self._header: list[str] = []
+        self._cells: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._tag, self._text = tag, ""
+        if tag == "tr":
+            self._cells = []
+
+    def handle_data(self, data: str) -> None:
+        self._text += data
+
+    def handle_endtag(self, tag: str) -> None:
+        text = self._text
+        self._text = ""
+        if tag == "dt":
+            self._summary.append((text, ""))
+        elif tag == "dd":
+            self._summary[-1] = (self._summary[-1][0], text)
+        elif tag == "dl":
+            self.out["summary"] = [_row(self._summary)]
+        elif tag == "h2":
+            self._section = text
+            self._header = []
+            self.out[text] = []
+        elif tag in ("th", "td"):
+            self._cells.append(text)
+        elif tag == "tr" and self._section:
+            if not self._header:
+                self._header = self._cells
+            else:
+                self.out[self._section].append(_row(zip(self._header, self._cells)))
+
+
+def from_html(text: str) -> Canonical:
+    parser = _Html()
+    parser.feed(text)
+    return parser.out
+
+
+READERS = {"json": from_json, "csv": from_csv, "table": from_table, "html": from_html}
