@@ -1,13 +1,14 @@
-"""Scenario 3, broker restart with an empty log: offset marks follow the log actually served (DESIGN.md,
-"Reliability and security"). A memory-only broker restarted on the same port has lost its topics and
-committed offsets; the worker must answer the new log from its start, not skip what lies below its
-old marks."""
+"""Scenario 3, broker log reset: offset marks follow the log actually served (DESIGN.md, "Reliability and
+security"). A memory-only broker restarted on the same port has lost its topics and committed offsets,
+and a topic deleted and created again starts over at offset 0; either way the worker must answer the
+new log from its start, not skip what lies below its old marks."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from billing import db
 from consumer.broker import EmbeddedBroker, ensure_topics, free_port
@@ -94,5 +95,57 @@ async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set
     assert not acct2.extra and not acct2.stray, (acct2.extra, acct2.stray)
     assert all(r.status == "succeeded" for rs in acct2.results.values() for r in rs), [r.error for rs in acct2.results.values() for r in rs]
     assert not col2.dlq, [d.error for d, _ in col2.dlq]
+    assert not unbilled and not double, unbilled + double
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
+
+
+async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo_set, pg_database):
+    """The jobs topic is deleted and created again (an empty log, offsets from 0) on a broker that stays
+    up, so the worker's group survives: every job produced to the new log is answered once, though its
+    offsets are all below the worker's marks for the old log; one ledger row each, busy == attributed."""
+    broker = EmbeddedBroker(free_port(), log_path=tmp_path / "tansu.log")
+    await asyncio.to_thread(broker.start, [], 1)
+    try:
+        with fresh_pg_schema(pg_database) as url:
+            db.upgrade(url)
+            s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
+            k = s.kafka
+            svc = open_services(s)
+            register_two_tenants(svc, demo_set)
+            try:
+                async with live_worker(s, svc) as lw, Collector(s) as col:
+                    sent1 = await produce(s, [job_message(j) for j in _jobs("old-log", 24)])
+                    await col.until(lambda c: c.answered(sent1) or not lw.alive(), 60)
+                    await wait_conserved(svc.db, lw.worker_id)
+                    await asyncio.sleep(0.5)  # its offsets committed
+
+                    admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap_servers, request_timeout_ms=5000)
+                    await admin.start()
+                    try:
+                        await admin.delete_topics([k.jobs_topic])
+                    finally:
+                        await admin.close()
+                    await asyncio.sleep(1.0)
+                    await ensure_topics(k.bootstrap_servers, [k.jobs_topic], k.partitions)
+                    sent2 = await produce(s, [job_message(j) for j in _jobs("new-log", 8)])
+                    await col.until(lambda c: c.answered(sent1 + sent2) or not lw.alive(), 90)
+                    await col.settle(1.0)
+                    sent = sent1 + sent2
+                    acct = account(sent, col)
+                    identities = [m.identity for m in sent]
+                    rows = await wait_rows(svc.db, identities, 15)
+                    busy = await wait_conserved(svc.db, lw.worker_id)
+                    unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
+                    fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+                    assert lw.alive(), lw.death()
+            finally:
+                svc.close()
+    finally:
+        broker.stop()
+    new = [m.describe() for m in sent2 if not acct.results.get(m.identity)]
+    assert not new, f"{len(new)} of {len(sent2)} jobs on the recreated topic were never answered: {new}"
+    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
+    assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
+    assert not col.dlq, [d.error for d, _ in col.dlq]
     assert not unbilled and not double, unbilled + double
     assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
