@@ -34,18 +34,11 @@ like any others.
 Identity: a request is (tenant, request_id); two tenants may use one request_id at once. Inside, each sequence
 has its own id (`Sequence.seq_id`) for KV blocks and batch rows.
 
-Isolation: one request's failure fails that request alone, with a code; its batchmates go on.
-- Admission: a request that fails validation, or whose admission raises, comes back failed from the next step().
-- Sampling: a row whose logits are unusable (NaN, +inf, nothing finite: engine.sampling) or whose sampling or
-  logprobs raise fails its request; the other rows get their tokens. The batch is sampled at once, and each row
-  alone only after the batch raised (then the rows sampled before the fault have drawn twice from their generator).
-- Detokenizing and stop strings (Sequence.append_token): raising fails that request.
-- The forward: when a step's forward raises, the same items are run again in halves, and the failing halves in
-  halves again, down to single requests (`_forward_isolated`). This is safe in place: an item's forward reads only
-  its own KV and writes only its new tokens' slots (the same values again), and nothing of the step is booked
-  before its forward returns. A request that fails alone fails (`forward_failed`); the others take their step. If
-  every request fails alone too (a broken device, or a step of one request), they all fail with `engine_failed`,
-  retriable. A decode round that fails to launch falls back to one isolated eager step.
+Isolation: one request's failure fails that request alone, with a code; its batchmates go on. A request whose
+validation or admission fails comes back failed from the next step(); a step's forward that raises is run again in
+halves down to the culprits, and a row whose logits are unusable or whose sampling raises fails alone
+(engine.isolation); so does one whose detokenizing or stop-string matching raises. A decode round that fails to
+launch falls back to one isolated eager step.
 
 Error codes of failed results (EngineError.code; retriable only where said): those of engine.validation;
 duplicate_request_id (the same (tenant, request_id) is unfinished); unknown_adapter; the adapter's load errors
@@ -85,7 +78,8 @@ from engine.backend import graph_batch_sizes, pick_backend
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eos_ids
 from engine.runner import BatchItem, ModelRunner
-from engine.sampling import generator_seed, is_greedy, openai_logprob_entry, sample_on_device, token_logprobs, usable_rows
+from engine.isolation import forward_isolated, sample_isolated, unusable_logits
+from engine.sampling import generator_seed, is_greedy, sample_on_device, usable_rows
 from engine.scheduler import Plan, Scheduler
 from engine.sequence import Sequence
 from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
@@ -414,7 +408,7 @@ class Engine:
                 log.exception("launching a decode round of %d requests raised; running one isolated step instead", len(items))
                 self._step_timer.reset()
                 self.runner.begin_step()
-        logits, failed = self._forward_isolated(items)  # [M', V] for the sampling items that ran
+        logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
         self._load_ahead()  # between launching the forward and reading its results: on CUDA, overlapped with it
         samplers = [it.seq for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
@@ -480,44 +474,6 @@ class Engine:
         self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
         with self._step_timer.section():
             return self.runner.forward(items)  # [M, V] fp32, one row per sampling item
-
-    def _forward_isolated(self, items: list[BatchItem]) -> tuple[torch.Tensor, dict[int, EngineError]]:
-        """The forward of `items`: logits [M', V] of the sampling items that ran, in order, and the error of each item
-        that did not, by index. When the forward raises, halves are run, and failing halves halved again, down to
-        single items (the module docstring, "Isolation"): at most 2n - 1 forwards for n items."""
-        try:
-            return self._forward(items), {}
-        except Exception as e:
-            log.warning("a forward of %d items raised %s: %s; running them in halves to find the culprit",
-                        len(items), type(e).__name__, e, exc_info=True)  # fmt: skip
-        rows: dict[int, torch.Tensor] = {}  # item index -> its logits [V]
-        culprits: dict[int, Exception] = {}
-
-        def probe(idx: list[int]) -> None:
-            try:
-                out = self._forward([items[i] for i in idx])
-            except Exception as e:
-                if len(idx) == 1:
-                    culprits[idx[0]] = e
-                    return
-                probe(idx[: len(idx) // 2])
-                probe(idx[len(idx) // 2 :])
-                return
-            rows.update(zip([i for i in idx if items[i].logits], out))
-
-        if len(items) > 1:
-            probe(list(range(len(items) // 2)))
-            probe(list(range(len(items) // 2, len(items))))
-            failed = {i: EngineError(f"the forward raised {type(e).__name__} with this request alone in the batch ({e}); it was logged",
-                                     code="forward_failed") for i, e in culprits.items()}  # fmt: skip
-        if len(items) == 1 or len(culprits) == len(items):
-            log.error("the forward raised for each of the %d requests alone: failing them all with engine_failed", len(items))
-            error = EngineError("the engine failed while running this request (the forward raised for every request); it was "
-                                "logged: retry", code="engine_failed", retriable=True)  # fmt: skip
-            return torch.empty(0), dict.fromkeys(range(len(items)), error)
-        kept = [rows[i] for i, it in enumerate(items) if it.logits and i not in failed]
-        logits = torch.stack(kept) if kept else torch.empty(0)
-        return logits, failed
 
     def _chain_length(self, plan: Plan, items: list[BatchItem]) -> int:
         """Decode steps this round runs back to back (engine.config `decode_steps`, engine.cuda_graphs "Chains"): more
@@ -620,7 +576,7 @@ class Engine:
                 seq.num_computed += 1
                 blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
                 if token < 0:
-                    self._fail(seq, _unusable_logits(), end_us)
+                    self._fail(seq, unusable_logits(), end_us)
                     continue
                 self._take_token(seq, token, end_us)
 
@@ -638,45 +594,15 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, EngineError]]:
         """The next token of each of `seqs` (rows of `logits`), their logprobs appended, and the error of each row that
-        failed (module docstring, "Isolation"), by index."""
+        failed, by index (engine.isolation)."""
         if not seqs:
             return [], {}
         params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
-        errors: dict[int, EngineError] = {}
-        try:
-            chosen = _draw(logits, params, generators)
-        except Exception:
-            log.exception("sampling %d rows raised; sampling each row alone", len(seqs))
-            chosen = []
-            for i in range(len(seqs)):
-                try:
-                    chosen += _draw(logits[i : i + 1], params[i : i + 1], generators[i : i + 1])
-                except Exception as e:
-                    chosen.append(-1)
-                    errors[i] = EngineError(f"sampling raised {type(e).__name__}: {e}; it was logged", code="sampling_failed")
-        for i, token in enumerate(chosen):
-            if token < 0 and i not in errors:
-                errors[i] = _unusable_logits()
-        want = [i for i, s in enumerate(seqs) if s.logprobs is not None and i not in errors]
-        if want:
-            try:
-                entries = self._logprob_entries(logits[want], [chosen[i] for i in want], [params[i].logprobs for i in want])
-            except Exception:
-                log.exception("logprobs of %d rows raised; taking each row alone", len(want))
-                entries = []
-                for i in want:
-                    try:
-                        entries += self._logprob_entries(logits[i : i + 1], [chosen[i]], [params[i].logprobs])
-                    except Exception as e:
-                        entries.append(None)
-                        errors[i] = EngineError(f"logprobs raised {type(e).__name__}: {e}; it was logged", code="sampling_failed")
-            for i, entry in zip(want, entries):
-                if entry is not None:
-                    seqs[i].logprobs.append(entry)
+        chosen, entries, errors = sample_isolated(logits, params, generators, self.tokenizer.token_bytes)
+        for seq, entry in zip(seqs, entries):
+            if entry is not None:
+                seq.logprobs.append(entry)
         return chosen, errors
-
-    def _logprob_entries(self, logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[dict]:
-        return [openai_logprob_entry(lp, self.tokenizer.token_bytes) for lp in token_logprobs(logits, chosen, top_n)]
 
     def _result(self, seq: Sequence, error: EngineError | None, now_us: int | None = None) -> GenerationResult:
         t = seq.timings
@@ -714,17 +640,6 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[choice]
-
-
-def _draw(logits: torch.Tensor, params: list, generators: list) -> list[int]:
-    """Each row's token, or -1 for a row whose logits are unusable: one host sync."""
-    chosen = sample_on_device(logits, params, generators)  # [M]
-    return torch.where(usable_rows(logits), chosen, -1).tolist()
-
-
-def _unusable_logits() -> EngineError:
-    return EngineError("the model's logits for this request hold NaN or +inf, or nothing finite: the request cannot be "
-                       "sampled (a fault of the model or adapter weights, or of the kernels)", code="sampling_failed")
 
 
 def _failed(req: GenerationRequest, error: EngineError, total_us: int = 0) -> GenerationResult:

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import engine.engine as engine_module
+import engine.isolation as isolation
 from engine.api import ADAPTER_ERROR_CODES, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.demo_model import write_demo_model
@@ -230,14 +230,14 @@ def test_a_failure_of_one_request_fails_it_alone(eng, monkeypatch, where):
     if where == "forward":
         _patch_forward(monkeypatch, eng, _raise_with_bad(bad))
     elif where == "sampling":
-        real = engine_module.sample_on_device
+        real = isolation.sample_on_device
 
         def sample(logits, params, generators):
             if any(p.temperature == 0.8 for p in params):  # only "bad" samples at 0.8
                 raise RuntimeError("simulated sampler fault")
             return real(logits, params, generators)
 
-        monkeypatch.setattr(engine_module, "sample_on_device", sample)
+        monkeypatch.setattr(isolation, "sample_on_device", sample)
     else:
         real_append = Sequence.append_token
 
@@ -285,9 +285,11 @@ def test_a_forward_that_fails_for_everyone_fails_all_retriable(eng, monkeypatch,
 
 async def test_through_the_async_engine_every_future_settles(eng, monkeypatch):
     """Twelve callers, three of them "bad-*" whose presence makes the forward raise: each of those fails with
-    forward_failed, the nine others succeed, every awaited generate settles, and the loop serves the next caller."""
-    reqs = [req(f"{'bad' if i % 4 == 1 else 'ok'}-{i}", prompt=TEXTS[i % len(TEXTS)], tenant=f"t{i % 3}", max_new_tokens=5 + i % 4,
-                **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {})) for i in range(12)]  # fmt: skip
+    forward_failed, the nine others succeed, every awaited generate settles, and the loop serves the next caller.
+    (The good ones run long enough that no bad one is ever alone in a step: alone, it would be engine_failed.)"""
+    reqs = [req(f"{'bad' if i % 4 == 1 else 'ok'}-{i}", prompt=TEXTS[i % len(TEXTS)], tenant=f"t{i % 3}",
+                max_new_tokens=4 if i % 4 == 1 else 20 + i % 4, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {}))
+            for i in range(12)]  # fmt: skip
     real = eng.runner.forward
 
     def forward(items, **kw):
@@ -372,9 +374,9 @@ def test_adapter_error_codes_are_the_adapters_own_faults():
     """ADAPTER_ERROR_CODES holds every code the adapter loading paths raise for the adapter's content or files, and
     none of the caller's mistakes."""
     raised = set()
-    for name in ("adapters.py", "adapter_pool.py", "store.py", "scheduler.py"):
+    for name in ("adapters.py", "adapter_pool.py", "store.py", "scheduler.py", "engine.py"):
         raised |= set(re.findall(r'code="(adapter_[a-z_]+)"', (ENGINE_DIR / name).read_text()))
-    callers = {"adapter_key_in_use", "adapter_in_use"}
+    callers = {"adapter_key_in_use", "adapter_in_use"}  # calls made wrongly, not the adapter's fault
     assert raised - callers <= ADAPTER_ERROR_CODES, raised - callers - ADAPTER_ERROR_CODES
     assert not ADAPTER_ERROR_CODES & {"unknown_adapter", "adapter_in_use", "adapter_key_in_use", "invalid_slo_tier", "aborted",
                                       "engine_failed", "forward_failed", "sampling_failed", "duplicate_request_id"}  # fmt: skip
