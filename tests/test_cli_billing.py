@@ -70,6 +70,12 @@ def test_invoice_errors_say_what_to_do(cli: tuple[CliRunner, Path]) -> None:
         (["prices", "set-gpu", "h100", "1.0000000001", "--from", "2025-10-01"], "more than 9 decimal places"),
         (["prices", "set-gpu", "h100", "1", "--from", "2025-1-1"], "YYYY-MM-DD"),
         (["report", "sre", "--period", "2025-10", "--format", "pdf"], "html"),
+        (["invoice", "--tenant", "nobody", "--period", "2025-10"], "tenant 'nobody' is unknown"),
+        (["invoice", "--tenant", "nobody", "--period", "2025-10", "--close"], "tenant 'nobody' is unknown"),
+        (["invoice", "--tenant", "acme", "--period", "2062-10"], "period 2062-10 cannot be billed: it has not begun"),
+        (["invoice", "--close-period", "9999-12"], "period 9999-12 cannot be billed"),
+        (["report", "finance", "--period", "2062-10"], "period 2062-10 cannot be billed"),
+        (["report", "reconcile", "--period", "0000-01"], "period 0000-01 cannot be billed"),
     ]:
         result = runner.invoke(app, [*args, "--config", str(config)])
         assert result.exit_code == 2, (args, result.output)
@@ -85,6 +91,18 @@ def test_reports_to_files(cli: tuple[CliRunner, Path], tmp_path: Path) -> None:
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64," in page
     assert "adapters" in run(cli, "report", "sre", "--period", "2025-10")
+
+
+def test_report_reconcile(cli: tuple[CliRunner, Path]) -> None:
+    """report reconcile: the month's measured and attributed time, every residue named, in each format."""
+    document = json.loads(run(cli, "report", "reconcile", "--period", "2025-10", "--format", "json"))
+    assert document["report"] == "reconcile" and document["summary"]["invoiced_ms"] == "3600.000"
+    lines = {line["item"]: line for line in document["lines"]}
+    assert lines["base"]["us"] == 3_600_000 and lines["gpu_busy"]["us"] == 0  # no busy record was written: all of it unexplained
+    assert lines["unexplained_busy"]["us"] == -3_600_000 and document["summary"]["conserved"] is False
+    table = run(cli, "report", "reconcile", "--period", "2025-10")
+    assert table.startswith("Reconciliation 2025-10\n") and "redelivered_work" in table
+    assert run(cli, "report", "reconcile", "--period", "2025-10", "--format", "csv").splitlines()[1].startswith("summary,")
 
 
 def test_bench_ledger_prints_a_table_then_one_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

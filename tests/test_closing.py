@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from billing.closing import close_invoice, close_period
 from billing.config import LedgerConfig
-from billing.errors import PeriodNotEndedError
+from billing.errors import PeriodNotEndedError, UnbillablePeriodError, UnknownTenantError
 from billing.invoice import build_invoice, period_invoices
 from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
@@ -150,3 +150,22 @@ def test_closed_invoice_money_is_decimal(october: Ledger, engine: Engine) -> Non
     assert all(type(line.gpu_price_per_hour) is Decimal for line in closed.lines)
     # acme: a1 12_000 + 30_000 cold, a2 5_000 -> 47_000 us at 2e-9 per us.
     assert closed.totals.cost == Decimal("0.000094000")
+
+
+def test_closing_an_unknown_tenant_stores_nothing(october: Ledger, engine: Engine) -> None:
+    """Closing the invoice of a tenant nobody knows is refused, naming it, and leaves no closed (empty) invoice and no frozen spread behind."""
+    with pytest.raises(UnknownTenantError, match="tenant 'initech' is unknown"):
+        close_invoice(engine, CONFIG, "initech", "2026-10", now=NOV_2)
+    with Session(engine) as session:
+        assert session.scalar(select(func.count()).select_from(ClosedInvoice)) == 0
+        assert session.scalar(select(func.count()).select_from(ColdStartShare)) == 0
+    assert build_invoice(engine, "acme", "2026-10", CONFIG).status == "draft"
+
+
+@pytest.mark.parametrize("period", ["9999-12", "0000-01"])
+def test_closing_a_month_that_cannot_be_billed_is_refused(october: Ledger, engine: Engine, period: str) -> None:
+    """A month without an instant to start or end at is refused by name, for one invoice and for the whole month."""
+    for close in (lambda: close_period(engine, CONFIG, period, now=NOV_2), lambda: close_invoice(engine, CONFIG, "acme", period, now=NOV_2)):
+        with pytest.raises(UnbillablePeriodError, match=f"period {period} cannot be billed"):
+            close()
+
