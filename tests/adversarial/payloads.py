@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from tests.adversarial.harness import Message
 
 TENANTS = ("acme", "globex")  # registered, each with a default adapter
 UNKNOWN_TENANT = "ghost"
-VOCAB = 575  # the demo model's vocabulary (engine.demo_model)
+DEMO_VOCAB = 575  # the demo model's vocabulary (engine.demo_model); tests pass the model's own (model_vocab)
 ENGINE_MAX_NEW_TOKENS = 32  # the suite's engine.max_new_tokens
 MAX_SEED = 2**63 - 1
 INVALID = frozenset({"invalid_job"})
@@ -65,17 +66,23 @@ SPECIAL_CHARS = "\x00\u202e\u200f\u202a\ufeff\u0301\U0001f600\u2028\u2029\x7f\t\
 safe_text = st.text(st.characters(exclude_categories=("Cs",)) | st.sampled_from(SPECIAL_CHARS), min_size=1, max_size=30)
 
 
-def _valid_job() -> st.SearchStrategy[dict]:
+def model_vocab(model_dir) -> int:
+    """The vocabulary size the engine checks input_ids against: the model's config.json."""
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
+def valid_jobs(vocab: int = DEMO_VOCAB) -> st.SearchStrategy[dict]:
+    """Jobs inside every limit of the contract and of the suite's engine: each must succeed."""
     prompt = st.one_of(
         st.fixed_dictionaries({"prompt": safe_text}),
         st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
             "role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(min_size=1, max_size=8)}), min_size=1, max_size=2)}),
-        st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)}),
+        st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40)}),
     )
     optional = {
         "temperature": st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 5.0]) | st.floats(0.0, 5.0),
         "top_p": st.sampled_from([1.0, 5e-324, 1e-300, 0.5]) | st.floats(0.0, 1.0, exclude_min=True),
-        "top_k": st.sampled_from([0, 1, VOCAB - 1, VOCAB, VOCAB + 1, 1_000_000]) | st.integers(0, 1_000_000),
+        "top_k": st.sampled_from([0, 1, vocab - 1, vocab, vocab + 1, 1_000_000]) | st.integers(0, 1_000_000),
         "seed": st.sampled_from([0, 1, 2**31, 2**32, 2**63 - 1]) | st.integers(0, MAX_SEED),
         "priority": st.integers(-100, 100),
         "logprobs": st.none() | st.integers(0, 20),
@@ -87,8 +94,6 @@ def _valid_job() -> st.SearchStrategy[dict]:
     return st.builds(lambda base, extra, n: {**base, **extra, "max_new_tokens": n}, prompt,
                      st.fixed_dictionaries({}, optional=optional), st.integers(1, 4))
 
-
-valid_jobs = _valid_job()
 
 # One field of a valid job replaced by a value outside its contract; (field, value, codes).
 _not_number = st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2) | st.just("abc")
@@ -129,7 +134,7 @@ def _job(i: int, tenant: str = "acme", **fields) -> dict:
             "max_new_tokens": 2, **fields}
 
 
-def boundary_cases(start: int) -> list[Case]:
+def boundary_cases(start: int, vocab: int = DEMO_VOCAB) -> list[Case]:
     """Each numeric field at its limits (valid: succeeds) and just beyond them (fails with a named code)."""
     table: list[tuple[dict, str, frozenset | None]] = [
         ({"temperature": 0.0}, "succeeded", None), ({"temperature": -0.0}, "succeeded", None),
@@ -138,8 +143,8 @@ def boundary_cases(start: int) -> list[Case]:
         ({"temperature": 1e308}, "failed", INVALID), ({"temperature": -1e308}, "failed", INVALID),
         ({"top_p": 1.0}, "succeeded", None), ({"top_p": 5e-324}, "succeeded", None), ({"top_p": 0.0}, "failed", INVALID),
         ({"top_p": -0.0}, "failed", INVALID), ({"top_p": 1.0000000000000002}, "failed", INVALID),
-        ({"top_k": 0}, "succeeded", None), ({"top_k": 1}, "succeeded", None), ({"top_k": VOCAB}, "succeeded", None),
-        ({"top_k": VOCAB + 1}, "succeeded", None), ({"top_k": 1_000_000}, "succeeded", None), ({"top_k": -1}, "failed", INVALID),
+        ({"top_k": 0}, "succeeded", None), ({"top_k": 1}, "succeeded", None), ({"top_k": vocab}, "succeeded", None),
+        ({"top_k": vocab + 1}, "succeeded", None), ({"top_k": 1_000_000}, "succeeded", None), ({"top_k": -1}, "failed", INVALID),
         ({"top_k": 2**63}, "result", SAMPLING), ({"top_k": 10**40}, "result", SAMPLING),
         ({"seed": 0}, "succeeded", None), ({"seed": 2**32}, "succeeded", None), ({"seed": MAX_SEED}, "succeeded", None),
         ({"seed": MAX_SEED + 1}, "result", SAMPLING), ({"seed": 2**64}, "result", SAMPLING), ({"seed": -1}, "result", SAMPLING),
@@ -152,8 +157,8 @@ def boundary_cases(start: int) -> list[Case]:
         ({"max_new_tokens": 10**30}, "failed", TOO_MANY_TOKENS),
         ({"logprobs": 0}, "succeeded", None), ({"logprobs": 20}, "succeeded", None), ({"logprobs": 21}, "failed", INVALID),
         ({"logprobs": -1}, "failed", INVALID), ({"logprobs": 10**20}, "failed", INVALID),
-        ({"input_ids": [0]}, "succeeded", None), ({"input_ids": [VOCAB - 1]}, "succeeded", None),
-        ({"input_ids": [VOCAB]}, "failed", frozenset({"invalid_input_ids", "invalid_job"})),
+        ({"input_ids": [0]}, "succeeded", None), ({"input_ids": [vocab - 1]}, "succeeded", None),
+        ({"input_ids": [vocab]}, "failed", frozenset({"invalid_input_ids", "invalid_job"})),
         ({"input_ids": [2**31 - 1]}, "failed", frozenset({"invalid_input_ids", "invalid_job"})),
         ({"input_ids": [2**63]}, "failed", frozenset({"invalid_input_ids", "invalid_job"})),
         ({"input_ids": [-1]}, "failed", INVALID), ({"input_ids": [1, 2, 10**40]}, "failed", frozenset({"invalid_input_ids", "invalid_job"})),
@@ -230,7 +235,7 @@ def special_cases(start: int) -> list[Case]:
     return cases
 
 
-def drawn_cases(start: int, n_garbage: int, n_valid: int, n_bad: int) -> list[Case]:
+def drawn_cases(start: int, n_garbage: int, n_valid: int, n_bad: int, vocab: int = DEMO_VOCAB) -> list[Case]:
     """Hypothesis' share of the batch: arbitrary JSON values and bytes, valid jobs, jobs with one bad field."""
     cases: list[Case] = []
     for value, how in draw(st.tuples(json_values, st.sampled_from(["ascii", "utf8", "utf16"])), n_garbage):
@@ -241,11 +246,11 @@ def drawn_cases(start: int, n_garbage: int, n_valid: int, n_bad: int) -> list[Ca
     for raw in draw(st.binary(min_size=1, max_size=200), n_garbage // 2):
         cases.append(Case(Message(raw, None, "garbage bytes"), "dlq"))
     i = start
-    for job, tenant, how in draw(st.tuples(valid_jobs, st.sampled_from(TENANTS), st.sampled_from(["ascii", "utf8"])), n_valid):
+    for job, tenant, how in draw(st.tuples(valid_jobs(vocab), st.sampled_from(TENANTS), st.sampled_from(["ascii", "utf8"])), n_valid):
         job = {**job, "request_id": f"fz-{i}", "tenant_id": tenant}
         cases.append(Case(Message(encode(job, how), (tenant, f"fz-{i}"), f"valid {json.dumps(job)[:80]}", key=f"fz-{i}".encode()), "succeeded"))
         i += 1
-    for job, (fld, value, codes) in draw(st.tuples(valid_jobs, bad_fields), n_bad):
+    for job, (fld, value, codes) in draw(st.tuples(valid_jobs(vocab), bad_fields), n_bad):
         job = {**job, fld: value, "request_id": f"fz-{i}", "tenant_id": "acme"}
         cases.append(Case(Message(encode(job, "ascii"), ("acme", f"fz-{i}"), f"bad {fld}={json.dumps(value, allow_nan=True)[:40]}",
                                   key=f"fz-{i}".encode()), "failed", codes))

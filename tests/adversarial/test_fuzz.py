@@ -28,7 +28,7 @@ from tests.adversarial.harness import (
     wait_conserved,
     wait_rows,
 )
-from tests.adversarial.payloads import TENANTS, Case, boundary_cases, drawn_cases, special_cases
+from tests.adversarial.payloads import TENANTS, Case, boundary_cases, drawn_cases, model_vocab, special_cases
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import open_services
 
@@ -103,7 +103,7 @@ async def run_batch(cases: list[Case], s, svc, tally, *, timeout_s: float = 150)
 
 
 def _report(problems: list[str]) -> str:
-    return f"{len(problems)} problem(s):\n" + "\n".join(problems[:60])
+    return f"{len(problems)} problem(s), first: {problems[0]}\n" + "\n".join(problems[1:60])
 
 
 async def test_fuzz_batch_answered_once_or_dead_lettered(tally, broker, tmp_path, demo_set, pg_database):
@@ -113,8 +113,9 @@ async def test_fuzz_batch_answered_once_or_dead_lettered(tally, broker, tmp_path
     exactly once (valid: succeeded; invalid with a readable identity: failed with a code; else a DLQ
     record that identifies the whole message), bills each answered job of a registered tenant once with
     its real usage, and its busy time equals the time it attributed."""
-    cases = drawn_cases(0, n_garbage=30, n_valid=40, n_bad=40)
-    cases += boundary_cases(1000) + special_cases(2000)
+    vocab = model_vocab(demo_set["model"])
+    cases = drawn_cases(0, n_garbage=30, n_valid=40, n_bad=40, vocab=vocab)
+    cases += boundary_cases(1000, vocab) + special_cases(2000)
     with fresh_pg_schema(pg_database) as url:
         db.upgrade(url)
         s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])  # the default 1 MB: room for 100k-deep JSON
