@@ -46,7 +46,7 @@ def _first_line(report) -> str:
 
 
 @pytest.fixture(scope="module")
-def own_pg(tmp_path_factory) -> Iterator[PgCluster]:
+def own_pg() -> Iterator[PgCluster]:
     """A PostgreSQL cluster of this module's own on a free port, which its tests may stop, start and wreck."""
     cluster = PgCluster.create()
     try:

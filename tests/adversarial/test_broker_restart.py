@@ -31,6 +31,11 @@ from tests.service_fixtures import open_services
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 
+def _copies(acct) -> dict:
+    """The answers of each identity answered more than once: whether they are one body replayed."""
+    return {i: [(r.status, r.text[:16], r.usage.output_tokens, r.worker_id) for r in rs] for i, rs in acct.results.items() if len(rs) > 1}
+
+
 def _jobs(tag: str, n: int) -> list[dict]:
     return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"{tag} job {i}", "max_new_tokens": 2}
             for i in range(n)]
@@ -92,7 +97,7 @@ async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set
     assert all(r.status == "succeeded" for rs in acct1.results.values() for r in rs)
     assert all(rows1.values()), "the jobs before the restart have their rows"
     assert not acct2.lost, f"{len(acct2.lost)} of {len(sent2)} jobs on the new log were never answered: {acct2.lost}"
-    assert not acct2.extra and not acct2.stray, (acct2.extra, acct2.stray)
+    assert not acct2.extra and not acct2.stray, (acct2.extra, acct2.stray, _copies(acct2))
     assert all(r.status == "succeeded" for rs in acct2.results.values() for r in rs), [r.error for rs in acct2.results.values() for r in rs]
     assert not col2.dlq, [d.error for d, _ in col2.dlq]
     assert not unbilled and not double, unbilled + double

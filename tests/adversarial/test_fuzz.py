@@ -96,7 +96,8 @@ async def run_batch(cases: list[Case], s, svc, tally, *, timeout_s: float = 150)
         sent = await produce(s, [c.message for c in cases])
         await col.until(lambda c: c.answered(sent) or not lw.alive(), timeout_s)
         await col.settle(1.5)
-        billed = [m.identity for m, c in zip(sent, cases) if m.identity is not None and m.identity[0] in TENANTS]
+        answered = account(sent, col).results
+        billed = [m.identity for m in sent if m.identity is not None and m.identity[0] in TENANTS and answered.get(m.identity)]
         rows = await wait_rows(svc.db, billed, 20 if lw.alive() else 2)
         busy = await wait_conserved(svc.db, lw.worker_id, 15 if lw.alive() else 2)
         return judge(cases, sent, col, rows, busy, lw, s.kafka.max_message_bytes, tally)

@@ -130,6 +130,7 @@ async def test_duplicate_delivered_while_the_first_runs(tally, broker, tmp_path,
                     rows = await wait_rows(svc.db, identities, 15)
                 finally:
                     watcher.cancel()
+                    await asyncio.gather(watcher, return_exceptions=True)
                 busy = await wait_conserved(svc.db, lw.worker_id)
                 for identity, rs in rows.items():
                     seen_status[identity].update(r.status for r in rs)
