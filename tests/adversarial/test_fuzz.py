@@ -8,6 +8,7 @@ carry; the ledger holds one row per answered job of a registered tenant and busy
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 MAX_MESSAGE_BYTES = 65_536
 
 
-def judge(cases: list[Case], sent, col: Collector, rows, busy: tuple[int, int], lw, max_bytes: int, tally) -> list[str]:
+def judge(cases: list[Case], sent, col: Collector, rows, total_rows: int, busy: tuple[int, int], lw, max_bytes: int, tally) -> list[str]:
     """Every way the run broke the invariants, one line each (empty: it held)."""
     acct = account(sent, col)
     problems = [f"lost: {x}" for x in acct.lost] + [f"answered twice: {x}" for x in acct.extra]
@@ -82,6 +83,9 @@ def judge(cases: list[Case], sent, col: Collector, rows, busy: tuple[int, int], 
             if r.status == "failed" and not (r.error and r.error.code and r.error.message):
                 problems.append(f"{identity} ({label}): failed without an error code and message")
     unbilled, double = ledger_problems(rows, ledger_expect, acct.results)
+    expected_rows = sum(len(rs) for rs in rows.values())
+    if total_rows != expected_rows:  # rows of no answered job: a dead-lettered message billed, say
+        double.append(f"the ledger holds {total_rows} usage rows, {total_rows - expected_rows} beyond the answered jobs' {expected_rows}")
     problems += [f"ledger: {x}" for x in unbilled + double]
     if busy[0] != busy[1]:
         problems.append(f"busy {busy[0]} us != attributed {busy[1]} us for worker {lw.worker_id}")
@@ -100,7 +104,8 @@ async def run_batch(cases: list[Case], s, svc, tally, *, timeout_s: float = 150)
         billed = [m.identity for m in sent if m.identity is not None and m.identity[0] in TENANTS and answered.get(m.identity)]
         rows = await wait_rows(svc.db, billed, 20 if lw.alive() else 2)
         busy = await wait_conserved(svc.db, lw.worker_id, 15 if lw.alive() else 2)
-        return judge(cases, sent, col, rows, busy, lw, s.kafka.max_message_bytes, tally)
+        total_rows = await asyncio.to_thread(svc.ledger.count_usage)
+        return judge(cases, sent, col, rows, total_rows, busy, lw, s.kafka.max_message_bytes, tally)
 
 
 def _report(problems: list[str]) -> str:

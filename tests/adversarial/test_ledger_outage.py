@@ -145,3 +145,54 @@ async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_p
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
     assert not unbilled and not double, unbilled[:10] + double[:10]
     assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us once the spool landed"
+
+
+async def test_full_spool_pauses_fetching_and_drops_nothing(tally, broker, tmp_path, demo_set, own_pg):
+    """With the ledger down and its spool full (worker.spool_max_records), fetching pauses: jobs produced
+    after the spool filled get no result while the ledger stays down; nothing is dropped: once the
+    ledger is back, the spool drains, fetching resumes, every job is answered exactly once with one
+    ledger row each and busy == attributed."""
+    url = own_pg.new_database()
+    db.upgrade(url)
+    s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
+        "worker.spool_path": str(tmp_path / "spool.sqlite"), "worker.spool_max_records": 5})
+    svc = open_services(s)
+    register_two_tenants(svc, demo_set)
+    try:
+        async with live_worker(s, svc) as lw, Collector(s) as col:
+            warm = await produce(s, [job_message(j) for j in _jobs("warm", 4)])
+            await col.until(lambda c: c.answered(warm) or not lw.alive(), 60)
+            await wait_conserved(svc.db, lw.worker_id)
+            await asyncio.to_thread(own_pg.stop)
+            try:
+                filling = await produce(s, [job_message(j) for j in _jobs("filling", 10)])
+                await col.until(lambda c: c.answered(warm + filling) or not lw.alive(), 30)  # their records fill the spool
+                await asyncio.sleep(1.0)
+                paused = await produce(s, [job_message(j) for j in _jobs("paused", 10)])
+                await col.settle(5.0)
+                answered_while_full = sum(bool(account(paused, col).results.get(m.identity)) for m in paused)
+                alive_while_full = lw.alive()
+            finally:
+                await asyncio.to_thread(own_pg.start)
+            sent = warm + filling + paused
+            await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+            identities = [m.identity for m in sent]
+            rows = await wait_rows(svc.db, identities, 60)
+            busy = await wait_conserved(svc.db, lw.worker_id, 30)
+            await col.settle(2.0)
+            acct = account(sent, col)
+            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
+            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            tally.note(f"{answered_while_full} of {len(paused)} jobs produced after the spool filled were answered while it was full")
+            assert lw.alive(), lw.death()
+    finally:
+        svc.close()
+    assert alive_while_full, "the worker died while its spool was full"
+    assert answered_while_full == 0, (f"{answered_while_full} of {len(paused)} jobs produced after the spool filled were "
+                                      "fetched and answered: fetching must pause while the spool is full")
+    assert not acct.extra, f"results published more than once: {acct.extra}"
+    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
+    assert not acct.stray and not col.dlq, (acct.stray, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq])
+    assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
+    assert not unbilled and not double, unbilled[:10] + double[:10]
+    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us once the spool drained"
