@@ -221,6 +221,7 @@ class Collector:
         self.dlq: list[tuple[DlqRecord, int]] = []  # (record, serialized size)
         self.unreadable: list[str] = []  # records of either topic that are not valid JSON of their model
         self._consumer = None
+        self._seen: set = set()
 
     async def __aenter__(self) -> "Collector":
         k = self.s.kafka
@@ -238,6 +239,9 @@ class Collector:
         batches = await self._consumer.getmany(timeout_ms=timeout_ms)
         for tp, records in batches.items():
             for m in records:
+                if (tp, m.offset) in self._seen:  # re-read after an offset reset of this reader: counted once
+                    continue
+                self._seen.add((tp, m.offset))
                 try:
                     if tp.topic == self.s.kafka.results_topic:
                         self.results.append(Result.model_validate_json(m.value))
