@@ -12,7 +12,7 @@ import pytest
 from billing import db
 from billing.invoice import build_invoice
 from consumer.schemas import BatchManifest, Job
-from consumer.submit import collect_results, produce_jobs
+from consumer.submit import collect_results, produce_jobs, read_manifest
 from tests.adversarial.harness import (
     Collector,
     account,
@@ -206,8 +206,9 @@ async def test_resubmitted_after_it_finished_is_answered_from_the_ledger(tally, 
 
 
 async def test_same_batch_id_two_tenants(tally, broker, tmp_path, demo_set, pg_database):
-    """Two tenants submit batches under the same batch_id with the same request ids: collecting a tenant's
-    batch (consumer.submit.collect_results with its manifest) returns all of its results and only its own."""
+    """Two tenants submit batches under the same batch_id with the same request ids: a tenant's manifest
+    (consumer.submit.read_manifest) holds only its own ids, and collecting its batch (collect_results with
+    its manifest) returns all of its results and only its own."""
     with fresh_pg_schema(pg_database) as url:
         s, svc, refs = await _setup(broker, tmp_path, demo_set, url)
         batch = "shared-batch"
@@ -218,10 +219,11 @@ async def test_same_batch_id_two_tenants(tally, broker, tmp_path, demo_set, pg_d
                 for tenant, tenant_jobs in jobs.items():
                     await produce_jobs(s.kafka, tenant_jobs, batch, tenant, "adversarial", "request")
                 await col.until(lambda c: len(c.results) >= 8 or not lw.alive(), 60)
-                collected = {}
+                collected, manifests = {}, {}
                 for tenant, tenant_jobs in jobs.items():
                     manifest = BatchManifest(batch_id=batch, tenant_id=tenant, request_ids=[j.request_id for j in tenant_jobs])
                     collected[tenant] = await collect_results(s.kafka, manifest, timeout_s=20)
+                    manifests[tenant] = await read_manifest(s.kafka, tenant, batch)
                 identities = [(t, j.request_id) for t, js in jobs.items() for j in js]
                 rows = await wait_rows(svc.db, identities, 15)
                 busy = await wait_conserved(svc.db, lw.worker_id)
@@ -237,6 +239,9 @@ async def test_same_batch_id_two_tenants(tally, broker, tmp_path, demo_set, pg_d
                 assert lw.alive(), lw.death()
         finally:
             svc.close()
+    for tenant, manifest in manifests.items():
+        assert manifest is not None and manifest.tenant_id == tenant, (tenant, manifest)
+        assert manifest.request_ids == [j.request_id for j in jobs[tenant]], (tenant, manifest.request_ids)
     for tenant, (results, dlq) in collected.items():
         assert set(results) == {j.request_id for j in jobs[tenant]}, (tenant, sorted(results))
         assert not dlq, (tenant, dlq)
