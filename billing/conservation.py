@@ -11,8 +11,10 @@ For a period P (a UTC month), exactly:
      the two months, and `unattributed_us` (busy - attributed) shows it.
   2. cold_start_us == load_us, where cold_start_us is the sum of the cold-start time on every invoice
      of P and load_us the sum of load_us over the loads billed to P whose adapter (name@version and
-     content) has at least one request billed to P. Loads of adapters nobody used in P are billed to
-     nobody and are reported as `unbilled_load_us`.
+     content) has at least one request billed to P -- once P's spread is frozen (its first close), at
+     least one share in that frozen spread: a request that arrives later, for an adapter nobody had
+     used, finds the spread already made. Loads of adapters nobody used in P are billed to nobody and
+     are reported as `unbilled_load_us`.
 
 The routing decision time and the KV credit are per-request amounts on top of the busy time, not
 part of it, so an invoice's gpu_ms is busy + load + decisions - credits, not busy + load.
@@ -27,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from billing.config import LedgerConfig
 from billing.invoice import period_invoices
-from billing.models import AdapterLoad, Busy, Usage
+from billing.models import AdapterLoad, BillingPeriod, Busy, ColdStartShare, Usage
 from billing.periods import check_period
 
 
@@ -61,12 +63,17 @@ def period_conservation(db: Engine | Session, period: str, config: LedgerConfig)
             .where(AdapterLoad.invoice_period == period)
             .group_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256)
         ).all()
-        used = {
-            (adapter, sha)
-            for adapter, sha in session.execute(
-                select(Usage.adapter, Usage.adapter_sha256).where(Usage.invoice_period == period, Usage.adapter.is_not(None)).distinct()
-            )
-        }
+        if session.scalar(select(BillingPeriod.spread_frozen_at).where(BillingPeriod.period == period)) is not None:
+            # Frozen at the first close: a load is billed when the frozen spread gave it out, whoever used the adapter since.
+            frozen = select(ColdStartShare.adapter, ColdStartShare.adapter_sha256).where(ColdStartShare.period == period).distinct()
+            used = {(adapter, sha) for adapter, sha in session.execute(frozen)}
+        else:
+            used = {
+                (adapter, sha)
+                for adapter, sha in session.execute(
+                    select(Usage.adapter, Usage.adapter_sha256).where(Usage.invoice_period == period, Usage.adapter.is_not(None)).distinct()
+                )
+            }
         billed = sum(_int(us) for adapter, sha, us in loads if (adapter, sha) in used or (adapter, None) in used)
         total_load = sum(_int(us) for *_, us in loads)
         cold = sum(int(invoice.totals.cold_start_ms * 1000) for invoice in period_invoices(session, period, config))

@@ -62,7 +62,7 @@ def finance_report(db: Engine | Session, period: str, config: LedgerConfig, flag
     factor = config.finance_flag_factor if flag_factor is None else flag_factor
     assert isinstance(factor, Decimal) and factor > 0, f"flag_factor must be a positive Decimal, got {factor!r}"
     invoices: list[Invoice] = period_invoices(db, period, config, now=now)
-    gpu_total = sum((i.totals.gpu_ms for i in invoices), Decimal(0))
+    gpu_total = sum((i.totals.gpu_ms for i in invoices), Decimal("0.000"))  # three places even with no invoice
     revenue_total = sum((i.totals.revenue for i in invoices), ZERO_COST)
     tenants = []
     for invoice in invoices:

@@ -53,14 +53,14 @@ def render_json(invoice: Invoice) -> str:
 
 
 def render_csv(invoice: Invoice) -> str:
-    """One row per line and a final TOTAL row, each with the tenant, period, status and currency."""
+    """One row per line and a final TOTAL row (with the unpriced requests), each with the tenant, period, status and currency."""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS))
+    writer.writerow(("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS, "unpriced_requests"))
     head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
     for line in invoice.lines:
-        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values()))
-    writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values()))
+        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), ""))
+    writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values(), invoice.unpriced_requests))
     return out.getvalue()
 
 

@@ -2,7 +2,8 @@
 
 Canonical form: {section: [row, ...]} where the summary is the one-row section "summary" and every row
 maps a column to its text, empty values left out (JSON's null and false, CSV's and HTML's empty cells,
-the text table's "-"). Two renderings carry the same figures exactly when their canonical forms are equal.
+the text table's "-"), and a table without rows left out (CSV has no way to show one). Two renderings
+carry the same figures exactly when their canonical forms are equal.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from html.parser import HTMLParser
 
 Canonical = dict[str, list[dict[str, str]]]
@@ -111,4 +113,59 @@ def from_html(text: str) -> Canonical:
     return parser.out
 
 
-READERS = {"json": from_json, "csv": from_csv, "table": from_table, "html": from_html}
+def _without_empty(read: Callable[[str], Canonical]) -> Callable[[str], Canonical]:
+    return lambda text: {name: rows for name, rows in read(text).items() if rows}
+
+
+READERS = {fmt: _without_empty(read) for fmt, read in {"json": from_json, "csv": from_csv, "table": from_table, "html": from_html}.items()}
+
+
+# ---- invoices: table, json, csv -------------------------------------------------------------------------
+
+InvoiceRows = list[tuple[str, ...]]  # (label, gpu price, *amounts) per line, then ("total", "", *amounts, unpriced)
+
+
+def invoice_from_json(text: str) -> InvoiceRows:
+    document = json.loads(text)
+    rows: InvoiceRows = []
+    for line in document["lines"]:
+        label = line["adapter"] if line["adjustment_for"] is None else f"{line['adapter']} (adjustment for {line['adjustment_for']})"
+        amounts = [str(v) for k, v in line.items() if k not in ("adapter", "adjustment_for", "gpu_price_per_hour")]
+        rows.append((label, line["gpu_price_per_hour"], *amounts))
+    totals = document["totals"]
+    rows.append(("total", "", *(str(v) for k, v in totals.items() if k != "unpriced_requests"), str(totals["unpriced_requests"])))
+    return rows
+
+
+def invoice_from_csv(text: str) -> InvoiceRows:
+    rows: InvoiceRows = []
+    for row in csv.DictReader(io.StringIO(text)):
+        keys = [k for k in row if k not in ("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", "unpriced_requests")]
+        if row["adapter"] == "TOTAL":
+            rows.append(("total", "", *(row[k] for k in keys), row["unpriced_requests"]))
+        else:
+            label = row["adapter"] if not row["adjustment_for"] else f"{row['adapter']} (adjustment for {row['adjustment_for']})"
+            rows.append((label, row["gpu_price_per_hour"], *(row[k] for k in keys)))
+    return rows
+
+
+def invoice_from_table(text: str) -> InvoiceRows:
+    """Columns cut where the rule line's dashes are (a label may hold spaces); the unpriced count from its note (0 without one)."""
+    lines = text.rstrip("\n").split("\n")
+    rule = lines[2]
+    spans, start = [], 0
+    for dashes in rule.split("  "):
+        spans.append((start, start + len(dashes)))
+        start += len(dashes) + 2
+    body_end = lines.index(rule, 3)
+    rows: InvoiceRows = [tuple(line[a:b].strip() for a, b in spans) for line in lines[3:body_end]]
+    total = tuple(lines[body_end + 1][a:b].strip() for a, b in spans)
+    unpriced = "0"
+    for note in lines[body_end + 2:]:
+        if note.startswith("note: ") and "succeeded requests earned nothing" in note:
+            unpriced = note.split()[1]
+    rows.append((*total, unpriced))
+    return rows
+
+
+INVOICE_READERS = {"json": invoice_from_json, "csv": invoice_from_csv, "table": invoice_from_table}
