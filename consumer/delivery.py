@@ -91,7 +91,12 @@ class Deliverer:
             if not self.outbox:
                 continue
             batch = self.outbox[:]  # stays in the outbox until delivered, so a drain waits for it
-            await self.deliver(batch)
+            try:
+                await self.deliver(batch)
+            except Exception:  # noqa: BLE001 - one outcome our code cannot handle must not stop the others
+                log.exception("delivering %d outcomes failed; delivering them one by one", len(batch))
+                for o in batch:
+                    await self._deliver_alone(o)
             del self.outbox[: len(batch)]
 
     async def drain(self) -> None:
@@ -111,6 +116,26 @@ class Deliverer:
             self.offsets.finished(o.tp, o.offset, o.epoch)
             if o.result is not None:
                 self._count(o.result)
+
+    async def _deliver_alone(self, o: Outcome) -> None:
+        """Deliver one outcome; one that still fails is replaced by a DLQ record of its position and why."""
+        try:
+            await self.deliver([o])
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("outcome of %s:%s@%s cannot be delivered; a DLQ record goes out instead", o.tp.topic,
+                          o.tp.partition, o.offset)
+            error = ErrorInfo(code="undeliverable", message=f"the worker could not deliver this message's outcome "
+                              f"({type(e).__name__}); it was logged")
+        self.metrics.undeliverable.inc()
+        dead = Outcome(o.tp, o.offset, dlq=DlqRecord(error=error, source_topic=o.tp.topic, source_partition=o.tp.partition,
+                                                     source_offset=o.offset, raw="", raw_b64="", worker_id=self.worker_id),
+                       epoch=o.epoch)
+        try:
+            await self.deliver([dead])
+        except Exception:  # noqa: BLE001 - nothing smaller exists: the offset moves on, loudly
+            log.exception("not even a DLQ record could be delivered for %s:%s@%s", o.tp.topic, o.tp.partition, o.offset)
+            self.offsets.finished(o.tp, o.offset, o.epoch)
 
     # ---------------------------------------------------------------- publish
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -33,7 +34,9 @@ class ChatMessage(BaseModel):
 
 
 class Job(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: a number is a JSON number and a flag a JSON boolean ("5", "yes" and true-for-1 are refused,
+    # naming the field), so what a producer meant is never guessed.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     v: Literal[1] = CONTRACT_VERSION
     request_id: Ident
@@ -195,8 +198,13 @@ def _describe(e: dict, total: int) -> ErrorInfo:
     return ErrorInfo(code="invalid_job", field=field, message=f"{where}{msg}; {hint}{more}")
 
 
+_ECHOABLE = re.compile(r"[A-Za-z0-9_.:@/\-]{1,256}")
+
+
 def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) and value else None
+    """An identity field worth echoing into a failed result or DLQ record: a short id of plain characters
+    (a lone surrogate or a megabyte of text would make the record itself unsendable)."""
+    return value if isinstance(value, str) and _ECHOABLE.fullmatch(value) else None
 
 
 def parse_job(raw: bytes | None) -> Job | Rejection:
@@ -204,7 +212,7 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
     if raw is None:
         return Rejection(ErrorInfo(code="malformed_json", message="empty message value; send a JSON object"), False)
     try:
-        data = json.loads(raw)
+        data = json.loads(raw.decode("utf-8"))  # UTF-8 only: json.loads on bytes would also take UTF-16 and -32
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return Rejection(
             ErrorInfo(code="malformed_json", message=f"not valid UTF-8 JSON ({e}); send one JSON object per message"),

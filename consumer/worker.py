@@ -70,6 +70,7 @@ class _Copy:
     offset: int
     epoch: int
     parsed: Job | Rejection
+    silent: bool = False  # the same message read again: it needs no second result
 
 
 class Worker:
@@ -100,6 +101,7 @@ class Worker:
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
         self._running: dict[Key, list[_Copy]] = {}  # keys queued or in the engine here, with their waiting copies
         self._answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
         self._paused = False
         self._cache_errors_seen = 0
         self._logs_checked_at = 0.0
@@ -266,14 +268,20 @@ class Worker:
         jobs: list[tuple[TopicPartition, int, int, Job]] = []
         for tp, m, epoch, parsed in items:
             try:
+                # The same message read again (the group rejoined after a broker restart, say) was answered
+                # already: its offset counts as done without a second result or DLQ record.
+                again = self._seen_message((tp.topic, tp.partition, m.offset, m.timestamp))
                 key = _key(parsed)
                 if key is None:
-                    self._dead_letter(tp, m, epoch, parsed)
+                    if again:
+                        self.deliverer.emit(Outcome(tp, m.offset, epoch=epoch))
+                    else:
+                        self._dead_letter(tp, m, epoch, parsed)
                 elif key in self._running:
-                    self._running[key].append(_Copy(tp, m.offset, epoch, parsed))
+                    self._running[key].append(_Copy(tp, m.offset, epoch, parsed, silent=again))
                 elif (answer := self._answers.get(key)) is not None or (answer := stored.get(key)) is not None:
-                    self.metrics.replays.labels("memory" if key in self._answers else "ledger").inc()
-                    self.deliverer.emit(Outcome(tp, m.offset, result=answer, epoch=epoch))
+                    self.metrics.replays.labels("redelivered" if again else "memory" if key in self._answers else "ledger").inc()
+                    self.deliverer.emit(Outcome(tp, m.offset, result=None if again else answer, epoch=epoch))
                 elif isinstance(parsed, Rejection):
                     self._reject(tp, m.offset, epoch, parsed, now)
                 else:
@@ -339,6 +347,15 @@ class Worker:
                 log.warning("cannot ask the ledger for stored answers (%s); going by this worker's own", e)
         return found
 
+    def _seen_message(self, message_id: tuple) -> bool:
+        """Whether this worker read this very message (topic, partition, offset, timestamp) before; note it."""
+        seen = message_id in self._seen
+        self._seen[message_id] = None
+        self._seen.move_to_end(message_id)
+        while len(self._seen) > 2 * self.s.worker.answered_cache:
+            self._seen.popitem(last=False)
+        return seen
+
     def _answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
         """Emit the answer to a key's first message, then the same answer to every copy that waited for it."""
         self.deliverer.emit(outcome)
@@ -351,8 +368,8 @@ class Worker:
             while len(self._answers) > self.s.worker.answered_cache:
                 self._answers.popitem(last=False)
         for c in self._running.pop(key, []):
-            self.metrics.replays.labels("waited").inc()
-            self.deliverer.emit(Outcome(c.tp, c.offset, result=result, epoch=c.epoch))
+            self.metrics.replays.labels("redelivered" if c.silent else "waited").inc()
+            self.deliverer.emit(Outcome(c.tp, c.offset, result=None if c.silent else result, epoch=c.epoch))
 
     def _fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
               keep: bool = True) -> None:
