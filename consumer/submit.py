@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import logging
 import math
 import time
 import uuid
@@ -29,6 +30,8 @@ from pydantic import ValidationError
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.schemas import BatchManifest, DlqRecord, Job, Result
+
+log = logging.getLogger("lorabatch.submit")
 
 
 class SubmitError(Exception):
@@ -239,7 +242,11 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
             batches = await consumer.getmany(*tps, timeout_ms=200)
             for tp, messages in batches.items():
                 for m in messages:
-                    handlers[tp.topic](m.key, m.value)
+                    try:
+                        handlers[tp.topic](m.key, m.value)
+                    except ValueError as e:  # pydantic's ValidationError too: someone else's record, not ours
+                        log.warning("skipping %s:%s@%s, which is not a lorabatch record: %s", tp.topic, tp.partition,
+                                    m.offset, str(e).splitlines()[0][:200])
             if stop():
                 return
             if until_end and not batches:

@@ -217,3 +217,24 @@ def test_cli_says_when_the_broker_is_down(tmp_path):
     assert out.exit_code == 2 and "failed" in said and "submit again with --batch-id b7" in said, out.output
     out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b7", "--config", config])
     assert out.exit_code == 2 and "lorabatch broker start" in " ".join(out.output.split()), out.output
+
+
+def test_foreign_records_on_the_results_topics_are_skipped(broker):
+    """Someone else's message on the results, DLQ or batches topic (not JSON, or not our record) is skipped:
+    collecting a batch still finds its results."""
+    s, _ = _settings(broker)
+    k = s.kafka
+    manifest = BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1"])
+    ok = Result(request_id="r1", tenant_id="acme", batch_id="b1", status="succeeded", text="hi")
+
+    async def scenario():
+        for topic in (k.results_topic, k.dlq_topic, k.batches_topic):
+            await _produce(s, topic, [b"{not json", b'{"unrelated": true}'], key=b"b1")
+        await _produce(s, k.batches_topic, [manifest.model_dump_json().encode()], key=b"b1")
+        await _produce(s, k.results_topic, [ok.model_dump_json().encode()], key=b"r1")
+        found = await read_manifest(k, "acme", "b1", timeout_s=10)
+        assert found is not None and found.request_ids == ["r1"]
+        return await collect_results(k, found, timeout_s=10)
+
+    results, dlq = asyncio.run(scenario())
+    assert list(results) == ["r1"] and results["r1"].text == "hi" and dlq == {}
