@@ -1,8 +1,8 @@
 """`lorabatch bench ...`: benchmarks are commands that print figures (tests never time things).
 
 Each prints a short table, then one JSON line with the figures, so runs can be compared by machine.
-The work lives beside what it measures (`engine.bench`, `kernels.bench`, `billing.bench`,
-`consumer.bench_pipeline`); these are only the command lines.
+The work lives in each package's bench/ subpackage (`engine.bench`, `kernels.bench`, `billing.bench`,
+`consumer.bench`), imported here only inside the commands; these are only the command lines.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def bench_engine(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """Decode and prefill speed of the engine, base-only and mixed-adapter, against the peer and the roofline."""
-    from engine.bench import bench_engine as run
+    from engine.bench.serving import bench_engine as run
 
     run(shape=shape, adapters=adapters, rank=rank, batch=batch, prompt=prompt, new=new, mixed_ranks=mixed_ranks,
         peer=peer, device=device, json_only=json_out)
@@ -39,7 +39,7 @@ def bench_kernels(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """The Triton kernels against their torch references and the memory roofline."""
-    from kernels.bench import bench_kernels as run
+    from kernels.bench.roofline import bench_kernels as run
 
     run(json_only=json_out)
 
@@ -51,7 +51,7 @@ def bench_ledger(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """Ledger insert rate, one tenant's invoice time, and the month's close time."""
-    from billing.bench import bench_ledger as run
+    from billing.bench.ledger import bench_ledger as run
 
     run(url=db, rows=rows, json_only=json_out)
 
@@ -63,7 +63,7 @@ def bench_pipeline(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """The same jobs through broker and worker against the engine alone: the pipeline's cost, routing p99."""
-    from consumer.bench_pipeline import bench_pipeline as run
+    from consumer.bench.pipeline import bench_pipeline as run
 
     run(jobs=jobs, redis_url=redis_url, json_only=json_out)
 
@@ -80,6 +80,6 @@ def bench_scaleout(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """Several workers in one group (one per GPU) against one worker: speed-up, adapter loads by partition key."""
-    from consumer.bench_scaleout import bench_scaleout as run
+    from consumer.bench.scaleout import bench_scaleout as run
 
     run(shape=shape, workers=workers, gpus=gpus, adapters=adapters, rank=rank, jobs=jobs, new_tokens=new, json_only=json_out)

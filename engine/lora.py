@@ -41,7 +41,7 @@ kernels/silu_mul.py), the delta is not written at all: the GEMM runs plain (beta
 output (`pending`), and the op adds scale * t B^T to each tile it reads before its own maths, rounded once as the
 expand would round y. At llama-8b, 32 x 512 prefill tokens, this saves the delta's 940 MB of stores a layer and the
 GEMM's read of them in its epilogue: the engine's prefill LoRA share is +8.3-8.5% with it against +9.9-10.5% without, on
-one engine in one process (engine.bench.ab_prefill_consumers; engine/PERF.md, session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
+one engine in one process (engine.bench.serving.ab_prefill_consumers; engine/PERF.md, session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
 The model still knows nothing of LoRA: `wrap_ops` gives the runner the model's ops with the pending delta handed to
 them, and an op handed a tensor that is not the pending one is an assertion, not a delta silently dropped.
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from billing import db
-from billing.bench import bench_ledger
+from billing.bench.ledger import bench_ledger
 from billing.config import LedgerConfig
 from billing.ledger import Ledger
 from consumer.cli import app

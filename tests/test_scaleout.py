@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from consumer.bench_scaleout import bench_scaleout
+from consumer.bench.scaleout import bench_scaleout
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def test_balanced_partitions_even_out_a_zipf_batch():
 
     from aiokafka.partitioner import DefaultPartitioner
 
-    from consumer.bench_scaleout import _zipf_jobs
+    from consumer.bench.scaleout import _zipf_jobs
     from consumer.submit import balanced_partitions, job_weight, partition_key
 
     names = [f"a{i:03d}" for i in range(64)]

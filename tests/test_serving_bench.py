@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from engine.bench import (
+from engine.bench.serving import (
     PREFILL_SAMPLES,
     SHAPES,
     adapter_bytes,

@@ -1,5 +1,5 @@
 """One-off probes of where a kernel's time goes on the GPU, each a command of its own and named, with its figures, in
-engine/PERF.md; `lorabatch bench kernels` and the launchers' config sweeps are kernels/bench.py.
+engine/PERF.md; `lorabatch bench kernels` and the launchers' config sweeps are kernels/bench/roofline.py.
 
 - probe_delta: the prefill delta (kernels/lora_expand.py, accumulate=False) against its stores alone, torch's fill and copy.
 - probe_beta: the prefill GEMM adding into the delta (beta = 1) against beta = 0, through cuBLAS and cuBLASLt.
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bench import ADAPTERS, BATCH, DTYPE, MODELS, RANK, _DEVICE, _best, _graph_us, _lora_case
+from kernels.bench.roofline import ADAPTERS, BATCH, DTYPE, MODELS, RANK, _DEVICE, _best, _graph_us, _lora_case
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 
@@ -22,7 +22,7 @@ def probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("ll
     """Where the prefill delta's time goes (kernels/lora_expand.py, accumulate=False), per projection at 32 sequences of
     `tokens` over 32 adapters of rank 16: the delta, the same launch with every rank 0 (its stores alone), torch's fill
     of z (a write of the same bytes) and copy into z (read + write); µs and z's write rate
-    (python -c "from kernels.probes import probe_delta; probe_delta()")."""
+    (python -c "from kernels.bench.probes import probe_delta; probe_delta()")."""
     torch.manual_seed(0)
     print(f"{'projection':20} {'delta':>8} {'stores':>8} {'fill':>8} {'copy':>8}  (µs; GB/s of z written)")
     for name in models:
@@ -44,7 +44,7 @@ def probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("ll
 def probe_beta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
     """The prefill GEMM adding into the delta (`z.addmm_(x, W^T)`, beta = 1) against the plain GEMM (beta = 0), per
     projection at 32 sequences of `tokens`, through torch's default BLAS path and through cuBLASLt
-    (`torch.backends.cuda.preferred_blas_library`); µs (python -c "from kernels.probes import probe_beta; probe_beta()")."""
+    (`torch.backends.cuda.preferred_blas_library`); µs (python -c "from kernels.bench.probes import probe_beta; probe_beta()")."""
     torch.manual_seed(0)
     default = torch.backends.cuda.preferred_blas_library()
     print(f"{'projection':20} {'beta=0':>8} {'beta=1':>8} {'Lt beta=0':>10} {'Lt beta=1':>10}  (µs)")
@@ -103,7 +103,7 @@ def probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
     prefill (32 x `tokens` rows, 32 adapters of rank 16, one adapter per 512-row segment): per projection, cuBLAS
     alone, cuBLAS adding into the delta (the engine's path, the delta kernel excluded), and the Triton GEMM without and
     with the epilogue, over a few tile configs; µs and TFLOP/s
-    (python -c "from kernels.probes import probe_lora_gemm; probe_lora_gemm()").
+    (python -c "from kernels.bench.probes import probe_lora_gemm; probe_lora_gemm()").
 
     On an H200 (triton 3.6, engine/PERF.md, session 4, call 12) this pointer-based GEMM (wgmma, no TMA, no warp
     specialization) took 1.30-1.41x cuBLAS's time at its best config, and the epilogue's extra [BM, 16] x [16, BN] dot
@@ -148,7 +148,7 @@ def probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = 
     """gate_up -> SiLU x up at prefill (32 sequences of `tokens`, 32 adapters of rank 16), three ways: base only (GEMM,
     plain op); the delta first (shrink, delta z, GEMM adding into z, plain op); the delta left to the op (GEMM, shrink,
     the op adding t B^T itself: engine.lora "Prefill"). µs and LoRA's share; with `sweep`, the fused op's tile configs
-    first (python -c "from kernels.probes import probe_consumers; probe_consumers()")."""
+    first (python -c "from kernels.bench.probes import probe_consumers; probe_consumers()")."""
     import itertools
 
     import kernels.silu_mul as silu_module

@@ -20,7 +20,7 @@ Mixed ranks: adapters of rank 8/16/32/64 (cycled over the 32) against all 32 at 
 bytes are equal, so the time ratio shows what heterogeneity itself costs (issue 4's target: at most 1.1x).
 
 Beside the bench, the `_sweep*` functions time the launchers' candidate configs; one-off probes of where a kernel's time
-goes are kernels/probes.py.
+goes are kernels/bench/probes.py.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def _best(label: str, module, candidates, run: Callable[[], float], floor_us: fl
 def _sweep(rep: int = 30) -> None:
     """Tuning aid behind each launcher's `_config`: time candidate block sizes at the bench shapes, print the best.
 
-    Run once per GPU kind (python -c "from kernels.bench import _sweep; _sweep()"); the defaults in the launchers
+    Run once per GPU kind (python -c "from kernels.bench.roofline import _sweep; _sweep()"); the defaults in the launchers
     are what it printed on an H200. Swaps each module's `_config` for the duration of a timing only.
     """
     import itertools
@@ -327,7 +327,7 @@ def _sweep(rep: int = 30) -> None:
 def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = ("shrink", "expand")) -> None:
     """The prefill LoRA kernels alone at issue 4's prefill (32 sequences of `tokens` over 32 adapters of rank 16):
     for each projection of llama-1b and -8b, the fastest shrink and expand configs of a wide grid, with the achieved
-    bandwidth against the bytes each must move (python -c "from kernels.bench import _sweep_prefill; _sweep_prefill()")."""
+    bandwidth against the bytes each must move (python -c "from kernels.bench.roofline import _sweep_prefill; _sweep_prefill()")."""
     import itertools
 
     import kernels.lora_expand as expand_module
@@ -355,7 +355,7 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
     """Prefill LoRA as the engine runs it since the delta form (engine.lora "Prefill"): per projection of llama-8b and
     -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
     into y (the old order), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
-    expand's configs; LoRA's share of each (python -c "from kernels.bench import _sweep_prefill_delta; _sweep_prefill_delta()")."""
+    expand's configs; LoRA's share of each (python -c "from kernels.bench.roofline import _sweep_prefill_delta; _sweep_prefill_delta()")."""
     import itertools
 
     import kernels.lora_expand as expand_module
@@ -401,7 +401,7 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
     """The decode projection kernel (kernels/decode_linear.py) against cuBLAS at issue 4's decode (32 rows, 32 adapters
     of rank 16): per projection of llama-1b and -8b, the base GEMM (cuBLAS; ours over a grid of configs, with W's bytes
     as the floor), then with adapters: cuBLAS + the per-row expand (the graphs' old path) against ours with the delta
-    fused; the shrink, the same in both, is left out (python -c "from kernels.bench import _sweep_decode_linear;
+    fused; the shrink, the same in both, is left out (python -c "from kernels.bench.roofline import _sweep_decode_linear;
     _sweep_decode_linear()")."""
     import itertools
 

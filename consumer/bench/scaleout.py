@@ -99,7 +99,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
                    jobs: int = 2000, new_tokens: int = 16, json_only: bool = False) -> dict:
     from billing.db import upgrade
     from consumer.services import open_services
-    from engine.random_model import write_random_adapters, write_random_model
+    from engine.bench.random_model import write_random_adapters, write_random_model
 
     home = Path(tempfile.mkdtemp(prefix="lorabatch-scaleout-"))
     gpu_list: list[str | None] = [g for g in gpus.split(",")] if gpus else [None]

@@ -449,7 +449,7 @@ def ab_prefill_consumers(shape: str = "llama-1b", adapters: int = 32, rank: int 
                          pairs: int = PREFILL_SAMPLES) -> dict:  # fmt: skip
     """A/B of gate_up's delta in SiLU x up (engine.lora "Prefill") against the delta-first order, in one process on one
     engine: base, mixed with it and mixed without it, interleaved `pairs` times; medians of the prefill's wall and
-    device ms and each form's LoRA share (python -c "from engine.bench import ab_prefill_consumers as f; f('llama-1b')";
+    device ms and each form's LoRA share (python -c "from engine.bench.serving import ab_prefill_consumers as f; f('llama-1b')";
     prompt 512 for llama-8b, as the issue's prefill)."""
     dev = pick_device("auto")
     cfg = model_config(shape)

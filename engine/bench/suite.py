@@ -1,4 +1,4 @@
-"""Issue 4's measurements on one GPU: `python -m engine.bench_suite MODE OUT_DIR`, one process per mode.
+"""Issue 4's measurements on one GPU: `python -m engine.bench.suite MODE OUT_DIR`, one process per mode.
 
 - check: the engine on Triton kernels + CUDA graphs against the eager torch path on the demo model (fp32:
   tokens equal; bf16: tokens and first-step logits close).
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.api import GenerationRequest, SamplingParams
-from engine.bench import bench_engine
+from engine.bench.serving import bench_engine
 from engine.config import EngineConfig
 from engine.demo_model import write_demo_set
 from engine.engine import Engine
