@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import build_app
 
+app = build_app()
 runner = CliRunner()
 
 
@@ -108,3 +112,25 @@ def test_make_demo_model(tmp_path):
     out = run("make-demo-model", str(tmp_path / "demo")).stdout
     assert (tmp_path / "demo" / "model" / "tokenizer.json").is_file()
     assert out.count("adapter ") == 8
+
+
+_NO_ENGINE = """
+import sys
+from consumer.cli import build_app
+app = build_app()
+for args in ([], ["tenants", "list"], ["adapters", "list"], ["routes", "list"], ["prices", "list"], ["config", "show"]):
+    try:
+        app([*args, *sys.argv[1:]] if args else ["--help"], standalone_mode=False)
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "triton", "aiokafka") if m in sys.modules))
+"""
+
+
+def test_admin_commands_load_no_engine(config):
+    """`lorabatch --help` and the registry, price and config commands never import torch, triton or aiokafka."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _NO_ENGINE, "--config", config], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -14,8 +14,10 @@ from billing import db
 from billing.bench.ledger import bench_ledger
 from billing.config import LedgerConfig
 from billing.ledger import Ledger
-from consumer.cli import app
+from consumer.cli import build_app
 from tests.test_ledger import usage_record
+
+app = build_app()
 
 
 @pytest.fixture

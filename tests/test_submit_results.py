@@ -15,13 +15,14 @@ from aiokafka.errors import MessageSizeTooLargeError
 from typer.testing import CliRunner
 
 from consumer.broker import ensure_topics
-from consumer.cli import app
+from consumer.cli import build_app
 from consumer.config import Settings, load_settings
 from consumer.kafka import make_producer, record_size
 from consumer.schemas import BatchManifest, DlqRecord, ErrorInfo, Job, Result
 from consumer.submit import SubmitError, collect_results, produce_jobs, read_manifest
 from tests.service_fixtures import read_all
 
+app = build_app()
 runner = CliRunner()
 
 

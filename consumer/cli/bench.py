@@ -11,10 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
 
-
-@bench_app.command("engine")
 def bench_engine(
     shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights built on the device)")] = "tiny",
     adapters: Annotated[int, typer.Option(help="distinct adapters in the mixed batch")] = 8,
@@ -34,7 +31,6 @@ def bench_engine(
         peer=peer, device=device, json_only=json_out)
 
 
-@bench_app.command("kernels")
 def bench_kernels(
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
@@ -44,7 +40,6 @@ def bench_kernels(
     run(json_only=json_out)
 
 
-@bench_app.command("ledger")
 def bench_ledger(
     db: Annotated[str, typer.Option("--db", help="SQLAlchemy URL of a database the bench may fill")],
     rows: Annotated[int, typer.Option(help="usage rows to insert")] = 1_000_000,
@@ -56,7 +51,6 @@ def bench_ledger(
     run(url=db, rows=rows, json_only=json_out)
 
 
-@bench_app.command("pipeline")
 def bench_pipeline(
     jobs: Annotated[int, typer.Option(help="jobs to run through both paths")] = 400,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis for the routing caches (default: in-process LRU)")] = None,
@@ -68,7 +62,6 @@ def bench_pipeline(
     run(jobs=jobs, redis_url=redis_url, json_only=json_out)
 
 
-@bench_app.command("scaleout")
 def bench_scaleout(
     shape: Annotated[str, typer.Option(help="tiny or llama-1b (random weights written to a temp folder)")] = "tiny",
     workers: Annotated[int, typer.Option(help="worker processes in the group")] = 2,
@@ -83,3 +76,13 @@ def bench_scaleout(
     from consumer.bench.scaleout import bench_scaleout as run
 
     run(shape=shape, workers=workers, gpus=gpus, adapters=adapters, rank=rank, jobs=jobs, new_tokens=new, json_only=json_out)
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
+    group.command("engine")(bench_engine)
+    group.command("kernels")(bench_kernels)
+    group.command("ledger")(bench_ledger)
+    group.command("pipeline")(bench_pipeline)
+    group.command("scaleout")(bench_scaleout)
+    app.add_typer(group, name="bench")

@@ -1,0 +1,29 @@
+"""`lorabatch`: the one command that fronts the service.
+
+One module per command group; each has `register(app)`, and `build_app()` mounts them all when the
+command runs (nothing is mounted at import). A module imports only typer and `consumer.cli.common` at
+its top: the configuration, the database layer, Kafka and the engine (torch) load inside the commands
+that use them, so `lorabatch --help` and the admin commands start fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def build_app() -> typer.Typer:
+    """The `lorabatch` command with every command group registered."""
+    from consumer.cli import (
+        adapters, batches, bench, broker, config, db, demo, invoice, offline, prices, reports, routes, tenants, worker,
+    )
+
+    app = typer.Typer(help="Multi-tenant LoRA batch inference fed by Kafka, with an exact GPU cost ledger.",
+                      no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+    # Commands, then groups, in the order `lorabatch --help` lists them.
+    for module in (offline, worker, batches, demo, invoice, broker, db, tenants, adapters, config, routes, bench, prices, reports):
+        module.register(app)
+    return app
+
+
+def main() -> None:
+    build_app()()

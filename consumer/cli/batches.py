@@ -1,0 +1,106 @@
+"""`lorabatch submit` and `lorabatch results`: a JSONL batch produced to Kafka, and its results collected."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from consumer.cli.common import ConfigOpt, console, fail, progress_bar, settings_from
+
+if TYPE_CHECKING:
+    from consumer.config import Settings
+
+
+def broker_failed(s: Settings, e: Exception, again: str = "run the command again") -> str:
+    """The message for a broker that failed under a command: what failed, how to start one, what to rerun."""
+    return (f"the broker at {s.kafka.bootstrap_servers} failed: {e!r}; start it with `lorabatch broker start` "
+            f"or set kafka.bootstrap_servers to a running one, then {again}")
+
+
+def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs belong to")],
+           batch_id: Annotated[Optional[str], typer.Option("--batch-id")] = None,
+           key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter, adapter-balanced or request")] = None,
+           config: ConfigOpt = None) -> None:
+    """Produce jobs from a native or OpenAI Batch API JSONL file."""
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+
+    from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs
+
+    s = settings_from(config, **({"kafka.partition_key": key} if key else {}))
+    bid = batch_id or new_batch_id()
+    try:
+        prepared = prepare(file, tenant, bid, max_message_bytes=s.kafka.max_message_bytes, key_by=s.kafka.partition_key)
+    except SubmitError as e:
+        fail(str(e))
+    for err in prepared.errors:
+        console.print(f"[yellow]rejected[/yellow] {file}: {err}", highlight=False)
+    if prepared.jobs:
+        try:
+            with progress_bar() as bar:
+                task = bar.add_task("submitting", total=len(prepared.jobs))
+                asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
+                                         progress=lambda n: bar.advance(task, n)))
+        except SubmitError as e:
+            fail(str(e))
+        except KafkaError as e:
+            # The same batch id gives the same request ids, so jobs already produced are not run twice.
+            fail(broker_failed(s, e, f"submit again with --batch-id {bid}"))
+    typer.echo(json.dumps({"batch_id": bid, "submitted": len(prepared.jobs), "rejected": len(prepared.errors)}))
+    if prepared.errors:
+        raise typer.Exit(1)
+
+
+def results(batch_id: Annotated[str, typer.Option("--batch-id")],
+            tenant: Annotated[str, typer.Option(help="tenant the batch was submitted for")],
+            output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write JSONL here instead of stdout")] = None,
+            fmt: Annotated[str, typer.Option("--format", help="native or openai")] = "native",
+            timeout: Annotated[float, typer.Option(help="seconds to wait for the batch to complete")] = 600.0,
+            config: ConfigOpt = None) -> None:
+    """Collect a tenant's batch's results until every job has one, as JSONL in submission order."""
+    import asyncio
+    import sys
+
+    from aiokafka.errors import KafkaError
+
+    from consumer.submit import collect_results, read_manifest, to_openai_line
+
+    if fmt not in ("native", "openai"):
+        fail(f"--format {fmt!r}: use native or openai")
+    s = settings_from(config)
+    try:
+        manifest = asyncio.run(read_manifest(s.kafka, tenant, batch_id))
+    except KafkaError as e:
+        fail(broker_failed(s, e))
+    if manifest is None:
+        fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}; "
+             f"check the id `lorabatch submit` printed and the --tenant it was submitted with")
+    with progress_bar() as bar:
+        task = bar.add_task(f"batch {tenant}/{batch_id}", total=len(manifest.request_ids))
+        try:
+            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=lambda n: bar.advance(task, n)))
+        except KafkaError as e:
+            fail(broker_failed(s, e))
+    lines = []
+    for rid in manifest.request_ids:
+        if rid in got:
+            lines.append(json.dumps(to_openai_line(got[rid]) if fmt == "openai" else got[rid].model_dump(mode="json")))
+        elif rid in dlq:
+            lines.append(json.dumps({"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()}))
+    text = "\n".join(lines) + ("\n" if lines else "")
+    if output:
+        output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    missing = len(manifest.request_ids) - len(lines)
+    if missing:
+        fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running?", 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("submit")(submit)
+    app.command("results")(results)

@@ -1,0 +1,32 @@
+"""`lorabatch db ...`: the ledger database schema (Alembic)."""
+
+from __future__ import annotations
+
+import typer
+
+from consumer.cli.common import ConfigOpt, settings_from
+
+
+def upgrade(config: ConfigOpt = None, revision: str = "head") -> None:
+    """Migrate the ledger database to REVISION (default: the newest)."""
+    from billing.db import upgrade as migrate_up
+
+    s = settings_from(config)
+    migrate_up(s.ledger.url, revision)
+    typer.echo(f"ledger at {s.ledger.url}: upgraded to {revision}")
+
+
+def downgrade(revision: str, config: ConfigOpt = None) -> None:
+    """Migrate the ledger database down to REVISION ("base" drops every table)."""
+    from billing.db import downgrade as migrate_down
+
+    s = settings_from(config)
+    migrate_down(s.ledger.url, revision)
+    typer.echo(f"ledger at {s.ledger.url}: downgraded to {revision}")
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="The ledger database schema (Alembic).", no_args_is_help=True)
+    group.command("upgrade")(upgrade)
+    group.command("downgrade")(downgrade)
+    app.add_typer(group, name="db")
