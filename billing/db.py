@@ -2,34 +2,34 @@
 
 Two backends, chosen by the URL and nothing else: SQLite (the embedded default, a file) and PostgreSQL
 through psycopg 3 (production). Alembic owns the schema; `upgrade` and `downgrade` run it in-process
-from the `migrations` package, so an installed wheel needs no alembic.ini.
+from the scripts at `script_location`, which the process edge passes (`migrations.SCRIPT_LOCATION`, the
+packaged scripts: an installed wheel needs no alembic.ini); billing never imports `migrations`.
+Alembic is imported only by those functions: processes that only read and write the ledger never load it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-import migrations
 from billing.errors import LedgerConfigError
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 # Seconds a SQLite writer waits for another process's write lock before failing: workers of one host
 # share the file, and a ledger flush holds the lock for milliseconds.
 SQLITE_BUSY_TIMEOUT_S = 30
 
-_MIGRATIONS_DIR = str(Path(migrations.__file__).parent)
+# Alembic's default version table, which migrations/env.py keeps: one row, the revision the schema is at.
+_VERSION_TABLE = "alembic_version"
 
 
 def _resolve_url(url: str | URL) -> URL:
@@ -92,42 +92,62 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def alembic_config(url: str | URL) -> Config:
-    """An Alembic Config for the packaged migrations, aimed at `url` (read by migrations/env.py)."""
+def alembic_config(url: str | URL, script_location: str) -> Config:
+    """An Alembic Config for the scripts at `script_location`, aimed at `url` (read by migrations/env.py)."""
+    from alembic.config import Config
+
     config = Config()
-    config.set_main_option("script_location", _MIGRATIONS_DIR)
+    config.set_main_option("script_location", script_location)
     config.attributes["url"] = _resolve_url(url)
     return config
 
 
-def upgrade(url: str | URL, revision: str = "head") -> None:
-    """Migrate the ledger at `url` up to `revision` (default: the newest)."""
-    command.upgrade(alembic_config(url), revision)
+def upgrade(url: str | URL, revision: str = "head", *, script_location: str) -> None:
+    """Migrate the ledger at `url` up to `revision` (default: the newest) with the scripts at `script_location`."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url, script_location), revision)
 
 
-def downgrade(url: str | URL, revision: str) -> None:
+def downgrade(url: str | URL, revision: str, *, script_location: str) -> None:
     """Migrate the ledger at `url` down to `revision` ("base" removes every ledger table)."""
-    command.downgrade(alembic_config(url), revision)
+    from alembic import command
+
+    command.downgrade(alembic_config(url, script_location), revision)
 
 
-def head_revision() -> str:
-    """The newest schema revision this code ships."""
-    head = ScriptDirectory(_MIGRATIONS_DIR).get_current_head()
-    assert head is not None, "migrations/versions holds no revision"
+def head_revision(script_location: str) -> str:
+    """The newest schema revision among the scripts at `script_location`."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory(script_location).get_current_head()
+    assert head is not None, f"{script_location}/versions holds no revision"
     return head
 
 
 def current_revision(engine: Engine) -> str | None:
-    """The schema revision the database at `engine` is at; None when it was never migrated."""
+    """The schema revision the database at `engine` is at; None when it was never migrated.
+
+    Read from Alembic's version table directly, as MigrationContext.get_current_revision reads it, without
+    loading Alembic (a worker or an admin command checks this at every start).
+    """
     with engine.connect() as connection:
-        return MigrationContext.configure(connection).get_current_revision()
-
-
-# Both dialects spell INSERT ... ON CONFLICT the same way, each through its own insert().
-_DIALECT_INSERT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+        if not inspect(connection).has_table(_VERSION_TABLE):
+            return None
+        found = connection.execute(text(f"SELECT version_num FROM {_VERSION_TABLE}")).scalars().all()
+    assert len(found) <= 1, f"the ledger schema is at several heads {found}; migrations/versions is one line of revisions"
+    return found[0] if found else None
 
 
 def dialect_insert(dialect_name: str) -> Callable[..., Any]:
-    """The insert() of `dialect_name` that has on_conflict_do_nothing / on_conflict_do_update."""
-    assert dialect_name in _DIALECT_INSERT, f"no ledger support for dialect {dialect_name!r}"
-    return _DIALECT_INSERT[dialect_name]
+    """The insert() of `dialect_name` that has on_conflict_do_nothing / on_conflict_do_update.
+
+    Both dialects spell INSERT ... ON CONFLICT the same way, each through its own insert(); the one in use
+    is imported here, not at the top (a SQLite process never loads the PostgreSQL dialect).
+    """
+    assert dialect_name in ("postgresql", "sqlite"), f"no ledger support for dialect {dialect_name!r}"
+    if dialect_name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert

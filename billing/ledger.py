@@ -26,10 +26,10 @@ from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
 from billing.credit import kv_credit_us
-from billing.db import current_revision, dialect_insert, head_revision, session_factory
+from billing.db import current_revision, dialect_insert, session_factory
 from billing.errors import LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
-from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
+from billing.models import SCHEMA_REVISION, AdapterLoad, Base, Busy, Usage, UsageRedelivery
 from billing.periods import period_of
 from billing.pg_copy import copy_insert
 from billing.prices import PriceBook, gpu_price_list
@@ -271,15 +271,15 @@ class Ledger:
 
 def _schema_fault(engine: Engine) -> str | None:
     """What is wrong with the ledger schema at `engine`, completing "the ledger database at URL ..."; None when nothing is."""
-    at, want = current_revision(engine), head_revision()
+    at, want = current_revision(engine), SCHEMA_REVISION
     if at != want:
         return (f"is at schema revision {at} but this code needs {want}; "
-                f"migrate it with billing.db.upgrade(url) or `alembic -x url=URL upgrade head` from the repository root")
+                f"migrate it with `lorabatch db upgrade` or `alembic -x url=URL upgrade head` from the repository root")
     missing = sorted(Base.metadata.tables.keys() - set(inspect(engine).get_table_names()))
     if missing:
         return (f"is at schema revision {at} but has lost table(s) {', '.join(missing)} (dropped outside Alembic); "
                 f"restore them from a backup, or drop the remaining ledger tables and alembic_version and migrate afresh "
-                f"with billing.db.upgrade(url)")
+                f"with `lorabatch db upgrade`")
     return None
 
 

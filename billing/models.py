@@ -34,6 +34,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.types import Money, UTCDateTime
 
+# The schema revision these models describe: the head of migrations/versions. A worker or command refuses a
+# ledger at any other revision; a new migration moves this with it (tests/test_migrations.py checks the two agree).
+SCHEMA_REVISION = "0005"
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",

@@ -60,13 +60,14 @@ def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[s
     from billing.prices import set_token_price
     from consumer.services import open_services
     from engine.demo_model import write_demo_set
+    from migrations import SCRIPT_LOCATION
 
     set_dir = home / "set"
     if not (set_dir / "model" / "config.json").exists():
         console.print(f"writing the tiny model and 8 adapters to {set_dir}")
         write_demo_set(set_dir, seed=0)
     paths = {p.name: p for p in sorted((set_dir / "adapters").iterdir()) if p.is_dir()}
-    upgrade(settings.ledger.url)
+    upgrade(settings.ledger.url, script_location=SCRIPT_LOCATION)
     svc = open_services(settings)
     month_start = datetime.now(UTC).date().replace(day=1)
     # Revenue side: what the tiers pay per million input/output tokens (the cost side is the GPU price).

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine as SqlEngine
 
-from billing.db import current_revision, head_revision, make_engine, session_factory
-from billing.ledger import Ledger
+from billing.config import LedgerConfig
+from billing.db import current_revision, make_engine, session_factory
+from billing.models import SCHEMA_REVISION
 from consumer.config import Settings
 from consumer.registry import Registry
 from engine.store import AdapterStore
+
+if TYPE_CHECKING:
+    from billing.ledger import Ledger
 
 
 class SchemaMissing(Exception):
@@ -22,7 +28,14 @@ class SchemaMissing(Exception):
 class Services:
     db: SqlEngine
     registry: Registry
-    ledger: Ledger
+    ledger_config: LedgerConfig
+
+    @cached_property
+    def ledger(self) -> Ledger:
+        """The ledger's writer, built on first use: the registry and report commands never write usage and skip its imports."""
+        from billing.ledger import Ledger
+
+        return Ledger(self.db, self.ledger_config)
 
     def close(self) -> None:
         self.db.dispose()
@@ -30,10 +43,10 @@ class Services:
 
 def open_services(settings: Settings, *, check_schema: bool = True) -> Services:
     db = make_engine(settings.ledger.url)
-    if check_schema and (found := current_revision(db)) != head_revision():
+    if check_schema and (found := current_revision(db)) != SCHEMA_REVISION:
         db.dispose()
-        state = "has no schema yet" if found is None else f"is at revision {found}, not {head_revision()}"
+        state = "has no schema yet" if found is None else f"is at revision {found}, not {SCHEMA_REVISION}"
         raise SchemaMissing(f"the ledger database {settings.ledger.url} {state}; run `lorabatch db upgrade` first")
     store = AdapterStore(Path(settings.store.adapter_dir), max_bytes=settings.engine.max_adapter_bytes)
     sessions = session_factory(db)
-    return Services(db=db, registry=Registry(sessions, store), ledger=Ledger(db, settings.ledger))
+    return Services(db=db, registry=Registry(sessions, store), ledger_config=settings.ledger)

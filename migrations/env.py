@@ -1,16 +1,14 @@
 """Alembic environment for the ledger schema.
 
-Where the database comes from, first match wins:
+Where the database comes from, first match wins; each is set by the process that runs the migration:
   1. a Connection in `config.attributes["connection"]` (callers that manage their own transaction),
   2. a URL in `config.attributes["url"]` (what `billing.db.upgrade` / `downgrade` pass),
   3. `alembic -x url=...` on the command line,
-  4. the LORABATCH_LEDGER_URL environment variable (the CLI is a process edge),
-  5. `sqlalchemy.url` in alembic.ini.
+  4. `sqlalchemy.url` in alembic.ini (left empty in the repository's).
 """
 
 from __future__ import annotations
 
-import os
 from logging.config import fileConfig
 
 from alembic import context
@@ -35,13 +33,12 @@ def _url() -> str:
     url = (
         config.attributes.get("url")
         or context.get_x_argument(as_dictionary=True).get("url")
-        or os.environ.get("LORABATCH_LEDGER_URL")
         or config.get_main_option("sqlalchemy.url")
     )
     if not url:
         raise LedgerConfigError(
             "no ledger database to migrate; pass one with `alembic -x url=sqlite:///.lorabatch/ledger.db upgrade head` "
-            "or set LORABATCH_LEDGER_URL"
+            "(or `lorabatch db upgrade`, which takes ledger.url from the config)"
         )
     return url
 

@@ -17,6 +17,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 
 from billing import db
+from migrations import SCRIPT_LOCATION
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -72,7 +73,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def migrated_url(db_url: str) -> str:
-    db.upgrade(db_url)
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION)
     return db_url
 
 

@@ -47,6 +47,7 @@ from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 from billing.report_render import FORMATS, render_report
 from billing.sre import sre_report
 from engine.timing import attribute_step
+from migrations import SCRIPT_LOCATION
 from tests.report_formats import INVOICE_READERS, READERS
 
 CONFIG = LedgerConfig(gpu_price_per_hour=Decimal("7.20"))
@@ -258,7 +259,7 @@ def test_audit_property_postgresql(pg_engine: Engine, month: Month) -> None:
 @pytest.fixture
 def sqlite_engine(tmp_path) -> Iterator[Engine]:  # type: ignore[no-untyped-def]
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     engine = db.make_engine(url)
     yield engine
     engine.dispose()
@@ -269,7 +270,7 @@ def pg_engine(pg_database) -> Iterator[Engine]:  # type: ignore[no-untyped-def]
     from tests.db_fixtures import fresh_pg_schema
 
     with fresh_pg_schema(pg_database) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         engine = db.make_engine(url)
         yield engine
         engine.dispose()

@@ -52,8 +52,9 @@ async def _wait_for(settings, predicate, timeout_s: float) -> list[Result]:
 async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_database):
     with fresh_pg_schema(pg_database) as url:
         from billing.db import upgrade
+        from migrations import SCRIPT_LOCATION
 
-        upgrade(url)
+        upgrade(url, script_location=SCRIPT_LOCATION)
         s = await service_settings(broker, tmp_path, url, demo_set["model"],
                                    **{"kafka.partitions": 6, "worker.commit_interval_ms": 100})
         svc = open_services(s)

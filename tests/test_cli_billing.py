@@ -15,6 +15,7 @@ from billing.bench.ledger import bench_ledger
 from billing.config import LedgerConfig
 from billing.ledger import Ledger
 from consumer.cli import build_app
+from migrations import SCRIPT_LOCATION
 from tests.test_ledger import usage_record
 
 app = build_app()
@@ -24,7 +25,7 @@ app = build_app()
 def cli(tmp_path: Path) -> tuple[CliRunner, Path]:
     """A SQLite ledger with October 2025 usage of acme, and a config file pointing at it."""
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     engine = db.make_engine(url)
     try:
         Ledger(engine, LedgerConfig(url=url)).record_usage(
@@ -109,7 +110,7 @@ def test_report_reconcile(cli: tuple[CliRunner, Path]) -> None:
 
 def test_bench_ledger_prints_a_table_then_one_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The bench fills a scratch copy, prints its figures and one JSON line, and leaves no file behind (no timing asserted)."""
-    figures = bench_ledger(f"sqlite:///{tmp_path / 'bench.db'}", rows=3_000, batch=1_000)
+    figures = bench_ledger(f"sqlite:///{tmp_path / 'bench.db'}", rows=3_000, script_location=SCRIPT_LOCATION, batch=1_000)
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == figures
     assert {"rows", "insert_rows_per_s", "invoice_s", "close_s"} <= figures.keys() and figures["rows"] == 3_000

@@ -30,6 +30,7 @@ from billing.ledger import Ledger
 from billing.models import Base, Busy
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 from engine.timing import attribute_step
+from migrations import SCRIPT_LOCATION
 
 PRICE = Decimal("7.20")
 CONFIG = LedgerConfig(gpu_price_per_hour=PRICE)
@@ -267,7 +268,7 @@ def test_conservation_and_idempotency_property_postgresql(pg_engine: Engine, wor
 @pytest.fixture
 def sqlite_engine(tmp_path) -> Engine:  # type: ignore[no-untyped-def]
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     engine = db.make_engine(url)
     yield engine
     engine.dispose()
@@ -278,7 +279,7 @@ def pg_engine(pg_database) -> Engine:  # type: ignore[no-untyped-def]
     from tests.db_fixtures import fresh_pg_schema
 
     with fresh_pg_schema(pg_database) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         engine = db.make_engine(url)
         yield engine
         engine.dispose()

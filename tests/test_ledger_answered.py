@@ -29,6 +29,7 @@ from billing.ledger import Ledger
 from billing.models import Base
 from billing.records import AdapterLoadRecord, AnsweredRow, BusyRecord, UsageRecord
 
+from migrations import SCRIPT_LOCATION
 from tests.db_fixtures import fresh_pg_schema
 
 JAN = datetime(2026, 1, 15, 12, 0, tzinfo=timezone.utc)
@@ -214,7 +215,7 @@ def _ledger_that_goes_down(backend: str, request: pytest.FixtureRequest, monkeyp
     """A warm ledger and the function that takes its database down."""
     if backend == "sqlite":
         url = f"sqlite:///{request.getfixturevalue('tmp_path') / 'ledger.db'}"
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         monkeypatch.setattr(db, "SQLITE_BUSY_TIMEOUT_S", 0.05)  # 50 ms of waiting for the lock, not 30 s
         ledger = make_ledger(url)
         holder: list[sqlite3.Connection] = []
@@ -234,7 +235,7 @@ def _ledger_that_goes_down(backend: str, request: pytest.FixtureRequest, monkeyp
             ledger._engine.dispose()
         return
     with fresh_pg_schema(request.getfixturevalue("pg_database")) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         target = make_url(url)
         relay = _Relay((target.host or "127.0.0.1", target.port or 5432))
         ledger = make_ledger(target.set(port=relay.port).update_query_dict({"connect_timeout": "2"}))
@@ -259,7 +260,7 @@ def test_database_down_is_retriable(backend: str, operation: str, request: pytes
 
 def test_answered_reads_rows_written_before_result_bodies(db_url: str) -> None:
     """A row written at revision 0003 (before result_json) is answered after the upgrade, with no body."""
-    db.upgrade(db_url, "0003")
+    db.upgrade(db_url, "0003", script_location=SCRIPT_LOCATION)
     engine = db.make_engine(db_url)
     try:
         with engine.begin() as connection:
@@ -267,7 +268,7 @@ def test_answered_reads_rows_written_before_result_bodies(db_url: str) -> None:
                 "INSERT INTO usage (tenant_id, request_id, status, route_reason, input_tokens, output_tokens, cached_tokens, base_us, lora_us, "
                 "routing_us, kv_saved_us, queue_us, ttft_us, total_us, cost, period, invoice_period, created_at, worker_id) VALUES "
                 "('acme', 'old', 'succeeded', '', 1, 2, 0, 5, 0, 0, 0, 0, 0, 5, 0, '2026-01', '2026-01', '2026-01-02 10:00:00+00', 'w0')"))
-        db.upgrade(db_url)
+        db.upgrade(db_url, script_location=SCRIPT_LOCATION)
         row = Ledger(engine, LedgerConfig(url=db_url)).answered([("acme", "old")])[("acme", "old")]
         assert (row.result_json, row.status, row.input_tokens, row.output_tokens, row.base_us) == (None, "succeeded", 1, 2, 5)
     finally:

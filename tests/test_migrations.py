@@ -19,8 +19,9 @@ from sqlalchemy.exc import IntegrityError
 
 from billing import db
 from billing.errors import LedgerConfigError
-from billing.models import Base
+from billing.models import SCHEMA_REVISION, Base
 
+from migrations import SCRIPT_LOCATION
 from tests.db_fixtures import fresh_pg_schema
 LEDGER_TABLES = {
     "tenants", "adapters", "usage", "adapter_loads", "gpu_busy", "gpu_prices", "token_prices", "billing_periods",
@@ -47,16 +48,16 @@ def _revision(url: str) -> str | None:
 
 def test_upgrade_downgrade_upgrade(db_url: str) -> None:
     """Every revision has a working downgrade: head -> base removes the ledger, base -> head rebuilds it."""
-    db.upgrade(db_url)
-    assert _revision(db_url) == db.head_revision()
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION)
+    assert _revision(db_url) == db.head_revision(SCRIPT_LOCATION)
     assert LEDGER_TABLES <= _tables(db_url)
 
-    db.downgrade(db_url, "base")
+    db.downgrade(db_url, "base", script_location=SCRIPT_LOCATION)
     assert _revision(db_url) is None
     assert _tables(db_url) & LEDGER_TABLES == set()
 
-    db.upgrade(db_url)
-    assert _revision(db_url) == db.head_revision()
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION)
+    assert _revision(db_url) == db.head_revision(SCRIPT_LOCATION)
     engine = db.make_engine(db_url)
     try:
         with engine.begin() as connection:
@@ -114,14 +115,14 @@ def test_concurrent_upgrades_on_postgresql(pg_database: URL) -> None:
     """Worker processes that start together and all migrate leave one schema at head, and none of them fails."""
     # Processes, not threads: Alembic keeps its running context in module globals, one per process.
     with fresh_pg_schema(pg_database) as url:
-        script = "import sys; from billing import db; db.upgrade(sys.argv[1])"
+        script = "import sys; from billing import db; from migrations import SCRIPT_LOCATION; db.upgrade(sys.argv[1], script_location=SCRIPT_LOCATION)"
         workers = [
             subprocess.Popen([sys.executable, "-c", script, url], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
             for _ in range(6)
         ]
         outcomes = [(worker.communicate(timeout=120)[1], worker.returncode) for worker in workers]
         assert [stderr for stderr, returncode in outcomes if returncode != 0] == []
-        assert _revision(url) == db.head_revision()
+        assert _revision(url) == db.head_revision(SCRIPT_LOCATION)
 
 
 def _alembic(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -132,19 +133,34 @@ def _alembic(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_alembic_command_line_from_the_repository_root(tmp_path: Path) -> None:
-    """`alembic upgrade/downgrade` from the repo root find the migrations and take the URL from -x or the environment."""
+    """`alembic upgrade/downgrade` from the repo root find the migrations and take the URL from -x, never the environment."""
     url = f"sqlite:///{tmp_path / 'cli' / 'ledger.db'}"
     done = _alembic("-x", f"url={url}", "upgrade", "head")
     assert done.returncode == 0, done.stderr
-    assert _revision(url) == db.head_revision()
+    assert _revision(url) == db.head_revision(SCRIPT_LOCATION)
 
-    done = _alembic("downgrade", "base", env={"LORABATCH_LEDGER_URL": url})
+    done = _alembic("-x", f"url={url}", "downgrade", "base")
     assert done.returncode == 0, done.stderr
     assert _tables(url) & LEDGER_TABLES == set()
 
-    done = _alembic("upgrade", "head")
+    done = _alembic("upgrade", "head", env={"LORABATCH_LEDGER_URL": url})
     assert done.returncode != 0
-    assert "-x url=" in done.stderr and "LORABATCH_LEDGER_URL" in done.stderr
+    assert "-x url=" in done.stderr
+    assert _revision(url) is None
+
+
+def test_models_name_the_head_revision() -> None:
+    """billing.models.SCHEMA_REVISION, which workers and commands require, is the head of migrations/versions."""
+    assert SCHEMA_REVISION == db.head_revision(SCRIPT_LOCATION)
+
+
+def test_billing_loads_neither_migrations_nor_alembic() -> None:
+    """billing imports no migrations package, and reading or writing the ledger loads no Alembic."""
+    script = ("import sys; import billing.db, billing.ledger, billing.invoice, consumer.services; "
+              "print(sorted(m for m in ('migrations', 'alembic') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"], done.stdout
 
 
 def test_offline_sql_names_constraints() -> None:
@@ -192,7 +208,7 @@ def test_make_engine_refuses_other_databases(url: str) -> None:
 
 def test_0002_keeps_existing_rows(db_url: str) -> None:
     """Upgrading a v0 ledger files its usage and loads in their own period and drops loads written twice; downgrading keeps the rows."""
-    db.upgrade(db_url, "0001")
+    db.upgrade(db_url, "0001", script_location=SCRIPT_LOCATION)
     engine = db.make_engine(db_url)
     usage = ("INSERT INTO usage (tenant_id, request_id, status, route_reason, input_tokens, output_tokens, cached_tokens, base_us, lora_us, "
              "routing_us, kv_saved_us, queue_us, ttft_us, total_us, cost, period, created_at, worker_id) VALUES "
@@ -204,11 +220,11 @@ def test_0002_keeps_existing_rows(db_url: str) -> None:
             connection.execute(text(usage))
             connection.execute(text(load))
             connection.execute(text(load))  # v0 had no key on loads: the same load twice
-        db.upgrade(db_url)
+        db.upgrade(db_url, script_location=SCRIPT_LOCATION)
         with engine.connect() as connection:
             assert connection.execute(text("SELECT request_id, invoice_period FROM usage")).all() == [("r1", "2026-03")]
             assert connection.execute(text("SELECT load_us, invoice_period FROM adapter_loads")).all() == [(7, "2026-03")]
-        db.downgrade(db_url, "0001")
+        db.downgrade(db_url, "0001", script_location=SCRIPT_LOCATION)
         with engine.connect() as connection:
             assert connection.execute(text("SELECT request_id, period FROM usage")).all() == [("r1", "2026-03")]
             assert connection.execute(text("SELECT count(*) FROM adapter_loads")).scalar() == 1
@@ -218,7 +234,7 @@ def test_0002_keeps_existing_rows(db_url: str) -> None:
 
 def test_0004_adds_result_json_and_keeps_rows(db_url: str) -> None:
     """0004 adds the nullable usage.result_json (old rows read NULL); its downgrade drops the column and keeps the rows."""
-    db.upgrade(db_url, "0003")
+    db.upgrade(db_url, "0003", script_location=SCRIPT_LOCATION)
     engine = db.make_engine(db_url)
     usage = ("INSERT INTO usage (tenant_id, request_id, status, route_reason, input_tokens, output_tokens, cached_tokens, base_us, lora_us, "
              "routing_us, kv_saved_us, queue_us, ttft_us, total_us, cost, period, invoice_period, created_at, worker_id) VALUES "
@@ -226,10 +242,10 @@ def test_0004_adds_result_json_and_keeps_rows(db_url: str) -> None:
     try:
         with engine.begin() as connection:
             connection.execute(text(usage))
-        db.upgrade(db_url, "0004")
+        db.upgrade(db_url, "0004", script_location=SCRIPT_LOCATION)
         with engine.connect() as connection:
             assert connection.execute(text("SELECT request_id, result_json FROM usage")).all() == [("r1", None)]
-        db.downgrade(db_url, "0003")
+        db.downgrade(db_url, "0003", script_location=SCRIPT_LOCATION)
         engine.dispose()  # SQLite's batch mode rebuilt the table under the pooled connections
         assert "result_json" not in {c["name"] for c in inspect(engine).get_columns("usage")}
         with engine.connect() as connection:

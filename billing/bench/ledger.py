@@ -142,12 +142,13 @@ def _setup(engine: Engine, fleet: _Fleet) -> None:
         set_token_price(engine, tier, inp, out, date(2025, 1, 1))
 
 
-def bench_ledger(url: str, rows: int, json_only: bool = False, batch: int = 2_000) -> dict[str, object]:
-    """Run the ledger bench against `url`; print a table (unless json_only) and one JSON line; return the figures."""
+def bench_ledger(url: str, rows: int, *, script_location: str, json_only: bool = False, batch: int = 2_000) -> dict[str, object]:
+    """Run the ledger bench against `url` (its scratch schema migrated with the scripts at `script_location`);
+    print a table (unless json_only) and one JSON line; return the figures."""
     assert rows > 0 and batch > 0, (rows, batch)
     console = Console(stderr=True)
     with _scratch_database(url) as scratch:
-        db.upgrade(scratch)
+        db.upgrade(scratch, script_location=script_location)
         engine = db.make_engine(scratch)
         try:
             config = LedgerConfig(url=scratch, gpu_kind=GPU_KIND)

@@ -77,6 +77,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     from consumer.services import open_services
     from engine.demo_model import write_demo_set
     from engine.engine import Engine
+    from migrations import SCRIPT_LOCATION
 
     home = Path(tempfile.mkdtemp(prefix="lorabatch-bench-"))
     set_dir = home / "set"
@@ -95,7 +96,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     broker = EmbeddedBroker(port, log_path=home / "broker.log")
     broker.start([k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
     try:
-        upgrade(s.ledger.url)
+        upgrade(s.ledger.url, script_location=SCRIPT_LOCATION)
         svc = open_services(s)
         names = sorted(adapters)
         for i, tenant in enumerate(("acme", "globex", "initech")):

@@ -100,6 +100,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
     from billing.db import upgrade
     from consumer.services import open_services
     from engine.bench.random_model import write_random_adapters, write_random_model
+    from migrations import SCRIPT_LOCATION
 
     home = Path(tempfile.mkdtemp(prefix="lorabatch-scaleout-"))
     gpu_list: list[str | None] = [g for g in gpus.split(",")] if gpus else [None]
@@ -119,7 +120,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
     rows = []
     try:
         s0 = load_settings(None, base)
-        upgrade(s0.ledger.url)
+        upgrade(s0.ledger.url, script_location=SCRIPT_LOCATION)
         svc = open_services(s0)
         svc.registry.add_tenant("bench")
         names = []

@@ -47,8 +47,9 @@ def bench_ledger(
 ) -> None:
     """Ledger insert rate, one tenant's invoice time, and the month's close time."""
     from billing.bench.ledger import bench_ledger as run
+    from migrations import SCRIPT_LOCATION
 
-    run(url=db, rows=rows, json_only=json_out)
+    run(url=db, rows=rows, script_location=SCRIPT_LOCATION, json_only=json_out)
 
 
 def bench_pipeline(

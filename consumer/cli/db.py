@@ -10,18 +10,20 @@ from consumer.cli.common import ConfigOpt, settings_from
 def upgrade(config: ConfigOpt = None, revision: str = "head") -> None:
     """Migrate the ledger database to REVISION (default: the newest)."""
     from billing.db import upgrade as migrate_up
+    from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
-    migrate_up(s.ledger.url, revision)
+    migrate_up(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
     typer.echo(f"ledger at {s.ledger.url}: upgraded to {revision}")
 
 
 def downgrade(revision: str, config: ConfigOpt = None) -> None:
     """Migrate the ledger database down to REVISION ("base" drops every table)."""
     from billing.db import downgrade as migrate_down
+    from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
-    migrate_down(s.ledger.url, revision)
+    migrate_down(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
     typer.echo(f"ledger at {s.ledger.url}: downgraded to {revision}")
 
 

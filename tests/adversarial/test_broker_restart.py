@@ -12,6 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from billing import db
 from consumer.broker import EmbeddedBroker, ensure_topics, free_port
+from migrations import SCRIPT_LOCATION
 from tests.adversarial.harness import (
     Collector,
     account,
@@ -52,7 +53,7 @@ async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set
     second = EmbeddedBroker(port, log_path=tmp_path / "tansu-2.log")
     try:
         with fresh_pg_schema(pg_database) as url:
-            db.upgrade(url)
+            db.upgrade(url, script_location=SCRIPT_LOCATION)
             s = await adversarial_settings(first, tmp_path, url, demo_set["model"])
             k = s.kafka
             svc = open_services(s)
@@ -112,7 +113,7 @@ async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo
     await asyncio.to_thread(broker.start, [], 1)
     try:
         with fresh_pg_schema(pg_database) as url:
-            db.upgrade(url)
+            db.upgrade(url, script_location=SCRIPT_LOCATION)
             s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
             k = s.kafka
             svc = open_services(s)

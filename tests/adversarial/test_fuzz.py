@@ -14,6 +14,7 @@ import json
 import pytest
 
 from billing import db
+from migrations import SCRIPT_LOCATION
 from tests.adversarial.harness import (
     Collector,
     Message,
@@ -123,7 +124,7 @@ async def test_fuzz_batch_answered_once_or_dead_lettered(tally, broker, tmp_path
     cases = drawn_cases(0, n_garbage=30, n_valid=40, n_bad=40, vocab=vocab)
     cases += boundary_cases(1000, vocab) + special_cases(2000)
     with fresh_pg_schema(pg_database) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])  # the default 1 MB: room for 100k-deep JSON
         svc = open_services(s)
         register_two_tenants(svc, demo_set)
@@ -168,7 +169,7 @@ async def test_messages_at_and_over_the_size_limit(tally, broker, tmp_path, demo
         job = {"request_id": f"after-{i}", "tenant_id": "acme", "prompt": f"after the big ones {i}", "max_new_tokens": 3}
         cases.append(Case(Message(json.dumps(job).encode(), ("acme", job["request_id"]), job["request_id"], partition=0), "succeeded"))
     with fresh_pg_schema(pg_database) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{"kafka.max_message_bytes": limit})
         svc = open_services(s)
         register_two_tenants(svc, demo_set)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from billing import db
+from migrations import SCRIPT_LOCATION
 from tests.adversarial.harness import (
     Collector,
     account,
@@ -50,7 +51,7 @@ async def test_postgres_stopped_and_started_mid_run(tally, broker, tmp_path, dem
     retries), nothing is dead-lettered, the worker stays alive; once it is started again, every job has
     exactly one ledger row with its usage and the worker's busy time equals its attributed time."""
     url = own_pg.new_database()
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     s = await _spooling_worker_settings(broker, tmp_path, url, demo_set)
     svc = open_services(s)
     register_two_tenants(svc, demo_set)
@@ -102,7 +103,7 @@ async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_p
     stays alive; after re-migrating (billing.db.upgrade), the spooled records land: one row each, and the
     busy records that wait with them equal the time attributed to those rows."""
     url = own_pg.new_database()
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     s = await _spooling_worker_settings(broker, tmp_path, url, demo_set)
     svc = open_services(s)
     register_two_tenants(svc, demo_set)
@@ -121,7 +122,7 @@ async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_p
             published_without_schema = len(col.results)
             alive_without_schema = lw.alive()
 
-            await asyncio.to_thread(db.upgrade, url)
+            await asyncio.to_thread(db.upgrade, url, script_location=SCRIPT_LOCATION)
             register_two_tenants(svc, demo_set)  # the registry lived in the dropped schema too
             identities = [m.identity for m in during]
             rows = await wait_rows(svc.db, identities, 60)
@@ -153,7 +154,7 @@ async def test_full_spool_pauses_fetching_and_drops_nothing(tally, broker, tmp_p
     ledger is back, the spool drains, fetching resumes, every job is answered exactly once with one
     ledger row each and busy == attributed."""
     url = own_pg.new_database()
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
         "worker.spool_path": str(tmp_path / "spool.sqlite"), "worker.spool_max_records": 5})
     svc = open_services(s)

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from billing import db
+from migrations import SCRIPT_LOCATION
 from tests.adversarial.harness import (
     Collector,
     account,
@@ -35,7 +36,7 @@ def _wave(tag: str, n: int) -> list[dict]:
 
 async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, outage, recover) -> None:
     with fresh_pg_schema(pg_database) as url:
-        db.upgrade(url)
+        db.upgrade(url, script_location=SCRIPT_LOCATION)
         s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
             "routing.cache": "redis", "routing.redis_url": redis_server.url, "routing.redis_backoff_s": 0.2})
         svc = open_services(s)

@@ -13,6 +13,7 @@ from billing import db
 from billing.invoice import build_invoice
 from consumer.schemas import BatchManifest, Job
 from consumer.submit import collect_results, produce_jobs, read_manifest
+from migrations import SCRIPT_LOCATION
 from tests.adversarial.harness import (
     Collector,
     account,
@@ -41,7 +42,7 @@ def _body(r) -> tuple:
 
 
 async def _setup(broker, tmp_path, demo_set, url, **extra):
-    db.upgrade(url)
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
     s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **extra)
     svc = open_services(s)
     refs = register_two_tenants(svc, demo_set)
