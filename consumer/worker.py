@@ -483,8 +483,8 @@ class Worker:
             await self.deliverer.write([busy])
 
     def _resident(self) -> set[str | None]:
-        has = getattr(self.engine, "resident_adapters", None)
-        return set(has()) | {None} if has is not None else {None}
+        # The engine thread's snapshot: asking the engine itself from the event loop would race its step.
+        return set(self.aengine.resident) | {None}
 
     # ---------------------------------------------------------------- commit, rebalance, metrics
 

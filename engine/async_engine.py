@@ -45,6 +45,9 @@ class AsyncEngine:
         self._pending: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        # The adapters in device slots, as the engine thread last saw them (after each pass of its loop). Other
+        # threads read this snapshot instead of calling the engine while it steps: rebinding it is atomic.
+        self._resident: frozenset[str] = frozenset()
 
     # ---- lifecycle
 
@@ -52,6 +55,12 @@ class AsyncEngine:
         assert self._thread is None, "already started"
         self._thread = threading.Thread(target=self._loop, name="lorabatch-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def resident(self) -> frozenset[str]:
+        """Keys of the adapters in device slots at the end of the engine thread's last pass (steps, commands):
+        at most one pass (a step, or _IDLE_WAIT_S idle) old; safe to read from any thread."""
+        return self._resident
 
     @property
     def alive(self) -> bool:
@@ -109,6 +118,7 @@ class AsyncEngine:
         while not self._stop or self._pending:
             try:
                 self._turn()
+                self._resident = frozenset(self.engine.resident_adapters())
             except Exception as e:  # a bug in one step must not kill the thread and strand every caller
                 log.exception("engine step failed; failing the %d requests in flight", len(self._pending))
                 self._fail_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",

@@ -154,3 +154,18 @@ async def test_a_cancelled_call_does_not_kill_the_engine_thread(demo_set):
         assert "running" in stats
     finally:
         await aengine.close()
+
+
+async def test_resident_adapters_are_published_by_the_engine_thread(engine):
+    """`resident` is the engine thread's own snapshot of the adapters in device slots (the worker reads it from the
+    event loop instead of calling the engine while it steps): empty before anything ran, current after a pass."""
+    ae = AsyncEngine(engine)
+    assert ae.resident == frozenset()
+    async with ae:
+        assert (await ae.generate(req("warm", adapter="all-r16", max_new_tokens=2))).ok
+        expected = frozenset(await ae.call(lambda e: e.resident_adapters()))
+        for _ in range(200):  # the snapshot follows at the end of the pass that ran the call
+            if ae.resident == expected:
+                break
+            await asyncio.sleep(0.005)
+        assert "all-r16" in expected and ae.resident == expected
