@@ -4,8 +4,9 @@
   slices, paged attention, the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
   replace the model's composite ops, and the decode projection with its LoRA delta in one launch), and
   CUDA graphs for decode steps. The default on CUDA.
-- torch: pure-torch references (gathered multi-LoRA of kernels/lora_ref.py, per-sequence SDPA), no
-  graphs. The default on the CPU, where it is exact fp32.
+- torch: pure-torch references (the multi-LoRA shrink and expand's own, from kernels/lora_segments.py, in the
+  kernels' layout and signatures; per-sequence SDPA), no graphs, no triton needed. The default on the CPU, where it
+  is exact fp32.
 
 `engine.kernel_backend` forces either. Triton on the CPU runs only in Triton's interpreter (the tests
 use it to check the engine's kernel path against the torch path): the process must have set
@@ -24,13 +25,14 @@ from typing import Literal
 import torch
 
 from engine.api import EngineError
+from kernels.lora_segments import lora_expand_ref, lora_shrink_ref
 
 
 @dataclass(frozen=True)
 class KernelBackend:
     name: Literal["torch", "triton"]
-    lora_shrink: Callable | None = None  # kernels.lora_shrink.lora_shrink
-    lora_expand: Callable | None = None  # kernels.lora_expand.lora_expand
+    lora_shrink: Callable = lora_shrink_ref  # triton: kernels.lora_shrink.lora_shrink; torch: its reference
+    lora_expand: Callable = lora_expand_ref  # triton: kernels.lora_expand.lora_expand; torch: its reference
     paged_attention: Callable | None = None  # kernels.paged_attention.paged_attention
     add_rms_norm: Callable | None = None  # kernels.rms_norm.add_rms_norm
     rope_and_cache: Callable | None = None  # kernels.rope_cache.rope_and_cache

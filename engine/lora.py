@@ -16,8 +16,8 @@ apply time per layer and fused projection with S slices of output widths w_s:
 Loading an adapter copies into a slot and zero-fills the rest of it (ranks below max_lora_rank,
 projections the adapter does not target), so a slot never holds a previous tenant's weights and no
 allocation happens on the hot path. The Triton kernels compute each row at its slot's own rank and
-skip rows without an adapter; the torch backend (kernels/lora_ref.py, gathered, CPU default) computes
-every row at max_lora_rank over the zero padding, per slice, as before. Memory cost, for a Llama-3-8B
+skip rows without an adapter; the torch backend (the same ops' references, kernels/lora_segments.py, gathered, CPU
+default) computes every row over all max_lora_rank columns, masked from its slot's rank on. Memory cost, for a Llama-3-8B
 shape (32 layers, hidden 4096, KV 1024, MLP 14336) at max_loras 8, rank 64, bf16:
 8 * 64 * 32 * (4096+4096 + 4096+1024 + 4096+1024 + 4096+4096 + 2 * (4096+14336) + 14336+4096) * 2 B
 = 2.7 GB (2.5 GiB).
@@ -76,8 +76,7 @@ from engine.adapters import LoraAdapter
 from engine.backend import KernelBackend
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig, ModelOps
 from engine.timing import DeviceTimer, Stopwatch
-from kernels.lora_ref import lora_ref
-from kernels.lora_segments import DecodeLora, LoraDelta, LoraSegments
+from kernels.lora_segments import DecodeLora, LoraDelta, LoraSegments, segments_per_row
 
 # Fused projection -> the model op its output goes straight into, which adds the projection's delta itself when the
 # triton backend runs that op fused (module docstring, "Prefill").
@@ -214,15 +213,13 @@ class LoraState:
         `slice_offset` among all wrapped projections' slices)."""
         with self._section():
             if self.segments is not None:
+                segments = self.segments
                 out = self._decode_t(slice_offset, len(widths), x.shape[0]) if self.decode_t is not None else None
-                t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
-                self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, self.segments, slices=widths)
-                return
-            off = 0
-            for s, w in enumerate(widths):  # zero-padded slots: every row at max rank, exact in fp32
-                lora_ref(y[:, off : off + w], x, a_stack[:, s], b_stack[:, :, off : off + w].transpose(1, 2), self.slot_idx,
-                         self.scale)  # fmt: skip
-                off += w
+                t = self.backend.lora_shrink(x, a_stack, self.rank, segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
+            else:
+                segments = segments_per_row(self.slot_idx)  # the torch backend's rows, each its own group: no host work
+                t = self.backend.lora_shrink(x, a_stack, self.rank, segments)  # [S, N, R] fp32
+            self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, segments, slices=widths)
 
     def _section(self) -> contextlib.AbstractContextManager:
         """A timed section around LoRA ops (engine.timing), or nothing while a CUDA graph is captured."""

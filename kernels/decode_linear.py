@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import DecodeLora, slice_starts
+from kernels.lora_segments import DecodeLora, lora_expand_ref, segments_per_row, slice_starts
+from kernels.utils import TL_DTYPE
 
 MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
 _BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def decode_linear(
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"decode_linear takes at most {MAX_ROWS} rows, got {m}"
     assert weight.shape == (n, k) and weight.stride(1) == 1 and x.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
-    assert x.dtype == weight.dtype and x.dtype in _TL_DTYPE, (x.dtype, weight.dtype)
+    assert x.dtype == weight.dtype and x.dtype in TL_DTYPE, (x.dtype, weight.dtype)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -152,7 +152,7 @@ def decode_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=_BLOCK_R,
-        DOT_DTYPE=tl.float32 if interpreted else _TL_DTYPE[x.dtype],
+        DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreted else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -184,22 +184,16 @@ _TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], bool, bool]] = {
 }
 
 
-
 def decode_linear_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora: DecodeLora | None = None
 ) -> torch.Tensor:  # [M, N]
-    """Pure torch in fp32, each row's delta at its slot's rank, rounded once."""
-    y = x.float() @ weight.float().t()
+    """Pure torch in fp32, each row's delta at its slot's rank (the expand's reference, kernels.lora_segments), rounded
+    once."""
+    y = x.float() @ weight.float().t()  # [M, N] fp32
     if bias is not None:
         y += bias.float()
     if lora is not None:
-        col = 0
-        for s, w in enumerate(lora.slices):
-            for row, slot in enumerate(lora.slot.tolist()):
-                r = int(lora.rank[slot]) if slot >= 0 else 0
-                if r:
-                    y[row, col : col + w] += float(lora.scale[slot]) * (lora.t[s, row, :r] @ lora.b_stack[slot, :r, col : col + w].float())
-            col += w
+        lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, segments_per_row(lora.slot), slices=lora.slices)
     return y.to(x.dtype)
 
 

@@ -37,6 +37,9 @@ Products: B tiles are widened to fp32 and multiplied with t (fp32) on TF32 tenso
 (B exact, t rounded to TF32's 11-bit significand: finer than rounding it to bf16), IEEE fp32 for fp32
 inputs; sums and the scale are fp32 and y is rounded once when stored. The op is memory-bound, and the
 same code runs in the Triton interpreter, which cannot multiply bf16 in `tl.dot` (triton-lang/triton#11584).
+
+Reference: `kernels.lora_segments.lora_expand_ref`, pure torch in this layout and this signature; it lives beside the row
+groups rather than here because it is also the engine's torch backend, which runs without triton.
 """
 
 from __future__ import annotations
@@ -47,10 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraDelta, LoraSegments, rows_of, slice_starts
-from kernels.lora_shrink import group_rows
-
-_BLOCK_R = 16  # rank step: the tensor-core minimum, and the granularity at which ranks are skipped
+from kernels.lora_segments import LoraSegments, slice_starts
+from kernels.utils import BLOCK_R, group_rows
 
 
 @triton.jit
@@ -224,7 +225,7 @@ def lora_expand(
         HAS_START=segments.start is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_R=_BLOCK_R,
+        BLOCK_R=BLOCK_R,
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # B exact, t to 11 bits
         ROW_TILES=row_tiles,
         ACCUMULATE=accumulate,
@@ -246,41 +247,3 @@ def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, 
     # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
     return 32, 128, 4, 1
-
-
-def lora_expand_ref(
-    y: torch.Tensor,  # [N, out], updated in place
-    t: torch.Tensor,  # [S, N, R] fp32
-    b_stack: torch.Tensor,  # [slots, R, out]
-    rank: torch.Tensor,  # [slots]
-    scale: torch.Tensor,  # [slots]
-    segments: LoraSegments,
-    *,
-    slices: Sequence[int] | None = None,
-    accumulate: bool = True,
-) -> None:
-    """Pure torch, fp32, one matmul per distinct slot and slice; rows of slot -1 and empty slots untouched (zeroed
-    when not `accumulate`)."""
-    widths = tuple(slices) if slices is not None else (y.shape[1],)
-    slot = rows_of(segments).to(y.device)  # [N]
-    if not accumulate:
-        y.zero_()
-    for s in slot.unique().tolist():
-        r = int(rank[s]) if s >= 0 else 0
-        if r == 0:
-            continue
-        rows = slot == s
-        col = 0
-        delta = torch.empty(int(rows.sum()), y.shape[1], dtype=torch.float32, device=y.device)  # [m, out]
-        for i, w in enumerate(widths):
-            delta[:, col : col + w] = t[i, rows, :r] @ b_stack[s, :r, col : col + w].float()
-            col += w
-        y[rows] = (y[rows].float() + float(scale[s]) * delta).to(y.dtype)
-
-
-def with_delta_ref(y: torch.Tensor, lora: LoraDelta) -> torch.Tensor:  # [N, out]
-    """A copy of y plus each row's LoRA delta, rounded once (lora_expand_ref): the reference of what the ops that take a
-    LoraDelta (kernels/silu_mul.py) add to their input first."""
-    y = y.clone()
-    lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, lora.segments, slices=lora.slices)
-    return y

@@ -1,4 +1,4 @@
-"""Row groups for the multi-LoRA kernels: which rows of a flat batch share an adapter slot.
+"""Row groups for the multi-LoRA kernels (which rows of a flat batch share an adapter slot), and the ops' references.
 
 Semantics: group g covers rows start[g] .. start[g+1] - 1, all with adapter slot[g] (-1: no adapter), or
 row g alone when `start` is None.
@@ -29,6 +29,17 @@ weights are read once for its 4 rows instead of twice.
 
 For CUDA graphs, `pad_to` gives a fixed group count (empty groups `start == end`, slot -1, at the end)
 and sets max_len to N, so the grid depends on N alone.
+
+References. `lora_shrink_ref` and `lora_expand_ref` are the shrink's and the expand's one pure-torch reference each,
+with the kernels' signatures and layouts (`a_stack [slots, S, R, in]`, `b_stack [slots, R, out]`, t `[S, N, R]` fp32),
+in fp32 at each slot's true rank. They live here, beside the row groups and not in the kernel files, because they are
+also the engine's torch backend (engine.backend), which must run where triton is not installed (the CPU default;
+triton is a dev extra). Each gathers every row's slot weights and runs one batched matmul per chunk of rows: no Python
+loop over adapters and no `nonzero()` or `.tolist()`, so the op never waits on the device and its cost does not grow
+with the number of distinct adapters. Rows without an adapter are computed with slot 0 and masked out, as are the
+columns from each row's rank on (whatever t or the weights hold there). Gathered weights cost rows x max_rank x
+features x 4 B: a 8192-token prefill of a 4096 -> 14336 projection at rank 64 would gather 30 GB, so rows go in chunks
+of at most `_GATHER_BYTES` (256 MiB: 73 rows in that example, all of a typical decode batch in one chunk).
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+_GATHER_BYTES = 256 * 1024 * 1024  # the most weight bytes a reference gathers at once ("References" above)
 
 
 @dataclass(frozen=True)
@@ -134,3 +147,91 @@ def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     for w in widths:
         starts.append(starts[-1] + w)
     return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,  # [N, in]
+    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in] for a single slice
+    rank: torch.Tensor,  # [slots] int: each slot's true rank
+    segments: LoraSegments,
+) -> torch.Tensor:  # [S, N, R] fp32
+    """kernels.lora_shrink's op in pure torch and fp32: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T at r = rank[slot_i], and
+    zero wherever the kernel writes nothing (rows of slot -1, columns from a row's rank on). Gathered, no sync (see
+    "References" above)."""
+    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
+    slots, num_slices, max_rank, in_features = a4.shape
+    n = x.shape[0]
+    assert x.shape == (n, in_features), f"x {tuple(x.shape)} does not match a_stack {tuple(a_stack.shape)}"
+    assert rank.shape == (slots,) and segments.num_rows == n, (tuple(rank.shape), slots, segments.num_rows, n)
+    slot = rows_of(segments).to(x.device)  # [N]
+    t = torch.empty(num_slices, n, max_rank, dtype=torch.float32, device=x.device)  # [S, N, R]
+    for rows in _row_chunks(n, max_rank * in_features * 4):
+        live = _within_rank(slot[rows], rank, max_rank)  # [m, R]
+        safe = slot[rows].clamp(min=0)  # rows without an adapter read slot 0, zeroed by `live`
+        x_rows = x[rows].float().unsqueeze(-1)  # [m, in, 1]
+        for s in range(num_slices):
+            h = torch.bmm(a4[:, s][safe].float(), x_rows).squeeze(-1)  # [m, R]
+            t[s, rows] = torch.where(live, h, 0.0)
+    return t
+
+
+def lora_expand_ref(
+    y: torch.Tensor,  # [N, out], updated in place
+    t: torch.Tensor,  # [S, N, R] fp32, from a shrink; entries from a row's rank on are never read
+    b_stack: torch.Tensor,  # [slots, R, out]: rank-major, slices side by side along out
+    rank: torch.Tensor,  # [slots] int
+    scale: torch.Tensor,  # [slots] fp32
+    segments: LoraSegments,
+    *,
+    slices: Sequence[int] | None = None,  # output width of each slice, summing to out; None: one slice
+    accumulate: bool = True,  # False: y = the delta, zeros on rows without an adapter
+) -> None:
+    """kernels.lora_expand's op in pure torch and fp32, y rounded once: y[i] += scale[slot_i] * t[s, i, :r] @
+    B[slot_i, :r, slice s] for every slice; rows of slot -1 or an empty slot keep their bits (zeroed when not
+    `accumulate`). Gathered, no sync (see "References" above)."""
+    n, out_features = y.shape
+    slots, max_rank, b_out = b_stack.shape
+    widths = tuple(int(w) for w in slices) if slices is not None else (out_features,)
+    assert b_out == out_features == sum(widths), f"b_stack {tuple(b_stack.shape)}, y {tuple(y.shape)}, slices {widths}"
+    assert t.shape == (len(widths), n, max_rank), (tuple(t.shape), (len(widths), n, max_rank))
+    assert rank.shape == scale.shape == (slots,) and segments.num_rows == n, (tuple(rank.shape), tuple(scale.shape), slots)
+    slot = rows_of(segments).to(y.device)  # [N]
+    for rows in _row_chunks(n, max_rank * out_features * 4):
+        live = _within_rank(slot[rows], rank, max_rank)  # [m, R]
+        safe = slot[rows].clamp(min=0)
+        b = torch.where(live[:, :, None], b_stack[safe].float(), 0.0)  # [m, R, out]; nothing read from a rank on
+        delta = torch.empty(b.shape[0], out_features, dtype=torch.float32, device=y.device)  # [m, out]
+        col = 0
+        for s, w in enumerate(widths):
+            h = torch.where(live, t[s, rows], 0.0)  # [m, R]
+            delta[:, col : col + w] = torch.bmm(h.unsqueeze(1), b[:, :, col : col + w]).squeeze(1)
+            col += w
+        delta = delta * scale[safe].float()[:, None]
+        adapted = live[:, :1]  # [m, 1]: a slot, of rank 1 or more
+        y_rows = y[rows]  # [m, out]
+        if accumulate:
+            # where(), not y + 0: rows without an adapter keep their exact bits (-0.0 + 0 would turn into +0.0).
+            y[rows] = torch.where(adapted, (y_rows.float() + delta).to(y.dtype), y_rows)
+        else:
+            y[rows] = torch.where(adapted, delta, 0.0).to(y.dtype)
+
+
+def with_delta_ref(y: torch.Tensor, lora: LoraDelta) -> torch.Tensor:  # [N, out]
+    """A copy of y plus each row's LoRA delta, rounded once (lora_expand_ref): the reference of what the ops that take a
+    LoraDelta (kernels/silu_mul.py) add to their input first."""
+    y = y.clone()
+    lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, lora.segments, slices=lora.slices)
+    return y
+
+
+def _within_rank(slot: torch.Tensor, rank: torch.Tensor, max_rank: int) -> torch.Tensor:  # [m, R] bool
+    """Which of the R rank columns of each row its adapter has: none for slot -1, the first rank[slot] otherwise."""
+    r = torch.where(slot >= 0, rank.to(slot.device)[slot.clamp(min=0)].to(torch.int64), 0)  # [m]
+    return torch.arange(max_rank, device=slot.device)[None, :] < r[:, None]
+
+
+def _row_chunks(n: int, bytes_per_row: int) -> list[slice]:
+    """Row ranges whose gathered weights fit in _GATHER_BYTES."""
+    per_chunk = max(1, _GATHER_BYTES // max(1, bytes_per_row))
+    return [slice(start, min(start + per_chunk, n)) for start in range(0, n, per_chunk)]
+

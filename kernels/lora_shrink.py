@@ -34,6 +34,9 @@ are live (down_proj: 16 splits of 896; 14.0 µs against 14.5 at 8 splits on an H
 into t with fp32 atomics, so t is zeroed first. Prefill splits too (up to 4, toward 1024 programs):
 32 sequences of 128 tokens are only 128 row tiles of 32 per slice. Accumulation is fp32 throughout, and
 t is fp32 so the expand reads it at full precision.
+
+Reference: `kernels.lora_segments.lora_shrink_ref`, pure torch in this layout and this signature; it lives beside the row
+groups rather than here because it is also the engine's torch backend, which runs without triton.
 """
 
 from __future__ import annotations
@@ -42,25 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraSegments, rows_of
+from kernels.lora_segments import LoraSegments
+from kernels.utils import BLOCK_R, group_rows
 
-_BLOCK_R = 16  # rank tile: the tensor-core minimum, and the granularity at which ranks are skipped
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 1024, 4  # prefill also pays a memset of t (1-3 MB) for a split
 _MIN_K_PER_SPLIT = 512
-
-
-@triton.jit
-def group_rows(start_ptr, group, HAS_START: tl.constexpr):
-    """(first row, end row) of row group `group` (kernels/lora_segments.py): from `start` when the groups are segments,
-    else the group is its own row. Shared by every kernel that walks the groups."""
-    if HAS_START:
-        row_begin = tl.load(start_ptr + group)
-        row_end = tl.load(start_ptr + group + 1)
-    else:
-        row_begin = group
-        row_end = group + 1
-    return row_begin, row_end
 
 
 @triton.jit
@@ -181,7 +171,7 @@ def lora_shrink(
             out.zero_()  # the K splits add into it
     if n == 0 or segments.num_groups == 0:
         return out
-    num_rtiles = triton.cdiv(max_rank, _BLOCK_R)
+    num_rtiles = triton.cdiv(max_rank, BLOCK_R)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
@@ -195,7 +185,7 @@ def lora_shrink(
         SPLIT_K=split_k,
         HAS_START=segments.start is not None,
         BLOCK_M=block_m,
-        BLOCK_R=_BLOCK_R,
+        BLOCK_R=BLOCK_R,
         BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact for widened fp16/bf16
         num_warps=num_warps,
@@ -225,23 +215,3 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
     while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2
     return split_k, block_m, block_k, num_warps
-
-
-def lora_shrink_ref(
-    x: torch.Tensor,  # [N, in]
-    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in]
-    rank: torch.Tensor,  # [slots]
-    segments: LoraSegments,
-) -> torch.Tensor:  # [S, N, R] fp32; zero where the kernel writes nothing
-    """Pure torch, fp32, one matmul per distinct slot of the batch at that slot's rank."""
-    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
-    num_slices, max_rank = a4.shape[1], a4.shape[2]
-    slot = rows_of(segments).to(x.device)  # [N]
-    t = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # [S, N, R]
-    for s in slot.unique().tolist():
-        if s < 0:
-            continue
-        rows = slot == s
-        r = int(rank[s])
-        t[:, rows, :r] = torch.einsum("nk,srk->snr", x[rows].float(), a4[s, :, :r].float())
-    return t

@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.utils import TL_DTYPE
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # start of the running max: finite, so a fully masked padding row gives 0, not NaN
 
@@ -249,7 +251,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         KV_BLOCK=block_size,
         # The interpreter (CPU) multiplies bf16 bit patterns in tl.dot: widen there (see the docstring).
-        DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else _TL_DTYPE[q.dtype],
+        DOT_DTYPE=tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else TL_DTYPE[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32; widened halves are exact in TF32
         NUM_SPLITS=splits,
         EARLY_V=early_v,
@@ -275,8 +277,6 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 1
         splits *= 2
     return splits
 
-
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int, int, bool]:

@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import _BLOCK_R, with_delta_ref
-from kernels.lora_segments import LoraDelta
-from kernels.lora_shrink import group_rows
+from kernels.lora_segments import LoraDelta, with_delta_ref
+from kernels.utils import BLOCK_R, group_rows
 
 _BLOCK = 1024
 
@@ -138,7 +137,7 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
         gate_up.stride(0), out.stride(0),
         t.stride(0), t.stride(1), t.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
-        HAS_START=seg.start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_BLOCK_R,
+        HAS_START=seg.start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
         DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )  # fmt: skip
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
-silu_mul, lora_segments, lora_expand = import_kernels("kernels.silu_mul", "kernels.lora_segments", "kernels.lora_expand")
+silu_mul, lora_segments = import_kernels("kernels.silu_mul", "kernels.lora_segments")
 LoraDelta = lora_segments.LoraDelta
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -109,7 +109,7 @@ def _silu_case(dtype, popularity, ranks, form, inter):
     out = silu_mul.silu_mul(gate_up, lora)
     want = silu_mul.silu_mul_ref(gate_up, lora)
     _check(out, want, TOL[dtype], f"silu_mul + LoRA {dtype} {popularity} {ranks} {form}")
-    g, u = lora_expand.with_delta_ref(gate_up, lora).double().chunk(2, dim=-1)
+    g, u = lora_segments.with_delta_ref(gate_up, lora).double().chunk(2, dim=-1)
     _check(out, g * torch.sigmoid(g) * u, TOL[dtype], "against float64")
     plain = _plain_rows(idx, lora)
     _same(out[plain], silu_mul.silu_mul(gate_up)[plain], "a row without an adapter must take the plain op")

@@ -24,8 +24,8 @@ from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa:
 lora_shrink_module, lora_expand_module, lora_segments_module = import_kernels(
     "kernels.lora_shrink", "kernels.lora_expand", "kernels.lora_segments"
 )
-lora_shrink, lora_shrink_ref = lora_shrink_module.lora_shrink, lora_shrink_module.lora_shrink_ref
-lora_expand, lora_expand_ref = lora_expand_module.lora_expand, lora_expand_module.lora_expand_ref
+lora_shrink, lora_shrink_ref = lora_shrink_module.lora_shrink, lora_segments_module.lora_shrink_ref
+lora_expand, lora_expand_ref = lora_expand_module.lora_expand, lora_segments_module.lora_expand_ref
 LoraSegments = lora_segments_module.LoraSegments
 segments_from_indices, segments_per_row = lora_segments_module.segments_from_indices, lora_segments_module.segments_per_row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y

@@ -1,7 +1,9 @@
-"""The pure-torch heterogeneous LoRA op against a naive per-row loop in float64.
+"""The multi-LoRA references (kernels.lora_segments: the kernels' reference and the torch backend) against a naive
+per-row loop in float64.
 
 Grid (STYLE item 7): dtype x max rank x batch x adapter popularity x hidden sizes; every slot has its own
-true rank, zero-padded to the max, and about a quarter of the rows have no adapter (idx -1).
+true rank, with NaN beyond it in the kernels' layout (the engine zero-fills; nothing there may be read), and about a
+quarter of the rows have no adapter (idx -1).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import zlib
 import pytest
 import torch
 
-import kernels.lora_ref as lora_ref_module
-from kernels.lora_ref import lora_expand_ref, lora_ref, lora_shrink_ref
+import kernels.lora_segments as lora_segments_module
+from kernels.lora_segments import lora_expand_ref, lora_shrink_ref, segments_per_row
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |err| / max |ref| per case
 SIZES = [(128, 352), (352, 128), (4096, 1024)]  # (in, out): the demo's MLP, and a Llama-8B k/v projection
@@ -35,16 +37,22 @@ def _indices(popularity: str, batch: int, slots: int, gen: torch.Generator) -> t
     return idx.to(torch.int64)
 
 
-def _slot_weights(slots: int, max_rank: int, in_f: int, out_f: int, dtype: torch.dtype, gen: torch.Generator):
-    """Stacks zero-padded beyond each slot's own rank, as the engine's slots are."""
-    ranks = torch.randint(1, max_rank + 1, (slots,), generator=gen)
-    a = torch.randn(slots, max_rank, in_f, generator=gen) / in_f**0.5  # [S, R, in]
-    b = torch.randn(slots, out_f, max_rank, generator=gen)  # [S, out, R]
+def _slot_weights(slots: int, max_rank: int, in_f: int, out_f: int, dtype: torch.dtype, gen: torch.Generator, pad=float("nan")):
+    """Stacks in the kernels' layout, `pad` beyond each slot's own rank."""
+    ranks = torch.randint(1, max_rank + 1, (slots,), generator=gen).to(torch.int32)  # [slots]
+    a = torch.randn(slots, max_rank, in_f, generator=gen) / in_f**0.5  # [slots, R, in]
+    b = torch.randn(slots, max_rank, out_f, generator=gen)  # [slots, R, out]
     for s, r in enumerate(ranks.tolist()):
-        a[s, r:] = 0
-        b[s, :, r:] = 0
-    scale = torch.rand(slots, generator=gen) * 2 + 0.25  # [S]
+        a[s, r:] = pad
+        b[s, r:] = pad
+    scale = torch.rand(slots, generator=gen) * 2 + 0.25  # [slots]
     return a.to(dtype), b.to(dtype), scale, ranks
+
+
+def _lora(y, x, a, b, idx, scale, ranks) -> None:
+    """The whole op through the references: shrink, then expand into y."""
+    segments = segments_per_row(idx)
+    lora_expand_ref(y, lora_shrink_ref(x, a, ranks, segments), b, ranks, scale, segments)
 
 
 def _naive(y, x, a, b, idx, scale, ranks) -> torch.Tensor:
@@ -54,7 +62,7 @@ def _naive(y, x, a, b, idx, scale, ranks) -> torch.Tensor:
         if s < 0:
             continue
         r = int(ranks[s])
-        out[i] += float(scale[s]) * (x[i].double() @ a[s, :r].double().T) @ b[s, :, :r].double().T
+        out[i] += float(scale[s]) * (x[i].double() @ a[s, :r].double().T) @ b[s, :r].double()
     return out
 
 
@@ -65,7 +73,8 @@ CASES = list(
 
 @pytest.mark.parametrize(("dtype", "max_rank", "batch", "popularity", "size"), CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_matches_naive_loop_and_leaves_unadapted_rows_untouched(dtype, max_rank, batch, popularity, size):
-    """y += s * (x A^T) B^T per row equals the naive loop within the dtype's tolerance; rows with idx -1 are bit-identical."""
+    """y += s * (x A^T) B^T per row equals the naive loop within the dtype's tolerance, reading nothing beyond a rank
+    (NaN there); rows with idx -1 are bit-identical."""
     in_f, out_f = size
     gen = torch.Generator().manual_seed(zlib.crc32(repr((max_rank, batch, popularity, size)).encode()))  # stable across runs
     slots = max(8, batch) if popularity == "distinct" else 8
@@ -76,8 +85,9 @@ def test_matches_naive_loop_and_leaves_unadapted_rows_untouched(dtype, max_rank,
     want = _naive(y, x, a, b, idx, scale, ranks)
     before = y.clone()
 
-    lora_ref(y, x, a, b, idx, scale)
+    _lora(y, x, a, b, idx, scale, ranks)
 
+    assert not torch.isnan(y).any(), "NaN: a weight beyond a rank was read"
     err = (y.double() - want).abs()
     rel = err.max() / want.abs().max()
     assert rel < TOL[dtype], f"max rel err {rel:.3e} (mean abs err {err.mean():.3e}) > {TOL[dtype]} for {dtype}"
@@ -85,18 +95,18 @@ def test_matches_naive_loop_and_leaves_unadapted_rows_untouched(dtype, max_rank,
     assert torch.equal(y[untouched], before[untouched]), "rows without an adapter changed"
 
 
-def test_shrink_is_zero_for_rows_without_adapter_and_padding_is_exact():
-    """h has zeros for idx -1 rows and in the padded columns beyond a slot's rank."""
+def test_shrink_is_zero_for_rows_without_adapter_and_beyond_each_rank():
+    """t has zeros for idx -1 rows and in the columns from a slot's rank on, whatever the weights hold there."""
     gen = torch.Generator().manual_seed(0)
     a, _, _, ranks = _slot_weights(4, 16, 32, 8, torch.float32, gen)
     x = torch.randn(6, 32, generator=gen)
     idx = torch.tensor([0, -1, 1, 2, -1, 3])
-    h = lora_shrink_ref(x, a, idx)  # [6, 16]
-    assert h.shape == (6, 16)
-    assert torch.equal(h[idx < 0], torch.zeros(2, 16))
+    t = lora_shrink_ref(x, a, ranks, segments_per_row(idx))  # [1, 6, 16]
+    assert t.shape == (1, 6, 16) and t.dtype == torch.float32
+    assert torch.equal(t[0, idx < 0], torch.zeros(2, 16))
     for i, s in enumerate(idx.tolist()):
         if s >= 0:
-            assert torch.count_nonzero(h[i, int(ranks[s]) :]) == 0
+            assert torch.count_nonzero(t[0, i, int(ranks[s]) :]) == 0
 
 
 @pytest.mark.parametrize(
@@ -107,32 +117,32 @@ def test_shrink_is_zero_for_rows_without_adapter_and_padding_is_exact():
 def test_empty_and_all_base_batches_change_nothing(batch, idx_fill):
     """An empty batch, or one where every row has idx -1, leaves y exactly as it was."""
     gen = torch.Generator().manual_seed(1)
-    a, b, scale, _ = _slot_weights(3, 8, 16, 24, torch.float32, gen)
+    a, b, scale, ranks = _slot_weights(3, 8, 16, 24, torch.float32, gen)
     x = torch.randn(batch, 16, generator=gen)
     y = torch.randn(batch, 24, generator=gen)
     before = y.clone()
-    lora_ref(y, x, a, b, torch.full((batch,), idx_fill, dtype=torch.int64), scale)
+    _lora(y, x, a, b, torch.full((batch,), idx_fill, dtype=torch.int64), scale, ranks)
     assert torch.equal(y, before)
 
 
 def test_row_chunking_gives_the_same_result(monkeypatch):
     """Splitting the gather into many chunks (tiny memory cap) changes nothing in the result."""
     gen = torch.Generator().manual_seed(2)
-    a, b, scale, _ = _slot_weights(5, 16, 64, 48, torch.float32, gen)
+    a, b, scale, ranks = _slot_weights(5, 16, 64, 48, torch.float32, gen)
     x = torch.randn(37, 64, generator=gen)
     idx = _indices("uniform", 37, 5, gen)
     y_one = torch.randn(37, 48, generator=gen)
     y_many = y_one.clone()
-    lora_ref(y_one, x, a, b, idx, scale)
-    monkeypatch.setattr(lora_ref_module, "_GATHER_BYTES", 16 * 64 * 4 * 3)  # 3 rows per chunk
-    lora_ref(y_many, x, a, b, idx, scale)
+    _lora(y_one, x, a, b, idx, scale, ranks)
+    monkeypatch.setattr(lora_segments_module, "_GATHER_BYTES", 16 * 64 * 4 * 3)  # 3 rows per chunk
+    _lora(y_many, x, a, b, idx, scale, ranks)
     assert torch.allclose(y_one, y_many, rtol=1e-6, atol=1e-6)
 
 
 def test_expand_applies_each_slots_scale():
-    """Two rows with the same h but slots of different scale differ exactly by the scale ratio."""
-    b = torch.ones(2, 3, 4)  # [S, out, R]
-    h = torch.ones(2, 4)
+    """Two rows with the same t but slots of different scale differ exactly by the scale ratio."""
+    b = torch.ones(2, 4, 3)  # [slots, R, out]
+    t = torch.ones(1, 2, 4)  # [S, N, R]
     y = torch.zeros(2, 3)
-    lora_expand_ref(y, h, b, torch.tensor([0, 1]), torch.tensor([0.5, 2.0]))
+    lora_expand_ref(y, t, b, torch.tensor([4, 4]), torch.tensor([0.5, 2.0]), segments_per_row(torch.tensor([0, 1])))
     assert torch.equal(y, torch.tensor([[2.0] * 3, [8.0] * 3]))

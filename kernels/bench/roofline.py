@@ -35,9 +35,9 @@ import triton
 from triton.testing import do_bench
 
 from kernels.decode_linear import decode_linear, decode_linear_ref
-from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_segments import DecodeLora, LoraSegments, segments_from_indices, segments_per_row
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from kernels.lora_expand import lora_expand
+from kernels.lora_segments import DecodeLora, LoraSegments, lora_expand_ref, lora_shrink_ref, segments_from_indices, segments_per_row
+from kernels.lora_shrink import lora_shrink
 from kernels.paged_attention import paged_attention, paged_attention_ref
 
 BATCH, ADAPTERS, RANK, MAX_RANK = 32, 32, 16, 64
