@@ -26,7 +26,7 @@ ADAPTER_ERROR_CODES = frozenset({
     "adapter_too_large",  # engine.store: over engine.max_adapter_bytes
     "adapter_unavailable",  # engine.adapter_pool: reading the files failed (OSError; retriable)
     "adapter_changed",  # engine.adapter_pool: the files no longer hash to the registered sha256
-    "adapter_load_failed",  # engine.scheduler: loading it raised an unexpected error
+    "adapter_load_failed",  # engine.planner: loading it raised an unexpected error
 })  # fmt: skip
 
 FinishReason = Literal["stop", "length", "eos"]

@@ -91,7 +91,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
     v_pool.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(
+def attend(
     q: torch.Tensor,  # [N, H, D] rotated queries of the step's new tokens
     layer: int,
     attn: AttentionMetadata,

@@ -1,7 +1,7 @@
 """The engine: continuous batching of many tenants' and adapters' requests over one base model.
 
 Requests join and leave the running batch between steps. Each `step()` lets the scheduler
-(engine.scheduler) pick the step's work under a token budget (decodes, prefill chunks, new admissions,
+(engine.planner) pick the step's work under a token budget (decodes, prefill chunks, new admissions,
 preemptions when KV blocks run out), runs ONE forward over all of it with rows of different adapters
 or none side by side, samples a token for every request whose known tokens are all computed, and
 returns the requests that finished. Adapters are loaded lazily by the pool (engine.adapter_pool) when
@@ -80,7 +80,7 @@ from engine.model import LlamaForCausalLM, base_fingerprint, load_model, read_eo
 from engine.runner import BatchItem, ModelRunner
 from engine.isolation import forward_isolated, sample_isolated, unusable_logits
 from engine.sampling import generator_seed, is_greedy, sample_on_device, usable_rows
-from engine.scheduler import Plan, Scheduler
+from engine.planner import Plan, StepPlanner
 from engine.sequence import Sequence
 from engine.timing import DeviceTimer, PrefillCost, StepRecord, attribute_step
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -164,7 +164,7 @@ class Engine:
             how = "no CUDA graphs (they need the triton backend on cuda): every step eager"
         log.info("engine backend: %s on %s, %s (engine.kernel_backend=%r); %s", backend.name, device, what, config.kernel_backend, how)
         self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
-        self.scheduler = Scheduler(config, self.runner.blocks, self.adapters, fingerprint)
+        self.scheduler = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint)
         self.step_records: list[StepRecord] = []
         self.prefill_cost = PrefillCost()  # measured us per prefill token (engine.timing)
         self._unfinished: dict[tuple[str, str], Sequence] = {}  # (tenant, request_id) -> sequence, waiting or running

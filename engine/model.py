@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from engine.api import EngineError
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import AttentionMetadata, attend, write_kv
 from engine.rope import (
     ROPE_TYPES,
     RopeConfig,
@@ -244,7 +244,7 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : (h + kv) * d].view(n, h + kv, d), rope.cos, rope.sin)  # [N, H + KV, D]: q and k in one pass
             q = qk[:, :h]
             write_kv(k_pool, v_pool, qk[:, h:], qkv[:, (h + kv) * d :].view(n, kv, d), attn.slot_mapping)
-        out = paged_attention(q, self.layer_idx, attn)  # [N, H, D]
+        out = attend(q, self.layer_idx, attn)  # [N, H, D]
         return self.o_proj(out.reshape(n, h * d))  # [N, hidden]
 
 

@@ -57,7 +57,10 @@ def _rank(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.order)
 
 
-class Scheduler:
+class StepPlanner:
+    """Which requests run in each engine step, and how many of their tokens (module docstring). Not the worker's
+    consumer.scheduler.Scheduler, which batches Kafka jobs by adapter and tenant before they reach the engine."""
+
     def __init__(self, config: EngineConfig, blocks: BlockManager, pool: AdapterPool, base_fingerprint: str):
         self.config = config
         self.blocks = blocks
