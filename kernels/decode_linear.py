@@ -171,7 +171,7 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_n, 256, 4, 4
 
 
-# kernels.bench._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after
+# kernels.bench.roofline._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after
 # an L2 flush), per (N, K): (config, use it for base-only rows, use it for rows with adapters), against cuBLAS alone and
 # cuBLAS + the per-row expand. Two runs agreed that it wins at llama-8b's o (17.5-17.9 µs against 19.6-19.7 base,
 # 21.5-22.2 against 25.3-25.4 with adapters) and down (41.5-41.6 / 42.9-43.2, 44.4-45.7 / 48.3). Elsewhere cuBLAS was as

@@ -234,16 +234,16 @@ def lora_expand(
 
 
 def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench._sweep on an H200 (bf16, rank 16;
+    """(BLOCK_M, BLOCK_N, num_warps, ROW_TILES) for this batch, from kernels.bench.roofline._sweep on an H200 (bf16, rank 16;
     µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
         return 1, 512, 4, 1  # 8b gate_up decode 21.2 µs (BLOCK_N 256: 20.9, 1024: 21.6)
     if segments.max_len <= 16:
         return 16, 256, 4, 1
     if not accumulate:
-        # The prefill delta, kernels.bench._sweep_prefill_delta on an H200 (8b, 32 x 512 tokens, rank 16): 64 x 256 tiles,
+        # The prefill delta, kernels.bench.roofline._sweep_prefill_delta on an H200 (8b, 32 x 512 tokens, rank 16): 64 x 256 tiles,
         # one per program, were the fastest for all four projections (gate_up 490 µs; 32 x 128 x 4 row tiles: 755).
         return 64, 256, 4, 1
-    # Prefill, kernels.bench._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
+    # Prefill, kernels.bench.roofline._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).
     return 32, 128, 4, 1

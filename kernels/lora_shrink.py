@@ -194,7 +194,7 @@ def lora_shrink(
 
 
 def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int]:
-    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch, from kernels.bench._sweep on an H200 (bf16, 32 adapters
+    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch, from kernels.bench.roofline._sweep on an H200 (bf16, 32 adapters
     of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
         # Decode, one row per group: 8b qkv 12.6 µs at split 8 (split 4: 13.0, BLOCK_K 128: 12.9).
@@ -204,7 +204,7 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
         block_m, block_k, num_warps = 16, 128, 4
         target, max_split = _TARGET_PROGRAMS, 64
     else:
-        # Prefill: 32-row tiles of 256 columns; at 32 x 512 tokens (kernels.bench._sweep_prefill, H200, rank 16) the
+        # Prefill: 32-row tiles of 256 columns; at 32 x 512 tokens (kernels.bench.roofline._sweep_prefill, H200, rank 16) the
         # fastest for 7 of the 8 llama-1b/-8b projections, no split (8b qkv 90.9 µs, down 133.2; BLOCK_K 128: 97.5,
         # 138.3). Short prefills still split K up to 4 ways when they launch too few programs.
         block_m, block_k, num_warps = 32, 256, 4

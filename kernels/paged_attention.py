@@ -269,7 +269,7 @@ def paged_attention(
 def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 128) -> int:
     """Key splits per sequence for a decode launch: splits only while the batch leaves SMs idle (batch x kv_heads x
     splits < 128, about one program per SM of an H200), none shorter than `min_keys` at the longest context the
-    block tables allow, at most 16. Measured on an H200 (engine.profile_steps --attention, PERF.md): at batch 32 x 8
+    block tables allow, at most 16. Measured on an H200 (engine.bench.profile_steps --attention, PERF.md): at batch 32 x 8
     KV heads any split was slower (8b, 544 keys: 25.8 µs unsplit, 33.8 at 2 splits, 42.0 at 8), as the combine's
     launch and partials cost more than the extra programs gain once 256 programs run."""
     splits = 1
@@ -280,10 +280,10 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 1
 
 
 def _config(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_T, BLOCK_N, num_warps, num_stages, EARLY_V): the fastest of kernels.bench._sweep's candidates on an H200.
+    """(BLOCK_T, BLOCK_N, num_warps, num_stages, EARLY_V): the fastest of kernels.bench.roofline._sweep's candidates on an H200.
 
     Decode: 16 rows (one token's G heads, padded), 128 keys a step (8b: 48.8 µs; 64 keys: 52.4), a 2-stage pipeline
-    with V's load issued beside K's (engine.profile_steps --attention-configs, batch 32: 8b at 544 keys 24.3 µs against
+    with V's load issued beside K's (engine.bench.profile_steps --attention-configs, batch 32: 8b at 544 keys 24.3 µs against
     26.0 at Triton's default 3 stages, 1b 17.0 against 18.2; early V alone is worth ~0.1 µs). Prefill: 128 rows
     (32 tokens x 4 heads), 64 keys a step (8b: 181.9 µs; 64 rows: 194.4), Triton's default depth."""
     if max_query_len == 1:

@@ -18,7 +18,7 @@ half's delta is one tensor-core product per rank step, and g and u are that prod
 in the tensor cores' layout and the activation runs there, with no layout change of the [BM, BN] tiles. Rows without an
 adapter (slot -1) and empty slots run no product and take the plain activation.
 
-On an H200 (kernels.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, session 5):
+On an H200 (kernels.bench.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, session 5):
 this op 639 µs against 341 plain (32 x 256 tiles, 8 warps, the best of 18 configs); GEMM + shrink + this op took +20.8%
 over GEMM + plain op, the delta written first and the GEMM adding into it +22.5%. The same fusion into RoPE + KV write
 (qkv) lost to the delta-first order there (+33.6% against +24.9%) and was not kept.
