@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.adapters import FINGERPRINT_KEY
-from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig, base_fingerprint
+from engine.checkpoint import base_fingerprint
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig
 
 # Sizes of the demo Llama. head_dim 32 = 128 / 4 heads; 2 KV heads make it GQA (2 query heads share
 # one KV head), so the engine's head grouping is exercised.

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.adapters import load_adapter_dir
 from engine.api import AdapterError
-from engine.model import read_model_config
+from engine.checkpoint import read_model_config
 from engine.store import AdapterStore, content_sha256
 
 MB = 1 << 20
@@ -211,7 +211,7 @@ def test_store_paths_only_for_well_formed_present_hashes(tmp_path, sha):
 
 
 def _fp(model_dir) -> str:
-    from engine.model import base_fingerprint
+    from engine.checkpoint import base_fingerprint
 
     return base_fingerprint(model_dir)
 

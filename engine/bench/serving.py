@@ -46,16 +46,10 @@ from safetensors.torch import save_file
 
 from engine.api import GenerationRequest, SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine, pick_device, pick_dtype
-from engine.model import (
-    LORA_TARGETS,
-    PROJECTION_PARENT,
-    LlamaForCausalLM,
-    ModelConfig,
-    build_model,
-    hf_param_shapes,
-    unfuse_state,
-)
+from engine.checkpoint import build_model, hf_param_shapes, unfuse_state
+from engine.device import pick_device, pick_dtype
+from engine.engine import Engine
+from engine.model import LORA_TARGETS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig
 from engine.rope import RopeConfig
 from engine.tokenizer import Tokenizer
 

@@ -1,0 +1,163 @@
+"""Hugging Face checkpoints: reading a model folder and mapping its tensors onto the model of engine.model.
+
+A folder holds `config.json` (read into `ModelConfig`), `tokenizer.json`, optionally `generation_config.json`
+(EOS ids as HF `generate` sees them), and the weights as `model.safetensors` or shards listed by
+`model.safetensors.index.json`; safetensors only (no pickles). The tensors keep HF's names
+(`model.layers.3.self_attn.q_proj.weight`, ...): `build_model` checks them strictly against the config
+(`hf_param_shapes`) and concatenates them into the model's fused projections (`fuse_hf_state`, engine.model
+"Fused projections"); `unfuse_state` gives the HF names back as views (the bench's peer shares our weights that
+way). `base_fingerprint` names the architecture and vocabulary of a folder (engine.model "Base fingerprint").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.api import EngineError
+from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig
+from engine.rope import inv_frequencies
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise EngineError(f"{path} is missing; engine.model_dir must be a Hugging Face model folder", code="model_missing")
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise EngineError(f"{path} is not a usable model config ({type(e).__name__}: {e}); re-save it with transformers", code="model_invalid") from e
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    """The base fingerprint (module docstring) of a model folder: its config.json and tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise EngineError(f"{path} is missing; the base fingerprint covers the tokenizer", code="model_missing")
+    return read_model_config(model_dir).fingerprint(path.read_bytes())
+
+
+def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids as HF `generate` sees them: generation_config.json first, else config.json (int or list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Build the model of `model_dir` on `device` in `dtype` from its safetensors, with a strict key check."""
+    model_dir = Path(model_dir)
+    cfg = read_model_config(model_dir)
+    state = _read_safetensors(model_dir)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints carry it
+    try:
+        return build_model(cfg, state, device, dtype)
+    except EngineError as e:
+        raise EngineError(f"{model_dir}: {e}", code=e.code) from e
+
+
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of a checkpoint of `cfg` (lm_head.weight absent when the embeddings are tied)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
+            "gate_proj": cfg.mlp_bias, "up_proj": cfg.mlp_bias, "down_proj": cfg.mlp_bias}  # fmt: skip
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        for module, (in_f, out_f) in cfg.projection_shapes().items():
+            shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.weight"] = (out_f, in_f)
+            if bias[module]:
+                shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.bias"] = (out_f,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def fuse_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> the model's: q, k, v rows concatenated into qkv_proj, gate and up into gate_up_proj."""
+    out = dict(state)
+    for p, fused, parts, kind in _multi_part_params(cfg):
+        keys = [f"{p}.{part}.{kind}" for part in parts]
+        if keys[0] in out:
+            out[f"{p}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys])
+    return out
+
+
+def unfuse_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors -> HF names, the fused ones split into views (no copy): the inverse of fuse_hf_state."""
+    out = dict(state)
+    widths = {module: out_f for module, (_, out_f) in cfg.projection_shapes().items()}
+    for p, fused, parts, kind in _multi_part_params(cfg):
+        tensor = out.pop(f"{p}.{fused}.{kind}", None)
+        if tensor is None:
+            continue
+        row = 0
+        for part in parts:
+            out[f"{p}.{part}.{kind}"] = tensor[row : row + widths[part]]
+            row += widths[part]
+    return out
+
+
+def _multi_part_params(cfg: ModelConfig) -> Iterator[tuple[str, str, tuple[str, ...], str]]:
+    """(parent prefix, fused projection, its HF projections, "weight" or "bias") of every fused parameter that joins
+    several HF ones (qkv and gate_up), layer by layer."""
+    for i in range(cfg.num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if len(parts) > 1:
+                for kind in ("weight", "bias"):
+                    yield f"model.layers.{i}.{FUSED_PARENT[fused]}", fused, parts, kind
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model of `cfg` holding `state` (HF names; lm_head.weight may be absent when tied), on `device` in `dtype`."""
+    if cfg.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    shapes = hf_param_shapes(cfg)
+    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or unexpected:
+        raise EngineError(
+            f"checkpoint does not match a {cfg.model_type} model with this config.json: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; check that config.json and the safetensors belong together",
+            code="model_invalid",
+        )
+    for key, tensor in state.items():
+        want = shapes[key]
+        if tuple(tensor.shape) != want:
+            raise EngineError(f"{key} expected {list(want)}, found {list(tensor.shape)}", code="model_invalid")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    fused = fuse_hf_state(cfg, {k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert set(fused) == expected, (sorted(set(fused) ^ expected)[:5], "fuse_hf_state and the model disagree")
+    model.load_state_dict(fused, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, device=device)
+    return model.eval()
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise EngineError(
+                f"{path} is missing; the engine loads safetensors weights only (convert .bin checkpoints first)",
+                code="model_missing",
+            )
+        state.update(load_file(str(path)))
+    return state
