@@ -7,7 +7,8 @@ and by the bucket's one-time calibration in graphed ones (engine.cuda_graphs, "T
 exactly among the step's requests by tokens (engine.timing `attribute_step`). `records` keeps each step's
 split for billing's conservation checks (the engine drains it with `pop_step_records`). Tokens a request
 finds in the prefix cache are credited as kv_saved_us = cached tokens x the measured marginal cost of a
-prefill token (`prefill_cost`, engine.timing.PrefillCost, a fit of step time over step tokens). Tokens recomputed after a preemption are computed, and so
+prefill token (`prefill_cost`, engine.timing.PrefillCost: a fit of prefill step time against tokens, fed by
+the steps that hold prompt tokens alone). Tokens recomputed after a preemption are computed, and so
 charged, like any others.
 
 An eager step and each step of a decode round (engine.rounds) are booked alike, by `StepBook.book`.
@@ -41,12 +42,14 @@ class StepBook:
         its time among them (one StepRecord), add each share to its request's timings, count its prefill and decode
         tokens, commit its KV blocks; then end the rows: fail those of `failed` (their forward raised: charged and
         counted as a step, nothing computed), then take each row's outcome. A row of a sequence already finished or
-        failed (a decode round's lookahead past its end, engine.rounds) is charged and nothing more. A step every row
-        of which ran feeds the prefill cost fit (retried forwards would skew it)."""
+        failed (a decode round's lookahead past its end, engine.rounds) is charged and nothing more. Only a step
+        holding prompt tokens, every row of which ran, feeds the prefill cost fit (decode steps fit no prefill
+        cost, and retried forwards would skew it)."""
         failed = failed or {}
         record = attribute_step(next(self._ids), total_us, lora_us, [(seq.key, n, lora) for seq, n, lora in rows])
         self.records.append(record)
         self.steps += 1
+        prompt_tokens = 0
         for i, ((seq, n, _), share) in enumerate(zip(rows, record.shares)):
             t = seq.timings
             t.base_us += share.base_us
@@ -60,9 +63,10 @@ class StepBook:
             in_prompt = max(0, min(start + n, len(seq.prompt_ids)) - start)
             t.prefill_tokens += in_prompt
             t.decode_tokens += n - in_prompt
+            prompt_tokens += in_prompt
             seq.num_computed += n
             self._blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
-        if not failed:
+        if prompt_tokens and not failed:
             self.prefill_cost.update(record.tokens, total_us)
         for i, error in failed.items():
             self._requests.fail(rows[i][0], error, end_us)

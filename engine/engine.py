@@ -16,7 +16,7 @@ before it reads the last one back, so that host work overlaps the GPU; results t
 
 Timings and the KV credit (engine.booking): each step's measured device time is split exactly among its requests by
 tokens, one StepRecord per step (`pop_step_records`); cached prompt tokens are credited at the measured marginal
-cost of a prefill token (a fit of step time over step tokens). Adapter loads are measured apart, each one
+cost of a prefill token (a fit of prefill step time against tokens). Adapter loads are measured apart, each one
 reported with its tier (`pop_load_events`) and charged as adapter_load_us to the first request that uses the
 adapter after it.
 

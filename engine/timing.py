@@ -106,14 +106,15 @@ class Stopwatch:
 
 
 class PrefillCost:
-    """The marginal device time of one more prefill token, in microseconds, fitted over recent steps.
+    """The marginal device time of one more prefill token, in microseconds, fitted over recent prefill steps.
 
     A step costs a fixed part (launches, weights read once, sampling) plus a part per token; only the
-    latter is what a cached token saves. So the cost per token is the slope of step time over step
-    tokens, fitted by least squares with weights decaying by (1 - alpha) per step (about the last
-    1 / alpha steps count). Example: steps of 1 token at 900 us and of 33 tokens at 1500 us give
-    600 / 32 = 18.75 us per token, where the 33-token step's average, 45 us per token, would count the
-    fixed part as saved too. The slope is capped at the weighted average cost per token (which it
+    latter is what a cached token saves. So the cost per token is the slope of prefill step time against
+    tokens: fed only by steps that hold prompt tokens (engine.booking; a decode step's time says nothing of
+    what a prefill token costs, and decode rounds would outnumber and skew the prefill steps), fitted by
+    least squares with weights decaying by (1 - alpha) per step (about the last 1 / alpha steps count).
+    Example: prefill steps of 1 token at 900 us and of 33 tokens at 1500 us give 600 / 32 = 18.75 us per
+    token, where the 33-token step's average, 45 us per token, would count the fixed part as saved too. The slope is capped at the weighted average cost per token (which it
     exceeds only if the fitted fixed part is negative) and floored at 0. There is no value (so no
     credit) until steps of two different token counts have been seen: one token count fits no slope,
     and its average carries the fixed part (a 46 ms one-token first step credited 846 ms on a request

@@ -263,6 +263,24 @@ def test_step_shares_sum_exactly_to_measured_step_times(demo_set):
     assert sum(r.timings.base_us + r.timings.lora_us for r in results) == sum(rec.total_us for rec in records)
 
 
+def test_decode_only_steps_do_not_move_the_prefill_cost_fit(engine):
+    """The KV credit's per-token rate is the slope of prefill step time against tokens (engine.booking): a step that
+    holds prompt tokens feeds the fit, a step of decodes alone leaves it exactly as it was."""
+    engine.pop_step_records()
+    fit = engine.book.prefill_cost
+    engine.add_request(_req("fit-0", PROMPTS[2], max_new_tokens=6, ignore_eos=True))
+    engine.add_request(_req("fit-1", PROMPTS[3], "qv-r4", max_new_tokens=6, ignore_eos=True))
+    state = dict(vars(fit))
+    engine.step()  # both prompts, whole
+    assert vars(fit) != state
+    state = dict(vars(fit))
+    while engine.has_unfinished():
+        engine.step()
+    records = engine.pop_step_records()
+    assert len(records) == 6 and all(r.tokens == 2 for r in records[1:]), [r.tokens for r in records]  # 5 decode steps
+    assert vars(fit) == state
+
+
 def test_queue_time_counts_from_arrival(engine):
     """arrival_us (monotonic) in the past is counted into queue, ttft and total time."""
     past = time.monotonic_ns() // 1000 - 5_000_000

@@ -35,6 +35,8 @@ def test_a_repeat_hits_and_equals_a_miss(engine, miss_engine):
     and produces the tokens of a run without any cache; a shared prefix with another ending hits partly."""
     first = engine.generate([req("r1", prompt=SYSTEM + " and rainy", adapter="qv-r4", tenant="acme")])[0]
     assert first.timings.cached_tokens == 0
+    # The credit's per-token rate is fitted on prefill steps alone (engine.booking): one of another size gives it a slope.
+    engine.generate([req("w", prompt="Hello there", tenant="globex")])
     again = engine.generate([req("r2", prompt=SYSTEM + " and rainy", adapter="qv-r4", tenant="acme")])[0]
     assert again.timings.cached_tokens == _cached_expected(again.prompt_tokens) > 0
     assert again.timings.prefill_tokens == again.prompt_tokens - again.timings.cached_tokens
