@@ -20,14 +20,12 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from billing.errors import LedgerError
 from consumer.breaker import BreakerBoard
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
@@ -41,7 +39,8 @@ from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
 from consumer.routing import RouteError, Router
 from consumer.rules import RuleClassifier
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
-from consumer.schemas import Cost, ErrorInfo, Job, Rejection, Result, Usage, dlq_record, parse_job
+from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, parse_job
+from consumer.answers import Copy, Key, key_of, stored_result
 from consumer.spool import Spool
 from engine.async_engine import AsyncEngine
 
@@ -57,20 +56,6 @@ def make_route_cache(s: Settings) -> RouteCache:
         return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, prefix=r.redis_prefix,
                                timeout_s=r.redis_timeout_ms / 1000, backoff_s=r.redis_backoff_s)
     return LruRouteCache(r.cache_entries, r.cache_ttl_s)
-
-
-Key = tuple[str, str]  # (tenant_id, request_id): a request's identity everywhere
-
-
-@dataclass
-class _Copy:
-    """A message whose (tenant, request_id) is already running here: it waits for the first one's answer."""
-
-    tp: TopicPartition
-    offset: int
-    epoch: int
-    parsed: Job | Rejection
-    silent: bool = False  # the same message read again: it needs no second result
 
 
 class Worker:
@@ -99,7 +84,7 @@ class Worker:
         self._snapshot_at = 0.0
         self._apply_snapshot(registry.snapshot())
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
-        self._running: dict[Key, list[_Copy]] = {}  # keys queued or in the engine here, with their waiting copies
+        self._running: dict[Key, list[Copy]] = {}  # keys queued or in the engine here, with their waiting copies
         self._answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
         self._paused = False
@@ -263,7 +248,7 @@ class Worker:
         for tp, m in messages:
             epoch = self.offsets.fetched(tp, m.offset)
             items.append((tp, m, epoch, self._parse(m)))
-        fresh = {k for *_, p in items if (k := _key(p)) is not None and k not in self._running and k not in self._answers}
+        fresh = {k for *_, p in items if (k := key_of(p)) is not None and k not in self._running and k not in self._answers}
         stored = await self._stored(fresh)
         jobs: list[tuple[TopicPartition, int, int, Job]] = []
         for tp, m, epoch, parsed in items:
@@ -271,14 +256,14 @@ class Worker:
                 # The same message read again (the group rejoined after a broker restart, say) was answered
                 # already: its offset counts as done without a second result or DLQ record.
                 again = self._seen_message((tp.topic, tp.partition, m.offset, m.timestamp))
-                key = _key(parsed)
+                key = key_of(parsed)
                 if key is None:
                     if again:
                         self.deliverer.emit(Outcome(tp, m.offset, epoch=epoch))
                     else:
                         self._dead_letter(tp, m, epoch, parsed)
                 elif key in self._running:
-                    self._running[key].append(_Copy(tp, m.offset, epoch, parsed, silent=again))
+                    self._running[key].append(Copy(tp, m.offset, epoch, parsed, silent=again))
                 elif (answer := self._answers.get(key)) is not None or (answer := stored.get(key)) is not None:
                     self.metrics.replays.labels("redelivered" if again else "memory" if key in self._answers else "ledger").inc()
                     self.deliverer.emit(Outcome(tp, m.offset, result=None if again else answer, epoch=epoch))
@@ -331,14 +316,14 @@ class Worker:
         found: dict[Key, Result] = {}
         try:
             for key, usage in (await asyncio.to_thread(self.spool.usage, keys)).items():
-                found[key] = _stored_result(key, usage.result_json, usage)
+                found[key] = stored_result(key, usage.result_json, usage)
         except Exception:  # noqa: BLE001 - the spool file is unreadable: the ledger may still know
             log.exception("cannot read stored answers from the spool at %s", self.spool.path)
         rest = keys - found.keys()
         try:
             if rest:
                 for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
-                    found[key] = _stored_result(key, row.result_json, row)
+                    found[key] = stored_result(key, row.result_json, row)
         except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
             # Answers written by this worker are in memory or the spool; another worker's, written while the
             # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
@@ -553,27 +538,6 @@ class Worker:
             nxt = self.offsets.next_fetch(tp)
             if high is not None and nxt is not None:
                 m.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
-
-
-def _key(parsed: Job | Rejection) -> Key | None:
-    if isinstance(parsed, Job):
-        return parsed.tenant_id, parsed.request_id
-    if parsed.addressable and parsed.tenant_id is not None and parsed.request_id is not None:
-        return parsed.tenant_id, parsed.request_id
-    return None
-
-
-def _stored_result(key: Key, body: str | None, row) -> Result:
-    """The answer stored with a ledger or spool row: its published body, or (rows older than the bodies'
-    column) one rebuilt from the row's figures."""
-    if body:
-        return Result.model_validate_json(body)
-    error = ErrorInfo(code=row.error_code, message="answered from the ledger row of an earlier run") if row.error_code else None
-    return Result(request_id=key[1], tenant_id=key[0], batch_id=row.batch_id, adapter=row.adapter, status=row.status,
-                  usage=Usage(input_tokens=row.input_tokens, output_tokens=row.output_tokens, cached_tokens=row.cached_tokens),
-                  cost=Cost(base_ms=row.base_us / 1000, routing_ms=(row.routing_us + row.lora_us) / 1000,
-                            kv_saved_ms=row.kv_saved_us / 1000),
-                  error=error, worker_id=row.worker_id)
 
 
 class _Rebalance(ConsumerRebalanceListener):
