@@ -6,7 +6,8 @@ import pytest
 
 from consumer.kafka import record_size
 from consumer.schemas import Job, Result, Usage
-from consumer.submit import job_message, manifest_parts, partition_key, prepare, to_openai_line
+from consumer.openai_batch import to_openai_line
+from consumer.submit import job_message, manifest_parts, partition_key, prepare
 
 
 def _write(tmp_path, lines):

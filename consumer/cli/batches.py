@@ -67,7 +67,8 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
 
     from aiokafka.errors import KafkaError
 
-    from consumer.submit import collect_results, read_manifest, to_openai_line
+    from consumer.openai_batch import to_openai_line
+    from consumer.submit import collect_results, read_manifest
 
     if fmt not in ("native", "openai"):
         fail(f"--format {fmt!r}: use native or openai")
