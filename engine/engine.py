@@ -1,7 +1,7 @@
 """The engine: continuous batching of many tenants' and adapters' requests over one base model.
 
-Requests join and leave the running batch between steps. Each `step()` lets the scheduler
-(engine.planner) pick the step's work under a token budget (decodes, prefill chunks, new admissions,
+Requests join and leave the running batch between steps. Each `step()` lets the planner
+(engine.planner.StepPlanner) pick the step's work under a token budget (decodes, prefill chunks, new admissions,
 preemptions when KV blocks run out), runs ONE forward over all of it with rows of different adapters
 or none side by side, samples a token for every request whose known tokens are all computed, and
 returns the requests that finished. Adapters are loaded lazily by the pool (engine.adapter_pool) when
@@ -114,8 +114,8 @@ class Engine:
         self.runner = build_runner(model, config, quota)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
-        self.scheduler = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint)
-        self.requests = Requests(config, model.config, tokenizer, self.device, self.scheduler, self.adapters)
+        self.planner = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint)
+        self.requests = Requests(config, model.config, tokenizer, self.device, self.planner, self.adapters)
         self.book = StepBook(self.runner.blocks, self.requests)
         self._ran = False  # whether the last step ran a forward
         self._step_timer = DeviceTimer(self.device)
@@ -206,7 +206,7 @@ class Engine:
             book_round(rnd, self._book)
             self._ran = True
             return self.requests.pop_done()
-        plan = self.scheduler.schedule()
+        plan = self.planner.schedule()
         now = monotonic_us()
         for seq, error in plan.failed:
             self.requests.end(seq, error, now, release=False)
@@ -250,7 +250,7 @@ class Engine:
     def idle_wait_s(self) -> float:
         """How long a caller stepping in a loop may sleep before the next step: 0 when the last step ran or
         has results to hand out; else until the adapter admission bucket refills (1 ms at least)."""
-        if self._ran or self.requests.done or not self.scheduler.waiting:
+        if self._ran or self.requests.done or not self.planner.waiting:
             return 0.0
         return max(0.001, self.adapters.wait_s())
 
@@ -265,18 +265,18 @@ class Engine:
 
     def stats(self) -> dict:
         """Gauges and counters for metrics (the consumer exports them to Prometheus)."""
-        blocks, sched = self.runner.blocks, self.scheduler
-        looked = sched.prompt_tokens_looked_up
+        blocks, planner = self.runner.blocks, self.planner
+        looked = planner.prompt_tokens_looked_up
         return {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
+            "running": len(planner.running),
+            "waiting": len(planner.waiting),
             "steps": self.book.steps,
-            "preemptions": sched.preemptions,
+            "preemptions": planner.preemptions,
             "kv_pool_total_blocks": blocks.num_blocks,
             "kv_pool_used_blocks": blocks.num_used,
             "kv_pool_cached_blocks": blocks.num_cached,
-            "kv_pool_hit_rate": sched.prompt_tokens_hit / looked if looked else 0.0,
-            "kv_prefix_hit_tokens": sched.prompt_tokens_hit,
+            "kv_pool_hit_rate": planner.prompt_tokens_hit / looked if looked else 0.0,
+            "kv_prefix_hit_tokens": planner.prompt_tokens_hit,
             "kv_prefix_lookup_tokens": looked,
             "kv_tenant_quota_blocks": blocks.tenant_quota,
             "kv_tenant_used_blocks": blocks.tenants(),
@@ -294,7 +294,7 @@ class Engine:
                 seq.timings.queue_us = max(0, now_us - seq.arrival_us)
                 seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.book.prefill_cost.value or 0.0))
         items = [BatchItem(it.seq.seq_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
-        whole_batch = not self._admissible() and len(plan.items) == len(self.scheduler.running)
+        whole_batch = not self._admissible() and len(plan.items) == len(self.planner.running)
         steps = chain_length(plan, items, self.runner, self.config.decode_steps, whole_batch=whole_batch)
         if steps > 1:
             try:
@@ -348,7 +348,7 @@ class Engine:
         """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the
         batch full (a loaded worker's usual state) nobody can join until a request finishes, and rounds end at the
         first finish by length anyway; a finish by EOS or a stop string frees its place one round later."""
-        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_batch_size
+        return bool(self.planner.waiting) and len(self.planner.running) < self.config.max_batch_size
 
     def _drain(self) -> None:
         """Read back and book the round in flight, if any, launching nothing after it."""
@@ -359,7 +359,7 @@ class Engine:
     def _load_ahead(self) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
         warm pool's (after admission, so that what requests need now is loaded for them, and charged to them)."""
-        self.scheduler.prefetch(s.lora_slot for s in self.scheduler.running if s.lora_slot >= 0)
+        self.planner.prefetch(s.lora_slot for s in self.planner.running if s.lora_slot >= 0)
         self.adapters.warm()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, EngineError]]:

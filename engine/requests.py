@@ -5,9 +5,9 @@ is unique among its unfinished requests (a second one fails with duplicate_reque
 has its own id (`Sequence.seq_id`, its admission order) for KV blocks and batch rows.
 
 Admission (`add`) validates the request (engine.validation) and builds its `Sequence`; a request that fails
-that, or whose admission raises, becomes a failed result at once and never reaches the scheduler. A request
+that, or whose admission raises, becomes a failed result at once and never reaches the planner. A request
 ends finished (`take_token` sees its stop), failed alone (`fail`) or aborted; each end releases its blocks and
-adapter pin (through the scheduler) and leaves its result for the next step() to hand out (`pop_done`).
+adapter pin (through the planner) and leaves its result for the next step() to hand out (`pop_done`).
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ log = logging.getLogger("lorabatch.engine")
 
 class Requests:
     def __init__(self, config: EngineConfig, model: ModelConfig, tokenizer: Tokenizer, device: torch.device,
-                 scheduler: StepPlanner, adapters: AdapterPool):  # fmt: skip
+                 planner: StepPlanner, adapters: AdapterPool):  # fmt: skip
         self._config, self._model, self._tokenizer, self._device = config, model, tokenizer, device
-        self._scheduler, self._adapters = scheduler, adapters
+        self._planner, self._adapters = planner, adapters
         self.unfinished: dict[tuple[str, str], Sequence] = {}  # (tenant, request_id) -> sequence, waiting or running
         self.done: list[GenerationResult] = []  # finished, not yet returned by step()
         self._order = itertools.count()
 
     def add(self, req: GenerationRequest) -> None:
-        """Admit a request to the scheduler, or fail it into `done` (module docstring). Never raises for its content."""
+        """Admit a request to the planner, or fail it into `done` (module docstring). Never raises for its content."""
         now = monotonic_us()
         arrival = req.arrival_us if isinstance(req.arrival_us, int) else now
         try:
@@ -57,7 +57,7 @@ class Requests:
             error = RequestError(f"admitting the request raised {type(e).__name__}: {e}; it was logged", code="admission_failed")
             self.done.append(failed_result(req, error, max(0, now - arrival)))
             return
-        self._scheduler.add(seq)
+        self._planner.add(seq)
         self.unfinished[seq.key] = seq
 
     def take_token(self, seq: Sequence, token: int, eos_ids: tuple[int, ...], end_us: int) -> bool:
@@ -79,9 +79,9 @@ class Requests:
         self.end(seq, error, now_us)
 
     def end(self, seq: Sequence, error: EngineError | None, now_us: int, *, release: bool = True) -> None:
-        """Release an unfinished request (`release` False: the scheduler has) and leave its result for the next step()."""
+        """Release an unfinished request (`release` False: the planner has) and leave its result for the next step()."""
         if release:
-            self._scheduler.remove(seq)
+            self._planner.remove(seq)
         del self.unfinished[seq.key]
         self.done.append(result(seq, error, now_us))
 
@@ -90,7 +90,7 @@ class Requests:
         seq = self.unfinished.pop(key, None)
         if seq is None:
             return None
-        self._scheduler.remove(seq)
+        self._planner.remove(seq)
         try:
             seq.text = seq.text or self._tokenizer.decode(seq.output_ids)
         except Exception:
@@ -103,7 +103,7 @@ class Requests:
         for key in list(self.unfinished):
             seq = self.unfinished.pop(key)
             try:
-                self._scheduler.remove(seq)
+                self._planner.remove(seq)
             except Exception:
                 log.exception("releasing request %r raised", key)
             out.append(result(seq, error))

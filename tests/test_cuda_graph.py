@@ -242,7 +242,7 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeyp
     launch = engine._launch_round
 
     def watched(*a, **kw):
-        waiting_at_launch.append(len(engine.scheduler.waiting))
+        waiting_at_launch.append(len(engine.planner.waiting))
         return launch(*a, **kw)
 
     monkeypatch.setattr(engine, "_launch_round", watched)

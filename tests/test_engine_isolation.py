@@ -320,7 +320,7 @@ async def test_through_the_async_engine_every_future_settles(eng, monkeypatch):
 async def test_a_step_that_raises_outside_isolation_fails_everyone_and_the_loop_goes_on(eng, monkeypatch):
     """The last resort: a step raising anyway (a scheduler bug) fails every caller in flight with engine_failed
     (retriable) and the engine thread serves the next requests."""
-    real = eng.scheduler.schedule
+    real = eng.planner.schedule
     raised = []
 
     def schedule():
@@ -329,7 +329,7 @@ async def test_a_step_that_raises_outside_isolation_fails_everyone_and_the_loop_
             raise RuntimeError("simulated scheduler bug")
         return real()
 
-    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
+    monkeypatch.setattr(eng.planner, "schedule", schedule)
     async with AsyncEngine(eng) as ae:
         results = await asyncio.wait_for(asyncio.gather(*(ae.generate(req(f"s{i}", tenant="t", max_new_tokens=8)) for i in range(3))), 60)
         assert all(res.error is not None and res.error.code == "engine_failed" and res.error.retriable for res in results)

@@ -252,7 +252,7 @@ def test_adapters_of_running_requests_stay_pinned(demo_set, many_adapters):
     shas = {k: None for k in ("p0", "p1", "p2")}
 
     def check(e):
-        running = {s.adapter_key for s in e.scheduler.running}
+        running = {s.adapter_key for s in e.planner.running}
         resident = set(e.resident_adapters())
         assert running <= resident, (running, resident)
         if "p2" in running:
