@@ -12,7 +12,7 @@ reset (a restarted memory-only broker, a recreated or truncated topic) and the c
 the earliest offset. The partition then starts a new epoch from that offset; outcomes of the old epoch
 still publish their results and bill their rows, but no longer move (or commit) the new epoch's marks.
 The worker also resets a partition whose log ends below its mark, or whose committed offset the broker
-no longer knows (see `Worker._check_logs`).
+no longer knows (see `Partitions.check_logs` in consumer/partitions.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Four tasks share one event loop:
 - commit: commit, per partition, the highest contiguous done offset + 1.
 A crash anywhere before the commit means redelivery; the ledger's (tenant, request_id) key keeps a
 redelivered job from being billed twice.
+
+What a fetched message becomes (answered, parked, dead-lettered or queued) is consumer/intake.py; pausing,
+log resets and lag of the assigned partitions are consumer/partitions.py.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
-from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -30,24 +31,23 @@ from consumer.breaker import BreakerBoard
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import EngineFeeder, Routed
+from consumer.intake import Intake
 from consumer.kafka import make_consumer, make_producer
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.outcomes import failed_before_engine
+from consumer.partitions import Partitions
 from consumer.registry import Registry, RegistrySnapshot
 from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
-from consumer.routing import RouteError, Router
-from consumer.rules import RuleClassifier
+from consumer.routing import Router
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
-from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, parse_job
-from consumer.answers import Copy, Key, key_of, stored_result
+from consumer.schemas import ErrorInfo
 from consumer.spool import Spool
 from engine.async_engine import AsyncEngine
 
 log = logging.getLogger("lorabatch.worker")
 
 SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction weights know these tiers
-_CACHED_ANSWER_CHARS = 16_384  # answers kept in memory stay small: 10,000 of them are under ~200 MB
 
 
 def make_route_cache(s: Settings) -> RouteCache:
@@ -81,18 +81,15 @@ class Worker:
         self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._snapshot_at = 0.0
-        self._apply_snapshot(registry.snapshot())
+        snapshot = registry.snapshot()
+        self.intake = Intake(settings, self.metrics, self.worker_id, self.scheduler, self.router, self.spool, ledger,
+                             self._work_event, snapshot)
+        self._apply_snapshot(snapshot)
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
-        self._running: dict[Key, list[Copy]] = {}  # keys queued or in the engine here, with their waiting copies
-        self._answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
-        self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
-        self._paused = False
         self._cache_errors_seen = 0
-        self._logs_checked_at = 0.0
         self._revoked: set[TopicPartition] = set()  # of the latest rebalance
-        self._lookup_warned_at = 0.0
         self.consumer = None
+        self.partitions: Partitions | None = None
         self.deliverer: Deliverer | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -108,9 +105,10 @@ class Worker:
         static = {"group_instance_id": self.worker_id} if self.s.worker.static_membership and self.s.worker.worker_id else {}
         self.consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
         self.consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
-        self.deliverer = Deliverer(k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
-                                   lambda t: t in self._snapshot.tenants, self.spool,
-                                   flush_s=self.s.worker.ledger_flush_ms / 1000)
+        self.partitions = Partitions(self.consumer, self.offsets, self.metrics)
+        self.deliverer = self.intake.deliverer = Deliverer(
+            k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
+            lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000)
         await producer.start()
         self.aengine.start()
         try:
@@ -167,57 +165,30 @@ class Worker:
             except KafkaError as e:  # the broker went away or the log moved under us: look again, never die
                 self.metrics.fetch_errors.inc()
                 log.warning("fetch failed (%s); checking the partitions' logs and retrying in %.1fs", e, delay)
-                await self._check_logs()
+                await self.partitions.check_logs()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
             delay = 0.1
             if batches:
-                await self._ingest([(tp, m) for tp, messages in batches.items() for m in messages])
-            if time.monotonic() - self._logs_checked_at >= self.s.worker.log_check_s:
-                await self._check_logs()
+                await self.intake.ingest([(tp, m, self.offsets.fetched(tp, m.offset))
+                                          for tp, messages in batches.items() for m in messages])
+            if time.monotonic() - self.partitions.checked_at >= self.s.worker.log_check_s:
+                await self.partitions.check_logs()
             self._refresh_registry()
             self._gauges()
 
     def _backpressure(self) -> None:
-        w = self.s.worker
-        d = self.deliverer
-        over = (len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs
-                or self.scheduler.queued_tokens >= w.max_queued_tokens
-                or d is not None and (self.spool.full or d.schema_behind))
-        assigned = self.consumer.assignment()
-        if over and not self._paused and assigned:
-            self.consumer.pause(*assigned)
-            self._paused = True
-            why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
-                   f"the spool holds {len(self.spool)} records" if self.spool.full else
-                   f"{len(self.scheduler)} jobs, {self.scheduler.queued_tokens} tokens queued")
-            log.warning("fetching paused: %s", why)
-        elif not over and self._paused:
-            self.consumer.resume(*self.consumer.paused())
-            self._paused = False
-            log.info("fetching resumed")
-
-    async def _check_logs(self) -> None:
-        """Reset the marks of a partition whose log now ends below them (truncated, recreated, a memory-only
-        broker restarted): the partition starts a new epoch and is read again from the beginning, as
-        `auto_offset_reset = earliest` does. The log end is the high watermark of the latest fetch response
-        (the embedded broker's ListOffsets answers the last batch's base offset + 1, not the log end)."""
-        self._logs_checked_at = time.monotonic()
-        for tp in list(self.consumer.assignment()):
-            mark, end = self.offsets.mark(tp), self.consumer.highwater(tp)
-            if end is None or mark is None or end >= mark:
-                continue
-            self.offsets.reset(tp)
-            self.metrics.log_resets.inc()
-            await self.consumer.seek_to_beginning(tp)
-            log.warning("the log of %s:%s ends at %s, below the %s this worker fetched: it was reset (a broker restart, "
-                        "a recreated topic); its marks are dropped and it is read again from the beginning",
-                        tp.topic, tp.partition, end, mark)
+        w, d = self.s.worker, self.deliverer
+        why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
+               f"the spool holds {len(self.spool)} records" if self.spool.full else
+               f"{len(self.scheduler)} jobs, {self.scheduler.queued_tokens} tokens queued"
+               if len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs
+               or self.scheduler.queued_tokens >= w.max_queued_tokens else None)
+        self.partitions.hold(why)
 
     def _apply_snapshot(self, snapshot: RegistrySnapshot) -> None:
-        self._snapshot = snapshot
-        self._classifier = RuleClassifier(snapshot.rules)
+        self.intake.use(snapshot)
         for t in snapshot.tenants.values():
             self.scheduler.set_policy(t.id, TenantPolicy(t.weight, t.requests_per_minute, t.tokens_per_minute))
         self._snapshot_at = time.monotonic()
@@ -229,153 +200,6 @@ class Worker:
             except Exception:  # the database is away: keep routing on the last snapshot
                 self._snapshot_at = time.monotonic()
                 log.exception("registry refresh failed; routing on the previous snapshot")
-
-    def _parse(self, m) -> Job | Rejection:
-        if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
-            return Rejection(ErrorInfo(
-                code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
-                f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
-        try:
-            return parse_job(m.value)
-        except Exception as e:  # noqa: BLE001 - whatever a message does to the parser, it is that message's fault
-            log.exception("parsing %s:%s@%s failed", m.topic, m.partition, m.offset)
-            return Rejection(ErrorInfo(code="unprocessable", message=f"the message could not be read as a job "
-                                       f"({type(e).__name__}); send one JSON job object"), False)
-
-    async def _ingest(self, messages: list) -> None:
-        now = datetime.now(UTC)
-        items: list[tuple[TopicPartition, object, int, Job | Rejection]] = []
-        for tp, m in messages:
-            epoch = self.offsets.fetched(tp, m.offset)
-            items.append((tp, m, epoch, self._parse(m)))
-        fresh = {k for *_, p in items if (k := key_of(p)) is not None and k not in self._running and k not in self._answers}
-        stored = await self._stored(fresh)
-        jobs: list[tuple[TopicPartition, int, int, Job]] = []
-        for tp, m, epoch, parsed in items:
-            try:
-                # The same message read again (the group rejoined after a broker restart, say) was answered
-                # already: its offset counts as done without a second result or DLQ record.
-                again = self._seen_message((tp.topic, tp.partition, m.offset, m.timestamp))
-                key = key_of(parsed)
-                if key is None:
-                    if again:
-                        self.deliverer.emit(Outcome(tp, m.offset, epoch=epoch))
-                    else:
-                        self._dead_letter(tp, m, epoch, parsed)
-                elif key in self._running:
-                    self._running[key].append(Copy(tp, m.offset, epoch, parsed, silent=again))
-                elif (answer := self._answers.get(key)) is not None or (answer := stored.get(key)) is not None:
-                    self.metrics.replays.labels("redelivered" if again else "memory" if key in self._answers else "ledger").inc()
-                    self.deliverer.emit(Outcome(tp, m.offset, result=None if again else answer, epoch=epoch))
-                elif isinstance(parsed, Rejection):
-                    self._reject(tp, m.offset, epoch, parsed, now)
-                else:
-                    self._running[key] = []
-                    jobs.append((tp, m.offset, epoch, parsed))
-            except Exception as e:  # noqa: BLE001 - a bug on our side: this message alone goes to the DLQ
-                log.exception("ingesting %s:%s@%s failed", tp.topic, tp.partition, m.offset)
-                self._dead_letter(tp, m, epoch, Rejection(ErrorInfo(
-                    code="unprocessable", message=f"the worker failed on this message ({type(e).__name__}); it was logged"), False))
-        await self._admit(jobs, now)
-
-    async def _admit(self, jobs: list[tuple[TopicPartition, int, int, Job]], now: datetime) -> None:
-        """Route jobs (one cache round trip) and queue them in the fair scheduler."""
-        if not jobs:
-            return
-        try:
-            routes = await self.router.route_batch(self._snapshot, self._classifier, [j for *_, j in jobs])
-        except Exception as e:  # noqa: BLE001 - routing must not lose the batch: each job fails on its own
-            log.exception("routing %d jobs failed", len(jobs))
-            routes = [RouteError(ErrorInfo(code="routing_failed", retriable=True,
-                                           message=f"routing failed ({type(e).__name__}); it was logged")) for _ in jobs]
-        mono_us = time.monotonic_ns() // 1000
-        for (tp, offset, epoch, job), route in zip(jobs, routes):
-            if isinstance(route, RouteError):
-                self._fail(tp, offset, epoch, job, route.info, now, route.info.code)
-                continue
-            self.metrics.route_decisions.labels(route.reason).inc()
-            self.metrics.route_decision.observe(route.decision_us / 1e6)
-            tokens = _estimate_tokens(job)
-            if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
-                t = self._snapshot.tenants[job.tenant_id]
-                # Not an answer to keep: nothing ran, so the same request_id may be sent again later.
-                self._fail(tp, offset, epoch, job, ErrorInfo(
-                    code="quota_exceeded", retriable=True, message=f"tenant {job.tenant_id!r} is over its rate limit "
-                    f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
-                    f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
-                continue
-            item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch)
-            self.scheduler.push(Pending(job.tenant_id, route.adapter.key if route.adapter else None, tokens,
-                                        time.monotonic(), item, partition=tp, priority=job.priority))
-        self._work_event.set()
-
-    async def _stored(self, keys: set[Key]) -> dict[Key, Result]:
-        """Answers already given to these keys: in the spool (not yet in the ledger) or in the ledger."""
-        if not keys:
-            return {}
-        found: dict[Key, Result] = {}
-        try:
-            for key, usage in (await asyncio.to_thread(self.spool.usage, keys)).items():
-                found[key] = stored_result(key, usage.result_json, usage)
-        except Exception:  # noqa: BLE001 - the spool file is unreadable: the ledger may still know
-            log.exception("cannot read stored answers from the spool at %s", self.spool.path)
-        rest = keys - found.keys()
-        try:
-            if rest:
-                for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
-                    found[key] = stored_result(key, row.result_json, row)
-        except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
-            # Answers written by this worker are in memory or the spool; another worker's, written while the
-            # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
-            if time.monotonic() - self._lookup_warned_at > 30:
-                self._lookup_warned_at = time.monotonic()
-                log.warning("cannot ask the ledger for stored answers (%s); going by this worker's own", e)
-        return found
-
-    def _seen_message(self, message_id: tuple) -> bool:
-        """Whether this worker read this very message (topic, partition, offset, timestamp) before; note it."""
-        seen = message_id in self._seen
-        self._seen[message_id] = None
-        self._seen.move_to_end(message_id)
-        while len(self._seen) > 2 * self.s.worker.answered_cache:
-            self._seen.popitem(last=False)
-        return seen
-
-    def _answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
-        """Emit the answer to a key's first message, then the same answer to every copy that waited for it."""
-        self.deliverer.emit(outcome)
-        result = outcome.result
-        assert result is not None, outcome
-        if keep and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
-                and result.logprobs is None:  # big answers are read back from the spool or the ledger instead
-            self._answers[key] = result
-            self._answers.move_to_end(key)
-            while len(self._answers) > self.s.worker.answered_cache:
-                self._answers.popitem(last=False)
-        for c in self._running.pop(key, []):
-            self.metrics.replays.labels("redelivered" if c.silent else "waited").inc()
-            self.deliverer.emit(Outcome(c.tp, c.offset, result=None if c.silent else result, epoch=c.epoch))
-
-    def _fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
-              keep: bool = True) -> None:
-        if error.code not in ("quota_exceeded",):
-            self.metrics.route_decisions.labels(error.code).inc()
-        result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
-                                             route_reason=reason, bill=keep and job.tenant_id in self._snapshot.tenants)
-        self._answer((job.tenant_id, job.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch), keep=keep)
-
-    def _reject(self, tp: TopicPartition, offset: int, epoch: int, rej: Rejection, now: datetime) -> None:
-        result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
-                                             self.worker_id, bill=rej.tenant_id in self._snapshot.tenants)
-        self._answer((rej.tenant_id, rej.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch))
-
-    def _dead_letter(self, tp: TopicPartition, m, epoch: int, rej: Rejection) -> None:
-        record = dlq_record(m.value, rej.error, topic=tp.topic, partition=tp.partition, offset=m.offset,
-                            timestamp_ms=m.timestamp, worker_id=self.worker_id, max_bytes=self.s.kafka.max_message_bytes,
-                            request_id=rej.request_id, tenant_id=rej.tenant_id, batch_id=rej.batch_id)
-        self.metrics.dlq.labels(rej.error.code).inc()
-        log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message[:300])
-        self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
 
     # ---------------------------------------------------------------- dispatch
 
@@ -405,7 +229,7 @@ class Worker:
     async def _serve(self, p: Pending) -> None:
         item: Routed = p.payload
         key = (item.job.tenant_id, item.job.request_id)
-        tier = self._snapshot.tenants.get(item.job.tenant_id)
+        tier = self.intake.snapshot.tenants.get(item.job.tenant_id)
         slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
         try:
             served = await self.feeder.serve(item, slo_tier)
@@ -416,33 +240,18 @@ class Worker:
                 ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True),
                 item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.decision_us)
             if not item.abandoned:
-                self._answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch))
+                self.intake.answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch))
         else:
             if served.adapter_key is not None:
                 self.breakers.record(served.adapter_key, served.adapter_ok)
             if served.outcome is not None:
-                self._answer(key, served.outcome)
+                self.intake.answer(key, served.outcome)
         finally:
             self._in_engine.pop(id(p), None)
             self.scheduler.finished(p)
             if item.abandoned:
-                await self._orphaned(key, self._revoked)
+                await self.intake.orphaned(key, self._revoked)
             self._work_event.set()
-
-    async def _orphaned(self, key: Key, revoked: set[TopicPartition]) -> None:
-        """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
-        runs in its place; copies from revoked partitions are left to their new owner."""
-        copies = [c for c in self._running.pop(key, []) if c.tp not in revoked]
-        if not copies:
-            return
-        first, *rest = copies
-        if isinstance(first.parsed, Rejection):
-            self._reject(first.tp, first.offset, first.epoch, first.parsed, datetime.now(UTC))
-            for c in rest:
-                self.deliverer.emit(Outcome(c.tp, c.offset, result=self._answers.get(key), epoch=c.epoch))
-            return
-        self._running[key] = rest
-        await self._admit([(first.tp, first.offset, first.epoch, first.parsed)], datetime.now(UTC))
 
     async def _gpu_time_loop(self) -> None:
         while True:
@@ -517,7 +326,7 @@ class Worker:
             item = p.payload
             key = (item.job.tenant_id, item.job.request_id)
             item.abandoned = True
-            await self._orphaned(key, revoked)
+            await self.intake.orphaned(key, revoked)
         self.offsets.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
@@ -525,7 +334,7 @@ class Worker:
     def _gauges(self) -> None:
         m = self.metrics
         depth = self.scheduler.depth_by_tenant()
-        for tenant in self._snapshot.tenants:  # registered tenants only: a bounded label set
+        for tenant in self.intake.snapshot.tenants:  # registered tenants only: a bounded label set
             m.queue_depth.labels(tenant).set(depth.get(tenant, 0))
         m.in_flight.set(self.offsets.in_flight())
         m.circuit_open.set(len(self.breakers.open_circuits()))
@@ -533,11 +342,7 @@ class Worker:
         if errors > self._cache_errors_seen:
             m.route_cache_errors.inc(errors - self._cache_errors_seen)
             self._cache_errors_seen = errors
-        for tp in self.consumer.assignment():
-            high = self.consumer.highwater(tp)
-            nxt = self.offsets.next_fetch(tp)
-            if high is not None and nxt is not None:
-                m.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
+        self.partitions.report_lag()
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -549,17 +354,3 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned):
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
-
-
-def _estimate_tokens(job: Job) -> int:
-    """Tokens a job can occupy, for cutting batches and fair shares (the engine counts exactly)."""
-    if job.input_ids is not None:
-        prompt = len(job.input_ids)
-    elif job.prompt is not None:
-        prompt = len(job.prompt) // 3 + 1
-    else:
-        prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
-    return prompt + job.max_new_tokens
-
-
-

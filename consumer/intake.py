@@ -1,0 +1,232 @@
+"""Intake: a fetched message's way to the fair scheduler, or straight to its answer.
+
+Each fetched message is parsed, then, by its request identity (tenant_id, request_id):
+- answered from what is stored when it was answered before (in memory, the spool or the ledger);
+- parked as a copy when the same key is queued or running here (it gets the first one's answer);
+- dead-lettered when it cannot be read as a job;
+- failed at once when it is invalid but addressable, or cannot be routed;
+- otherwise routed (one cache round trip for the whole fetch) and queued in the scheduler.
+The same message read twice (a rejoin after a broker restart) counts as done without a second answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from datetime import UTC, datetime
+
+from aiokafka import TopicPartition
+
+from consumer.answers import Copy, Key, key_of, stored_result
+from consumer.config import Settings
+from consumer.delivery import Deliverer, Outcome
+from consumer.feeder import Routed
+from consumer.metrics import WorkerMetrics
+from consumer.outcomes import failed_before_engine
+from consumer.registry import RegistrySnapshot
+from consumer.routing import RouteError, Router
+from consumer.rules import RuleClassifier
+from consumer.scheduler import Pending, Scheduler
+from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, parse_job
+from consumer.spool import Spool
+
+log = logging.getLogger("lorabatch.worker")
+
+_CACHED_ANSWER_CHARS = 16_384  # answers kept in memory stay small: 10,000 of them are under ~200 MB
+
+
+class Intake:
+    def __init__(self, settings: Settings, metrics: WorkerMetrics, worker_id: str, scheduler: Scheduler, router: Router,
+                 spool: Spool, ledger, work_event: asyncio.Event, snapshot: RegistrySnapshot):
+        self.s = settings
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.scheduler = scheduler
+        self.router = router
+        self.spool = spool
+        self.ledger = ledger
+        self.work_event = work_event
+        self.deliverer: Deliverer | None = None  # set once the worker's producer exists
+        self.use(snapshot)
+        self.running: dict[Key, list[Copy]] = {}  # keys queued or in the engine here, with their waiting copies
+        self.answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
+        self._lookup_warned_at = 0.0
+
+    def use(self, snapshot: RegistrySnapshot) -> None:
+        """Route by this registry snapshot from now on."""
+        self.snapshot = snapshot
+        self.classifier = RuleClassifier(snapshot.rules)
+
+    def parse(self, m) -> Job | Rejection:
+        if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
+            return Rejection(ErrorInfo(
+                code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
+                f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
+        try:
+            return parse_job(m.value)
+        except Exception as e:  # noqa: BLE001 - whatever a message does to the parser, it is that message's fault
+            log.exception("parsing %s:%s@%s failed", m.topic, m.partition, m.offset)
+            return Rejection(ErrorInfo(code="unprocessable", message=f"the message could not be read as a job "
+                                       f"({type(e).__name__}); send one JSON job object"), False)
+
+    async def ingest(self, items: list[tuple[TopicPartition, object, int]]) -> None:
+        """Answer, park, dead-letter or queue each fetched (partition, message, epoch)."""
+        now = datetime.now(UTC)
+        parsed_items = [(tp, m, epoch, self.parse(m)) for tp, m, epoch in items]
+        fresh = {k for *_, p in parsed_items if (k := key_of(p)) is not None and k not in self.running and k not in self.answers}
+        stored = await self.stored(fresh)
+        jobs: list[tuple[TopicPartition, int, int, Job]] = []
+        for tp, m, epoch, parsed in parsed_items:
+            try:
+                # The same message read again (the group rejoined after a broker restart, say) was answered
+                # already: its offset counts as done without a second result or DLQ record.
+                again = self._seen_message((tp.topic, tp.partition, m.offset, m.timestamp))
+                key = key_of(parsed)
+                if key is None:
+                    if again:
+                        self.deliverer.emit(Outcome(tp, m.offset, epoch=epoch))
+                    else:
+                        self.dead_letter(tp, m, epoch, parsed)
+                elif key in self.running:
+                    self.running[key].append(Copy(tp, m.offset, epoch, parsed, silent=again))
+                elif (answer := self.answers.get(key)) is not None or (answer := stored.get(key)) is not None:
+                    self.metrics.replays.labels("redelivered" if again else "memory" if key in self.answers else "ledger").inc()
+                    self.deliverer.emit(Outcome(tp, m.offset, result=None if again else answer, epoch=epoch))
+                elif isinstance(parsed, Rejection):
+                    self.reject(tp, m.offset, epoch, parsed, now)
+                else:
+                    self.running[key] = []
+                    jobs.append((tp, m.offset, epoch, parsed))
+            except Exception as e:  # noqa: BLE001 - a bug on our side: this message alone goes to the DLQ
+                log.exception("ingesting %s:%s@%s failed", tp.topic, tp.partition, m.offset)
+                self.dead_letter(tp, m, epoch, Rejection(ErrorInfo(
+                    code="unprocessable", message=f"the worker failed on this message ({type(e).__name__}); it was logged"), False))
+        await self.admit(jobs, now)
+
+    async def admit(self, jobs: list[tuple[TopicPartition, int, int, Job]], now: datetime) -> None:
+        """Route jobs (one cache round trip) and queue them in the fair scheduler."""
+        if not jobs:
+            return
+        try:
+            routes = await self.router.route_batch(self.snapshot, self.classifier, [j for *_, j in jobs])
+        except Exception as e:  # noqa: BLE001 - routing must not lose the batch: each job fails on its own
+            log.exception("routing %d jobs failed", len(jobs))
+            routes = [RouteError(ErrorInfo(code="routing_failed", retriable=True,
+                                           message=f"routing failed ({type(e).__name__}); it was logged")) for _ in jobs]
+        mono_us = time.monotonic_ns() // 1000
+        for (tp, offset, epoch, job), route in zip(jobs, routes):
+            if isinstance(route, RouteError):
+                self.fail(tp, offset, epoch, job, route.info, now, route.info.code)
+                continue
+            self.metrics.route_decisions.labels(route.reason).inc()
+            self.metrics.route_decision.observe(route.decision_us / 1e6)
+            tokens = estimate_tokens(job)
+            if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
+                t = self.snapshot.tenants[job.tenant_id]
+                # Not an answer to keep: nothing ran, so the same request_id may be sent again later.
+                self.fail(tp, offset, epoch, job, ErrorInfo(
+                    code="quota_exceeded", retriable=True, message=f"tenant {job.tenant_id!r} is over its rate limit "
+                    f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
+                    f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
+                continue
+            item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch)
+            self.scheduler.push(Pending(job.tenant_id, route.adapter.key if route.adapter else None, tokens,
+                                        time.monotonic(), item, partition=tp, priority=job.priority))
+        self.work_event.set()
+
+    async def stored(self, keys: set[Key]) -> dict[Key, Result]:
+        """Answers already given to these keys: in the spool (not yet in the ledger) or in the ledger."""
+        if not keys:
+            return {}
+        found: dict[Key, Result] = {}
+        try:
+            for key, usage in (await asyncio.to_thread(self.spool.usage, keys)).items():
+                found[key] = stored_result(key, usage.result_json, usage)
+        except Exception:  # noqa: BLE001 - the spool file is unreadable: the ledger may still know
+            log.exception("cannot read stored answers from the spool at %s", self.spool.path)
+        rest = keys - found.keys()
+        try:
+            if rest:
+                for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
+                    found[key] = stored_result(key, row.result_json, row)
+        except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
+            # Answers written by this worker are in memory or the spool; another worker's, written while the
+            # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
+            if time.monotonic() - self._lookup_warned_at > 30:
+                self._lookup_warned_at = time.monotonic()
+                log.warning("cannot ask the ledger for stored answers (%s); going by this worker's own", e)
+        return found
+
+    def _seen_message(self, message_id: tuple) -> bool:
+        """Whether this worker read this very message (topic, partition, offset, timestamp) before; note it."""
+        seen = message_id in self._seen
+        self._seen[message_id] = None
+        self._seen.move_to_end(message_id)
+        while len(self._seen) > 2 * self.s.worker.answered_cache:
+            self._seen.popitem(last=False)
+        return seen
+
+    def answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
+        """Emit the answer to a key's first message, then the same answer to every copy that waited for it."""
+        self.deliverer.emit(outcome)
+        result = outcome.result
+        assert result is not None, outcome
+        if keep and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
+                and result.logprobs is None:  # big answers are read back from the spool or the ledger instead
+            self.answers[key] = result
+            self.answers.move_to_end(key)
+            while len(self.answers) > self.s.worker.answered_cache:
+                self.answers.popitem(last=False)
+        for c in self.running.pop(key, []):
+            self.metrics.replays.labels("redelivered" if c.silent else "waited").inc()
+            self.deliverer.emit(Outcome(c.tp, c.offset, result=None if c.silent else result, epoch=c.epoch))
+
+    def fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
+             keep: bool = True) -> None:
+        if error.code not in ("quota_exceeded",):
+            self.metrics.route_decisions.labels(error.code).inc()
+        result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
+                                             route_reason=reason, bill=keep and job.tenant_id in self.snapshot.tenants)
+        self.answer((job.tenant_id, job.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch), keep=keep)
+
+    def reject(self, tp: TopicPartition, offset: int, epoch: int, rej: Rejection, now: datetime) -> None:
+        result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
+                                             self.worker_id, bill=rej.tenant_id in self.snapshot.tenants)
+        self.answer((rej.tenant_id, rej.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch))
+
+    def dead_letter(self, tp: TopicPartition, m, epoch: int, rej: Rejection) -> None:
+        record = dlq_record(m.value, rej.error, topic=tp.topic, partition=tp.partition, offset=m.offset,
+                            timestamp_ms=m.timestamp, worker_id=self.worker_id, max_bytes=self.s.kafka.max_message_bytes,
+                            request_id=rej.request_id, tenant_id=rej.tenant_id, batch_id=rej.batch_id)
+        self.metrics.dlq.labels(rej.error.code).inc()
+        log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message[:300])
+        self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
+
+    async def orphaned(self, key: Key, revoked: set[TopicPartition]) -> None:
+        """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
+        runs in its place; copies from revoked partitions are left to their new owner."""
+        copies = [c for c in self.running.pop(key, []) if c.tp not in revoked]
+        if not copies:
+            return
+        first, *rest = copies
+        if isinstance(first.parsed, Rejection):
+            self.reject(first.tp, first.offset, first.epoch, first.parsed, datetime.now(UTC))
+            for c in rest:
+                self.deliverer.emit(Outcome(c.tp, c.offset, result=self.answers.get(key), epoch=c.epoch))
+            return
+        self.running[key] = rest
+        await self.admit([(first.tp, first.offset, first.epoch, first.parsed)], datetime.now(UTC))
+
+
+def estimate_tokens(job: Job) -> int:
+    """Tokens a job can occupy, for cutting batches and fair shares (the engine counts exactly)."""
+    if job.input_ids is not None:
+        prompt = len(job.input_ids)
+    elif job.prompt is not None:
+        prompt = len(job.prompt) // 3 + 1
+    else:
+        prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
+    return prompt + job.max_new_tokens

@@ -1,0 +1,57 @@
+"""The worker's assigned partitions: paused while work is over its bound, reset when their log was reset,
+and their lag reported."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from consumer.metrics import WorkerMetrics
+from consumer.offsets import OffsetTracker
+
+log = logging.getLogger("lorabatch.worker")
+
+
+class Partitions:
+    def __init__(self, consumer, offsets: OffsetTracker, metrics: WorkerMetrics):
+        self.consumer = consumer
+        self.offsets = offsets
+        self.metrics = metrics
+        self.paused = False
+        self.checked_at = 0.0  # when the logs were last checked (monotonic)
+
+    def hold(self, why: str | None) -> None:
+        """Pause fetching while there is a reason to (`why`), resume once there is none."""
+        assigned = self.consumer.assignment()
+        if why is not None and not self.paused and assigned:
+            self.consumer.pause(*assigned)
+            self.paused = True
+            log.warning("fetching paused: %s", why)
+        elif why is None and self.paused:
+            self.consumer.resume(*self.consumer.paused())
+            self.paused = False
+            log.info("fetching resumed")
+
+    async def check_logs(self) -> None:
+        """Reset the marks of a partition whose log now ends below them (truncated, recreated, a memory-only
+        broker restarted): the partition starts a new epoch and is read again from the beginning, as
+        `auto_offset_reset = earliest` does. The log end is the high watermark of the latest fetch response
+        (the embedded broker's ListOffsets answers the last batch's base offset + 1, not the log end)."""
+        self.checked_at = time.monotonic()
+        for tp in list(self.consumer.assignment()):
+            mark, end = self.offsets.mark(tp), self.consumer.highwater(tp)
+            if end is None or mark is None or end >= mark:
+                continue
+            self.offsets.reset(tp)
+            self.metrics.log_resets.inc()
+            await self.consumer.seek_to_beginning(tp)
+            log.warning("the log of %s:%s ends at %s, below the %s this worker fetched: it was reset (a broker restart, "
+                        "a recreated topic); its marks are dropped and it is read again from the beginning",
+                        tp.topic, tp.partition, end, mark)
+
+    def report_lag(self) -> None:
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            nxt = self.offsets.next_fetch(tp)
+            if high is not None and nxt is not None:
+                self.metrics.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
