@@ -5,6 +5,8 @@ through psycopg 3 (production). Alembic owns the schema; `upgrade` and `downgrad
 from the scripts at `script_location`, which the process edge passes (`migrations.SCRIPT_LOCATION`, the
 packaged scripts: an installed wheel needs no alembic.ini); billing never imports `migrations`.
 Alembic is imported only by those functions: processes that only read and write the ledger never load it.
+Likewise the ORM (`sqlalchemy.orm`, about 0.2 s of a command's start here) loads only with `session_factory`:
+a command that reads through SQLAlchemy Core (`lorabatch tenants list`) never loads it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
-from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from billing.errors import LedgerConfigError
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from sqlalchemy.orm import Session, sessionmaker
 
 # Seconds a SQLite writer waits for another process's write lock before failing: workers of one host
 # share the file, and a ledger flush holds the lock for milliseconds.
@@ -89,6 +91,8 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions on `engine` whose objects stay readable after commit (callers get detached rows)."""
+    from sqlalchemy.orm import sessionmaker
+
     return sessionmaker(engine, expire_on_commit=False)
 
 

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from billing.models import Adapter, RouteRuleRow, Tenant
 from consumer.rules import RouteRule, compile_rule
+from consumer.tenants import TenantView
 from engine.store import AdapterStore
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -28,16 +29,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 class RegistryError(Exception):
     retriable = False
-
-
-@dataclass(frozen=True)
-class TenantView:
-    id: str
-    display_name: str
-    tier: str
-    weight: int
-    requests_per_minute: int = 0  # 0: unlimited
-    tokens_per_minute: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from billing.config import LedgerConfig
 from billing.db import current_revision, make_engine, session_factory
 from billing.models import SCHEMA_REVISION
 from consumer.config import Settings
-from consumer.registry import Registry
-from engine.store import AdapterStore
 
 if TYPE_CHECKING:
     from billing.ledger import Ledger
+    from consumer.registry import Registry
 
 
 class SchemaMissing(Exception):
@@ -41,12 +40,24 @@ class Services:
         self.db.dispose()
 
 
-def open_services(settings: Settings, *, check_schema: bool = True) -> Services:
+def open_ledger_db(settings: Settings, *, check_schema: bool = True) -> SqlEngine:
+    """The ledger database's engine; SchemaMissing unless its schema is at SCHEMA_REVISION (or `check_schema` is False).
+
+    SQLAlchemy Core only: a command that reads a table or two with it never loads the ORM or the registry.
+    """
     db = make_engine(settings.ledger.url)
     if check_schema and (found := current_revision(db)) != SCHEMA_REVISION:
         db.dispose()
         state = "has no schema yet" if found is None else f"is at revision {found}, not {SCHEMA_REVISION}"
         raise SchemaMissing(f"the ledger database {settings.ledger.url} {state}; run `lorabatch db upgrade` first")
+    return db
+
+
+def open_services(settings: Settings, *, check_schema: bool = True) -> Services:
+    from consumer.registry import Registry
+    from engine.store import AdapterStore
+
+    db = open_ledger_db(settings, check_schema=check_schema)
     store = AdapterStore(Path(settings.store.adapter_dir), max_bytes=settings.engine.max_adapter_bytes)
     sessions = session_factory(db)
     return Services(db=db, registry=Registry(sessions, store), ledger_config=settings.ledger)

@@ -104,3 +104,25 @@ def test_bad_registrations_say_how_to_fix(registry, demo_set, call, says):
     with pytest.raises(RegistryError) as e:
         call(registry, path)
     assert says in str(e.value)
+
+
+def test_core_tenant_listing_is_the_registrys(registry, ledger_url):
+    """consumer.tenants.list_tenants (Core, what `tenants list` runs) returns what Registry.list_tenants does,
+    field for field and in the same order: none, then tenants added out of order with odd names and limits."""
+    from billing.models import Tenant
+    from consumer.tenants import TENANTS, list_tenants
+
+    assert {c.name for c in TENANTS.columns} <= {c.name for c in Tenant.__table__.columns}
+    db = make_engine(ledger_url)
+    try:
+        assert list_tenants(db) == registry.list_tenants() == []
+        registry.add_tenant("zeta", "Zeta GmbH", "premium", 7, 10**6, 2**40)
+        registry.add_tenant("Acme", "Ünïcode ☃ name", weight=3)
+        registry.add_tenant("acme")
+        registry.add_tenant("a" * 64, "x" * 200)
+        registry.set_limits("acme", 5, 9, 2)
+        assert list_tenants(db) == registry.list_tenants()
+        assert len(list_tenants(db)) == 4
+        assert list_tenants(db)[-1].tokens_per_minute == 2**40
+    finally:
+        db.dispose()

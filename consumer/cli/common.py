@@ -1,4 +1,4 @@
-"""What every `lorabatch` command shares: settings, errors, progress bars, tables, services.
+"""What every `lorabatch` command shares: settings, errors, progress bars, tables, services, the ledger database.
 
 Cheap to import (typer and rich's console only): `lorabatch --help` and the admin commands load the
 configuration, the database layer or the engine only inside the commands that use them.
@@ -17,6 +17,7 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+    from sqlalchemy import Engine as SqlEngine
 
     from consumer.config import Settings
     from consumer.services import Services
@@ -60,6 +61,17 @@ def open_services(s: Settings) -> Services:
 
     try:
         return open_all(s)
+    except SchemaMissing as e:
+        fail(str(e))
+
+
+def open_ledger_db(s: Settings) -> SqlEngine:
+    """The ledger database alone, for commands that read it through SQLAlchemy Core (no ORM, no registry)."""
+    from consumer.services import SchemaMissing
+    from consumer.services import open_ledger_db as open_db
+
+    try:
+        return open_db(s)
     except SchemaMissing as e:
         fail(str(e))
 
