@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from consumer.outcomes import to_request
+from consumer.outcomes import engine_error_field, to_request
 from consumer.schemas import Job
 from engine.config import EngineConfig
 
@@ -26,7 +26,7 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
     for name, path in adapters.items():
         engine.load_adapter(name, path)
     slots: list[str | int] = []  # a finished line, or the index of the request that will fill it
-    requests = []
+    requests, jobs = [], []
     for n, text in enumerate(jobs_path.read_text().splitlines(), start=1):
         if not text.strip():
             continue
@@ -51,6 +51,7 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
             continue
         slots.append(len(requests))
         requests.append(to_request(job, job.adapter))
+        jobs.append(job)
     results = engine.generate(requests) if requests else []
     for slot in slots:
         if isinstance(slot, str):
@@ -58,7 +59,8 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
             continue
         r = results[slot]
         if r.error is not None:
-            yield _line(r.request_id, status="failed", error={"code": r.error.code, "message": r.error.message})
+            field = engine_error_field(r.error.code, r.error.message, jobs[slot])
+            yield _line(r.request_id, status="failed", error={"code": r.error.code, "field": field, "message": r.error.message})
             continue
         out = {"status": "succeeded", "adapter": r.adapter, "output_ids": r.output_ids, "text": r.text,
                "finish_reason": r.finish_reason,

@@ -49,11 +49,28 @@ class Served:
     received_at: datetime
 
 
+def engine_error_field(code: str, message: str, job: Job) -> str | None:
+    """The job field an engine refusal is about (engine.validation's codes), so a result never says `field: null`
+    for a fault of one field."""
+    given = next((k for k in ("prompt", "messages", "input_ids") if getattr(job, k) is not None), None)
+    if code in ("max_new_tokens_too_large",):
+        return "max_new_tokens"
+    if code in ("prompt_too_long", "empty_prompt", "invalid_input_ids", "invalid_messages", "no_chat_template"):
+        return given
+    if code == "invalid_sampling_params" and message.startswith("sampling: "):
+        name = message.removeprefix("sampling: ").split("=", 1)[0]
+        return name if name in Job.model_fields else None
+    if code.startswith("adapter_") or code == "unknown_adapter":
+        return "adapter"
+    return None
+
+
 def succeeded_or_failed(served: Served, out: GenerationResult, worker_id: str) -> tuple[Result, UsageRecord]:
     job, t = served.job, out.timings
     error = None
     if out.error is not None:
-        error = ErrorInfo(code=out.error.code, message=out.error.message, retriable=out.error.retriable)
+        error = ErrorInfo(code=out.error.code, message=out.error.message, retriable=out.error.retriable,
+                          field=engine_error_field(out.error.code, out.error.message, job))
     result = Result(
         request_id=job.request_id,
         tenant_id=job.tenant_id,

@@ -1,4 +1,4 @@
-"""The job and result contract (DESIGN.md, "Job and result contract"), versioned with `v`.
+"""The job and result contract (README.md, "Job and result contract"), versioned with `v`.
 
 A message that is not a JSON object, or lacks a usable `request_id` / `tenant_id`, cannot be answered
 and goes to the DLQ. Any other invalid field gets a `failed` result that names the field and the fix.
@@ -82,7 +82,7 @@ class Usage(BaseModel):
 
 
 class Cost(BaseModel):
-    """The four components in GPU milliseconds (DESIGN.md, "Cost attribution")."""
+    """The four components in GPU milliseconds (README.md, "Billing")."""
 
     base_ms: float = 0.0
     routing_ms: float = 0.0
@@ -143,12 +143,22 @@ class DlqRecord(BaseModel):
     worker_id: str = ""
 
 
+class OpenAIRequest(BaseModel):
+    """What an OpenAI Batch API line asked for, kept so that its result is answered in the same terms."""
+
+    custom_id: str
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    model: str | None = None  # body.model as written (`support`, not the resolved `support@1`)
+
+
 class BatchManifest(BaseModel):
     batch_id: str
     tenant_id: str
     request_ids: list[str]
     source: str = ""
     created_at: str = ""
+    # request id -> its OpenAI Batch line, for the requests submitted as such (in parts of their own)
+    openai: dict[str, OpenAIRequest] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

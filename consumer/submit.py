@@ -29,8 +29,8 @@ from pydantic import ValidationError
 
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
-from consumer.openai_batch import from_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Job, Result
+from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
+from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result
 
 log = logging.getLogger("lorabatch.submit")
 
@@ -43,6 +43,7 @@ class SubmitError(Exception):
 class Prepared:
     jobs: list[Job] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # "line N: field: what to fix"
+    openai: dict[str, OpenAIRequest] = field(default_factory=dict)  # request id -> its OpenAI Batch line
 
 
 def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int | None = None, key_by: str = "tenant") -> Prepared:
@@ -60,18 +61,23 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
     for n, text in enumerate(lines, start=1):
         if not text.strip():
             continue
+        request, names = None, {}  # names: job field -> the OpenAI line's field, for errors
         try:
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError("expected a JSON object per line")
-            if "custom_id" in data and "body" in data:
-                data = from_openai_line(data)
+            if is_openai_line(data):
+                line = from_openai_line(data)
+                data, request, names = line.job, line.request, line.names
             if data.get("tenant_id", tenant_id) != tenant_id:
                 raise ValueError(f"tenant_id: {data['tenant_id']!r} differs from --tenant {tenant_id!r}; drop it or fix it")
             data["tenant_id"] = tenant_id
             data.setdefault("batch_id", batch_id)
             data.setdefault("request_id", f"{batch_id}-{n}")
             job = Job.model_validate(data)
+            if job.request_id in first_line and request is not None:
+                raise ValueError(f"custom_id {request.custom_id!r} appears twice (first on line {first_line[job.request_id]}); "
+                                 f"custom ids are unique per batch")
             if job.request_id in first_line:
                 raise ValueError(f"request_id {job.request_id!r} appears twice (first on line {first_line[job.request_id]}); "
                                  f"request ids are unique per tenant")
@@ -80,11 +86,13 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
                                  f"shorten its prompt (workers dead-letter larger messages) or raise the limit")
             first_line[job.request_id] = n
             out.jobs.append(job)
+            if request is not None:
+                out.openai[job.request_id] = request
         except json.JSONDecodeError as e:
             out.errors.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
         except ValidationError as e:
             first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
+            where = body_field(".".join(str(p) for p in first["loc"]), names)
             more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
             out.errors.append(f"line {n}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}{more}")
         except ValueError as e:
@@ -169,8 +177,11 @@ def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
 
 
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
-                       progress=None) -> None:
-    """Produce the jobs, then the batch's manifest; nothing at all when a job is over kafka.max_message_bytes."""
+                       progress=None, openai: dict[str, OpenAIRequest] | None = None) -> None:
+    """Produce the jobs, then the batch's manifest; nothing at all when a job is over kafka.max_message_bytes.
+
+    `openai` (Prepared.openai) goes into manifest parts of its own, read back by `read_manifest`.
+    """
     records = [job_message(job, key_by) for job in jobs]
     too_big = [(job.request_id, size) for job, record in zip(jobs, records) if (size := record_size(*record)) > cfg.max_message_bytes]
     if too_big:
@@ -178,6 +189,10 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
         raise SubmitError(f"{len(too_big)} of {len(jobs)} jobs are over kafka.max_message_bytes={cfg.max_message_bytes} as Kafka messages: "
                           f"{named}{', ...' if len(too_big) > 3 else ''}; nothing was produced; shorten their prompts or raise the limit")
     manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes)
+    try:
+        manifests += index_parts(batch_id, tenant_id, openai or {}, source, manifests[0].created_at, cfg.max_message_bytes)
+    except ValueError as e:
+        raise SubmitError(str(e)) from e
     producer = make_producer(cfg, client_id="lorabatch-submit")
     try:
         await producer.start()  # inside: a start that fails (broker down) still closes what it opened
@@ -251,7 +266,11 @@ async def read_manifest(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout
         return None
     # The same batch id submitted again, or a manifest written in parts, adds its new request ids.
     ids = list(dict.fromkeys(rid for manifest in found for rid in manifest.request_ids))
-    return found[0].model_copy(update={"request_ids": ids})
+    openai: dict[str, OpenAIRequest] = {}
+    for manifest in found:  # the first submission's line of a request id is the one answered
+        for rid, request in manifest.openai.items():
+            openai.setdefault(rid, request)
+    return found[0].model_copy(update={"request_ids": ids, "openai": openai})
 
 
 async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: float, progress=None) -> tuple[dict[str, Result], dict[str, DlqRecord]]:

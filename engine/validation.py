@@ -28,7 +28,7 @@ def check_sampling(sp: SamplingParams, config: EngineConfig) -> None:
     if sp.max_new_tokens > config.max_new_tokens:
         raise RequestError(
             f"max_new_tokens={sp.max_new_tokens} is over this engine's limit of {config.max_new_tokens} "
-            "(engine.max_new_tokens); ask for fewer",
+            f"(engine.max_new_tokens); send 1..{config.max_new_tokens}",
             code="max_new_tokens_too_large",
         )
     if not (_is_finite_real(sp.temperature) and sp.temperature >= 0):

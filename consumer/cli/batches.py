@@ -44,7 +44,7 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
             with progress_bar() as bar:
                 task = bar.add_task("submitting", total=len(prepared.jobs))
                 asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
-                                         progress=lambda n: bar.advance(task, n)))
+                                         progress=lambda n: bar.advance(task, n), openai=prepared.openai))
         except SubmitError as e:
             fail(str(e))
         except KafkaError as e:
@@ -67,7 +67,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
 
     from aiokafka.errors import KafkaError
 
-    from consumer.openai_batch import to_openai_line
+    from consumer.openai_batch import created_of, to_openai_dlq_line, to_openai_line
     from consumer.submit import collect_results, read_manifest
 
     if fmt not in ("native", "openai"):
@@ -87,11 +87,14 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
         except KafkaError as e:
             fail(broker_failed(s, e))
     lines = []
+    created = created_of(manifest)
     for rid in manifest.request_ids:
+        asked = manifest.openai.get(rid)
         if rid in got:
-            lines.append(json.dumps(to_openai_line(got[rid]) if fmt == "openai" else got[rid].model_dump(mode="json")))
+            lines.append(json.dumps(to_openai_line(got[rid], asked, created) if fmt == "openai" else got[rid].model_dump(mode="json")))
         elif rid in dlq:
-            lines.append(json.dumps({"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()}))
+            lines.append(json.dumps(to_openai_dlq_line(rid, asked, dlq[rid].error) if fmt == "openai"
+                                    else {"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()}))
     text = "\n".join(lines) + ("\n" if lines else "")
     if output:
         output.write_text(text)
