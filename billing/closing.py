@@ -95,7 +95,7 @@ def _store(session: Session, invoice: Invoice, closed_at: datetime) -> None:
     row = ClosedInvoice(
         tenant_id=invoice.tenant, period=invoice.period, tier=invoice.tier, currency=invoice.currency, closed_at=closed_at,
         requests=t.requests, failed=t.failed, input_tokens=t.input_tokens, output_tokens=t.output_tokens, cached_tokens=t.cached_tokens,
-        base_us=_us(t.base_ms), routing_us=_us(t.routing_ms), kv_saved_us=_us(t.kv_saved_ms), cold_start_us=_us(t.cold_start_ms),
+        base_us=_us(t.base_ms), lora_us=_us(t.lora_ms), routing_us=_us(t.routing_ms), kv_saved_us=_us(t.kv_saved_ms), cold_start_us=_us(t.cold_start_ms),
         unpriced_requests=invoice.unpriced_requests, cost=t.cost, revenue=t.revenue,
     )
     session.add(row)
@@ -104,7 +104,7 @@ def _store(session: Session, invoice: Invoice, closed_at: datetime) -> None:
         ClosedInvoiceLine(
             invoice_id=row.id, position=i, adapter=line.adapter, adjustment_for=line.adjustment_for, gpu_price_per_hour=line.gpu_price_per_hour,
             requests=line.requests, failed=line.failed, input_tokens=line.input_tokens, output_tokens=line.output_tokens,
-            cached_tokens=line.cached_tokens, base_us=_us(line.base_ms), routing_us=_us(line.routing_ms),
+            cached_tokens=line.cached_tokens, base_us=_us(line.base_ms), lora_us=_us(line.lora_ms), routing_us=_us(line.routing_ms),
             kv_saved_us=_us(line.kv_saved_ms), cold_start_us=_us(line.cold_start_ms), cost=line.cost, revenue=line.revenue,
         )
         for i, line in enumerate(invoice.lines)

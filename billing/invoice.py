@@ -3,10 +3,11 @@
 A line per (adapter, adjustment, GPU price) the tenant was billed for (base-model requests under
 "base"), each carrying the four cost components of DESIGN.md's cost attribution and what it earned:
 
-    gpu_ms = base_ms + routing_ms - kv_saved_ms + cold_start_ms,   cost = gpu_ms * price / 3_600_000
+    gpu_ms = base_ms + lora_ms + routing_ms - kv_saved_ms + cold_start_ms,   cost = gpu_ms * price / 3_600_000
     revenue = succeeded input tokens * input price / 1e6 + output tokens * output price / 1e6
 
-routing_ms is the routing decision plus the LoRA compute. Failed requests cost GPU time but earn
+lora_ms is the LoRA compute (the requests' token shares of their steps' LoRA time) and routing_ms the
+routing decisions alone, as in a result's `cost` and the SRE report. Failed requests cost GPU time but earn
 nothing. Sums are in integer microseconds and tokens until each line is priced (billing/tally.py).
 
 Lifecycle: an invoice is a "draft" while its period is open; closing (billing/closing.py) freezes it,
@@ -45,6 +46,7 @@ class InvoiceAmounts:
     output_tokens: int
     cached_tokens: int
     base_ms: Decimal
+    lora_ms: Decimal
     routing_ms: Decimal
     kv_saved_ms: Decimal
     cold_start_ms: Decimal
@@ -85,7 +87,8 @@ class Invoice:
 def _amounts(t: Tally, cost: Decimal) -> dict[str, object]:
     return {
         "requests": t.requests, "failed": t.failed, "input_tokens": t.input_tokens, "output_tokens": t.output_tokens,
-        "cached_tokens": t.cached_tokens, "base_ms": us_to_ms(t.base_us), "routing_ms": us_to_ms(t.routing_us),
+        "cached_tokens": t.cached_tokens, "base_ms": us_to_ms(t.base_us), "lora_ms": us_to_ms(t.lora_us),
+        "routing_ms": us_to_ms(t.routing_us),
         "kv_saved_ms": us_to_ms(t.kv_saved_us), "cold_start_ms": us_to_ms(t.cold_start_us), "gpu_ms": us_to_ms(t.gpu_us),
         "cost": cost, "revenue": t.revenue,
     }
@@ -184,7 +187,7 @@ _LINE_INTS = ("requests", "failed", "input_tokens", "output_tokens", "cached_tok
 
 
 def _stored_amounts(row: ClosedInvoice | ClosedInvoiceLine) -> dict[str, object]:
-    tally = Tally(**{name: getattr(row, name) for name in (*_LINE_INTS, "base_us", "routing_us", "kv_saved_us", "cold_start_us")}, revenue=row.revenue)
+    tally = Tally(**{name: getattr(row, name) for name in (*_LINE_INTS, "base_us", "lora_us", "routing_us", "kv_saved_us", "cold_start_us")}, revenue=row.revenue)
     return _amounts(tally, row.cost)
 
 

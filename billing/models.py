@@ -36,7 +36,7 @@ from billing.types import Money, UTCDateTime
 
 # The schema revision these models describe: the head of migrations/versions. A worker or command refuses a
 # ledger at any other revision; a new migration moves this with it (tests/test_migrations.py checks the two agree).
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -276,7 +276,8 @@ class _FrozenAmounts:
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_tokens: Mapped[int] = mapped_column(BigInteger)
     base_us: Mapped[int] = mapped_column(BigInteger)
-    routing_us: Mapped[int] = mapped_column(BigInteger)
+    lora_us: Mapped[int] = mapped_column(BigInteger)  # the LoRA compute (split out of routing_us by 0006)
+    routing_us: Mapped[int] = mapped_column(BigInteger)  # the routing decisions alone
     kv_saved_us: Mapped[int] = mapped_column(BigInteger)
     cold_start_us: Mapped[int] = mapped_column(BigInteger)
 

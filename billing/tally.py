@@ -50,7 +50,8 @@ class Tally:
     output_tokens: int = 0
     cached_tokens: int = 0
     base_us: int = 0
-    routing_us: int = 0  # the routing decision plus the LoRA compute
+    lora_us: int = 0  # the LoRA compute: the requests' token shares of their steps' LoRA time
+    routing_us: int = 0  # the routing decisions alone
     kv_saved_us: int = 0  # the KV credit as billed (billing/credit.py), never more than base + LoRA of its requests
     cold_start_us: int = 0
     revenue: Decimal = ZERO_COST
@@ -62,7 +63,7 @@ class Tally:
 
     @property
     def gpu_us(self) -> int:
-        return self.base_us + self.routing_us - self.kv_saved_us + self.cold_start_us
+        return self.base_us + self.lora_us + self.routing_us - self.kv_saved_us + self.cold_start_us
 
 
 def token_revenue(input_tokens: int, output_tokens: int, price: TokenPriceEntry) -> Decimal:
@@ -97,7 +98,8 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             func.sum(Usage.output_tokens).label("output_tokens"),
             func.sum(Usage.cached_tokens).label("cached_tokens"),
             func.sum(Usage.base_us).label("base_us"),
-            func.sum(Usage.routing_us + Usage.lora_us).label("routing_us"),
+            func.sum(Usage.lora_us).label("lora_us"),
+            func.sum(Usage.routing_us).label("routing_us"),
             func.sum(kv_credit_sql()).label("kv_saved_us"),  # the credit as billed (billing/credit.py)
             func.sum(case((succeeded, Usage.input_tokens), else_=0)).label("billed_input"),
             func.sum(case((succeeded, Usage.output_tokens), else_=0)).label("billed_output"),
@@ -116,7 +118,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
         key = LineKey(g.adapter or BASE_MODEL, None if g.period == period else g.period, prices.gpu_price_at(start))
         # PostgreSQL's SUM(bigint) is numeric, read back as an integral Decimal: int() is exact.
         tally = Tally(**{name: int(getattr(g, name)) for name in
-                         ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_us", "routing_us", "kv_saved_us")})
+                         ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_us", "lora_us", "routing_us", "kv_saved_us")})
         token_price = prices.token_price_at(tiers[g.tenant_id], start)
         if token_price is None:
             tally.unpriced_requests = tally.requests - tally.failed

@@ -6,7 +6,7 @@ charge), adapter loads, identical re-sent writes and real reruns on other worker
 (one tenant's, or the whole month), then late usage and everything delivered again. Invariants:
 
   no_negative_line     every line's and total's gpu_ms and cost >= 0, October's and November's
-  credit_le_charge     every row's credit <= its base + LoRA; every line's kv_saved_ms <= base_ms + routing_ms
+  credit_le_charge     every row's credit <= its base + LoRA; every line's kv_saved_ms <= base_ms + lora_ms
   formats_equal        each invoice's table, json and csv read back to the same rows; each report's
                        (finance, sre, reconcile) table, json, csv and html to the same summary and rows
   residue_explained    reconcile: busy = base + lora + billed_later + redelivered, nothing unexplained,
@@ -166,7 +166,7 @@ def _check_invoices(engine: Engine, invoices: list[Invoice]) -> None:
     for invoice in invoices:
         for amounts in (*invoice.lines, invoice.totals):
             assert amounts.gpu_ms >= 0 and amounts.cost >= 0, (invoice.tenant, amounts)
-            assert amounts.kv_saved_ms <= amounts.base_ms + amounts.routing_ms, (invoice.tenant, amounts)
+            assert amounts.kv_saved_ms <= amounts.base_ms + amounts.lora_ms, (invoice.tenant, amounts)
         TALLY["no_negative_line"] += 1
         TALLY["credit_le_charge"] += 1
         table, document, sheet = _renders([invoice])[0]

@@ -87,7 +87,8 @@ def test_closed_invoice_never_changes_and_late_usage_is_an_adjustment(october: L
     labels = [line.label for line in november.lines]
     assert labels == ["x@1", "x@1 (adjustment for 2026-10)"]
     adjustment = november.lines[1]
-    assert (adjustment.requests, adjustment.input_tokens, adjustment.base_ms, adjustment.routing_ms) == (1, 1_000, Decimal("50.000"), Decimal("5.000"))
+    assert (adjustment.requests, adjustment.input_tokens, adjustment.base_ms, adjustment.lora_ms, adjustment.routing_ms) == (
+        1, 1_000, Decimal("50.000"), Decimal("5.000"), Decimal("0.000"))
     # The late October load went to November's spread (October's froze at the close), over November's x@1 users.
     assert november.totals.cold_start_ms == Decimal("12.345")
     assert "x@1 (adjustment for 2026-10)" in render_table(november)
@@ -145,7 +146,7 @@ def test_closed_invoice_money_is_decimal(october: Ledger, engine: Engine) -> Non
     closed = close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
     assert closed.totals == draft.totals and closed.lines == draft.lines
     for amounts in (*closed.lines, closed.totals):
-        for name in ("base_ms", "routing_ms", "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"):
+        for name in ("base_ms", "lora_ms", "routing_ms", "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"):
             assert type(getattr(amounts, name)) is Decimal, name
     assert all(type(line.gpu_price_per_hour) is Decimal for line in closed.lines)
     # acme: a1 12_000 + 30_000 cold, a2 5_000 -> 47_000 us at 2e-9 per us.

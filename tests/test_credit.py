@@ -77,5 +77,6 @@ def test_no_line_goes_negative(engine: Engine) -> None:
     ledger.record_usage([usage_record("r1", created_at=MARCH, adapter="x@1", kv_saved_us=846_000, base_us=40_000, lora_us=6_000,
                                       routing_us=300, input_tokens=1_000, cached_tokens=992, output_tokens=16)])
     (line,) = build_invoice(engine, "acme", "2026-03", CONFIG).lines
-    assert (line.base_ms, line.routing_ms, line.kv_saved_ms, line.gpu_ms) == (Decimal("40.000"), Decimal("6.300"), Decimal("46.000"), Decimal("0.300"))
+    assert (line.base_ms, line.lora_ms, line.routing_ms, line.kv_saved_ms, line.gpu_ms) == (
+        Decimal("40.000"), Decimal("6.000"), Decimal("0.300"), Decimal("46.000"), Decimal("0.300"))
     assert line.cost >= 0 and ledger.usage_for("acme", "r1").cost == Decimal("0.000000600")  # type: ignore[union-attr]

@@ -99,26 +99,26 @@ ACME_MARCH_JSON = {
     "status": "draft",
     "currency": "USD",
     "lines": [
-        {   # a1: gpu = 40_000 + 1_000 = 41_000 us
+        {   # a1: gpu = 40_000 + 0 + 1_000 = 41_000 us
             "adapter": "base", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 100, "output_tokens": 50, "cached_tokens": 0,
-            "base_ms": "40.000", "routing_ms": "1.000", "kv_saved_ms": "0.000", "cold_start_ms": "0.000",
+            "base_ms": "40.000", "lora_ms": "0.000", "routing_ms": "1.000", "kv_saved_ms": "0.000", "cold_start_ms": "0.000",
             "gpu_ms": "41.000", "cost": "0.000082000", "revenue": "0.000000000",
         },
-        {   # a2 + a3: base 125_000, routing (30_000 + 2_000) + (1_000 + 500) = 33_500, kv 10_000, cold 33_333
-            # gpu = 125_000 + 33_500 - 10_000 + 33_333 = 181_833 us
+        {   # a2 + a3: base 125_000, lora 30_000 + 1_000 = 31_000, routing 2_000 + 500 = 2_500, kv 10_000, cold 33_333
+            # gpu = 125_000 + 31_000 + 2_500 - 10_000 + 33_333 = 181_833 us
             "adapter": "summarize@1", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 2, "failed": 1, "input_tokens": 350, "output_tokens": 100, "cached_tokens": 64,
-            "base_ms": "125.000", "routing_ms": "33.500", "kv_saved_ms": "10.000", "cold_start_ms": "33.333",
+            "base_ms": "125.000", "lora_ms": "31.000", "routing_ms": "2.500", "kv_saved_ms": "10.000", "cold_start_ms": "33.333",
             "gpu_ms": "181.833", "cost": "0.000363666", "revenue": "0.000000000",
         },
-        {   # a4: gpu = 80_000 + 21_500 - 5_000 + 50_000 = 146_500 us
+        {   # a4: gpu = 80_000 + 20_000 + 1_500 - 5_000 + 50_000 = 146_500 us
             "adapter": "support@2", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 200, "output_tokens": 200, "cached_tokens": 50,
-            "base_ms": "80.000", "routing_ms": "21.500", "kv_saved_ms": "5.000", "cold_start_ms": "50.000",
+            "base_ms": "80.000", "lora_ms": "20.000", "routing_ms": "1.500", "kv_saved_ms": "5.000", "cold_start_ms": "50.000",
             "gpu_ms": "146.500", "cost": "0.000293000", "revenue": "0.000000000",
         },
     ],
     "totals": {
         "requests": 4, "failed": 1, "input_tokens": 650, "output_tokens": 350, "cached_tokens": 114,
-        "base_ms": "245.000", "routing_ms": "56.000", "kv_saved_ms": "15.000", "cold_start_ms": "83.333",
+        "base_ms": "245.000", "lora_ms": "51.000", "routing_ms": "5.000", "kv_saved_ms": "15.000", "cold_start_ms": "83.333",
         "gpu_ms": "369.333", "cost": "0.000738666", "revenue": "0.000000000",
         "unpriced_requests": 3,  # a1, a2, a4 succeeded; acme has no tier with a token price, so they earned nothing
     },
@@ -127,7 +127,7 @@ ACME_MARCH_JSON = {
 
 
 def test_invoice_lines_and_totals_by_hand(march: Ledger, engine: Engine) -> None:
-    """Each line is base + routing (decision + LoRA) - KV credit + its share of cold start; totals are the lines' sums."""
+    """Each line is base + LoRA + routing decision - KV credit + its share of cold start; totals are the lines' sums."""
     invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
     assert json.loads(render_json(invoice)) == ACME_MARCH_JSON
     assert all(isinstance(line.cost, Decimal) and isinstance(line.gpu_ms, Decimal) for line in invoice.lines)
@@ -183,7 +183,7 @@ def test_empty_invoice(migrated_url: str, engine: Engine) -> None:
     document = json.loads(render_json(invoice))
     assert document["lines"] == []
     assert document["totals"]["gpu_ms"] == "0.000" and document["totals"]["cost"] == "0.000000000"
-    assert render_table(invoice).splitlines()[-1].split() == ["total"] + ["0"] * 5 + ["0.000"] * 5 + ["0.000000000"] * 2
+    assert render_table(invoice).splitlines()[-1].split() == ["total"] + ["0"] * 5 + ["0.000"] * 6 + ["0.000000000"] * 2
 
 
 # ---- UTC month boundaries ----------------------------------------------------------------------------
@@ -213,8 +213,8 @@ def test_render_json_has_exactly_the_contract_keys(march: Ledger, engine: Engine
     """The JSON carries tenant, period, status, currency, lines, totals, the KV credit rule and nothing else; every decimal is a string."""
     document = json.loads(render_json(build_invoice(engine, "acme", "2026-03", CONFIG)))
     assert list(document) == ["tenant", "period", "status", "currency", "lines", "totals", "kv_credit_rule"]
-    amount_keys = ["requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "routing_ms",
-                   "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"]  # fmt: skip
+    amount_keys = ["requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "lora_ms",
+                   "routing_ms", "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"]  # fmt: skip
     assert all(list(line) == ["adapter", "adjustment_for", "gpu_price_per_hour", *amount_keys] for line in document["lines"])
     assert list(document["totals"]) == [*amount_keys, "unpriced_requests"]
     for amounts in [*document["lines"], document["totals"]]:
