@@ -6,14 +6,9 @@ import json
 
 import torch
 
-from engine.bench.serving import (
-    PREFILL_SAMPLES,
-    SHAPES,
-    adapter_bytes,
-    bench_engine,
-    model_config,
-    prefill_flops,
-)
+from engine.bench.build import SHAPES, model_config
+from engine.bench.roofline import adapter_bytes, prefill_flops
+from engine.bench.serving import PREFILL_SAMPLES, bench_engine
 
 KEYS = {"ours_base_tok_s", "ours_mixed_tok_s", "peer_mixed_tok_s", "base_step_ms", "mixed_step_ms", "base_roofline_ms",
         "mixed_roofline_ms", "prefill_tflops"}  # fmt: skip

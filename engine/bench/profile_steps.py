@@ -1,6 +1,6 @@
 """Where a step's device time goes: the kernels of engine steps, grouped and timed with torch.profiler.
 
-`python -m engine.bench.profile_steps SHAPE OUT_DIR [--prompt P]` builds the bench's engine (engine.bench.serving) at
+`python -m engine.bench.profile_steps SHAPE OUT_DIR [--prompt P]` builds the bench's engine (engine.bench.build) at
 SHAPE, batch 32, 32 adapters of rank 16, and profiles, for a base-only and a mixed batch: the prefill step
 (eager) and a few decode steps (CUDA-graph replays). For each it prints the kernels by group (GEMM,
 LoRA shrink/expand, attention, elementwise, ...) with launches and µs per step, the sum of kernel times
@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.api import GenerationRequest, SamplingParams
-from engine.bench.serving import build_bench_engine, model_config
+from engine.bench.build import build_bench_engine, model_config
 
 GROUPS = (  # (group, substrings of kernel names), first match wins
     ("lora_shrink", ("_shrink_kernel",)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.bench.serving import SHAPES
+from engine.bench.build import SHAPES
 from engine.model import LORA_TARGETS as TARGETS
 from engine.model import PROJECTION_PARENT as _PARENT
 

@@ -35,31 +35,19 @@ pair. It prints a table, then one JSON line.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from engine.api import GenerationRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.checkpoint import build_model, hf_param_shapes, unfuse_state
+from engine.bench.build import SHAPES, build_bench_engine, model_config, sync
+from engine.bench.peer import run_peer
+from engine.bench.roofline import adapter_bytes, kv_bytes, measure_bandwidth, measure_matmul, prefill_flops, weight_bytes
 from engine.device import pick_device, pick_dtype
 from engine.engine import Engine
-from engine.model import LORA_TARGETS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig
-from engine.rope import RopeConfig
-from engine.tokenizer import Tokenizer
-
-# hidden, layers, heads, kv heads, intermediate, vocab
-SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "tiny": (128, 4, 4, 2, 352, 640),  # the demo model's sizes (engine.demo_model)
-    "llama-1b": (2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B
-    "llama-8b": (4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B
-}
-
 
 PREFILL_SAMPLES = 11  # prefill steps timed per run (base and mixed each); the figures are their medians
 
@@ -167,166 +155,6 @@ def bench_engine(
     return out
 
 
-def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], uniform_rank: int | None, batch: int, prompt: int,
-                       new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto") -> tuple[Engine, list[Path]]:  # fmt: skip
-    """The bench's engine on a random model of `cfg` with adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`)
-    loaded, sized for `batch` requests of `prompt` + `new` tokens; returns it and the adapter folders."""
-    model = random_model(cfg, dev, dtype, seed=0)
-    paths = [_write_adapter(tmp / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
-    if uniform_rank is not None:
-        paths += [_write_adapter(tmp / f"u{i}", cfg, uniform_rank, seed=1000 + i, device=dev) for i in range(len(adapter_ranks))]
-    slots = len(paths)
-    host_bytes = 2 * sum(p.joinpath("adapter_model.safetensors").stat().st_size for p in paths) + (64 << 20)  # fp32 on CPU
-    config = EngineConfig(
-        model_dir=str(tmp), device=dev.type, max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=new,
-        max_num_batched_tokens=batch * prompt, kv_num_blocks=_kv_blocks(batch, prompt + new), max_loras=slots,
-        max_lora_rank=max(adapter_ranks + [uniform_rank or 1]),
-        enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
-        adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
-    )  # fmt: skip
-    engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
-    for path in paths:
-        engine.load_adapter(path.name, path)
-    return engine, paths
-
-
-def model_config(shape: str) -> ModelConfig:
-    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
-    return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=hidden // heads, rope=RopeConfig(theta=500000.0), rms_norm_eps=1e-5,
-        max_position_embeddings=8192, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
-    )  # fmt: skip
-
-
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
-    """Random weights drawn on the device, std 1/sqrt(fan_in) so activations stay O(1) through the layers."""
-    shapes = hf_param_shapes(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for key, shp in shapes.items():
-        if key.endswith("norm.weight"):
-            state[key] = torch.ones(shp, dtype=dtype, device=device)
-        else:
-            state[key] = torch.randn(shp, generator=gen, dtype=dtype, device=device) * (shp[-1] ** -0.5)
-    return build_model(cfg, state, device, dtype)
-
-
-def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
-    """Matmul FLOPs of a prefill of batch x prompt tokens (logits for the last token of each), plus causal attention."""
-    per_token = 2 * sum(i * o for i, o in cfg.projection_shapes().values()) * cfg.num_layers
-    attention = 2 * cfg.num_layers * batch * cfg.num_heads * cfg.head_dim * prompt * prompt  # QK^T and AV, causal halves
-    return per_token * batch * prompt + 2 * cfg.hidden_size * cfg.vocab_size * batch + attention
-
-
-def weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes a decode step reads of the base: every weight but the embedding table (B rows of it only)."""
-    skip = model.model.embed_tokens.weight.data_ptr()
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen or ("a_stack" in name or "b_stack" in name):
-            continue
-        seen.add(p.data_ptr())
-        if p.data_ptr() != skip or model.config.tie_word_embeddings:
-            total += p.numel() * p.element_size()
-    return total
-
-
-def kv_bytes(cfg: ModelConfig, batch: int, context: float, elem: int) -> float:
-    return batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-def adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
-    return cfg.num_layers * rank * sum(i + o for i, o in cfg.projection_shapes().values()) * elem
-
-
-def measure_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large copy (read + write counted) on the device."""
-    n = (1 << 28) if device.type == "cuda" else (1 << 25)  # 1 GiB / 128 MiB of fp32
-    src = torch.rand(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    reps = 10 if device.type == "cuda" else 3
-    dst.copy_(src)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * n * 4 * reps / (time.perf_counter() - t0)
-
-
-def measure_matmul(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul in the model's dtype on random data (8192^3 on CUDA, 1024^3 on CPU)."""
-    n, reps = (8192, 10) if device.type == "cuda" else (1024, 3)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def run_peer(model, cfg, paths, ranks, prompts, new, device, dtype) -> dict:
-    """HF transformers + peft on the same weights and batch; {} when they are not importable."""
-    try:
-        from peft import LoraConfig, get_peft_model
-        from safetensors.torch import load_file
-        from transformers import LlamaConfig
-        from transformers import LlamaForCausalLM as HFLlama
-    except ImportError:
-        return {}
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope.theta,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False, eos_token_id=None,
-    )  # fmt: skip
-    with torch.device("meta"):
-        hf = HFLlama(hf_cfg)
-    state = unfuse_state(cfg, {k.replace(".base.", "."): v for k, v in model.state_dict().items()})  # HF names, views
-    hf.load_state_dict(state, assign=True, strict=True)  # shares our tensors: no second copy of the weights
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg).to(device)  # its buffers were left on meta
-    hf.eval()
-    names = [f"a{i}" for i in range(len(paths))]
-    pm = None
-    for name, r, path in zip(names, ranks, paths):
-        lcfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
-        if pm is None:
-            pm = get_peft_model(hf, lcfg, adapter_name=name)
-        else:
-            pm.add_adapter(name, lcfg)
-        weights = load_file(str(path / "adapter_model.safetensors"))
-        for layer in range(cfg.num_layers):
-            for module in LORA_TARGETS:
-                proj = getattr(getattr(pm.base_model.model.model.layers[layer], PROJECTION_PARENT[module]), module)
-                prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
-                proj.lora_A[name].weight.data.copy_(weights[f"{prefix}.lora_A.weight"])
-                proj.lora_B[name].weight.data.copy_(weights[f"{prefix}.lora_B.weight"])
-    pm.eval()
-    ids = torch.tensor(prompts, device=device)
-    batch = len(prompts)
-
-    def gen(adapter_names: list[str], n: int) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=adapter_names,
-                        max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
-        _sync(device)
-        return time.perf_counter() - t0
-
-    base_names = ["__base__"] * batch
-    mixed_names = [names[i % len(names)] for i in range(batch)]
-    gen(mixed_names, 2)  # warm
-    out = {}
-    for label, adapter_names in (("base", base_names), ("mixed", mixed_names)):
-        decode_s = gen(adapter_names, new) - gen(adapter_names, 1)
-        out[f"peer_{label}_tok_s"] = batch * (new - 1) / decode_s if decode_s > 0 else None
-    return out
-
-
 def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], new: int, tag: str) -> dict:
     """Prefill of every prompt in one step (wall time, the device synchronised around it), then new - 1 decode
     steps: their wall time from the end of the prefill to the device's end of the last one, as a serving loop
@@ -337,10 +165,10 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
     engine.pop_step_records()
-    _sync(engine.device)
+    sync(engine.device)
     t0 = time.perf_counter()
     results = engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     t1 = time.perf_counter()
     calls, first_call_s, last_call_s = 0, 0.0, 0.0
     while engine.has_unfinished():
@@ -349,7 +177,7 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
         last_call_s = time.perf_counter() - c0
         first_call_s = first_call_s or last_call_s
         calls += 1
-    _sync(engine.device)
+    sync(engine.device)
     t2 = time.perf_counter()
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     records = engine.pop_step_records()
@@ -369,52 +197,8 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
     }
 
 
-def _kv_blocks(batch: int, tokens: int, block_size: int = EngineConfig.model_fields["kv_block_size"].default) -> int:
-    """KV blocks for `batch` sequences of `tokens`, plus the scheduler's admission watermark (1% of the pool), so
-    that every prompt is admitted in the first step."""
-    need = batch * -(-tokens // block_size)
-    return need + need // 50 + 2
-
-
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
-
-
-def _write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int, device: torch.device | None = None) -> Path:
-    """A PEFT adapter of `rank` on all seven projections, alpha = 2 * rank, B scaled to move outputs ~10%.
-    The numbers are drawn on `device` (an 8b adapter is 42M of them), from a seeded generator."""
-    path.mkdir(parents=True)
-    device = device or torch.device("cpu")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weights = {}
-    for layer in range(cfg.num_layers):
-        for module, (in_f, out_f) in cfg.projection_shapes().items():
-            prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[module]}.{module}"
-            a = torch.randn(rank, in_f, generator=gen, device=device) * in_f**-0.5
-            b = torch.randn(out_f, rank, generator=gen, device=device) * (0.05 / math.sqrt(rank))
-            weights[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
-            weights[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
-    save_file(weights, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
-        "lora_dropout": 0.0, "bias": "none",
-    }))  # fmt: skip
-    return path
-
-
-def _word_tokenizer(vocab_size: int) -> Tokenizer:
-    """A tokenizer of vocab_size made-up words: the bench feeds token ids and never reads the text."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer.from_tokenizer(tok)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _print_table(out: dict) -> None:
