@@ -28,7 +28,7 @@ import torch
 TARGET_ARCH = 90  # the H200 (Hopper); issue 4's device
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
            torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
-_MODELS = {  # hidden, heads, kv_heads, head_dim, intermediate (kernels.bench.roofline.MODELS, without importing triton.testing)
+_MODELS = {  # hidden, heads, kv_heads, head_dim, intermediate (kernels.bench.cases.MODELS, without importing triton.testing)
     "llama-1b": (2048, 32, 8, 64, 8192),
     "llama-8b": (4096, 32, 8, 128, 14336),
 }

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bench.roofline import ADAPTERS, BATCH, DTYPE, MODELS, RANK, _DEVICE, _best, _graph_us, _lora_case
+from kernels.bench.cases import ADAPTERS, BATCH, DEVICE, DTYPE, MODELS, RANK, best, graph_us, lora_case
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 
@@ -27,16 +27,16 @@ def probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("ll
     print(f"{'projection':20} {'delta':>8} {'stores':>8} {'fill':>8} {'copy':>8}  (µs; GB/s of z written)")
     for name in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
-            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             z = torch.empty_like(case.y)
             zero_rank = torch.zeros_like(case.rank)
             gb = z.numel() * z.element_size() / 1e3
-            us = [_graph_us(lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths,
+            us = [graph_us(lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths,
                                                 accumulate=False), rep),
-                  _graph_us(lambda: lora_expand(z, case.t, case.b, zero_rank, case.scale, case.segments, slices=widths,
+                  graph_us(lambda: lora_expand(z, case.t, case.b, zero_rank, case.scale, case.segments, slices=widths,
                                                 accumulate=False), rep),
-                  _graph_us(lambda: z.zero_(), rep),
-                  _graph_us(lambda: z.copy_(case.y), rep)]
+                  graph_us(lambda: z.zero_(), rep),
+                  graph_us(lambda: z.copy_(case.y), rep)]
             print(f"{name + ' ' + proj:20} " + " ".join(f"{v:8.1f}" for v in us) + "   " +
                   " ".join(f"{gb / v:6.0f}" for v in us), flush=True)
 
@@ -50,14 +50,14 @@ def probe_beta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("lla
     print(f"{'projection':20} {'beta=0':>8} {'beta=1':>8} {'Lt beta=0':>10} {'Lt beta=1':>10}  (µs)")
     for name in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
-            x = torch.randn(BATCH * tokens, in_f, device=_DEVICE, dtype=DTYPE)
-            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
-            y = torch.empty(x.shape[0], w.shape[0], device=_DEVICE, dtype=DTYPE)
+            x = torch.randn(BATCH * tokens, in_f, device=DEVICE, dtype=DTYPE)
+            w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
+            y = torch.empty(x.shape[0], w.shape[0], device=DEVICE, dtype=DTYPE)
             z = torch.zeros_like(y)
             us = []
             for lib in (default, "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                us += [_graph_us(lambda: torch.mm(x, w.t(), out=y), rep), _graph_us(lambda: z.addmm_(x, w.t()), rep)]
+                us += [graph_us(lambda: torch.mm(x, w.t(), out=y), rep), graph_us(lambda: z.addmm_(x, w.t()), rep)]
             torch.backends.cuda.preferred_blas_library(default)
             print(f"{name + ' ' + proj:20} {us[0]:8.1f} {us[1]:8.1f} {us[2]:10.1f} {us[3]:10.1f}", flush=True)
 
@@ -112,19 +112,19 @@ def probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
     m = BATCH * tokens
     for proj, (in_f, widths) in MODELS["llama-8b"].projections().items():
         n = sum(widths)
-        x = torch.randn(m, in_f, device=_DEVICE, dtype=DTYPE)
-        w = torch.randn(n, in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
-        y = torch.empty(m, n, device=_DEVICE, dtype=DTYPE)
+        x = torch.randn(m, in_f, device=DEVICE, dtype=DTYPE)
+        w = torch.randn(n, in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
+        y = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
         z = torch.zeros_like(y)
-        t = torch.randn(m, RANK, device=_DEVICE, dtype=torch.float32)
-        b = torch.randn(ADAPTERS, RANK, n, device=_DEVICE, dtype=DTYPE)
-        scale = torch.rand(ADAPTERS, device=_DEVICE)
+        t = torch.randn(m, RANK, device=DEVICE, dtype=torch.float32)
+        b = torch.randn(ADAPTERS, RANK, n, device=DEVICE, dtype=DTYPE)
+        scale = torch.rand(ADAPTERS, device=DEVICE)
         flops = 2 * m * n * in_f
-        cublas = _graph_us(lambda: torch.mm(x, w.t(), out=y), rep)
-        beta = _graph_us(lambda: z.addmm_(x, w.t()), rep)
+        cublas = graph_us(lambda: torch.mm(x, w.t(), out=y), rep)
+        beta = graph_us(lambda: z.addmm_(x, w.t()), rep)
         line = f"{proj:8} cuBLAS {cublas:8.1f} µs ({flops / cublas / 1e6:5.0f} TFLOP/s), beta=1 {beta:8.1f} |"
         for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)):
-            tile_slot = (torch.arange(triton.cdiv(m, bm), device=_DEVICE) * bm // tokens % ADAPTERS).to(torch.int32)
+            tile_slot = (torch.arange(triton.cdiv(m, bm), device=DEVICE) * bm // tokens % ADAPTERS).to(torch.int32)
             grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
             def run(lora: bool) -> None:
@@ -133,7 +133,7 @@ def probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
                                          num_warps=warps, num_stages=stages)  # fmt: skip
 
             try:
-                plain, fused = _graph_us(lambda: run(False), rep), _graph_us(lambda: run(True), rep)
+                plain, fused = graph_us(lambda: run(False), rep), graph_us(lambda: run(True), rep)
                 line += f" {bm}x{bn}x{bk}/{warps}/{stages}: {plain:8.1f} / {fused:8.1f}"
             except (triton.CompilationError, triton.runtime.OutOfResources) as exc:
                 line += f" {bm}x{bn}x{bk}/{warps}/{stages}: {type(exc).__name__}"
@@ -158,13 +158,13 @@ def probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = 
     torch.manual_seed(0)
     for name in models:
         in_f, widths = MODELS[name].projections()["gate_up"]
-        case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-        w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+        case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+        w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
         z = torch.empty_like(case.y)
         lora = LoraDelta(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, segments=case.segments, slices=widths)
         if sweep:
             cands = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8)))
-            _best(f"{name} gate_up fused op", silu_module, cands, lambda: _graph_us(lambda: silu_mul(case.y, lora), rep))
+            best(f"{name} gate_up fused op", silu_module, cands, lambda: graph_us(lambda: silu_mul(case.y, lora), rep))
 
         def base() -> None:
             torch.mm(case.x, w.t(), out=case.y)
@@ -181,7 +181,7 @@ def probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = 
             lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
             silu_mul(case.y, lora)
 
-        plain_op, fused_op = _graph_us(lambda: silu_mul(case.y), rep), _graph_us(lambda: silu_mul(case.y, lora), rep)
-        b, d, c = _graph_us(base, rep), _graph_us(delta_first, rep), _graph_us(to_op, rep)
+        plain_op, fused_op = graph_us(lambda: silu_mul(case.y), rep), graph_us(lambda: silu_mul(case.y, lora), rep)
+        b, d, c = graph_us(base, rep), graph_us(delta_first, rep), graph_us(to_op, rep)
         print(f"{name} gate_up base {b:8.1f} µs | delta first {d:8.1f} (+{100 * (d / b - 1):.1f}%) | delta in the op {c:8.1f} "
               f"(+{100 * (c / b - 1):.1f}%) | op plain {plain_op:.1f}, fused {fused_op:.1f}", flush=True)

@@ -27,146 +27,19 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from kernels.bench.cases import (
+    ADAPTERS, BATCH, DEVICE, DTYPE, MEAN_RANK, MIXED_RANKS, MODELS, PREFILL_TOKENS, RANK, Model, attention_case, best, graph_us,
+    lora_case, lora_kernels_us, measure_ceilings, plain_us,
+)
 from kernels.decode_linear import decode_linear, decode_linear_ref
+from kernels.lora_segments import DecodeLora, lora_expand_ref, lora_shrink_ref
 from kernels.lora_expand import lora_expand
-from kernels.lora_segments import DecodeLora, LoraSegments, lora_expand_ref, lora_shrink_ref, segments_from_indices, segments_per_row
 from kernels.lora_shrink import lora_shrink
 from kernels.paged_attention import paged_attention, paged_attention_ref
-
-BATCH, ADAPTERS, RANK, MAX_RANK = 32, 32, 16, 64
-MIXED_RANKS, MEAN_RANK = (8, 16, 32, 64), 30
-PREFILL_TOKENS, PREFIX, DECODE_CONTEXT, BLOCK_SIZE = 128, 512, 1024, 16
-DTYPE = torch.bfloat16
-_DEVICE = "cuda"
-
-
-@dataclass(frozen=True)
-class Model:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-
-    def projections(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """LoRA targets as the kernels see them: name -> (in_features, output width of each fused slice)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {
-            "qkv": (self.hidden, (q, kv, kv)),
-            "o": (q, (self.hidden,)),
-            "gate_up": (self.hidden, (self.intermediate, self.intermediate)),
-            "down": (self.intermediate, (self.hidden,)),
-        }
-
-
-MODELS = {"llama-1b": Model(2048, 32, 8, 64, 8192), "llama-8b": Model(4096, 32, 8, 128, 14336)}
-
-
-def _graph_us(fn: Callable[[], object], rep: int = 100) -> float:
-    """Median µs of a CUDA-graph replay of fn (compiled and warmed first)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3
-
-
-def _plain_us(fn: Callable[[], object]) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-@dataclass
-class _LoraCase:
-    """One projection's LoRA at one phase and rank mix, with the bytes its shrink and expand must move."""
-
-    x: torch.Tensor  # [N, in]
-    y: torch.Tensor  # [N, out]
-    a: torch.Tensor  # [slots, S, R, in]
-    b: torch.Tensor  # [slots, R, out]
-    rank: torch.Tensor  # [slots]
-    scale: torch.Tensor  # [slots]
-    segments: LoraSegments
-    widths: tuple[int, ...]
-    t: torch.Tensor  # [S, N, R] fp32
-    shrink_bytes: int
-    expand_bytes: int
-
-
-def _lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int], prefill_tokens: int = PREFILL_TOKENS) -> _LoraCase:
-    device, e = torch.device(_DEVICE), DTYPE.itemsize
-    num_slices, out_f = len(widths), sum(widths)
-    rank = torch.tensor(ranks, dtype=torch.int32, device=device)  # [slots]
-    a = torch.randn(ADAPTERS, num_slices, MAX_RANK, in_f, device=device, dtype=DTYPE) * in_f**-0.5
-    b = torch.randn(ADAPTERS, MAX_RANK, out_f, device=device, dtype=DTYPE)
-    for s, r in enumerate(ranks):  # zero-filled beyond the rank, as the engine's slots are
-        a[s, :, r:] = 0
-        b[s, r:] = 0
-    if phase == "decode":
-        slots = list(range(BATCH))
-        segments = segments_per_row(torch.tensor(slots, device=device))
-    else:
-        slots = [s for s in range(BATCH) for _ in range(prefill_tokens)]
-        segments = segments_from_indices(slots, device=device)
-    n = len(slots)
-    x = torch.randn(n, in_f, device=device, dtype=DTYPE)
-    y = torch.randn(n, out_f, device=device, dtype=DTYPE)
-    scale = torch.full((ADAPTERS,), 2.0, device=device)
-    t = lora_shrink(x, a, rank, segments)
-    rank_sum = sum(ranks[s] for s in set(slots))  # distinct adapters, each once
-    t_bytes = num_slices * sum(ranks[s] for s in slots) * 4
-    shrink_bytes = n * in_f * e + num_slices * rank_sum * in_f * e + t_bytes
-    expand_bytes = t_bytes + rank_sum * out_f * e + 2 * n * out_f * e
-    return _LoraCase(x, y, a, b, rank, scale, segments, widths, t, shrink_bytes, expand_bytes)
-
-
-def _lora_kernels_us(case: _LoraCase, rep: int = 100) -> tuple[float, float]:
-    shrink = _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep)
-    expand = _graph_us(lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep)
-    return shrink, expand
-
-
-def _attention_case(model: Model, phase: str) -> tuple[dict, int, float]:
-    """Keyword arguments of paged_attention, its fewest bytes, and its causal flops."""
-    device, e = torch.device(_DEVICE), DTYPE.itemsize
-    q_len, context = (1, DECODE_CONTEXT - 1) if phase == "decode" else (PREFILL_TOKENS, PREFIX)
-    total = q_len + context
-    per_seq = triton.cdiv(total, BLOCK_SIZE)
-    shape = (BATCH * per_seq, BLOCK_SIZE, model.kv_heads, model.head_dim)
-    k_cache, v_cache = (torch.randn(shape, device=device, dtype=DTYPE) for _ in range(2))
-    tables = torch.randperm(BATCH * per_seq, device=device, dtype=torch.int32).view(BATCH, per_seq)
-    args = {
-        "q": torch.randn(BATCH * q_len, model.heads, model.head_dim, device=device, dtype=DTYPE),
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "block_tables": tables,
-        "seq_lens": torch.full((BATCH,), total, dtype=torch.int32, device=device),
-    }
-    if phase == "prefill":
-        args["cu_seqlens_q"] = torch.arange(0, BATCH * q_len + 1, q_len, dtype=torch.int32, device=device)
-    nbytes = 2 * BATCH * q_len * model.heads * model.head_dim * e + 2 * BATCH * total * model.kv_heads * model.head_dim * e
-    keys_seen = sum(context + i + 1 for i in range(q_len))  # per sequence, causal
-    flops = 4.0 * BATCH * keys_seen * model.heads * model.head_dim
-    return args, nbytes, flops
-
-
-def _measure_ceilings() -> tuple[float, float, float]:
-    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul rate in flop/s, on random data; the harness's
-    floor in µs: a one-element kernel timed as the kernels are)."""
-    src = torch.randn(256 * 1024 * 1024, device=_DEVICE, dtype=torch.float32)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    m = torch.randn(8192, 8192, device=_DEVICE, dtype=DTYPE)
-    mm_ms = do_bench(lambda: m @ m, warmup=25, rep=200, return_mode="median")
-    one = torch.ones(1, device=_DEVICE)
-    return 2 * src.numel() * src.element_size() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3), _graph_us(lambda: one.add_(1))
 
 
 def _row(model: str, phase: str, op: str, kernel_us: float, ref_us: float, nbytes: int, bandwidth: float,
@@ -179,19 +52,19 @@ def _row(model: str, phase: str, op: str, kernel_us: float, ref_us: float, nbyte
 
 def _bench_projection(model: str, phase: str, proj: str, in_f: int, widths: tuple[int, ...], bandwidth: float):
     """(table rows of its shrink and expand at rank 16, their µs, the base GEMM's µs) for one projection."""
-    case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
-    shrink_us, expand_us = _lora_kernels_us(case)
-    shrink_ref_us = _plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments))
+    case = lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+    shrink_us, expand_us = lora_kernels_us(case)
+    shrink_ref_us = plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments))
     y_ref = case.y.clone()
-    expand_ref_us = _plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
-    w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)  # the base projection, fused as the slices are
-    base_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
+    expand_ref_us = plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
+    w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE)  # the base projection, fused as the slices are
+    base_us = graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
     rows = [_row(model, phase, f"shrink {proj}", shrink_us, shrink_ref_us, case.shrink_bytes, bandwidth),
             _row(model, phase, f"expand {proj}", expand_us, expand_ref_us, case.expand_bytes, bandwidth)]
     if phase == "decode":  # the base GEMM + delta in one launch (kernels/decode_linear.py), whichever shapes the engine gives it
         lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
-        linear_us = _graph_us(lambda: decode_linear(case.x, w, None, lora))
-        linear_ref_us = _plain_us(lambda: decode_linear_ref(case.x, w, None, lora))
+        linear_us = graph_us(lambda: decode_linear(case.x, w, None, lora))
+        linear_ref_us = plain_us(lambda: decode_linear_ref(case.x, w, None, lora))
         y_bytes = case.y.numel() * case.y.element_size()  # written once; the expand's read of y is gone
         nbytes = w.numel() * w.element_size() + case.expand_bytes - 2 * y_bytes + y_bytes + case.x.numel() * case.x.element_size()
         rows.append(_row(model, phase, f"linear+delta {proj}", linear_us, linear_ref_us, nbytes, bandwidth))
@@ -200,14 +73,14 @@ def _bench_projection(model: str, phase: str, proj: str, in_f: int, widths: tupl
 
 def _bench_ranks(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int]) -> float:
     """µs of shrink + expand for one projection with the given per-slot ranks."""
-    return sum(_lora_kernels_us(_lora_case(in_f, widths, phase, ranks)))
+    return sum(lora_kernels_us(lora_case(in_f, widths, phase, ranks)))
 
 
 def _bench_attention(name: str, model: Model, phase: str, bandwidth: float, matmul_rate: float) -> dict:
-    args, nbytes, flops = _attention_case(model, phase)
+    args, nbytes, flops = attention_case(model, phase)
     max_q = 1 if phase == "decode" else PREFILL_TOKENS
-    kernel_us = _graph_us(lambda: paged_attention(**args, max_query_len=max_q))
-    ref_us = _plain_us(lambda: paged_attention_ref(**args))
+    kernel_us = graph_us(lambda: paged_attention(**args, max_query_len=max_q))
+    ref_us = plain_us(lambda: paged_attention_ref(**args))
     return _row(name, phase, "attention", kernel_us, ref_us, nbytes, bandwidth, flops / matmul_rate * 1e6)
 
 
@@ -218,7 +91,7 @@ def bench_kernels(json_only: bool = False) -> dict:
               file=sys.stderr)
         raise SystemExit(2)
     torch.manual_seed(0)
-    bandwidth, matmul_rate, launch_us = _measure_ceilings()
+    bandwidth, matmul_rate, launch_us = measure_ceilings()
     mixed_ranks = [MIXED_RANKS[s % len(MIXED_RANKS)] for s in range(ADAPTERS)]
     rows: list[dict] = []
     mixed: list[dict] = []
@@ -264,24 +137,6 @@ def _print_tables(result: dict) -> None:
         print(f"{r['model']:9} {r['phase']:8} {r['base_us']:14.1f} {r['lora_us']:9.1f} {r['lora_pct']:11.1f}%")
 
 
-def _best(label: str, module, candidates, run: Callable[[], float], floor_us: float | None = None) -> None:
-    """Time `run` with each candidate as `module._config` (restored after each), print the fastest three, the launcher's
-    current choice and, given the op's byte floor, the best one's share of it. Swaps `_config` for a timing only."""
-    default, times = module._config, []
-    for cfg in candidates:
-        module._config = lambda *_, cfg=cfg: cfg
-        try:
-            times.append((run(), cfg))
-        except (triton.CompilationError, triton.runtime.OutOfResources) as exc:  # too big for the chip: not a candidate
-            print(f"  {label} {cfg}: {type(exc).__name__}")
-        finally:
-            module._config = default
-    times.sort()
-    floor = f" = {floor_us / times[0][0]:4.0%} of the {floor_us:.1f} µs floor" if floor_us else ""
-    print(f"{label:34} now {run():8.1f} µs | best {times[0][1]} {times[0][0]:8.1f} µs{floor} | next " +
-          " ".join(f"{c}:{t:.1f}" for t, c in times[1:3]), flush=True)
-
-
 def _sweep(rep: int = 30) -> None:
     """Tuning aid behind each launcher's `_config`: time candidate block sizes at the bench shapes, print the best.
 
@@ -295,25 +150,25 @@ def _sweep(rep: int = 30) -> None:
     import kernels.paged_attention as attention_module
 
     def projection(label: str, in_f: int, widths: tuple[int, ...], phase: str) -> None:
-        case = _lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
+        case = lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
         if phase == "decode":
             s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
             e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8), (1,)))
         else:
             s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
             e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
-        _best(f"{label} shrink", shrink_module, s_cands,
-              lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
-        _best(f"{label} expand", expand_module, e_cands, lambda: _graph_us(
+        best(f"{label} shrink", shrink_module, s_cands,
+              lambda: graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
+        best(f"{label} expand", expand_module, e_cands, lambda: graph_us(
             lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep))
 
     def attention(label: str, model: Model, phase: str) -> None:
-        args, _, _ = _attention_case(model, phase)
+        args, _, _ = attention_case(model, phase)
         if phase == "decode":
             max_q, cands = 1, [(4, n, w, 3, False) for n in (64, 128, 256) for w in (4, 8)]
         else:
             max_q, cands = PREFILL_TOKENS, [(r // 4, n, w, 3, False) for r in (64, 128) for n in (32, 64) for w in (4, 8)]
-        _best(label, attention_module, cands, lambda: _graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
+        best(label, attention_module, cands, lambda: graph_us(lambda: paged_attention(**args, max_query_len=max_q), rep))
 
     torch.manual_seed(0)
     for name, model in MODELS.items():
@@ -333,20 +188,20 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
     import kernels.lora_expand as expand_module
     import kernels.lora_shrink as shrink_module
 
-    bandwidth = _measure_ceilings()[0]
+    bandwidth = measure_ceilings()[0]
     torch.manual_seed(0)
 
     for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
         for proj, (in_f, widths) in model.projections().items():
-            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,)))
             e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
-                _best(f"{name} {proj} shrink", shrink_module, s_cands,
-                      lambda: _graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep),
+                best(f"{name} {proj} shrink", shrink_module, s_cands,
+                      lambda: graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep),
                       case.shrink_bytes / bandwidth * 1e6)
             if "expand" in kernels:
-                _best(f"{name} {proj} expand", expand_module, e_cands, lambda: _graph_us(
+                best(f"{name} {proj} expand", expand_module, e_cands, lambda: graph_us(
                     lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
 
@@ -360,17 +215,17 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
 
     import kernels.lora_expand as expand_module
 
-    bandwidth = _measure_ceilings()[0]
+    bandwidth = measure_ceilings()[0]
     torch.manual_seed(0)
     totals: dict[str, list[float]] = {}
     for name in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
-            case = _lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE)
+            case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE)
             z = torch.empty_like(case.y)
             delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
             cands = list(itertools.product((64, 128), (256, 512), (4, 8), (1, 2)))
-            _best(f"{name} {proj} delta", expand_module, cands, lambda: _graph_us(
+            best(f"{name} {proj} delta", expand_module, cands, lambda: graph_us(
                 lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
                 rep), delta_bytes / bandwidth * 1e6)  # fmt: skip
 
@@ -384,9 +239,9 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
                 lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
                 z.addmm_(case.x, w.t())
 
-            base_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
-            beta_us = _graph_us(lambda: z.addmm_(case.x, w.t()), rep)
-            old_us, new_us = _graph_us(old, rep), _graph_us(new, rep)
+            base_us = graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
+            beta_us = graph_us(lambda: z.addmm_(case.x, w.t()), rep)
+            old_us, new_us = graph_us(old, rep), graph_us(new, rep)
             for key, v in zip(("base", "old", "new"), (base_us, old_us, new_us)):
                 totals.setdefault(name, [0.0, 0.0, 0.0])[("base", "old", "new").index(key)] += v
             print(f"{name} {proj:8} GEMM {base_us:8.1f} µs (beta=1: {beta_us:8.1f}) | GEMM then expand {old_us:8.1f} "
@@ -407,27 +262,27 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
 
     import kernels.decode_linear as linear_module
 
-    bandwidth = _measure_ceilings()[0]
+    bandwidth = measure_ceilings()[0]
     torch.manual_seed(0)
     cands = cands or list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 5)))
     summary = []
     for name in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
-            case = _lora_case(in_f, widths, "decode", [RANK] * ADAPTERS)
-            w = torch.randn(sum(widths), in_f, device=_DEVICE, dtype=DTYPE) * in_f**-0.5
+            case = lora_case(in_f, widths, "decode", [RANK] * ADAPTERS)
+            w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
             lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
             floor_us = w.numel() * w.element_size() / bandwidth * 1e6
             label = f"{name} {proj} ({sum(widths)} x {in_f})"
-            _best(label, linear_module, cands, lambda: _graph_us(lambda: linear_module.decode_linear(case.x, w), rep), floor_us)
-            cublas_us = _graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
-            ours_us = _graph_us(lambda: linear_module.decode_linear(case.x, w), rep)
+            best(label, linear_module, cands, lambda: graph_us(lambda: linear_module.decode_linear(case.x, w), rep), floor_us)
+            cublas_us = graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
+            ours_us = graph_us(lambda: linear_module.decode_linear(case.x, w), rep)
 
             def old() -> None:
                 torch.mm(case.x, w.t(), out=case.y)
                 lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths)
 
-            old_us = _graph_us(old, rep)
-            fused_us = _graph_us(lambda: linear_module.decode_linear(case.x, w, None, lora), rep)
+            old_us = graph_us(old, rep)
+            fused_us = graph_us(lambda: linear_module.decode_linear(case.x, w, None, lora), rep)
             summary.append((label, floor_us, cublas_us, ours_us, old_us, fused_us))
     print(f"\n{'projection':34} {'W floor':>8} {'cuBLAS':>8} {'ours':>8} {'cuBLAS+expand':>14} {'ours+delta':>11}  (µs)")
     for label, *us in summary:
