@@ -105,7 +105,7 @@ def probe_lora_gemm(tokens: int = 512, rep: int = 20) -> None:
     with the epilogue, over a few tile configs; µs and TFLOP/s
     (python -c "from kernels.bench.probes import probe_lora_gemm; probe_lora_gemm()").
 
-    On an H200 (triton 3.6, engine/PERF.md, session 4, call 12) this pointer-based GEMM (wgmma, no TMA, no warp
+    On an H200 (triton 3.6; engine/PERF.md, "Tried and set aside") this pointer-based GEMM (wgmma, no TMA, no warp
     specialization) took 1.30-1.41x cuBLAS's time at its best config, and the epilogue's extra [BM, 16] x [16, BN] dot
     made it 3-5x slower again: epilogue fusion needs a GEMM at cuBLAS's rate first."""
     torch.manual_seed(0)

@@ -207,9 +207,9 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
 
 
 def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
-    """Prefill LoRA as the engine runs it since the delta form (engine.lora "Prefill"): per projection of llama-8b and
+    """Prefill LoRA as the engine runs it, the delta first (engine.lora "Prefill"): per projection of llama-8b and
     -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
-    into y (the old order), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
+    into y (expand after the GEMM), and shrink + delta + the GEMM adding into it (addmm, beta = 1), after a sweep of the delta
     expand's configs; LoRA's share of each (python -c "from kernels.bench.roofline import _sweep_prefill_delta; _sweep_prefill_delta()")."""
     import itertools
 
