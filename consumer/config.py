@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from billing.config import LedgerConfig
 from engine.config import EngineConfig
@@ -43,11 +43,41 @@ class KafkaConfig(_Section):
     batches_topic: str = Field("lorabatch.batches", description="batch manifests written by `lorabatch submit`")
     group_id: str = "lorabatch-workers"
     partitions: int = Field(4, ge=1, le=1024, description="partitions of each topic the broker command creates")
-    compression: Literal["gzip", "none"] = "gzip"
+    compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        "gzip", validation_alias=AliasChoices("compression_type", "compression"),
+        description="what lorabatch's producers compress with (jobs, results, DLQ records); workers read every codec")
     partition_key: Literal["tenant", "adapter", "adapter-balanced", "request"] = Field(
         "tenant", description="what `lorabatch submit` keys jobs by (see README: partition keys)"
     )
     max_message_bytes: int = Field(1_000_000, ge=1024, description="jobs larger than this go to the DLQ")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    sasl_username_env: str = Field("LORABATCH_KAFKA_USERNAME", description="environment variable holding the SASL username")
+    sasl_password_env: str = Field("LORABATCH_KAFKA_PASSWORD", description="environment variable holding the SASL password")
+    sasl_username_file: str = Field("", description="file holding the SASL username (read when its variable is unset)")
+    sasl_password_file: str = Field("", description="file holding the SASL password (read when its variable is unset)")
+    # Filled by load_settings from the variables or files above, never from the configuration file; never printed.
+    sasl_username: SecretStr | None = Field(None, exclude=True)
+    sasl_password: SecretStr | None = Field(None, exclude=True)
+    ssl_cafile: str = Field("", description="PEM of the CA that signed the brokers' certificates; empty: the system CAs")
+    ssl_certfile: str = Field("", description="client certificate PEM, for brokers that require TLS client authentication")
+    ssl_keyfile: str = Field("", description="the client certificate's private key PEM")
+    ssl_check_hostname: bool = Field(True, description="check that the broker's certificate names the host dialled")
+
+    @model_validator(mode="after")
+    def _check_security(self) -> "KafkaConfig":
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if (path := getattr(self, name)) and not Path(path).is_file():
+                raise ValueError(f"kafka.{name} = {path!r} is not a readable file; point it at the PEM file, "
+                                 f"or leave it empty{' to use the system CAs' if name == 'ssl_cafile' else ''}")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile) and not self.ssl_certfile:
+            raise ValueError("kafka.ssl_keyfile is set without kafka.ssl_certfile; set both (TLS client authentication) or neither")
+        if self.security_protocol.startswith("SASL_") and (self.sasl_username is None or self.sasl_password is None):
+            missing = [n for n in ("username", "password") if getattr(self, f"sasl_{n}") is None]
+            raise ValueError(
+                f"kafka.security_protocol = {self.security_protocol} needs a SASL {' and '.join(missing)}: set "
+                + " and ".join(f"${getattr(self, f'sasl_{n}_env')} (or kafka.sasl_{n}_file)" for n in missing))
+        return self
 
 
 class BrokerConfig(_Section):
@@ -126,6 +156,7 @@ class Settings(_Section):
         return self
 
     def to_toml(self) -> str:
+        """The effective settings as TOML; the SASL credentials are left out (read again from their variables or files)."""
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
 
 
@@ -158,7 +189,30 @@ def load_settings(path: str | os.PathLike | None = None, overrides: dict | None 
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    kafka = data.get("kafka")
+    if isinstance(kafka, dict):
+        _read_credentials(kafka, source)
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_describe(e, source)) from e
+
+
+def _read_credentials(kafka: dict, source: str) -> None:
+    """Fill kafka.sasl_username / sasl_password from their environment variables, else their files."""
+    for name in ("username", "password"):
+        if f"sasl_{name}" in kafka:
+            raise ConfigError(f"kafka.sasl_{name} in {source}: credentials are not read from the configuration file; "
+                              f"set ${kafka.get(f'sasl_{name}_env', KafkaConfig.model_fields[f'sasl_{name}_env'].default)} "
+                              f"or name a file in kafka.sasl_{name}_file")
+        env = kafka.get(f"sasl_{name}_env", KafkaConfig.model_fields[f"sasl_{name}_env"].default)
+        value = os.environ.get(env) if isinstance(env, str) and env else None
+        path = kafka.get(f"sasl_{name}_file")
+        if value is None and isinstance(path, str) and path:
+            try:
+                value = Path(path).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"kafka.sasl_{name}_file = {path!r} cannot be read ({e.strerror}); "
+                                  f"point it at a file holding the SASL {name}, or set ${env}") from e
+        if value is not None:
+            kafka[f"sasl_{name}"] = value

@@ -3,7 +3,8 @@
 Each fetched message is parsed, then, by its request identity (tenant_id, request_id):
 - answered from what is stored when it was answered before (in memory, the spool or the ledger);
 - parked as a copy when the same key is queued or running here (it gets the first one's answer);
-- dead-lettered when it cannot be read as a job;
+- dead-lettered when it cannot be read as a job, or stands for a record batch that could not be decoded
+  (one DLQ record naming its offsets; the offsets commit past it);
 - failed at once when it is invalid but addressable, or cannot be routed;
 - otherwise routed (one cache round trip for the whole fetch) and queued in the scheduler.
 The same message read twice (a rejoin after a broker restart) counts as done without a second answer.
@@ -31,6 +32,7 @@ from consumer.rules import RuleClassifier
 from consumer.scheduler import Pending, Scheduler
 from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, parse_job
 from consumer.spool import Spool
+from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -61,6 +63,8 @@ class Intake:
         self.classifier = RuleClassifier(snapshot.rules)
 
     def parse(self, m) -> Job | Rejection:
+        if (batch := undecodable(m)) is not None:
+            return Rejection(ErrorInfo(code="undecodable_batch", message=batch.describe()), False)
         if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
             return Rejection(ErrorInfo(
                 code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
@@ -133,7 +137,7 @@ class Intake:
                     f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
                 continue
             item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch)
-            self.scheduler.push(Pending(job.tenant_id, route.adapter.key if route.adapter else None, tokens,
+            self.scheduler.push(Pending(job.tenant_id, route.view.adapter_key if route.view else None, tokens,
                                         time.monotonic(), item, partition=tp, priority=job.priority))
         self.work_event.set()
 

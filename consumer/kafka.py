@@ -1,22 +1,51 @@
-"""Kafka clients built from the configuration, the same way everywhere."""
+"""Kafka clients built from the configuration, the same way everywhere.
+
+Every client the project makes (producers, consumers, the admin client) takes its connection and
+security options from `client_options`: the security protocol, the SASL mechanism and credentials, and a
+TLS context built from the configured CA, certificate and key files.
+"""
 
 from __future__ import annotations
 
+import ssl
+
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.helpers import create_ssl_context
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
+from consumer import undecodable
 from consumer.config import KafkaConfig
+
+
+def client_options(cfg: KafkaConfig) -> dict:
+    """bootstrap_servers and the security keyword arguments of any aiokafka client."""
+    opts: dict = {"bootstrap_servers": cfg.bootstrap_servers, "security_protocol": cfg.security_protocol}
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        opts["ssl_context"] = ssl_context(cfg)
+    if cfg.security_protocol.startswith("SASL_"):
+        assert cfg.sasl_username is not None and cfg.sasl_password is not None, "checked by KafkaConfig"
+        opts.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_username.get_secret_value(),
+                    sasl_plain_password=cfg.sasl_password.get_secret_value())
+    return opts
+
+
+def ssl_context(cfg: KafkaConfig) -> ssl.SSLContext:
+    """The TLS context for the brokers: the configured CA (or the system's), the client certificate if any."""
+    context = create_ssl_context(cafile=cfg.ssl_cafile or None, certfile=cfg.ssl_certfile or None,
+                                 keyfile=cfg.ssl_keyfile or None)
+    context.check_hostname = cfg.ssl_check_hostname
+    return context
 
 
 def make_producer(cfg: KafkaConfig, client_id: str = "lorabatch") -> AIOKafkaProducer:
     # No idempotent producer: the embedded broker rejects InitProducerId, and redelivery is made
     # harmless by the ledger's (tenant, request_id) key instead.
     return AIOKafkaProducer(
-        bootstrap_servers=cfg.bootstrap_servers,
+        **client_options(cfg),
         client_id=client_id,
         acks="all",
         enable_idempotence=False,
-        compression_type=None if cfg.compression == "none" else cfg.compression,
+        compression_type=None if cfg.compression_type == "none" else cfg.compression_type,
         # The configured limit itself: a record that the workers would dead-letter as too large is
         # refused here, at its producer, instead (record_size below is the size compared with it).
         max_request_size=cfg.max_message_bytes,
@@ -34,13 +63,17 @@ def record_size(key: bytes | None, value: bytes) -> int:
 
 
 def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_id: str = "lorabatch", **kw) -> AIOKafkaConsumer:
+    """A consumer that commits by hand and hands out a record batch it cannot decode as one marker record
+    at its offset (consumer/undecodable.py) instead of failing on it forever."""
+    undecodable.install()
     return AIOKafkaConsumer(
         *topics,
-        bootstrap_servers=cfg.bootstrap_servers,
+        **client_options(cfg),
         client_id=client_id,
         group_id=group_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
+        value_deserializer=undecodable.keep_value,
         fetch_max_bytes=max(cfg.max_message_bytes * 4, 4 * 1_048_576),
         max_partition_fetch_bytes=max(cfg.max_message_bytes, 1_048_576),
         **kw,

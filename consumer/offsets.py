@@ -24,37 +24,35 @@ from itertools import count
 @dataclass
 class PartitionOffsets:
     epoch: int
-    next_commit: int | None = None  # the offset Kafka should resume from (last contiguous done + 1)
+    next_commit: int | None = None  # the offset Kafka should resume from (the lowest pending, or one past all fetched)
     pending: set[int] = field(default_factory=set)  # fetched, not yet done
-    done: set[int] = field(default_factory=set)  # done, but above a pending offset
     committed: int | None = None  # what was last sent to the broker in this epoch
     fetched_to: int | None = None  # one past the highest offset fetched
     after_reset: bool = False  # a new epoch of a reset log: nothing of it is committed yet
     confirmed: bool = False  # this worker committed `committed` itself (the broker must know it)
 
-    def fetched(self, offset: int) -> None:
+    def fetched(self, offset: int, upto: int | None = None) -> None:
+        """Note a fetched message; `upto` (one past the last offset it stands for) when it covers a range: one
+        record batch that could not be decoded is one message here. Offsets never fetched between two that
+        were (compacted away, transaction markers, a skipped batch) are no one's to wait for."""
         if self.next_commit is None:
             self.next_commit = offset
             if not self.after_reset:  # the group resumed us here, so this is what is committed already
                 self.committed = offset
-        self.fetched_to = offset + 1
+        self.fetched_to = max(self.fetched_to or 0, upto if upto is not None else offset + 1)
         self.pending.add(offset)
 
     def finished(self, offset: int) -> None:
         if offset not in self.pending:
             return
         self.pending.discard(offset)
-        self.done.add(offset)
-        while self.next_commit in self.done:
-            self.done.discard(self.next_commit)
-            self.next_commit += 1
+        self.next_commit = min(self.pending) if self.pending else self.fetched_to
 
     def to_commit(self) -> int | None:
         """The offset to commit now, or None when nothing new is committable."""
         if self.next_commit is None or self.next_commit == self.committed:
             return None
         return self.next_commit
-
 
 class OffsetTracker:
     """Offsets of every assigned partition, keyed by any hashable partition id."""
@@ -64,14 +62,15 @@ class OffsetTracker:
         self._epochs = count(1)
         self.resets = 0  # log resets seen (a metric)
 
-    def fetched(self, tp, offset: int) -> int:
-        """Note a fetched offset; return the epoch its outcome must carry to `finished`."""
+    def fetched(self, tp, offset: int, upto: int | None = None) -> int:
+        """Note a fetched offset (standing for offsets up to `upto`, exclusive, when given); return the epoch
+        its outcome must carry to `finished`."""
         part = self._parts.get(tp)
         if part is not None and part.fetched_to is not None and offset < part.fetched_to:
             part = self.reset(tp)  # the position went back: the log under the marks is not the one we read
         if part is None:
             part = self._parts[tp] = PartitionOffsets(next(self._epochs))
-        part.fetched(offset)
+        part.fetched(offset, upto)
         return part.epoch
 
     def reset(self, tp) -> PartitionOffsets:

@@ -43,6 +43,7 @@ from consumer.routing import Router
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
 from consumer.schemas import ErrorInfo
 from consumer.spool import Spool
+from consumer.undecodable import undecodable
 from engine.async_engine import AsyncEngine
 
 log = logging.getLogger("lorabatch.worker")
@@ -171,7 +172,7 @@ class Worker:
                 continue
             delay = 0.1
             if batches:
-                await self.intake.ingest([(tp, m, self.offsets.fetched(tp, m.offset))
+                await self.intake.ingest([(tp, m, self.offsets.fetched(tp, m.offset, batch.end if (batch := undecodable(m)) else None))
                                           for tp, messages in batches.items() for m in messages])
             if time.monotonic() - self.partitions.checked_at >= self.s.worker.log_check_s:
                 await self.partitions.check_logs()
