@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def broker_failed(s: Settings, e: Exception, again: str = "run the command again") -> str:
     """The message for a broker that failed under a command: what failed, how to start one, what to rerun."""
-    return (f"the broker at {s.kafka.bootstrap_servers} failed: {e!r}; start it with `lorabatch broker start` "
+    return (f"the broker at {s.kafka.bootstrap_servers} failed ({e}); start it with `lorabatch broker start` "
             f"or set kafka.bootstrap_servers to a running one, then {again}")
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -37,15 +38,106 @@ def settings_from(config: Path | None, **overrides) -> Settings:
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print `message` as an error on stderr and exit with `code`."""
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    """Print `message` as one error line on stderr (never wrapped) and exit with `code`."""
+    console.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks and runs of blanks as single spaces."""
+    return " ".join(str(text).split())
+
+
 def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":%(message)r}')
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    """JSON log lines on stderr, for the processes that run (consumer.logs)."""
+    from consumer.logs import json_logging
+
+    json_logging(level)
+
+
+# ---- operational errors: one line and exit status 2, no traceback (`lorabatch --debug` shows it) ----------------
+
+_DEBUG = {"on": False}  # set by the --debug option before the command runs
+
+
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = on
+    from consumer.logs import command_logging
+
+    command_logging(on)
+
+
+def _brief(e: BaseException) -> str:
+    text = one_line(str(e)) or type(e).__name__
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def operational_message(e: BaseException) -> str | None:
+    """What failed and the fix, in one line, for an operational failure; None for a programmer's mistake.
+
+    Operational: the project's typed errors (they carry `retriable` and say the fix), Kafka, the ledger
+    database, Redis, files and connections. The libraries are looked up among the loaded modules only: an
+    error of one that was never imported cannot have been raised.
+    """
+    kafka = sys.modules.get("aiokafka.errors")
+    if kafka is not None and isinstance(e, kafka.KafkaError):
+        return (f"the Kafka broker failed ({_brief(e)}); start it with `lorabatch broker start`, "
+                f"or set kafka.bootstrap_servers to a running one, then run the command again")
+    sa = sys.modules.get("sqlalchemy.exc")
+    if sa is not None:
+        if isinstance(e, (sa.OperationalError, sa.InterfaceError)):
+            return (f"the ledger database cannot be reached ({_brief(getattr(e, 'orig', None) or e)}); start it, "
+                    f"or set ledger.url to a running one, then run the command again")
+        if isinstance(e, (sa.ArgumentError, sa.NoSuchModuleError)):
+            return (f"ledger.url is not a usable database URL ({_brief(e)}); write it as sqlite:///PATH or "
+                    f"postgresql+psycopg://USER@HOST:PORT/DB")
+        if isinstance(e, sa.DBAPIError):
+            return (f"the ledger database refused a statement ({_brief(getattr(e, 'orig', None) or e)}); if its schema "
+                    f"is behind, run `lorabatch db upgrade`")
+    redis = sys.modules.get("redis.exceptions")
+    if redis is not None and isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+        return (f"Redis cannot be reached ({_brief(e)}); start it, or set routing.redis_url to a running one "
+                f"(or routing.cache = \"lru\"), then run the command again")
+    engine_api = sys.modules.get("engine.api")
+    if engine_api is not None and isinstance(e, engine_api.EngineError) and e.code.startswith("model_"):
+        return (f"{_brief(e)}; set engine.model_dir (or --model) to a Hugging Face model folder, or write the demo "
+                f"one with `lorabatch make-demo-model DIR`")
+    if isinstance(getattr(type(e), "retriable", None), bool):  # the project's typed errors say their fix
+        return _brief(e)
+    if isinstance(e, ConnectionError):
+        return f"a connection failed ({_brief(e)}); check that the service at the configured address is running"
+    if isinstance(e, OSError):
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else _brief(e)
+        return f"{what}; check the path and its permissions"
+    return None
+
+
+def run(app: typer.Typer) -> None:
+    """Run the `lorabatch` command: an operational error is one line on stderr and exit status 2."""
+    import traceback
+
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted", highlight=False)
+        sys.exit(130)
+    except Exception as e:
+        from consumer.logs import json_active
+
+        message = operational_message(e)
+        if json_active():  # a process that logs JSON lines (the worker) ends with one as well
+            log = logging.getLogger("lorabatch")
+            if message is None:
+                log.critical("stopped by an unexpected error: %s: %s", type(e).__name__, e, exc_info=True)
+                sys.exit(1)
+            log.error(one_line(message), exc_info=_DEBUG["on"])
+            sys.exit(2)
+        if message is None:
+            raise  # a programmer's mistake: the traceback is the report
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        console.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 def progress_bar() -> Progress:
@@ -74,6 +166,13 @@ def open_ledger_db(s: Settings) -> SqlEngine:
         return open_db(s)
     except SchemaMissing as e:
         fail(str(e))
+
+
+def current_month() -> str:
+    """This UTC month as YYYY-MM: the period of `invoice` and `report` when none is given."""
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m")
 
 
 def print_table(table) -> None:

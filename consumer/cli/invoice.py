@@ -6,12 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, fail, open_services, settings_from
+from consumer.cli.common import ConfigOpt, current_month, fail, open_services, settings_from
 
 
 def invoice(
     tenant: Annotated[Optional[str], typer.Option(help="the tenant whose invoice to show (or close)")] = None,
-    period: Annotated[Optional[str], typer.Option(help="YYYY-MM (a UTC month)")] = None,
+    period: Annotated[Optional[str], typer.Option(help="YYYY-MM (a UTC month; default: this month)")] = None,
     close: Annotated[bool, typer.Option("--close", help="close (freeze) the tenant's invoice of the period")] = False,
     close_period: Annotated[Optional[str], typer.Option("--close-period", help="close every tenant's invoice of this YYYY-MM")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, json or csv")] = "table",
@@ -31,10 +31,13 @@ def invoice(
     renderers = {"table": render_table, "json": render_json, "csv": render_csv}
     if fmt not in renderers:
         fail(f"--format {fmt!r}: use table, json or csv")
-    if close_period is None and (tenant is None or period is None):
-        fail("pass --tenant T --period YYYY-MM (add --close to close it), or --close-period YYYY-MM")
+    if close_period is None and tenant is None:
+        fail("pass --tenant T [--period YYYY-MM, default this month] (add --close to close it), or --close-period YYYY-MM")
     if close_period is not None and (close or period is not None):
         fail("--close-period closes a whole month by itself; leave out --period and --close")
+    if close and period is None:
+        fail("--close freezes an invoice for good: name its month with --period YYYY-MM")
+    period = period or current_month()
     s = settings_from(config)
     svc = open_services(s)
     try:

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, fail, open_services, parse_decimal, settings_from
+from consumer.cli.common import ConfigOpt, current_month, fail, open_services, parse_decimal, settings_from
 
-PeriodOpt = Annotated[str, typer.Option("--period", help="YYYY-MM (a UTC month)")]
+PeriodOpt = Annotated[Optional[str], typer.Option("--period", help="YYYY-MM (a UTC month; default: this month)")]
 OutOpt = Annotated[Optional[Path], typer.Option("-o", "--output", help="write here instead of stdout")]
 
 
@@ -22,8 +22,8 @@ def write_out(text: str, output: Path | None) -> None:
         typer.echo(f"wrote {output}", err=True)
 
 
-def run_report(kind: str, period: str, fmt: str, output: Path | None, config: Path | None, flag_factor: str | None = None) -> None:
-    """Build the `kind` report of `period` and write it in `fmt`."""
+def run_report(kind: str, period: str | None, fmt: str, output: Path | None, config: Path | None, flag_factor: str | None = None) -> None:
+    """Build the `kind` report of `period` (this UTC month when None) and write it in `fmt`."""
     from billing.errors import LedgerError
     from billing.finance import finance_report
     from billing.reconcile import reconcile_report
@@ -32,6 +32,7 @@ def run_report(kind: str, period: str, fmt: str, output: Path | None, config: Pa
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r}: use {', '.join(FORMATS)}")
+    period = period or current_month()
     s = settings_from(config)
     factor = None
     if flag_factor is not None:
@@ -53,7 +54,7 @@ def run_report(kind: str, period: str, fmt: str, output: Path | None, config: Pa
     write_out(render_report(report, fmt), output)
 
 
-def finance(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
+def finance(period: PeriodOpt = None, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
             output: OutOpt = None,
             flag_factor: Annotated[Optional[str], typer.Option("--flag-factor", help="flag a tenant whose GPU share exceeds its revenue share by this factor (default: ledger.finance_flag_factor)")] = None,
             config: ConfigOpt = None) -> None:
@@ -61,13 +62,13 @@ def finance(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", help
     run_report("finance", period, fmt, output, config, flag_factor)
 
 
-def sre(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
+def sre(period: PeriodOpt = None, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
         output: OutOpt = None, config: ConfigOpt = None) -> None:
     """Per adapter: GPU time by component, routing overhead, KV savings, cold starts, latency; GPU idle per worker."""
     run_report("sre", period, fmt, output, config)
 
 
-def reconcile(period: PeriodOpt, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
+def reconcile(period: PeriodOpt = None, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
               output: OutOpt = None, config: ConfigOpt = None) -> None:
     """Measured GPU busy and load time against what the invoices attribute; every residue named (idle, redelivered work, ...)."""
     run_report("reconcile", period, fmt, output, config)

@@ -1,0 +1,185 @@
+"""Operational mistakes at the `lorabatch` command line: one `error:` line on stderr that says what failed and the
+fix, exit status 2, no traceback; `lorabatch --debug` shows the traceback as well. Run as a user runs them: the
+real console script, in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from consumer.cli.common import operational_message, run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lorabatch(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "LORABATCH_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "consumer.cli", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "lorabatch.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    """The run's stderr is exactly one `error:` line (a progress bar's last frame aside), with no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.strip() and not x.startswith("submitting")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def jobs_file(tmp_path) -> str:
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    return str(path)
+
+
+def test_submit_with_the_broker_down(tmp_path, jobs_file):
+    port = _free_port()
+    cfg = _config(tmp_path, f'[kafka]\nbootstrap_servers = "127.0.0.1:{port}"\n')
+    line = _one_error_line(_lorabatch(tmp_path, "submit", jobs_file, "--tenant", "acme", "--batch-id", "b1", "-c", cfg))
+    assert f"the broker at 127.0.0.1:{port} failed (KafkaConnectionError" in line
+    assert "start it with `lorabatch broker start`" in line and "submit again with --batch-id b1" in line
+
+
+def test_results_with_the_broker_down(tmp_path):
+    cfg = _config(tmp_path, f'[kafka]\nbootstrap_servers = "127.0.0.1:{_free_port()}"\n')
+    line = _one_error_line(_lorabatch(tmp_path, "results", "--tenant", "acme", "--batch-id", "b1", "-c", cfg))
+    assert "failed (KafkaConnectionError" in line and "then run the command again" in line
+
+
+@pytest.mark.parametrize("args", [["invoice", "--tenant", "acme", "--period", "2026-01"], ["report", "finance"], ["tenants", "list"]])
+def test_ledger_unreachable(tmp_path, args):
+    cfg = _config(tmp_path, f'[ledger]\nurl = "postgresql+psycopg://nobody@127.0.0.1:{_free_port()}/test"\n')
+    line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg))
+    assert line.startswith("error: the ledger database cannot be reached (") and "Connection refused" in line
+    assert "set ledger.url to a running one" in line
+
+
+def test_wrong_model_dir(tmp_path):
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    line = _one_error_line(_lorabatch(tmp_path, "generate", "--jobs", str(path), "--model", str(tmp_path / "no-model")))
+    assert "no-model" in line and "is missing" in line and "set engine.model_dir (or --model)" in line
+    assert "`lorabatch make-demo-model DIR`" in line
+
+
+def test_worker_with_a_wrong_model_dir(tmp_path):
+    """The worker's ledger is fine (migrated), its model folder is not there: the model is named, not a traceback."""
+    db = tmp_path / "ledger.db"
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{db}"\n[engine]\nmodel_dir = "{tmp_path / "nothing"}"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "-c", cfg).returncode == 0
+    out = _lorabatch(tmp_path, "worker", "-c", cfg)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    last = json.loads(out.stderr.strip().splitlines()[-1])  # the worker logs JSON lines, its last word too
+    assert last["level"] == "ERROR" and "nothing" in last["msg"] and "set engine.model_dir" in last["msg"]
+    assert all(json.loads(x) for x in out.stderr.splitlines() if x.strip())
+
+
+def test_missing_config_file(tmp_path, jobs_file):
+    line = _one_error_line(_lorabatch(tmp_path, "submit", jobs_file, "--tenant", "acme", "-c", str(tmp_path / "nope.toml")))
+    assert "nope.toml does not exist" in line
+
+
+@pytest.mark.parametrize("text", ["[kafka\nx=", "[kafka]\npartitions = 'four'\n", "[nosuch]\nx = 1\n", "\x00\x01"])
+def test_bad_config(tmp_path, text):
+    line = _one_error_line(_lorabatch(tmp_path, "config", "show", "-c", _config(tmp_path, text)))
+    assert "lorabatch.toml" in line
+
+
+def test_bad_ledger_url(tmp_path):
+    line = _one_error_line(_lorabatch(tmp_path, "tenants", "list", "-c", _config(tmp_path, '[ledger]\nurl = "nonsense"\n')))
+    assert "ledger" in line
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    """--debug: the traceback, then the same one line, and still exit status 2."""
+    cfg = _config(tmp_path, f'[ledger]\nurl = "postgresql+psycopg://nobody@127.0.0.1:{_free_port()}/test"\n')
+    out = _lorabatch(tmp_path, "--debug", "tenants", "list", "-c", cfg)
+    assert out.returncode == 2
+    assert "Traceback (most recent call last)" in out.stderr and "sqlalchemy.exc.OperationalError" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: the ledger database cannot be reached")
+
+
+def test_a_long_error_is_not_wrapped(tmp_path):
+    """A path longer than any terminal stays on the error's one line."""
+    long = tmp_path / ("d" * 150) / "x.toml"
+    line = _one_error_line(_lorabatch(tmp_path, "config", "show", "-c", str(long)))
+    assert str(long) in line
+
+
+class _Typed(Exception):
+    retriable = False
+
+
+@pytest.mark.parametrize(("error", "said"), [
+    (_Typed("the thing failed; do this"), "the thing failed; do this"),
+    (FileNotFoundError(2, "No such file or directory", "/x/y"), "No such file or directory: /x/y; check the path"),
+    (ConnectionRefusedError(111, "Connection refused"), "a connection failed"),
+    (_Typed("two\nlines"), "two lines"),
+])
+def test_operational_errors_are_recognised(error, said):
+    assert said in operational_message(error)
+
+
+@pytest.mark.parametrize("error", [AssertionError("x"), TypeError("y"), KeyError("z"), ValueError("v"), ZeroDivisionError()])
+def test_programmer_mistakes_keep_their_traceback(error, monkeypatch):
+    """A bug is not dressed up as an operational error: run() lets it through for its traceback."""
+    assert operational_message(error) is None
+    app = typer.Typer()
+
+    @app.command()
+    def boom() -> None:
+        raise error
+
+    monkeypatch.setattr(sys, "argv", ["lorabatch"])
+    with pytest.raises(type(error)):
+        run(app)
+
+
+def test_run_turns_an_operational_error_into_exit_2(capsys, monkeypatch):
+    app = typer.Typer()
+
+    @app.command()
+    def boom() -> None:
+        raise _Typed("the ledger is behind;\n run `lorabatch db upgrade`")
+
+    monkeypatch.setattr(sys, "argv", ["lorabatch"])
+    with pytest.raises(SystemExit) as exit_:
+        run(app)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: the ledger is behind; run `lorabatch db upgrade`" in err
+
+
+def test_no_user_visible_text_names_the_design_notes():
+    """Messages, help and the README point to the README's sections, never to files users do not have."""
+    root = Path(__file__).resolve().parents[1]
+    named = []
+    user_facing = ["README.md", "consumer/schemas.py", "consumer/submit.py", "consumer/openai_batch.py", "consumer/offline.py",
+                   "consumer/demo.py", "consumer/config.py", "consumer/logs.py"]
+    for path in [*(root / p for p in user_facing), *root.glob("consumer/cli/*.py")]:
+        text = path.read_text(encoding="utf-8")
+        for word in ("DESIGN.md", "STYLE.md", "../shared"):
+            if word in text:
+                named.append(f"{path.relative_to(root)}: {word}")
+    assert named == []
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "## Job and result contract" in readme
