@@ -33,6 +33,11 @@ SQLITE_BUSY_TIMEOUT_S = 30
 # Alembic's default version table, which migrations/env.py keeps: one row, the revision the schema is at.
 _VERSION_TABLE = "alembic_version"
 
+# The schema revision billing.models describes: the head of migrations/versions. A worker or command refuses a ledger at
+# any other revision (`current_revision` reads it); a new migration moves this with it (tests/test_migrations.py checks
+# the two agree). Here rather than in billing.models so that reading it loads no ORM.
+SCHEMA_REVISION = "0006"
+
 
 def _resolve_url(url: str | URL) -> URL:
     """The URL with its driver made explicit; anything but SQLite and PostgreSQL/psycopg 3 is refused."""

@@ -26,10 +26,10 @@ from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
 from billing.credit import kv_credit_us
-from billing.db import current_revision, dialect_insert, session_factory
+from billing.db import SCHEMA_REVISION, current_revision, dialect_insert, session_factory
 from billing.errors import LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
-from billing.models import SCHEMA_REVISION, AdapterLoad, Base, Busy, Usage, UsageRedelivery
+from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
 from billing.periods import period_of
 from billing.pg_copy import copy_insert
 from billing.prices import PriceBook, gpu_price_list

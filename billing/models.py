@@ -34,9 +34,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.types import Money, UTCDateTime
 
-# The schema revision these models describe: the head of migrations/versions. A worker or command refuses a
-# ledger at any other revision; a new migration moves this with it (tests/test_migrations.py checks the two agree).
-SCHEMA_REVISION = "0006"
+# The schema revision these models describe is billing.db.SCHEMA_REVISION (kept there, beside the check of it, so that a
+# command reading through SQLAlchemy Core checks it without importing the ORM models).
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

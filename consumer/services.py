@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine as SqlEngine
 
 from billing.config import LedgerConfig
-from billing.db import current_revision, make_engine, session_factory
-from billing.models import SCHEMA_REVISION
+from billing.db import SCHEMA_REVISION, current_revision, make_engine, session_factory
 from consumer.config import Settings
 
 if TYPE_CHECKING:

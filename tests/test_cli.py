@@ -134,3 +134,27 @@ def test_admin_commands_load_no_engine(config):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+_LISTING = """
+import sys
+from consumer.cli import build_app
+try:
+    build_app()(["tenants", "list", *sys.argv[1:]], standalone_mode=False)
+except SystemExit:
+    pass
+print(sorted(m for m in ("torch", "triton", "aiokafka", "sqlalchemy.orm", "billing.models", "consumer.registry") if m in sys.modules))
+"""
+
+
+def test_tenants_list_loads_no_orm(config):
+    """`lorabatch tenants list` reads through SQLAlchemy Core: it imports neither torch nor sqlalchemy.orm
+    (nor the ORM models or the registry), and still lists what `tenants add` wrote."""
+    run("tenants", "add", "acme", "--config", config)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _LISTING, "--config", config], cwd=repo, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "[]", done.stdout
+    assert any("acme" in line for line in lines[:-1]), done.stdout

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from billing import db
 from billing.errors import LedgerConfigError
-from billing.models import SCHEMA_REVISION, Base
+from billing.models import Base
 
 from migrations import SCRIPT_LOCATION
 from tests.db_fixtures import fresh_pg_schema
@@ -150,8 +150,8 @@ def test_alembic_command_line_from_the_repository_root(tmp_path: Path) -> None:
 
 
 def test_models_name_the_head_revision() -> None:
-    """billing.models.SCHEMA_REVISION, which workers and commands require, is the head of migrations/versions."""
-    assert SCHEMA_REVISION == db.head_revision(SCRIPT_LOCATION)
+    """billing.db.SCHEMA_REVISION, which workers and commands require, is the head of migrations/versions."""
+    assert db.SCHEMA_REVISION == db.head_revision(SCRIPT_LOCATION)
 
 
 def test_billing_loads_neither_migrations_nor_alembic() -> None:
