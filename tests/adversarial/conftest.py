@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.adversarial.harness import Tally, append_report
+from tests.adversarial.accounting import Tally, append_report
 from tests.adversarial.pg_cluster import PgCluster
 
 REPORT_ENV = "LORABATCH_ADVERSARIAL_REPORT"  # a JSON-lines file each test appends its tally to

@@ -13,19 +13,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from billing import db
 from consumer.broker import EmbeddedBroker, ensure_topics, free_port
 from migrations import SCRIPT_LOCATION
-from tests.adversarial.harness import (
-    Collector,
-    account,
-    adversarial_settings,
-    fill_tally,
-    job_message,
-    ledger_problems,
-    live_worker,
-    produce,
-    register_two_tenants,
-    wait_conserved,
-    wait_rows,
-)
+from tests.adversarial.accounting import account, close_scenario, wait_conserved, wait_rows
+from tests.adversarial.harness import Collector, adversarial_settings, job_message, live_worker, produce, register_two_tenants
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import open_services
 
@@ -78,17 +67,12 @@ async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set
                         sent2 = await produce(s, [job_message(j) for j in after])
                         await col2.until(lambda c: c.answered(sent2) or not lw.alive(), 120)
                         await col2.settle(1.0)
-                    acct2 = account(sent2, col2)
-                    identities = [m.identity for m in sent1 + sent2]
-                    rows = await wait_rows(svc.db, identities, 15)
-                    busy = await wait_conserved(svc.db, lw.worker_id)
-                    alive = lw.alive()
-                    unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, {**acct1.results, **acct2.results})
-                    fill_tally(tally, sent1 + sent2, acct2, col2, [lw], unbilled, double, busy)
+                    # The new log's messages, accounted by their reader; the ledger of both logs' jobs.
+                    end = await close_scenario(tally, sent2, col2, svc.db, lw, billed=[m.identity for m in sent1 + sent2],
+                                               earlier=acct1.results)
                     tally.lost += len(acct1.lost)
                     tally.published_twice += len(acct1.extra)
                     tally.cases = len(sent1) + len(sent2)
-                    assert alive, lw.death()
             finally:
                 svc.close()
     finally:
@@ -97,12 +81,10 @@ async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set
     assert not acct1.lost and not acct1.extra, (acct1.lost, acct1.extra)
     assert all(r.status == "succeeded" for rs in acct1.results.values() for r in rs)
     assert all(rows1.values()), "the jobs before the restart have their rows"
-    assert not acct2.lost, f"{len(acct2.lost)} of {len(sent2)} jobs on the new log were never answered: {acct2.lost}"
-    assert not acct2.extra and not acct2.stray, (acct2.extra, acct2.stray, _copies(acct2))
+    acct2 = end.acct
+    assert not end.problems(), (f"{len(sent2)} jobs on the new log", end.problems(), _copies(acct2))
     assert all(r.status == "succeeded" for rs in acct2.results.values() for r in rs), [r.error for rs in acct2.results.values() for r in rs]
     assert not col2.dlq, [d.error for d, _ in col2.dlq]
-    assert not unbilled and not double, unbilled + double
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
 
 
 async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo_set, pg_database):
@@ -136,22 +118,14 @@ async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo
                     sent2 = await produce(s, [job_message(j) for j in _jobs("new-log", 8)])
                     await col.until(lambda c: c.answered(sent1 + sent2) or not lw.alive(), 90)
                     await col.settle(1.0)
-                    sent = sent1 + sent2
-                    acct = account(sent, col)
-                    identities = [m.identity for m in sent]
-                    rows = await wait_rows(svc.db, identities, 15)
-                    busy = await wait_conserved(svc.db, lw.worker_id)
-                    unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-                    fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
-                    assert lw.alive(), lw.death()
+                    end = await close_scenario(tally, sent1 + sent2, col, svc.db, lw)
             finally:
                 svc.close()
     finally:
         broker.stop()
+    acct = end.acct
     new = [m.describe() for m in sent2 if not acct.results.get(m.identity)]
     assert not new, f"{len(new)} of {len(sent2)} jobs on the recreated topic were never answered: {new}"
-    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
+    assert not end.problems(), end.problems()
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
     assert not col.dlq, [d.error for d, _ in col.dlq]
-    assert not unbilled and not double, unbilled + double
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"

@@ -15,21 +15,8 @@ import pytest
 
 from billing import db
 from migrations import SCRIPT_LOCATION
-from tests.adversarial.harness import (
-    Collector,
-    Message,
-    account,
-    adversarial_settings,
-    dlq_problems,
-    fill_tally,
-    ledger_problems,
-    live_worker,
-    produce,
-    register_two_tenants,
-    result_problems,
-    wait_conserved,
-    wait_rows,
-)
+from tests.adversarial.accounting import account, dlq_problems, fill_tally, ledger_problems, result_problems, wait_conserved, wait_rows
+from tests.adversarial.harness import Collector, Message, adversarial_settings, live_worker, produce, register_two_tenants
 from tests.adversarial.payloads import TENANTS, Case, boundary_cases, drawn_cases, model_vocab, special_cases
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import open_services

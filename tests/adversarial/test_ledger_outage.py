@@ -16,19 +16,8 @@ import pytest
 
 from billing import db
 from migrations import SCRIPT_LOCATION
-from tests.adversarial.harness import (
-    Collector,
-    account,
-    adversarial_settings,
-    fill_tally,
-    job_message,
-    ledger_problems,
-    live_worker,
-    produce,
-    register_two_tenants,
-    wait_conserved,
-    wait_rows,
-)
+from tests.adversarial.accounting import account, close_scenario, wait_conserved, wait_rows
+from tests.adversarial.harness import Collector, adversarial_settings, job_message, live_worker, produce, register_two_tenants
 from tests.service_fixtures import open_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -73,28 +62,19 @@ async def test_postgres_stopped_and_started_mid_run(tally, broker, tmp_path, dem
             await asyncio.to_thread(own_pg.start)
             down_s = time.monotonic() - down_since
 
-            identities = [m.identity for m in sent]
-            rows = await wait_rows(svc.db, identities, 60)
-            busy = await wait_conserved(svc.db, lw.worker_id, 30)
             await col.until(lambda c: c.answered(sent) or not lw.alive(), 30)
             await col.settle(2.0)
-            acct = account(sent, col)
-            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            end = await close_scenario(tally, sent, col, svc.db, lw, rows_s=60, busy_s=30)
             tally.note(f"PostgreSQL down {down_s:.1f}s; {published_while_down} results published while down")
-            assert lw.alive(), lw.death()
     finally:
         svc.close()
+    acct = end.acct
     assert alive_while_down, "the worker died while the ledger was down"
-    assert not acct.extra, f"results published more than once: {acct.extra}"
-    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
+    assert not end.problems(), end.problems()[:20]
     assert answered_while_down, (f"only {published_while_down} of {len(sent)} results were published while the ledger was down; "
                                  "results must go out while ledger records wait in the spool")
-    assert not acct.stray, acct.stray
     assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
-    assert not unbilled and not double, unbilled[:10] + double[:10]
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us after the restart"
 
 
 async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_path, demo_set, own_pg):
@@ -124,28 +104,21 @@ async def test_ledger_schema_dropped_under_a_running_worker(tally, broker, tmp_p
 
             await asyncio.to_thread(db.upgrade, url, script_location=SCRIPT_LOCATION)
             register_two_tenants(svc, demo_set)  # the registry lived in the dropped schema too
-            identities = [m.identity for m in during]
-            rows = await wait_rows(svc.db, identities, 60)
-            busy = await wait_conserved(svc.db, lw.worker_id, 30)
             await col.settle(2.0)
-            acct = account(sent, col)
-            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            # The warm-up's rows went with the dropped schema: the ledger is judged on the jobs sent after it.
+            end = await close_scenario(tally, sent, col, svc.db, lw, billed=[m.identity for m in during], rows_s=60, busy_s=30)
             tally.note(f"{published_without_schema} results published without a schema")
-            assert lw.alive(), lw.death()
     finally:
         svc.close()
+    acct = end.acct
     ledger_dlq = [(d.error.code, d.error.message[:200]) for d, _ in col.dlq if d.error.code.startswith("ledger")]
     assert all(warm_rows.values()), "the warm-up has its rows before the drop"
     assert alive_without_schema, "the worker died while the ledger had no schema"
     assert not ledger_dlq, f"dead-lettered for the ledger's schema: {ledger_dlq}"
     assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
-    assert not acct.extra, f"results published more than once: {acct.extra}"
-    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
+    assert not end.problems(), end.problems()[:20]
     assert answered_without_schema, f"only {published_without_schema} of {len(sent)} results were published without a schema"
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
-    assert not unbilled and not double, unbilled[:10] + double[:10]
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us once the spool landed"
 
 
 async def test_full_spool_pauses_fetching_and_drops_nothing(tally, broker, tmp_path, demo_set, own_pg):
@@ -177,23 +150,15 @@ async def test_full_spool_pauses_fetching_and_drops_nothing(tally, broker, tmp_p
                 await asyncio.to_thread(own_pg.start)
             sent = warm + filling + paused
             await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
-            identities = [m.identity for m in sent]
-            rows = await wait_rows(svc.db, identities, 60)
-            busy = await wait_conserved(svc.db, lw.worker_id, 30)
             await col.settle(2.0)
-            acct = account(sent, col)
-            unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-            fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
+            end = await close_scenario(tally, sent, col, svc.db, lw, rows_s=60, busy_s=30)
             tally.note(f"{answered_while_full} of {len(paused)} jobs produced after the spool filled were answered while it was full")
-            assert lw.alive(), lw.death()
     finally:
         svc.close()
+    acct = end.acct
     assert alive_while_full, "the worker died while its spool was full"
     assert answered_while_full == 0, (f"{answered_while_full} of {len(paused)} jobs produced after the spool filled were "
                                       "fetched and answered: fetching must pause while the spool is full")
-    assert not acct.extra, f"results published more than once: {acct.extra}"
-    assert not acct.lost, f"{len(acct.lost)} jobs never answered: {acct.lost}"
-    assert not acct.stray and not col.dlq, (acct.stray, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq])
+    assert not end.problems(), end.problems()[:20]
+    assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
-    assert not unbilled and not double, unbilled[:10] + double[:10]
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us once the spool drained"

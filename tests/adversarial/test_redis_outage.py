@@ -10,19 +10,8 @@ import pytest
 
 from billing import db
 from migrations import SCRIPT_LOCATION
-from tests.adversarial.harness import (
-    Collector,
-    account,
-    adversarial_settings,
-    fill_tally,
-    job_message,
-    ledger_problems,
-    live_worker,
-    produce,
-    register_two_tenants,
-    wait_conserved,
-    wait_rows,
-)
+from tests.adversarial.accounting import close_scenario
+from tests.adversarial.harness import Collector, adversarial_settings, job_message, live_worker, produce, register_two_tenants
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import open_services
 
@@ -52,24 +41,17 @@ async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, out
                 sent = before + during + after
                 await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
                 await col.settle(1.0)
-                identities = [m.identity for m in sent]
-                rows = await wait_rows(svc.db, identities, 15)
-                busy = await wait_conserved(svc.db, lw.worker_id)
-                acct = account(sent, col)
-                unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-                fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
-                assert lw.alive(), lw.death()
+                end = await close_scenario(tally, sent, col, svc.db, lw)
         finally:
             svc.close()
+    assert not end.problems(), end.problems()
     assert ok_during, "jobs were not answered while Redis was away"
-    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
     assert not col.dlq, [d.error for d, _ in col.dlq]
+    acct = end.acct
     failed = [(i, r.error) for i, rs in acct.results.items() for r in rs if r.status != "succeeded"]
     assert not failed, failed
     during_routes = [acct.results[m.identity][0].route for m in during]
     assert all("cache unavailable" in r for r in during_routes), f"routing during the outage must say so: {during_routes}"
-    assert not unbilled and not double, unbilled + double
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
 
 
 async def test_redis_stopped_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server):

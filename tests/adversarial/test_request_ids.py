@@ -14,22 +14,18 @@ from billing.invoice import build_invoice
 from consumer.schemas import BatchManifest, Job
 from consumer.submit import collect_results, produce_jobs, read_manifest
 from migrations import SCRIPT_LOCATION
-from tests.adversarial.harness import (
-    Collector,
+from tests.adversarial.accounting import (
     account,
-    adversarial_settings,
     busy_and_attributed,
+    close_scenario,
     fill_tally,
-    job_message,
     ledger_problems,
-    live_worker,
-    produce,
-    register_two_tenants,
     row_dict,
     usage_rows,
     wait_conserved,
     wait_rows,
 )
+from tests.adversarial.harness import Collector, adversarial_settings, job_message, live_worker, produce, register_two_tenants
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import open_services
 
@@ -67,16 +63,11 @@ async def test_same_request_id_two_tenants_at_once(tally, broker, tmp_path, demo
                 sent = await produce(s, messages)
                 await col.until(lambda c: c.answered(sent) or not lw.alive(), 90)
                 await col.settle(1.0)
-                identities = [m.identity for m in sent]
-                rows = await wait_rows(svc.db, identities, 15)
-                busy = await wait_conserved(svc.db, lw.worker_id)
-                acct = account(sent, col)
-                unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-                fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
-                assert lw.alive(), lw.death()
+                end = await close_scenario(tally, sent, col, svc.db, lw)
         finally:
             svc.close()
-    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
+    acct, rows = end.acct, end.rows
+    assert not end.problems(), end.problems()
     assert not col.dlq, [d.error for d, _ in col.dlq]
     wrong = []
     for (tenant, rid), results in acct.results.items():
@@ -93,8 +84,6 @@ async def test_same_request_id_two_tenants_at_once(tally, broker, tmp_path, demo
         if row is not None and (row.input_tokens != want_ids or row.adapter != refs[tenant]):
             wrong.append(f"{tenant}/{rid}: ledger row of another job: input_tokens={row.input_tokens}, adapter={row.adapter}")
     assert not wrong, "\n".join(wrong)
-    assert not unbilled and not double, unbilled + double
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
 
 
 async def test_duplicate_delivered_while_the_first_runs(tally, broker, tmp_path, demo_set, pg_database):
@@ -128,30 +117,25 @@ async def test_duplicate_delivered_while_the_first_runs(tally, broker, tmp_path,
                 try:
                     await col.until(lambda c: c.answered(sent) or not lw.alive(), 90)
                     await col.settle(1.5)
-                    rows = await wait_rows(svc.db, identities, 15)
+                    await wait_rows(svc.db, identities, 15)
                 finally:
                     watcher.cancel()
                     await asyncio.gather(watcher, return_exceptions=True)
-                busy = await wait_conserved(svc.db, lw.worker_id)
-                for identity, rs in rows.items():
+                end = await close_scenario(tally, sent, col, svc.db, lw, billed=identities)
+                for identity, rs in end.rows.items():
                     seen_status[identity].update(r.status for r in rs)
-                acct = account(sent, col)
-                unbilled, double = ledger_problems(rows, {i: "succeeded" for i in identities}, acct.results)
-                fill_tally(tally, sent, acct, col, [lw], unbilled, double, busy)
-                assert lw.alive(), lw.death()
         finally:
             svc.close()
-    assert not acct.lost and not acct.extra and not acct.stray, (acct.lost, acct.extra, acct.stray)
+    acct = end.acct
+    assert not end.problems(), end.problems()
     assert not col.dlq, [d.error for d, _ in col.dlq]
     for identity in identities:
         results = acct.results[identity]
         assert len(results) == 2, (identity, len(results))
         assert results[0].status == "succeeded", (identity, [r.error for r in results])
         assert _body(results[0]) == _body(results[1]), f"{identity}: the two answers differ: {[_body(r) for r in results]}"
-    assert not unbilled and not double, unbilled + double
     never_failed = {i: st for i, st in seen_status.items() if st != {"succeeded"}}
     assert not never_failed, f"ledger statuses seen while the copies ran: {never_failed}"
-    assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us: a copy ran on the GPU unbilled"
 
 
 async def test_resubmitted_after_it_finished_is_answered_from_the_ledger(tally, broker, tmp_path, demo_set, pg_database):
