@@ -44,11 +44,13 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-async def ensure_topics(bootstrap: str, topics: list[str], partitions: int, timeout_s: float = 20.0) -> list[str]:
-    """Create missing topics; return the ones created. Retries while the broker warms up."""
+async def ensure_topics(bootstrap: str, topics: list[str], partitions: int, timeout_s: float = 20.0,
+                        options: dict | None = None) -> list[str]:
+    """Create missing topics; return the ones created. Retries while the broker warms up. `options`: the
+    security keyword arguments of a real cluster's clients (consumer.kafka.client_options)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+        admin = AIOKafkaAdminClient(**{"bootstrap_servers": bootstrap, **(options or {})}, request_timeout_ms=5000)
         try:
             await admin.start()
             existing = set(await admin.list_topics())
