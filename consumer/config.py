@@ -110,6 +110,8 @@ class WorkerConfig(_Section):
     spool_max_records: int = Field(100_000, ge=1, description="fetching pauses while the spool holds this many records")
     answered_cache: int = Field(10_000, ge=0, description="recent (tenant, request_id) answers kept in memory, so "
                                 "a redelivered job is answered without asking the ledger")
+    wait_max_s: float = Field(30.0, gt=0, description="longest pause between attempts to reach the broker, the ledger "
+                              "or Redis (the pauses double from 0.5 s up to this)")
     log_check_s: float = Field(2.0, gt=0, description="how often the partitions' log ends and committed offsets are "
                                "checked against the worker's marks (a broker restart, a recreated topic)")
 
@@ -122,6 +124,8 @@ class RoutingConfig(_Section):
     cache_ttl_s: float = Field(3600.0, gt=0, description="a user's or session's adapter is forgotten after this")
     redis_timeout_ms: float = Field(50.0, gt=0, description="a Redis call slower than this counts as Redis down")
     redis_backoff_s: float = Field(1.0, gt=0, description="after a Redis error, route without it for this long")
+    redis_start_wait_s: float = Field(30.0, ge=0, description="a worker waits this long for Redis at start, then "
+                                      "routes without it (rules and defaults) until it answers")
     breaker_failure_rate: float = Field(0.5, gt=0, le=1, description="an adapter's circuit opens at this failure rate")
     breaker_min_requests: int = Field(5, ge=1, description="... over at least this many requests in the window")
     breaker_window_s: float = Field(60.0, gt=0)

@@ -78,6 +78,8 @@ class Deliverer:
         self._event = asyncio.Event()
         self.ledger_down: str | None = None  # why the ledger cannot take writes now; None when it can
         self.schema_behind = False  # the ledger's schema is missing or old: the worker holds its fetching
+        self.published = 0  # results the broker has taken
+        self.spooled = 0  # ledger records written to the spool
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
@@ -208,6 +210,7 @@ class Deliverer:
             key = o.result.request_id.encode()
             await (await self.producer.send(self.k.results_topic, o.result.model_dump_json().encode(), key=key))
             o.sent.add("result")
+            self.published += 1
         if o.dlq is not None and "dlq" not in o.sent:
             await (await self.producer.send(self.k.dlq_topic, o.dlq.model_dump_json().encode()))
             o.sent.add("dlq")
@@ -262,6 +265,7 @@ class Deliverer:
         while True:
             try:
                 await asyncio.to_thread(self.spool.put, records)
+                self.spooled += len(records)
                 break
             except Exception as e:  # noqa: BLE001 - a full disk: nothing can be done but wait and say so
                 self.metrics.waiting.labels("spool").set(1)

@@ -39,6 +39,16 @@ class Services:
         self.db.dispose()
 
 
+def shown_url(url: str) -> str:
+    """A database URL fit for a log line or a message: its password masked."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL at all: show nothing of it that could be a secret
+        return "(the configured ledger.url)"
+
+
 def open_ledger_db(settings: Settings, *, check_schema: bool = True) -> SqlEngine:
     """The ledger database's engine; SchemaMissing unless its schema is at SCHEMA_REVISION (or `check_schema` is False).
 
@@ -48,7 +58,7 @@ def open_ledger_db(settings: Settings, *, check_schema: bool = True) -> SqlEngin
     if check_schema and (found := current_revision(db)) != SCHEMA_REVISION:
         db.dispose()
         state = "has no schema yet" if found is None else f"is at revision {found}, not {SCHEMA_REVISION}"
-        raise SchemaMissing(f"the ledger database {settings.ledger.url} {state}; run `lorabatch db upgrade` first")
+        raise SchemaMissing(f"the ledger database {shown_url(settings.ledger.url)} {state}; run `lorabatch db upgrade` first")
     return db
 
 

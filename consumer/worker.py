@@ -44,6 +44,7 @@ from consumer.scheduler import Pending, Scheduler, TenantPolicy
 from consumer.schemas import ErrorInfo
 from consumer.spool import Spool
 from consumer.undecodable import undecodable
+from consumer.waits import Stopped, connect, wait_for_redis
 from engine.async_engine import AsyncEngine
 
 log = logging.getLogger("lorabatch.worker")
@@ -92,40 +93,69 @@ class Worker:
         self.consumer = None
         self.partitions: Partitions | None = None
         self.deliverer: Deliverer | None = None
+        self._in_flight_at_stop: int | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
     def stop(self) -> None:
         """Ask the worker to drain and exit (SIGTERM handler)."""
+        if not self._stopping.is_set():
+            self._in_flight_at_stop = self.offsets.in_flight()
         self._stopping.set()
         self._work_event.set()
 
     async def run(self) -> None:
-        k = self.s.kafka
-        producer = make_producer(k, client_id=self.worker_id)
-        static = {"group_instance_id": self.worker_id} if self.s.worker.static_membership and self.s.worker.worker_id else {}
-        self.consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
-        self.consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
-        self.partitions = Partitions(self.consumer, self.offsets, self.metrics)
-        self.deliverer = self.intake.deliverer = Deliverer(
-            k, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
-            lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000)
-        await producer.start()
-        self.aengine.start()
+        """Connect (waiting for the broker and Redis as long as it takes), serve until stopped, drain, commit."""
+        producer = None
         try:
-            await self.consumer.start()
+            producer = await connect(lambda: make_producer(self.s.kafka, client_id=self.worker_id), self.s, self._stopping)
+            await wait_for_redis(self.router.cache, self.s, self._stopping)
+            self.consumer = await connect(self._make_consumer, self.s, self._stopping)
+        except Stopped:
+            log.info("stopped while waiting for the broker; nothing was fetched")
+        else:
+            self.partitions = Partitions(self.consumer, self.offsets, self.metrics)
+            self.deliverer = self.intake.deliverer = Deliverer(
+                self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
+                lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000)
+            self.aengine.start()
             try:
-                await self._run_tasks()
+                try:
+                    await self._run_tasks()
+                finally:
+                    await self._commit()
+                    self._log_summary()
+                    await self.consumer.stop()  # before the engine closes: a last revoke may still abort its work
             finally:
-                await self._commit()
-                await self.consumer.stop()
+                await self.aengine.close(drain=False)
         finally:
-            await self.aengine.close(drain=False)
-            await producer.stop()
+            if self.consumer is not None:
+                await self.consumer.stop()
+            if producer is not None:
+                await producer.stop()
             self.spool.close()
             close = getattr(self.router.cache, "close", None)
             if close is not None:
                 await close()
+
+    def _make_consumer(self):
+        k, w = self.s.kafka, self.s.worker
+        static = {"group_instance_id": self.worker_id} if w.static_membership and w.worker_id else {}
+        consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
+        consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
+        return consumer
+
+    def _log_summary(self) -> None:
+        """One line on the way out: what was in flight at the stop and what became of it, what went out."""
+        d = self.deliverer
+        left = self.offsets.in_flight()
+        at_stop = self._in_flight_at_stop if self._in_flight_at_stop is not None else left
+        committed = {f"{tp.topic}:{tp.partition}": self.offsets.confirmed(tp) for tp in self.offsets.partitions()}
+        log.info("%s: %d jobs in flight at the stop, %d finished, %d abandoned (uncommitted: redelivered to the next "
+                 "owner); %d results published since start; %d ledger records spooled, %d still in the spool for the "
+                 "next start; offsets committed: %s", "drained on stop" if self._stopping.is_set() else "stopped on a failure",
+                 at_stop, max(0, at_stop - left), left, d.published, d.spooled, len(self.spool),
+                 ", ".join(f"{p}={o}" for p, o in sorted(committed.items()) if o is not None) or "none")
 
     async def _run_tasks(self) -> None:
         assert self.deliverer is not None

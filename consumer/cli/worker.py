@@ -1,4 +1,8 @@
-"""`lorabatch worker`: one worker process (one per GPU); SIGTERM drains and exits."""
+"""`lorabatch worker`: one worker process (one per GPU); SIGTERM drains and exits.
+
+Started before its ledger, broker or Redis, the worker waits for each (one log line per attempt, backoff
+capped at worker.wait_max_s) instead of exiting; SIGTERM during a wait ends it cleanly.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, open_services, settings_from, setup_logging
+from consumer.cli.common import ConfigOpt, settings_from, setup_logging
 
 
 def worker(config: ConfigOpt = None, log_level: str = "INFO",
@@ -17,26 +21,48 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import logging
     import signal
 
+    from consumer.services import open_services, shown_url
+    from consumer.waits import Stopped, wait_for
     from consumer.worker import Worker
     from engine.engine import Engine
 
     setup_logging(log_level)
+    log = logging.getLogger("lorabatch.worker")
     s = settings_from(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
-    svc = open_services(s)
     engine = Engine(s.engine)
-    w = Worker(s, engine, svc.registry, svc.ledger)
-    if s.worker.metrics_port:
-        w.metrics.serve(s.worker.metrics_port)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, w.stop)
-        await w.run()
+        stopping = asyncio.Event()
+        running: list[Worker] = []
 
-    logging.getLogger("lorabatch.worker").info("worker %s starting on %s", w.worker_id, s.kafka.bootstrap_servers)
+        def stop() -> None:
+            stopping.set()
+            for w in running:
+                w.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
+        try:
+            svc = await wait_for(f"the ledger database {shown_url(s.ledger.url)}", lambda: asyncio.to_thread(open_services, s),
+                                 stopping=stopping, max_s=s.worker.wait_max_s,
+                                 hint="start it, fix ledger.url, or run `lorabatch db upgrade` if its schema is missing")
+        except Stopped:
+            log.info("stopped while waiting for the ledger; nothing was fetched")
+            return
+        try:
+            w = Worker(s, engine, svc.registry, svc.ledger)
+            running.append(w)
+            if stopping.is_set():
+                w.stop()
+            if s.worker.metrics_port:
+                w.metrics.serve(s.worker.metrics_port)
+            log.info("worker %s starting on %s", w.worker_id, s.kafka.bootstrap_servers)
+            await w.run()
+        finally:
+            svc.close()
+
     asyncio.run(main())
-    svc.close()
 
 
 def register(app: typer.Typer) -> None:

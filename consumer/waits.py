@@ -1,0 +1,104 @@
+"""Waiting for a dependency: try, and on failure wait with capped doubling backoff, one log line per try.
+
+A worker started before its broker, its ledger or its Redis (or whose broker died) waits for it rather
+than exiting with a traceback: each failed attempt logs what is waited for, why the attempt failed and
+when the next one comes (0.5 s, 1 s, 2 s, ... up to `max_s`, so a long outage logs about twice a minute).
+A stop request (SIGTERM) ends the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from consumer.config import Settings
+
+log = logging.getLogger("lorabatch.worker")
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """The wait ended because the process was asked to stop."""
+
+    retriable = False
+
+
+async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: asyncio.Event | None = None,
+                   first_s: float = 0.5, max_s: float = 30.0, give_up_s: float | None = None,
+                   hint: str = "") -> T:
+    """`await attempt()` until it returns. Raises Stopped when `stopping` is set first, and the last error
+    once `give_up_s` has passed (None: never gives up)."""
+    assert 0 < first_s <= max_s, (first_s, max_s)
+    started = time.monotonic()
+    delay = first_s
+    tries = 0
+    while True:
+        if stopping is not None and stopping.is_set():
+            raise Stopped(f"stopped while waiting for {what}")
+        tries += 1
+        try:
+            value = await attempt()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the dependency is waited out, and said
+            waited = time.monotonic() - started
+            if give_up_s is not None and waited + delay > give_up_s:
+                log.warning("gave up waiting for %s after %.0fs and %d attempts (%s)", what, waited, tries, _brief(e))
+                raise
+            log.warning("waiting for %s: attempt %d failed (%s)%s; next attempt in %.1fs", what, tries, _brief(e),
+                        f"; {hint}" if hint else "", delay)
+            if stopping is None:
+                await asyncio.sleep(delay)
+            else:
+                try:
+                    await asyncio.wait_for(stopping.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+            delay = min(delay * 2, max_s)
+            continue
+        if tries > 1:
+            log.warning("%s is available after %.1fs and %d attempts", what, time.monotonic() - started, tries)
+        return value
+
+
+def _brief(e: BaseException) -> str:
+    """The error in one short line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+async def connect(make: Callable[[], T], settings: Settings, stopping: asyncio.Event | None = None) -> T:
+    """A started Kafka client (producer, consumer); a fresh one per attempt while the broker cannot be reached."""
+    async def attempt():
+        client = make()
+        try:
+            await client.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await client.stop()
+            raise
+        return client
+
+    return await wait_for(f"the Kafka broker at {settings.kafka.bootstrap_servers}", attempt, stopping=stopping,
+                          max_s=settings.worker.wait_max_s,
+                          hint="start it (`lorabatch broker start`) or set kafka.bootstrap_servers to a running cluster")
+
+
+async def wait_for_redis(cache, settings: Settings, stopping: asyncio.Event | None = None) -> None:
+    """Redis holds the L1/L2 route maps: wait for it up to routing.redis_start_wait_s at start, then route
+    without it (the tenants' rules and defaults) until it answers."""
+    if getattr(cache, "name", None) != "redis":
+        return
+    where = settings.routing.redis_url.rsplit("@", 1)[-1]  # no password in the log
+    try:
+        await wait_for(f"Redis at {where}", cache.client.ping, stopping=stopping, max_s=settings.worker.wait_max_s,
+                       give_up_s=settings.routing.redis_start_wait_s, hint="start it or fix routing.redis_url")
+    except Stopped:
+        raise
+    except Exception:  # noqa: BLE001 - Redis speeds routing up; without it routing goes on
+        log.warning("starting without Redis: routing uses the tenants' rules and defaults until it answers")

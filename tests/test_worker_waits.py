@@ -1,0 +1,146 @@
+"""The worker waits for its dependencies instead of dying, and says what it waits for; SIGTERM drains with a
+summary line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import uuid
+
+import pytest
+
+from consumer.broker import EmbeddedBroker, free_port
+from consumer.config import load_settings
+from consumer.schemas import Result
+from consumer.waits import Stopped, wait_for
+from tests.service_fixtures import open_services, produce_raw, read_all, running_worker
+
+
+def _flaky(failures: int, error=ConnectionRefusedError("connection refused")):
+    calls = []
+
+    async def attempt():
+        calls.append(1)
+        if len(calls) <= failures:
+            raise error
+        return "up"
+    return attempt, calls
+
+
+async def test_wait_for_retries_until_the_dependency_answers(caplog):
+    """Each failed attempt is one line naming what is waited for and why; the backoff doubles up to its cap."""
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    attempt, calls = _flaky(5)
+    assert await wait_for("the thing at x:1", attempt, first_s=0.001, max_s=0.004, hint="start it") == "up"
+    assert len(calls) == 6
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = [m for m in lines if m.startswith("waiting for the thing at x:1")]
+    assert len(waiting) == 5 and all("ConnectionRefusedError: connection refused" in m and "start it" in m for m in waiting)
+    assert [m.rsplit("next attempt in ", 1)[1] for m in waiting] == ["0.0s"] * 5  # 1, 2, 4, 4, 4 ms
+    assert any("available after" in m and "6 attempts" in m for m in lines)
+
+
+async def test_wait_for_succeeding_at_once_logs_nothing(caplog):
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    attempt, calls = _flaky(0)
+    assert await wait_for("x", attempt) == "up" and len(calls) == 1 and not caplog.records
+
+
+async def test_a_stop_ends_the_wait_and_cancellation_is_not_swallowed():
+    stopping = asyncio.Event()
+    attempt, calls = _flaky(10**9)
+    task = asyncio.create_task(wait_for("x", attempt, stopping=stopping, first_s=30, max_s=30))
+    await asyncio.sleep(0.05)
+    stopping.set()  # wakes the 30 s pause at once
+    with pytest.raises(Stopped):
+        await asyncio.wait_for(task, 5)
+    task = asyncio.create_task(wait_for("x", attempt, first_s=30, max_s=30))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_give_up_raises_the_last_error():
+    attempt, calls = _flaky(10**9, OSError("no route"))
+    with pytest.raises(OSError, match="no route"):
+        await wait_for("x", attempt, first_s=0.001, max_s=0.001, give_up_s=0.02)
+    assert len(calls) >= 2
+
+
+async def test_unknown_errors_are_waited_out_too():
+    """Whatever the dependency raises (here a KeyError from a half-started client) is one more attempt."""
+    attempt, calls = _flaky(2, KeyError("node"))
+    assert await wait_for("x", attempt, first_s=0.001, max_s=0.001) == "up" and len(calls) == 3
+
+
+@pytest.mark.slow
+async def test_worker_started_before_its_broker_waits_then_serves_and_drains_on_sigterm(tmp_path, demo_set, cpu_engine,
+                                                                                      ledger_url, caplog):
+    """No broker at start: the worker logs its waits (a few lines, no traceback); the broker comes up 3 s later
+    on that port; the job is served; SIGTERM gives one summary line of the drain."""
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    run = uuid.uuid4().hex[:8]
+    port = free_port()
+    s = load_settings(None, {
+        "kafka.bootstrap_servers": f"127.0.0.1:{port}", "kafka.jobs_topic": f"{run}.jobs",
+        "kafka.results_topic": f"{run}.results", "kafka.dlq_topic": f"{run}.dlq", "kafka.batches_topic": f"{run}.batches",
+        "kafka.group_id": f"workers-{run}", "kafka.partitions": 2, "store.adapter_dir": str(tmp_path / "store"),
+        "engine.model_dir": str(demo_set["model"]), "engine.device": "cpu", "engine.max_new_tokens": 32,
+        "engine.max_prompt_tokens": 200, "worker.commit_interval_ms": 50, "worker.wait_max_s": 1.0,
+        "worker.spool_path": str(tmp_path / "spool.sqlite"), "ledger.url": ledger_url,
+    })
+    svc = open_services(s)
+    svc.registry.add_tenant("acme")
+    svc.registry.add_adapter("acme", "support", demo_set["adapters"][sorted(demo_set["adapters"])[0]], default=True)
+    k = s.kafka
+    broker = EmbeddedBroker(port, log_path=tmp_path / "tansu.log")
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_worker(s, svc, cpu_engine) as rw:
+            await asyncio.sleep(3)
+            assert not rw.task.done(), "the worker must wait for its broker, not exit"
+            waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"waiting for the Kafka broker at 127.0.0.1:{port}")]
+            assert 2 <= len(waits) <= 8, waits  # 0.5 s, then 1 s pauses: a line a second at most
+            assert "lorabatch broker start" in waits[0] and not any(r.exc_info for r in caplog.records)
+            await asyncio.to_thread(broker.start, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
+            await produce_raw(s, [json.dumps({"request_id": f"w{i}", "tenant_id": "acme", "prompt": f"hi {i}",
+                                              "max_new_tokens": 3}).encode() for i in range(4)])
+            results = await read_all(s, k.results_topic, Result, lambda got: len(got) >= 4)
+            assert sorted(r.request_id for r in results) == ["w0", "w1", "w2", "w3"]
+            assert all(r.status == "succeeded" for r in results)
+            assert any("available after" in r.getMessage() for r in caplog.records)
+
+            loop.add_signal_handler(signal.SIGTERM, rw.worker.stop)  # as `lorabatch worker` does
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                await asyncio.wait_for(rw.task, 60)
+            finally:
+                loop.remove_signal_handler(signal.SIGTERM)
+        summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drained on stop")]
+        assert len(summary) == 1, summary
+        line = summary[0]
+        assert "0 abandoned" in line and "4 results published since start" in line, line
+        assert "offsets committed: " in line and f"{k.jobs_topic}:" in line, line
+    finally:
+        broker.stop()
+        svc.close()
+
+
+async def test_worker_stopped_while_waiting_for_its_broker_exits_cleanly(tmp_path, demo_set, cpu_engine, ledger_url, caplog):
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    s = load_settings(None, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}", "engine.model_dir": str(demo_set["model"]),
+                             "engine.device": "cpu", "engine.max_new_tokens": 32, "engine.max_prompt_tokens": 200,
+                             "worker.spool_path": str(tmp_path / "spool.sqlite"), "ledger.url": ledger_url})
+    svc = open_services(s)
+    try:
+        async with running_worker(s, svc, cpu_engine) as rw:
+            await asyncio.sleep(0.3)
+            rw.worker.stop()
+            await asyncio.wait_for(rw.task, 10)
+        assert any("stopped while waiting for the broker" in r.getMessage() for r in caplog.records)
+    finally:
+        svc.close()
