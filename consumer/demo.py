@@ -19,6 +19,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from consumer.broker import EmbeddedBroker, free_port
 from consumer.config import Settings, load_settings
@@ -193,7 +194,7 @@ def run_demo(home: Path, n_jobs: int, port: int | None, console: Console) -> int
                       f"{sum(1 for r in results if r.error and r.error.code in ('unknown_adapter', 'max_new_tokens_too_large'))})")
         for r in results:
             if r.status == "failed":
-                console.print(f"  failed {r.request_id}: [{r.error.code}] {r.error.message}", highlight=False)
+                console.print(escape(f"  failed {r.request_id}: [{r.error.code}] {r.error.message}"), highlight=False, soft_wrap=True)
         print_invoices(settings, console)
         dlq = asyncio.run(count_dlq(settings, since_ms))
         console.print(f"DLQ: {dlq} messages (sent {out['garbage']} unparsable on purpose)")

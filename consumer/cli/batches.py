@@ -29,6 +29,8 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
 
     from aiokafka.errors import KafkaError
 
+    from rich.markup import escape
+
     from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs
 
     s = settings_from(config, **({"kafka.partition_key": key} if key else {}))
@@ -38,7 +40,7 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
     except SubmitError as e:
         fail(str(e))
     for err in prepared.errors:
-        console.print(f"[yellow]rejected[/yellow] {file}: {err}", highlight=False)
+        console.print(f"[yellow]rejected[/yellow] {escape(str(file))}: {escape(err)}", highlight=False, soft_wrap=True)
     if prepared.jobs:
         try:
             with progress_bar() as bar:
