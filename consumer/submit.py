@@ -8,7 +8,9 @@ the batches topic so that `results` knows when the batch is complete. Every mess
 over it is written as several parts that `results` merges.
 
 A batch is a tenant's: `results` finds the manifest by (tenant, batch id) and takes the results whose
-(tenant, request id) the manifest lists, one per request id however often it was published.
+(tenant, request id) the manifest lists, one per request id however often it was published. A batch
+produced by another client, with no manifest, is found in the jobs topic itself: its jobs are the
+records whose `tenant_id` and `batch_id` are the batch's (`manifest_from_jobs`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
 from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result
+from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
 
@@ -233,6 +236,9 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
             batches = await consumer.getmany(*tps, timeout_ms=200)
             for tp, messages in batches.items():
                 for m in messages:
+                    if (bad := undecodable(m)) is not None:
+                        log.warning("skipping %s:%s@%s: %s", tp.topic, tp.partition, m.offset, bad.describe())
+                        continue
                     try:
                         handlers[tp.topic](m.key, m.value)
                     except ValueError as e:  # pydantic's ValidationError too: someone else's record, not ours
@@ -271,6 +277,28 @@ async def read_manifest(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout
         for rid, request in manifest.openai.items():
             openai.setdefault(rid, request)
     return found[0].model_copy(update={"request_ids": ids, "openai": openai})
+
+
+async def manifest_from_jobs(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout_s: float = 60.0) -> BatchManifest | None:
+    """The manifest of a batch that no `lorabatch submit` wrote one for (another client produced its jobs):
+    the request ids of the jobs topic's records whose `tenant_id` and `batch_id` are the batch's, in the
+    order read (partition by partition), each once. None when the jobs topic holds none of them (never
+    produced, or gone with the topic's retention). Records that are not JSON objects are not anyone's."""
+    ids: dict[str, None] = {}
+
+    def take(key, value):
+        try:
+            job = json.loads(value)
+        except (TypeError, UnicodeDecodeError, json.JSONDecodeError):
+            return  # dead-lettered by the workers: its batch cannot be told
+        if (isinstance(job, dict) and job.get("tenant_id") == tenant_id and job.get("batch_id") == batch_id
+                and isinstance(job.get("request_id"), str)):
+            ids[job["request_id"]] = None
+
+    await _read_topics(cfg, {cfg.jobs_topic: take}, True, lambda: False, timeout_s)
+    if not ids:
+        return None
+    return BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=list(ids), source=f"topic {cfg.jobs_topic}")
 
 
 async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: float, progress=None) -> tuple[dict[str, Result], dict[str, DlqRecord]]:

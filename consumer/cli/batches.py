@@ -70,18 +70,20 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
     from aiokafka.errors import KafkaError
 
     from consumer.openai_batch import created_of, to_openai_dlq_line, to_openai_line
-    from consumer.submit import collect_results, read_manifest
+    from consumer.submit import collect_results, manifest_from_jobs, read_manifest
 
     if fmt not in ("native", "openai"):
         fail(f"--format {fmt!r}: use native or openai")
     s = settings_from(config)
     try:
-        manifest = asyncio.run(read_manifest(s.kafka, tenant, batch_id))
+        # No manifest: the batch's jobs were produced by another client; the jobs topic says which they are.
+        manifest = (asyncio.run(read_manifest(s.kafka, tenant, batch_id))
+                    or asyncio.run(manifest_from_jobs(s.kafka, tenant, batch_id, timeout_s=max(60.0, timeout))))
     except KafkaError as e:
         fail(broker_failed(s, e))
     if manifest is None:
-        fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}; "
-             f"check the id `lorabatch submit` printed and the --tenant it was submitted with")
+        fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}: no manifest, "
+             f"and no job in {s.kafka.jobs_topic} has that tenant_id and batch_id; check the id and the --tenant")
     with progress_bar() as bar:
         task = bar.add_task(f"batch {tenant}/{batch_id}", total=len(manifest.request_ids))
         try:
