@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from consumer.config import Settings
 
@@ -33,9 +34,9 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
                    hint: str = "") -> T:
     """`await attempt()` until it returns. Raises Stopped when `stopping` is set first, and the last error
     once `give_up_s` has passed (None: never gives up)."""
-    assert 0 < first_s <= max_s, (first_s, max_s)
+    assert first_s > 0 and max_s > 0, (first_s, max_s)
     started = time.monotonic()
-    delay = first_s
+    delay = min(first_s, max_s)
     tries = 0
     while True:
         if stopping is not None and stopping.is_set():
@@ -94,7 +95,8 @@ async def wait_for_redis(cache, settings: Settings, stopping: asyncio.Event | No
     without it (the tenants' rules and defaults) until it answers."""
     if getattr(cache, "name", None) != "redis":
         return
-    where = settings.routing.redis_url.rsplit("@", 1)[-1]  # no password in the log
+    url = urlsplit(settings.routing.redis_url)
+    where = url._replace(netloc=url.netloc.rsplit("@", 1)[-1], query="").geturl()  # no password in the log
     try:
         await wait_for(f"Redis at {where}", cache.client.ping, stopping=stopping, max_s=settings.worker.wait_max_s,
                        give_up_s=settings.routing.redis_start_wait_s, hint="start it or fix routing.redis_url")
@@ -102,3 +104,14 @@ async def wait_for_redis(cache, settings: Settings, stopping: asyncio.Event | No
         raise
     except Exception:  # noqa: BLE001 - Redis speeds routing up; without it routing goes on
         log.warning("starting without Redis: routing uses the tenants' rules and defaults until it answers")
+
+
+async def wait_for_ledger(settings: Settings, stopping: asyncio.Event | None = None):
+    """The opened services (consumer.services.Services) once the ledger database answers and its schema is
+    current; waited for while it is down or not yet migrated."""
+    from consumer.services import open_services, shown_url
+
+    return await wait_for(f"the ledger database {shown_url(settings.ledger.url)}",
+                          lambda: asyncio.to_thread(open_services, settings), stopping=stopping,
+                          max_s=settings.worker.wait_max_s,
+                          hint="start it, fix ledger.url, or run `lorabatch db upgrade` if its schema is missing")

@@ -144,3 +144,66 @@ async def test_worker_stopped_while_waiting_for_its_broker_exits_cleanly(tmp_pat
         assert any("stopped while waiting for the broker" in r.getMessage() for r in caplog.records)
     finally:
         svc.close()
+
+
+async def test_the_ledger_is_waited_for_until_its_schema_exists(tmp_path, caplog):
+    """A worker started before `lorabatch db upgrade`: it waits, saying to run it, and opens once it has run."""
+    from billing.db import upgrade
+    from consumer.waits import wait_for_ledger
+    from migrations import SCRIPT_LOCATION
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    s = load_settings(None, {"ledger.url": url, "worker.wait_max_s": 0.2, "store.adapter_dir": str(tmp_path / "store")})
+    task = asyncio.create_task(wait_for_ledger(s))
+    await asyncio.sleep(1.0)
+    assert not task.done()
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the ledger database")]
+    assert waits and all("SchemaMissing" in m and "lorabatch db upgrade" in m for m in waits), waits
+    await asyncio.to_thread(lambda: upgrade(url, script_location=SCRIPT_LOCATION))
+    svc = await asyncio.wait_for(task, 10)
+    try:
+        assert svc.registry.list_tenants() == []
+    finally:
+        svc.close()
+
+
+async def test_the_ledger_password_is_not_logged_while_waiting(caplog):
+    from consumer.waits import wait_for_ledger
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    s = load_settings(None, {"ledger.url": f"postgresql+psycopg://lorabatch:hunter2-secret@127.0.0.1:{free_port()}/x",
+                             "worker.wait_max_s": 0.1})
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(wait_for_ledger(s), 2.0)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "waiting for the ledger database" in text and "hunter2-secret" not in text and "***" in text
+
+
+async def test_redis_is_waited_for_at_start_then_routing_goes_on_without_it(tmp_path, caplog):
+    from consumer.route_cache import RedisRouteCache
+    from consumer.waits import wait_for_redis
+    from tests.service_fixtures import RedisServer
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    server = RedisServer(tmp_path)
+    s = load_settings(None, {"routing.cache": "redis", "routing.redis_url": server.url.replace("redis://", "redis://:pw-secret@"),
+                             "worker.wait_max_s": 0.2,
+                             "routing.redis_start_wait_s": 0.6})
+    cache = RedisRouteCache(server.url, 10, 60.0, timeout_s=0.2)
+    try:
+        await wait_for_redis(cache, s)  # nobody listens: gives up after ~0.6 s, and says how routing goes on
+        text = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith(f"waiting for Redis at redis://127.0.0.1:{server.port}/0:") for m in text), text
+        assert any("starting without Redis" in m for m in text) and not any("pw-secret" in m for m in text), text
+        caplog.clear()
+        s = s.model_copy(update={"routing": s.routing.model_copy(update={"redis_start_wait_s": 30.0})})
+        task = asyncio.create_task(wait_for_redis(cache, s))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        await asyncio.to_thread(server.start)
+        await asyncio.wait_for(task, 10)
+        assert any("is available after" in r.getMessage() for r in caplog.records)
+    finally:
+        await cache.close()
+        server.stop()

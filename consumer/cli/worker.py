@@ -21,8 +21,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import logging
     import signal
 
-    from consumer.services import open_services, shown_url
-    from consumer.waits import Stopped, wait_for
+    from consumer.waits import Stopped, wait_for_ledger
     from consumer.worker import Worker
     from engine.engine import Engine
 
@@ -44,9 +43,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         try:
-            svc = await wait_for(f"the ledger database {shown_url(s.ledger.url)}", lambda: asyncio.to_thread(open_services, s),
-                                 stopping=stopping, max_s=s.worker.wait_max_s,
-                                 hint="start it, fix ledger.url, or run `lorabatch db upgrade` if its schema is missing")
+            svc = await wait_for_ledger(s, stopping)
         except Stopped:
             log.info("stopped while waiting for the ledger; nothing was fetched")
             return
