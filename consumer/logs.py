@@ -66,12 +66,19 @@ class _Plain(logging.Formatter):
 def command_logging(debug: bool = False) -> None:
     """For the short-lived commands: lorabatch's warnings as `warning: ...` lines on stderr, libraries' left out
     (a broker that is down is the command's one error line, not a library's retry log); with `debug`, every
-    logger from DEBUG, with its name."""
+    logger from DEBUG, with its name. Handlers someone else set up first (a test's, say) are left alone."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_lorabatch_command", False)]
+    if root.handlers and not ours:
+        return
+    for h in ours:
+        root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
+    handler._lorabatch_command = True  # type: ignore[attr-defined]
     if debug:
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logging.basicConfig(level=logging.DEBUG, handlers=[handler], force=True)
-        return
-    handler.setFormatter(_Plain())
-    handler.addFilter(_Ours())
-    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    else:
+        handler.setFormatter(_Plain())
+        handler.addFilter(_Ours())
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)

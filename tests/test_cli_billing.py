@@ -66,7 +66,8 @@ def test_invoice_errors_say_what_to_do(cli: tuple[CliRunner, Path]) -> None:
     """Bad input fails with exit code 2 and a message naming the fix."""
     runner, config = cli
     for args, hint in [
-        (["invoice", "--tenant", "acme"], "--close-period"),
+        (["invoice"], "--close-period"),  # no tenant (a missing --period is this month: tests/test_cli_periods.py)
+        (["invoice", "--tenant", "acme", "--close"], "name its month with --period"),
         (["invoice", "--tenant", "acme", "--period", "2025-13"], "YYYY-MM"),
         (["invoice", "--tenant", "acme", "--period", "2999-01", "--close"], "after it has ended"),
         (["prices", "set-gpu", "h100", "abc", "--from", "2025-10-01"], "decimal"),

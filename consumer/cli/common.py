@@ -38,7 +38,12 @@ def settings_from(config: Path | None, **overrides) -> Settings:
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print `message` as one error line on stderr (never wrapped) and exit with `code`."""
+    """Print `message` as one error line on stderr (never wrapped) and exit with `code`; under --debug, the
+    traceback of the error being handled first."""
+    if _DEBUG["on"] and sys.exc_info()[1] is not None:
+        import traceback
+
+        traceback.print_exc()
     console.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -61,10 +66,12 @@ _DEBUG = {"on": False}  # set by the --debug option before the command runs
 
 
 def set_debug(on: bool) -> None:
+    """The --debug option: tracebacks of operational errors, and every library's log."""
     _DEBUG["on"] = on
-    from consumer.logs import command_logging
+    if on:
+        from consumer.logs import command_logging
 
-    command_logging(on)
+        command_logging(True)
 
 
 def _brief(e: BaseException) -> str:
@@ -116,6 +123,9 @@ def run(app: typer.Typer) -> None:
     """Run the `lorabatch` command: an operational error is one line on stderr and exit status 2."""
     import traceback
 
+    from consumer.logs import command_logging
+
+    command_logging()
     try:
         app()
     except KeyboardInterrupt:
