@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 from aiokafka import TopicPartition
 
@@ -209,6 +210,15 @@ class Intake:
         log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message[:300])
         self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
 
+    def stepped_over(self, tp: TopicPartition, offset: int, epoch: int, fetch_bytes: int) -> None:
+        """A record the consumer stepped over without handing it out (larger than one fetch may bring, on a
+        broker that does not send an oversized batch whole): dead-lettered by its offset, so its job is not
+        lost in silence."""
+        why = (f"the record at offset {offset} is larger than one fetch may bring ({fetch_bytes} bytes), so it was "
+               f"never read; produce it smaller, or raise kafka.max_message_bytes on the workers above its size")
+        self.dead_letter(tp, SimpleNamespace(value=None, offset=offset, timestamp=None), epoch,
+                         Rejection(ErrorInfo(code="message_too_large", message=why), False))
+
     async def orphaned(self, key: Key, revoked: set[TopicPartition]) -> None:
         """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
         runs in its place; copies from revoked partitions are left to their new owner."""
@@ -234,3 +244,13 @@ def estimate_tokens(job: Job) -> int:
     else:
         prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
     return prompt + job.max_new_tokens
+
+
+def stepped_over(e: Exception) -> tuple[TopicPartition, int, int] | None:
+    """(partition, offset, fetch size) of the record aiokafka's RecordTooLargeError says it stepped over
+    (it moves the position one past it, then raises from getmany once); None for any other error."""
+    args = getattr(e, "args", ())
+    if type(e).__name__ == "RecordTooLargeError" and len(args) >= 4 and isinstance(args[1], TopicPartition) \
+            and isinstance(args[2], int) and isinstance(args[3], int):
+        return args[1], args[2], args[3]
+    return None

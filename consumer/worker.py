@@ -31,7 +31,7 @@ from consumer.breaker import BreakerBoard
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import EngineFeeder, Routed
-from consumer.intake import Intake
+from consumer.intake import Intake, stepped_over
 from consumer.kafka import make_consumer, make_producer
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
@@ -194,6 +194,10 @@ class Worker:
             try:
                 batches = await self.consumer.getmany(timeout_ms=100, max_records=500)
             except KafkaError as e:  # the broker went away or the log moved under us: look again, never die
+                if (over := stepped_over(e)) is not None:
+                    tp, offset, fetch_bytes = over
+                    self.intake.stepped_over(tp, offset, self.offsets.fetched(tp, offset), fetch_bytes)
+                    continue
                 self.metrics.fetch_errors.inc()
                 log.warning("fetch failed (%s); checking the partitions' logs and retrying in %.1fs", e, delay)
                 await self.partitions.check_logs()

@@ -226,3 +226,31 @@ async def _settled(s, timeout_s: float = 30.0):
         if committed == end or loop.time() > deadline:
             return committed, end
         await asyncio.sleep(0.2)
+
+
+def test_a_record_aiokafka_steps_over_is_dead_lettered_by_offset():
+    """RecordTooLargeError (a record larger than one fetch, on a broker that does not send it whole): aiokafka
+    moves one past it and raises once; the worker dead-letters that offset instead of losing it in silence."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiokafka.errors import KafkaConnectionError, RecordTooLargeError
+
+    from consumer.config import Settings
+    from consumer.intake import Intake, stepped_over
+    from consumer.metrics import WorkerMetrics
+
+    e = RecordTooLargeError("There are some messages at [Partition=Offset]: %s=%s whose size is larger than the "
+                            "fetch size %s and hence cannot be ever returned.", TP, 7, 1_048_576)
+    assert stepped_over(e) == (TP, 7, 1_048_576)
+    assert stepped_over(RecordTooLargeError("no position")) is None and stepped_over(KafkaConnectionError()) is None
+
+    emitted = []
+    intake = Intake(Settings(), WorkerMetrics(), "w1", None, None, None, None, asyncio.Event(),
+                    SimpleNamespace(rules=[], tenants={}))
+    intake.deliverer = SimpleNamespace(emit=emitted.append)
+    t = OffsetTracker()
+    intake.stepped_over(TP, 7, t.fetched(TP, 7), 1_048_576)
+    (o,) = emitted
+    assert (o.tp, o.offset, o.result) == (TP, 7, None) and o.dlq.source_offset == 7
+    assert o.dlq.error.code == "message_too_large" and "kafka.max_message_bytes" in o.dlq.error.message

@@ -139,3 +139,20 @@ def test_a_file_that_is_not_a_pem_fails_when_the_client_is_built(tmp_path, monke
     s = _settings(tmp_path, monkeypatch, {"security_protocol": "SSL", "ssl_cafile": str(bad)})
     with pytest.raises(ssl.SSLError):
         client_options(s.kafka)
+
+
+def test_config_show_prints_no_credential(tmp_path, monkeypatch):
+    """`lorabatch config show` with SASL credentials in the environment and a file: neither is printed."""
+    from typer.testing import CliRunner
+
+    from consumer.cli import build_app
+
+    (tmp_path / "user").write_text("user-from-file-xyz")
+    p = tmp_path / "lorabatch.toml"
+    p.write_text(f'[kafka]\nsecurity_protocol = "SASL_SSL"\nsasl_username_file = "{tmp_path / "user"}"\n')
+    monkeypatch.delenv("LORABATCH_KAFKA_USERNAME", raising=False)
+    monkeypatch.setenv("LORABATCH_KAFKA_PASSWORD", SECRET)
+    out = CliRunner().invoke(build_app(), ["config", "show", "--config", str(p)])
+    assert out.exit_code == 0, out.output
+    assert 'security_protocol = "SASL_SSL"' in out.output and "sasl_password_env" in out.output
+    assert SECRET not in out.output and "user-from-file-xyz" not in out.output
