@@ -125,6 +125,9 @@ def from_openai_line(line: dict) -> OpenAILine:
             names[dst] = f"body.{src}"
     if isinstance(job.get("stop"), str):
         job["stop"] = [job["stop"]]
+    user = job.get("user_id")
+    if isinstance(user, str) and user and not _PLAIN_ID.fullmatch(user):  # OpenAI's `user` is any string (an email)
+        job["user_id"] = "uid-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     if url == CHAT:
         job["messages"] = _messages(body["messages"])
         names["messages"] = "body.messages"

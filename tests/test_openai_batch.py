@@ -275,11 +275,21 @@ def test_unsupported_lines_are_refused_by_name(tmp_path, line, said):
 @pytest.mark.parametrize("line", [_chat("a", n=1), _chat("a", n=None), _chat("a", stream=False), _chat("a", presence_penalty=0.0),
                                   _chat("a", frequency_penalty=0), _chat("a", metadata={"x": "y"}, store=False, service_tier="auto"),
                                   _chat("a", response_format={"type": "text"}), _chat("a", stop=None, seed=None, temperature=None),
-                                  _chat("a", messages=[{"role": "user", "content": "x", "name": "bob"}])])
+                                  _chat("a", messages=[{"role": "user", "content": "x", "name": "bob"}]),
+                                  _chat("a", user="jane.doe+batch@example.com"), _chat("a", user="名前 with spaces")])
 def test_neutral_fields_are_accepted(tmp_path, line):
     """Fields that ask for nothing the engine does not do anyway (n: 1, stream: false, a zero penalty, null) are taken."""
     out = prepare(_write(tmp_path / "in.jsonl", [line]), "acme", "b")
     assert out.errors == [] and len(out.jobs) == 1
+
+
+def test_any_user_is_a_stable_routing_key(tmp_path):
+    """OpenAI's `user` may be any string: a plain one is the job's user_id, any other the same hash every time."""
+    out = prepare(_write(tmp_path / "in.jsonl", [_chat("a", user="u-1"), _chat("b", user="jane+x@example.com"),
+                                                 _chat("c", user="jane+x@example.com"), _chat("d", user="other one")]), "acme", "b")
+    assert out.errors == []
+    users = [j.user_id for j in out.jobs]
+    assert users[0] == "u-1" and users[1] == users[2] != users[3] and all(IDENT.match(u) for u in users)
 
 
 def test_custom_ids_map_to_distinct_request_ids(tmp_path):
@@ -315,7 +325,7 @@ def test_index_parts_split_and_refuse():
     ("invalid_input_ids", "", {"input_ids": [1]}, "input_ids"),
     ("invalid_sampling_params", "sampling: top_p=2; use", {"prompt": "x"}, "top_p"),
     ("invalid_sampling_params", "sampling: nonsense", {"prompt": "x"}, None),
-    ("unknown_adapter", "", {"prompt": "x"}, "adapter"),
+    ("unknown_adapter", "", {"prompt": "x"}, "adapter_ref"),
     ("engine_failed", "", {"prompt": "x"}, None),
 ])
 def test_engine_refusals_name_their_field(code, message, job, field):
