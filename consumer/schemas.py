@@ -201,7 +201,7 @@ def _describe(e: dict, total: int) -> ErrorInfo:
         allowed = f"token ids 0..{MAX_TOKEN_ID}"
     hint = {
         "missing": f"add the field `{field}`",
-        "extra_forbidden": f"remove `{field}`; the README's job contract lists the known fields",
+        "extra_forbidden": f"remove `{field}`; the README's \"Job and result contract\" lists the known fields",
     }.get(e["type"], f"send a value in {allowed}" if allowed else "fix the value and send the job again")
     where = f"{field}: " if field else ""
     more = f" (+{total - 1} more)" if total > 1 else ""
@@ -242,7 +242,7 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
         errors = e.errors(include_input=False, include_url=False)
     except RecursionError:
         return Rejection(ErrorInfo(code="invalid_job", message="the job nests values too deeply; send the fields "
-                                   "the README's job contract lists"), ids["request_id"] is not None and ids["tenant_id"] is not None, **ids)
+                                   "the README's \"Job and result contract\" lists"), ids["request_id"] is not None and ids["tenant_id"] is not None, **ids)
     identity = [err for err in errors if err["loc"] and str(err["loc"][0]) in ("request_id", "tenant_id", "v")]
     info = _describe((identity or errors)[0], len(errors))
     addressable = not identity and ids["request_id"] is not None and ids["tenant_id"] is not None
