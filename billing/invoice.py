@@ -1,7 +1,7 @@
 """Per-tenant invoices for one billing period: drafts computed from live usage, closed ones read as frozen.
 
 A line per (adapter, adjustment, GPU price) the tenant was billed for (base-model requests under
-"base"), each carrying the four cost components of DESIGN.md's cost attribution and what it earned:
+"base"), each carrying its GPU time by component (README.md, "Billing") and what it earned:
 
     gpu_ms = base_ms + lora_ms + routing_ms - kv_saved_ms + cold_start_ms,   cost = gpu_ms * price / 3_600_000
     revenue = succeeded input tokens * input price / 1e6 + output tokens * output price / 1e6

@@ -44,6 +44,6 @@ def stored_result(key: Key, body: str | None, row) -> Result:
     error = ErrorInfo(code=row.error_code, message="answered from the ledger row of an earlier run") if row.error_code else None
     return Result(request_id=key[1], tenant_id=key[0], batch_id=row.batch_id, adapter=row.adapter, status=row.status,
                   usage=Usage(input_tokens=row.input_tokens, output_tokens=row.output_tokens, cached_tokens=row.cached_tokens),
-                  cost=Cost(base_ms=row.base_us / 1000, routing_ms=(row.routing_us + row.lora_us) / 1000,
+                  cost=Cost(base_ms=row.base_us / 1000, lora_ms=row.lora_us / 1000, routing_ms=row.routing_us / 1000,
                             kv_saved_ms=row.kv_saved_us / 1000),
                   error=error, worker_id=row.worker_id)

@@ -342,6 +342,7 @@ class Deliverer:
         if r.status == "succeeded":
             self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
             self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
+            self.metrics.lora_cost.labels(tenant).inc(r.cost.lora_ms)
 
 
 def _writer(ledger, record) -> Callable[[Sequence], int]:

@@ -2,7 +2,7 @@
 
 The engine steps in its own thread (`engine.async_engine.AsyncEngine`); each job here is one awaited
 `generate`, so a job joins between two engine steps and leaves when it finishes, whatever else runs.
-Adapters are registered with the engine by key on first sight (metadata only: the engine's pool
+Adapters are registered with the engine by adapter_key on first sight (metadata only: the engine's pool
 loads them from the store, tiered, when a request needs them). Load events and the steps' measured
 busy time are drained from the engine periodically and written to the ledger.
 """
@@ -41,13 +41,6 @@ class Routed:
     epoch: int | None = None  # of its partition's log (consumer/offsets.py)
 
 
-@dataclass
-class Served_:
-    outcome: Outcome | None  # None when abandoned
-    adapter_key: str | None
-    adapter_ok: bool
-
-
 class EngineFeeder:
     def __init__(self, aengine: AsyncEngine, store: AdapterStore, worker_id: str, gpu_kind: str,
                  slo_tiers: dict[str, str] | None = None):
@@ -55,46 +48,47 @@ class EngineFeeder:
         self.store = store
         self.worker_id = worker_id
         self.gpu_kind = gpu_kind
-        self._registered: dict[str, str] = {}  # key -> sha256
+        self._registered: dict[str, str] = {}  # adapter_key -> sha256
         self._adapters: dict[str, AdapterView] = {}
         self._since = datetime.now(UTC)
         self.slo_tiers = slo_tiers or {}
 
     async def register(self, a: AdapterView, slo_tier: str) -> None:
-        if self._registered.get(a.key) == a.sha256:
+        if self._registered.get(a.adapter_key) == a.sha256:
             return
         path = self.store.path(a.sha256)
 
         def ensure(e) -> None:  # in the engine thread, between steps: no other registration interleaves
-            if e.has_adapter(a.key):
-                if e.adapters.sha_of(a.key) in (None, a.sha256):
+            if e.has_adapter(a.adapter_key):
+                if e.adapters.sha_of(a.adapter_key) in (None, a.sha256):
                     return
-                e.unload_adapter(a.key)  # the key now names other content (a registry rebuilt under it)
-            e.register_adapter(a.key, path, sha256=a.sha256, tenant=a.tenant_id, slo_tier=slo_tier)
+                e.unload_adapter(a.adapter_key)  # the key now names other content (a registry rebuilt under it)
+            e.register_adapter(a.adapter_key, path, sha256=a.sha256, tenant_id=a.tenant_id, slo_tier=slo_tier)
 
         await self.aengine.call(ensure)
-        self._registered[a.key] = a.sha256
-        self._adapters[a.key] = a
+        self._registered[a.adapter_key] = a.sha256
+        self._adapters[a.adapter_key] = a
 
-    async def serve(self, item: Routed, slo_tier: str) -> Served_:
-        a = item.route.adapter
+    async def serve(self, item: Routed, slo_tier: str) -> Served:
+        a = item.route.view
+        adapter_key = a.adapter_key if a is not None else None
         if a is not None:
             await self.register(a, slo_tier)
-        req = to_request(item.job, a.key if a else None, item.received_mono_us)
-        res = await self.aengine.generate(req)
+        res = await self.aengine.generate(to_request(item.job, adapter_key, item.received_mono_us))
         if item.abandoned:
-            return Served_(None, a.key if a else None, True)
+            return Served(None, adapter_key, True)
         ran_on = a if a is not None and not res.base_fallback else None
         label = item.route.label
         if a is not None and res.base_fallback:
-            label = f"base_fallback ({a.ref} failed to load)"
-        served = Served(item.job, ran_on.ref if ran_on else None, ran_on.sha256 if ran_on else None, label,
-                        item.route.decision_us, item.received_at)
-        result, usage = succeeded_or_failed(served, res, self.worker_id)
+            label = f"base_fallback ({a.adapter} failed to load)"
+        result, usage = succeeded_or_failed(
+            item.job, res, self.worker_id, adapter=ran_on.adapter if ran_on else None, adapter_sha256=ran_on.sha256 if ran_on else None,
+            route_reason=label, routing_us=item.route.routing_us, received_at=item.received_at,
+        )
         # Only the adapter's own failures count against its circuit: a caller's bad request, another
         # request's fault or an engine failure says nothing about the adapter.
         ok = not res.base_fallback and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
-        return Served_(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), a.key if a else None, ok)
+        return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
         """Adapter loads and measured busy time since the last call, as ledger records."""
@@ -103,10 +97,10 @@ class EngineFeeder:
         events, steps, now = await self.aengine.call(lambda e: (e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)))
         loads = []
         for ev in events:
-            a = self._adapters.get(ev.key)
+            a = self._adapters.get(ev.key)  # the pool's load events name the adapter_key `key`
             if a is None or ev.error_code or ev.skip_reason or ev.load_us <= 0:
                 continue  # a failed or skipped load read nothing billable; an unknown key is the engine's own
-            loads.append(AdapterLoadRecord(adapter=a.ref, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
+            loads.append(AdapterLoadRecord(adapter=a.adapter, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
                                            nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now))
         busy = None
         if steps:

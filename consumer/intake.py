@@ -127,7 +127,7 @@ class Intake:
                 self.fail(tp, offset, epoch, job, route.info, now, route.info.code)
                 continue
             self.metrics.route_decisions.labels(route.reason).inc()
-            self.metrics.route_decision.observe(route.decision_us / 1e6)
+            self.metrics.route_decision.observe(route.routing_us / 1e6)
             tokens = estimate_tokens(job)
             if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
                 t = self.snapshot.tenants[job.tenant_id]

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker (DESIGN.md, "Metrics"), on a registry of its own.
+"""Prometheus metrics of one worker (README.md, "Metrics"), on a registry of its own.
 
 Label values are bounded: tenants and adapters come from the registry (not from job payloads), and
 anything unregistered is counted under "unknown".
@@ -19,7 +19,8 @@ class WorkerMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
         self.route_decisions = Counter("lora_route_decision_total", "Routing decisions", ["reason"], registry=r)
-        self.routing_cost = Counter("lora_routing_cost_ms_total", "Routing decision plus LoRA GPU ms", ["tenant"], registry=r)
+        self.routing_cost = Counter("lora_routing_ms_total", "Routing decision ms of succeeded requests", ["tenant"], registry=r)
+        self.lora_cost = Counter("lora_compute_ms_total", "LoRA compute GPU ms of succeeded requests", ["tenant"], registry=r)
         self.cold_start = Histogram(
             "lora_cold_start_duration_ms", "Adapter load time", ["tier"], registry=r,
             buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000),

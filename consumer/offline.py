@@ -44,13 +44,13 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
             field = ".".join(str(p) for p in e.errors()[0]["loc"]) if isinstance(e, ValidationError) else None
             slots.append(_line(rid, status="failed", error={"code": "invalid_job", "field": field, "message": f"line {n}: {msg}"}))
             continue
-        if job.adapter is not None and job.adapter not in adapters:
+        if job.adapter_ref is not None and job.adapter_ref not in adapters:
             slots.append(_line(job.request_id, status="failed", error={
-                "code": "unknown_adapter", "field": "adapter",
-                "message": f"adapter {job.adapter!r} was not given; pass --adapter {job.adapter}=DIR"}))
+                "code": "unknown_adapter", "field": "adapter_ref",
+                "message": f"adapter {job.adapter_ref!r} was not given; pass --adapter {job.adapter_ref}=DIR"}))
             continue
         slots.append(len(requests))
-        requests.append(to_request(job, job.adapter))
+        requests.append(to_request(job, job.adapter_ref))  # offline, the adapters given by name are the engine's keys
         jobs.append(job)
     results = engine.generate(requests) if requests else []
     for slot in slots:
@@ -62,7 +62,7 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
             field = engine_error_field(r.error.code, r.error.message, jobs[slot])
             yield _line(r.request_id, status="failed", error={"code": r.error.code, "field": field, "message": r.error.message})
             continue
-        out = {"status": "succeeded", "adapter": r.adapter, "output_ids": r.output_ids, "text": r.text,
+        out = {"status": "succeeded", "adapter": r.adapter_key, "output_ids": r.output_ids, "text": r.text,
                "finish_reason": r.finish_reason,
                "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
                          "cached_tokens": r.timings.cached_tokens}}

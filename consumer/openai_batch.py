@@ -34,7 +34,7 @@ _PLAIN_ID = re.compile(r"[A-Za-z0-9_.:@/\-]{1,128}")  # schemas.Ident
 _HASHED_PREFIX = "cid-"
 
 # body field -> the job field it becomes (the same on both endpoints)
-_FIELDS = {"model": "adapter", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+_FIELDS = {"model": "adapter_ref", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
            "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "user": "user_id"}
 # Fields that are refused unless they hold the value that changes nothing.
 _NEUTRAL = {"n": 1, "stream": False, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
@@ -259,7 +259,7 @@ def _job_to_body(request: OpenAIRequest | None) -> dict[str, str]:
     if request is None:
         return {}
     prompt = "body.messages" if request.url == CHAT else "body.prompt"
-    return {"adapter": "body.model", "max_new_tokens": "body.max_tokens", "user_id": "body.user",
+    return {"adapter_ref": "body.model", "adapter": "body.model", "max_new_tokens": "body.max_tokens", "user_id": "body.user",
             "messages": prompt, "prompt": prompt, "input_ids": prompt, "request_id": "custom_id",
             "logprobs": "body.top_logprobs" if request.url == CHAT else "body.logprobs",
             **{k: f"body.{k}" for k in ("temperature", "top_p", "seed", "stop")}}

@@ -1,4 +1,5 @@
-"""Translations between the job contract, the engine's types and the ledger's records."""
+"""Translations between the job contract, the engine's types and the ledger's records, and `Served`, what
+serving one routed job gives back to the worker."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from billing.records import UsageRecord
+from consumer.delivery import Outcome
 from consumer.schemas import Cost, ErrorInfo, Job, Result, Timings, Usage
 from engine.api import GenerationRequest, GenerationResult, SamplingParams
 
@@ -16,7 +18,7 @@ def to_request(job: Job, adapter_key: str | None, arrival_us: int | None = None)
         prompt=job.prompt,
         messages=tuple(m.model_dump() for m in job.messages) if job.messages is not None else None,
         input_ids=tuple(job.input_ids) if job.input_ids is not None else None,
-        adapter=adapter_key,
+        adapter_key=adapter_key,
         sampling=SamplingParams(
             max_new_tokens=job.max_new_tokens,
             temperature=job.temperature,
@@ -27,7 +29,7 @@ def to_request(job: Job, adapter_key: str | None, arrival_us: int | None = None)
             logprobs=job.logprobs,
         ),
         priority=job.priority,
-        tenant=job.tenant_id,
+        tenant_id=job.tenant_id,
         allow_base_fallback=job.allow_base_fallback,
         arrival_us=arrival_us,
     )
@@ -39,14 +41,11 @@ def _ms(us: int) -> float:
 
 @dataclass(frozen=True)
 class Served:
-    """One job's way through the service, enough to write its result and its ledger row."""
+    """What serving one routed job gives back: its outcome to deliver, and what the adapter's circuit counts."""
 
-    job: Job
-    adapter_ref: str | None  # "name@version"
-    adapter_sha256: str | None
-    route_reason: str
-    routing_us: int
-    received_at: datetime
+    outcome: Outcome | None  # None when abandoned (its partition was revoked): nothing is published
+    adapter_key: str | None  # the engine key of the adapter the route chose (even when the request fell back); None: the base model
+    adapter_ok: bool  # False only when the adapter itself failed (engine.api.ADAPTER_ERROR_CODES, or a fallback)
 
 
 def engine_error_field(code: str, message: str, job: Job) -> str | None:
@@ -61,12 +60,15 @@ def engine_error_field(code: str, message: str, job: Job) -> str | None:
         name = message.removeprefix("sampling: ").split("=", 1)[0]
         return name if name in Job.model_fields else None
     if code.startswith("adapter_") or code == "unknown_adapter":
-        return "adapter"
+        return "adapter_ref"
     return None
 
 
-def succeeded_or_failed(served: Served, out: GenerationResult, worker_id: str) -> tuple[Result, UsageRecord]:
-    job, t = served.job, out.timings
+def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adapter: str | None, adapter_sha256: str | None,
+                        route_reason: str, routing_us: int, received_at: datetime) -> tuple[Result, UsageRecord]:
+    """The result and ledger row of a job the engine ran: `adapter` is the `name@version` it ran on (None: the
+    base model), `routing_us` the routing decision."""
+    t = out.timings
     error = None
     if out.error is not None:
         error = ErrorInfo(code=out.error.code, message=out.error.message, retriable=out.error.retriable,
@@ -75,16 +77,16 @@ def succeeded_or_failed(served: Served, out: GenerationResult, worker_id: str) -
         request_id=job.request_id,
         tenant_id=job.tenant_id,
         batch_id=job.batch_id,
-        adapter=served.adapter_ref,
+        adapter=adapter,
         status="succeeded" if error is None else "failed",
         text=out.text,
         output_ids=out.output_ids,
         finish_reason=out.finish_reason,
         logprobs=out.logprobs,
         usage=Usage(input_tokens=out.prompt_tokens, output_tokens=len(out.output_ids), cached_tokens=t.cached_tokens),
-        cost=Cost(base_ms=_ms(t.base_us), routing_ms=_ms(served.routing_us + t.lora_us), kv_saved_ms=_ms(t.kv_saved_us)),
+        cost=Cost(base_ms=_ms(t.base_us), lora_ms=_ms(t.lora_us), routing_ms=_ms(routing_us), kv_saved_ms=_ms(t.kv_saved_us)),
         timings=Timings(queue_ms=_ms(t.queue_us), ttft_ms=_ms(t.ttft_us), total_ms=_ms(t.total_us)),
-        route=served.route_reason,
+        route=route_reason,
         error=error,
         worker_id=worker_id,
     )
@@ -92,18 +94,18 @@ def succeeded_or_failed(served: Served, out: GenerationResult, worker_id: str) -
         tenant_id=job.tenant_id,
         request_id=job.request_id,
         status=result.status,
-        created_at=served.received_at,
-        adapter=served.adapter_ref,
-        adapter_sha256=served.adapter_sha256,
+        created_at=received_at,
+        adapter=adapter,
+        adapter_sha256=adapter_sha256,
         batch_id=job.batch_id,
-        route_reason=served.route_reason,
+        route_reason=route_reason,
         error_code=error.code if error else None,
         input_tokens=result.usage.input_tokens,
         output_tokens=result.usage.output_tokens,
         cached_tokens=result.usage.cached_tokens,
         base_us=t.base_us,
         lora_us=t.lora_us,
-        routing_us=served.routing_us,
+        routing_us=routing_us,
         kv_saved_us=t.kv_saved_us,
         queue_us=t.queue_us,
         ttft_us=t.ttft_us,

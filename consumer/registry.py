@@ -46,13 +46,13 @@ class AdapterView:
     traffic_weight: int = 100  # share of an unversioned name's traffic (canary); 0: only by explicit version
 
     @property
-    def ref(self) -> str:
+    def adapter(self) -> str:
         """`name@version`: how results, the ledger and invoices name it."""
         return f"{self.name}@{self.version}"
 
     @property
-    def key(self) -> str:
-        """The engine's key: unique across tenants."""
+    def adapter_key(self) -> str:
+        """The engine's key, `tenant_id/name@version`: unique across tenants."""
         return f"{self.tenant_id}/{self.name}@{self.version}"
 
 

@@ -1,6 +1,6 @@
 """Routing: which adapter serves a job, why, and how long deciding took.
 
-Order (DESIGN.md, "Routing"): explicit adapter -> L1 user map -> L2 session map -> L3 per-tenant rules
+Order: the job's adapter_ref -> L1 user map -> L2 session map -> L3 per-tenant rules
 -> tenant default -> base model where the job allows it. A tenant may use only its own adapters and
 public ones. Decisions are written back to L1/L2 so that users and sessions stick to their adapter.
 An unversioned name picks among its live versions by traffic weight (canary), deterministically per
@@ -35,9 +35,9 @@ class RouteError(Exception):
 
 @dataclass(frozen=True)
 class Route:
-    adapter: AdapterView | None  # None: the base model
+    view: AdapterView | None  # the registry's view of the chosen adapter; None: the base model
     reason: str  # one of REASONS
-    decision_us: int
+    routing_us: int  # the decision alone
     detail: str = ""  # e.g. the rule that matched, "cache unavailable", "circuit open"
 
     @property
@@ -70,13 +70,13 @@ def resolve_ref(snapshot: RegistrySnapshot, tenant_id: str, ref: str, request_id
                 "adapter_forbidden",
                 f"adapter {name!r} belongs to another tenant and is not public; use one of tenant "
                 f"{tenant_id!r}'s adapters (`lorabatch adapters list --tenant {tenant_id}`)",
-                "adapter",
+                "adapter_ref",
             )
         raise RouteError(
             "unknown_adapter",
             f"tenant {tenant_id!r} has no adapter {name!r}; register it with "
-            f"`lorabatch adapters add --tenant {tenant_id} {name} DIR` or fix `adapter`",
-            "adapter",
+            f"`lorabatch adapters add --tenant {tenant_id} {name} DIR` or fix `adapter_ref`",
+            "adapter_ref",
         )
     if not version:
         return pick_version(versions, request_id)
@@ -85,8 +85,8 @@ def resolve_ref(snapshot: RegistrySnapshot, tenant_id: str, ref: str, request_id
             return v
     raise RouteError(
         "unknown_adapter",
-        f"adapter {name!r} has no version {version} (versions: {', '.join(str(v.version) for v in versions)}); fix `adapter`",
-        "adapter",
+        f"adapter {name!r} has no version {version} (versions: {', '.join(str(v.version) for v in versions)}); fix `adapter_ref`",
+        "adapter_ref",
     )
 
 
@@ -109,7 +109,7 @@ class Router:
         t0 = time.perf_counter_ns()
         keys: list[CacheKey] = []
         for job in jobs:
-            if job.adapter is None and job.tenant_id in snapshot.tenants:
+            if job.adapter_ref is None and job.tenant_id in snapshot.tenants:
                 if job.user_id:
                     keys.append(CacheKey("l1", job.tenant_id, job.user_id))
                 if job.session_id:
@@ -128,9 +128,9 @@ class Router:
                 out.append(e)
                 continue
             spent = (time.perf_counter_ns() - t1) // 1000
-            if job.adapter is None and (job.user_id or job.session_id):
+            if job.adapter_ref is None and (job.user_id or job.session_id):
                 spent += share_us * ((job.user_id is not None) + (job.session_id is not None))
-            out.append(Route(route.adapter, route.reason, spent, route.detail))
+            out.append(Route(route.view, route.reason, spent, route.detail))
         if write_back and cache_ok:
             await self.cache.set_many(write_back)
         return out
@@ -141,46 +141,46 @@ class Router:
         if tenant not in snapshot.tenants:
             raise RouteError("unknown_tenant", f"tenant {tenant!r} is not registered; add it with "
                                                f"`lorabatch tenants add {tenant}`", "tenant_id")
-        adapter, reason, detail = None, "", "" if cache_ok else "cache unavailable"
-        if job.adapter is not None:
-            adapter, reason = resolve_ref(snapshot, tenant, job.adapter, job.request_id), "explicit"
+        view, reason, detail = None, "", "" if cache_ok else "cache unavailable"
+        if job.adapter_ref is not None:
+            view, reason = resolve_ref(snapshot, tenant, job.adapter_ref, job.request_id), "explicit"
         else:
             for level, subject, why in (("l1", job.user_id, "l1_user"), ("l2", job.session_id, "l2_session")):
                 ref = cached.get(CacheKey(level, tenant, subject)) if subject else None
                 if ref is None:
                     continue
                 try:
-                    adapter, reason = resolve_ref(snapshot, tenant, ref, job.request_id), why
+                    view, reason = resolve_ref(snapshot, tenant, ref, job.request_id), why
                     break
                 except RouteError:
                     continue  # a stale entry (adapter removed or made private): fall through
-            if adapter is None and (text := job_text(job)) is not None:
+            if view is None and (text := job_text(job)) is not None:
                 rule = classifier.classify(tenant, text)
                 if rule is not None:
                     try:
-                        adapter, reason = resolve_ref(snapshot, tenant, rule.adapter, job.request_id), "l3_rule"
+                        view, reason = resolve_ref(snapshot, tenant, rule.adapter, job.request_id), "l3_rule"
                         detail = f"rule {rule.id} {rule.kind}" + (f", {detail}" if detail else "")
                     except RouteError:
                         pass  # a rule naming a removed adapter: the default still serves
-            if adapter is None and (default := snapshot.defaults.get(tenant)) is not None:
-                adapter = pick_version(snapshot.versions(tenant, default.name), job.request_id)
+            if view is None and (default := snapshot.defaults.get(tenant)) is not None:
+                view = pick_version(snapshot.versions(tenant, default.name), job.request_id)
                 reason = "tenant_default"
-        if adapter is None:
+        if view is None:
             if job.allow_base_fallback:
                 return Route(None, "base_fallback", 0, detail)
             raise RouteError("no_adapter", f"the job names no adapter and tenant {tenant!r} has no default; set "
-                             f"`adapter`, register a default (`lorabatch adapters add --default`), or set "
-                             f"`allow_base_fallback`", "adapter")
-        if not self.breakers.allow(adapter.key):
+                             f"`adapter_ref`, register a default (`lorabatch adapters add --default`), or set "
+                             f"`allow_base_fallback`", "adapter_ref")
+        if not self.breakers.allow(view.adapter_key):
             if job.allow_base_fallback:
-                return Route(None, "base_fallback", 0, f"{adapter.ref} circuit open")
-            raise RouteError("adapter_circuit_open", f"adapter {adapter.ref} is failing and its circuit is open; "
-                             f"retry later or set `allow_base_fallback`", "adapter", retriable=True)
+                return Route(None, "base_fallback", 0, f"{view.adapter} circuit open")
+            raise RouteError("adapter_circuit_open", f"adapter {view.adapter} is failing and its circuit is open; "
+                             f"retry later or set `allow_base_fallback`", "adapter_ref", retriable=True)
         if reason in ("explicit", "l3_rule", "tenant_default"):
-            ref = adapter.ref
+            ref = view.adapter
             if job.user_id and reason == "explicit":
                 write_back[CacheKey("l1", tenant, job.user_id)] = ref
             if job.session_id:
                 write_back[CacheKey("l2", tenant, job.session_id)] = ref
             cached.update(write_back)
-        return Route(adapter, reason, 0, detail)
+        return Route(view, reason, 0, detail)

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 CONTRACT_VERSION = 1
 MAX_NEW_TOKENS = 131_072  # the contract's bound; each engine also has its own (engine.max_new_tokens)
@@ -42,7 +43,10 @@ class Job(BaseModel):
     request_id: Ident
     tenant_id: TenantId
     batch_id: Ident | None = None
-    adapter: AdapterRef | None = Field(None, description="name or name@version; absent: route it")
+    # What the job asks for: `name` or `name@version`. The JSON field is `adapter_ref`; `adapter`, its
+    # older name, is read as the same field (producers send it), and a job giving both must agree.
+    adapter_ref: AdapterRef | None = Field(None, validation_alias=AliasChoices("adapter_ref", "adapter"),
+                                           description="name or name@version; absent: route it")
     user_id: Ident | None = None
     session_id: Ident | None = None
     prompt: str | None = None
@@ -58,6 +62,19 @@ class Job(BaseModel):
     allow_base_fallback: bool = False
     on_quota: Literal["wait", "fail"] = Field("wait", description="over the tenant's rate limit: wait, or fail with quota_exceeded")
     logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_adapter_ref(cls, data: object) -> object:
+        if not (isinstance(data, dict) and "adapter_ref" in data and "adapter" in data):
+            return data
+        ref, old = data["adapter_ref"], data["adapter"]
+        if type(ref) is not type(old) or ref != old:  # 1 and true, or 1 and 1.0, are not the same value in JSON
+            raise PydanticCustomError(
+                "adapter_ref_conflict", "adapter_ref ({ref}) and adapter ({old}) differ; they are one field (adapter is its older name)",
+                {"ref": repr(ref)[:80], "old": repr(old)[:80]},
+            )
+        return {k: v for k, v in data.items() if k != "adapter"}  # the same value twice: read once
 
     @model_validator(mode="after")
     def _one_input(self) -> "Job":
@@ -82,10 +99,12 @@ class Usage(BaseModel):
 
 
 class Cost(BaseModel):
-    """The four components in GPU milliseconds (README.md, "Billing")."""
+    """A request's cost components in GPU milliseconds (README.md, "Billing"): base, LoRA compute, the routing
+    decision, the KV credit and the cold-start share (filled in by the invoice at period close, 0 here)."""
 
     base_ms: float = 0.0
-    routing_ms: float = 0.0
+    lora_ms: float = 0.0  # its token share of its steps' LoRA compute
+    routing_ms: float = 0.0  # the routing decision alone
     kv_saved_ms: float = 0.0
     cold_start_ms: float = 0.0
 
@@ -194,7 +213,7 @@ _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "l
 
 
 def _describe(e: dict, total: int) -> ErrorInfo:
-    field = ".".join(str(p) for p in e["loc"]) or None
+    field = ".".join(str(p) for p in e["loc"]) or ("adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
     msg = e["msg"].removeprefix("Value error, ")
     allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
     if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:
@@ -202,6 +221,7 @@ def _describe(e: dict, total: int) -> ErrorInfo:
     hint = {
         "missing": f"add the field `{field}`",
         "extra_forbidden": f"remove `{field}`; the README's \"Job and result contract\" lists the known fields",
+        "adapter_ref_conflict": "send adapter_ref alone",
     }.get(e["type"], f"send a value in {allowed}" if allowed else "fix the value and send the job again")
     where = f"{field}: " if field else ""
     more = f" (+{total - 1} more)" if total > 1 else ""

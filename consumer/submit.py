@@ -106,7 +106,7 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
 def partition_key(job: Job, by: str) -> bytes:
     """The record key of a job; `adapter-balanced` keys by adapter too (its partition is chosen, not hashed)."""
     by = "adapter" if by == "adapter-balanced" else by
-    value = {"tenant": job.tenant_id, "adapter": f"{job.tenant_id}/{job.adapter or ''}", "request": job.request_id}[by]
+    value = {"tenant": job.tenant_id, "adapter": f"{job.tenant_id}/{job.adapter_ref or ''}", "request": job.request_id}[by]
     return value.encode()
 
 

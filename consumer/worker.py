@@ -273,7 +273,7 @@ class Worker:
             result, usage = failed_before_engine(
                 (item.job.request_id, item.job.tenant_id, item.job.batch_id),
                 ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True),
-                item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.decision_us)
+                item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.routing_us)
             if not item.abandoned:
                 self.intake.answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch))
         else:
@@ -349,7 +349,7 @@ class Worker:
             await asyncio.sleep(0.02)
         for item in revoked_running():
             item.abandoned = True
-            await self.aengine.abort(item.job.request_id, tenant=item.job.tenant_id)
+            await self.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id)
         if self.deliverer is not None:
             try:
                 await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))

@@ -4,7 +4,7 @@ The consumer talks to the engine only through these and `Engine`'s methods; noth
 Kafka, Redis or SQL. Times are integer microseconds so that the shares of one step add up to the
 measured step time exactly (billing converts to milliseconds at the edge).
 
-A request's identity is (tenant, request_id): two tenants may use the same request_id at the same time.
+A request's identity is (tenant_id, request_id): two tenants may use the same request_id at the same time.
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     input_ids: tuple[int, ...] | None = None
-    adapter: str | None = None  # key of a registered adapter (Engine.register_adapter / load_adapter), None: the base model
+    adapter_key: str | None = None  # key of a registered adapter (Engine.register_adapter / load_adapter), None: the base model
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # higher runs first; under KV pressure the lowest priority running request is preempted
-    tenant: str = ""  # for KV isolation and quotas; the engine attaches no other meaning to it
+    tenant_id: str = ""  # for KV isolation and quotas; the engine attaches no other meaning to it
     arrival_us: int | None = None  # monotonic clock (time.monotonic_ns() // 1000) when the job arrived
     # When the adapter cannot be loaded (missing, corrupt, refused by validation), run on the base model
     # instead of failing; the result says so with base_fallback=True.
@@ -112,8 +112,8 @@ class RequestTimings:
 @dataclass
 class GenerationResult:
     request_id: str
-    adapter: str | None
-    tenant: str = ""  # the request's, so that (tenant, request_id) routes the result
+    adapter_key: str | None  # the request's adapter_key (None after a fallback to the base model)
+    tenant_id: str = ""  # the request's, so that (tenant_id, request_id) routes the result
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -121,7 +121,7 @@ class GenerationResult:
     logprobs: dict | None = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: EngineError | None = None
-    base_fallback: bool = False  # the adapter failed to load and the request ran on the base model (adapter is None)
+    base_fallback: bool = False  # the adapter failed to load and the request ran on the base model (adapter_key is None)
 
     @property
     def ok(self) -> bool:

@@ -6,7 +6,7 @@ request submitted while others run joins the running batch at the next step (con
 across callers). Results go back to each caller's event loop with `loop.call_soon_threadsafe`; the
 event loop never blocks on the engine, so Kafka heartbeats and the like keep running.
 
-Requests are known by (tenant, request_id), as in the engine: two tenants may use one request_id at once.
+Requests are known by (tenant_id, request_id), as in the engine: two tenants may use one request_id at once.
 Cancelling the task awaiting `generate` aborts its request in the engine (the CancelledError is
 re-raised, never swallowed). The engine fails a request alone when its admission, forward, sampling
 or detokenizing fails (engine.engine, "Isolation", which lists the error codes). Only if a step raises
@@ -16,7 +16,7 @@ awaited `generate` settles (a request the engine lost track of fails with `engin
 
     async with AsyncEngine(Engine(config)) as engine:
         await engine.call(lambda e: e.register_adapter("acme/support@3", path))
-        result = await engine.generate(GenerationRequest(request_id="r1", prompt="hi", adapter="acme/support@3"))
+        result = await engine.generate(GenerationRequest(request_id="r1", prompt="hi", adapter_key="acme/support@3", tenant_id="acme"))
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = queue.SimpleQueue()
-        # (tenant, request_id) -> the caller's loop and future; engine thread only
+        # (tenant_id, request_id) -> the caller's loop and future; engine thread only
         self._pending: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -95,12 +95,12 @@ class AsyncEngine:
         try:
             return await fut
         except asyncio.CancelledError:
-            self._commands.put((lambda: self._abort((req.tenant, req.request_id), fut), None))
+            self._commands.put((lambda: self._abort((req.tenant_id, req.request_id), fut), None))
             raise
 
-    async def abort(self, request_id: str, tenant: str = "") -> GenerationResult | None:
-        """Abort the request (tenant, request_id) in flight; its `generate` returns the partial result (code `aborted`)."""
-        return await self.call(lambda e: self._abort((tenant, request_id), None))
+    async def abort(self, request_id: str, tenant_id: str = "") -> GenerationResult | None:
+        """Abort the request (tenant_id, request_id) in flight; its `generate` returns the partial result (code `aborted`)."""
+        return await self.call(lambda e: self._abort((tenant_id, request_id), None))
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
@@ -168,11 +168,11 @@ class AsyncEngine:
             done.set_result(value)
 
     def _add(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        key = (req.tenant, req.request_id)
+        key = (req.tenant_id, req.request_id)
         if key in self._pending:
-            dup = RequestError(f"request_id {req.request_id!r} of tenant {req.tenant!r} is already in flight; use unique ids "
+            dup = RequestError(f"request_id {req.request_id!r} of tenant {req.tenant_id!r} is already in flight; use unique ids "
                                "per tenant", code="duplicate_request_id")  # fmt: skip
-            res = GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=dup)
+            res = GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=dup)
             loop.call_soon_threadsafe(_settle, fut, res)
             return
         self._pending[key] = (loop, fut)
@@ -181,14 +181,14 @@ class AsyncEngine:
         except Exception as e:
             log.exception("adding request %r raised", key)
             error = EngineError(f"admitting the request raised {type(e).__name__}; it was logged", code="admission_failed")
-            self._deliver(GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=error))
+            self._deliver(GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=error))
 
     def _abort(self, key: tuple[str, str], only: asyncio.Future | None) -> GenerationResult | None:
         entry = self._pending.get(key)
         if only is not None and (entry is None or entry[1] is not only):
             return None  # the request already finished, or the id now belongs to a newer request
-        tenant, request_id = key
-        res = self.engine.abort(request_id, tenant)
+        tenant_id, request_id = key
+        res = self.engine.abort(request_id, tenant_id)
         if res is not None:
             self._deliver(res)
         return res
@@ -203,13 +203,13 @@ class AsyncEngine:
             results = []
         for res in results:
             self._deliver(res)
-        for tenant, request_id in list(self._pending):
-            self._deliver(GenerationResult(request_id=request_id, adapter=None, tenant=tenant, error=error))
+        for tenant_id, request_id in list(self._pending):
+            self._deliver(GenerationResult(request_id=request_id, adapter_key=None, tenant_id=tenant_id, error=error))
 
     def _deliver(self, res: GenerationResult) -> None:
-        entry = self._pending.pop((res.tenant, res.request_id), None)
+        entry = self._pending.pop((res.tenant_id, res.request_id), None)
         if entry is None:
-            log.warning("result for %r of tenant %r, which no caller awaits", res.request_id, res.tenant)
+            log.warning("result for %r of tenant %r, which no caller awaits", res.request_id, res.tenant_id)
             return
         loop, fut = entry
         loop.call_soon_threadsafe(_settle, fut, res)

@@ -45,10 +45,10 @@ from engine.kv_cache import KVCacheFullError
 _DOMAIN = b"lorabatch-kv-v1"
 
 
-def namespace_hash(tenant: str, adapter_key: str | None, adapter_sha: str | None, base_fingerprint: str) -> bytes:
+def namespace_hash(tenant_id: str, adapter_key: str | None, adapter_sha: str | None, base_fingerprint: str) -> bytes:
     """h_0 of the chain (module docstring): everything a block's KV depends on besides its tokens."""
     h = hashlib.sha256(_DOMAIN)
-    for part in (tenant, adapter_key or "", adapter_sha or "", base_fingerprint):
+    for part in (tenant_id, adapter_key or "", adapter_sha or "", base_fingerprint):
         data = part.encode()
         h.update(len(data).to_bytes(4, "big") + data)  # length-prefixed: ("ab", "c") and ("a", "bc") differ
     return h.digest()
@@ -67,7 +67,7 @@ def chain_hashes(prev: bytes, tokens: Sequence[int], block_size: int) -> list[by
 
 @dataclass
 class _Seq:
-    tenant: str
+    tenant_id: str
     namespace: bytes | None  # None: never cached (prefix caching off, or a test's bare sequence)
     table: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -106,8 +106,8 @@ class BlockManager:
     def num_cached(self) -> int:
         return len(self._evictable)
 
-    def tenant_blocks(self, tenant: str) -> int:
-        return self._tenant_used.get(tenant, 0)
+    def tenant_blocks(self, tenant_id: str) -> int:
+        return self._tenant_used.get(tenant_id, 0)
 
     def tenants(self) -> dict[str, int]:
         return {t: n for t, n in self._tenant_used.items() if n}
@@ -147,13 +147,13 @@ class BlockManager:
         `total_tokens`: the new blocks, plus the hits that nobody uses now."""
         return self.blocks_for(total_tokens) - len(hits) + sum(1 for b in hits if self._refs[b] == 0)
 
-    def open(self, seq_id: Hashable, tenant: str, namespace: bytes | None, hits: list[int], keys: list[bytes]) -> int:
+    def open(self, seq_id: Hashable, tenant_id: str, namespace: bytes | None, hits: list[int], keys: list[bytes]) -> int:
         """Start a sequence on the cached blocks `hits` (from `lookup(keys)` just before); returns its cached tokens."""
         assert seq_id not in self._seqs, f"sequence {seq_id!r} already holds blocks"
-        seq = _Seq(tenant, namespace if self.prefix_caching else None)
+        seq = _Seq(tenant_id, namespace if self.prefix_caching else None)
         self._seqs[seq_id] = seq
         for block in hits:
-            self._take(block, tenant)
+            self._take(block, tenant_id)
         seq.table = list(hits)
         seq.num_tokens = len(hits) * self.block_size
         seq.hashes = list(keys[: len(hits)])
@@ -186,7 +186,7 @@ class BlockManager:
         need = self.blocks_for(total_tokens) - len(seq.table)
         if need <= 0:
             return None
-        if self.tenant_blocks(seq.tenant) + need > self.tenant_quota:
+        if self.tenant_blocks(seq.tenant_id) + need > self.tenant_quota:
             return "quota"
         if need > self.num_free:
             return "pool"
@@ -198,18 +198,18 @@ class BlockManager:
         why = self.can_grow(seq_id, total_tokens)
         if why is not None:
             raise KVCacheFullError(
-                f"KV cache full ({why}): sequence {seq_id!r} of tenant {seq.tenant!r} needs "
+                f"KV cache full ({why}): sequence {seq_id!r} of tenant {seq.tenant_id!r} needs "
                 f"{self.blocks_for(total_tokens) - len(seq.table)} more blocks; {self.num_free} of {self.num_blocks} are "
-                f"free and the tenant holds {self.tenant_blocks(seq.tenant)} of its quota of {self.tenant_quota}"
+                f"free and the tenant holds {self.tenant_blocks(seq.tenant_id)} of its quota of {self.tenant_quota}"
             )
         while len(seq.table) < self.blocks_for(total_tokens):
-            seq.table.append(self._new_block(seq.tenant))
+            seq.table.append(self._new_block(seq.tenant_id))
         seq.num_tokens = max(seq.num_tokens, total_tokens)
 
-    def ensure(self, seq_id: Hashable, total_tokens: int, tenant: str = "") -> None:
+    def ensure(self, seq_id: Hashable, total_tokens: int, tenant_id: str = "") -> None:
         """Open (uncached) if needed and grow: for callers driving the runner directly, such as tests."""
         if seq_id not in self._seqs:
-            self.open(seq_id, tenant, None, [], [])
+            self.open(seq_id, tenant_id, None, [], [])
         self.grow(seq_id, total_tokens)
 
     def free(self, seq_id: Hashable) -> None:
@@ -224,7 +224,7 @@ class BlockManager:
             self._refs[block] -= 1
             assert self._refs[block] >= 0, block
             if self._refs[block] == 0:
-                self._tenant_used[seq.tenant] -= 1
+                self._tenant_used[seq.tenant_id] -= 1
                 self._owner[block] = None
                 if block in self._hash_of:
                     self._evictable[block] = None
@@ -233,19 +233,19 @@ class BlockManager:
 
     # ---- internals
 
-    def _take(self, block: int, tenant: str) -> None:
+    def _take(self, block: int, tenant_id: str) -> None:
         if self._refs[block] == 0:
             self._evictable.pop(block, None)
-            self._owner[block] = tenant
-            self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + 1
-        assert self._owner[block] == tenant, (block, self._owner[block], tenant)
+            self._owner[block] = tenant_id
+            self._tenant_used[tenant_id] = self._tenant_used.get(tenant_id, 0) + 1
+        assert self._owner[block] == tenant_id, (block, self._owner[block], tenant_id)
         self._refs[block] += 1
 
-    def _new_block(self, tenant: str) -> int:
+    def _new_block(self, tenant_id: str) -> int:
         if self._free:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._hash_of.pop(block)]
-        self._take(block, tenant)
+        self._take(block, tenant_id)
         return block

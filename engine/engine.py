@@ -29,7 +29,7 @@ halves down to the culprits, and a row whose logits are unusable or whose sampli
 launch falls back to one isolated eager step.
 
 Error codes of failed results (EngineError.code; retriable only where said): those of engine.validation;
-duplicate_request_id (the same (tenant, request_id) is unfinished); unknown_adapter; the adapter's load errors
+duplicate_request_id (the same (tenant_id, request_id) is unfinished); unknown_adapter; the adapter's load errors
 (engine.api.ADAPTER_ERROR_CODES; adapter_load_failed when loading raised unexpectedly); admission_failed (building
 the request raised unexpectedly); sampling_failed (unusable logits, or sampling or logprobs raised); decode_failed
 (detokenizing or stop-string matching raised); forward_failed (the forward raised with this request alone);
@@ -128,34 +128,34 @@ class Engine:
 
     @property
     def _unfinished(self) -> dict[tuple[str, str], Sequence]:
-        """(tenant, request_id) -> sequence, waiting or running (engine.requests); the tests look inside."""
+        """(tenant_id, request_id) -> sequence, waiting or running (engine.requests); the tests look inside."""
         return self.requests.unfinished
 
     # ---- adapters
 
-    def register_adapter(self, key: str, path: Path, sha256: str | None = None, *, tenant: str = "", slo_tier: str = "standard") -> None:
-        """Make `key` usable by requests; nothing is read until a request (or the warm pool) needs it.
+    def register_adapter(self, adapter_key: str, path: Path, sha256: str | None = None, *, tenant_id: str = "", slo_tier: str = "standard") -> None:
+        """Make `adapter_key` usable by requests; nothing is read until a request (or the warm pool) needs it.
         With `sha256`, the files must hash to it when read (else the requests fail with adapter_changed)."""
-        self.adapters.register(key, Path(path), sha256=sha256, tenant=tenant, slo_tier=slo_tier)
+        self.adapters.register(adapter_key, Path(path), sha256=sha256, tenant=tenant_id, slo_tier=slo_tier)
 
-    def load_adapter(self, key: str, path: Path, *, tenant: str = "", slo_tier: str = "standard") -> AdapterInfo:
-        """Register, validate and load a PEFT adapter folder under `key` now; the same content under a new key
-        is shared. Raises AdapterError (and leaves the key unregistered) if it cannot be loaded."""
-        return self.adapters.load(key, Path(path), tenant=tenant, slo_tier=slo_tier)
+    def load_adapter(self, adapter_key: str, path: Path, *, tenant_id: str = "", slo_tier: str = "standard") -> AdapterInfo:
+        """Register, validate and load a PEFT adapter folder under `adapter_key` now; the same content under another
+        key is shared. Raises AdapterError (and leaves the adapter_key unregistered) if it cannot be loaded."""
+        return self.adapters.load(adapter_key, Path(path), tenant=tenant_id, slo_tier=slo_tier)
 
-    def unload_adapter(self, key: str) -> None:
-        users = [k for k, s in self.requests.unfinished.items() if s.adapter_key == key]
+    def unload_adapter(self, adapter_key: str) -> None:
+        users = [k for k, s in self.requests.unfinished.items() if s.adapter_key == adapter_key]
         if users:
             raise AdapterError(
-                f"adapter {key!r} is in use by {len(users)} unfinished requests (e.g. {users[0]!r}); "
+                f"adapter {adapter_key!r} is in use by {len(users)} unfinished requests (e.g. {users[0]!r}); "
                 "unload it once they finish or abort them",
                 code="adapter_in_use",
                 retriable=True,
             )
-        self.adapters.unload(key)
+        self.adapters.unload(adapter_key)
 
-    def has_adapter(self, key: str) -> bool:
-        return self.adapters.has(key)
+    def has_adapter(self, adapter_key: str) -> bool:
+        return self.adapters.has(adapter_key)
 
     def resident_adapters(self) -> list[str]:
         """Keys of the adapters in device slots now: batching requests of these avoids loads."""
@@ -172,11 +172,11 @@ class Engine:
         with its error. Never raises for the request's content."""
         self.requests.add(req)
 
-    def abort(self, request_id: str, tenant: str = "") -> GenerationResult | None:
-        """Stop the unfinished request (tenant, request_id) now; returns its partial result (error code `aborted`), or
+    def abort(self, request_id: str, tenant_id: str = "") -> GenerationResult | None:
+        """Stop the unfinished request (tenant_id, request_id) now; returns its partial result (error code `aborted`), or
         None if unknown."""
         self._drain()  # its blocks and slot may not be released under a round still running on the device
-        return self.requests.abort((tenant, request_id))
+        return self.requests.abort((tenant_id, request_id))
 
     def abort_all(self, error: EngineError) -> list[GenerationResult]:
         """Fail every unfinished request with `error` and hand out every result not yet returned: the last resort of a
@@ -220,9 +220,9 @@ class Engine:
     def generate(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         """Run `reqs` to completion; results in input order. Other requests' results stay for step()."""
         results: list[GenerationResult | None] = [None] * len(reqs)
-        slot_of: dict[tuple[str, str], int] = {}  # (tenant, request_id) -> index
+        slot_of: dict[tuple[str, str], int] = {}  # (tenant_id, request_id) -> index
         for i, req in enumerate(reqs):
-            key = (req.tenant, req.request_id)
+            key = (req.tenant_id, req.request_id)
             if key in slot_of or key in self.requests.unfinished:
                 # Caught here rather than by add_request: two results of one identity could not be told apart.
                 results[i] = failed_result(req, duplicate(req))
@@ -234,7 +234,7 @@ class Engine:
             while slot_of:
                 finished = self.step()
                 for res in finished:
-                    i = slot_of.pop((res.tenant, res.request_id), None)
+                    i = slot_of.pop((res.tenant_id, res.request_id), None)
                     if i is None:
                         others.append(res)
                     else:
@@ -242,8 +242,8 @@ class Engine:
                 if not finished and (wait := self.idle_wait_s()) > 0:
                     time.sleep(min(0.05, wait))
         finally:
-            for tenant, rid in slot_of:  # only after an exception: leave no half-run request behind
-                self.abort(rid, tenant)
+            for tenant_id, rid in slot_of:  # only after an exception: leave no half-run request behind
+                self.abort(rid, tenant_id)
             self.requests.done = others + self.requests.done
         return results  # type: ignore[return-value]
 

@@ -97,7 +97,7 @@ class StepPlanner:
             assert n > 0, seq.key
             total = seq.num_computed + n
             while (why := self.blocks.can_grow(seq.seq_id, total)) is not None:
-                lower = [s for s in queue[i + 1 :] if why == "pool" or s.tenant == seq.tenant]
+                lower = [s for s in queue[i + 1 :] if why == "pool" or s.tenant_id == seq.tenant_id]
                 victim = lower[-1] if lower else seq
                 self._preempt(victim, plan)
                 queue.remove(victim)
@@ -163,7 +163,7 @@ class StepPlanner:
                     self.pool.release(seq.adapter_sha)
                     seq.lora_slot = -1
                     return None
-        cached = self.blocks.open(seq.seq_id, seq.tenant, self._namespace(seq), hits, keys)
+        cached = self.blocks.open(seq.seq_id, seq.tenant_id, self._namespace(seq), hits, keys)
         self.blocks.grow(seq.seq_id, total)
         seq.num_computed = cached
         if not seq.scheduled_once:
@@ -190,7 +190,7 @@ class StepPlanner:
 
     def _why_not(self, seq: Sequence, hits: list[int], total: int) -> str | None:
         cost = self.blocks.admission_cost(hits, total)
-        if self.blocks.tenant_blocks(seq.tenant) + cost > self.blocks.tenant_quota:
+        if self.blocks.tenant_blocks(seq.tenant_id) + cost > self.blocks.tenant_quota:
             return "quota"
         headroom = self.watermark if self.running else 0
         if cost > self.blocks.num_free - headroom:
@@ -201,7 +201,7 @@ class StepPlanner:
         if seq.adapter_key is not None and seq.adapter_sha is None and self.pool.sha_of(seq.adapter_key) is None:
             return None  # content not known yet: nothing can be cached under it
         sha = seq.adapter_sha or (self.pool.sha_of(seq.adapter_key) if seq.adapter_key else None)
-        return namespace_hash(seq.tenant, seq.adapter_key, sha, self.base_fingerprint)
+        return namespace_hash(seq.tenant_id, seq.adapter_key, sha, self.base_fingerprint)
 
     def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         ns = self._namespace(seq)

@@ -1,6 +1,6 @@
 """The engine's requests from admission to result: who is unfinished, and the results not yet handed out.
 
-Identity: a request is (tenant, request_id); two tenants may use one request_id at once, but one tenant's id
+Identity: a request is (tenant_id, request_id); two tenants may use one request_id at once, but one tenant's id
 is unique among its unfinished requests (a second one fails with duplicate_request_id). Inside, each sequence
 has its own id (`Sequence.seq_id`, its admission order) for KV blocks and batch rows.
 
@@ -37,7 +37,7 @@ class Requests:
                  planner: StepPlanner, adapters: AdapterPool):  # fmt: skip
         self._config, self._model, self._tokenizer, self._device = config, model, tokenizer, device
         self._planner, self._adapters = planner, adapters
-        self.unfinished: dict[tuple[str, str], Sequence] = {}  # (tenant, request_id) -> sequence, waiting or running
+        self.unfinished: dict[tuple[str, str], Sequence] = {}  # (tenant_id, request_id) -> sequence, waiting or running
         self.done: list[GenerationResult] = []  # finished, not yet returned by step()
         self._order = itertools.count()
 
@@ -47,13 +47,13 @@ class Requests:
         arrival = req.arrival_us if isinstance(req.arrival_us, int) else now
         try:
             seq = self._new_sequence(req, arrival)
-            if req.adapter is not None:
-                self._adapters.note_request(req.adapter)
+            if req.adapter_key is not None:
+                self._adapters.note_request(req.adapter_key)
         except RequestError as e:
             self.done.append(failed_result(req, e, max(0, now - arrival)))
             return
         except Exception as e:  # a bug met by this request's content: it fails alone
-            log.exception("admitting request %r of tenant %r raised", req.request_id, req.tenant)
+            log.exception("admitting request %r of tenant %r raised", req.request_id, req.tenant_id)
             error = RequestError(f"admitting the request raised {type(e).__name__}: {e}; it was logged", code="admission_failed")
             self.done.append(failed_result(req, error, max(0, now - arrival)))
             return
@@ -114,11 +114,11 @@ class Requests:
         return done
 
     def _new_sequence(self, req: GenerationRequest, arrival: int) -> Sequence:
-        if (req.tenant, req.request_id) in self.unfinished:
+        if (req.tenant_id, req.request_id) in self.unfinished:
             raise duplicate(req)
-        if req.adapter is not None and not self._adapters.has(req.adapter):
+        if req.adapter_key is not None and not self._adapters.has(req.adapter_key):
             raise RequestError(
-                f"adapter {req.adapter!r} is not registered; register it with register_adapter or load_adapter first",
+                f"adapter {req.adapter_key!r} is not registered; register it with register_adapter or load_adapter first",
                 code="unknown_adapter",
             )
         ids = prompt_ids(req, self._tokenizer, self._config, vocab_size=self._model.vocab_size)
@@ -135,7 +135,7 @@ class Requests:
             arrival_us=arrival,
             detok=IncrementalDetokenizer(self._tokenizer),
             generator=generator,
-            adapter_key=req.adapter,
+            adapter_key=req.adapter_key,
             logprobs=[] if req.sampling.logprobs is not None else None,
         )
 
@@ -149,12 +149,12 @@ def result(seq: Sequence, error: EngineError | None, now_us: int | None = None) 
 
 def failed_result(req: GenerationRequest, error: EngineError, total_us: int = 0) -> GenerationResult:
     """The result of a request that failed before it became a sequence."""
-    return GenerationResult(request_id=req.request_id, adapter=req.adapter, tenant=req.tenant, error=error,
+    return GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=error,
                             timings=RequestTimings(total_us=total_us))  # fmt: skip
 
 
 def duplicate(req: GenerationRequest) -> RequestError:
-    return RequestError(f"request_id {req.request_id!r} of tenant {req.tenant!r} is already in flight; use unique ids per tenant",
+    return RequestError(f"request_id {req.request_id!r} of tenant {req.tenant_id!r} is already in flight; use unique ids per tenant",
                         code="duplicate_request_id")  # fmt: skip
 
 

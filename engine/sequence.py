@@ -63,12 +63,12 @@ class Sequence:
 
     @property
     def key(self) -> tuple[str, str]:
-        """The request's identity, (tenant, request_id)."""
-        return (self.request.tenant, self.request.request_id)
+        """The request's identity, (tenant_id, request_id)."""
+        return (self.request.tenant_id, self.request.request_id)
 
     @property
-    def tenant(self) -> str:
-        return self.request.tenant
+    def tenant_id(self) -> str:
+        return self.request.tenant_id
 
     @property
     def priority(self) -> int:
@@ -118,8 +118,8 @@ class Sequence:
     def result(self, error: EngineError | None = None) -> GenerationResult:
         return GenerationResult(
             request_id=self.request_id,
-            adapter=self.adapter_key,
-            tenant=self.tenant,
+            adapter_key=self.adapter_key,
+            tenant_id=self.tenant_id,
             output_ids=list(self.output_ids),
             text=self.text,
             finish_reason=self.finish_reason,

@@ -173,7 +173,7 @@ class RequestShare:
     has_lora: bool
     base_us: int
     lora_us: int
-    tenant: str = ""  # with request_id, the request's identity
+    tenant_id: str = ""  # with request_id, the request's identity
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class StepRecord:
 
 
 def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[tuple[str, str], int, bool]]) -> StepRecord:
-    """Split a step's measured time among its ((tenant, request_id), tokens, has_lora) rows."""
+    """Split a step's measured time among its ((tenant_id, request_id), tokens, has_lora) rows."""
     assert 0 <= lora_us <= total_us, (lora_us, total_us)
     tokens = [t for _, t, _ in rows]
     lora_tokens = [t if has_lora else 0 for _, t, has_lora in rows]
@@ -205,5 +205,5 @@ def attribute_step(step_id: int, total_us: int, lora_us: int, rows: list[tuple[t
         lora_us=lora_us,
         tokens=sum(tokens),
         lora_tokens=sum(lora_tokens),
-        shares=tuple(RequestShare(rid, t, h, b, lo, tenant) for ((tenant, rid), t, h), b, lo in zip(rows, base, lora)),
+        shares=tuple(RequestShare(rid, t, h, b, lo, tenant_id) for ((tenant_id, rid), t, h), b, lo in zip(rows, base, lora)),
     )

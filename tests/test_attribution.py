@@ -16,8 +16,8 @@ from engine.timing import PrefillCost, RequestShare, StepRecord, apportion, attr
 Row = tuple[tuple[str, str], int, bool]  # ((tenant, request_id), tokens, has_lora)
 
 
-def row(rid: str, tokens: int, lora: bool = False, tenant: str = "t") -> Row:
-    return ((tenant, rid), tokens, lora)
+def row(rid: str, tokens: int, lora: bool = False, tenant_id: str = "t") -> Row:
+    return ((tenant_id, rid), tokens, lora)
 
 
 @pytest.mark.parametrize(
@@ -34,14 +34,14 @@ def row(rid: str, tokens: int, lora: bool = False, tenant: str = "t") -> Row:
         (0, 0, [row("a", 0)], [(0, 0)]),  # a zero-token step with nothing measured attributes nothing
         (0, 0, [], []),  # the empty step
         # The same request id under two tenants is two requests.
-        (9, 0, [row("r", 1, tenant="t0"), row("r", 2, tenant="t1")], [(3, 0), (6, 0)]),
+        (9, 0, [row("r", 1, tenant_id="t0"), row("r", 2, tenant_id="t1")], [(3, 0), (6, 0)]),
     ],
 )
 def test_attribute_step_cases(total_us: int, lora_us: int, rows: list[Row], expected: list[tuple[int, int]]) -> None:
     """Base time by tokens over all rows, LoRA time by tokens over adapter rows, largest remainder with ties to the earlier row."""
     record = attribute_step(7, total_us, lora_us, rows)
     assert [(s.base_us, s.lora_us) for s in record.shares] == expected
-    assert [((s.tenant, s.request_id), s.tokens, s.has_lora) for s in record.shares] == rows
+    assert [((s.tenant_id, s.request_id), s.tokens, s.has_lora) for s in record.shares] == rows
     assert (record.step_id, record.total_us, record.base_us + record.lora_us) == (7, total_us, total_us)
 
 
@@ -112,7 +112,7 @@ def test_per_step_conservation(run: list[tuple[int, int, list[Row]]]) -> None:
         record = attribute_step(i, total, lora, rows)
         _check(record, rows)
         for s in record.shares:
-            totals[(s.tenant, s.request_id)] = totals.get((s.tenant, s.request_id), 0) + s.base_us + s.lora_us
+            totals[(s.tenant_id, s.request_id)] = totals.get((s.tenant_id, s.request_id), 0) + s.base_us + s.lora_us
     assert sum(totals.values()) == sum(total for total, _, _ in run)
 
 

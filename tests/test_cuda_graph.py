@@ -158,7 +158,7 @@ def test_engine_with_graphs_generates_what_the_torch_backend_does(demo, engine):
         ref.load_adapter(name, demo["adapters"][name])
     gen = torch.Generator().manual_seed(9)
     reqs = [GenerationRequest(request_id=f"e{i}", input_ids=tuple(torch.randint(4, 500, (3 + i,), generator=gen).tolist()),
-                              adapter=[None, *ADAPTERS][i % 5],
+                              adapter_key=[None, *ADAPTERS][i % 5],
                               sampling=SamplingParams(max_new_tokens=6, ignore_eos=True, **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {})))
             for i in range(12)]  # fmt: skip
     want = ref.generate(reqs)
@@ -181,7 +181,7 @@ def test_engine_with_graphs_generates_what_the_torch_backend_does(demo, engine):
 def _chain_requests(n: int, new: int) -> list[GenerationRequest]:
     gen = torch.Generator().manual_seed(21)
     return [GenerationRequest(request_id=f"c{i}", input_ids=tuple(torch.randint(4, 500, (2 + i,), generator=gen).tolist()),
-                              adapter=[None, *ADAPTERS][i % 5],
+                              adapter_key=[None, *ADAPTERS][i % 5],
                               sampling=SamplingParams(max_new_tokens=new - (i % 3), ignore_eos=i != 0,
                                                       **({"temperature": 0.9, "seed": i} if i % 2 else {})))
             for i in range(n)]  # fmt: skip
@@ -233,7 +233,7 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeyp
     """With the batch full (max_batch_size 8) and more requests waiting, rounds still run (nobody could join before a
     request finishes), end where the first request reaches its length, and the waiting ones are admitted then: every
     request gets the tokens of single-step rounds."""
-    reqs = [GenerationRequest(request_id=f"f{i}", input_ids=(5 + i, 9, 11), adapter=[None, *ADAPTERS][i % 5],
+    reqs = [GenerationRequest(request_id=f"f{i}", input_ids=(5 + i, 9, 11), adapter_key=[None, *ADAPTERS][i % 5],
                               sampling=SamplingParams(max_new_tokens=8 - i % 4, ignore_eos=True)) for i in range(12)]  # fmt: skip
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
     want = engine.generate(reqs)

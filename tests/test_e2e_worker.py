@@ -173,7 +173,7 @@ async def test_corrupt_adapter_fails_its_jobs_only(broker, tmp_path, demo_set, c
         await produce_jobs(s.kafka, jobs, "b2", "initech", "test", "tenant")
         results = {r.request_id: r for r in await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 4)}
     assert results["ok-1"].status == results["ok-2"].status == "succeeded"
-    assert results["ok-1"].adapter == good.ref
+    assert results["ok-1"].adapter == good.adapter
     assert results["bad-1"].status == "failed" and results["bad-1"].error.code.startswith("adapter_")
     assert "broken-e2e@1" in results["bad-1"].error.message
     assert results["bad-2"].status == "succeeded" and results["bad-2"].adapter is None

@@ -37,9 +37,9 @@ def engine(demo_set):
     return eng
 
 
-def _req(rid: str, prompt: str = PROMPTS[0], adapter: str | None = None, **sampling) -> GenerationRequest:
+def _req(rid: str, prompt: str = PROMPTS[0], adapter_key: str | None = None, **sampling) -> GenerationRequest:
     sampling.setdefault("max_new_tokens", 12)
-    return GenerationRequest(request_id=rid, prompt=prompt, adapter=adapter, sampling=SamplingParams(**sampling))
+    return GenerationRequest(request_id=rid, prompt=prompt, adapter_key=adapter_key, sampling=SamplingParams(**sampling))
 
 
 def _companions(prefix: str) -> list[GenerationRequest]:
@@ -58,9 +58,9 @@ def _companions(prefix: str) -> list[GenerationRequest]:
 @pytest.mark.parametrize("adapter", [None, "qkvo-r64-rslora"])
 def test_greedy_is_deterministic_whatever_the_batch(engine, adapter):
     """The same greedy request gives the same tokens alone, among companions, and again."""
-    alone = engine.generate([_req("g-a", adapter=adapter)])[0]
-    mixed = engine.generate(_companions("g") + [_req("g-b", adapter=adapter)])[-1]
-    again = engine.generate([_req("g-c", adapter=adapter)])[0]
+    alone = engine.generate([_req("g-a", adapter_key=adapter)])[0]
+    mixed = engine.generate(_companions("g") + [_req("g-b", adapter_key=adapter)])[-1]
+    again = engine.generate([_req("g-c", adapter_key=adapter)])[0]
     assert alone.ok and alone.output_ids == mixed.output_ids == again.output_ids
 
 
@@ -71,17 +71,17 @@ def test_greedy_is_deterministic_whatever_the_batch(engine, adapter):
 )
 def test_seeded_sampling_is_reproducible_and_independent_of_companions(engine, sampling):
     """Same seed + prompt -> same tokens, alone or in a busy mixed batch; another seed -> other tokens."""
-    alone = engine.generate([_req("s-a", adapter="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[0]
-    mixed = engine.generate(_companions("s") + [_req("s-b", adapter="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[-1]
-    other = engine.generate([_req("s-c", adapter="all-r8-rslora", seed=99, ignore_eos=True, **sampling)])[0]
+    alone = engine.generate([_req("s-a", adapter_key="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[0]
+    mixed = engine.generate(_companions("s") + [_req("s-b", adapter_key="all-r8-rslora", seed=1234, ignore_eos=True, **sampling)])[-1]
+    other = engine.generate([_req("s-c", adapter_key="all-r8-rslora", seed=99, ignore_eos=True, **sampling)])[0]
     assert alone.output_ids == mixed.output_ids
     assert alone.output_ids != other.output_ids
 
 
 def test_top_k_1_equals_greedy(engine):
     """Sampling with top_k=1 at a high temperature returns the greedy tokens."""
-    greedy = engine.generate([_req("k-g", adapter="qv-r16")])[0]
-    topk1 = engine.generate([_req("k-1", adapter="qv-r16", temperature=1.5, top_k=1, seed=3)])[0]
+    greedy = engine.generate([_req("k-g", adapter_key="qv-r16")])[0]
+    topk1 = engine.generate([_req("k-1", adapter_key="qv-r16", temperature=1.5, top_k=1, seed=3)])[0]
     assert greedy.output_ids == topk1.output_ids
 
 
@@ -164,7 +164,7 @@ def test_logprobs_shape_and_values(engine, sampling):
 BAD = [
     (dict(prompt="word " * 200), "prompt_too_long"),
     (dict(prompt="hi", sampling=SamplingParams(max_new_tokens=33)), "max_new_tokens_too_large"),
-    (dict(prompt="hi", adapter="no-such-adapter"), "unknown_adapter"),
+    (dict(prompt="hi", adapter_key="no-such-adapter"), "unknown_adapter"),
     (dict(prompt=""), "empty_prompt"),
     (dict(input_ids=()), "empty_prompt"),
     (dict(messages=()), "empty_prompt"),
@@ -194,7 +194,7 @@ def test_bad_requests_fail_alone_and_good_ones_are_unaffected(engine):
         assert res.error is not None and res.error.code == code, (req, res.error)
         assert res.error.message and not res.output_ids
     for req in good:
-        alone = engine.generate([GenerationRequest(request_id=req.request_id + "-alone", prompt=req.prompt, adapter=req.adapter, sampling=req.sampling)])[0]
+        alone = engine.generate([GenerationRequest(request_id=req.request_id + "-alone", prompt=req.prompt, adapter_key=req.adapter_key, sampling=req.sampling)])[0]
         assert by_id[req.request_id].ok and by_id[req.request_id].output_ids == alone.output_ids
     assert not engine.has_unfinished()
 
@@ -208,9 +208,9 @@ def test_chat_messages_equal_their_rendered_input_ids(engine):
     """A messages request runs the chat template: same output as sending the template's token ids."""
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is soup?"})
     sp = SamplingParams(max_new_tokens=8)
-    a = engine.generate([GenerationRequest(request_id="chat", messages=messages, adapter="qv-r16", sampling=sp)])[0]
+    a = engine.generate([GenerationRequest(request_id="chat", messages=messages, adapter_key="qv-r16", sampling=sp)])[0]
     ids = tuple(engine.tokenizer.encode_chat(messages))
-    b = engine.generate([GenerationRequest(request_id="chat-ids", input_ids=ids, adapter="qv-r16", sampling=sp)])[0]
+    b = engine.generate([GenerationRequest(request_id="chat-ids", input_ids=ids, adapter_key="qv-r16", sampling=sp)])[0]
     assert a.ok and a.prompt_tokens == len(ids) and a.output_ids == b.output_ids
 
 
@@ -300,7 +300,7 @@ def test_same_content_under_two_keys_is_loaded_once(engine, demo_set, tmp_path):
     orig = engine.adapters.info("all-r16")
     assert info.sha256 == orig.sha256 and info.tier == "gpu" and info.nbytes == orig.nbytes
     assert engine.adapters.resident() == resident
-    a, b = engine.generate([_req("k1", adapter="all-r16"), _req("k2", adapter="tenant-b/alias@1")])
+    a, b = engine.generate([_req("k1", adapter_key="all-r16"), _req("k2", adapter_key="tenant-b/alias@1")])
     assert a.output_ids == b.output_ids
     assert b.timings.adapter_load_us == 0
     engine.unload_adapter("tenant-b/alias@1")
@@ -317,11 +317,11 @@ def test_few_slots_evict_and_page_in_without_changing_results(engine, demo_set):
     assert [i.tier for i in infos] == ["disk"] * 3 and len(eng.adapters.resident()) == 2
     reqs = [_req(f"ev{i}", PROMPTS[i % 5], names[i % 3], max_new_tokens=4 + i % 3) for i in range(9)]
     got = eng.generate(reqs)
-    want = engine.generate([_req(r.request_id + "-ref", r.prompt, r.adapter, max_new_tokens=r.sampling.max_new_tokens) for r in reqs])
+    want = engine.generate([_req(r.request_id + "-ref", r.prompt, r.adapter_key, max_new_tokens=r.sampling.max_new_tokens) for r in reqs])
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     charged = [g.timings.adapter_load_us for g in got[:3]]
     assert all(c > 0 for c in charged), charged  # the first request of each adapter pays its load
-    assert all(g.timings.adapter_load_us == 0 for g in got[3:6] if g.adapter == "qv-r4")
+    assert all(g.timings.adapter_load_us == 0 for g in got[3:6] if g.adapter_key == "qv-r4")
 
 
 def test_unload_refuses_adapters_in_use_and_abort_frees_everything(engine, demo_set):
@@ -329,7 +329,7 @@ def test_unload_refuses_adapters_in_use_and_abort_frees_everything(engine, demo_
     eng = Engine(_config(demo_set, max_loras=1))
     eng.load_adapter("a", demo_set["adapters"]["qv-r4"])
     free_blocks = eng.runner.blocks.num_free
-    eng.add_request(_req("ab", adapter="a", max_new_tokens=20, ignore_eos=True))
+    eng.add_request(_req("ab", adapter_key="a", max_new_tokens=20, ignore_eos=True))
     eng.step()
     with pytest.raises(AdapterError) as e:
         eng.unload_adapter("a")

@@ -30,10 +30,10 @@ def eng(demo_set):
 def _batch() -> list:
     """Four requests of mixed adapters, prompts, greedy and sampled; "bad" is the one the tests break."""
     return [
-        req("ok-0", prompt=TEXTS[1], adapter="all-r16", max_new_tokens=6),
-        req("bad", prompt=TEXTS[2], adapter="qv-r4", max_new_tokens=6, temperature=0.8, seed=3),
+        req("ok-0", prompt=TEXTS[1], adapter_key="all-r16", max_new_tokens=6),
+        req("bad", prompt=TEXTS[2], adapter_key="qv-r4", max_new_tokens=6, temperature=0.8, seed=3),
         req("ok-1", prompt=TEXTS[3], max_new_tokens=6, temperature=1.0, seed=7),
-        req("ok-2", prompt=TEXTS[4], adapter="mlp-r64", max_new_tokens=6),
+        req("ok-2", prompt=TEXTS[4], adapter_key="mlp-r64", max_new_tokens=6),
     ]
 
 
@@ -76,7 +76,7 @@ def _assert_isolated(engine: Engine, results, reqs, bad_code: str, reference: En
 async def test_two_tenants_with_one_request_id_each_get_their_own_output(eng, front):
     """Identity is (tenant, request_id): tenants a and b both send "r1" in one batch, and each gets its own prompt's
     tokens, routed back by tenant."""
-    reqs = [req("r1", prompt=TEXTS[0], tenant="a", max_new_tokens=8), req("r1", prompt=TEXTS[3], tenant="b", max_new_tokens=8),
+    reqs = [req("r1", prompt=TEXTS[0], tenant_id="a", max_new_tokens=8), req("r1", prompt=TEXTS[3], tenant_id="b", max_new_tokens=8),
             req("r1", prompt=TEXTS[5], max_new_tokens=5)]  # fmt: skip
     if front == "generate":
         results = eng.generate(reqs)
@@ -84,8 +84,8 @@ async def test_two_tenants_with_one_request_id_each_get_their_own_output(eng, fr
         async with AsyncEngine(eng) as ae:
             results = await asyncio.gather(*(ae.generate(r) for r in reqs))
     for r, res in zip(reqs, results):
-        assert res.ok and (res.tenant, res.request_id) == (r.tenant, r.request_id), res.error
-        assert res.output_ids == alone(eng, r).output_ids, r.tenant
+        assert res.ok and (res.tenant_id, res.request_id) == (r.tenant_id, r.request_id), res.error
+        assert res.output_ids == alone(eng, r).output_ids, r.tenant_id
     assert not eng.has_unfinished()
 
 
@@ -93,7 +93,7 @@ async def test_two_tenants_with_one_request_id_each_get_their_own_output(eng, fr
 async def test_the_same_tenant_and_request_id_twice_refuses_the_second_only(eng, front):
     """A second request of one (tenant, request_id) in flight fails with duplicate_request_id; the first runs, and the
     same id of another tenant runs too."""
-    reqs = [req("dup", tenant="a", max_new_tokens=8), req("dup", tenant="a", max_new_tokens=2), req("dup", tenant="b", max_new_tokens=3)]
+    reqs = [req("dup", tenant_id="a", max_new_tokens=8), req("dup", tenant_id="a", max_new_tokens=2), req("dup", tenant_id="b", max_new_tokens=3)]
     if front == "generate":
         results = eng.generate(reqs)
     else:
@@ -103,19 +103,19 @@ async def test_the_same_tenant_and_request_id_twice_refuses_the_second_only(eng,
             results = [None, *await asyncio.gather(ae.generate(reqs[1]), ae.generate(reqs[2]))]
             results[0] = await first
     assert [res.error.code if res.error else None for res in results] == [None, "duplicate_request_id", None]
-    assert results[1].tenant == "a" and len(results[0].output_ids) == 8 and len(results[2].output_ids) == 3
+    assert results[1].tenant_id == "a" and len(results[0].output_ids) == 8 and len(results[2].output_ids) == 3
 
 
 async def test_abort_takes_the_tenant(eng):
     """abort(request_id, tenant) stops that tenant's request only; the other tenant's request of the same id runs on."""
     async with AsyncEngine(eng) as ae:
-        a = asyncio.create_task(ae.generate(req("ab", tenant="a", max_new_tokens=32)))
-        b = asyncio.create_task(ae.generate(req("ab", tenant="b", max_new_tokens=6)))
+        a = asyncio.create_task(ae.generate(req("ab", tenant_id="a", max_new_tokens=32)))
+        b = asyncio.create_task(ae.generate(req("ab", tenant_id="b", max_new_tokens=6)))
         while not (await ae.stats())["running"]:
             await asyncio.sleep(0.002)
         assert await ae.abort("ab") is None  # tenant "" has no such request
-        aborted = await ae.abort("ab", tenant="a")
-        assert aborted is not None and aborted.error.code == "aborted" and aborted.tenant == "a"
+        aborted = await ae.abort("ab", tenant_id="a")
+        assert aborted is not None and aborted.error.code == "aborted" and aborted.tenant_id == "a"
         ra, rb = await a, await b
     assert ra.error.code == "aborted" and rb.ok and len(rb.output_ids) == 6
 
@@ -143,7 +143,7 @@ async def test_abort_takes_the_tenant(eng):
 def test_extreme_sampling_params_finish(eng, sampling):
     """Every value the job contract accepts (and other ints for the seed) samples to max_new_tokens without raising;
     a temperature at or below TEMPERATURE_FLOOR is greedy."""
-    r = req("x", tenant="t", max_new_tokens=6, **sampling)
+    r = req("x", tenant_id="t", max_new_tokens=6, **sampling)
     res = eng.generate([r])[0]
     assert res.ok, res.error
     assert len(res.output_ids) == 6 and all(0 <= t < eng.runner.config.vocab_size for t in res.output_ids)
@@ -287,7 +287,7 @@ async def test_through_the_async_engine_every_future_settles(eng, monkeypatch):
     """Twelve callers, three of them "bad-*" whose presence makes the forward raise: each of those fails with
     forward_failed, the nine others succeed, every awaited generate settles, and the loop serves the next caller.
     (The good ones run long enough that no bad one is ever alone in a step: alone, it would be engine_failed.)"""
-    reqs = [req(f"{'bad' if i % 4 == 1 else 'ok'}-{i}", prompt=TEXTS[i % len(TEXTS)], tenant=f"t{i % 3}",
+    reqs = [req(f"{'bad' if i % 4 == 1 else 'ok'}-{i}", prompt=TEXTS[i % len(TEXTS)], tenant_id=f"t{i % 3}",
                 max_new_tokens=4 if i % 4 == 1 else 20 + i % 4, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {}))
             for i in range(12)]  # fmt: skip
     real = eng.runner.forward
@@ -331,7 +331,7 @@ async def test_a_step_that_raises_outside_isolation_fails_everyone_and_the_loop_
 
     monkeypatch.setattr(eng.planner, "schedule", schedule)
     async with AsyncEngine(eng) as ae:
-        results = await asyncio.wait_for(asyncio.gather(*(ae.generate(req(f"s{i}", tenant="t", max_new_tokens=8)) for i in range(3))), 60)
+        results = await asyncio.wait_for(asyncio.gather(*(ae.generate(req(f"s{i}", tenant_id="t", max_new_tokens=8)) for i in range(3))), 60)
         assert all(res.error is not None and res.error.code == "engine_failed" and res.error.retriable for res in results)
         assert ae.alive
         assert (await ae.generate(req("next", max_new_tokens=3))).ok

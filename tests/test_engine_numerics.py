@@ -139,7 +139,7 @@ def test_decode_logits_match_hf_peft_with_prefill_and_decode_in_one_forward(engi
 def test_greedy_tokens_match_hf_generate(engine, hf_peft):
     """Engine.generate's greedy tokens (16 new, stopping at EOS) equal HF+peft generate's, row by row."""
     reqs = [
-        GenerationRequest(request_id=f"g{i}", prompt=p, adapter=a, sampling=SamplingParams(max_new_tokens=16))
+        GenerationRequest(request_id=f"g{i}", prompt=p, adapter_key=a, sampling=SamplingParams(max_new_tokens=16))
         for i, (p, a) in enumerate(ROWS)
     ]
     results = engine.generate(reqs)
@@ -148,10 +148,10 @@ def test_greedy_tokens_match_hf_generate(engine, hf_peft):
         ids = torch.tensor([engine.tokenizer.encode(req.prompt)])
         with torch.no_grad():
             out = hf_peft.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[req.adapter or "__base__"],
+                input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[req.adapter_key or "__base__"],
                 max_new_tokens=16, do_sample=False,
             )  # fmt: skip
-        assert res.output_ids == out[0, ids.shape[1] :].tolist(), f"{req.request_id} ({req.adapter})"
+        assert res.output_ids == out[0, ids.shape[1] :].tolist(), f"{req.request_id} ({req.adapter_key})"
 
 
 def test_tied_embeddings_match_hf(demo_set, tmp_path):
@@ -236,7 +236,7 @@ def test_other_architectures_generate_hf_greedy_tokens(arch_set):
     """Engine.generate's greedy tokens equal HF+peft generate's for a few rows of each architecture."""
     arch, engine, hf_peft, _ = arch_set
     for i, (prompt, adapter) in enumerate(ROWS[::3]):
-        res = engine.generate([GenerationRequest(request_id=f"{arch}-g{i}", prompt=prompt, adapter=adapter, sampling=SamplingParams(max_new_tokens=12))])[0]
+        res = engine.generate([GenerationRequest(request_id=f"{arch}-g{i}", prompt=prompt, adapter_key=adapter, sampling=SamplingParams(max_new_tokens=12))])[0]
         ids = torch.tensor([engine.tokenizer.encode(prompt)])
         with torch.no_grad():
             out = hf_peft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[adapter or "__base__"], max_new_tokens=12, do_sample=False)

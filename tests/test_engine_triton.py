@@ -125,7 +125,7 @@ def _release(engines: dict[str, Engine], rows, tag: str) -> None:
 
 def test_backends_generate_the_same_tokens(engines):
     """Greedy and seeded sampled requests, with and without adapters, batched together: the same tokens."""
-    reqs = [GenerationRequest(request_id=f"g{i}", input_ids=tuple(p), adapter=a,
+    reqs = [GenerationRequest(request_id=f"g{i}", input_ids=tuple(p), adapter_key=a,
                               sampling=SamplingParams(max_new_tokens=4, ignore_eos=True, **({"temperature": 0.9, "seed": i} if i % 2 else {})))
             for i, (p, a) in enumerate(ROWS)]  # fmt: skip
     out = {name: [r.output_ids for r in eng.generate(reqs)] for name, eng in engines.items()}
@@ -287,7 +287,7 @@ def test_a_lora_prefill_step_charges_lora_time_through_the_fused_op(engines, mon
     for tag, reverse in (("lp", False), ("lq", True)):
         if reverse:
             monkeypatch.setattr(eng.runner.lora.calibration, "plain_us", lambda op, rows: 1e12)
-        reqs = [GenerationRequest(request_id=f"{tag}{i}", input_ids=p[::-1] if reverse else p, adapter=a,
+        reqs = [GenerationRequest(request_id=f"{tag}{i}", input_ids=p[::-1] if reverse else p, adapter_key=a,
                                   sampling=SamplingParams(max_new_tokens=1)) for i, (p, (_, a)) in enumerate(zip(prompts, ROWS))]  # fmt: skip
         eng.pop_step_records()
         assert all(r.ok for r in eng.generate(reqs))

@@ -325,7 +325,7 @@ def test_index_parts_split_and_refuse():
     ("invalid_input_ids", "", {"input_ids": [1]}, "input_ids"),
     ("invalid_sampling_params", "sampling: top_p=2; use", {"prompt": "x"}, "top_p"),
     ("invalid_sampling_params", "sampling: nonsense", {"prompt": "x"}, None),
-    ("unknown_adapter", "", {"prompt": "x"}, "adapter"),
+    ("unknown_adapter", "", {"prompt": "x"}, "adapter_ref"),
     ("engine_failed", "", {"prompt": "x"}, None),
 ])
 def test_engine_refusals_name_their_field(code, message, job, field):

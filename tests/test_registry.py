@@ -28,7 +28,7 @@ def test_versions_dedupe_and_default(registry, demo_set):
     names = sorted(a)
     registry.add_tenant("acme")
     v1, created = registry.add_adapter("acme", "support", a[names[0]], default=True)
-    assert created and v1.ref == "support@1" and v1.is_default and v1.traffic_weight == 100
+    assert created and v1.adapter == "support@1" and v1.is_default and v1.traffic_weight == 100
     again, created = registry.add_adapter("acme", "support", a[names[0]])
     assert not created and again.version == 1
     v2, created = registry.add_adapter("acme", "support", a[names[1]])

@@ -70,18 +70,18 @@ async def test_decision_order_and_reasons(fields, reason, adapter):
     r = await route_one(Router(LruRouteCache(100, 60)), snapshot(), job(**fields))
     assert isinstance(r, Route), r
     assert r.reason == reason and r.reason in REASONS
-    assert (r.adapter.ref if r.adapter else None) == adapter
-    assert r.decision_us >= 0
+    assert (r.view.adapter if r.view else None) == adapter
+    assert r.routing_us >= 0
 
 
 @pytest.mark.parametrize(
     ("fields", "code", "field"),
     [
-        ({"adapter": "secret"}, "adapter_forbidden", "adapter"),
-        ({"adapter": "nope"}, "unknown_adapter", "adapter"),
-        ({"adapter": "legal@7"}, "unknown_adapter", "adapter"),
+        ({"adapter": "secret"}, "adapter_forbidden", "adapter_ref"),
+        ({"adapter": "nope"}, "unknown_adapter", "adapter_ref"),
+        ({"adapter": "legal@7"}, "unknown_adapter", "adapter_ref"),
         ({"tenant_id": "ghost"}, "unknown_tenant", "tenant_id"),
-        ({"tenant_id": "hooli"}, "no_adapter", "adapter"),
+        ({"tenant_id": "hooli"}, "no_adapter", "adapter_ref"),
     ],
 )
 async def test_refusals_name_the_field(fields, code, field):
@@ -100,9 +100,9 @@ async def test_l1_and_l2_hits_and_write_back():
     assert await cache.get_many([CacheKey("l1", "acme", "u1"), CacheKey("l2", "acme", "s1")]) == {
         CacheKey("l1", "acme", "u1"): "legal@1", CacheKey("l2", "acme", "s1"): "legal@1"}
     by_user = await route_one(router, snap, job(request_id="r2", user_id="u1"))
-    assert (by_user.reason, by_user.adapter.ref) == ("l1_user", "legal@1")
+    assert (by_user.reason, by_user.view.adapter) == ("l1_user", "legal@1")
     by_session = await route_one(router, snap, job(request_id="r3", user_id="u2", session_id="s1"))
-    assert (by_session.reason, by_session.adapter.ref) == ("l2_session", "legal@1")
+    assert (by_session.reason, by_session.view.adapter) == ("l2_session", "legal@1")
     miss = await route_one(router, snap, job(request_id="r4", user_id="u3", session_id="s9"))
     assert miss.reason == "tenant_default"
     # the default decision was written back to the session, so the session sticks even if the default moves
@@ -141,13 +141,13 @@ async def test_circuit_breaker_fails_fast_then_probes():
     now = [0.0]
     board = BreakerBoard(failure_rate=0.5, min_requests=4, window_s=60, cooldown_s=10, clock=lambda: now[0])
     router, snap = Router(LruRouteCache(10, 60), board), snapshot()
-    key = snap.adapters[("acme", "legal")][0].key
+    key = snap.adapters[("acme", "legal")][0].adapter_key
     for ok in (False, False, True, False):
         board.record(key, ok)
     refused = await route_one(router, snap, job(adapter="legal"))
     assert isinstance(refused, RouteError) and refused.info.code == "adapter_circuit_open" and refused.info.retriable
     fallback = await route_one(router, snap, job(adapter="legal", allow_base_fallback=True))
-    assert fallback.adapter is None and "circuit open" in fallback.label
+    assert fallback.view is None and "circuit open" in fallback.label
     now[0] = 11.0  # half-open: exactly one probe goes through
     assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)
     assert isinstance(await route_one(router, snap, job(adapter="legal")), RouteError)

@@ -38,11 +38,11 @@ def test_balanced_partitions_even_out_a_zipf_batch():
     spread = defaultdict(set)
     for job, p in zip(jobs, placed):
         load[p] += job_weight(job)
-        spread[job.adapter].add(p)
+        spread[job.adapter_ref].add(p)
     mean = sum(load) / 8
     assert max(load) <= 1.05 * mean and min(load) >= 0.95 * mean, load
     for adapter, ps in spread.items():
-        weight = sum(job_weight(j) for j in jobs if j.adapter == adapter)
+        weight = sum(job_weight(j) for j in jobs if j.adapter_ref == adapter)
         assert len(ps) == max(1, math.ceil(weight / mean)), (adapter, weight, sorted(ps))
     hashed = [0] * 8
     partitioner = DefaultPartitioner()

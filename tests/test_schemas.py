@@ -54,6 +54,44 @@ def test_rejections_name_field_and_fix(raw, code, field, addressable, says):
     assert says in r.error.message
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [{"adapter_ref": "support@2"}, {"adapter": "support@2"}, {"adapter_ref": "support@2", "adapter": "support@2"}],
+)
+def test_adapter_ref_and_its_older_name_are_one_field(fields):
+    """`adapter_ref` and `adapter` (its older name, which producers send) read into Job.adapter_ref; both, agreeing, read once."""
+    job = parse_job(_with(**fields))
+    assert isinstance(job, Job) and job.adapter_ref == "support@2"
+    assert "adapter" not in Job.model_fields and job.model_dump()["adapter_ref"] == "support@2"
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"adapter_ref": "support@2", "adapter": "support@3"}, "adapter_ref ('support@2') and adapter ('support@3') differ"),
+        ({"adapter_ref": "support", "adapter": None}, None),  # null in one of them is a value too
+        ({"adapter_ref": 1, "adapter": True}, "adapter_ref (1) and adapter (True) differ"),  # equal in Python, not in JSON
+        ({"adapter_ref": "x" * 10_000, "adapter": "y"}, "differ"),  # the message stays short
+    ],
+)
+def test_adapter_ref_and_adapter_that_differ_are_refused_naming_both(fields, says):
+    """A job giving both names with different values is refused (never one picked), naming both fields; it is still answerable."""
+    d = {**GOOD, **fields}
+    r = parse_job(json.dumps(d).encode())
+    assert isinstance(r, Rejection) and r.error.code == "invalid_job" and r.addressable
+    assert r.error.field == "adapter_ref" and "adapter_ref" in r.error.message and "adapter (" in r.error.message
+    assert says is None or says in r.error.message
+    assert "send adapter_ref alone" in r.error.message and len(r.error.message) < 400
+
+
+def test_a_bad_value_under_the_older_name_names_that_name():
+    """The error of an invalid `adapter` names `adapter`, the field the producer sent."""
+    r = parse_job(_with(adapter_ref=None, adapter="bad name!"))
+    assert isinstance(r, Rejection) and r.error.field == "adapter"
+    r = parse_job(_with(adapter_ref="bad name!"))
+    assert isinstance(r, Rejection) and r.error.field == "adapter_ref"
+
+
 def test_rejection_keeps_identity_for_the_result():
     r = parse_job(_with(max_new_tokens=-5, batch_id="b1"))
     assert (r.request_id, r.tenant_id, r.batch_id) == ("r1", "acme", "b1")

@@ -70,11 +70,11 @@ def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):
         sha = None
         if i % 2:  # half registered with their sha256 up front, half learnt at first read
             sha = content_sha256((path / "adapter_config.json").read_bytes(), (path / "adapter_model.safetensors").read_bytes())
-        eng.register_adapter(f"t{i % 5}/ad{i:03d}@1", path, sha, tenant=f"t{i % 5}")
+        eng.register_adapter(f"t{i % 5}/ad{i:03d}@1", path, sha, tenant_id=f"t{i % 5}")
     before = [(id(t), t.data_ptr()) for t in _slot_tensors(eng)]
     weights = [1 / (k + 1) ** 1.1 for k in range(200)]
     picks = rng.choices(range(200), weights=weights, k=240)
-    reqs = [req(f"z{n}", prompt=TEXTS[n % len(TEXTS)][:40], adapter=f"t{i % 5}/ad{i:03d}@1", tenant=f"t{i % 5}", max_new_tokens=3)
+    reqs = [req(f"z{n}", prompt=TEXTS[n % len(TEXTS)][:40], adapter_key=f"t{i % 5}/ad{i:03d}@1", tenant_id=f"t{i % 5}", max_new_tokens=3)
             for n, i in enumerate(picks)]  # fmt: skip
     results = {}
     pending = list(reqs)
@@ -104,7 +104,7 @@ def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):
     ref = Engine(config(demo_set, max_loras=1, enable_prefix_caching=False, **NO_WARM))
     by_adapter = defaultdict(list)
     for r in reqs:
-        by_adapter[r.adapter].append(r)
+        by_adapter[r.adapter_key].append(r)
     for key, group in by_adapter.items():
         i = int(key.split("/ad")[1][:3])
         ref.load_adapter(key, many_adapters[i])
@@ -124,7 +124,7 @@ def test_load_and_eviction_counts_by_tier(demo_set, many_adapters, host_cache_by
 
     def phase(keys: list[str]) -> tuple[Counter, int]:
         ev0 = eng.stats()["adapter_evictions"]["gpu"]
-        res = eng.generate([req(f"{k}-{n}", adapter=k, max_new_tokens=2) for n in range(2) for k in keys])
+        res = eng.generate([req(f"{k}-{n}", adapter_key=k, max_new_tokens=2) for n in range(2) for k in keys])
         assert all(r.ok for r in res)
         tiers = Counter(e.tier for e in eng.pop_load_events())
         return tiers, eng.stats()["adapter_evictions"]["gpu"] - ev0
@@ -139,10 +139,10 @@ def test_same_content_under_two_names_is_read_and_placed_once(demo_set, tmp_path
     and equal outputs."""
     eng = Engine(config(demo_set, **NO_WARM))
     copy = shutil.copytree(demo_set["adapters"]["all-r16"], tmp_path / "copy")
-    eng.register_adapter("acme/a@1", demo_set["adapters"]["all-r16"], tenant="acme")
-    eng.register_adapter("globex/b@7", copy, tenant="globex")
-    a = eng.generate([req("a", adapter="acme/a@1", tenant="acme")])[0]
-    b = eng.generate([req("b", adapter="globex/b@7", tenant="globex")])[0]
+    eng.register_adapter("acme/a@1", demo_set["adapters"]["all-r16"], tenant_id="acme")
+    eng.register_adapter("globex/b@7", copy, tenant_id="globex")
+    a = eng.generate([req("a", adapter_key="acme/a@1", tenant_id="acme")])[0]
+    b = eng.generate([req("b", adapter_key="globex/b@7", tenant_id="globex")])[0]
     assert a.output_ids == b.output_ids
     events = eng.pop_load_events()
     assert [(e.key, e.tier, e.skip_reason) for e in events] == [("acme/a@1", "disk", None), ("globex/b@7", "gpu", "duplicate_content")]
@@ -156,7 +156,7 @@ def test_new_adapter_admission_is_rate_limited(demo_set, many_adapters):
     eng = Engine(config(demo_set, adapter_loads_per_s=1.0, adapter_load_burst=1, **NO_WARM), clock=clock)
     for i in range(4):
         eng.register_adapter(f"n{i}", many_adapters[i])
-    reqs = [req(f"r{i}", adapter=f"n{i}", max_new_tokens=3) for i in range(4)]
+    reqs = [req(f"r{i}", adapter_key=f"n{i}", max_new_tokens=3) for i in range(4)]
     for r in reqs:
         eng.add_request(r)
     results = run_until_done_at(eng, clock, steps_per_second=20)
@@ -169,9 +169,9 @@ def test_new_adapter_admission_is_rate_limited(demo_set, many_adapters):
         assert results[r.request_id].output_ids == alone(ref, r).output_ids
     # a base request and one for a resident adapter go through while the bucket is empty
     eng.register_adapter("n9", many_adapters[9])
-    eng.add_request(req("cold", adapter="n9", max_new_tokens=2))
+    eng.add_request(req("cold", adapter_key="n9", max_new_tokens=2))
     eng.add_request(req("base", max_new_tokens=2))
-    eng.add_request(req("warm", adapter="n3", max_new_tokens=2))
+    eng.add_request(req("warm", adapter_key="n3", max_new_tokens=2))
     done = {}
     for _ in range(4):
         done.update({r.request_id: r for r in eng.step()})
@@ -227,16 +227,16 @@ def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp
         eng.register_adapter("bad", made[1], sha256="0" * 64)
     else:
         eng.register_adapter("bad", made)
-    strict = req("strict", adapter="bad", max_new_tokens=4)
-    lenient = req("lenient", adapter="bad", max_new_tokens=4)
+    strict = req("strict", adapter_key="bad", max_new_tokens=4)
+    lenient = req("lenient", adapter_key="bad", max_new_tokens=4)
     lenient = lenient.__class__(**{**lenient.__dict__, "allow_base_fallback": True})
     res = {r.request_id: r for r in eng.generate([strict, lenient])}
     assert res["strict"].error is not None and res["strict"].error.code == code, res["strict"].error
-    assert res["lenient"].ok and res["lenient"].base_fallback and res["lenient"].adapter is None
+    assert res["lenient"].ok and res["lenient"].base_fallback and res["lenient"].adapter_key is None
     assert res["lenient"].output_ids == alone(eng, req("b", max_new_tokens=4)).output_ids
     failures = [e for e in eng.pop_load_events() if e.error_code is not None]
     assert [e.error_code for e in failures] == [code] and eng.stats()["adapter_load_failures"] == 1
-    again = eng.generate([req("again", adapter="bad", max_new_tokens=2)])[0]
+    again = eng.generate([req("again", adapter_key="bad", max_new_tokens=2)])[0]
     assert again.error.code == code  # sticks until registered again
 
 
@@ -246,7 +246,7 @@ def test_adapters_of_running_requests_stay_pinned(demo_set, many_adapters):
     eng = Engine(config(demo_set, max_loras=2, **NO_WARM))
     for i in range(3):
         eng.register_adapter(f"p{i}", many_adapters[i])
-    reqs = [req("p0", adapter="p0", max_new_tokens=20), req("p1", adapter="p1", max_new_tokens=12), req("p2", adapter="p2", max_new_tokens=4)]
+    reqs = [req("p0", adapter_key="p0", max_new_tokens=20), req("p1", adapter_key="p1", max_new_tokens=12), req("p2", adapter_key="p2", max_new_tokens=4)]
     for r in reqs:
         eng.add_request(r)
     shas = {k: None for k in ("p0", "p1", "p2")}
@@ -349,7 +349,7 @@ def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_
     for day in range(7):
         for k in range(5):
             wall.t = day * DAY + 9 * HOUR + 60 * k
-            eng.add_request(req(f"h{day}-{k}", adapter="morning"))
+            eng.add_request(req(f"h{day}-{k}", adapter_key="morning"))
             eng.abort(f"h{day}-{k}")  # history only: the predictor saw the arrival
     assert eng.stats()["adapter_loads"]["disk"] == 0
     wall.t, mono.t = 7 * DAY + 8 * HOUR + 1800, 1000.0
@@ -358,9 +358,9 @@ def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_
     assert [(e.key, e.tier, e.dest, e.reason) for e in events] == [("morning", "disk", "gpu", "warm_pool")]
     hits = eng.stats()["warm_pool_hits"]
     wall.t, mono.t = 7 * DAY + 9 * HOUR + 300, 2000.0
-    res = eng.generate([req("at-nine", adapter="morning")])[0]
+    res = eng.generate([req("at-nine", adapter_key="morning")])[0]
     assert res.ok and res.timings.adapter_load_us == 0
     assert eng.stats()["warm_pool_hits"] == hits + 1 and eng.stats()["warm_pool_prefetches_used"] == 1
     assert not [e for e in eng.pop_load_events() if e.tier != "gpu"]
-    cold = eng.generate([req("cold", adapter="other")])[0]  # never predicted: a cold start, charged
+    cold = eng.generate([req("cold", adapter_key="other")])[0]  # never predicted: a cold start, charged
     assert cold.timings.adapter_load_us > 0

@@ -25,7 +25,7 @@ def engine(demo_set):
 async def test_staggered_callers_join_the_running_batch_and_get_their_own_tokens(engine, reference):
     """Twelve tasks submit at different times; the thread admits each between steps beside the decodes of earlier
     ones (a step holds a prefill row and decode rows at once), and each gets exactly the tokens it gets alone."""
-    reqs = [req(f"a{i}", prompt=TEXTS[i % len(TEXTS)], adapter=ADAPTERS[i % 4], max_new_tokens=10 + i % 5,
+    reqs = [req(f"a{i}", prompt=TEXTS[i % len(TEXTS)], adapter_key=ADAPTERS[i % 4], max_new_tokens=10 + i % 5,
                 **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {})) for i in range(12)]  # fmt: skip
 
     async def submit(i: int, r):
@@ -47,7 +47,7 @@ async def test_staggered_callers_join_the_running_batch_and_get_their_own_tokens
 async def test_cancelling_the_caller_aborts_the_request(engine):
     """A cancelled `generate` re-raises CancelledError and its request leaves the engine, blocks and pins freed."""
     async with AsyncEngine(engine) as ae:
-        task = asyncio.create_task(ae.generate(req("long", adapter="all-r16", max_new_tokens=32)))
+        task = asyncio.create_task(ae.generate(req("long", adapter_key="all-r16", max_new_tokens=32)))
         for _ in range(200):
             await asyncio.sleep(0.005)
             if (await ae.stats())["running"]:
@@ -162,7 +162,7 @@ async def test_resident_adapters_are_published_by_the_engine_thread(engine):
     ae = AsyncEngine(engine)
     assert ae.resident == frozenset()
     async with ae:
-        assert (await ae.generate(req("warm", adapter="all-r16", max_new_tokens=2))).ok
+        assert (await ae.generate(req("warm", adapter_key="all-r16", max_new_tokens=2))).ok
         expected = frozenset(await ae.call(lambda e: e.resident_adapters()))
         for _ in range(200):  # the snapshot follows at the end of the pass that ran the call
             if ae.resident == expected:

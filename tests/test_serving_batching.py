@@ -26,7 +26,7 @@ def _workload() -> list:
     reqs = []
     for i in range(12):
         kind = i % 3
-        kw = dict(adapter=[None, *ADAPTERS][i % 6], max_new_tokens=6 + (i * 5) % 17)
+        kw = dict(adapter_key=[None, *ADAPTERS][i % 6], max_new_tokens=6 + (i * 5) % 17)
         if i % 5 == 4:
             kw.update(temperature=0.9, top_p=0.95, seed=100 + i)
         if kind == 0:
@@ -77,9 +77,9 @@ def test_the_lowest_priority_running_request_is_preempted(demo_set, reference):
     eng = Engine(config(demo_set, kv_num_blocks=26, enable_prefix_caching=False))
     eng.load_adapter("qv-r16", demo_set["adapters"]["qv-r16"])
     reqs = [
-        req("p-high", input_ids=tuple(range(10, 30)), priority=10, max_new_tokens=32, adapter="qv-r16"),
+        req("p-high", input_ids=tuple(range(10, 30)), priority=10, max_new_tokens=32, adapter_key="qv-r16"),
         req("p-low", input_ids=tuple(range(50, 70)), priority=0, max_new_tokens=32),
-        req("p-mid", input_ids=tuple(range(90, 110)), priority=5, max_new_tokens=32, adapter="qv-r16"),
+        req("p-mid", input_ids=tuple(range(90, 110)), priority=5, max_new_tokens=32, adapter_key="qv-r16"),
     ]
     for r in reqs:
         eng.add_request(r)
@@ -95,7 +95,7 @@ def test_abort_mid_prefill_frees_blocks_and_slots(demo_set):
     leaves no KV block or adapter pin behind; the other request is unaffected."""
     eng = Engine(config(demo_set, max_num_batched_tokens=8, max_loras=1))
     eng.load_adapter("a", demo_set["adapters"]["all-r16"])
-    eng.add_request(req("long", input_ids=tuple(range(4, 60)), adapter="a", max_new_tokens=4))
+    eng.add_request(req("long", input_ids=tuple(range(4, 60)), adapter_key="a", max_new_tokens=4))
     eng.add_request(req("other", max_new_tokens=4))
     eng.step()
     eng.step()
@@ -122,7 +122,7 @@ def test_a_tenant_quota_below_one_sequence_is_refused_at_start(demo_set):
     """A per-tenant quota that could not hold one longest sequence would strand requests: the engine refuses it,
     naming the quota and the blocks needed."""
     eng = Engine(config(demo_set, kv_num_blocks=40, kv_tenant_quota=0.6))  # 24 blocks: one 96-token sequence
-    assert eng.generate([req("fits", input_ids=tuple(range(4, 68)), max_new_tokens=32, tenant="t")])[0].ok
+    assert eng.generate([req("fits", input_ids=tuple(range(4, 68)), max_new_tokens=32, tenant_id="t")])[0].ok
     with pytest.raises(EngineError) as e:
         Engine(config(demo_set, kv_num_blocks=40, kv_tenant_quota=0.5))  # 20 blocks
     assert e.value.code == "config_invalid" and "kv_tenant_quota=0.5" in str(e.value) and "24" in str(e.value)
@@ -132,16 +132,16 @@ def test_stats_export_the_pool_gauges(demo_set):
     """stats() carries the gauges the consumer exports (KV pool use and hit rate, warm-pool hit rate, LoRA memory,
     loads by tier), with values that follow the engine's state."""
     eng = Engine(config(demo_set))
-    eng.register_adapter("a", demo_set["adapters"]["qv-r16"], tenant="t")
+    eng.register_adapter("a", demo_set["adapters"]["qv-r16"], tenant_id="t")
     empty = eng.stats()
     assert empty["kv_pool_used_blocks"] == 0 and empty["kv_pool_hit_rate"] == 0.0 and empty["lora_memory_used_bytes"] == 0
-    eng.add_request(req("s1", adapter="a", tenant="t", max_new_tokens=4))
+    eng.add_request(req("s1", adapter_key="a", tenant_id="t", max_new_tokens=4))
     eng.step()
     mid = eng.stats()
     assert mid["running"] == 1 and mid["kv_pool_used_blocks"] > 0 and mid["kv_tenant_used_blocks"] == {"t": mid["kv_pool_used_blocks"]}
     assert mid["lora_memory_used_bytes"] > 0 and mid["adapter_loads"] == {"disk": 1, "host": 0} and mid["lora_slots_pinned"] == 1
     run_until_done(eng)
-    eng.generate([req("s2", adapter="a", tenant="t", max_new_tokens=4)])
+    eng.generate([req("s2", adapter_key="a", tenant_id="t", max_new_tokens=4)])
     end = eng.stats()
     assert end["kv_pool_used_blocks"] == 0 and end["kv_pool_cached_blocks"] > 0 and 0 < end["kv_pool_hit_rate"] < 1
     assert end["warm_pool_hits"] == 1 and end["warm_pool_misses"] == 1 and end["warm_pool_hit_rate"] == 0.5

@@ -33,13 +33,13 @@ def demo_engine(demo_set, *, register_only: bool = False, **kw) -> Engine:
     return eng
 
 
-def req(rid: str, *, prompt: str | None = None, input_ids: tuple[int, ...] | None = None, adapter: str | None = None,
-        tenant: str = "", priority: int = 0, **sampling) -> GenerationRequest:  # fmt: skip
+def req(rid: str, *, prompt: str | None = None, input_ids: tuple[int, ...] | None = None, adapter_key: str | None = None,
+        tenant_id: str = "", priority: int = 0, **sampling) -> GenerationRequest:  # fmt: skip
     sampling.setdefault("max_new_tokens", 8)
     sampling.setdefault("ignore_eos", True)
     if prompt is None and input_ids is None:
         prompt = TEXTS[0]
-    return GenerationRequest(request_id=rid, prompt=prompt, input_ids=input_ids, adapter=adapter, tenant=tenant,
+    return GenerationRequest(request_id=rid, prompt=prompt, input_ids=input_ids, adapter_key=adapter_key, tenant_id=tenant_id,
                              priority=priority, sampling=SamplingParams(**sampling))  # fmt: skip
 
 

@@ -33,19 +33,19 @@ def _cached_expected(prompt_tokens: int) -> int:
 def test_a_repeat_hits_and_equals_a_miss(engine, miss_engine):
     """The same (tenant, adapter, prompt) again starts from the cached full blocks, credits their prefill time,
     and produces the tokens of a run without any cache; a shared prefix with another ending hits partly."""
-    first = engine.generate([req("r1", prompt=SYSTEM + " and rainy", adapter="qv-r4", tenant="acme")])[0]
+    first = engine.generate([req("r1", prompt=SYSTEM + " and rainy", adapter_key="qv-r4", tenant_id="acme")])[0]
     assert first.timings.cached_tokens == 0
     # The credit's per-token rate is fitted on prefill steps alone (engine.booking): one of another size gives it a slope.
-    engine.generate([req("w", prompt="Hello there", tenant="globex")])
-    again = engine.generate([req("r2", prompt=SYSTEM + " and rainy", adapter="qv-r4", tenant="acme")])[0]
+    engine.generate([req("w", prompt="Hello there", tenant_id="globex")])
+    again = engine.generate([req("r2", prompt=SYSTEM + " and rainy", adapter_key="qv-r4", tenant_id="acme")])[0]
     assert again.timings.cached_tokens == _cached_expected(again.prompt_tokens) > 0
     assert again.timings.prefill_tokens == again.prompt_tokens - again.timings.cached_tokens
     assert again.timings.kv_saved_us > 0
-    assert first.output_ids == again.output_ids == alone(miss_engine, req("m", prompt=SYSTEM + " and rainy", adapter="qv-r4")).output_ids
-    other = engine.generate([req("r3", prompt=SYSTEM + " but the sun came out in the afternoon", adapter="qv-r4", tenant="acme")])[0]
+    assert first.output_ids == again.output_ids == alone(miss_engine, req("m", prompt=SYSTEM + " and rainy", adapter_key="qv-r4")).output_ids
+    other = engine.generate([req("r3", prompt=SYSTEM + " but the sun came out in the afternoon", adapter_key="qv-r4", tenant_id="acme")])[0]
     shared = len(engine.tokenizer.encode(SYSTEM))  # the two prompts share at least these tokens
     assert _cached_expected(shared) - BS <= other.timings.cached_tokens < other.prompt_tokens - 1
-    ref = alone(miss_engine, req("m3", prompt=SYSTEM + " but the sun came out in the afternoon", adapter="qv-r4"))
+    ref = alone(miss_engine, req("m3", prompt=SYSTEM + " but the sun came out in the afternoon", adapter_key="qv-r4"))
     assert other.output_ids == ref.output_ids
     stats = engine.stats()
     assert 0 < stats["kv_pool_hit_rate"] < 1 and stats["kv_prefix_hit_tokens"] == again.timings.cached_tokens + other.timings.cached_tokens
@@ -60,11 +60,11 @@ def test_no_hit_across_tenants_or_adapters(engine, miss_engine, demo_set, tmp_pa
     """A prompt cached for (acme, qv-r4) is never a hit for another tenant, another adapter, the base model, or
     another key (name@version) even of identical content; each of those outputs equals a miss's."""
     engine.load_adapter("acme/alias-of-qv-r4@1", shutil.copytree(demo_set["adapters"]["qv-r4"], tmp_path / "alias"))
-    engine.generate([req("warm", prompt=SYSTEM, adapter="qv-r4", tenant="acme")])
-    assert engine.generate([req("warm2", prompt=SYSTEM, adapter="qv-r4", tenant="acme")])[0].timings.cached_tokens > 0
-    res = engine.generate([req("x", prompt=SYSTEM, adapter=adapter, tenant=tenant)])[0]
+    engine.generate([req("warm", prompt=SYSTEM, adapter_key="qv-r4", tenant_id="acme")])
+    assert engine.generate([req("warm2", prompt=SYSTEM, adapter_key="qv-r4", tenant_id="acme")])[0].timings.cached_tokens > 0
+    res = engine.generate([req("x", prompt=SYSTEM, adapter_key=adapter, tenant_id=tenant)])[0]
     assert res.ok and res.timings.cached_tokens == 0
-    want = alone(miss_engine, req("mx", prompt=SYSTEM, adapter=adapter if adapter != "acme/alias-of-qv-r4@1" else "qv-r4"))
+    want = alone(miss_engine, req("mx", prompt=SYSTEM, adapter_key=adapter if adapter != "acme/alias-of-qv-r4@1" else "qv-r4"))
     assert res.output_ids == want.output_ids
 
 
@@ -72,24 +72,24 @@ def test_an_adapter_re_registered_under_its_old_name_never_reuses_the_old_kv(dem
     """vLLM issue 42125: after `t/a@1` is unloaded and registered again with other weights, a repeated prompt
     must not hit the KV computed with the old weights; its output is the new adapter's, as a fresh engine gives."""
     eng = Engine(config(demo_set))
-    eng.register_adapter("t/a@1", demo_set["adapters"]["all-r16"], tenant="t")
-    old = eng.generate([req("o1", prompt=SYSTEM, adapter="t/a@1", tenant="t")])[0]
-    assert eng.generate([req("o2", prompt=SYSTEM, adapter="t/a@1", tenant="t")])[0].timings.cached_tokens > 0
+    eng.register_adapter("t/a@1", demo_set["adapters"]["all-r16"], tenant_id="t")
+    old = eng.generate([req("o1", prompt=SYSTEM, adapter_key="t/a@1", tenant_id="t")])[0]
+    assert eng.generate([req("o2", prompt=SYSTEM, adapter_key="t/a@1", tenant_id="t")])[0].timings.cached_tokens > 0
     eng.unload_adapter("t/a@1")
-    eng.register_adapter("t/a@1", demo_set["adapters"]["all-r8-rslora"], tenant="t")
-    new = eng.generate([req("n1", prompt=SYSTEM, adapter="t/a@1", tenant="t")])[0]
+    eng.register_adapter("t/a@1", demo_set["adapters"]["all-r8-rslora"], tenant_id="t")
+    new = eng.generate([req("n1", prompt=SYSTEM, adapter_key="t/a@1", tenant_id="t")])[0]
     assert new.ok and new.timings.cached_tokens == 0
     fresh = Engine(config(demo_set, enable_prefix_caching=False))
     fresh.load_adapter("t/a@1", demo_set["adapters"]["all-r8-rslora"])
-    assert new.output_ids == alone(fresh, req("f", prompt=SYSTEM, adapter="t/a@1")).output_ids
+    assert new.output_ids == alone(fresh, req("f", prompt=SYSTEM, adapter_key="t/a@1")).output_ids
     assert new.output_ids != old.output_ids
 
 
 def test_concurrent_requests_share_cached_blocks(engine):
     """Requests with one cached prefix running together hold its blocks once (reference counts), not a copy each."""
-    engine.generate([req("seed", prompt=SYSTEM, tenant="acme", adapter="all-r16")])
+    engine.generate([req("seed", prompt=SYSTEM, tenant_id="acme", adapter_key="all-r16")])
     for i in range(4):
-        engine.add_request(req(f"s{i}", prompt=SYSTEM, tenant="acme", adapter="all-r16", max_new_tokens=6))
+        engine.add_request(req(f"s{i}", prompt=SYSTEM, tenant_id="acme", adapter_key="all-r16", max_new_tokens=6))
     engine.step()
     cached_blocks = _cached_expected(len(engine.tokenizer.encode(SYSTEM))) // BS
     # each holds the shared blocks plus its own last block(s); without sharing it would be 4x the prefix
@@ -104,8 +104,8 @@ def test_a_flooding_tenant_never_holds_more_than_its_quota(demo_set, miss_engine
     eng = Engine(config(demo_set, kv_num_blocks=60, kv_tenant_quota=0.5, enable_prefix_caching=False))
     quota = eng.runner.blocks.tenant_quota
     assert quota == 30
-    flood = [req(f"f{i}", input_ids=tuple(range(4 + i, 44 + i)), tenant="flood", max_new_tokens=24) for i in range(12)]
-    calm = [req(f"c{i}", input_ids=tuple(range(200 + i, 220 + i)), tenant="calm", max_new_tokens=12) for i in range(3)]
+    flood = [req(f"f{i}", input_ids=tuple(range(4 + i, 44 + i)), tenant_id="flood", max_new_tokens=24) for i in range(12)]
+    calm = [req(f"c{i}", input_ids=tuple(range(200 + i, 220 + i)), tenant_id="calm", max_new_tokens=12) for i in range(3)]
     for r in flood + calm:
         eng.add_request(r)
     peak = {"flood": 0, "calm": 0}

@@ -112,11 +112,11 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         snap = svc.registry.snapshot()
 
         def key(job: Job) -> str:
-            name = job.adapter or "main"
-            return snap.versions(job.tenant_id, name)[-1].key
+            name = job.adapter_ref or "main"
+            return snap.versions(job.tenant_id, name)[-1].adapter_key
 
         for (tenant, name), versions in snap.adapters.items():
-            engine.load_adapter(versions[-1].key, svc.registry.store.path(versions[-1].sha256))
+            engine.load_adapter(versions[-1].adapter_key, svc.registry.store.path(versions[-1].sha256))
         # Engine alone: every job handed over at once, so its continuous batching keeps the batch full,
         # adapters already loaded: the best the engine does with these jobs.
         size = s.worker.max_batch_size

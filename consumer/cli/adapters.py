@@ -25,7 +25,7 @@ def add(name: str, directory: Path, tenant: Annotated[str, typer.Option(help="ow
     except (RegistryError, AdapterError) as e:
         fail(str(e))
     what = "registered" if created else "unchanged (same content)"
-    typer.echo(f"adapter {tenant}/{a.ref} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}")
+    typer.echo(f"adapter {tenant}/{a.adapter} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}")
 
 
 def traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSION=WEIGHT pairs, e.g. 1=90 2=10")],
@@ -45,7 +45,7 @@ def traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSIO
     except RegistryError as e:
         fail(str(e))
     total = sum(v.traffic_weight for v in views)
-    typer.echo(", ".join(f"{v.ref}: {100 * v.traffic_weight / total:.0f}%" for v in views))
+    typer.echo(", ".join(f"{v.adapter}: {100 * v.traffic_weight / total:.0f}%" for v in views))
 
 
 def list_(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
@@ -55,7 +55,7 @@ def list_(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
     svc = open_services(settings_from(config))
     table = Table("tenant", "adapter", "rank", "targets", "public", "default", "traffic", "sha256")
     for a in svc.registry.list_adapters(tenant):
-        table.add_row(a.tenant_id, a.ref, str(a.rank), ",".join(a.target_modules), "yes" if a.is_public else "",
+        table.add_row(a.tenant_id, a.adapter, str(a.rank), ",".join(a.target_modules), "yes" if a.is_public else "",
                       "yes" if a.is_default else "", str(a.traffic_weight), a.sha256[:12])
     print_table(table)
 

@@ -80,7 +80,7 @@ def kernel_table(prof, steps: int) -> dict:
 def _add(engine, prompts, adapters, new, tag):
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
-        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter_key=a, sampling=sp))
 
 
 def _drain(engine):

@@ -163,7 +163,7 @@ def _run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], n
     device time per step (CUDA events, its step records)."""
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
-        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter=a, sampling=sp))
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}-{a}", input_ids=tuple(p), adapter_key=a, sampling=sp))
     engine.pop_step_records()
     sync(engine.device)
     t0 = time.perf_counter()

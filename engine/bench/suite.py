@@ -38,7 +38,7 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
     names = list(adapters)
     gen = torch.Generator().manual_seed(1)
     reqs = [GenerationRequest(request_id=f"c{i}", input_ids=tuple(torch.randint(4, 500, (4 + (7 * i) % 40,), generator=gen).tolist()),
-                              adapter=[None, *names][i % (len(names) + 1)], sampling=SamplingParams(max_new_tokens=new, ignore_eos=True))
+                              adapter_key=[None, *names][i % (len(names) + 1)], sampling=SamplingParams(max_new_tokens=new, ignore_eos=True))
             for i in range(requests)]  # fmt: skip
     out, logits = {}, {}
     for backend in ("torch", "triton"):
@@ -51,7 +51,7 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
         out[backend] = [r.output_ids for r in results]
         wall = time.perf_counter() - t0
-        items = [BatchItem(("l", i), r.input_ids, 0, -1 if r.adapter is None else eng.adapters.acquire(r.adapter)[0])
+        items = [BatchItem(("l", i), r.input_ids, 0, -1 if r.adapter_key is None else eng.adapters.acquire(r.adapter_key)[0])
                  for i, r in enumerate(reqs)]  # fmt: skip
         logits[backend] = eng.runner.forward(items)
         print(f"  {dtype} {backend}: generate {wall:.2f}s, graphs {sorted(eng.runner.graphs._graphs) if eng.runner.graphs else None}", flush=True)

@@ -111,7 +111,7 @@ def register_two_tenants(svc, demo_set) -> dict[str, str]:
     for tenant, adapter, path in (("acme", "support", names[0]), ("globex", "chat", names[2])):
         svc.registry.add_tenant(tenant)
         view, _ = svc.registry.add_adapter(tenant, adapter, demo_set["adapters"][path], default=True)
-        refs[tenant] = view.ref
+        refs[tenant] = view.adapter
     return refs
 
 
