@@ -95,13 +95,13 @@ def make_jobs(owned: dict[str, list[str]], n: int, run: str, max_new_tokens: int
         fields: dict = {"request_id": f"{run}-{i}", "tenant_id": tenant, "batch_id": f"{run}-{tenant}",
                         "max_new_tokens": rng.choice((8, 16, 24)), "user_id": f"user-{rng.randrange(20)}"}
         if kind < 0.55:
-            fields["adapter"] = rng.choice(owned[tenant])
+            fields["adapter_ref"] = rng.choice(owned[tenant])
         elif kind < 0.65:
-            fields["adapter"] = public  # acme's public adapter, usable by everyone
+            fields["adapter_ref"] = public  # acme's public adapter, usable by everyone
         elif kind < 0.7:
             fields["allow_base_fallback"] = True
             if tenant != "initech":
-                fields["adapter"] = rng.choice(owned[tenant])
+                fields["adapter_ref"] = rng.choice(owned[tenant])
         if rng.random() < 0.3:
             fields.update(temperature=0.8, top_p=0.9, seed=rng.randrange(1000))
         if rng.random() < 0.2:
@@ -111,7 +111,7 @@ def make_jobs(owned: dict[str, list[str]], n: int, run: str, max_new_tokens: int
         jobs[tenant].append(Job.model_validate(fields))
     # Invalid but answerable: each gets a failed result that names the field and the fix.
     jobs["acme"].append(Job.model_validate({"request_id": f"{run}-bad-adapter", "tenant_id": "acme",
-                                            "batch_id": f"{run}-acme", "adapter": "no-such-adapter", "prompt": "hi"}))
+                                            "batch_id": f"{run}-acme", "adapter_ref": "no-such-adapter", "prompt": "hi"}))
     jobs["globex"].append(Job.model_validate({"request_id": f"{run}-too-long", "tenant_id": "globex", "batch_id": f"{run}-globex",
                                               "prompt": "hi", "max_new_tokens": max_new_tokens + 1}))
     return jobs
