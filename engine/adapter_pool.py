@@ -1,11 +1,15 @@
 """The adapter pool: which adapters are registered, where each one's weights are, and loading them.
 
 Tiers:
-- L1, the device slots (`engine.lora.LoraState`, `max_loras` of them, allocated at start). Adapters of
-  running requests are pinned there; when a slot is needed and none is free, the unpinned adapter with
-  the lowest keep score (`engine.adapter_policy`: heat, SLO tier, memory cost) gives its up.
-- L2, host memory (pinned on CUDA, in the slots' dtype so a copy is one DMA): an LRU bounded by
-  `host_cache_bytes`. L2 -> L1 copies go through `LoraState.write`, on a side stream on CUDA.
+- L1, paged device memory (`engine.lora.LoraState`, engine/adapter_pages.py: a pool of `adapter_gpu_bytes`
+  allocated at start, in pages of one rank row of one module), an adapter taking exactly its rank over the
+  modules it targets, and a slot (one of `max_loras` page-table rows) to name it in a batch. Adapters of
+  running requests are pinned there; when an adapter's pages or a slot are needed and not free, unpinned
+  adapters go in the order of their keep score (`engine.adapter_policy`: heat, SLO tier, memory cost),
+  lowest first, until it fits.
+- L2, host memory (pinned on CUDA, already in page layout and the pool's dtype, so a load is a few DMAs of
+  exactly its bytes): an LRU bounded by `host_cache_bytes`. L2 -> L1 copies go through `LoraState.write`,
+  on a side stream on CUDA.
 - L3, the adapter's folder as registered (the consumer registers `AdapterStore.path(sha256)`, the
   content-addressed store). Every read re-hashes the files; content that differs from the sha256 the
   key was registered with, or first read as, is refused (`adapter_changed`): a key never silently
@@ -40,8 +44,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.adapter_pages import HostPages
 from engine.adapter_policy import Candidate, Heat, TokenBucket, choose_victim
-from engine.adapters import LoraAdapter, parse_adapter
+from engine.adapters import parse_adapter
 from engine.api import AdapterError, AdapterInfo
 from engine.config import EngineConfig
 from engine.lora import LoraState
@@ -51,7 +56,7 @@ from engine.timing import Stopwatch
 from engine.warm_pool import TrafficPredictor
 
 WAIT_RATE = "rate_limited"  # acquire: the admission token bucket is empty
-WAIT_SLOT = "no_free_slot"  # acquire: every slot is pinned by running requests
+WAIT_SLOT = "no_free_slot"  # acquire: the pages or slots it needs are held by adapters of running requests
 MAX_EVENTS = 10_000  # load events kept for pop_events; older ones are dropped (and counted) if nobody drains them
 
 
@@ -83,9 +88,10 @@ class _Content:
 
     sha: str
     meta: _Meta
-    host: LoraAdapter | None = None  # L2 copy (or a transient one waiting for a slot); None: only in L1 or L3
+    host: HostPages | None = None  # L2 copy (or a transient one waiting for a slot); None: only in L1 or L3
     keys: set[str] = field(default_factory=set)
     slot: int | None = None
+    pages: list[tuple[int, list[int]]] | None = None  # (page size, offsets in the pool) per module, while resident
     pins: int = 0
     last_used: float = 0.0
     uncharged: list[_LoadEvent] = field(default_factory=list)  # loads no request has been charged yet
@@ -134,7 +140,7 @@ class AdapterPool:
         self._config = config
         self._fingerprint = base_fingerprint
         self._clock, self._wall = clock, wall_clock
-        self._slot_bytes = lora.slot_nbytes
+        self._slot_bytes = lora.full_nbytes  # the eviction score's unit of memory: an adapter of max rank on every module
         self._records: dict[str, _Record] = {}
         self._contents: dict[str, _Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
@@ -182,7 +188,7 @@ class AdapterPool:
             self._drop_record(key)
             raise
         if content.slot is None:
-            slot = self._find_slot(exclude=())
+            slot = self._make_room(content, exclude=())
             if slot is not None:
                 event = self._copy_in(content, slot, event, reason="load_adapter", key=key)
         info = event.info()  # waits for the copy: the caller asked for a loaded adapter
@@ -207,7 +213,7 @@ class AdapterPool:
         return self._infos[key]
 
     def resident(self) -> dict[int, str]:
-        """slot -> sha256 of the adapters now in device slots."""
+        """slot -> sha256 of the adapters now in device memory."""
         return {i: sha for i, sha in enumerate(self._slots) if sha is not None}
 
     def resident_keys(self) -> list[str]:
@@ -292,10 +298,12 @@ class AdapterPool:
                 content.warm = True
                 warm_bytes += content.meta.nbytes
                 self.counters["warm_prefetches"] += 1
-            if content.slot is None and warm_slots < cfg.warm_pool_slots and None in self._slots:
-                self._copy_in(content, self._slots.index(None), event, reason="warm_pool", key=key)
-                content.warm = True
-                warm_slots += 1
+            if content.slot is None and warm_slots < cfg.warm_pool_slots:
+                slot = self._make_room(content, exclude=(), evict=False)
+                if slot is not None:
+                    self._copy_in(content, slot, event, reason="warm_pool", key=key)
+                    content.warm = True
+                    warm_slots += 1
 
     # ---- metrics
 
@@ -311,6 +319,8 @@ class AdapterPool:
             "lora_slots_used": sum(1 for s in self._slots if s is not None),
             "lora_slots_pinned": sum(1 for s in self._slots if s is not None and self._contents[s].pins > 0),
             "lora_slots_bytes": self._lora.nbytes,
+            "lora_pool_bytes": self._lora.nbytes,
+            "lora_pool_used_bytes": self._lora.allocator.used_elems() * self._lora.pool.element_size(),
             "lora_memory_used_bytes": sum(self._contents[s].meta.nbytes for s in self._slots if s is not None),
             "adapter_host_bytes": self._l2_bytes,
             "adapter_host_capacity_bytes": self._config.host_cache_bytes,
@@ -344,7 +354,7 @@ class AdapterPool:
                 return WAIT_RATE
             content, event = self._read(rec, reason=reason)
         if content.slot is None:
-            slot = self._find_slot(exclude)
+            slot = self._make_room(content, exclude)
             if slot is None:
                 return WAIT_SLOT
             self._copy_in(content, slot, event, reason=reason, key=key)
@@ -383,7 +393,14 @@ class AdapterPool:
             )  # fmt: skip
         except AdapterError as e:
             raise self._fail(rec, e, reason) from e
-        host = self._to_host(adapter)
+        host = self._lora.host_copy(adapter)
+        if not self._lora.allocator.could_fit(self._lora.page_need(host)):
+            raise self._fail(rec, AdapterError(
+                f"adapter {rec.key!r} (rank {adapter.rank} on {', '.join(adapter.target_modules)}) needs {host.nbytes} bytes of "
+                f"device memory, more than the whole adapter pool engine.adapter_gpu_bytes={self._lora.nbytes} holds; "
+                "raise adapter_gpu_bytes or use an adapter of lower rank or fewer target modules",
+                code="adapter_too_large",
+            ), reason)  # fmt: skip
         meta = _Meta(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.target_modules, host.nbytes)
         if content is None:
             content = self._contents[sha] = _Content(sha, meta)
@@ -403,7 +420,8 @@ class AdapterPool:
             event = self._event(self._records[key], content, "host", "gpu", reason)
             self.counters["loads_host"] += 1
         event.dest = "gpu"
-        event.copy = self._lora.write(slot, content.host)
+        assert content.pages is not None, content.sha
+        event.copy = self._lora.write(slot, content.host, [offsets for _, offsets in content.pages])
         self._slots[slot] = content.sha
         content.slot = slot
         if content.sha not in self._l2:
@@ -412,34 +430,74 @@ class AdapterPool:
             self._l2.move_to_end(content.sha)
         return event
 
-    def _find_slot(self, exclude: tuple[int, ...]) -> int | None:
-        """A free slot, else one freed by evicting the unpinned adapter with the lowest keep score."""
-        if None in self._slots:
-            return self._slots.index(None)
+    def _make_room(self, content: _Content, exclude: tuple[int, ...], *, evict: bool = True) -> int | None:
+        """A free slot and the pages of `content` (held in host memory), taken for it (content.pages), evicting unpinned
+        adapters with the lowest keep score, one at a time, until both are free (never those in `exclude`, nor any when
+        not `evict`); None, and nothing evicted, when they cannot be had."""
+        assert content.host is not None and content.slot is None, content.sha
+        lora = self._lora
+        need = lora.page_need(content.host)
+        total: dict[int, int] = {}
+        for size, n in need:
+            total[size] = total.get(size, 0) + n
+        victims = []
+        if None not in self._slots or not lora.allocator.fits(total):
+            if not evict:
+                return None
+            victims = self._victims(exclude, total)
+            if victims is None:
+                return None
+        for sha in victims:
+            self._evict(sha)
+        pages = lora.allocator.alloc(need)
+        assert pages is not None, (content.sha, need)
+        content.pages = [(size, offsets) for (size, _), offsets in zip(need, pages)]
+        return self._slots.index(None)
+
+    def _victims(self, exclude: tuple[int, ...], need: dict[int, int]) -> list[str] | None:
+        """The unpinned adapters to evict, lowest keep score first, so that a slot and `need` pages are free; None if
+        evicting every candidate would not do. Decided on counts, before anything is evicted."""
         now = self._clock()
         weights = self._config.adapter_slo_weights
         candidates = []
         for slot, sha in enumerate(self._slots):
-            c = self._contents[sha]  # type: ignore[index]
+            if sha is None:
+                continue
+            c = self._contents[sha]
             if c.pins == 0 and slot not in exclude:
                 recs = [self._records[k] for k in c.keys]
                 heat = sum(r.heat.rate(now) for r in recs)
                 slo_weight = max((weights[r.slo_tier] for r in recs), default=weights["standard"])
                 candidates.append(Candidate(c.sha, heat, slo_weight, c.meta.nbytes, c.last_used))
-        victim = choose_victim(candidates, mem_weight=self._config.adapter_mem_weight, slot_bytes=self._slot_bytes)
-        if victim is None:
-            return None
-        content = self._contents[victim]
-        slot = content.slot
-        assert slot is not None
-        self._slots[slot] = None
+        alloc = self._lora.allocator
+        trial = alloc.trial()
+        free_slot = None in self._slots
+        victims: list[str] = []
+        while not (free_slot and trial.fits(need)):
+            victim = choose_victim(candidates, mem_weight=self._config.adapter_mem_weight, slot_bytes=self._slot_bytes)
+            if victim is None:
+                return None
+            candidates = [c for c in candidates if c.sha != victim]
+            victims.append(victim)
+            for size, offsets in self._contents[victim].pages:
+                trial.free(size, offsets)
+            free_slot = True
+        return victims
+
+    def _evict(self, sha: str) -> None:
+        """Give up `sha`'s slot and pages (it stays in L2 if it is there)."""
+        content = self._contents[sha]
+        assert content.slot is not None and content.pins == 0, (sha, content.slot, content.pins)
+        self._free_pages(content)
+        self._slots[content.slot] = None
         content.slot = None
         self.counters["evictions_l1"] += 1
-        return slot
 
-    def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
-        """The L2 copy: in the slots' dtype and layout, pinned when the slots are on a GPU (a DMA needs page-locked memory)."""
-        return self._lora.host_copy(adapter)
+    def _free_pages(self, content: _Content) -> None:
+        assert content.pages is not None, content.sha
+        for size, offsets in content.pages:
+            self._lora.allocator.free(size, offsets)
+        content.pages = None
 
     def _l2_insert(self, content: _Content) -> None:
         size = content.meta.nbytes
@@ -488,6 +546,7 @@ class AdapterPool:
             return
         assert content.pins == 0, f"unloading {key!r} while {content.pins} requests pin it"
         if content.slot is not None:
+            self._free_pages(content)
             self._slots[content.slot] = None
         if content.sha in self._l2:
             self._l2_bytes -= self._l2.pop(content.sha)

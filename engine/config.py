@@ -54,8 +54,16 @@ class EngineConfig(BaseModel):
     )
 
     # ---- adapter pool (L1 GPU slots, L2 host cache, L3 store)
-    max_loras: int = Field(8, ge=1, description="L1: adapter slots preallocated on the device at start")
-    max_lora_rank: int = Field(64, ge=1, le=512, description="largest adapter rank accepted (the slots' rank)")
+    max_loras: int = Field(
+        8, ge=1, description="L1: most adapters resident on the device at once (rows of the adapter page tables)"
+    )
+    max_lora_rank: int = Field(64, ge=1, le=512, description="largest adapter rank accepted")
+    adapter_gpu_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="L1: device memory for adapter weights, preallocated at start in pages (an adapter takes its rank over "
+        "the modules it targets); None: enough for max_loras adapters of max_lora_rank on all seven projections",
+    )
     max_adapter_bytes: int = Field(512 * MiB, ge=1, description="adapter files larger than this are refused")
     host_cache_bytes: int = Field(2 * GiB, ge=0, description="L2: pinned host memory for adapters, an LRU bounded in bytes")
     adapter_loads_per_s: float = Field(

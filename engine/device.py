@@ -48,6 +48,7 @@ def build_runner(model: LlamaForCausalLM, config: EngineConfig, tenant_quota_blo
         model,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
+        adapter_gpu_bytes=config.adapter_gpu_bytes,
         kv_num_blocks=config.kv_pool_blocks,
         kv_block_size=config.kv_block_size,
         prefix_caching=config.enable_prefix_caching,

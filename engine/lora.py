@@ -1,33 +1,30 @@
-"""LoRA as a transform of the built model: preallocated adapter slots (L1) and the wrapped projections.
+"""LoRA as a transform of the built model: paged adapter memory (L1) and the wrapped projections.
 
-`apply_lora(model, max_loras, max_lora_rank, backend)` wraps the model's four projections of every
+`apply_lora(model, max_loras, max_lora_rank, backend, gpu_bytes)` wraps the model's four projections of every
 layer (qkv, o, gate_up, down: engine.model's fused ones) so that each computes `base(x) + lora(x)` for
 all the adapter projections it holds (q, k and v; o; gate and up; down), reading the current batch's
 adapter rows from the shared `LoraState`. The model's own code is unchanged (STYLE item 3).
 
-Slot layout, what the kernels read (kernels/lora_shrink.py, kernels/lora_expand.py), allocated once at
-apply time per layer and fused projection with S slices of output widths w_s:
+Memory (engine/adapter_pages.py, S-LoRA's unified paging): one pool of `gpu_bytes`, allocated at apply time, in
+pages of one rank row of one module for every layer; an adapter takes exactly its rank over the modules it targets.
+What the kernels read (kernels.lora_segments.LoraPages), per adapter slot (a row of the tables, `max_loras` of them):
 
-    a_stack [max_loras, S, max_lora_rank, in]   slice s of slot i holds PEFT's lora_A of that projection
-    b_stack [max_loras, max_lora_rank, out]     rank-major, slices side by side: lora_B.T of slice s at
-                                                columns off_s .. off_s + w_s
-    rank [max_loras] int32, scale [max_loras] fp32
+    pages [max_loras, 7, max_lora_rank] int64   first element of the page of each rank row of each module
+    rank [max_loras, 7] int32                   the adapter's rank on each module, 0 where it does not target it
+    scale [max_loras] fp32
 
-Loading an adapter copies into a slot and zero-fills the rest of it (ranks below max_lora_rank,
-projections the adapter does not target), so a slot never holds a previous tenant's weights and no
-allocation happens on the hot path. The Triton kernels compute each row at its slot's own rank and
-skip rows without an adapter; the torch backend (the same ops' references, kernels/lora_segments.py, gathered, CPU
-default) computes every row over all max_lora_rank columns, masked from its slot's rank on. Memory cost, for a Llama-3-8B
-shape (32 layers, hidden 4096, KV 1024, MLP 14336) at max_loras 8, rank 64, bf16:
-8 * 64 * 32 * (4096+4096 + 4096+1024 + 4096+1024 + 4096+4096 + 2 * (4096+14336) + 14336+4096) * 2 B
-= 2.7 GB (2.5 GiB).
+Each wrapped projection holds its view: the pool, its modules' columns of the tables, its layer. A slot is a table
+row, not memory: capacity is the pool's bytes. Llama-3-8B with a 10 GB budget holds 733 rank-16 q,v adapters
+(13.6 MB each); max-rank-64 slots over all seven projections were 335 MB each, 29 of them.
 
-Copies into a slot (L2 -> L1) run on a side CUDA stream from pinned host memory, so they overlap the
-compute stream's forward; each write records an event that the compute stream waits on before the
-first forward that reads the slot (`wait_ready`). A slot is only ever overwritten when no running
-request uses it (the adapter pool pins those), so no forward in flight reads a slot being written. On
-CPU there is no stream: the same calls copy at once. The host copy (`host_copy`) holds B already
-transposed to [r, out], so each copy is one contiguous DMA.
+Loads (L2 -> L1, `write`) copy an adapter's pages from pinned host memory, already in page layout (`host_copy`), on
+a side CUDA stream, consecutive pages merged into one DMA, then its table rows; nothing is zero-filled (rows past a
+rank and untargeted modules have rank 0 and are never read). Each write records an event the compute stream waits
+on before the first forward that reads the slot (`wait_ready`). Pages and slots are only reused when no running
+request uses them (the adapter pool pins those), so no forward in flight reads a page being written. On CPU there
+is no stream: the same calls copy at once. The Triton kernels compute each row at its adapter's own rank per module
+and skip rows without an adapter; the torch backend (the same ops' references, kernels/lora_segments.py, gathered
+through the tables, CPU default) computes every row over all max_lora_rank columns, masked from its rank on.
 
 Prefill (and any batch whose rows come grouped in segments): the expand writes each projection's delta z
 (zeros on rows without an adapter) before the base GEMM, which then adds its product into z with beta = 1
@@ -41,7 +38,7 @@ kernels/silu_mul.py), the delta is not written at all: the GEMM runs plain (beta
 output (`pending`), and the op adds scale * t B^T to each tile it reads before its own maths, rounded once as the
 expand would round y. At llama-8b, 32 x 512 prefill tokens, this saves the delta's 940 MB of stores a layer and the
 GEMM's read of them in its epilogue: the engine's prefill LoRA share is +8.3-8.5% with it against +9.9-10.5% without, on
-one engine in one process (engine.bench.serving.ab_prefill_consumers; engine/PERF.md, session 5). qkv into RoPE + the KV write was tried the same way and lost to the delta-first order, so qkv keeps it.
+one engine in one process (engine.bench.serving.ab_prefill_consumers). qkv keeps the delta-first order: added by RoPE + the KV write the same way, its delta costs more (engine/PERF.md, "Tried and set aside").
 The model still knows nothing of LoRA: `wrap_ops` gives the runner the model's ops with the pending delta handed to
 them, and an op handed a tensor that is not the pending one is an assertion, not a delta silently dropped.
 
@@ -52,7 +49,7 @@ runner's `prepare`) and interpolated between the two around the step's rows; the
 less that, never below zero.
 
 Decode (one row per group, as CUDA-graph steps run): at 32 rows the GEMM is bound by its bytes too, so
-writing the delta first saves nothing. Where kernels/decode_linear.py was measured faster than cuBLAS
+writing the delta first saves nothing. Where kernels/decode_linear.py is faster than cuBLAS
 (llama-8b's o and down projections on an H200), the GEMM and the rows' deltas are one launch after the
 shrink (`one_launch`); elsewhere y = base(x), then the expand adds into y.
 
@@ -64,9 +61,7 @@ CUDA-graph replay, whose LoRA share engine.cuda_graphs calibrates once per batch
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
@@ -74,27 +69,41 @@ from torch import nn
 
 from engine.adapters import LoraAdapter
 from engine.backend import KernelBackend
-from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LlamaForCausalLM, ModelConfig, ModelOps
+from engine.adapter_pages import HostPages, PageAllocator, copy_runs, to_pages
+from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LORA_TARGETS, LlamaForCausalLM, ModelConfig, ModelOps
+from engine.lora_calibration import CONSUMERS, ConsumerCalibration
 from engine.timing import DeviceTimer, Stopwatch
-from kernels.lora_segments import DecodeLora, LoraDelta, LoraSegments, segments_per_row
-
-# Fused projection -> the model op its output goes straight into, which adds the projection's delta itself when the
-# triton backend runs that op fused (module docstring, "Prefill").
-CONSUMERS = {"gate_up_proj": "silu_mul"}
+from kernels.lora_segments import DecodeLora, LoraDelta, LoraPages, LoraSegments, segments_per_row
 
 
 class LoraState:
-    """The slot weights of every wrapped projection and the current batch's adapter rows."""
+    """The paged adapter weights of every wrapped projection (L1), their page tables, and the current batch's rows."""
 
-    def __init__(self, *, max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype, backend: KernelBackend):
+    def __init__(self, *, max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype, backend: KernelBackend,
+                 cfg: ModelConfig, gpu_bytes: int | None = None):  # fmt: skip
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.device, self.dtype = device, dtype
         self.backend = backend
+        self.num_layers = cfg.num_layers
+        self.shapes = shapes = cfg.projection_shapes()
+        # Page of each module (engine.adapter_pages): one rank row of A and of B.T for every layer.
+        self.page_elems = tuple(cfg.num_layers * (shapes[m][0] + shapes[m][1]) for m in LORA_TARGETS)
+        elem = torch.empty(0, dtype=dtype).element_size()
+        # The default budget holds max_loras adapters of max rank on all seven projections at once: what the slots held.
+        self.full_nbytes = max_lora_rank * sum(self.page_elems) * elem
+        if gpu_bytes is None:
+            full = {}
+            for size in self.page_elems:
+                full[size] = full.get(size, 0) + max_loras * max_lora_rank
+            self.allocator = PageAllocator.holding(full)
+        else:
+            self.allocator = PageAllocator(gpu_bytes // elem, self.page_elems)
+        self.pool = torch.zeros(self.allocator.capacity, dtype=dtype, device=device)  # [E] every page
+        self.pages = torch.zeros(max_loras, len(LORA_TARGETS), max_lora_rank, dtype=torch.int64, device=device)  # [slots, 7, R]
+        self.rank = torch.zeros(max_loras, len(LORA_TARGETS), dtype=torch.int32, device=device)  # [slots, 7] 0: none
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [slots]
-        self.rank = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots] 0: empty
-        # (layer, fused projection) -> (a_stack [slots, S, R, in], b_stack [slots, R, out]); filled by apply_lora
-        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.weights: dict[tuple[int, str], LoraPages] = {}  # (layer, fused projection) -> its view; filled by apply_lora
         self.widths: dict[str, tuple[int, ...]] = {}  # fused projection -> output width of each slice
         # The current forward's adapter rows: both None for a base-only batch.
         self.slot_idx: torch.Tensor | None = None  # [N] int64, -1: no adapter (torch backend)
@@ -111,7 +120,16 @@ class LoraState:
         self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ready: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write, not yet waited on
+        # slot -> (end of its last write, not yet waited on; the pinned staging of its table rows, kept alive until then)
+        self._ready: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
+
+    def projection(self, layer: int, fused: str) -> LoraPages:
+        """The kernels' view of one projection: the pool, and the slices' columns of the page and rank tables."""
+        m0 = LORA_TARGETS.index(FUSED_PROJECTIONS[fused][0])  # a fused projection's modules are consecutive targets
+        s = len(FUSED_PROJECTIONS[fused])
+        in_f = self.page_elems[m0] // self.num_layers - self.widths[fused][0]
+        return LoraPages(pool=self.pool, pages=self.pages[:, m0 : m0 + s], rank=self.rank[:, m0 : m0 + s], scale=self.scale,
+                         num_layers=self.num_layers, layer=layer, in_features=in_f, slices=self.widths[fused])  # fmt: skip
 
     @property
     def active(self) -> bool:
@@ -123,29 +141,26 @@ class LoraState:
         triton backend, rows grouped into segments (prefill and mixed steps; CUDA-graph decode adds after)."""
         return self.segments is not None and self.segments.start is not None
 
-    def delta_then_base(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                        widths: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+    def delta_then_base(self, base: nn.Linear, x: torch.Tensor, w: LoraPages) -> torch.Tensor:
         """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
         with self._section():
-            t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
+            t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
             z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
-            self.backend.lora_expand(z, t, b_stack, self.rank, self.scale, self.segments, slices=widths, accumulate=False)
+            self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
         z.addmm_(x, base.weight.t())
         if base.bias is not None:
             z.add_(base.bias)
         return z
 
-    def base_then_pending(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                          widths: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+    def base_then_pending(self, base: nn.Linear, x: torch.Tensor, w: LoraPages) -> torch.Tensor:
         """base(x) [N, out], its rows' deltas left `pending` for the op that consumes it (module docstring, "Prefill")."""
         assert self.pending is None, "a LoRA delta is still pending: its consumer op did not run"
         y = base(x)
         # One timed section from the shrink to the consumer op's end (nothing runs between them), credited with the plain
         # op's time there: two CUDA events a layer rather than four, host time a short prefill's GPU waits for.
         start = self.timer.begin() if self.timed else None
-        t = self.backend.lora_shrink(x, a_stack, self.rank, self.segments)  # [S, N, R] fp32
-        self.pending = (y, LoraDelta(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, segments=self.segments, slices=widths),
-                        start)  # fmt: skip
+        t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
+        self.pending = (y, LoraDelta(t=t, weights=w, segments=self.segments), start)
         return y
 
     def wrap_ops(self, ops: ModelOps, cfg: ModelConfig) -> ModelOps:
@@ -196,30 +211,28 @@ class LoraState:
             return False
         return not self.active or (self.segments is not None and self.segments.start is None)
 
-    def decode_linear(self, base: nn.Linear, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                      widths: tuple[int, ...], slice_offset: int) -> torch.Tensor:  # fmt: skip
+    def decode_linear(self, base: nn.Linear, x: torch.Tensor, w: LoraPages, slice_offset: int) -> torch.Tensor:
         """base(x) + each row's adapter delta [N, out] in one launch after the shrink (kernels/decode_linear.py)."""
         lora = None
         if self.active:
-            t = self._decode_t(slice_offset, len(widths), x.shape[0])
+            t = self._decode_t(slice_offset, len(w.slices), x.shape[0])
             with self._section():
-                self.backend.lora_shrink(x, a_stack, self.rank, self.segments, out=t, out_zeroed=True)
-            lora = DecodeLora(t=t, b_stack=b_stack, rank=self.rank, scale=self.scale, slot=self.segments.slot, slices=widths)
+                self.backend.lora_shrink(x, w, self.segments, out=t, out_zeroed=True)
+            lora = DecodeLora(t=t, weights=w, slot=self.segments.slot)
         return self.backend.decode_linear(x, base.weight, base.bias, lora)
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...],
-              slice_offset: int) -> None:  # fmt: skip
+    def apply(self, y: torch.Tensor, x: torch.Tensor, w: LoraPages, slice_offset: int) -> None:
         """y [N, out] += each row's adapter delta of x [N, in], for every slice of the projection (whose first slice is
         `slice_offset` among all wrapped projections' slices)."""
         with self._section():
             if self.segments is not None:
                 segments = self.segments
-                out = self._decode_t(slice_offset, len(widths), x.shape[0]) if self.decode_t is not None else None
-                t = self.backend.lora_shrink(x, a_stack, self.rank, segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
+                out = self._decode_t(slice_offset, len(w.slices), x.shape[0]) if self.decode_t is not None else None
+                t = self.backend.lora_shrink(x, w, segments, out=out, out_zeroed=out is not None)  # [S, N, R] fp32
             else:
                 segments = segments_per_row(self.slot_idx)  # the torch backend's rows, each its own group: no host work
-                t = self.backend.lora_shrink(x, a_stack, self.rank, segments)  # [S, N, R] fp32
-            self.backend.lora_expand(y, t, b_stack, self.rank, self.scale, segments, slices=widths)
+                t = self.backend.lora_shrink(x, w, segments)  # [S, N, R] fp32
+            self.backend.lora_expand(y, t, w, segments)
 
     def _section(self) -> contextlib.AbstractContextManager:
         """A timed section around LoRA ops (engine.timing), or nothing while a CUDA graph is captured."""
@@ -230,46 +243,51 @@ class LoraState:
         r = self.max_lora_rank
         return self.decode_t[slice_offset * rows * r : (slice_offset + num_slices) * rows * r].view(num_slices, rows, r)
 
-    def host_copy(self, adapter: LoraAdapter) -> LoraAdapter:
-        """The L2 copy `write` takes: the slots' dtype, B transposed to [r, out], contiguous, pinned on CUDA."""
-        pin = self.device.type == "cuda"
+    def host_copy(self, adapter: LoraAdapter) -> HostPages:
+        """The L2 copy `write` takes: the adapter's pages in page layout and the pool's dtype, contiguous, pinned on CUDA
+        (a DMA needs page-locked memory)."""
+        data = to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype)
+        if self.device.type == "cuda":
+            data = data.pin_memory()
+        modules = tuple(LORA_TARGETS.index(m) for m in adapter.target_modules)
+        return HostPages(sha256=adapter.sha256, rank=adapter.rank, scaling=adapter.scaling, modules=modules, data=data,
+                         page_elems=tuple(self.page_elems[m] for m in modules))  # fmt: skip
 
-        def host(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self.dtype).contiguous()
-            return t.pin_memory() if pin else t
+    def page_need(self, host: HostPages) -> list[tuple[int, int]]:
+        """(page size, count) per module of `host`, as PageAllocator.alloc takes them."""
+        return [(size, host.rank) for size in host.page_elems]
 
-        return replace(adapter, weights={k: (host(a), host(b.t())) for k, (a, b) in adapter.weights.items()}, b_rank_major=True)
-
-    def write(self, slot: int, adapter: LoraAdapter) -> Stopwatch:
-        """Copy an adapter (a `host_copy`) into `slot` (on the side stream on CUDA), zeroing whatever of the slot it
-        does not fill; returns the copy's stopwatch. The host tensors must stay alive until it is done (L2 holds them)."""
+    def write(self, slot: int, host: HostPages, pages: list[list[int]]) -> Stopwatch:
+        """Copy an adapter's pages (a `host_copy`) into the pool at `pages` (PageAllocator.alloc of `page_need`) and point
+        `slot`'s table rows at them, on the side stream on CUDA; returns the copy's stopwatch. Nothing is zeroed: rows
+        past the rank and modules it does not target have rank 0 in the table. The host tensor must stay alive until the
+        copy is done (L2 holds it)."""
         assert 0 <= slot < self.max_loras, slot
-        assert adapter.rank <= self.max_lora_rank, (adapter.rank, self.max_lora_rank)
-        assert adapter.b_rank_major, "write takes LoraState.host_copy(adapter)"
-        r = adapter.rank
+        assert host.rank <= self.max_lora_rank, (host.rank, self.max_lora_rank)
+        assert [len(p) for p in pages] == [host.rank] * len(host.modules), ([len(p) for p in pages], host.rank)
+        table = torch.zeros(len(LORA_TARGETS), self.max_lora_rank, dtype=torch.int64)  # [7, R]
+        ranks = torch.zeros(len(LORA_TARGETS), dtype=torch.int32)  # [7]
+        for m, offsets in zip(host.modules, pages):
+            table[m, : host.rank] = torch.tensor(offsets, dtype=torch.int64)
+            ranks[m] = host.rank
+        scale = torch.tensor([host.scaling], dtype=torch.float32)
         watch = Stopwatch(self.device, self.copy_stream)
-        with self._on_copy_stream():
-            for (layer, fused), (a_stack, b_stack) in self.stacks.items():
-                b_stack[slot, r:].zero_()
-                off = 0
-                for s, (module, w) in enumerate(zip(FUSED_PROJECTIONS[fused], self.widths[fused])):
-                    weights = adapter.weights.get((layer, module))
-                    if weights is None:
-                        a_stack[slot, s].zero_()
-                        b_stack[slot, :r, off : off + w].zero_()
-                    else:
-                        a, b_t = weights  # [r, in], [r, out] in the slot dtype (pinned on CUDA)
-                        a_stack[slot, s, :r].copy_(a, non_blocking=True)
-                        a_stack[slot, s, r:].zero_()
-                        b_stack[slot, :r, off : off + w].copy_(b_t, non_blocking=True)
-                    off += w
-            self.scale[slot].fill_(adapter.scaling)
-            self.rank[slot].fill_(r)
+        if self.copy_stream is None:
+            for src, dest, n in copy_runs(host, pages):
+                self.pool[dest : dest + n].copy_(host.data[src : src + n])
+            self.pages[slot], self.rank[slot], self.scale[slot : slot + 1] = table, ranks, scale
+            return watch.stop()
+        staging = tuple(t.pin_memory() for t in (table, ranks, scale))
+        with torch.cuda.stream(self.copy_stream):
+            for src, dest, n in copy_runs(host, pages):
+                self.pool[dest : dest + n].copy_(host.data[src : src + n], non_blocking=True)
+            self.pages[slot].copy_(staging[0], non_blocking=True)
+            self.rank[slot].copy_(staging[1], non_blocking=True)
+            self.scale[slot : slot + 1].copy_(staging[2], non_blocking=True)
         watch.stop()
-        if self.copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-            self._ready[slot] = event
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
+        self._ready[slot] = (event, staging)
         return watch
 
     def wait_ready(self, slots: Iterable[int]) -> None:
@@ -278,52 +296,38 @@ class LoraState:
             return
         stream = torch.cuda.current_stream(self.device)
         for slot in set(slots):
-            event = self._ready.pop(slot, None)
-            if event is not None:
-                stream.wait_event(event)
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes of one slot across every layer and module."""
-        return sum(a[0].numel() * a.element_size() + b[0].numel() * b.element_size() for a, b in self.stacks.values())
+            pending = self._ready.pop(slot, None)
+            if pending is not None:
+                stream.wait_event(pending[0])
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.stacks.values())
-
-    @contextlib.contextmanager
-    def _on_copy_stream(self) -> Iterator[None]:
-        if self.copy_stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.copy_stream):
-            yield
+        """Bytes of the page pool (the adapter budget, in whole chunks)."""
+        return self.pool.numel() * self.pool.element_size()
 
 
 class LoraLinear(nn.Module):
-    """A (fused) projection computing `base(x)` plus each row's adapter from the slots, for all its slices."""
+    """A (fused) projection computing `base(x)` plus each row's adapter from the pages, for all its slices."""
 
-    def __init__(self, name: str, base: nn.Linear, a_stack: torch.Tensor, b_stack: torch.Tensor, widths: tuple[int, ...],
-                 state: LoraState, slice_offset: int):  # fmt: skip
+    def __init__(self, name: str, base: nn.Linear, weights: LoraPages, state: LoraState, slice_offset: int):
         super().__init__()
         self.name = name  # the fused projection: qkv_proj, o_proj, gate_up_proj or down_proj
         self.base = base
-        self.a_stack = a_stack  # [slots, S, R, in]
-        self.b_stack = b_stack  # [slots, R, out]
-        self.widths = widths  # [S] output width of each slice, summing to out
+        self.weights = weights  # this layer's view of the pages (kernels.lora_segments.LoraPages)
         self.state = state
         self.slice_offset = slice_offset  # slices of the projections wrapped before this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in]
+        w = self.weights
         if self.state.delta_first:
             if self.name in self.state.consumers:
-                return self.state.base_then_pending(self.base, x, self.a_stack, self.b_stack, self.widths)
-            return self.state.delta_then_base(self.base, x, self.a_stack, self.b_stack, self.widths)
-        if self.state.one_launch(x.shape[0], self.widths, self.base.in_features):
-            return self.state.decode_linear(self.base, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
+                return self.state.base_then_pending(self.base, x, w)
+            return self.state.delta_then_base(self.base, x, w)
+        if self.state.one_launch(x.shape[0], w.slices, self.base.in_features):
+            return self.state.decode_linear(self.base, x, w, self.slice_offset)
         y = self.base(x)  # [N, out]
         if self.state.active:
-            self.state.apply(y, x, self.a_stack, self.b_stack, self.widths, self.slice_offset)
+            self.state.apply(y, x, w, self.slice_offset)
         return y
 
 
@@ -333,80 +337,21 @@ def slice_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {fused: tuple(shapes[m][1] for m in parts) for fused, parts in FUSED_PROJECTIONS.items()}
 
 
-def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, backend: KernelBackend) -> LoraState:
-    """Wrap the model's projections with LoRA slots (allocated here, zeroed) and return their state."""
+def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, backend: KernelBackend,
+               gpu_bytes: int | None = None) -> LoraState:  # fmt: skip
+    """Wrap the model's projections with LoRA over one page pool of `gpu_bytes` (allocated here, zeroed; None: as many
+    bytes as max_loras adapters of max rank on every projection) and `max_loras` page-table rows; return their state."""
     param = model.lm_head.weight
-    state = LoraState(max_loras=max_loras, max_lora_rank=max_lora_rank, device=param.device, dtype=param.dtype, backend=backend)
+    state = LoraState(max_loras=max_loras, max_lora_rank=max_lora_rank, device=param.device, dtype=param.dtype, backend=backend,
+                      cfg=model.config, gpu_bytes=gpu_bytes)  # fmt: skip
     state.widths = slice_widths(model.config)
     for i, layer in enumerate(model.model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             parent = getattr(layer, FUSED_PARENT[fused])
             base = getattr(parent, fused)
             assert isinstance(base, nn.Linear), f"layers.{i}.{fused} is {type(base).__name__}: apply_lora twice?"
-            a_stack = torch.zeros(max_loras, len(parts), max_lora_rank, base.in_features, dtype=state.dtype, device=state.device)
-            b_stack = torch.zeros(max_loras, max_lora_rank, base.out_features, dtype=state.dtype, device=state.device)
-            state.stacks[(i, fused)] = (a_stack, b_stack)
-            setattr(parent, fused, LoraLinear(fused, base, a_stack, b_stack, state.widths[fused], state, state.total_slices))
+            w = state.weights[(i, fused)] = state.projection(i, fused)
+            assert w.in_features == base.in_features, (fused, w.in_features, base.in_features)
+            setattr(parent, fused, LoraLinear(fused, base, w, state, state.total_slices))
             state.total_slices += len(parts)
     return state
-
-
-class ConsumerCalibration:
-    """The device time of the plain consumer op (SiLU x up) on N rows, for the attribution of the fused one (module
-    docstring, "Attribution"): measured once per point of a grid of row counts (8 a power of two) on scratch inputs of
-    the model's width, and interpolated linearly between the two points around N.
-
-    Measuring syncs the device, so the runner asks for a step's row count before it times the step (`prepare`); a
-    count first seen inside a forward is measured there, which the step's own time then includes once."""
-
-    REPEATS = 3  # timed runs per count on CUDA, after a warm-up; the median is kept
-    # Measured row counts: 2**GRID_BITS = 8 evenly spaced per power of two (every count below 16), so the scratch input
-    # is at most 1/8 larger than the step's own (8b prefill of 16,385 rows: 1.06 GB, not the next power of two's 1.9 GB).
-    GRID_BITS = 3
-
-    def __init__(self, ops: ModelOps, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
-        self._ops, self._cfg, self._dtype, self._device = ops, cfg, dtype, device
-        self._us: dict[tuple[str, int], float] = {}  # (op, rows) -> µs
-
-    def plain_us(self, op: str, rows: int) -> float:
-        """µs of the plain `op` on `rows` rows."""
-        if rows <= 0:
-            return 0.0
-        step = 1 << max(0, rows.bit_length() - 1 - self.GRID_BITS)  # the grid's spacing at this size
-        lo = rows // step * step
-        hi = lo if lo == rows else lo + step
-        a, b = self._measured(op, lo), self._measured(op, hi)
-        return a if hi == lo else a + (b - a) * (rows - lo) / (hi - lo)
-
-    def prepare(self, rows: int) -> None:
-        """Measure, now, what plain_us needs for `rows` rows of every fused consumer op."""
-        for op in CONSUMERS.values():
-            if getattr(self._ops, op) is not None:
-                self.plain_us(op, rows)
-
-    def _measured(self, op: str, rows: int) -> float:
-        key = (op, rows)
-        if key not in self._us:
-            run = self._scratch_run(op, rows)
-            if self._device.type == "cuda":
-                run()  # compiles, allocates
-                times = []
-                for _ in range(self.REPEATS):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    run()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1000)
-                self._us[key] = statistics.median(times)
-            else:  # the interpreter (tests): synchronous, and slow enough that one run is the measurement
-                t0 = time.perf_counter_ns()
-                run()
-                self._us[key] = (time.perf_counter_ns() - t0) / 1000
-        return self._us[key]
-
-    def _scratch_run(self, op: str, rows: int) -> Callable[[], object]:
-        """The plain op on `rows` rows of scratch inputs (the values do not change its time), writing nothing the model reads."""
-        assert op == "silu_mul", op
-        gate_up = torch.randn(rows, 2 * self._cfg.intermediate_size, dtype=self._dtype, device=self._device)
-        return lambda: self._ops.silu_mul(gate_up)

@@ -46,6 +46,7 @@ class ModelRunner:
         *,
         max_loras: int,
         max_lora_rank: int,
+        adapter_gpu_bytes: int | None = None,
         kv_num_blocks: int,
         kv_block_size: int,
         prefix_caching: bool = True,
@@ -63,7 +64,7 @@ class ModelRunner:
         self.backend = backend or KernelBackend("torch")
         self.model = model
         self.config = model.config
-        self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend)
+        self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend, adapter_gpu_bytes)
         if self.backend.triton:
             self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config)
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.

@@ -127,7 +127,7 @@ def issue_calls() -> Iterator[Callable[[], None]]:
     """One call per launcher and shape of issue 4 (decode, grouped and prefill; three dtypes)."""
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.lora_expand import lora_expand
-    from kernels.lora_segments import LoraDelta, segments_from_indices, segments_per_row
+    from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
     from kernels.lora_shrink import lora_shrink
     from kernels.paged_attention import paged_attention
     from kernels.rms_norm import add_rms_norm
@@ -145,22 +145,29 @@ def issue_calls() -> Iterator[Callable[[], None]]:
             q_out, kv_out = heads * head_dim, kv_heads * head_dim
             projections = {"qkv": (hidden, (q_out, kv_out, kv_out)), "o": (q_out, (hidden,)),
                            "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}  # fmt: skip
-            rank, scale = _meta(adapters, dtype=torch.int32), _meta(adapters, dtype=torch.float32)
+            scale = _meta(adapters, dtype=torch.float32)
+            pool = _meta(1 << 24, dtype=dtype)
+            pages, ranks = _meta(adapters, 7, max_rank, dtype=torch.int64), _meta(adapters, 7, dtype=torch.int32)
+
+            def paged(in_f, widths, pool=pool, pages=pages, ranks=ranks, scale=scale):  # as engine.lora's views: table columns
+                s = len(widths)
+                return LoraPages(pool=pool, pages=pages[:, :s], rank=ranks[:, :s], scale=scale, num_layers=32, layer=3,
+                                 in_features=in_f, slices=widths)  # fmt: skip
+
             for in_f, widths in projections.values():
                 out_f = sum(widths)
-                a = _meta(adapters, len(widths), max_rank, in_f, dtype=dtype)
-                b = _meta(adapters, max_rank, out_f, dtype=dtype)
+                a = b = paged(in_f, widths)
                 for segments in forms.values():
                     n = segments.num_rows
                     x, y = _meta(n, in_f, dtype=dtype), _meta(n, out_f, dtype=dtype)
                     t = _meta(len(widths), n, max_rank, dtype=torch.float32)
-                    yield lambda x=x, a=a, segments=segments, t=t: lora_shrink(x, a, rank, segments, out=t)
+                    yield lambda x=x, a=a, segments=segments, t=t: lora_shrink(x, a, segments, out=t)
                     for accumulate in (True, False):
-                        yield lambda y=y, t=t, b=b, segments=segments, widths=widths, accumulate=accumulate: lora_expand(
-                            y, t, b, rank, scale, segments, slices=widths, accumulate=accumulate)
+                        yield lambda y=y, t=t, b=b, segments=segments, accumulate=accumulate: lora_expand(
+                            y, t, b, segments, accumulate=accumulate)
                 x, w = _meta(rows, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
-                lora = DecodeLora(t=_meta(len(widths), rows, max_rank, dtype=torch.float32), b_stack=_meta(adapters, max_rank, out_f, dtype=dtype),
-                                  rank=rank, scale=scale, slot=_meta(rows, dtype=torch.int64), slices=widths)  # fmt: skip
+                lora = DecodeLora(t=_meta(len(widths), rows, max_rank, dtype=torch.float32), weights=paged(in_f, widths),
+                                  slot=_meta(rows, dtype=torch.int64))  # fmt: skip
                 bias = _meta(out_f, dtype=dtype)
                 yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
             blocks = 64
@@ -182,8 +189,7 @@ def issue_calls() -> Iterator[Callable[[], None]]:
             yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)
             for segments in (forms["grouped"], forms["prefill"]):  # the forms whose steps add gate_up's LoraDelta in silu_mul
                 n, widths = segments.num_rows, (inter, inter)
-                lora = LoraDelta(t=_meta(2, n, max_rank, dtype=torch.float32), b_stack=_meta(adapters, max_rank, 2 * inter, dtype=dtype),
-                                 rank=rank, scale=scale, segments=segments, slices=widths)  # fmt: skip
+                lora = LoraDelta(t=_meta(2, n, max_rank, dtype=torch.float32), weights=paged(hidden, widths), segments=segments)
                 yield lambda g=_meta(n, 2 * inter, dtype=dtype), lora=lora: silu_mul(g, lora)
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,16 @@
 """A decode step's projection in one launch: `y = x W^T (+ bias)`, plus each row's own LoRA delta, for a few rows.
 
-Semantics: y[m, n] = sum_k x[m, k] W[n, k] + bias[n] + scale[slot_m] * sum_{r < rank[slot_m]} t[s, m, r] B[slot_m, r, n]
+Semantics: y[m, n] = sum_k x[m, k] W[n, k] + bias[n] + scale[slot_m] * sum_{r < rank[slot_m, s]} t[s, m, r] B[slot_m, s, r, n]
 for M <= 64 rows, where s is the fused slice holding column n and t = x A^T is the shrink's output
 (kernels/lora_shrink.py); rows with slot -1 or an empty slot get no delta. Sums in fp32, y rounded once.
 
 Why: a decode step at batch 32 is bound by reading the weights, and at that size cuBLAS streamed them at
-~2.9 TB/s of the H200's ~4.3 (engine/PERF.md, session 2, call 1: llama-1b qkv and o 6.4 µs each, 1.3-2.0
-TB/s), then the LoRA expand was a launch of its own per projection (64 at llama-1b, ~4.5 µs each, bound by
+~2.9 TB/s of the H200's ~4.3 (engine/PERF.md, "where the device time goes": llama-1b qkv and o 6.4 µs each, 1.3-2.0
+TB/s), and a separate LoRA expand is a launch of its own per projection (64 at llama-1b, ~4.5 µs each, bound by
 launch latency, not bytes). Here each program streams a [BLOCK_N, K] panel of W against all M rows (x
 comes from L2: 32 rows of 2-8k columns), then adds the panel's LoRA columns for every row: the rank loop
 gathers each row's B rows [R, BLOCK_N] (rank-major, contiguous along n) at the row's true rank, so mixed
-ranks cost their own bytes. One graph launch where there were two, and the delta never makes a round trip
+ranks cost their own bytes. One graph launch instead of two, and the delta never makes a round trip
 through y. The shrink stays a launch of its own: it must finish before any program adds its result.
 Outcome on the H200 (`_TUNED`): faster than cuBLAS + the expand only at llama-8b's o and down, whose K loops
 are long; at llama-1b no faster than cuBLAS, and the delta's gather after the K loop is a tail about as long
@@ -48,15 +48,18 @@ def _decode_linear_kernel(
     bias_ptr,  # [N], unused without HAS_BIAS
     y_ptr,  # [M, N]
     t_ptr,  # [S, M, R] fp32, unused without HAS_LORA
-    b_ptr,  # [slots, R, N]
-    rank_ptr,  # [slots]
+    pool_ptr,  # [E] the pages (kernels.lora_segments.LoraPages)
+    page_ptr,  # [slots, S, R] int64
+    rank_ptr,  # [slots, S]
     scale_ptr,  # [slots] fp32
     slot_ptr,  # [M]
     slice_ptr,  # [S + 1] first column of each slice, then N
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     stride_ti, stride_tm,
-    stride_bs, stride_br,
+    stride_ps, stride_pi, stride_pr,
+    stride_rs, stride_ri,
+    b_base_offset, layer,
     NUM_SLICES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
@@ -89,20 +92,23 @@ def _decode_linear_kernel(
         slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)  # [BM]
         live = slot >= 0
         s_idx = tl.maximum(slot, 0).to(tl.int64)
-        rank = tl.where(live, tl.load(rank_ptr + s_idx, mask=m_mask, other=0), 0)  # [BM]; no adapter: rank 0
         scale = tl.load(scale_ptr + s_idx, mask=m_mask, other=0.0).to(tl.float32)  # [BM]
         sl = 0
         for i in tl.static_range(1, NUM_SLICES):  # the panel's slice: it lies within one
             sl += (n0 >= tl.load(slice_ptr + i)).to(tl.int32)
+        col0 = tl.load(slice_ptr + sl)
+        width = tl.load(slice_ptr + sl + 1) - col0
+        rank = tl.where(live, tl.load(rank_ptr + s_idx * stride_rs + sl * stride_ri, mask=m_mask, other=0), 0)  # [BM]
         t_rows = t_ptr + sl * stride_ti + offs_m[:, None] * stride_tm  # [BM, 1]
-        b_rows = b_ptr + s_idx[:, None, None] * stride_bs + offs_n[None, None, :]  # [BM, 1, BN]
+        page_rows = page_ptr + s_idx[:, None] * stride_ps + sl * stride_pi  # [BM, 1]: each row's page table of the slice
+        pool_b = pool_ptr + b_base_offset + layer * width + (offs_n - col0)[None, None, :]  # [1, 1, BN] + a page start
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, tl.max(rank, axis=0), BLOCK_R):  # the batch's largest rank; each row stops at its own
             offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
             r_ok = offs_r[None, :] < rank[:, None]  # [BM, BR]
             tv = tl.load(t_rows + offs_r[None, :], mask=r_ok, other=0.0)  # [BM, BR] fp32
-            bv = tl.load(b_rows + offs_r[None, :, None] * stride_br, mask=r_ok[:, :, None] & n_mask[None, None, :],
-                         other=0.0)  # [BM, BR, BN]  # fmt: skip
+            pages = tl.load(page_rows + offs_r[None, :] * stride_pr, mask=r_ok, other=0)  # [BM, BR] int64
+            bv = tl.load(pool_b + pages[:, :, None], mask=r_ok[:, :, None] & n_mask[None, None, :], other=0.0)  # [BM, BR, BN]
             delta += tl.sum(tv[:, :, None] * bv.to(tl.float32), axis=1)
         acc += scale[:, None] * delta
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -126,12 +132,14 @@ def decode_linear(
         return y
     block_n, block_k, num_warps, num_stages = _config(m, n, k)
     starts = slice_starts(lora.slices if lora is not None else (n,), x.device)
+    pw = lora.weights if lora is not None else None
     if lora is not None:
-        slots, max_rank, b_out = lora.b_stack.shape
-        assert b_out == n and sum(lora.slices) == n, (tuple(lora.b_stack.shape), lora.slices, n)
+        max_rank = pw.max_rank
+        assert sum(lora.slices) == n, (lora.slices, n)
         assert lora.t.shape == (len(lora.slices), m, max_rank) and lora.t.dtype == torch.float32 and lora.t.stride(2) == 1, \
             (tuple(lora.t.shape), lora.t.dtype)  # fmt: skip
-        assert lora.slot.shape == (m,) and lora.b_stack.stride(2) == 1 and lora.b_stack.dtype == x.dtype, (tuple(lora.slot.shape),)
+        assert lora.slot.shape == (m,) and pw.pool.dtype == x.dtype and pw.in_features == k, (tuple(lora.slot.shape), pw.pool.dtype)
+        pw.check(x.device)
         offset = 0
         for w in lora.slices:  # every panel inside one slice
             assert offset % block_n == 0, f"slice boundary {offset} is not a multiple of BLOCK_N {block_n}: slices {lora.slices}"
@@ -139,12 +147,13 @@ def decode_linear(
     interpreted = x.device.type == "cpu"
     _decode_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y,
-        lora.t if lora else x, lora.b_stack if lora else x, lora.rank if lora else x, lora.scale if lora else x,
+        lora.t if lora else x, pw.pool if lora else x, pw.pages if lora else x, pw.rank if lora else x, pw.scale if lora else x,
         lora.slot if lora else x, starts,
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         lora.t.stride(0) if lora else 0, lora.t.stride(1) if lora else 0,
-        lora.b_stack.stride(0) if lora else 0, lora.b_stack.stride(1) if lora else 0,
+        *(pw.pages.stride() if lora else (0, 0, 0)), *(pw.rank.stride() if lora else (0, 0)),
+        pw.num_layers * pw.in_features if lora else 0, pw.layer if lora else 0,
         NUM_SLICES=len(lora.slices) if lora else 1,
         HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None,
@@ -193,7 +202,7 @@ def decode_linear_ref(
     if bias is not None:
         y += bias.float()
     if lora is not None:
-        lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, segments_per_row(lora.slot), slices=lora.slices)
+        lora_expand_ref(y, lora.t, lora.weights, segments_per_row(lora.slot))
     return y.to(x.dtype)
 
 

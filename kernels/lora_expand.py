@@ -1,8 +1,9 @@
 """Multi-LoRA expand: every row's rank-r vector projected back up by its own adapter and added, in one launch.
 
-Semantics: y[i, off_s : off_s + w_s] += scale[slot_i] * t[s, i, :r] @ B[slot_i, :r, off_s : off_s + w_s]
-with r = rank[slot_i], for every slice s and every row i whose slot_i >= 0; rows with slot -1, or whose
-slot is empty (rank 0), are not written at all (bit for bit as they were). With `accumulate=False` the
+Semantics: y[i, off_s : off_s + w_s] += scale[slot_i] * t[s, i, :r] @ B[slot_i, s, :r]
+with r = rank[slot_i, s], for every slice s and every row i whose slot_i >= 0, B's rows read through the slot's
+page table (kernels.lora_segments.LoraPages); rows with slot -1, and slices of rank 0 (empty, or not targeted by
+the row's adapter), are not written at all (bit for bit as they were). With `accumulate=False` the
 kernel writes the delta instead of adding it (`=` for `+=`), and zeros in the rows without an adapter:
 every element of y is written and none is read.
 
@@ -18,20 +19,19 @@ over its slot's rank in BLOCK_R = 16 steps up to rank[slot] and no further (mixe
 cost, S-LoRA, Sheng et al., 2023, arXiv:2311.03285). A one-row group runs as a GEMV on CUDA cores
 (BLOCK_M = 1), a longer one as tensor-core tiles; same kernel, same launcher.
 
-Layout of B, and why it differs from PEFT's `lora_B [out, r]`: `b_stack [slots, R, out]`, rank-major,
-the S slices side by side along `out` (q | k | v, or gate | up; the engine copies `lora_B.T` of slice s
-into `b_stack[slot, :r, off_s : off_s + w_s]`). Row j of a slot is then `out` contiguous elements, so
-stopping at rank r reads exactly r * out elements. In the `[slots, out, R]` layout a rank-8 adapter in a
-max-rank-64 bf16 slot would read 16 B out of every 128 B row: half of each 32 B sector wasted, and more
-where DRAM fetches 64 B. One buffer for all slices (rather than one per slice) lets one launch cover
-q, k and v of different widths (2048, 512, 512 at llama-1b) through a table of slice offsets, with no
-pointer arrays.
+Layout of B, and why it differs from PEFT's `lora_B [out, r]`: rank-major, `lora_B.T [r, w_s]`, each rank row
+of a slice in a page of its own (kernels.lora_segments.LoraPages), found through the slot's page table. Row k of
+a slice is then w_s contiguous elements, so stopping at rank r reads exactly r * w_s elements, and one gather of
+BR page starts per rank step is all the indirection costs. In an `[out, R]` layout a rank-8 adapter would read
+16 B out of every 128 B row of a max-rank-64 buffer: half of each 32 B sector wasted. One launch covers q, k and
+v of different widths (2048, 512, 512 at llama-1b) through a table of slice offsets into y, with no pointer
+arrays; a slice the row's adapter does not target has rank 0 and its programs write nothing.
 
 Grid: (slice x column tile, row tile, group). Column tiles past a narrow slice's width return at once
 (at 1b with BLOCK_N 512, k and v have 1 live tile of 4); that waste is a few empty programs. The y tile
-is loaded before the rank loop, so its DRAM latency overlaps the loads of t and B. On an H200 that helped
-decode a little (8b o_proj 9.6 -> 8.4 µs, together with BLOCK_N 256 -> 512) and made 128 x 128 prefill
-tiles slower (8b gate_up 413 -> 573 µs: the held tile costs registers), hence 64 x 256 tiles (393 µs).
+is loaded before the rank loop, so its DRAM latency overlaps the loads of t and B. On an H200 that makes
+decode a little faster (8b o_proj 8.4 µs against 9.6, with BLOCK_N 512 against 256) and 128 x 128 prefill
+tiles slower (8b gate_up 573 µs against 413: the held tile costs registers), hence 64 x 256 tiles (393 µs).
 
 Products: B tiles are widened to fp32 and multiplied with t (fp32) on TF32 tensor cores for fp16/bf16
 (B exact, t rounded to TF32's 11-bit significand: finer than rounding it to bf16), IEEE fp32 for fp32
@@ -44,20 +44,19 @@ groups rather than here because it is also the engine's torch backend, which run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraSegments, slice_starts
+from kernels.lora_segments import LoraPages, LoraSegments, slice_starts
 from kernels.utils import BLOCK_R, group_rows
 
 
 @triton.jit
-def _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+def _tile_delta(t_base, pool_b, page_base, offs_m, m_mask, offs_n, n_mask, rank, stride_tm, stride_tr, stride_pr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """t[rows, :rank] @ B[:rank, cols] for one tile, in BLOCK_R steps up to the rank and no further: [BM, BN] fp32."""
+    """t[rows, :rank] @ B[:rank, cols] for one tile, in BLOCK_R steps up to the rank and no further: [BM, BN] fp32. B's
+    row k is at pool_b + page_base[k] (the slot's page table for this slice; pool_b: pool + this layer's B offset)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
@@ -67,11 +66,8 @@ def _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, s
             mask=m_mask[:, None] & r_mask[None, :],
             other=0.0,
         )  # [BM, BR] fp32
-        bt = tl.load(
-            b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
-            mask=r_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )  # [BR, BN]
+        pages = tl.load(page_base + offs_r * stride_pr, mask=r_mask, other=0)  # [BR] int64
+        bt = tl.load(pool_b + pages[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
         acc += tl.dot(tt, bt.to(tl.float32), input_precision=DOT_PRECISION)
     return acc
 
@@ -79,17 +75,21 @@ def _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, s
 @triton.jit
 def _expand_kernel(
     t_ptr,  # [S, N, R] fp32
-    b_ptr,  # [slots, R, out]
+    pool_ptr,  # [E] the pages (kernels.lora_segments.LoraPages)
+    page_ptr,  # [slots, S, R] int64
     y_ptr,  # [N, out]
-    rank_ptr,  # [slots]
+    rank_ptr,  # [slots, S]
     scale_ptr,  # [slots] fp32
     slot_ptr,  # [G]
     start_ptr,  # [G + 1], unused when HAS_START is False
     slice_ptr,  # [S + 1] first column of each slice, then out
     num_ntiles,
-    max_rank,  # R: rows of each slot in t and B
+    max_rank,  # R: rank rows of each slot in t and the page table
+    b_base_offset,  # L x in_features: where B's rows start inside a page
+    layer,
     stride_ti, stride_tm, stride_tr,
-    stride_bs, stride_br, stride_bn,
+    stride_ps, stride_pi, stride_pr,
+    stride_rs, stride_ri,
     stride_ym, stride_yn,
     HAS_START: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,12 +120,14 @@ def _expand_kernel(
     if m0 >= row_end:
         return
     live = slot >= 0
-    rank = tl.where(live, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)  # no adapter: rank 0, a delta of zeros
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0)).to(tl.float32)
+    safe = tl.maximum(slot, 0).to(tl.int64)  # a real slot even for rows without one
+    rank = tl.where(live, tl.load(rank_ptr + safe * stride_rs + sl * stride_ri), 0)  # no adapter: rank 0, zeros
+    scale = tl.load(scale_ptr + safe).to(tl.float32)
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] column within the slice
     n_mask = offs_n < width
-    cols = col_begin + offs_n  # [BN] column of y and B
-    b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs  # a real slot even for rows without one
+    cols = col_begin + offs_n  # [BN] column of y
+    page_base = page_ptr + safe * stride_ps + sl * stride_pi  # the slot's page table of this slice
+    pool_b = pool_ptr + b_base_offset + layer * width  # + a page's start: this layer's B row of the slice
     t_base = t_ptr + sl * stride_ti
 
     if BLOCK_M == 1:
@@ -134,14 +136,14 @@ def _expand_kernel(
             yv = tl.load(y_ptrs, mask=n_mask, other=0.0)  # issued now, used after the rank loop
         # The first rank step's loads go out beside the rank's own load: bounded by the slot's stored rows, and zeroed past
         # the rank once it arrives (t and B may hold anything there). One dependent round trip fewer before the store: on an
-        # H200 each decode expand got 0.1-0.8 µs faster (engine/PERF.md, session 4). The prefill tiles' dot did not take
-        # this form well (8b gate_up delta 491 -> 829 µs), so _tile_delta waits for the rank.
+        # H200 each decode expand is 0.1-0.8 µs faster for it. The prefill tiles' dot is slower in this form (8b gate_up
+        # delta 829 µs against 491; engine/PERF.md, "Tried and set aside"), so _tile_delta waits for the rank.
         t_row = t_base + m0.to(tl.int64) * stride_tm
         offs_r = tl.arange(0, BLOCK_R)  # [BR]
         stored = offs_r < max_rank
         tv = tl.load(t_row + offs_r * stride_tr, mask=stored, other=0.0)  # [BR] fp32
-        bt = tl.load(b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn, mask=stored[:, None] & n_mask[None, :],
-                     other=0.0)  # [BR, BN]  # fmt: skip
+        pages = tl.load(page_base + offs_r * stride_pr, mask=stored, other=0)  # [BR] int64, inside the pool past the rank too
+        bt = tl.load(pool_b + pages[:, None] + offs_n[None, :], mask=stored[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
         if ACCUMULATE:
             if rank == 0:
                 return  # an empty slot writes nothing: y + 0.0 would still turn -0.0 into +0.0
@@ -151,11 +153,8 @@ def _expand_kernel(
             offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
             r_mask = offs_r < rank
             tv = tl.load(t_row + offs_r * stride_tr, mask=r_mask, other=0.0)  # [BR] fp32
-            bt = tl.load(
-                b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
-                mask=r_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            )  # [BR, BN]
+            pages = tl.load(page_base + offs_r * stride_pr, mask=r_mask, other=0)  # [BR] int64
+            bt = tl.load(pool_b + pages[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
             acc_v += tl.sum(tv[:, None] * bt.to(tl.float32), axis=0)
         if ACCUMULATE:
             tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc_v).to(yv.dtype), mask=n_mask)
@@ -167,7 +166,7 @@ def _expand_kernel(
         for mi in range(ROW_TILES):
             offs_m = m0 + mi * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
             m_mask = offs_m < row_end
-            acc = _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+            acc = _tile_delta(t_base, pool_b, page_base, offs_m, m_mask, offs_n, n_mask, rank, stride_tm, stride_tr, stride_pr,
                               BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32, before the scale
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
             tl.store(y_ptrs, (scale * acc).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -180,7 +179,7 @@ def _expand_kernel(
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn  # [BM, BN]
             mask = m_mask[:, None] & n_mask[None, :]
             yt = tl.load(y_ptrs, mask=mask, other=0.0)
-            acc = _tile_delta(t_base, b_base, offs_m, m_mask, cols, n_mask, rank, stride_tm, stride_tr, stride_br, stride_bn,
+            acc = _tile_delta(t_base, pool_b, page_base, offs_m, m_mask, offs_n, n_mask, rank, stride_tm, stride_tr, stride_pr,
                               BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)  # [BM, BN] fp32, before the scale
             tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=mask)
 
@@ -188,26 +187,21 @@ def _expand_kernel(
 def lora_expand(
     y: torch.Tensor,  # [N, out], updated in place
     t: torch.Tensor,  # [S, N, R] fp32, from lora_shrink
-    b_stack: torch.Tensor,  # [slots, R, out]: B transposed, rank-major, slices side by side along out
-    rank: torch.Tensor,  # [slots] int: each slot's true rank
-    scale: torch.Tensor,  # [slots] fp32: each slot's scaling (alpha / r, or alpha / sqrt(r))
+    weights: LoraPages,  # the projection's paged adapter weights (kernels/lora_segments.py); its slices split out
     segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py), as given to lora_shrink
     *,
-    slices: Sequence[int] | None = None,  # output width of each slice, summing to out; None: one slice
     accumulate: bool = True,  # False: y = the delta, zeros on rows without an adapter; y is written, never read
 ) -> None:
     """y += scale * t B^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
+    w = weights
     n, out_features = y.shape
-    slots, max_rank, b_out = b_stack.shape
-    widths = tuple(int(w) for w in slices) if slices is not None else (out_features,)
-    num_slices = len(widths)
-    assert b_out == out_features, f"b_stack {tuple(b_stack.shape)} does not match y {tuple(y.shape)}"
-    assert sum(widths) == out_features and min(widths) > 0, f"slices {widths} do not split {out_features} columns"
+    slots, num_slices, max_rank = w.pages.shape
+    widths = w.slices
+    assert sum(widths) == out_features, f"slices {widths} do not split y's {out_features} columns"
     assert t.shape == (num_slices, n, max_rank) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, (num_slices, n, max_rank))
-    assert y.dtype == b_stack.dtype and y.dtype in (torch.float32, torch.float16, torch.bfloat16), (y.dtype, b_stack.dtype)
-    assert rank.shape == (slots,) and not rank.is_floating_point(), (tuple(rank.shape), rank.dtype, slots)
-    assert scale.shape == (slots,) and scale.dtype == torch.float32, (tuple(scale.shape), scale.dtype, slots)
-    assert y.device == t.device == b_stack.device == rank.device == scale.device == segments.slot.device
+    assert y.dtype == w.pool.dtype and y.dtype in (torch.float32, torch.float16, torch.bfloat16), (y.dtype, w.pool.dtype)
+    w.check(y.device)
+    assert y.device == t.device == segments.slot.device, (y.device, t.device, segments.slot.device)
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, y has {n}"
     if n == 0 or segments.num_groups == 0:
         return
@@ -216,11 +210,14 @@ def lora_expand(
     grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _expand_kernel[grid](
-        t, b_stack, y, rank, scale, segments.slot, start, slice_starts(widths, y.device),
+        t, w.pool, w.pages, y, w.rank, w.scale, segments.slot, start, slice_starts(widths, y.device),
         num_ntiles,
         max_rank,
+        w.num_layers * w.in_features,
+        w.layer,
         t.stride(0), t.stride(1), t.stride(2),
-        b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        w.pages.stride(0), w.pages.stride(1), w.pages.stride(2),
+        w.rank.stride(0), w.rank.stride(1),
         y.stride(0), y.stride(1),
         HAS_START=segments.start is not None,
         BLOCK_M=block_m,

@@ -110,33 +110,143 @@ def rows_of(segments: LoraSegments) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class LoraPages:
+    """One projection's adapter weights as the multi-LoRA kernels read them: rank rows in pages of a flat pool, found
+    through a per-slot page table (S-LoRA's unified paging, Sheng et al., 2023, arXiv:2311.03285).
+
+    Page layout: the page of rank row k of slice s of slot i starts at element `pages[i, s, k]` of `pool` and holds
+    that row for every one of `num_layers` layers, A's rows first, then B's (rank-major, `lora_B.T`):
+
+        pool[p + l * in_features : p + (l + 1) * in_features]                      row k of A [r, in] of layer l
+        pool[p + L * in_features + l * w_s : p + L * in_features + (l + 1) * w_s]   row k of B.T [r, w_s] of layer l
+
+    so an adapter takes rank[i, s] pages per slice it targets and none for the others (rank 0), whatever the largest
+    rank: no padding to max_rank, and a load copies exactly its pages. `layer` picks the layer a launch reads. Entries
+    of `pages` from a slot's rank on, and of slices it does not target, are never used to read weights the result
+    depends on, but must point inside `pool` (the kernels may load them and mask the products). Example, llama-1b
+    (L = 16, in 2048, q 2048, k and v 512 wide), a rank-30 adapter on q and v: 30 pages of 16 x 4096 and 30 of 16 x
+    2560 elements, 6.4 MB in bf16, where a max-rank-64 slot over all seven projections held 90 MB.
+    """
+
+    pool: torch.Tensor  # [E] flat, the activations' dtype
+    pages: torch.Tensor  # [slots, S, R] int64: first element of the page of each rank row (a view: any strides)
+    rank: torch.Tensor  # [slots, S] int: rank of each slice of each slot, 0 where it is not targeted
+    scale: torch.Tensor  # [slots] fp32
+    num_layers: int  # L: layers per page
+    layer: int  # the layer this projection is
+    in_features: int
+    slices: tuple[int, ...]  # output width of each fused slice, summing to out
+
+    @property
+    def max_rank(self) -> int:
+        return self.pages.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.pages.shape[0]
+
+    def a_offset(self) -> int:
+        """Element offset of this layer's A row inside a page."""
+        return self.layer * self.in_features
+
+    def b_offset(self, s: int) -> int:
+        """Element offset of this layer's B.T row of slice s inside a page."""
+        return self.num_layers * self.in_features + self.layer * self.slices[s]
+
+    def check(self, device: torch.device) -> None:
+        slots, num_slices, _ = self.pages.shape
+        assert self.pool.dim() == 1 and self.pool.stride(0) == 1, (tuple(self.pool.shape), self.pool.stride())
+        assert self.pages.dtype == torch.int64 and self.rank.shape == (slots, num_slices) and not self.rank.is_floating_point(), \
+            (self.pages.dtype, tuple(self.rank.shape), tuple(self.pages.shape))  # fmt: skip
+        assert self.scale.shape == (slots,) and self.scale.dtype == torch.float32, (tuple(self.scale.shape), self.scale.dtype)
+        assert len(self.slices) == num_slices and min(self.slices) > 0, (self.slices, num_slices)
+        assert 0 <= self.layer < self.num_layers, (self.layer, self.num_layers)
+        assert self.pool.device == self.pages.device == self.rank.device == self.scale.device == device, \
+            (self.pool.device, self.pages.device, self.rank.device, self.scale.device, device)  # fmt: skip
+
+
+def pack_pages(
+    a_stack: torch.Tensor,  # [slots, S, R, in]
+    b_stack: torch.Tensor,  # [slots, R, out]: B transposed, slices side by side along out
+    rank: torch.Tensor,  # [slots] or [slots, S] int
+    scale: torch.Tensor,  # [slots] fp32
+    slices: Sequence[int],
+    *,
+    generator: torch.Generator | None = None,  # shuffles the pages' order in the pool (tests: the tables are read)
+    fill: float = 0.0,  # the value of the one page the table's unused entries point at (tests: NaN)
+) -> LoraPages:
+    """Dense per-slot stacks laid out as pages (one layer), for tests and benches that build adapters as stacks. Only
+    rows below each slice's rank get a page; the table's other entries point at a last page filled with `fill`."""
+    slots, num_slices, max_rank, in_features = a_stack.shape
+    widths = tuple(int(w) for w in slices)
+    rank2 = (rank[:, None].expand(slots, num_slices) if rank.dim() == 1 else rank).to(torch.int32).cpu()  # [slots, S]
+    starts = np.cumsum((0,) + widths)
+    rows = [(i, s, k) for i in range(slots) for s in range(num_slices) for k in range(int(rank2[i, s]))]
+    order = torch.randperm(len(rows), generator=generator).tolist() if generator is not None else list(range(len(rows)))
+    sizes = [in_features + widths[s] for _, s, _ in rows]
+    pos = [0] * len(rows)
+    offset = 0
+    for j in order:
+        pos[j] = offset
+        offset += sizes[j]
+    pool = torch.full((offset + in_features + max(widths),), fill, dtype=a_stack.dtype, device=a_stack.device)
+    pages = torch.full((slots, num_slices, max_rank), offset, dtype=torch.int64)
+    for j, (i, s, k) in enumerate(rows):
+        p = pos[j]
+        pool[p : p + in_features] = a_stack[i, s, k]
+        pool[p + in_features : p + sizes[j]] = b_stack[i, k, starts[s] : starts[s + 1]]
+        pages[i, s, k] = p
+    dev = a_stack.device
+    return LoraPages(pool=pool, pages=pages.to(dev), rank=rank2.to(dev), scale=scale.to(dev), num_layers=1, layer=0,
+                     in_features=in_features, slices=widths)  # fmt: skip
+
+
+def unpack_stacks(w: LoraPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_stack [slots, S, R, in], b_stack [slots, R, out]) of this layer, zeros from each slice's rank on: the dense
+    form the pages stand for (references and tests)."""
+    slots, num_slices, max_rank = w.pages.shape
+    live = torch.arange(max_rank, device=w.pages.device)[None, None, :] < w.rank[:, :, None]  # [slots, S, R]
+    a = _rows(w.pool, w.pages + w.a_offset(), w.in_features).float() * live[..., None]  # [slots, S, R, in]
+    b = [(_rows(w.pool, w.pages[:, s] + w.b_offset(s), wd).float() * live[:, s, :, None]) for s, wd in enumerate(w.slices)]
+    return a, torch.cat(b, dim=2)  # [slots, R, out]
+
+
+def _rows(pool: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:  # [*offsets.shape, width]
+    """pool[o : o + width] for every offset o, gathered through an overlapping strided view (no index per element)."""
+    view = pool.as_strided((pool.numel() - width + 1, width), (1, 1))
+    return view[offsets.clamp(0, pool.numel() - width)]
+
+
+@dataclass(frozen=True)
 class DecodeLora:
-    """The LoRA half of a decode projection for kernels/decode_linear.py: the shrink's t, the slots' B, each row's slot,
-    the per-slot rank and scale. Here, beside the row groups, so the engine names it without importing triton."""
+    """The LoRA half of a decode projection for kernels/decode_linear.py: the shrink's t, the paged weights, each row's
+    slot. Here, beside the row groups, so the engine names it without importing triton."""
 
     t: torch.Tensor  # [S, M, R] fp32, x A^T at each row's rank (kernels.lora_shrink)
-    b_stack: torch.Tensor  # [slots, R, out], rank-major, slices side by side along out
-    rank: torch.Tensor  # [slots] int
-    scale: torch.Tensor  # [slots] fp32
+    weights: LoraPages
     slot: torch.Tensor  # [M] int: each row's slot, -1 for none
-    slices: tuple[int, ...]  # output width of each fused slice, summing to out
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return self.weights.slices
 
 
 @dataclass(frozen=True)
 class LoraDelta:
     """A projection's LoRA delta left for the op that consumes its output to add (kernels/silu_mul.py after gate_up): the
-    shrink's t, the slots' B, the rows' groups, per-slot rank and scale.
+    shrink's t, the paged weights, the rows' groups.
 
     The consumer adds scale * t[s, i, :r] @ B[slot_i, :r, cols] to its input tile and rounds the sum to the
     activations' dtype before its own maths, so it computes exactly what kernels.lora_expand then the op would,
     without the delta's pass over the projection's output (engine.lora, "Prefill")."""
 
     t: torch.Tensor  # [S, N, R] fp32, x A^T at each row's rank (kernels.lora_shrink)
-    b_stack: torch.Tensor  # [slots, R, out], rank-major, slices side by side along out
-    rank: torch.Tensor  # [slots] int
-    scale: torch.Tensor  # [slots] fp32
+    weights: LoraPages
     segments: LoraSegments  # the rows' groups, as given to the shrink
-    slices: tuple[int, ...]  # output width of each fused slice, summing to out
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return self.weights.slices
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,26 +261,26 @@ def slice_starts(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def lora_shrink_ref(
     x: torch.Tensor,  # [N, in]
-    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in] for a single slice
-    rank: torch.Tensor,  # [slots] int: each slot's true rank
+    weights: LoraPages,
     segments: LoraSegments,
 ) -> torch.Tensor:  # [S, N, R] fp32
-    """kernels.lora_shrink's op in pure torch and fp32: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T at r = rank[slot_i], and
-    zero wherever the kernel writes nothing (rows of slot -1, columns from a row's rank on). Gathered, no sync (see
-    "References" above)."""
-    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
-    slots, num_slices, max_rank, in_features = a4.shape
+    """kernels.lora_shrink's op in pure torch and fp32: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T at r = rank[slot_i, s],
+    and zero wherever the kernel writes nothing (rows of slot -1, columns from a row's rank on). Gathered through the
+    page table, no sync (see "References" above)."""
+    w = weights
+    slots, num_slices, max_rank = w.pages.shape
     n = x.shape[0]
-    assert x.shape == (n, in_features), f"x {tuple(x.shape)} does not match a_stack {tuple(a_stack.shape)}"
-    assert rank.shape == (slots,) and segments.num_rows == n, (tuple(rank.shape), slots, segments.num_rows, n)
+    assert x.shape == (n, w.in_features), f"x {tuple(x.shape)} does not match in_features {w.in_features}"
+    assert segments.num_rows == n, (segments.num_rows, n)
     slot = rows_of(segments).to(x.device)  # [N]
     t = torch.empty(num_slices, n, max_rank, dtype=torch.float32, device=x.device)  # [S, N, R]
-    for rows in _row_chunks(n, max_rank * in_features * 4):
-        live = _within_rank(slot[rows], rank, max_rank)  # [m, R]
+    for rows in _row_chunks(n, max_rank * w.in_features * 4):
         safe = slot[rows].clamp(min=0)  # rows without an adapter read slot 0, zeroed by `live`
         x_rows = x[rows].float().unsqueeze(-1)  # [m, in, 1]
         for s in range(num_slices):
-            h = torch.bmm(a4[:, s][safe].float(), x_rows).squeeze(-1)  # [m, R]
+            live = _within_rank(slot[rows], w.rank[:, s], max_rank)  # [m, R]
+            a = _rows(w.pool, w.pages[safe, s] + w.a_offset(), w.in_features).float()  # [m, R, in]
+            h = torch.bmm(a, x_rows).squeeze(-1)  # [m, R]
             t[s, rows] = torch.where(live, h, 0.0)
     return t
 
@@ -178,41 +288,43 @@ def lora_shrink_ref(
 def lora_expand_ref(
     y: torch.Tensor,  # [N, out], updated in place
     t: torch.Tensor,  # [S, N, R] fp32, from a shrink; entries from a row's rank on are never read
-    b_stack: torch.Tensor,  # [slots, R, out]: rank-major, slices side by side along out
-    rank: torch.Tensor,  # [slots] int
-    scale: torch.Tensor,  # [slots] fp32
+    weights: LoraPages,
     segments: LoraSegments,
     *,
-    slices: Sequence[int] | None = None,  # output width of each slice, summing to out; None: one slice
     accumulate: bool = True,  # False: y = the delta, zeros on rows without an adapter
 ) -> None:
     """kernels.lora_expand's op in pure torch and fp32, y rounded once: y[i] += scale[slot_i] * t[s, i, :r] @
-    B[slot_i, :r, slice s] for every slice; rows of slot -1 or an empty slot keep their bits (zeroed when not
-    `accumulate`). Gathered, no sync (see "References" above)."""
+    B[slot_i, :r, slice s] for every slice at r = rank[slot_i, s]; rows of slot -1 or whose slot targets none of the
+    slices keep their bits (zeroed when not `accumulate`). Gathered through the page table, no sync."""
+    w = weights
     n, out_features = y.shape
-    slots, max_rank, b_out = b_stack.shape
-    widths = tuple(int(w) for w in slices) if slices is not None else (out_features,)
-    assert b_out == out_features == sum(widths), f"b_stack {tuple(b_stack.shape)}, y {tuple(y.shape)}, slices {widths}"
-    assert t.shape == (len(widths), n, max_rank), (tuple(t.shape), (len(widths), n, max_rank))
-    assert rank.shape == scale.shape == (slots,) and segments.num_rows == n, (tuple(rank.shape), tuple(scale.shape), slots)
+    slots, num_slices, max_rank = w.pages.shape
+    assert out_features == sum(w.slices), f"y {tuple(y.shape)} does not match slices {w.slices}"
+    assert t.shape == (num_slices, n, max_rank), (tuple(t.shape), (num_slices, n, max_rank))
+    assert segments.num_rows == n, (segments.num_rows, n)
     slot = rows_of(segments).to(y.device)  # [N]
     for rows in _row_chunks(n, max_rank * out_features * 4):
-        live = _within_rank(slot[rows], rank, max_rank)  # [m, R]
         safe = slot[rows].clamp(min=0)
-        b = torch.where(live[:, :, None], b_stack[safe].float(), 0.0)  # [m, R, out]; nothing read from a rank on
-        delta = torch.empty(b.shape[0], out_features, dtype=torch.float32, device=y.device)  # [m, out]
+        m = safe.shape[0]
+        delta = torch.zeros(m, out_features, dtype=torch.float32, device=y.device)  # [m, out]
+        adapted = torch.zeros(m, 1, dtype=torch.bool, device=y.device)  # [m, 1]: a slot with a rank in some slice
         col = 0
-        for s, w in enumerate(widths):
+        for s, width in enumerate(w.slices):
+            live = _within_rank(slot[rows], w.rank[:, s], max_rank)  # [m, R]
+            b = _rows(w.pool, w.pages[safe, s] + w.b_offset(s), width).float()  # [m, R, w]
+            b = torch.where(live[:, :, None], b, 0.0)  # nothing read from a rank on
             h = torch.where(live, t[s, rows], 0.0)  # [m, R]
-            delta[:, col : col + w] = torch.bmm(h.unsqueeze(1), b[:, :, col : col + w]).squeeze(1)
-            col += w
-        delta = delta * scale[safe].float()[:, None]
-        adapted = live[:, :1]  # [m, 1]: a slot, of rank 1 or more
-        y_rows = y[rows]  # [m, out]
-        if accumulate:
-            # where(), not y + 0: rows without an adapter keep their exact bits (-0.0 + 0 would turn into +0.0).
-            y[rows] = torch.where(adapted, (y_rows.float() + delta).to(y.dtype), y_rows)
-        else:
+            delta[:, col : col + width] = torch.bmm(h.unsqueeze(1), b).squeeze(1)
+            # A slice the row's adapter does not target keeps y's bits there (the kernel writes nothing there).
+            adapted_s = live[:, :1]
+            if accumulate:
+                y_rows = y[rows, col : col + width]
+                d = delta[:, col : col + width] * w.scale[safe].float()[:, None]
+                y[rows, col : col + width] = torch.where(adapted_s, (y_rows.float() + d).to(y.dtype), y_rows)
+            adapted |= adapted_s
+            col += width
+        if not accumulate:
+            delta = delta * w.scale[safe].float()[:, None]
             y[rows] = torch.where(adapted, delta, 0.0).to(y.dtype)
 
 
@@ -220,7 +332,7 @@ def with_delta_ref(y: torch.Tensor, lora: LoraDelta) -> torch.Tensor:  # [N, out
     """A copy of y plus each row's LoRA delta, rounded once (lora_expand_ref): the reference of what the ops that take a
     LoraDelta (kernels/silu_mul.py) add to their input first."""
     y = y.clone()
-    lora_expand_ref(y, lora.t, lora.b_stack, lora.rank, lora.scale, lora.segments, slices=lora.slices)
+    lora_expand_ref(y, lora.t, lora.weights, lora.segments)
     return y
 
 

@@ -1,7 +1,8 @@
 """Multi-LoRA shrink: every row of a flat batch projected down to its own adapter's rank, in one launch.
 
-Semantics: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T with r = rank[slot_i], for every slice s and every row i
-whose slot_i >= 0; the kernel writes nothing else of t (the launcher zeroes t first when it splits K).
+Semantics: t[s, i, :r] = x[i] @ A[slot_i, s, :r]^T with r = rank[slot_i, s], for every slice s and every row i
+whose slot_i >= 0, A's rows read through the slot's page table (kernels.lora_segments.LoraPages); the kernel writes
+nothing else of t (the launcher zeroes t first when it splits K).
 
 Punica's SGMV/BGMV shrink ("Punica: Multi-Tenant LoRA Serving", Chen et al., 2023, arXiv:2310.18547):
 rows are grouped by adapter (kernels/lora_segments.py: runs of rows for prefill, one row per group for
@@ -10,16 +11,20 @@ this kernel and this launcher: a one-row group is just a segment of length 1, co
 (BLOCK_M = 1, CUDA cores) instead of a tensor-core tile.
 
 Heterogeneous ranks (S-LoRA, Sheng et al., 2023, arXiv:2311.03285) without padding to the largest: the
-rank axis is cut into BLOCK_R = 16 tiles, and a program whose tile starts at or beyond its slot's rank
-returns before loading anything. Slots hold max_rank rows, so a rank-8 adapter in a max-rank-64 slot
-runs 1 of 4 rank tiles and reads 8 rows of A (masked loads fetch nothing), the same bytes it would read
-in a rank-8 slot. Entries of t beyond a row's rank are left as they were and never read by the expand.
+rank axis is cut into BLOCK_R = 16 tiles, and a program whose tile starts at or beyond its slice's rank
+returns before loading anything. A rank-8 adapter runs 1 of the 4 rank tiles of max rank 64 and reads its
+8 rows of A; a slice the adapter does not target has rank 0 and runs none. Entries of t beyond a row's
+rank are left as they were and never read by the expand.
+
+Paged A (S-LoRA's unified paging): every rank row of a slice lives in a page of its own, anywhere in one
+pool (kernels.lora_segments.LoraPages: the row of every layer, A's then B's), and the program gathers the
+BR page starts of its rank tile from the slot's page table first, then reads each row as a contiguous run
+of in_features elements, as it read a dense slot's rows. So memory holds each adapter at its own rank over
+its own targets (no padding, no pages for untargeted projections), and the table is the graph's input.
 
 Fused projections: A holds S slices (q, k, v: S = 3; gate, up: S = 2; others S = 1), all reading the
-same x. Layout `a_stack [slots, S, R, in]`, slice-major within a slot, rank-major within a slice: a
-PEFT `lora_A [r, in]` of slice s goes to `a_stack[slot, s, :r]`, and the rows beyond r are never read
-(the engine zero-fills them anyway). The slice and rank tile are the fastest grid axis, so the S x
-(R / 16) programs that read the same x tile run side by side and x comes from DRAM about once.
+same x. The slice and rank tile are the fastest grid axis, so the S x (R / 16) programs that read the
+same x tile run side by side and x comes from DRAM about once.
 
 Products. Half-precision tiles are widened to fp32 before `tl.dot`, and fp16/bf16 inputs use TF32
 tensor cores: their 8- or 11-bit significands fit TF32's 11, so every product is exact and sums are fp32
@@ -45,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_segments import LoraSegments
+from kernels.lora_segments import LoraPages, LoraSegments
 from kernels.utils import BLOCK_R, group_rows
 
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
@@ -56,15 +61,18 @@ _MIN_K_PER_SPLIT = 512
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # [N, in]
-    a_ptr,  # [slots, S, R, in]
+    pool_ptr,  # [E] the pages (kernels.lora_segments.LoraPages)
+    page_ptr,  # [slots, S, R] int64: first element of each rank row's page
     t_ptr,  # [S, N, R] fp32
-    rank_ptr,  # [slots]
+    rank_ptr,  # [slots, S]
     slot_ptr,  # [G]
     start_ptr,  # [G + 1], unused when HAS_START is False
     in_features,
+    a_offset,  # this layer's A row inside a page
     k_per_split,  # multiple of BLOCK_K
     stride_xm, stride_xk,
-    stride_as, stride_ai, stride_ar, stride_ak,
+    stride_ps, stride_pi, stride_pr,
+    stride_rs, stride_ri,
     stride_ti, stride_tm, stride_tr,
     NUM_RTILES: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -88,16 +96,18 @@ def _shrink_kernel(
     m0 = row_begin + pid_m * BLOCK_M
     if m0 >= row_end:
         return
-    rank = tl.load(rank_ptr + slot)
+    rank = tl.load(rank_ptr + slot.to(tl.int64) * stride_rs + sl * stride_ri)
     r0 = r_tile * BLOCK_R
     if r0 >= rank:
-        return
+        return  # past this slice's rank, or a slice the adapter does not target (rank 0)
 
     offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
     r_mask = offs_r < rank
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, in_features)
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + sl * stride_ai
+    # Each rank row of A lives in a page of its own: one gather of BR row starts, then rows read as contiguous runs.
+    pages = tl.load(page_ptr + slot.to(tl.int64) * stride_ps + sl * stride_pi + offs_r * stride_pr, mask=r_mask, other=0)
+    a_rows = pool_ptr + pages + a_offset  # [BR] pointers to this layer's row k of A
 
     if BLOCK_M == 1:
         # GEMV: one row against a [BR, BK] tile of A on CUDA cores; a tensor-core tile would be 15/16 padding.
@@ -107,11 +117,7 @@ def _shrink_kernel(
             offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
             k_mask = offs_k < k_end
             xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)  # [BK]
-            at = tl.load(
-                a_base + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                mask=r_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # [BR, BK]
+            at = tl.load(a_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]
             acc_v += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
         t_ptrs = t_ptr + sl * stride_ti + m0.to(tl.int64) * stride_tm + offs_r * stride_tr  # [BR]
         if SPLIT_K == 1:
@@ -130,11 +136,7 @@ def _shrink_kernel(
                 mask=m_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )  # [BM, BK]
-            at = tl.load(
-                a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
-                mask=k_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )  # [BK, BR]
+            at = tl.load(a_rows[None, :] + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BK, BR]
             acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision=DOT_PRECISION)
         t_ptrs = t_ptr + sl * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
         mask = m_mask[:, None] & r_mask[None, :]
@@ -146,21 +148,21 @@ def _shrink_kernel(
 
 def lora_shrink(
     x: torch.Tensor,  # [N, in]
-    a_stack: torch.Tensor,  # [slots, S, R, in], or [slots, R, in] for a single slice
-    rank: torch.Tensor,  # [slots] int: each slot's true rank (0: empty slot, nothing computed)
+    weights: LoraPages,  # the projection's paged adapter weights (kernels/lora_segments.py)
     segments: LoraSegments,  # the batch's row groups (kernels/lora_segments.py)
     *,
     out: torch.Tensor | None = None,  # [S, N, R] fp32 to fill instead of a fresh one (a CUDA-graph buffer)
     out_zeroed: bool = False,  # `out` is all zeros already (one memset for many launches): not zeroed again
 ) -> torch.Tensor:  # [S, N, R] fp32
     """t = x A^T per row at each row's own rank, for all S slices in one launch (see Semantics)."""
-    a4 = a_stack if a_stack.dim() == 4 else a_stack.unsqueeze(1)  # [slots, S, R, in]
-    slots, num_slices, max_rank, in_features = a4.shape
+    w = weights
+    slots, num_slices, max_rank = w.pages.shape
+    in_features = w.in_features
     n = x.shape[0]
-    assert x.dim() == 2 and x.shape[1] == in_features, f"x {tuple(x.shape)} does not match a_stack {tuple(a_stack.shape)}"
-    assert x.dtype == a4.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (x.dtype, a4.dtype)
-    assert x.device == a4.device == rank.device == segments.slot.device, (x.device, a4.device, rank.device, segments.slot.device)
-    assert rank.shape == (slots,) and not rank.is_floating_point(), (tuple(rank.shape), rank.dtype, slots)
+    assert x.dim() == 2 and x.shape[1] == in_features, f"x {tuple(x.shape)} does not match in_features {in_features}"
+    assert x.dtype == w.pool.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (x.dtype, w.pool.dtype)
+    w.check(x.device)
+    assert segments.slot.device == x.device, (segments.slot.device, x.device)
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, x has {n}"
     split_k, block_m, block_k, num_warps = _config(segments, num_slices, in_features)
     if out is None:
@@ -176,10 +178,11 @@ def lora_shrink(
     grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _shrink_kernel[grid](
-        x, a4, out, rank, segments.slot, start,
-        in_features, k_per_split,
+        x, w.pool, w.pages, out, w.rank, segments.slot, start,
+        in_features, w.a_offset(), k_per_split,
         x.stride(0), x.stride(1),
-        a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
+        w.pages.stride(0), w.pages.stride(1), w.pages.stride(2),
+        w.rank.stride(0), w.rank.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         NUM_RTILES=num_rtiles,
         SPLIT_K=split_k,

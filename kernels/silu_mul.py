@@ -9,7 +9,10 @@ Grid: (row, column tile of BLOCK columns).
 With a LoRA delta (`lora`, kernels.lora_segments.LoraDelta; prefill and mixed steps, rows in segments sharing an
 adapter), the gate_up GEMM's output arrives without its adapters' share, and this kernel adds it first:
 
-    g' = round(g + scale * t[0, n, :r] @ B[slot_n, :r, i]),  u' = round(u + scale * t[1, n, :r] @ B[slot_n, :r, I + i])
+    g' = round(g + scale * t[0, n, :r_g] @ B_gate[slot_n, :r_g, i]),  u' = round(u + scale * t[1, n, :r_u] @ B_up[slot_n, :r_u, i])
+
+with B's rows read through the slot's page tables (kernels.lora_segments.LoraPages) and r_g, r_u the adapter's rank on
+gate and on up (0 where it does not target that projection),
 
 then out = silu(g') * u': what kernels.lora_expand and then this op compute, without the expand's pass over gate_up.
 At llama-8b, 16,384 prefill tokens, that pass wrote a 940 MB delta a layer for the GEMM to read back in its epilogue.
@@ -18,10 +21,10 @@ half's delta is one tensor-core product per rank step, and g and u are that prod
 in the tensor cores' layout and the activation runs there, with no layout change of the [BM, BN] tiles. Rows without an
 adapter (slot -1) and empty slots run no product and take the plain activation.
 
-On an H200 (kernels.bench.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, session 5):
+On an H200 (kernels.bench.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, Session 5):
 this op 639 µs against 341 plain (32 x 256 tiles, 8 warps, the best of 18 configs); GEMM + shrink + this op took +20.8%
-over GEMM + plain op, the delta written first and the GEMM adding into it +22.5%. The same fusion into RoPE + KV write
-(qkv) lost to the delta-first order there (+33.6% against +24.9%) and was not kept.
+over GEMM + plain op, the delta written first and the GEMM adding into it +22.5%. qkv keeps the delta-first order
+(engine/PERF.md, "Tried and set aside": added by RoPE + the KV write, its delta costs more).
 """
 
 from __future__ import annotations
@@ -51,15 +54,18 @@ def _silu_mul_lora_kernel(
     gu_ptr,  # [N, 2 I]
     out_ptr,  # [N, I]
     t_ptr,  # [2, N, R] fp32
-    b_ptr,  # [adapter slots, R, 2 I]
-    rank_ptr,  # [adapter slots]
+    pool_ptr,  # [E] the pages (kernels.lora_segments.LoraPages)
+    page_ptr,  # [adapter slots, 2, R] int64: gate's and up's page tables
+    rank_ptr,  # [adapter slots, 2]: gate's and up's ranks (0 where not targeted)
     scale_ptr,  # [adapter slots] fp32
     group_slot_ptr,  # [G]
     start_ptr,  # [G + 1], unused when HAS_START is False
     inter,
+    b_offset,  # this layer's B row inside a page (both slices are I wide)
     stride_gu, stride_o,
     stride_ti, stride_tm, stride_tr,
-    stride_bs, stride_br, stride_bn,
+    stride_ps, stride_pi, stride_pr,
+    stride_rs, stride_ri,
     HAS_START: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,22 +89,27 @@ def _silu_mul_lora_kernel(
     g_ptrs = gu_ptr + rows[:, None] * stride_gu + cols[None, :]  # [BM, BN]
     g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)  # no adapter: rank 0, no product at all
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0)).to(tl.float32)
-    b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    safe = tl.maximum(slot, 0).to(tl.int64)
+    rank_g = tl.where(slot >= 0, tl.load(rank_ptr + safe * stride_rs), 0)  # no adapter: rank 0, no product at all
+    rank_u = tl.where(slot >= 0, tl.load(rank_ptr + safe * stride_rs + stride_ri), 0)
+    scale = tl.load(scale_ptr + safe).to(tl.float32)
+    pages_g = page_ptr + safe * stride_ps  # gate's page table; up's is one slice on
+    pool_b = pool_ptr + b_offset
     # g and u are the products' accumulators: the sums come out in the tensor cores' layout and the activation runs
     # there, with no layout change of the [BM, BN] tiles (as a separate delta tile added to g would need).
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(0, tl.maximum(rank_g, rank_u), BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-        r_mask = offs_r < rank
+        rg_mask = offs_r < rank_g
+        ru_mask = offs_r < rank_u
         t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr  # [BM, BR]
-        t_mask = m_mask[:, None] & r_mask[None, :]
-        b_ptrs = b_base + offs_r[:, None] * stride_br + cols[None, :] * stride_bn  # [BR, BN]
-        b_mask = r_mask[:, None] & n_mask[None, :]
-        tg = tl.load(t_ptrs, mask=t_mask, other=0.0) * scale
-        tu = tl.load(t_ptrs + stride_ti, mask=t_mask, other=0.0) * scale
-        g = tl.dot(tg, tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32), g, input_precision=DOT_PRECISION)
-        u = tl.dot(tu, tl.load(b_ptrs + inter * stride_bn, mask=b_mask, other=0.0).to(tl.float32), u, input_precision=DOT_PRECISION)
+        tg = tl.load(t_ptrs, mask=m_mask[:, None] & rg_mask[None, :], other=0.0) * scale
+        tu = tl.load(t_ptrs + stride_ti, mask=m_mask[:, None] & ru_mask[None, :], other=0.0) * scale
+        pg = tl.load(pages_g + offs_r * stride_pr, mask=rg_mask, other=0)  # [BR] int64
+        pu = tl.load(pages_g + stride_pi + offs_r * stride_pr, mask=ru_mask, other=0)
+        bg = tl.load(pool_b + pg[:, None] + cols[None, :], mask=rg_mask[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
+        bu = tl.load(pool_b + pu[:, None] + cols[None, :], mask=ru_mask[:, None] & n_mask[None, :], other=0.0)
+        g = tl.dot(tg, bg.to(tl.float32), g, input_precision=DOT_PRECISION)
+        u = tl.dot(tu, bu.to(tl.float32), u, input_precision=DOT_PRECISION)
     g = g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the expand rounds y
     u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
     out = g / (1.0 + tl.exp(-g)) * u
@@ -123,20 +134,23 @@ def silu_mul(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tens
 
 def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> None:
     n, inter = out.shape
-    t, b, seg = lora.t, lora.b_stack, lora.segments
-    assert tuple(lora.slices) == (inter, inter), f"gate_up's LoRA slices {lora.slices} are not gate, up of {inter} each"
-    assert t.shape == (2, n, b.shape[1]) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, n, tuple(b.shape))
-    assert b.shape[2] == 2 * inter and b.dtype == gate_up.dtype, (tuple(b.shape), inter, b.dtype, gate_up.dtype)
+    t, w, seg = lora.t, lora.weights, lora.segments
+    assert tuple(w.slices) == (inter, inter), f"gate_up's LoRA slices {w.slices} are not gate, up of {inter} each"
+    assert t.shape == (2, n, w.max_rank) and t.dtype == torch.float32, (tuple(t.shape), t.dtype, n, w.max_rank)
+    assert w.pool.dtype == gate_up.dtype, (w.pool.dtype, gate_up.dtype)
+    w.check(gate_up.device)
     assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, gate_up has {n}"
+    assert w.b_offset(0) == w.b_offset(1), (w.b_offset(0), w.b_offset(1))
     block_m, block_n, num_warps = _config(seg)
     block_n = min(block_n, triton.next_power_of_2(inter))
     grid = (triton.cdiv(inter, block_n), triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
     start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
     _silu_mul_lora_kernel[grid](
-        gate_up, out, t, b, lora.rank, lora.scale, seg.slot, start, inter,
+        gate_up, out, t, w.pool, w.pages, w.rank, w.scale, seg.slot, start, inter, w.b_offset(0),
         gate_up.stride(0), out.stride(0),
         t.stride(0), t.stride(1), t.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
+        w.pages.stride(0), w.pages.stride(1), w.pages.stride(2),
+        w.rank.stride(0), w.rank.stride(1),
         HAS_START=seg.start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
         DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )  # fmt: skip

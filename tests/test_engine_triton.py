@@ -200,10 +200,10 @@ def test_prefill_delta_of_gate_up_goes_to_silu_mul(engines, monkeypatch):
     assert state.consumers == {"gate_up_proj"}, state.consumers
     deferred, real = [], state.base_then_pending
 
-    def spy(base, x, a_stack, b_stack, widths):
+    def spy(base, x, w):
         assert state.pending is None, "the previous pending delta was not consumed"
-        deferred.append(b_stack.shape[-1])
-        return real(base, x, a_stack, b_stack, widths)
+        deferred.append(sum(w.slices))
+        return real(base, x, w)
 
     monkeypatch.setattr(state, "base_then_pending", spy)
     rows = ROWS[:3]

@@ -51,25 +51,31 @@ def _delta(idx: list[int], widths: tuple[int, ...], ranks: str, form: str, dtype
     max_rank, cycle = RANKS[ranks]
     n, out = len(idx), sum(widths)
     rank = torch.tensor([cycle[s % len(cycle)] for s in range(NUM_SLOTS)], dtype=torch.int32)  # [slots]
+    rank = rank[:, None].repeat(1, len(widths))  # [slots, S]; every third slot targets gate or up alone
+    for s in range(0, NUM_SLOTS, 3):
+        rank[s, (s // 3) % len(widths)] = 0
     b = torch.randn(NUM_SLOTS, max_rank, out, generator=gen) / max_rank**0.5  # [slots, R, out]
     t = torch.randn(len(widths), n, max_rank, generator=gen)  # [S, N, R]
-    for s, r in enumerate(rank.tolist()):
-        b[s, r:] = float("nan")
     for i, s in enumerate(idx):
-        t[:, i, int(rank[s]) if s >= 0 else 0 :] = float("nan")
+        for j in range(len(widths)):
+            t[j, i, int(rank[s, j]) if s >= 0 else 0 :] = float("nan")
     scale = torch.rand(NUM_SLOTS, generator=gen) + 0.5  # [slots]
     if form == "prefill":
         seg = lora_segments.segments_from_indices(idx, device=DEVICE)
     else:
         seg = lora_segments.segments_from_indices(idx, device=DEVICE, pad_to=n)
-    return LoraDelta(t=t.to(DEVICE), b_stack=b.to(dtype).to(DEVICE), rank=rank.to(DEVICE), scale=scale.to(DEVICE), segments=seg,
-                     slices=widths)  # fmt: skip
+    a = torch.zeros(NUM_SLOTS, len(widths), max_rank, 8)  # the op reads B alone
+    # Pages in a shuffled order, NaN behind every unused table entry: a kernel that reads past a rank, into a slice the
+    # adapter does not target, or beside the table, fails.
+    weights = lora_segments.pack_pages(a.to(dtype).to(DEVICE), b.to(dtype).to(DEVICE), rank.to(DEVICE), scale.to(DEVICE), widths,
+                                       generator=torch.Generator().manual_seed(3), fill=float("nan"))  # fmt: skip
+    return LoraDelta(t=t.to(DEVICE), weights=weights, segments=seg)
 
 
 def _plain_rows(idx: list[int], lora: LoraDelta) -> torch.Tensor:
     """[N] bool: rows whose op must equal the plain op's, bit for bit (no slot, or an empty slot)."""
     slot = torch.tensor(idx)
-    return ((slot < 0) | (lora.rank.cpu().long()[slot.clamp(min=0)] == 0)).to(DEVICE)
+    return ((slot < 0) | (lora.weights.rank.cpu().long()[slot.clamp(min=0)] == 0).all(dim=1)).to(DEVICE)
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -5,8 +5,10 @@ the Triton interpreter runs on the CPU; the same checks at llama-1b and llama-8b
 where CUDA is. Batch forms: per-row decode (BGMV groups of one row), decode rows grouped by slot and padded
 as a CUDA graph would (SGMV, tiles of 16 rows), and a prefill of sequences of 1 to 23 tokens (SGMV, tiles
 of 64 rows). Every fourth row or sequence has no adapter (-1), one slot of the mixed ranks is empty
-(rank 0), and every weight beyond a slot's rank is NaN, so a kernel that reads past a rank fails; fresh
-outputs start filled with a sentinel, so one that writes where it must not fails too.
+(rank 0), every third slot of a fused projection leaves one slice untargeted (rank 0 there), and the weights are
+paged in a shuffled order with every unused page-table entry pointing at NaN, so a kernel that reads past a rank
+or into an untargeted slice, or ignores the table, fails; fresh outputs start filled with a sentinel, so one that
+writes where it must not fails too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ lora_shrink_module, lora_expand_module, lora_segments_module = import_kernels(
 )
 lora_shrink, lora_shrink_ref = lora_shrink_module.lora_shrink, lora_segments_module.lora_shrink_ref
 lora_expand, lora_expand_ref = lora_expand_module.lora_expand, lora_segments_module.lora_expand_ref
+pack_pages = lora_segments_module.pack_pages
 LoraSegments = lora_segments_module.LoraSegments
 segments_from_indices, segments_per_row = lora_segments_module.segments_from_indices, lora_segments_module.segments_per_row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y
@@ -80,18 +83,26 @@ def _batch(form: str, popularity: str, gen: torch.Generator, size: Size = SMALL)
     return idx, segments_from_indices(idx, device=DEVICE, pad_to=len(idx))
 
 
-def _weights(max_rank, ranks, in_f, out_f, num_slices, dtype, gen, num_slots=SMALL.slots):
-    """Slot stacks in the kernels' layout with NaN beyond each slot's rank (the engine zero-fills; no kernel may
-    read it), drawn on the generator's device."""
+def _weights(max_rank, ranks, in_f, out_f, num_slices, dtype, gen, num_slots=SMALL.slots, targets="mixed"):
+    """Dense slot stacks (a [slots, S, R, in], b [slots, R, out]) and per-slice ranks [slots, S], drawn on the
+    generator's device. With mixed targets, every third slot of a fused projection leaves one slice untargeted (rank 0
+    there), as an adapter of q and v leaves k. Packed as pages (`_paged`), every table entry beyond a rank points at a
+    NaN page, so a kernel that reads past a rank or into an untargeted slice fails."""
     dev = gen.device
     rank = torch.tensor([ranks[s % len(ranks)] for s in range(num_slots)], dtype=torch.int32, device=dev)  # [slots]
+    rank2 = rank[:, None].repeat(1, num_slices)  # [slots, S]
+    if targets == "mixed" and num_slices > 1:
+        for s in range(0, num_slots, 3):
+            rank2[s, (s // 3) % num_slices] = 0
     a = torch.randn(num_slots, num_slices, max_rank, in_f, generator=gen, device=dev) / in_f**0.5  # [slots, S, R, in]
     b = torch.randn(num_slots, max_rank, out_f, generator=gen, device=dev)  # [slots, R, out]
-    for s, r in enumerate(rank.tolist()):
-        a[s, :, r:] = float("nan")
-        b[s, r:] = float("nan")
     scale = torch.rand(num_slots, generator=gen, device=dev) * 2 + 0.25  # [slots]
-    return a.to(dtype), b.to(dtype), rank, scale
+    return a.to(dtype), b.to(dtype), rank2, scale
+
+
+def _paged(a, b, rank, scale, widths, gen=None):
+    """The stacks as the kernels read them: pages in a shuffled order, NaN behind every unused table entry."""
+    return pack_pages(a, b, rank, scale, widths, generator=gen or torch.Generator().manual_seed(11), fill=float("nan"))
 
 
 def _want(x, y0, a, b, rank, scale, idx, widths):
@@ -101,12 +112,14 @@ def _want(x, y0, a, b, rank, scale, idx, widths):
     t = torch.zeros(num_slices, len(idx), max_rank, dtype=torch.float64, device=x.device)
     y = y0.double()
     for s in sorted(set(idx) - {-1}):
-        rows, r = slot == s, int(rank[s])
-        if r == 0:
-            continue
+        rows = slot == s
         xs = x[rows].double()  # [m, in]
         col = 0
         for i, w in enumerate(widths):
+            r = int(rank[s, i])
+            if r == 0:
+                col += w
+                continue
             t[i, rows, :r] = xs @ a[s, i, :r].double().T
             y[rows, col : col + w] += float(scale[s]) * t[i, rows, :r] @ b[s, :r, col : col + w].double()
             col += w
@@ -114,16 +127,17 @@ def _want(x, y0, a, b, rank, scale, idx, widths):
 
 
 def _defined(idx: list[int], rank: torch.Tensor, num_slices: int, max_rank: int) -> torch.Tensor:
-    """[S, N, R] bool: the entries of t the shrink must write (a row's slot >= 0, column below its rank)."""
-    slot = torch.tensor(idx)
-    r = torch.where(slot >= 0, rank.long().cpu()[slot.clamp(min=0)], 0)  # [N]
-    return (torch.arange(max_rank)[None, :] < r[:, None])[None].expand(num_slices, -1, -1)
+    """[S, N, R] bool: the entries of t the shrink must write (a row's slot >= 0, column below its slice's rank)."""
+    slot = torch.tensor(idx, dtype=torch.int64)
+    r = torch.where(slot[:, None] >= 0, rank.long().cpu()[slot.clamp(min=0)], 0).T  # [S, N]
+    return torch.arange(max_rank)[None, None, :] < r[:, :, None]
 
 
-def _untouched(idx: list[int], rank: torch.Tensor) -> torch.Tensor:
-    """[N] bool: rows no adapter may write (no slot, or an empty slot)."""
-    slot = torch.tensor(idx)
-    return (slot < 0) | (rank.long().cpu()[slot.clamp(min=0)] == 0)
+def _untouched(idx: list[int], rank: torch.Tensor, widths) -> torch.Tensor:
+    """[N, out] bool: elements no adapter may write (no slot, or a slice of rank 0: empty or untargeted)."""
+    slot = torch.tensor(idx, dtype=torch.int64)
+    r = torch.where(slot[:, None] >= 0, rank.long().cpu()[slot.clamp(min=0)], 0)  # [N, S]
+    return torch.repeat_interleave(r == 0, torch.tensor(widths), dim=1)
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
@@ -150,22 +164,23 @@ def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SM
     t_want, y_want = _want(x, y0, a, b, rank, scale, idx, widths)
     defined = _defined(idx, rank, num_slices, max_rank).to(DEVICE)
     a, b, rank, scale, x, y = (v.to(DEVICE) for v in (a, b, rank, scale, x, y0.clone()))
+    w = _paged(a, b, rank, scale, widths)
 
-    t = lora_shrink(x, a, rank, segments, out=torch.full((num_slices, n, max_rank), SENTINEL, device=DEVICE))
+    t = lora_shrink(x, w, segments, out=torch.full((num_slices, n, max_rank), SENTINEL, device=DEVICE))
     _assert_close(t[defined], t_want.to(DEVICE)[defined], T_TOL, "shrink t")
     outside = t[~defined]  # rows without an adapter, columns beyond a rank: never written
     zeroed = lora_shrink_module._config(segments, num_slices, in_f)[0] > 1  # split-K zeroes t before adding into it
     assert ((outside == SENTINEL) | (zeroed & (outside == 0))).all(), f"shrink wrote {int((outside != SENTINEL).sum())} entries it must not"
     t[~defined] = float("nan")  # whatever the shrink left there: the expand must not read it
 
-    lora_expand(y, t, b, rank, scale, segments, slices=widths)
-    keep = _untouched(idx, rank).to(DEVICE)
-    assert torch.equal(_bits(y[keep]), _bits(y0.to(DEVICE)[keep])), "rows without an adapter changed"
+    lora_expand(y, t, w, segments)
+    keep = _untouched(idx, rank, widths).to(DEVICE)
+    assert torch.equal(_bits(y[keep]), _bits(y0.to(DEVICE)[keep])), "rows without an adapter, or slices it does not target, changed"
     _assert_close(y, y_want, TOL[dtype], f"expand y ({dtype})")
 
     # The delta form (accumulate=False): every element written, none read; the delta on adapter rows, 0 elsewhere.
     z = torch.full_like(y, float("nan"))
-    lora_expand(z, t, b, rank, scale, segments, slices=widths, accumulate=False)
+    lora_expand(z, t, w, segments, accumulate=False)
     assert (z[keep] == 0).all(), "rows without an adapter: the delta must be written as zeros"
     _assert_close(z, (y_want - y0.double()).to(DEVICE), TOL[dtype], f"expand delta ({dtype})")
 
@@ -194,13 +209,14 @@ def test_torch_references_match_float64(form):
     y0 = torch.randn(len(idx), sum(widths), generator=gen)
     t_want, y_want = _want(x, y0, a, b, rank, scale, idx, widths)
     segments_cpu = LoraSegments(segments.slot.cpu(), None if segments.start is None else segments.start.cpu(), segments.max_len, segments.num_rows)
-    t = lora_shrink_ref(x, a, rank, segments_cpu)
+    w = _paged(a, b, rank, scale, widths)
+    t = lora_shrink_ref(x, w, segments_cpu)
     _assert_close(t, t_want, 1e-5, "lora_shrink_ref")
     y = y0.clone()
-    lora_expand_ref(y, t, b, rank, scale, segments_cpu, slices=widths)
+    lora_expand_ref(y, t, w, segments_cpu)
     _assert_close(y, y_want, 1e-5, "lora_expand_ref")
     z = torch.full_like(y0, float("nan"))
-    lora_expand_ref(z, t, b, rank, scale, segments_cpu, slices=widths, accumulate=False)
+    lora_expand_ref(z, t, w, segments_cpu, accumulate=False)
     _assert_close(z, y_want - y0.double(), 1e-5, "lora_expand_ref delta")
 
 
@@ -225,19 +241,20 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
     a, _, rank, _ = _weights(32, [8, 16, 32], 256, 16, num_slices, torch.float32, gen)
     x = torch.randn(len(idx), 256, generator=gen)
     a, rank, x = a.to(DEVICE), rank.to(DEVICE), x.to(DEVICE)
+    w = _paged(a, torch.zeros(a.shape[0], 32, 16 * num_slices, device=DEVICE), rank, torch.ones(a.shape[0], device=DEVICE), (16,) * num_slices)
     assert lora_shrink_module._config(segments, num_slices, 256)[0] == 1
-    one_pass = lora_shrink(x, a, rank, segments)
+    one_pass = lora_shrink(x, w, segments)
     monkeypatch.setattr(lora_shrink_module, "_MIN_K_PER_SPLIT", 64)
     monkeypatch.setattr(lora_shrink_module, "_TARGET_PROGRAMS", 10**6)
     monkeypatch.setattr(lora_shrink_module, "_PREFILL_TARGET_PROGRAMS", 10**6)
     assert lora_shrink_module._config(segments, num_slices, 256)[0] == 4  # 4 splits of 64: the last that keeps >= 64
-    split = lora_shrink(x, a, rank, segments, out=torch.full_like(one_pass, float("nan")))
+    split = lora_shrink(x, w, segments, out=torch.full_like(one_pass, float("nan")))
     defined = _defined(idx, rank.cpu(), num_slices, 32).to(DEVICE)
     torch.testing.assert_close(split[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
     # out_zeroed: the caller zeroed `out` (one memset for many launches); the splits add into it as it is
-    pre = lora_shrink(x, a, rank, segments, out=torch.zeros_like(one_pass), out_zeroed=True)
+    pre = lora_shrink(x, w, segments, out=torch.zeros_like(one_pass), out_zeroed=True)
     torch.testing.assert_close(pre[defined], one_pass[defined], rtol=1e-5, atol=1e-5)
-    ones = lora_shrink(x, a, rank, segments, out=torch.ones_like(one_pass), out_zeroed=True)
+    ones = lora_shrink(x, w, segments, out=torch.ones_like(one_pass), out_zeroed=True)
     torch.testing.assert_close(ones[defined], one_pass[defined] + 1, rtol=1e-5, atol=1e-5)
 
 
@@ -245,15 +262,15 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
 def test_empty_batch_and_all_base_batch_change_nothing(form):
     """No rows, or rows all without an adapter: y keeps every bit and nothing is launched for nothing."""
     gen = torch.Generator().manual_seed(4)
-    a, b, rank, scale = (v.to(DEVICE) for v in _weights(16, [16], 32, 24, 1, torch.float32, gen))
+    w = _paged(*(v.to(DEVICE) for v in _weights(16, [16], 32, 24, 1, torch.float32, gen)), (24,))
     for idx in ([], [-1] * 5):
         segments = segments_per_row(torch.tensor(idx, dtype=torch.int64, device=DEVICE)) if form == "per_row" else segments_from_indices(idx, device=DEVICE)
         x = torch.randn(len(idx), 32, generator=gen).to(DEVICE)
         y = torch.randn(len(idx), 24, generator=gen).to(DEVICE)
         before = y.clone()
-        t = lora_shrink(x, a, rank, segments)
+        t = lora_shrink(x, w, segments)
         assert t.shape == (1, len(idx), 16)
-        lora_expand(y, t, b, rank, scale, segments)
+        lora_expand(y, t, w, segments)
         assert torch.equal(_bits(y), _bits(before))
 
 
@@ -263,11 +280,11 @@ def test_scale_is_per_slot():
     a, b, rank, scale = _weights(16, [16], 32, 32, 1, torch.float32, gen)
     a[1], b[1] = a[0], b[0]
     scale[0], scale[1] = 0.5, 2.0
-    a, b, rank, scale = (v.to(DEVICE) for v in (a, b, rank, scale))
+    w = _paged(*(v.to(DEVICE) for v in (a, b, rank, scale)), (32,))
     x = torch.randn(1, 32, generator=gen).to(DEVICE).expand(2, -1).contiguous()
     y = torch.zeros(2, 32, device=DEVICE)
     segments = segments_per_row(torch.tensor([0, 1], device=DEVICE))
-    lora_expand(y, lora_shrink(x, a, rank, segments), b, rank, scale, segments)
+    lora_expand(y, lora_shrink(x, w, segments), w, segments)
     torch.testing.assert_close(y[1], 4 * y[0], rtol=1e-6, atol=1e-6)
 
 

@@ -2,8 +2,8 @@
 per-row loop in float64.
 
 Grid (STYLE item 7): dtype x max rank x batch x adapter popularity x hidden sizes; every slot has its own
-true rank, with NaN beyond it in the kernels' layout (the engine zero-fills; nothing there may be read), and about a
-quarter of the rows have no adapter (idx -1).
+true rank, its rows paged in a shuffled order with every table entry past it pointing at NaN (nothing there may be
+read), and about a quarter of the rows have no adapter (idx -1).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels.lora_segments as lora_segments_module
-from kernels.lora_segments import lora_expand_ref, lora_shrink_ref, segments_per_row
+from kernels.lora_segments import lora_expand_ref, lora_shrink_ref, pack_pages, segments_per_row
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |err| / max |ref| per case
 SIZES = [(128, 352), (352, 128), (4096, 1024)]  # (in, out): the demo's MLP, and a Llama-8B k/v projection
@@ -49,10 +49,16 @@ def _slot_weights(slots: int, max_rank: int, in_f: int, out_f: int, dtype: torch
     return a.to(dtype), b.to(dtype), scale, ranks
 
 
+def _paged(a, b, scale, ranks):
+    """The stacks as pages in a shuffled order, NaN behind every table entry past a rank (nothing there may be read)."""
+    return pack_pages(a.unsqueeze(1), b, ranks, scale, (b.shape[2],), generator=torch.Generator().manual_seed(9), fill=float("nan"))
+
+
 def _lora(y, x, a, b, idx, scale, ranks) -> None:
     """The whole op through the references: shrink, then expand into y."""
     segments = segments_per_row(idx)
-    lora_expand_ref(y, lora_shrink_ref(x, a, ranks, segments), b, ranks, scale, segments)
+    w = _paged(a, b, scale, ranks)
+    lora_expand_ref(y, lora_shrink_ref(x, w, segments), w, segments)
 
 
 def _naive(y, x, a, b, idx, scale, ranks) -> torch.Tensor:
@@ -101,7 +107,7 @@ def test_shrink_is_zero_for_rows_without_adapter_and_beyond_each_rank():
     a, _, _, ranks = _slot_weights(4, 16, 32, 8, torch.float32, gen)
     x = torch.randn(6, 32, generator=gen)
     idx = torch.tensor([0, -1, 1, 2, -1, 3])
-    t = lora_shrink_ref(x, a, ranks, segments_per_row(idx))  # [1, 6, 16]
+    t = lora_shrink_ref(x, _paged(a, torch.zeros(4, 16, 8), torch.ones(4), ranks), segments_per_row(idx))  # [1, 6, 16]
     assert t.shape == (1, 6, 16) and t.dtype == torch.float32
     assert torch.equal(t[0, idx < 0], torch.zeros(2, 16))
     for i, s in enumerate(idx.tolist()):
@@ -144,5 +150,6 @@ def test_expand_applies_each_slots_scale():
     b = torch.ones(2, 4, 3)  # [slots, R, out]
     t = torch.ones(1, 2, 4)  # [S, N, R]
     y = torch.zeros(2, 3)
-    lora_expand_ref(y, t, b, torch.tensor([4, 4]), torch.tensor([0.5, 2.0]), segments_per_row(torch.tensor([0, 1])))
+    w = _paged(torch.zeros(2, 4, 5), b, torch.tensor([0.5, 2.0]), torch.tensor([4, 4]))
+    lora_expand_ref(y, t, w, segments_per_row(torch.tensor([0, 1])))
     assert torch.equal(y, torch.tensor([[2.0] * 3, [8.0] * 3]))

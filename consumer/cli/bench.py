@@ -79,8 +79,28 @@ def bench_scaleout(
     run(shape=shape, workers=workers, gpus=gpus, adapters=adapters, rank=rank, jobs=jobs, new_tokens=new, json_only=json_out)
 
 
+def bench_adapters(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights built on the device)")] = "llama-1b",
+    counts: Annotated[str, typer.Option(help="distinct adapter counts, comma-separated; ratios are to the first")] = "5,100,1000,2000",
+    ranks: Annotated[str, typer.Option(help="adapter ranks, comma-separated, cycled over the adapters")] = "8,16,32,64",
+    targets: Annotated[str, typer.Option(help="target modules of every adapter, comma-separated")] = "q_proj,v_proj",
+    requests: Annotated[int, typer.Option(help="requests per pass")] = 1024,
+    batch: Annotated[int, typer.Option(help="requests running at once")] = 64,
+    prompt: Annotated[int, typer.Option(help="prompt tokens per request")] = 128,
+    new: Annotated[int, typer.Option(help="new tokens per request (EOS ignored)")] = 64,
+    gpu_bytes: Annotated[Optional[int], typer.Option(help="adapter device budget in bytes (default: 64 max-rank slots' worth)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda where there is one)")] = None,
+) -> None:
+    """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
+    from engine.bench.adapters import run
+
+    run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
+        targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device)  # fmt: skip
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
+    group.command("adapters")(bench_adapters)
     group.command("engine")(bench_engine)
     group.command("kernels")(bench_kernels)
     group.command("ledger")(bench_ledger)

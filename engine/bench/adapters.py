@@ -1,0 +1,265 @@
+"""Many adapters at once (issue 19): `python -m engine.bench.adapters --shape llama-1b --counts 5,100,1000,2000
+--ranks 8,16,32,64 --requests 1024 --batch 64` (also `lorabatch bench adapters ...`).
+
+One process; per adapter count a fresh engine on a random model of the shape, `requests` requests of `prompt` random
+tokens and `new` generated ones, each for an adapter drawn uniformly from `count` distinct ones (ranks cycled over
+`ranks`, on `targets`), after a warm-up pass on two adapters of their own (kernels compiled, graphs captured). Two
+passes over the same requests: cold (every adapter only on disk, L3) and host-warm (every adapter read once into L2,
+pinned; L1 holds what the adapter budget holds). Per count it prints tokens/s of both passes and their ratio to the
+smallest count's, the loads by tier, L2 -> L1 load time p50/p99 (copy on the side stream, CUDA events) against the
+pinned-copy floor of the same bytes measured in the same run (one host-to-device copy of an adapter's bytes from
+pinned memory), the p99 decode step with a load in it and the median one without, and how many adapters of the
+median size the adapter budget holds. It runs on the CPU too, with `--shape tiny` (tests, smoke checks).
+
+Adapters: distinct content each (their sha256 differ, so no two share a copy), drawn cheaply: one random A and B per
+rank, and each adapter's own index written into three entries of B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model import PROJECTION_PARENT, ModelConfig
+
+
+def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...]) -> list[Path]:
+    """`count` PEFT adapter folders of distinct content (module docstring), rank ranks[i % len(ranks)]."""
+    gen = torch.Generator().manual_seed(19)
+    shapes = cfg.projection_shapes()
+    base = {}
+    for r in sorted(set(ranks)):
+        base[r] = {m: ((torch.randn(cfg.num_layers, r, shapes[m][0], generator=gen) * shapes[m][0] ** -0.5).to(torch.bfloat16),
+                       (torch.randn(cfg.num_layers, shapes[m][1], r, generator=gen) * (0.05 / math.sqrt(r))).to(torch.bfloat16))
+                   for m in targets}  # fmt: skip
+    paths = []
+    for i in range(count):
+        r = ranks[i % len(ranks)]
+        path = root / f"ad{i:05d}"
+        path.mkdir(parents=True)
+        weights = {}
+        for m in targets:
+            a, b = base[r][m]
+            b = b.clone()
+            b[0, 0, :3] = torch.tensor([(i >> 8) & 15, (i >> 4) & 15, i & 15], dtype=torch.bfloat16) / 64  # exact in bf16
+            for layer in range(cfg.num_layers):
+                prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_PARENT[m]}.{m}"
+                weights[f"{prefix}.lora_A.weight"] = a[layer].contiguous()
+                weights[f"{prefix}.lora_B.weight"] = b[layer].contiguous()
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets), "lora_dropout": 0.0,
+            "bias": "none", "adapter_index": i,
+        }))  # fmt: skip
+        paths.append(path)
+    return paths
+
+
+def pinned_copy_floor_us(nbytes: int, dev: torch.device, repeats: int = 20) -> float:
+    """Median µs of one host-to-device copy of `nbytes` from pinned memory on a side stream (the floor of a load)."""
+    if dev.type != "cuda":
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            dst.copy_(src)
+            times.append((time.perf_counter_ns() - t0) / 1000)
+        return statistics.median(times)
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream(dev)
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times[2:])
+
+
+def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str, batch: int) -> dict:
+    """Every request, at most `batch` running (the engine's max_batch_size); tokens/s over the pass, the loads it made,
+    each engine.step() call's wall time per step, and whether a load happened in it."""
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    for i, (p, k) in enumerate(zip(prompts, keys)):
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=k, sampling=sp))
+    engine.pop_load_events()
+    engine.pop_step_records()
+    counters = engine.adapters.counters
+    sync(engine.device)
+    t0 = time.perf_counter()
+    tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call)
+    while engine.has_unfinished():
+        loads = counters["loads_disk"] + counters["loads_host"]
+        c0 = time.perf_counter()
+        results = engine.step()
+        sync(engine.device)
+        us = (time.perf_counter() - c0) * 1e6
+        records = engine.pop_step_records()
+        tokens += sum(len(r.output_ids) for r in results)
+        if records:
+            decode = all(r.tokens <= batch for r in records)
+            calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode))
+    elapsed = time.perf_counter() - t0
+    events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
+        targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
+        root: Path | None = None) -> list[dict]:  # fmt: skip
+    """The bench (module docstring): one row per count."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = model_config(shape)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        paths = write_adapters(tmp / "adapters", cfg, max(counts), ranks, targets)
+        warm_paths = write_adapters(tmp / "warm", cfg, 2, ranks[:1], targets)
+        print(f"wrote {len(paths)} adapters in {time.perf_counter() - t0:.1f} s", flush=True)
+        gen = torch.Generator().manual_seed(4)
+        prompts = torch.randint(0, cfg.vocab_size, (requests, prompt), generator=gen).tolist()
+        file_bytes = sum(p.joinpath("adapter_model.safetensors").stat().st_size for p in paths)
+        elem = torch.empty(0, dtype=dtype).element_size()
+        rows = []
+        for count in counts:
+            row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
+                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20))  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    base = rows[0]
+    for row in rows:
+        row["cold_ratio"] = round(row["cold_tok_s"] / base["cold_tok_s"], 4)
+        row["warm_ratio"] = round(row["warm_tok_s"] / base["warm_tok_s"], 4)
+    _print_table(rows)
+    return rows
+
+
+def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes) -> dict:
+    requests = len(prompts)
+    max_rank = max(ranks)
+    config = EngineConfig(
+        model_dir=str(tmp), device=dev.type, max_batch_size=batch, max_prompt_tokens=len(prompts[0]), max_new_tokens=new,
+        max_num_batched_tokens=batch * len(prompts[0]), kv_num_blocks=_kv_blocks(batch, len(prompts[0]) + new),
+        max_loras=max(count + 2, batch), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
+        enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
+        warm_pool_host_bytes=0, host_cache_bytes=host_bytes,
+    )  # fmt: skip
+    if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
+        full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
+        config = config.model_copy(update={"adapter_gpu_bytes": 64 * full})
+    model = random_model(cfg, dev, dtype, seed=0)
+    engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
+    for p in warm_paths:
+        engine.register_adapter(f"warm/{p.name}", p)
+    keys = [f"t/{p.name}" for p in paths]
+    for p, k in zip(paths, keys):
+        engine.register_adapter(k, p)
+    gen = torch.Generator().manual_seed(count)
+    picks = torch.randint(0, count, (requests,), generator=gen).tolist()
+    chosen = [keys[i] for i in picks]
+    warm_keys = [f"warm/{warm_paths[i % 2].name}" if i % 3 else None for i in range(min(requests, 2 * batch))]
+    _pass(engine, prompts[: len(warm_keys)], warm_keys, new, f"w{count}", batch)  # compile, capture, allocate
+    cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
+    warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
+    host_loads = [e for e in warm["events"] + cold["events"] if e.tier == "host"]
+    load_us = [e.load_us for e in host_loads]
+    disk_us = [e.load_us for e in cold["events"] if e.tier == "disk"]
+    nbytes = statistics.median(e.nbytes for e in host_loads) if host_loads else statistics.median(e.nbytes for e in cold["events"] or [])
+    floor = pinned_copy_floor_us(int(nbytes), dev)
+    steps = [c for c in warm["calls"] + cold["calls"] if c[2]]
+    with_load = [us for us, load, _ in steps if load]
+    without = [us for us, load, _ in steps if not load]
+    pool = engine.adapters
+    lora = engine.runner.lora
+    fits = int(lora.nbytes // nbytes) if nbytes else None
+    row = {
+        "count": count, "cold_tok_s": round(cold["tok_s"], 1), "warm_tok_s": round(warm["tok_s"], 1),
+        "loads_cold": _tiers(cold["events"]), "loads_warm": _tiers(warm["events"]),
+        "host_load_p50_us": _pct(load_us, 0.5), "host_load_p99_us": _pct(load_us, 0.99),
+        "disk_load_p50_us": _pct(disk_us, 0.5), "disk_load_p99_us": _pct(disk_us, 0.99),
+        "median_adapter_bytes": int(nbytes), "pinned_floor_us": round(floor, 1),
+        "load_over_floor": round(_pct(load_us, 0.5) / floor, 3) if load_us and floor else None,
+        "decode_step_p99_with_load_us": _pct(with_load, 0.99), "decode_step_p50_without_us": _pct(without, 0.5),
+        "decode_steps_with_load": len(with_load),
+        "gpu_budget_bytes": lora.nbytes, "adapters_of_median_size_in_budget": fits,
+        "resident_after": pool.stats()["lora_slots_used"],
+    }  # fmt: skip
+    if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
+        row["load_step_ratio"] = round(row["decode_step_p99_with_load_us"] / row["decode_step_p50_without_us"], 3)
+    for k in ("host_load_p50_us", "host_load_p99_us", "disk_load_p50_us", "disk_load_p99_us", "decode_step_p99_with_load_us",
+              "decode_step_p50_without_us"):  # fmt: skip
+        if row[k] is not None:
+            row[k] = round(row[k], 1)
+    del engine, model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _tiers(events) -> dict[str, int]:
+    out = {"disk": 0, "host": 0}
+    for e in events:
+        out[e.tier] = out.get(e.tier, 0) + 1
+    return out
+
+
+def _print_table(rows: list[dict]) -> None:
+    head = ("count", "cold tok/s", "ratio", "warm tok/s", "ratio", "loads c d/h", "loads w d/h", "L2 p50/p99 us", "floor us",
+            "x floor", "step+load p99", "step p50", "fits")  # fmt: skip
+    print(" | ".join(head))
+    for r in rows:
+        print(" | ".join(str(v) for v in (
+            r["count"], r["cold_tok_s"], r["cold_ratio"], r["warm_tok_s"], r["warm_ratio"],
+            f"{r['loads_cold']['disk']}/{r['loads_cold']['host']}", f"{r['loads_warm']['disk']}/{r['loads_warm']['host']}",
+            f"{r['host_load_p50_us']}/{r['host_load_p99_us']}", r["pinned_floor_us"], r["load_over_floor"],
+            r["decode_step_p99_with_load_us"], r["decode_step_p50_without_us"], r["adapters_of_median_size_in_budget"],
+        )))  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine.bench.adapters", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    p.add_argument("--counts", default="5,100,1000,2000", help="adapter counts, comma-separated; the first is the ratios' base")
+    p.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled over the adapters")
+    p.add_argument("--targets", default="q_proj,v_proj", help="target modules of every adapter")
+    p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--gpu-bytes", type=int, default=None, help="adapter budget (default: 64 max-rank all-projection slots' bytes)")
+    p.add_argument("--device", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
+        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
