@@ -98,8 +98,8 @@ class PageAllocator:
         assert sizes and sizes[0] > 0, page_sizes
         largest = sizes[-1]
         lcm = math.lcm(*sizes)
-        chunk = lcm if lcm <= MAX_CHUNK_PAGES * largest else MAX_CHUNK_PAGES * largest
-        chunk *= max(1, MIN_CHUNK_ELEMS // chunk)
+        unit = lcm if lcm <= MAX_CHUNK_PAGES * largest else MAX_CHUNK_PAGES * largest
+        chunk = unit * max(1, min(MIN_CHUNK_ELEMS // unit, capacity // (unit * MIN_CHUNKS * len(sizes))))
         while chunk > largest and capacity // chunk < MIN_CHUNKS * len(sizes):
             chunk = max(largest, chunk // 2)  # a small pool (tests): smaller chunks, at some waste, so every size gets some
         assert capacity >= chunk, f"a pool of {capacity} elements holds no page of {largest}"
