@@ -44,6 +44,9 @@ class HostPages:
     sha256: str
     rank: int
     scaling: float
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # in LORA_TARGETS order
     modules: tuple[int, ...]  # indices into LORA_TARGETS of the modules it targets, in that order
     data: torch.Tensor  # [rank x sum of its modules' page sizes] flat, the pool's dtype
     page_elems: tuple[int, ...]  # page size of each of `modules`

@@ -1,39 +1,30 @@
 """The adapter pool: which adapters are registered, where each one's weights are, and loading them.
 
 Tiers:
-- L1, paged device memory (`engine.lora.LoraState`, engine/adapter_pages.py: a pool of `adapter_gpu_bytes`
-  allocated at start, in pages of one rank row of one module), an adapter taking exactly its rank over the
-  modules it targets, and a slot (one of `max_loras` page-table rows) to name it in a batch. Adapters of
-  running requests are pinned there; when an adapter's pages or a slot are needed and not free, unpinned
-  adapters go in the order of their keep score (`engine.adapter_policy`: heat, SLO tier, memory cost),
-  lowest first, until it fits.
-- L2, host memory (pinned on CUDA, already in page layout and the pool's dtype, so a load is a few DMAs of
-  exactly its bytes): an LRU bounded by `host_cache_bytes`. L2 -> L1 copies go through `LoraState.write`,
-  on a side stream on CUDA.
-- L3, the adapter's folder as registered (the consumer registers `AdapterStore.path(sha256)`, the
-  content-addressed store). Every read re-hashes the files; content that differs from the sha256 the
-  key was registered with, or first read as, is refused (`adapter_changed`): a key never silently
-  changes weights, so neither KV nor slots can go stale under it.
+- L1, paged device memory (`engine.lora.LoraState`, engine/adapter_pages.py): a pool of `adapter_gpu_bytes` in pages
+  of one rank row of one module, an adapter taking exactly its rank over the modules it targets, and a slot (one of
+  `max_loras` page-table rows) naming it in a batch. Adapters of running requests are pinned; room is made by keep
+  score (engine/adapter_residency.py).
+- L2, host memory (pinned on CUDA, in page layout, so a load is a few DMAs of exactly its bytes on a side stream,
+  `LoraState.write`): an LRU bounded by `host_cache_bytes`.
+- L3, the adapter's folder as registered (the consumer registers `AdapterStore.path(sha256)`). Every read re-hashes
+  the files; content that differs from the sha256 the key was registered with, or first read as, is refused
+  (`adapter_changed`): a key never silently changes weights, so neither KV nor slots can go stale under it. Reads
+  for queued requests run ahead on threads (`prefetch`, engine/adapter_records.py).
 
-Identity is the content sha256 (`engine.store.content_sha256`): keys with the same content share one
-L2 copy and one slot, and a read that finds content already held is skipped as "duplicate_content".
+Identity is the content sha256: keys with the same content share one L2 copy and one slot, and a read that finds
+content already held is skipped as "duplicate_content".
 
-Registration is metadata only (`register`); the pool reads an adapter on first use (`acquire`, for a
-request being admitted; `prefetch`, for one about to be; `warm`, for one predicted). `load` is the
-eager path: read and place now. L3 reads pass the admission token bucket, except eager ones, which
-are counted but never refused. A read that fails marks the key failed with the error, which its
-requests then fail with (or run on the base where they allow it); a retriable error is retried by the
-next request, any other sticks until the key is registered again.
+Registration is metadata only (`register`); the pool reads an adapter on first use (`acquire`, for a request being
+admitted; `prefetch`, for one about to be; `warm`, for one predicted). `load` is the eager path: read and place now.
+L3 reads pass the admission token bucket, except eager ones, which are counted but never refused. A read that fails
+marks the key failed with the error, which its requests then fail with (or run on the base where they allow it); a
+retriable error is retried by the next request, any other sticks until the key is registered again.
 
-Every load is recorded (`pop_events`): its tier (disk = L3, host = L2, gpu = already resident), where
-it went, why, and its measured duration, host read plus device copy (the copy read from CUDA events on
-the side stream, once it is done). The loads made for requests, or eagerly, are charged to the first
-request that uses the adapter after them (adapter_load_us: its cold start); the warm pool's are charged
-to nobody, being the cold starts it spared.
-
-Warm pool hit rate: the share of requests with an adapter that found it in L1 or L2 when they arrived,
-i.e. that did not need a read from the store. It counts hits wherever the adapter came from (an
-earlier request or the warm pool): what the warm pool is for is to raise it.
+Every load is recorded (`pop_events`): its tier (disk = L3, host = L2, gpu = already resident), where it went, why,
+and its duration, host read plus device copy (CUDA events on the side stream). Loads for requests, or eager ones, are
+charged to the first request that uses the adapter after them (adapter_load_us); the warm pool's to nobody. Warm pool
+hit rate: the share of requests with an adapter that found it in L1 or L2 when they arrived.
 """
 
 from __future__ import annotations
@@ -41,90 +32,24 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.adapter_pages import HostPages
-from engine.adapter_policy import Candidate, Heat, TokenBucket, choose_victim
-from engine.adapters import parse_adapter
+from engine.adapter_records import Content, LoadEvent, Meta, ReadAhead, Record, read_adapter
+from engine.adapter_residency import L1Placement
+from engine.adapter_policy import TokenBucket
 from engine.api import AdapterError, AdapterInfo
 from engine.config import EngineConfig
 from engine.lora import LoraState
 from engine.model import ModelConfig
-from engine.store import adapter_files, content_sha256
-from engine.timing import Stopwatch
 from engine.warm_pool import TrafficPredictor
 
 WAIT_RATE = "rate_limited"  # acquire: the admission token bucket is empty
 WAIT_SLOT = "no_free_slot"  # acquire: the pages or slots it needs are held by adapters of running requests
+WAIT_READ = "reading"  # acquire: a read-ahead thread is reading it from the store
 MAX_EVENTS = 10_000  # load events kept for pop_events; older ones are dropped (and counted) if nobody drains them
 
 
-@dataclass
-class _Record:
-    """One registered key."""
-
-    key: str
-    path: Path
-    sha: str | None  # as registered, or as first read
-    tenant: str
-    slo_tier: str
-    error: AdapterError | None = None
-    heat: Heat = field(default_factory=Heat)
-
-
-@dataclass(frozen=True)
-class _Meta:
-    rank: int
-    alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...]
-    nbytes: int  # in the slots' dtype
-
-
-@dataclass
-class _Content:
-    """One adapter content (sha256), under one or more keys."""
-
-    sha: str
-    meta: _Meta
-    host: HostPages | None = None  # L2 copy (or a transient one waiting for a slot); None: only in L1 or L3
-    keys: set[str] = field(default_factory=set)
-    slot: int | None = None
-    pages: list[tuple[int, list[int]]] | None = None  # (page size, offsets in the pool) per module, while resident
-    pins: int = 0
-    last_used: float = 0.0
-    uncharged: list[_LoadEvent] = field(default_factory=list)  # loads no request has been charged yet
-    warm: bool = False  # brought in by the warm pool and not used since
-
-
-@dataclass
-class _LoadEvent:
-    key: str
-    sha: str
-    tier: str
-    dest: str
-    reason: str
-    tenant: str
-    meta: _Meta | None
-    read_us: int = 0
-    copy: Stopwatch | None = None
-    error_code: str | None = None
-    skip_reason: str | None = None
-
-    def load_us(self) -> int:
-        return self.read_us + (self.copy.elapsed_us() if self.copy is not None else 0)
-
-    def info(self) -> AdapterInfo:
-        m = self.meta or _Meta(0, 0.0, False, (), 0)
-        return AdapterInfo(
-            key=self.key, sha256=self.sha, rank=m.rank, alpha=m.alpha, use_rslora=m.use_rslora,
-            target_modules=m.target_modules, nbytes=m.nbytes, load_us=self.load_us(), tier=self.tier, dest=self.dest,
-            reason=self.reason, tenant=self.tenant, error_code=self.error_code, skip_reason=self.skip_reason,
-        )  # fmt: skip
-
-
-class AdapterPool:
+class AdapterPool(L1Placement):
     def __init__(
         self,
         lora: LoraState,
@@ -141,15 +66,16 @@ class AdapterPool:
         self._fingerprint = base_fingerprint
         self._clock, self._wall = clock, wall_clock
         self._slot_bytes = lora.full_nbytes  # the eviction score's unit of memory: an adapter of max rank on every module
-        self._records: dict[str, _Record] = {}
-        self._contents: dict[str, _Content] = {}
+        self._records: dict[str, Record] = {}
+        self._contents: dict[str, Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
+        self._ahead = ReadAhead(config.adapter_read_threads)
         self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)
         self._predictor = TrafficPredictor(alpha=config.warm_pool_alpha, recent_weight=config.warm_pool_recent_weight)
         self._last_warm: float | None = None
-        self._events: deque[_LoadEvent] = deque()
+        self._events: deque[LoadEvent] = deque()
         self._infos: dict[str, AdapterInfo] = {}
         self.counters = {
             "loads_disk": 0, "loads_host": 0, "dedupe_skips": 0, "evictions_l1": 0, "evictions_l2": 0, "load_failures": 0,
@@ -173,7 +99,7 @@ class AdapterPool:
             )
         if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
             raise AdapterError(f"sha256={sha256!r} for adapter {key!r} is not 64 lowercase hex digits", code="adapter_invalid")
-        self._records[key] = _Record(key, Path(path), sha256, tenant, slo_tier)
+        self._records[key] = Record(key, Path(path), sha256, tenant, slo_tier)
         if sha256 is not None and sha256 in self._contents:
             self._contents[sha256].keys.add(key)
 
@@ -231,7 +157,7 @@ class AdapterPool:
         ready = content is not None and (content.slot is not None or content.host is not None)
         self.counters["requests_warm" if ready else "requests_cold"] += 1
 
-    def acquire(self, key: str) -> tuple[int, list[_LoadEvent]] | str:
+    def acquire(self, key: str) -> tuple[int, list[LoadEvent]] | str:
         """Pin `key`'s adapter in a slot for a request: (slot, loads to charge it), or WAIT_RATE / WAIT_SLOT.
         Raises the key's AdapterError if it cannot be loaded."""
         content = self._ensure_slot(key, exclude=(), reason="request")
@@ -254,6 +180,15 @@ class AdapterPool:
     def prefetch(self, key: str, exclude: Iterable[int]) -> int | None:
         """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
         the slot (None if it must wait). Errors are kept on the key for its admission to report."""
+        rec = self._records[key]
+        content = self._contents.get(rec.sha) if rec.sha else None
+        if rec.error is None and (content is None or (content.slot is None and content.host is None)) and self._ahead.threads:
+            if not self._ahead.pending(key) and not self._ahead.done(key):
+                if not self._ahead.has_room() or not self._bucket.try_take():
+                    return None
+                self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
+            if self._ahead.pending(key):
+                return None  # read on a thread, off the step's path; placed by a later prefetch or its admission
         try:
             content = self._ensure_slot(key, exclude=tuple(exclude), reason="request")
         except AdapterError:
@@ -318,8 +253,7 @@ class AdapterPool:
             "lora_slots": self._lora.max_loras,
             "lora_slots_used": sum(1 for s in self._slots if s is not None),
             "lora_slots_pinned": sum(1 for s in self._slots if s is not None and self._contents[s].pins > 0),
-            "lora_slots_bytes": self._lora.nbytes,
-            "lora_pool_bytes": self._lora.nbytes,
+            "lora_slots_bytes": self._lora.nbytes,  # the page pool's bytes
             "lora_pool_used_bytes": self._lora.allocator.used_elems() * self._lora.pool.element_size(),
             "lora_memory_used_bytes": sum(self._contents[s].meta.nbytes for s in self._slots if s is not None),
             "adapter_host_bytes": self._l2_bytes,
@@ -340,7 +274,7 @@ class AdapterPool:
 
     # ---- internals
 
-    def _ensure_slot(self, key: str, exclude: tuple[int, ...], reason: str) -> _Content | str:
+    def _ensure_slot(self, key: str, exclude: tuple[int, ...], reason: str) -> Content | str:
         rec = self._records[key]
         if rec.error is not None:
             if not rec.error.retriable:
@@ -349,7 +283,9 @@ class AdapterPool:
         content = self._contents.get(rec.sha) if rec.sha else None
         event = None
         if content is None or (content.slot is None and content.host is None):
-            if not self._bucket.try_take():
+            if self._ahead.pending(key):
+                return WAIT_READ  # a read-ahead thread is reading it: the step goes on without it
+            if not self._ahead.done(key) and not self._bucket.try_take():
                 self.counters["loads_throttled"] += 1
                 return WAIT_RATE
             content, event = self._read(rec, reason=reason)
@@ -360,18 +296,19 @@ class AdapterPool:
             self._copy_in(content, slot, event, reason=reason, key=key)
         return content
 
-    def _read(self, rec: _Record, *, reason: str) -> tuple[_Content, _LoadEvent]:
-        """Read `rec` from L3 into L2, or find its content held already (an event with skip_reason
-        "duplicate_content", tier where it was found, never charged to a request)."""
+    def _read(self, rec: Record, *, reason: str) -> tuple[Content, LoadEvent]:
+        """Read `rec` from L3 into L2 (or take what a read-ahead thread read), or find its content held already (an event
+        with skip_reason "duplicate_content", tier where it was found, never charged to a request)."""
         t0 = time.perf_counter_ns()
+        future = self._ahead.take(rec.key)
         try:
-            config_path, weights_path = adapter_files(rec.path, self._config.max_adapter_bytes)
-            config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
+            sha, host, read_us = future.result() if future is not None else read_adapter(rec, self._model, self._config, self._fingerprint, self._lora)
         except OSError as e:
             raise self._fail(rec, AdapterError(f"cannot read adapter {rec.key!r} at {rec.path}: {e}", code="adapter_unavailable", retriable=True), reason) from e
         except AdapterError as e:
             raise self._fail(rec, e, reason) from e
-        sha = content_sha256(config_bytes, weight_bytes)
+        if future is None:
+            read_us = (time.perf_counter_ns() - t0) // 1000
         if rec.sha is not None and sha != rec.sha:
             raise self._fail(rec, AdapterError(
                 f"adapter {rec.key!r}: the files at {rec.path} hash to {sha}, not {rec.sha} as registered; they changed "
@@ -383,36 +320,26 @@ class AdapterPool:
             self._link(rec, content)
             where = "gpu" if content.slot is not None else "host"
             event = self._event(rec, content, where, where, reason, skip_reason="duplicate_content")
-            event.read_us = (time.perf_counter_ns() - t0) // 1000
+            event.read_us = read_us
             self.counters["dedupe_skips"] += 1
             return content, event
-        try:
-            adapter = parse_adapter(
-                config_bytes, weight_bytes, self._model, max_lora_rank=self._config.max_lora_rank, sha256=sha,
-                source=rec.path, base_fingerprint=self._fingerprint,
-            )  # fmt: skip
-        except AdapterError as e:
-            raise self._fail(rec, e, reason) from e
-        host = self._lora.host_copy(adapter)
+        assert host is not None, rec.key
         if not self._lora.allocator.could_fit(self._lora.page_need(host)):
-            raise self._fail(rec, AdapterError(
-                f"adapter {rec.key!r} (rank {adapter.rank} on {', '.join(adapter.target_modules)}) needs {host.nbytes} bytes of "
-                f"device memory, more than the whole adapter pool engine.adapter_gpu_bytes={self._lora.nbytes} holds; "
-                "raise adapter_gpu_bytes or use an adapter of lower rank or fewer target modules",
-                code="adapter_too_large",
-            ), reason)  # fmt: skip
-        meta = _Meta(adapter.rank, adapter.alpha, adapter.use_rslora, adapter.target_modules, host.nbytes)
+            raise self._fail(rec, AdapterError(f"adapter {rec.key!r} (rank {host.rank}) needs {host.nbytes} B of device memory, more "
+                f"than the pool of engine.adapter_gpu_bytes={self._lora.nbytes} holds; raise it, or use a lower rank or fewer "
+                "target modules", code="adapter_too_large"), reason)  # fmt: skip
+        meta = Meta(host.rank, host.alpha, host.use_rslora, host.target_modules, host.nbytes)
         if content is None:
-            content = self._contents[sha] = _Content(sha, meta)
+            content = self._contents[sha] = Content(sha, meta)
         content.host = host
         self._link(rec, content)
         self._l2_insert(content)
         event = self._event(rec, content, "disk", "host", reason)
-        event.read_us = (time.perf_counter_ns() - t0) // 1000
+        event.read_us = read_us
         self.counters["loads_disk"] += 1
         return content, event
 
-    def _copy_in(self, content: _Content, slot: int, event: _LoadEvent | None, *, reason: str, key: str) -> _LoadEvent:
+    def _copy_in(self, content: Content, slot: int, event: LoadEvent | None, *, reason: str, key: str) -> LoadEvent:
         """Write content (held in host memory) into a free slot; `event` is its read if it just had one: an L3
         load goes on to the slot as one load, anything else makes the copy an L2 load of its own."""
         assert self._slots[slot] is None and content.slot is None and content.host is not None, (slot, content.sha)
@@ -430,112 +357,31 @@ class AdapterPool:
             self._l2.move_to_end(content.sha)
         return event
 
-    def _make_room(self, content: _Content, exclude: tuple[int, ...], *, evict: bool = True) -> int | None:
-        """A free slot and the pages of `content` (held in host memory), taken for it (content.pages), evicting unpinned
-        adapters with the lowest keep score, one at a time, until both are free (never those in `exclude`, nor any when
-        not `evict`); None, and nothing evicted, when they cannot be had."""
-        assert content.host is not None and content.slot is None, content.sha
-        lora = self._lora
-        need = lora.page_need(content.host)
-        total: dict[int, int] = {}
-        for size, n in need:
-            total[size] = total.get(size, 0) + n
-        victims = []
-        if None not in self._slots or not lora.allocator.fits(total):
-            if not evict:
-                return None
-            victims = self._victims(exclude, total)
-            if victims is None:
-                return None
-        for sha in victims:
-            self._evict(sha)
-        pages = lora.allocator.alloc(need)
-        assert pages is not None, (content.sha, need)
-        content.pages = [(size, offsets) for (size, _), offsets in zip(need, pages)]
-        return self._slots.index(None)
-
-    def _victims(self, exclude: tuple[int, ...], need: dict[int, int]) -> list[str] | None:
-        """The unpinned adapters to evict, lowest keep score first, so that a slot and `need` pages are free; None if
-        evicting every candidate would not do. Decided on counts, before anything is evicted."""
-        now = self._clock()
-        weights = self._config.adapter_slo_weights
-        candidates = []
-        for slot, sha in enumerate(self._slots):
-            if sha is None:
-                continue
-            c = self._contents[sha]
-            if c.pins == 0 and slot not in exclude:
-                recs = [self._records[k] for k in c.keys]
-                heat = sum(r.heat.rate(now) for r in recs)
-                slo_weight = max((weights[r.slo_tier] for r in recs), default=weights["standard"])
-                candidates.append(Candidate(c.sha, heat, slo_weight, c.meta.nbytes, c.last_used))
-        alloc = self._lora.allocator
-        trial = alloc.trial()
-        free_slot = None in self._slots
-        victims: list[str] = []
-        while not (free_slot and trial.fits(need)):
-            victim = choose_victim(candidates, mem_weight=self._config.adapter_mem_weight, slot_bytes=self._slot_bytes)
-            if victim is None:
-                return None
-            candidates = [c for c in candidates if c.sha != victim]
-            victims.append(victim)
-            for size, offsets in self._contents[victim].pages:
-                trial.free(size, offsets)
-            free_slot = True
-        return victims
-
-    def _evict(self, sha: str) -> None:
-        """Give up `sha`'s slot and pages (it stays in L2 if it is there)."""
-        content = self._contents[sha]
-        assert content.slot is not None and content.pins == 0, (sha, content.slot, content.pins)
-        self._free_pages(content)
-        self._slots[content.slot] = None
-        content.slot = None
-        self.counters["evictions_l1"] += 1
-
-    def _free_pages(self, content: _Content) -> None:
-        assert content.pages is not None, content.sha
-        for size, offsets in content.pages:
-            self._lora.allocator.free(size, offsets)
-        content.pages = None
-
-    def _l2_insert(self, content: _Content) -> None:
-        size = content.meta.nbytes
-        cap = self._config.host_cache_bytes
-        if size > cap:
-            return  # transient: kept only until it reaches a slot
-        while self._l2_bytes + size > cap:
-            sha, nbytes = self._l2.popitem(last=False)
-            self._l2_bytes -= nbytes
-            self._contents[sha].host = None
-            self.counters["evictions_l2"] += 1
-        self._l2[content.sha] = size
-        self._l2_bytes += size
-
-    def _link(self, rec: _Record, content: _Content) -> None:
+    def _link(self, rec: Record, content: Content) -> None:
         rec.sha = content.sha
         content.keys.add(rec.key)
 
-    def _event(self, rec: _Record, content: _Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> _LoadEvent:
-        event = _LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
+    def _event(self, rec: Record, content: Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> LoadEvent:
+        event = LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
         self._record(event)
         if skip_reason is None and reason != "warm_pool":  # a warm load is one no request waits for
             content.uncharged.append(event)
         return event
 
-    def _fail(self, rec: _Record, error: AdapterError, reason: str) -> AdapterError:
+    def _fail(self, rec: Record, error: AdapterError, reason: str) -> AdapterError:
         rec.error = error
         self.counters["load_failures"] += 1
-        self._record(_LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
+        self._record(LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
         return error
 
-    def _record(self, event: _LoadEvent) -> None:
+    def _record(self, event: LoadEvent) -> None:
         if len(self._events) >= MAX_EVENTS:
             self._events.popleft()
             self.counters["events_dropped"] += 1
         self._events.append(event)
 
     def _drop_record(self, key: str) -> None:
+        self._ahead.take(key)  # a read in flight is dropped with its key
         rec = self._records.pop(key)
         self._infos.pop(key, None)
         content = self._contents.get(rec.sha) if rec.sha else None

@@ -65,6 +65,9 @@ class EngineConfig(BaseModel):
         "the modules it targets); None: enough for max_loras adapters of max_lora_rank on all seven projections",
     )
     max_adapter_bytes: int = Field(512 * MiB, ge=1, description="adapter files larger than this are refused")
+    adapter_read_threads: int = Field(
+        0, ge=0, le=64, description="threads reading the adapters of queued requests from the store ahead of their admission (0: none)"
+    )
     host_cache_bytes: int = Field(2 * GiB, ge=0, description="L2: pinned host memory for adapters, an LRU bounded in bytes")
     adapter_loads_per_s: float = Field(
         4.0, gt=0, description="token-bucket rate of adapter reads from the store (L3) (seed 002, incident 1: adapter storms)"

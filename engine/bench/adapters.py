@@ -34,6 +34,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import PROJECTION_PARENT, ModelConfig
 
+READ_THREADS = 8  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
+
 
 def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...]) -> list[Path]:
     """`count` PEFT adapter folders of distinct content (module docstring), rank ranks[i % len(ranks)]."""
@@ -166,7 +168,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_num_batched_tokens=batch * len(prompts[0]), kv_num_blocks=_kv_blocks(batch, len(prompts[0]) + new),
         max_loras=max(batch, min(count + 2, 2 * batch)), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
-        warm_pool_host_bytes=0, host_cache_bytes=host_bytes,
+        warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=READ_THREADS,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,131 @@
+"""The adapter pool's records (a registered key, an adapter content, a load) and reading an adapter from the store.
+
+Reading (`read_adapter`): the files' bytes (engine.store: confined to the root, size limits), their sha256, validation
+against the base (engine.adapters), and the L2 copy in page layout, pinned on CUDA (engine.lora.LoraState.host_copy):
+what L3 -> L2 costs, a median 23-28 ms for a 3-7 MB llama-1b adapter on the H200 host (issue 19). None of it touches
+the pool's state, so `ReadAhead` runs it on worker threads for the adapters of queued requests (the pool's
+`prefetch`), off the engine thread's path; the pool takes the result when the request is admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.adapter_pages import HostPages
+from engine.adapter_policy import Heat
+from engine.adapters import parse_adapter
+from engine.api import AdapterError, AdapterInfo
+from engine.config import EngineConfig
+from engine.model import ModelConfig
+from engine.store import adapter_files, content_sha256
+from engine.timing import Stopwatch
+
+MAX_AHEAD_PER_THREAD = 4  # reads queued or running per thread at most: prefetch goes no further ahead than that
+
+
+@dataclass
+class Record:
+    """One registered key."""
+
+    key: str
+    path: Path
+    sha: str | None  # as registered, or as first read
+    tenant: str
+    slo_tier: str
+    error: AdapterError | None = None
+    heat: Heat = field(default_factory=Heat)
+
+
+@dataclass(frozen=True)
+class Meta:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    nbytes: int  # in the slots' dtype
+
+
+@dataclass
+class Content:
+    """One adapter content (sha256), under one or more keys."""
+
+    sha: str
+    meta: Meta
+    host: HostPages | None = None  # L2 copy (or a transient one waiting for a slot); None: only in L1 or L3
+    keys: set[str] = field(default_factory=set)
+    slot: int | None = None
+    pages: list[tuple[int, list[int]]] | None = None  # (page size, offsets in the pool) per module, while resident
+    pins: int = 0
+    last_used: float = 0.0
+    uncharged: list[LoadEvent] = field(default_factory=list)  # loads no request has been charged yet
+    warm: bool = False  # brought in by the warm pool and not used since
+
+
+@dataclass
+class LoadEvent:
+    key: str
+    sha: str
+    tier: str
+    dest: str
+    reason: str
+    tenant: str
+    meta: Meta | None
+    read_us: int = 0
+    copy: Stopwatch | None = None
+    error_code: str | None = None
+    skip_reason: str | None = None
+
+    def load_us(self) -> int:
+        return self.read_us + (self.copy.elapsed_us() if self.copy is not None else 0)
+
+    def info(self) -> AdapterInfo:
+        m = self.meta or Meta(0, 0.0, False, (), 0)
+        return AdapterInfo(
+            key=self.key, sha256=self.sha, rank=m.rank, alpha=m.alpha, use_rslora=m.use_rslora,
+            target_modules=m.target_modules, nbytes=m.nbytes, load_us=self.load_us(), tier=self.tier, dest=self.dest,
+            reason=self.reason, tenant=self.tenant, error_code=self.error_code, skip_reason=self.skip_reason,
+        )  # fmt: skip
+
+
+def read_adapter(rec: Record, model: ModelConfig, config: EngineConfig, fingerprint: str | None, lora) -> tuple[str, HostPages | None, int]:
+    """(sha256, L2 copy or None when the content is not the registered one, µs) of `rec`'s folder; raises OSError or
+    AdapterError as the files do."""
+    t0 = time.perf_counter_ns()
+    config_path, weights_path = adapter_files(rec.path, config.max_adapter_bytes)
+    config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
+    sha = content_sha256(config_bytes, weight_bytes)
+    if rec.sha is not None and sha != rec.sha:
+        return sha, None, (time.perf_counter_ns() - t0) // 1000  # the pool reports adapter_changed
+    adapter = parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=config.max_lora_rank, sha256=sha, source=rec.path,
+                            base_fingerprint=fingerprint)  # fmt: skip
+    return sha, lora.host_copy(adapter), (time.perf_counter_ns() - t0) // 1000
+
+
+class ReadAhead:
+    """Store reads on `threads` worker threads, one future per key (none with threads = 0)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-read") if threads else None
+        self._futures: dict[str, Future] = {}
+
+    def has_room(self) -> bool:
+        return sum(not f.done() for f in self._futures.values()) < self.threads * MAX_AHEAD_PER_THREAD
+
+    def start(self, rec: Record, *args) -> None:
+        assert self._pool is not None and rec.key not in self._futures, rec.key
+        self._futures[rec.key] = self._pool.submit(read_adapter, rec, *args)
+
+    def pending(self, key: str) -> bool:
+        f = self._futures.get(key)
+        return f is not None and not f.done()
+
+    def done(self, key: str) -> bool:
+        f = self._futures.get(key)
+        return f is not None and f.done()
+
+    def take(self, key: str) -> Future | None:
+        return self._futures.pop(key, None)
