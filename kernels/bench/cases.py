@@ -16,7 +16,7 @@ import triton
 from triton.testing import do_bench
 
 from kernels.lora_expand import lora_expand
-from kernels.lora_segments import LoraSegments, segments_from_indices, segments_per_row
+from kernels.lora_segments import LoraPages, LoraSegments, pack_pages, segments_from_indices, segments_per_row
 from kernels.lora_shrink import lora_shrink
 
 BATCH, ADAPTERS, RANK, MAX_RANK = 32, 32, 16, 64
@@ -71,6 +71,7 @@ class LoraCase:
     b: torch.Tensor  # [slots, R, out]
     rank: torch.Tensor  # [slots]
     scale: torch.Tensor  # [slots]
+    w: LoraPages  # a, b, rank and scale as the kernels read them: pages of the rows below each rank (pack_pages)
     segments: LoraSegments
     widths: tuple[int, ...]
     t: torch.Tensor  # [S, N, R] fp32
@@ -97,17 +98,18 @@ def lora_case(in_f: int, widths: tuple[int, ...], phase: str, ranks: list[int], 
     x = torch.randn(n, in_f, device=device, dtype=DTYPE)
     y = torch.randn(n, out_f, device=device, dtype=DTYPE)
     scale = torch.full((ADAPTERS,), 2.0, device=device)
-    t = lora_shrink(x, a, rank, segments)
+    w = pack_pages(a, b, rank, scale, widths)
+    t = lora_shrink(x, w, segments)
     rank_sum = sum(ranks[s] for s in set(slots))  # distinct adapters, each once
     t_bytes = num_slices * sum(ranks[s] for s in slots) * 4
     shrink_bytes = n * in_f * e + num_slices * rank_sum * in_f * e + t_bytes
     expand_bytes = t_bytes + rank_sum * out_f * e + 2 * n * out_f * e
-    return LoraCase(x, y, a, b, rank, scale, segments, widths, t, shrink_bytes, expand_bytes)
+    return LoraCase(x, y, a, b, rank, scale, w, segments, widths, t, shrink_bytes, expand_bytes)
 
 
 def lora_kernels_us(case: LoraCase, rep: int = 100) -> tuple[float, float]:
-    shrink = graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep)
-    expand = graph_us(lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep)
+    shrink = graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep)
+    expand = graph_us(lambda: lora_expand(case.y, case.t, case.w, case.segments), rep)
     return shrink, expand
 
 

@@ -9,6 +9,8 @@ engine/PERF.md; `lorabatch bench kernels` and the launchers' config sweeps are k
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -29,12 +31,10 @@ def probe_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("ll
         for proj, (in_f, widths) in MODELS[name].projections().items():
             case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             z = torch.empty_like(case.y)
-            zero_rank = torch.zeros_like(case.rank)
+            zero_rank = dataclasses.replace(case.w, rank=torch.zeros_like(case.w.rank))  # the same pages, every rank 0
             gb = z.numel() * z.element_size() / 1e3
-            us = [graph_us(lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths,
-                                                accumulate=False), rep),
-                  graph_us(lambda: lora_expand(z, case.t, case.b, zero_rank, case.scale, case.segments, slices=widths,
-                                                accumulate=False), rep),
+            us = [graph_us(lambda: lora_expand(z, case.t, case.w, case.segments, accumulate=False), rep),
+                  graph_us(lambda: lora_expand(z, case.t, zero_rank, case.segments, accumulate=False), rep),
                   graph_us(lambda: z.zero_(), rep),
                   graph_us(lambda: z.copy_(case.y), rep)]
             print(f"{name + ' ' + proj:20} " + " ".join(f"{v:8.1f}" for v in us) + "   " +
@@ -161,7 +161,7 @@ def probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = 
         case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
         w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
         z = torch.empty_like(case.y)
-        lora = LoraDelta(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, segments=case.segments, slices=widths)
+        lora = LoraDelta(t=case.t, weights=case.w, segments=case.segments)
         if sweep:
             cands = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8)))
             best(f"{name} gate_up fused op", silu_module, cands, lambda: graph_us(lambda: silu_mul(case.y, lora), rep))
@@ -171,14 +171,14 @@ def probe_consumers(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = 
             silu_mul(case.y)
 
         def delta_first() -> None:
-            lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
-            lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
+            lora_shrink(case.x, case.w, case.segments, out=case.t)
+            lora_expand(z, case.t, case.w, case.segments, accumulate=False)
             z.addmm_(case.x, w.t())
             silu_mul(z)
 
         def to_op() -> None:
             torch.mm(case.x, w.t(), out=case.y)
-            lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
+            lora_shrink(case.x, case.w, case.segments, out=case.t)
             silu_mul(case.y, lora)
 
         plain_op, fused_op = graph_us(lambda: silu_mul(case.y), rep), graph_us(lambda: silu_mul(case.y, lora), rep)

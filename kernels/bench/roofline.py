@@ -54,15 +54,15 @@ def _bench_projection(model: str, phase: str, proj: str, in_f: int, widths: tupl
     """(table rows of its shrink and expand at rank 16, their µs, the base GEMM's µs) for one projection."""
     case = lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
     shrink_us, expand_us = lora_kernels_us(case)
-    shrink_ref_us = plain_us(lambda: lora_shrink_ref(case.x, case.a, case.rank, case.segments))
+    shrink_ref_us = plain_us(lambda: lora_shrink_ref(case.x, case.w, case.segments))
     y_ref = case.y.clone()
-    expand_ref_us = plain_us(lambda: lora_expand_ref(y_ref, case.t, case.b, case.rank, case.scale, case.segments, slices=widths))
+    expand_ref_us = plain_us(lambda: lora_expand_ref(y_ref, case.t, case.w, case.segments))
     w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE)  # the base projection, fused as the slices are
     base_us = graph_us(lambda: torch.mm(case.x, w.t(), out=case.y))
     rows = [_row(model, phase, f"shrink {proj}", shrink_us, shrink_ref_us, case.shrink_bytes, bandwidth),
             _row(model, phase, f"expand {proj}", expand_us, expand_ref_us, case.expand_bytes, bandwidth)]
     if phase == "decode":  # the base GEMM + delta in one launch (kernels/decode_linear.py), whichever shapes the engine gives it
-        lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
+        lora = DecodeLora(t=case.t, weights=case.w, slot=case.segments.slot)
         linear_us = graph_us(lambda: decode_linear(case.x, w, None, lora))
         linear_ref_us = plain_us(lambda: decode_linear_ref(case.x, w, None, lora))
         y_bytes = case.y.numel() * case.y.element_size()  # written once; the expand's read of y is gone
@@ -158,9 +158,9 @@ def _sweep(rep: int = 30) -> None:
             s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
             e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
         best(f"{label} shrink", shrink_module, s_cands,
-              lambda: graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep))
+              lambda: graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep))
         best(f"{label} expand", expand_module, e_cands, lambda: graph_us(
-            lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths), rep))
+            lambda: lora_expand(case.y, case.t, case.w, case.segments), rep))
 
     def attention(label: str, model: Model, phase: str) -> None:
         args, _, _ = attention_case(model, phase)
@@ -198,11 +198,11 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
             e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
                 best(f"{name} {proj} shrink", shrink_module, s_cands,
-                      lambda: graph_us(lambda: lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t), rep),
+                      lambda: graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep),
                       case.shrink_bytes / bandwidth * 1e6)
             if "expand" in kernels:
                 best(f"{name} {proj} expand", expand_module, e_cands, lambda: graph_us(
-                    lambda: lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=case.widths), rep),
+                    lambda: lora_expand(case.y, case.t, case.w, case.segments), rep),
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
 
 
@@ -226,17 +226,17 @@ def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ..
             delta_bytes = case.expand_bytes - case.y.numel() * case.y.element_size()  # y written, not read
             cands = list(itertools.product((64, 128), (256, 512), (4, 8), (1, 2)))
             best(f"{name} {proj} delta", expand_module, cands, lambda: graph_us(
-                lambda: lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False),
+                lambda: lora_expand(z, case.t, case.w, case.segments, accumulate=False),
                 rep), delta_bytes / bandwidth * 1e6)  # fmt: skip
 
             def old() -> None:
                 torch.mm(case.x, w.t(), out=case.y)
-                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
-                lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths)
+                lora_shrink(case.x, case.w, case.segments, out=case.t)
+                lora_expand(case.y, case.t, case.w, case.segments)
 
             def new() -> None:
-                lora_shrink(case.x, case.a, case.rank, case.segments, out=case.t)
-                lora_expand(z, case.t, case.b, case.rank, case.scale, case.segments, slices=widths, accumulate=False)
+                lora_shrink(case.x, case.w, case.segments, out=case.t)
+                lora_expand(z, case.t, case.w, case.segments, accumulate=False)
                 z.addmm_(case.x, w.t())
 
             base_us = graph_us(lambda: torch.mm(case.x, w.t(), out=case.y), rep)
@@ -270,7 +270,7 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
         for proj, (in_f, widths) in MODELS[name].projections().items():
             case = lora_case(in_f, widths, "decode", [RANK] * ADAPTERS)
             w = torch.randn(sum(widths), in_f, device=DEVICE, dtype=DTYPE) * in_f**-0.5
-            lora = DecodeLora(t=case.t, b_stack=case.b, rank=case.rank, scale=case.scale, slot=case.segments.slot, slices=widths)
+            lora = DecodeLora(t=case.t, weights=case.w, slot=case.segments.slot)
             floor_us = w.numel() * w.element_size() / bandwidth * 1e6
             label = f"{name} {proj} ({sum(widths)} x {in_f})"
             best(label, linear_module, cands, lambda: graph_us(lambda: linear_module.decode_linear(case.x, w), rep), floor_us)
@@ -279,7 +279,7 @@ def _sweep_decode_linear(rows: int = BATCH, rep: int = 50, models: tuple[str, ..
 
             def old() -> None:
                 torch.mm(case.x, w.t(), out=case.y)
-                lora_expand(case.y, case.t, case.b, case.rank, case.scale, case.segments, slices=widths)
+                lora_expand(case.y, case.t, case.w, case.segments)
 
             old_us = graph_us(old, rep)
             fused_us = graph_us(lambda: linear_module.decode_linear(case.x, w, None, lora), rep)
