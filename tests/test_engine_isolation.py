@@ -14,10 +14,9 @@ import engine.engine as engine_module
 import engine.isolation as isolation
 from engine.api import ADAPTER_ERROR_CODES, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.demo_model import write_demo_model
 from engine.engine import Engine
 from engine.sequence import Sequence
-from tests.test_serving_helpers import TEXTS, alone, config, demo_engine, req
+from tests.test_serving_helpers import TEXTS, alone, config, demo_engine, patch_forward, req
 
 ENGINE_DIR = Path(engine_module.__file__).parent
 
@@ -39,18 +38,6 @@ def _batch() -> list:
 
 def _seq_ids(engine: Engine, request_id: str) -> set[int]:
     return {s.seq_id for s in engine._unfinished.values() if s.request_id == request_id}
-
-
-def _patch_forward(monkeypatch, engine: Engine, edit) -> None:
-    """Wrap the runner's forward: `edit(items, logits)` may raise or change the logits in place."""
-    real = engine.runner.forward
-
-    def forward(items, **kw):
-        logits = real(items, **kw).clone()  # (an inference tensor cannot be edited outside inference mode)
-        edit(items, logits)
-        return logits
-
-    monkeypatch.setattr(engine.runner, "forward", forward)
 
 
 def _rows_of(items, seq_ids: set[int]) -> list[int]:
@@ -177,7 +164,7 @@ def test_unusable_logits_fail_their_request_alone(eng, monkeypatch, poison, gree
             else:
                 logits[row, 7] = float("nan")
 
-    _patch_forward(monkeypatch, eng, edit)
+    patch_forward(monkeypatch, eng, edit)
     out = {}
     while eng.has_unfinished():
         out.update({res.request_id: res for res in eng.step()})
@@ -196,7 +183,7 @@ def test_partly_masked_logits_still_sample(eng, monkeypatch):
         for row in _rows_of(items, ids):
             logits[row, 10:] = float("-inf")
 
-    _patch_forward(monkeypatch, eng, edit)
+    patch_forward(monkeypatch, eng, edit)
     out = {}
     while eng.has_unfinished():
         out.update({res.request_id: res for res in eng.step()})
@@ -228,7 +215,7 @@ def test_a_failure_of_one_request_fails_it_alone(eng, monkeypatch, where):
     bad = _seq_ids(eng, "bad")
     code = {"forward": "forward_failed", "sampling": "sampling_failed", "detokenizing": "decode_failed"}[where]
     if where == "forward":
-        _patch_forward(monkeypatch, eng, _raise_with_bad(bad))
+        patch_forward(monkeypatch, eng, _raise_with_bad(bad))
     elif where == "sampling":
         real = isolation.sample_on_device
 
@@ -273,7 +260,7 @@ def test_a_forward_that_fails_for_everyone_fails_all_retriable(eng, monkeypatch,
             raise RuntimeError("simulated device fault")
 
     reqs = _batch()
-    _patch_forward(monkeypatch, eng, edit)
+    patch_forward(monkeypatch, eng, edit)
     results = eng.generate(reqs)
     monkeypatch.undo()
     assert [res.error.code if res.error else None for res in results] == codes
@@ -380,42 +367,3 @@ def test_adapter_error_codes_are_the_adapters_own_faults():
     assert raised - callers <= ADAPTER_ERROR_CODES, raised - callers - ADAPTER_ERROR_CODES
     assert not ADAPTER_ERROR_CODES & {"unknown_adapter", "adapter_in_use", "adapter_key_in_use", "invalid_slo_tier", "aborted",
                                       "engine_failed", "forward_failed", "sampling_failed", "duplicate_request_id"}  # fmt: skip
-
-
-# ---- a model vocabulary padded past the tokenizer's
-
-
-@pytest.fixture(scope="module")
-def padded(tmp_path_factory):
-    model = tmp_path_factory.mktemp("padded") / "model"
-    write_demo_model(model, seed=0, vocab_multiple=128)
-    e = Engine(config({"model": model}, enable_prefix_caching=False))
-    assert e.runner.config.vocab_size > e.tokenizer.vocab_size, (e.runner.config.vocab_size, e.tokenizer.vocab_size)
-    return e
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_token_ids_past_the_tokenizer_give_logprobs_and_decode(padded, monkeypatch, temperature):
-    """Ids in [tokenizer vocab, model vocab) (padding) may be chosen and listed in top_logprobs: each gets an entry with
-    token "" and bytes [], and the text decodes (without them)."""
-    pad_ids = list(range(padded.tokenizer.vocab_size, padded.runner.config.vocab_size))
-
-    def edit(items, logits):
-        top = logits.max()
-        logits[:, pad_ids[0]] = top + 5.0  # the padding id wins
-        logits[:, pad_ids[-1]] = top + 4.0  # and another one is second
-
-    _patch_forward(monkeypatch, padded, edit)
-    res = padded.generate([req("p", max_new_tokens=4, logprobs=5, temperature=temperature, seed=1),
-                           req("q", input_ids=(3, 4, pad_ids[2], 5), max_new_tokens=2)])  # fmt: skip
-    assert all(r.ok for r in res), [r.error for r in res]
-    content = res[0].logprobs["content"]
-    assert len(content) == 4 and pad_ids[0] in res[0].output_ids
-    for token, entry in zip(res[0].output_ids, content):
-        if token in pad_ids:
-            assert entry["token"] == "" and entry["bytes"] == [], entry
-        padding = [e for e in entry["top_logprobs"] if e["bytes"] == [] and e["token"] == ""]
-        assert len(padding) >= 2 and entry["top_logprobs"][1] in padding, entry  # the two boosted padding ids lead
-    if temperature == 0.0:
-        assert res[0].output_ids == [pad_ids[0]] * 4 and res[0].text == ""
-    assert padded.tokenizer.decode(res[0].output_ids) == res[0].text

@@ -60,3 +60,15 @@ def run_until_done(engine: Engine, max_steps: int = 10_000, on_step=None) -> dic
         if on_step is not None:
             on_step(engine)
     raise AssertionError(f"still unfinished after {max_steps} steps: {engine.stats()}")
+
+
+def patch_forward(monkeypatch, engine: Engine, edit) -> None:
+    """Wrap the runner's forward: `edit(items, logits)` may raise or change the logits in place."""
+    real = engine.runner.forward
+
+    def forward(items, **kw):
+        logits = real(items, **kw).clone()  # (an inference tensor cannot be edited outside inference mode)
+        edit(items, logits)
+        return logits
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
