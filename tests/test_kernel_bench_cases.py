@@ -22,7 +22,8 @@ cases, roofline, probes = import_kernels("kernels.bench.cases", "kernels.bench.r
 
 # q 32, k and v 16 wide (2 heads over 1 KV head of 16), MLP 48: every slice a multiple of decode_linear's 16-column panels
 TINY = {"tiny": cases.Model(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=48)}
-TOKENS = 2  # prefill tokens per sequence: 32 sequences, 64 rows
+TOKENS = 2  # prefill tokens per sequence
+SEQUENCES = 4  # the batch (decode rows, prefill sequences) and its distinct adapters: 4, each of the mixed ranks once
 
 
 def _once(fn, rep: int = 0) -> float:
@@ -32,10 +33,11 @@ def _once(fn, rep: int = 0) -> float:
 
 @pytest.fixture(autouse=True)
 def tiny_bench(monkeypatch):
-    """The benches' modules at the tiny model on DEVICE, each timer one call."""
+    """The benches' modules at the tiny model and batch on DEVICE, each timer one call."""
     for module in (cases, roofline, probes):
         for name, value in (("DEVICE", str(DEVICE)), ("MODELS", TINY), ("graph_us", _once), ("plain_us", _once),
                             ("measure_ceilings", lambda: (1e12, 1e15, 1.0)), ("PREFILL_TOKENS", TOKENS),
+                            ("BATCH", SEQUENCES), ("ADAPTERS", SEQUENCES),
                             ("best", lambda label, module, candidates, run, floor_us=None: run())):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
