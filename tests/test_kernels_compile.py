@@ -28,6 +28,7 @@ def _has_ptxas() -> bool:
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this triton build has no NVIDIA backend with ptxas to compile for sm_90")
+@pytest.mark.timeout(1200)  # as long as the compile check itself may run: ptxas over every variant, on two cores
 def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kernels.compile_check"], cwd=ROOT, env=env, capture_output=True, text=True,
