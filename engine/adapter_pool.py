@@ -177,9 +177,10 @@ class AdapterPool(L1Placement):
         assert content.pins > 0, sha
         content.pins -= 1
 
-    def prefetch(self, key: str, exclude: Iterable[int]) -> int | None:
+    def prefetch(self, key: str, exclude: Iterable[int]) -> int | str | None:
         """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
-        the slot (None if it must wait). Errors are kept on the key for its admission to report."""
+        the slot, WAIT_SLOT when L1 has no room for it (not without evicting `exclude` or pinned adapters), or None
+        if it must wait for anything else. Errors are kept on the key for its admission to report."""
         rec = self._records[key]
         content = self._contents.get(rec.sha) if rec.sha else None
         if rec.error is None and (content is None or (content.slot is None and content.host is None)) and self._ahead.threads:
@@ -193,7 +194,9 @@ class AdapterPool(L1Placement):
             content = self._ensure_slot(key, exclude=tuple(exclude), reason="request")
         except AdapterError:
             return None
-        return None if isinstance(content, str) else content.slot
+        if isinstance(content, str):
+            return WAIT_SLOT if content == WAIT_SLOT else None
+        return content.slot
 
     def failed(self, key: str) -> AdapterError | None:
         return self._records[key].error

@@ -124,11 +124,13 @@ chairs and picture books. The librarian knew every reader by name and always had
 ARCHS = ("llama", "llama3", "mistral", "qwen2")
 
 
-def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab_multiple: int = 1) -> None:
+def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab_multiple: int = 1, num_layers: int = _LAYERS) -> None:
     """Write a small random-weight model of `arch` (module docstring) with its tokenizer into `out_dir` (HF format).
     `vocab_multiple`: the model's vocabulary is the tokenizer's rounded up to a multiple of it, as real checkpoints
-    pad it (e.g. to 64): the ids past the tokenizer's have embeddings and logits but no text."""
+    pad it (e.g. to 64): the ids past the tokenizer's have embeddings and logits but no text. `num_layers`: fewer
+    layers for tests that run every kernel in Triton's interpreter, where each layer costs seconds a step."""
     assert isinstance(vocab_multiple, int) and vocab_multiple >= 1, vocab_multiple
+    assert isinstance(num_layers, int) and num_layers >= 1, num_layers
     if arch not in ARCHS:
         raise ValueError(f"write_demo_model: arch={arch!r} is not supported; use one of {ARCHS}")
     out_dir = Path(out_dir)
@@ -145,7 +147,7 @@ def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab
         "model_type": "llama",
         "hidden_size": _HIDDEN,
         "intermediate_size": _INTERMEDIATE,
-        "num_hidden_layers": _LAYERS,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": _HEADS,
         "num_key_value_heads": _KV_HEADS,
         "head_dim": head_dim,
@@ -167,6 +169,8 @@ def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab
         "torch_dtype": "float32",
     }
     config.update(_ARCH_CONFIG[arch])
+    if "max_window_layers" in config:
+        config["max_window_layers"] = num_layers
     _write_json(out_dir / "config.json", config)
     _write_json(
         out_dir / "generation_config.json",
@@ -185,7 +189,7 @@ def write_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", vocab
             "chat_template": _CHAT_TEMPLATE,
         },
     )
-    weights = _model_weights(vocab, seed, qkv_bias=arch == "qwen2")
+    weights = _model_weights(vocab, seed, num_layers, qkv_bias=arch == "qwen2")
     if config["tie_word_embeddings"]:
         del weights["lm_head.weight"]
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -275,11 +279,11 @@ _DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], float, bool]] = {
 }
 
 
-def write_demo_set(root: Path, *, seed: int = 0, arch: str = "llama") -> dict[str, Path]:
+def write_demo_set(root: Path, *, seed: int = 0, arch: str = "llama", num_layers: int = _LAYERS) -> dict[str, Path]:
     """Write the demo model to root/"model" and 8 adapters to root/"adapters"/NAME; return name -> folder."""
     root = Path(root)
     model_dir = root / "model"
-    write_demo_model(model_dir, seed=seed, arch=arch)
+    write_demo_model(model_dir, seed=seed, arch=arch, num_layers=num_layers)
     paths: dict[str, Path] = {}
     for i, (name, (rank, targets, alpha, rslora)) in enumerate(_DEMO_ADAPTERS.items()):
         path = root / "adapters" / name
@@ -319,7 +323,7 @@ def _train_tokenizer():
     return tok
 
 
-def _model_weights(vocab: int, seed: int, *, qkv_bias: bool = False) -> dict[str, torch.Tensor]:
+def _model_weights(vocab: int, seed: int, num_layers: int, *, qkv_bias: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     head_dim = _HIDDEN // _HEADS
     h, q_out, kv_out, inter = _HIDDEN, _HEADS * head_dim, _KV_HEADS * head_dim, _INTERMEDIATE
@@ -328,7 +332,7 @@ def _model_weights(vocab: int, seed: int, *, qkv_bias: bool = False) -> dict[str
     # 0.15 over a unit-RMS hidden of 128 gives logits of std ~1.7, so the top two logits of a row are
     # typically ~0.5 apart: greedy choices are far from ties at fp32 error (~1e-5).
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _randn((vocab, h), 1.0, gen)}  # [V, hidden]
-    for i in range(_LAYERS):
+    for i in range(num_layers):
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = 1.0 + _randn((h,), 0.1, gen)
         w[f"{p}.self_attn.q_proj.weight"] = _randn((q_out, h), h**-0.5, gen)  # [heads*head_dim, hidden]
@@ -342,7 +346,7 @@ def _model_weights(vocab: int, seed: int, *, qkv_bias: bool = False) -> dict[str
     w["model.norm.weight"] = 1.0 + _randn((h,), 0.1, gen)
     w["lm_head.weight"] = _randn((vocab, h), 0.15, gen)  # [V, hidden]
     if qkv_bias:  # drawn last, so the other weights are the same bytes as the Llama's of this seed
-        for i in range(_LAYERS):
+        for i in range(num_layers):
             p = f"model.layers.{i}.self_attn"
             w[f"{p}.q_proj.bias"] = _randn((q_out,), 0.1, gen)
             w[f"{p}.k_proj.bias"] = _randn((kv_out,), 0.1, gen)

@@ -26,11 +26,12 @@ next step.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.adapter_pool import AdapterPool
+from engine.adapter_pool import WAIT_SLOT, AdapterPool
 from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
@@ -122,11 +123,18 @@ class StepPlanner:
         return plan
 
     def prefetch(self, busy_slots: Iterable[int]) -> None:
-        """Start loading the adapters of the waiting requests next in line (see the module docstring)."""
+        """Start loading the adapters of the waiting requests next in line (see the module docstring), in admission
+        order, until L1 has no room left that is not held for a request before them: each one placed is kept from
+        eviction for the rest of the walk, so a later request never takes an earlier one's slot. Walking on past the
+        first refusal only repeats it: at 2,000 adapters on an H200 (issue 19) the walk went on through up to
+        `max_loras` requests a step, each scanning every slot for victims, which cost the engine thread about 0.7 s of
+        a 4.6 s pass."""
         exclude = set(busy_slots)
-        for seq in sorted(self.waiting, key=_rank)[: self.config.max_loras]:
+        for seq in heapq.nsmallest(self.config.max_loras, self.waiting, key=_rank):
             if seq.adapter_key is not None and seq.lora_slot < 0 and self.pool.failed(seq.adapter_key) is None:
                 slot = self.pool.prefetch(seq.adapter_key, exclude)
+                if slot == WAIT_SLOT:
+                    break
                 if slot is not None:
                     exclude.add(slot)
 

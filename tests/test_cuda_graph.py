@@ -24,6 +24,7 @@ from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa:
 TOL = 1e-5
 ADAPTERS = ("qv-r4", "mlp-r64", "all-r16", "qkvo-r64-rslora")
 SIZES = (1, 2, 4, 8)
+LAYERS = 2  # of the demo model's 4: every kernel runs in Triton's interpreter here, at seconds a layer per step
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The demo model and adapters (as conftest's demo_set), written here so that this module also runs with
     `pytest --noconftest` on the GPU machine, which lacks the packages of the service fixtures conftest loads."""
     root = tmp_path_factory.mktemp("demo")
-    return {"model": root / "model", "adapters": write_demo_set(root, seed=0)}
+    return {"model": root / "model", "adapters": write_demo_set(root, seed=0, num_layers=LAYERS)}
 
 
 
@@ -237,6 +238,8 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeyp
                               sampling=SamplingParams(max_new_tokens=8 - i % 4, ignore_eos=True)) for i in range(12)]  # fmt: skip
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
     want = engine.generate(reqs)
+    # Failed requests would compare equal (no tokens) and launch no round: say why they failed instead.
+    assert all(r.ok for r in want), [r.error for r in want if not r.ok]
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
     waiting_at_launch = []
     launch = engine._launch_round
@@ -247,6 +250,7 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeyp
 
     monkeypatch.setattr(engine, "_launch_round", watched)
     got = engine.generate(reqs)
+    assert all(r.ok for r in got), [r.error for r in got if not r.ok]
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
 

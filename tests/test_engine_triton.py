@@ -41,7 +41,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The demo model and adapters (as conftest's demo_set), written here so that this module also runs with
     `pytest --noconftest` on the GPU machine, which lacks the packages of the service fixtures conftest loads."""
     root = tmp_path_factory.mktemp("demo")
-    return {"model": root / "model", "adapters": write_demo_set(root, seed=0)}
+    return {"model": root / "model", "adapters": write_demo_set(root, seed=0, num_layers=2)}  # 2 of 4: the interpreter's seconds a layer
 
 
 

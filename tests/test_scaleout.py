@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_workers_against_one_on_the_cpu(capsys):
-    figures = bench_scaleout(shape="tiny", workers=2, adapters=12, rank=8, jobs=240, new_tokens=2, json_only=True)
+    figures = bench_scaleout(shape="tiny", workers=2, adapters=8, rank=8, jobs=96, new_tokens=2, json_only=True)
     assert figures["all_results_and_rows"], figures
     one, by_adapter, by_request, balanced = figures["scenarios"]
     assert one["workers"] == 1 and by_adapter["workers"] == by_request["workers"] == balanced["workers"] == 2

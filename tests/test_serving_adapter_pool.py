@@ -364,3 +364,30 @@ def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_
     assert not [e for e in eng.pop_load_events() if e.tier != "gpu"]
     cold = eng.generate([req("cold", adapter_key="other")])[0]  # never predicted: a cold start, charged
     assert cold.timings.adapter_load_us > 0
+
+
+def test_prefetch_fills_free_slots_in_admission_order_and_stops_at_the_first_refusal(demo_set, many_adapters):
+    """After a step, the adapters of the waiting requests next in line are placed in the slots the running request does
+    not hold, in admission order; the walk stops at the first request whose adapter finds no room (none after it is
+    tried), and a later request never evicts an earlier one's adapter."""
+    eng = Engine(config(demo_set, max_loras=4, max_batch_size=2, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM))
+    keys = [f"q{i}" for i in range(10)]
+    for key, path in zip(keys, many_adapters[:10]):
+        eng.register_adapter(key, path)
+    for i, key in enumerate(keys):
+        eng.add_request(req(f"r{i}", adapter_key=key, max_new_tokens=6))
+    tried = []
+    prefetch = eng.adapters.prefetch
+
+    def counted(key, exclude):
+        tried.append(key)
+        return prefetch(key, exclude)
+
+    eng.adapters.prefetch = counted
+    for _ in range(3):
+        tried.clear()
+        eng.step()
+        running = [s.adapter_key for s in eng.planner.running]
+        waiting = [s.adapter_key for s in sorted(eng.planner.waiting, key=lambda s: s.order)]
+        assert len(running) == 2 and set(eng.resident_adapters()) == {*running, *waiting[:2]}, (running, waiting, eng.resident_adapters())
+        assert tried == waiting[:3], tried  # two placed, the third refused, nothing tried after it

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import random
+import types
 
 import pytest
 
+from engine import timing
 from engine.api import EngineError
 from engine.engine import Engine
 from tests.test_serving_helpers import TEXTS, alone, config, demo_engine, req, run_until_done
@@ -128,16 +130,35 @@ def test_a_tenant_quota_below_one_sequence_is_refused_at_start(demo_set):
     assert e.value.code == "config_invalid" and "kv_tenant_quota=0.5" in str(e.value) and "24" in str(e.value)
 
 
-def test_stats_export_the_pool_gauges(demo_set):
+def test_stats_export_the_pool_gauges(demo_set, monkeypatch):
     """stats() carries the gauges the consumer exports (KV pool use and hit rate, warm-pool hit rate, LoRA memory,
-    loads by tier), with values that follow the engine's state."""
+    loads by tier, the marginal prefill cost), with values that follow the engine's state.
+
+    The prefill cost is the slope of prefill step time against tokens (engine.timing.PrefillCost). On the demo model a
+    token costs microseconds against the milliseconds of a step's fixed part, so the wall times of the two prefill steps
+    here (14 tokens, then 2 past the prefix hit) are ordered by CPU scheduling, not by tokens: on two busy cores the
+    2-token step at times took longer, and the slope, floored at 0 by design, was 0. So the steps' clock (DeviceTimer:
+    perf_counter_ns on the CPU) reads a simulated device here, on which a forward of n tokens takes
+    fixed_us + per_token_us * n, and the fit must find per_token_us."""
+    fixed_us, per_token_us = 500, 20
+    now_ns = [0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter_ns=lambda: now_ns[0]))
     eng = Engine(config(demo_set))
+    forward = eng.runner.forward
+
+    def timed_forward(items, **kw):
+        now_ns[0] += (fixed_us + per_token_us * sum(len(it.token_ids) for it in items)) * 1000
+        return forward(items, **kw)
+
+    monkeypatch.setattr(eng.runner, "forward", timed_forward)
     eng.register_adapter("a", demo_set["adapters"]["qv-r16"], tenant_id="t")
     empty = eng.stats()
     assert empty["kv_pool_used_blocks"] == 0 and empty["kv_pool_hit_rate"] == 0.0 and empty["lora_memory_used_bytes"] == 0
+    assert empty["prefill_us_per_token"] is None
     eng.add_request(req("s1", adapter_key="a", tenant_id="t", max_new_tokens=4))
     eng.step()
     mid = eng.stats()
+    assert mid["prefill_us_per_token"] is None  # one prefill step, one token count: no slope yet, so no KV credit
     assert mid["running"] == 1 and mid["kv_pool_used_blocks"] > 0 and mid["kv_tenant_used_blocks"] == {"t": mid["kv_pool_used_blocks"]}
     assert mid["lora_memory_used_bytes"] > 0 and mid["adapter_loads"] == {"disk": 1, "host": 0} and mid["lora_slots_pinned"] == 1
     run_until_done(eng)
@@ -145,4 +166,4 @@ def test_stats_export_the_pool_gauges(demo_set):
     end = eng.stats()
     assert end["kv_pool_used_blocks"] == 0 and end["kv_pool_cached_blocks"] > 0 and 0 < end["kv_pool_hit_rate"] < 1
     assert end["warm_pool_hits"] == 1 and end["warm_pool_misses"] == 1 and end["warm_pool_hit_rate"] == 0.5
-    assert end["prefill_us_per_token"] > 0 and end["steps"] >= 8
+    assert end["prefill_us_per_token"] == pytest.approx(per_token_us) and end["steps"] >= 8

@@ -35,7 +35,9 @@ def import_kernels(*names: str) -> list[ModuleType]:
             stale += [m for m in sys.modules if m.startswith("kernels.") and hasattr(sys.modules[m], "triton")]
             for name in stale:
                 del sys.modules[name]
-        return [importlib.import_module(name) for name in names]
+        modules = [importlib.import_module(name) for name in names]
+        _patch_lang_once_per_launch()
+        return modules
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
@@ -54,3 +56,43 @@ def interpreter_env():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
+
+
+def _patch_lang_once_per_launch() -> None:
+    """Patch triton.language once per launch for each language module, not at every @triton.jit call inside it.
+
+    The interpreter patches the builtins of the language modules a function's globals hold (tl, tl.core:
+    inspect.getmembers over each, ~4 ms) when a launch starts, and again at every device-function call: each call of
+    `group_rows` (kernels/utils.py, once per program of the shrink and the expand) and of triton's own jit helpers
+    (tl.zeros, whose module holds tl.core, which a kernel's own globals may not). Those were 48 of the 295 s of
+    tests/test_cuda_graph.py's full-batch test. A call inside a launch whose modules that launch has already patched
+    now adds nothing; any other call patches as before (the nested patches were never restored, so none is lost).
+    Applied only when the interpreter has the names it wraps, once per import of triton.
+    """
+    from triton.runtime import interpreter
+
+    original, run = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    if original is None or run is None or getattr(run, "_once_per_launch", False) or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    tl = interpreter.tl
+    state = {"launch": False, "patched": set()}  # the language modules patched in the running launch
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}  # as the interpreter picks them
+        if state["launch"] and langs <= state["patched"]:
+            return interpreter._LangPatchScope()  # this launch's patches are in place; nothing to restore
+        scope = original(fn)
+        if state["launch"]:
+            state["patched"] |= langs
+        return scope
+
+    def launch(self, *args, **kwargs):
+        state.update(launch=True, patched=set())
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            state.update(launch=False, patched=set())
+
+    launch._once_per_launch = True
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
