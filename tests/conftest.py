@@ -11,14 +11,14 @@ pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
 # --no-loadscope-reorder`), so these start first and the many short files fill in at the end; its own default order
 # (most tests first) left the compile check (2 tests, 270 s) to start last and run alone for minutes.
 SLOWEST_FIRST = (
-    "tests/test_cuda_graph.py",
     "tests/test_kernels_compile.py",
-    "tests/test_engine_triton.py",
+    "tests/test_cuda_graph.py",
     "tests/test_audit_property.py",
-    "tests/test_scaleout.py",
     "tests/test_chaos.py",
-    "tests/test_engine.py",
     "tests/test_serving_adapter_pool.py",
+    "tests/test_engine.py",
+    "tests/test_scaleout.py",
+    "tests/test_engine_triton.py",
     "tests/test_engine_isolation.py",
     "tests/test_codecs.py",
 )
