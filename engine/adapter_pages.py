@@ -67,13 +67,12 @@ def to_pages(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], 
     parts = []
     for module in targets:
         in_f, out_f = shapes[module]
-        a = torch.zeros(rank, num_layers, in_f, dtype=dtype)  # [r, L, in]
-        b = torch.zeros(rank, num_layers, out_f, dtype=dtype)  # [r, L, out]
-        for layer in range(num_layers):
-            ab = weights.get((layer, module))
-            if ab is not None:
-                a[:, layer] = ab[0].to(dtype)  # lora_A [r, in]
-                b[:, layer] = ab[1].t().to(dtype)  # lora_B [out, r] -> [r, out]
+        zero = (torch.zeros(rank, in_f, dtype=dtype), torch.zeros(out_f, rank, dtype=dtype))
+        layers = [weights.get((layer, module), zero) for layer in range(num_layers)]
+        # One stack per matrix rather than a copy per layer: a store read is Python-bound, and it runs on read-ahead
+        # threads beside the engine thread (issue 19).
+        a = torch.stack([ab[0].to(dtype) for ab in layers], dim=1)  # lora_A [r, in] per layer -> [r, L, in]
+        b = torch.stack([ab[1].to(dtype) for ab in layers], dim=0).permute(2, 0, 1)  # lora_B [out, r] -> [r, L, out]
         parts.append(torch.cat([a.reshape(rank, -1), b.reshape(rank, -1)], dim=1).reshape(-1))  # [r x page]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 

@@ -241,7 +241,11 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         self.lora.timed = False
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # Thread-local capture: the adapter pool's read-ahead threads pin host memory (cudaHostAlloc) at any time,
+            # and in the default global mode such a call from another thread during a capture invalidates it
+            # ("operation not permitted when stream is capturing"; seen on the H200 in issue 19's bench). The
+            # capturing thread's own unsafe calls are still refused.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._forward(b, lora)
         finally:
             self.lora.timed = True

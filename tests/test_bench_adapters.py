@@ -24,3 +24,13 @@ def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path):
         assert r["loads_warm"]["disk"] == 0, r  # L2 holds every adapter after the cold pass
         assert 0 < r["loads_cold"]["disk"] <= r["count"], r
         assert r["cold_tok_s"] > 0 and r["warm_tok_s"] > 0 and r["gpu_budget_bytes"] > 0
+
+
+def test_warm_up_adapters_are_not_the_measured_ones(tmp_path):
+    """The warm-up's adapters (marked from another index on) share no content with the measured ones, so none of the
+    measured adapters is resident before its cold pass."""
+    cfg = model_config("tiny")
+    measured = write_adapters(tmp_path / "m", cfg, 8, [4, 8], ("q_proj",))
+    warm = write_adapters(tmp_path / "w", cfg, 8, [4, 8], ("q_proj",), first=4096 - 128)
+    digest = lambda p: hashlib.sha256((p / "adapter_model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert not {digest(p) for p in measured} & {digest(p) for p in warm}

@@ -37,8 +37,10 @@ from engine.model import PROJECTION_PARENT, ModelConfig
 READ_THREADS = 8  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
 
 
-def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...]) -> list[Path]:
-    """`count` PEFT adapter folders of distinct content (module docstring), rank ranks[i % len(ranks)]."""
+def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...], first: int = 0) -> list[Path]:
+    """`count` PEFT adapter folders of distinct content (module docstring), rank ranks[i % len(ranks)], marked with the
+    indices first..first + count - 1 (so two calls with disjoint ranges write no content twice; below 4,096)."""
+    assert 0 <= first and first + count <= 4096, (first, count)
     gen = torch.Generator().manual_seed(19)
     shapes = cfg.projection_shapes()
     base = {}
@@ -47,7 +49,7 @@ def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], t
                        (torch.randn(cfg.num_layers, shapes[m][1], r, generator=gen) * (0.05 / math.sqrt(r))).to(torch.bfloat16))
                    for m in targets}  # fmt: skip
     paths = []
-    for i in range(count):
+    for i in range(first, first + count):
         r = ranks[i % len(ranks)]
         path = root / f"ad{i:05d}"
         path.mkdir(parents=True)
@@ -131,7 +133,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
-        root: Path | None = None) -> list[dict]:  # fmt: skip
+        root: Path | None = None, read_threads: int = READ_THREADS) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -140,7 +142,9 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         tmp = Path(tmp)
         t0 = time.perf_counter()
         paths = write_adapters(tmp / "adapters", cfg, max(counts), ranks, targets)
-        warm_paths = write_adapters(tmp / "warm", cfg, 2, ranks[:1], targets)
+        # Warm-up adapters: as many distinct ones as a batch of the largest count holds, every rank among them, content
+        # of their own (marked past the measured ones'), so the passes meet no kernel variant the warm-up did not.
+        warm_paths = write_adapters(tmp / "warm", cfg, _warm_count(max(counts), ranks, batch), ranks, targets, first=4096 - 128)
         print(f"wrote {len(paths)} adapters in {time.perf_counter() - t0:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(4)
         prompts = torch.randint(0, cfg.vocab_size, (requests, prompt), generator=gen).tolist()
@@ -149,7 +153,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         rows = []
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
-                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20))  # fmt: skip
+                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]
@@ -160,7 +164,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
     return rows
 
 
-def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes) -> dict:
+def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads) -> dict:
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -168,7 +172,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_num_batched_tokens=batch * len(prompts[0]), kv_num_blocks=_kv_blocks(batch, len(prompts[0]) + new),
         max_loras=max(batch, min(count + 2, 2 * batch)), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
-        warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=READ_THREADS,
+        warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -183,9 +187,11 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     gen = torch.Generator().manual_seed(count)
     picks = torch.randint(0, count, (requests,), generator=gen).tolist()
     chosen = [keys[i] for i in picks]
-    # Warm-up: the same requests on two adapters of their own and the base, so every step shape the passes meet has
-    # been compiled, captured and calibrated before (a shorter warm-up left those costs in the cold pass).
-    warm_keys = [f"warm/{warm_paths[i % 2].name}" if i % 3 else None for i in range(requests)]
+    # Warm-up: the same requests on adapters of their own (as many distinct ones a batch as the count gives, every rank)
+    # and the base, so every step shape and kernel variant the passes meet has been compiled, captured and calibrated
+    # before. With two warm-up adapters of one rank, the 5-adapter cold pass compiled 13 Triton variants (about 5 s of it).
+    n_warm = _warm_count(count, ranks, batch)
+    warm_keys = [f"warm/{warm_paths[i % n_warm].name}" if i % 3 else None for i in range(requests)]
     _pass(engine, prompts, warm_keys, new, f"w{count}", batch)
     cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
     warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
@@ -234,6 +240,11 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     return row
 
 
+def _warm_count(count: int, ranks: list[int], batch: int) -> int:
+    """Distinct warm-up adapters for `count`: as many as one batch of its requests holds, and every rank."""
+    return max(len(ranks), min(count, batch))
+
+
 def _tiers(events) -> dict[str, int]:
     out = {"disk": 0, "host": 0}
     for e in events:
@@ -266,13 +277,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--gpu-bytes", type=int, default=None, help="adapter budget (default: 64 max-rank all-projection slots' bytes)")
     p.add_argument("--device", default=None)
+    p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
-        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device)  # fmt: skip
+        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads)  # fmt: skip
 
 
 if __name__ == "__main__":
