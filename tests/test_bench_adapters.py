@@ -18,7 +18,7 @@ def test_adapters_written_are_distinct(tmp_path):
 
 
 def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path):
-    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, read_threads=2, read_processes=1)
+    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path)
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
     for r in rows:
         assert r["loads_warm"]["disk"] == 0, r  # L2 holds every adapter after the cold pass
