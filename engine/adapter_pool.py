@@ -71,7 +71,7 @@ class AdapterPool(L1Placement):
         self._slots: list[str | None] = [None] * lora.max_loras
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
-        self._ahead = ReadAhead(config.adapter_read_threads, config.adapter_read_processes)
+        self._ahead = ReadAhead(config.adapter_read_threads)
         self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)
         self._predictor = TrafficPredictor(alpha=config.warm_pool_alpha, recent_weight=config.warm_pool_recent_weight)
         self._last_warm: float | None = None

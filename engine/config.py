@@ -68,10 +68,6 @@ class EngineConfig(BaseModel):
     adapter_read_threads: int = Field(
         0, ge=0, le=64, description="threads reading the adapters of queued requests from the store ahead of their admission (0: none)"
     )
-    adapter_read_processes: int = Field(
-        0, ge=0, le=64, description="processes doing those reads' CPU work (hash, validation, page layout), off the engine "
-        "process's GIL; the threads then only wait and pin (0: the threads do it; needs adapter_read_threads)",
-    )
     host_cache_bytes: int = Field(2 * GiB, ge=0, description="L2: pinned host memory for adapters, an LRU bounded in bytes")
     adapter_loads_per_s: float = Field(
         4.0, gt=0, description="token-bucket rate of adapter reads from the store (L3) (seed 002, incident 1: adapter storms)"

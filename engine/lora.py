@@ -246,13 +246,7 @@ class LoraState:
     def host_copy(self, adapter: LoraAdapter) -> HostPages:
         """The L2 copy `write` takes: the adapter's pages in page layout and the pool's dtype, contiguous, pinned on CUDA
         (a DMA needs page-locked memory)."""
-        return self.host_pages(adapter, to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype))
-
-    def host_pages(self, adapter: LoraAdapter, data: torch.Tensor) -> HostPages:
-        """`host_copy` of pages already laid out (engine.adapter_pages.to_pages, this state's shapes and dtype): pinned on
-        CUDA. `adapter`'s weights are not read."""
-        assert data.dtype == self.dtype and data.numel() == adapter.rank * sum(self.page_elems[LORA_TARGETS.index(m)] for m in adapter.target_modules), (
-            data.dtype, data.numel(), adapter.rank, adapter.target_modules)  # fmt: skip
+        data = to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype)
         if self.device.type == "cuda":
             data = data.pin_memory()
         modules = tuple(LORA_TARGETS.index(m) for m in adapter.target_modules)

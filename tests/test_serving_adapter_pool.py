@@ -30,7 +30,6 @@ from tests.test_serving_helpers import TEXTS, alone, config, req, run_until_done
 TARGET_SETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"), LORA_TARGETS]
 RANKS = [4, 8, 16, 64]
 NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)
-READ_PROCESSES = dict(adapter_read_threads=2, adapter_read_processes=1)  # store reads ahead, their CPU work in a process
 
 
 class FakeClock:
@@ -219,13 +218,11 @@ def _corrupt(src, dst):
     ],
     ids=["corrupt", "missing", "sha256 differs", "other base"],
 )
-@pytest.mark.parametrize("reads", [{}, READ_PROCESSES], ids=["read on the engine thread", "read ahead in a process"])
-def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp_path, make, code, reads):
+def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp_path, make, code):
     """A lazy load that fails: requests without fallback fail with the load's code (and a message naming the
-    adapter); those with allow_base_fallback run on the base model, flagged; the failure is a load event. The same
-    when the read runs ahead in a read process: its error crosses back with its code."""
+    adapter); those with allow_base_fallback run on the base model, flagged; the failure is a load event."""
     made = make(demo_set, tmp_path)
-    eng = Engine(config(demo_set, **NO_WARM, **reads, **({"max_batch_size": 1} if reads else {})))
+    eng = Engine(config(demo_set, **NO_WARM))
     if isinstance(made, tuple) and made[0] == "sha":
         eng.register_adapter("bad", made[1], sha256="0" * 64)
     else:
@@ -233,10 +230,7 @@ def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp
     strict = req("strict", adapter_key="bad", max_new_tokens=4)
     lenient = req("lenient", adapter_key="bad", max_new_tokens=4)
     lenient = lenient.__class__(**{**lenient.__dict__, "allow_base_fallback": True})
-    first = [req("first", max_new_tokens=4)] if reads else []  # runs alone while the other two's adapter is read ahead
-    res = {r.request_id: r for r in eng.generate([*first, strict, lenient])}
-    if reads:
-        assert eng.adapters._ahead._procs is not None  # the read went to a read process
+    res = {r.request_id: r for r in eng.generate([strict, lenient])}
     assert res["strict"].error is not None and res["strict"].error.code == code, res["strict"].error
     assert res["lenient"].ok and res["lenient"].base_fallback and res["lenient"].adapter_key is None
     assert res["lenient"].output_ids == alone(eng, req("b", max_new_tokens=4)).output_ids
@@ -397,20 +391,3 @@ def test_prefetch_fills_free_slots_in_admission_order_and_stops_at_the_first_ref
         waiting = [s.adapter_key for s in sorted(eng.planner.waiting, key=lambda s: s.order)]
         assert len(running) == 2 and set(eng.resident_adapters()) == {*running, *waiting[:2]}, (running, waiting, eng.resident_adapters())
         assert tried == waiting[:3], tried  # two placed, the third refused, nothing tried after it
-
-
-def test_reads_ahead_in_processes_serve_what_reads_on_the_engine_thread_do(demo_set, many_adapters):
-    """Twelve requests over six adapters (ranks 4..64, four target sets) give the same tokens whether each adapter is
-    read on the engine thread at admission or ahead of it, hashed, validated and laid out in a read process."""
-    reqs = [req(f"x{i}", adapter_key=f"k{i % 6}", max_new_tokens=4) for i in range(12)]
-    outputs = []
-    for reads in ({}, READ_PROCESSES):
-        eng = Engine(config(demo_set, max_loras=4, max_batch_size=4, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM, **reads))
-        for i in range(6):
-            eng.register_adapter(f"k{i}", many_adapters[i])
-        results = eng.generate(reqs)
-        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-        outputs.append([r.output_ids for r in results])
-        assert eng.stats()["adapter_loads"]["disk"] >= 6
-        assert (eng.adapters._ahead._procs is not None) == bool(reads)  # the reads ahead went to a read process
-    assert outputs[0] == outputs[1]

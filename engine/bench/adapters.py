@@ -35,7 +35,6 @@ from engine.engine import Engine
 from engine.model import PROJECTION_PARENT, ModelConfig
 
 READ_THREADS = 8  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
-READ_PROCESSES = 8  # and their CPU work in this many processes
 
 
 def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...], first: int = 0) -> list[Path]:
@@ -134,7 +133,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
-        root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES) -> list[dict]:  # fmt: skip
+        root: Path | None = None, read_threads: int = READ_THREADS) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -154,8 +153,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         rows = []
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
-                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads,
-                             read_processes=read_processes)  # fmt: skip
+                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]
@@ -166,8 +164,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
     return rows
 
 
-def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes) -> dict:
+def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads) -> dict:
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -175,7 +172,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_num_batched_tokens=batch * len(prompts[0]), kv_num_blocks=_kv_blocks(batch, len(prompts[0]) + new),
         max_loras=max(batch, min(count + 2, 2 * batch)), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
-        warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads, adapter_read_processes=read_processes,
+        warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -281,15 +278,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-bytes", type=int, default=None, help="adapter budget (default: 64 max-rank all-projection slots' bytes)")
     p.add_argument("--device", default=None)
     p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
-    p.add_argument("--read-processes", type=int, default=READ_PROCESSES, help="engine.adapter_read_processes: the reads' CPU work")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
-        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
-        read_processes=a.read_processes)  # fmt: skip
+        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads)  # fmt: skip
 
 
 if __name__ == "__main__":
