@@ -123,8 +123,11 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def issue_calls() -> Iterator[Callable[[], None]]:
-    """One call per launcher and shape of issue 4 (decode, grouped and prefill; three dtypes)."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Iterator[Callable[[], None]]:
+    """One call per launcher and shape of issue 4 (decode, grouped and prefill) and dtype."""
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
@@ -140,7 +143,7 @@ def issue_calls() -> Iterator[Callable[[], None]]:
         "grouped": segments_from_indices([i // 4 for i in range(rows)], device="meta", pad_to=rows),
         "prefill": segments_from_indices([i // 512 for i in range(rows * 512)], device="meta"),
     }
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in dtypes:
         for hidden, heads, kv_heads, head_dim, inter in _MODELS.values():
             q_out, kv_out = heads * head_dim, kv_heads * head_dim
             projections = {"qkv": (hidden, (q_out, kv_out, kv_out)), "o": (q_out, (hidden,)),
@@ -195,11 +198,16 @@ def issue_calls() -> Iterator[Callable[[], None]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: one per core)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)} (default: all)")
     args = parser.parse_args(argv)
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        parser.error(f"--dtypes: {unknown} not among {list(DTYPES)}")
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         print("kernels.compile_check: unset TRITON_INTERPRET (the interpreter replaces what the compiler needs)", file=sys.stderr)
         return 2
-    variants = record_launches(lambda: [call() for call in issue_calls()])
+    dtypes = tuple(DTYPES[d] for d in args.dtypes.split(","))
+    variants = record_launches(lambda: [call() for call in issue_calls(dtypes)])
     print(f"{len(variants)} kernel variants to compile for sm_{TARGET_ARCH}, {args.jobs} at a time", flush=True)
     failed = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
