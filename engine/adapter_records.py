@@ -20,7 +20,7 @@ from engine.adapters import parse_adapter
 from engine.api import AdapterError, AdapterInfo
 from engine.config import EngineConfig
 from engine.model import ModelConfig
-from engine.store import adapter_files, content_sha256
+from engine.store import adapter_files, content_sha256, read_file
 from engine.timing import Stopwatch
 
 MAX_AHEAD_PER_THREAD = 4  # reads queued or running per thread at most: prefetch goes no further ahead than that
@@ -95,7 +95,7 @@ def read_adapter(rec: Record, model: ModelConfig, config: EngineConfig, fingerpr
     AdapterError as the files do."""
     t0 = time.perf_counter_ns()
     config_path, weights_path = adapter_files(rec.path, config.max_adapter_bytes)
-    config_bytes, weight_bytes = config_path.read_bytes(), weights_path.read_bytes()
+    config_bytes, weight_bytes = config_path.read_bytes(), read_file(weights_path)
     sha = content_sha256(config_bytes, weight_bytes)
     if rec.sha is not None and sha != rec.sha:
         return sha, None, (time.perf_counter_ns() - t0) // 1000  # the pool reports adapter_changed

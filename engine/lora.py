@@ -246,9 +246,8 @@ class LoraState:
     def host_copy(self, adapter: LoraAdapter) -> HostPages:
         """The L2 copy `write` takes: the adapter's pages in page layout and the pool's dtype, contiguous, pinned on CUDA
         (a DMA needs page-locked memory)."""
-        data = to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype)
-        if self.device.type == "cuda":
-            data = data.pin_memory()
+        data = to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype,
+                        pin=self.device.type == "cuda")  # fmt: skip
         modules = tuple(LORA_TARGETS.index(m) for m in adapter.target_modules)
         return HostPages(sha256=adapter.sha256, rank=adapter.rank, scaling=adapter.scaling, alpha=adapter.alpha,
                          use_rslora=adapter.use_rslora, target_modules=adapter.target_modules, modules=modules, data=data,

@@ -49,6 +49,17 @@ def content_sha256(config: bytes, weights: bytes) -> str:
     return h.hexdigest()
 
 
+def read_file(path: Path) -> bytearray:
+    """A file's bytes, read into a writable buffer (engine.adapters.read_safetensors views tensors in it without a copy)."""
+    with open(path, "rb") as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        got = f.readinto(buf)
+        rest = f.read()  # a file that grew since fstat: the bytes past its size then
+    if got < len(buf):
+        del buf[got:]
+    return buf + rest if rest else buf
+
+
 def adapter_files(src_dir: Path, max_bytes: int) -> tuple[Path, Path]:
     """Check that `src_dir` is a safe PEFT adapter folder; return its (config, weights) paths.
 

@@ -284,3 +284,88 @@ def test_base_fingerprint_covers_architecture_and_tokenizer_only(demo_set, tmp_p
     tok["added_tokens"].append({**tok["added_tokens"][-1], "id": 10_000, "content": "<extra>"})
     (copy / "tokenizer.json").write_text(json.dumps(tok))
     assert _fp(copy) != fp
+
+
+def _st_file(header: dict, data: bytes, pad_to: int = 8) -> bytes:
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % pad_to)
+    return len(head).to_bytes(8, "little") + head + data
+
+
+def test_read_safetensors_views_what_the_library_writes(tmp_path):
+    """Tensors of every float dtype and an int one, with metadata, read back equal to what safetensors wrote, as views of
+    the buffer (no copy), from bytes and from a bytearray."""
+    from safetensors.torch import save
+    from engine.adapters import read_safetensors
+
+    want = {"a": torch.randn(3, 5), "b": torch.randn(4).to(torch.bfloat16), "c": torch.randn(2, 2).half(),
+            "d": torch.arange(6, dtype=torch.int32).view(2, 3), "e": torch.randn(1, 7, dtype=torch.float64), "z": torch.zeros(0, 4)}  # fmt: skip
+    raw = save(want, metadata={"k": "v"})
+    for data in (raw, bytearray(raw)):
+        got, meta = read_safetensors(data, tmp_path / "x.safetensors")
+        assert meta == {"k": "v"} and set(got) == set(want)
+        for k, t in want.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    buf = bytearray(raw)
+    got, _ = read_safetensors(buf, tmp_path / "x.safetensors")
+    got["a"].zero_()  # through the view, into the buffer
+    assert torch.equal(read_safetensors(buf, tmp_path / "x.safetensors")[0]["a"], torch.zeros(3, 5))
+
+
+BAD_ST = [
+    ("short", b"\x01\x02", "shorter than the 8-byte header length"),
+    ("header past the end", (1000).to_bytes(8, "little") + b"{}", "the header says 1000 bytes"),
+    ("not JSON", _st_file({}, b"")[:8] + b"{nope   ", "not valid JSON"),
+    ("not an object", _st_file([1], b""), "not a JSON object"),  # type: ignore[arg-type]
+    ("unknown dtype", _st_file({"a": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}, b"\0"), "tensor a"),
+    ("no offsets", _st_file({"a": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), "tensor a"),
+    ("offsets past the data", _st_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "within 4 bytes"),
+    ("size not the shape's", _st_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4), "do not hold F32 [2]"),
+    ("negative shape", _st_file({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b""), "do not hold"),
+    ("a gap", _st_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8), "starts at 4"),
+    ("overlap", _st_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8), "the bytes before it end at 8"),  # fmt: skip
+    ("trailing bytes", _st_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 12), "cover 4 of the 12"),
+    ("bad metadata", _st_file({"__metadata__": {"k": 1}}, b""), "__metadata__"),
+]
+
+
+@pytest.mark.parametrize(("case", "data", "needle"), BAD_ST, ids=[c[0] for c in BAD_ST])
+def test_read_safetensors_refuses_a_broken_file_by_name(tmp_path, case, data, needle):
+    from engine.adapters import read_safetensors
+
+    with pytest.raises(AdapterError) as e:
+        read_safetensors(data, tmp_path / "w.safetensors")
+    assert e.value.code == "adapter_corrupt" and "w.safetensors is corrupt or truncated" in str(e.value), e.value
+    assert needle in str(e.value), e.value
+
+
+def test_read_safetensors_takes_an_unaligned_tensor(tmp_path):
+    """A writer other than safetensors' may put an f32 at an odd offset (after a one-byte tensor): read by a copy."""
+    from engine.adapters import read_safetensors
+
+    vals = torch.tensor([1.5, -2.0])
+    data = _st_file({"u": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                     "f": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}, b"\x07" + vals.numpy().tobytes())  # fmt: skip
+    got, _ = read_safetensors(data, tmp_path / "w.safetensors")
+    assert torch.equal(got["f"], vals) and int(got["u"][0]) == 7
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_non_finite_value_anywhere_is_found_and_named(demo_set, tmp_path, bad, dtype):
+    """NaN, +inf or -inf in the last layer's B, in any float dtype, with the rest of the file in another dtype or the
+    same: refused, naming that layer and matrix (the one-view check and the per-dtype fallback both look everywhere)."""
+    d = _copy(demo_set, tmp_path)
+    model = read_model_config(demo_set["model"])
+    last = f"base_model.model.model.layers.{model.num_layers - 1}.self_attn.v_proj.lora_B.weight"
+
+    def poison(w):
+        for k in w:
+            w[k] = w[k].to(dtype if k == last or dtype == torch.float32 else torch.float32)
+        w[last][-1, -1] = bad
+
+    _edit_weights(d, poison)
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert e.value.code == "adapter_invalid" and f"layers.{model.num_layers - 1}.self_attn.v_proj lora_B" in str(e.value)
