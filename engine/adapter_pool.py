@@ -181,15 +181,8 @@ class AdapterPool(L1Placement):
         """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
         the slot, WAIT_SLOT when L1 has no room for it (not without evicting `exclude` or pinned adapters), or None
         if it must wait for anything else. Errors are kept on the key for its admission to report."""
-        rec = self._records[key]
-        content = self._contents.get(rec.sha) if rec.sha else None
-        if rec.error is None and (content is None or (content.slot is None and content.host is None)) and self._ahead.threads:
-            if not self._ahead.pending(key) and not self._ahead.done(key):
-                if not self._ahead.has_room() or not self._bucket.try_take():
-                    return None
-                self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
-            if self._ahead.pending(key):
-                return None  # read on a thread, off the step's path; placed by a later prefetch or its admission
+        if self.read_ahead(key) or self._ahead.pending(key):
+            return None  # read on a thread, off the step's path; placed by a later prefetch or its admission
         try:
             content = self._ensure_slot(key, exclude=tuple(exclude), reason="request")
         except AdapterError:
@@ -197,6 +190,19 @@ class AdapterPool(L1Placement):
         if isinstance(content, str):
             return WAIT_SLOT if content == WAIT_SLOT else None
         return content.slot
+
+    def read_ahead(self, key: str) -> bool:
+        """Start reading a waiting request's adapter from the store on a read-ahead thread, if it is in neither L1 nor L2
+        and no read of it is under way, and a thread and the admission bucket allow; whether one started. Nothing else:
+        no slot is taken (`prefetch` places)."""
+        rec = self._records[key]
+        content = self._contents.get(rec.sha) if rec.sha else None
+        if rec.error is not None or not self._ahead.threads or (content is not None and (content.slot is not None or content.host is not None)):
+            return False
+        if self._ahead.pending(key) or self._ahead.done(key) or not self._ahead.has_room() or not self._bucket.try_take():
+            return False
+        self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
+        return True
 
     def failed(self, key: str) -> AdapterError | None:
         return self._records[key].error

@@ -58,7 +58,7 @@ from engine.device import build_runner, pick_device, pick_dtype
 from engine.isolation import forward_isolated, sample_isolated
 from engine.model import LlamaForCausalLM
 from engine.requests import Requests, duplicate, failed_result, monotonic_us
-from engine.rounds import Round, book_round, chain_length, launch_round, plan_next_round
+from engine.rounds import Round, book_round, chain_length, launch_round, plan_next_round, tokens_left
 from engine.runner import BatchItem
 from engine.planner import Plan, StepPlanner
 from engine.sequence import Sequence
@@ -66,6 +66,10 @@ from engine.timing import DeviceTimer, StepRecord
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("lorabatch.engine")
+
+# Adapter placement looks this many decode rounds past the work in flight for requests about to finish (`_load_ahead`):
+# their successors' adapters are copied in while the GPU runs those rounds.
+LOOKAHEAD_ROUNDS = 2
 
 
 class Engine:
@@ -305,7 +309,7 @@ class Engine:
                 self._step_timer.reset()
                 self.runner.begin_step()
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
-        self._load_ahead()  # between launching the forward and reading its results: on CUDA, overlapped with it
+        self._load_ahead(1)  # between launching the forward and reading its results: on CUDA, overlapped with it
         samplers = [i for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
             chosen, sample_errors = self._sample(logits, [plan.items[i].seq for i in samplers])
@@ -329,10 +333,11 @@ class Engine:
         with self._step_timer.section():
             return self.runner.forward(items)  # [M, V] fp32, one row per sampling item
 
-    def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> Round:
+    def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None,
+                      finished_before: int = 0) -> Round:  # fmt: skip
         """Launch a decode round (engine.rounds `launch_round`), then start the adapter loads no request of it waits for."""
         rnd = launch_round(self.runner, seqs, items, steps, first_ids)
-        self._load_ahead()
+        self._load_ahead(steps, finished_before)
         return rnd
 
     def _next_round(self, rnd: Round) -> Round | None:
@@ -342,7 +347,7 @@ class Engine:
         if self._admissible() or (planned := plan_next_round(rnd, self.runner, self.config.decode_steps)) is None:
             return None
         items, steps = planned
-        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids, finished_before=rnd.steps)
 
     def _admissible(self) -> bool:
         """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the
@@ -356,10 +361,20 @@ class Engine:
         if rnd is not None:
             book_round(rnd, self._book)
 
-    def _load_ahead(self) -> None:
+    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
-        warm pool's (after admission, so that what requests need now is loaded for them, and charged to them)."""
-        self.planner.prefetch(s.lora_slot for s in self.planner.running if s.lora_slot >= 0)
+        warm pool's (after admission, so that what requests need now is loaded for them, and charged to them).
+
+        Placed in L1 now are the adapters of as many waiting requests as the next schedules can admit: the batch's free
+        places, and the running requests that reach their max_new_tokens within the `in_flight` steps launched (of which
+        `finished_before` were launched before) and the LOOKAHEAD_ROUNDS rounds after; the others are only read ahead
+        from the store (engine.planner `prefetch`). A request that ends early (EOS, a stop string) was not counted: its
+        successor's adapter is placed at its admission."""
+        running = self.planner.running
+        horizon = finished_before + in_flight + LOOKAHEAD_ROUNDS * self.config.decode_steps
+        ending = sum(tokens_left(s) <= horizon for s in running)
+        places = self.config.max_batch_size - len(running) + ending
+        self.planner.prefetch((s.lora_slot for s in running if s.lora_slot >= 0), places)
         self.adapters.warm()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, EngineError]]:

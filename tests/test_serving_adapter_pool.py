@@ -366,16 +366,70 @@ def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_
     assert cold.timings.adapter_load_us > 0
 
 
-def test_prefetch_fills_free_slots_in_admission_order_and_stops_at_the_first_refusal(demo_set, many_adapters):
-    """After a step, the adapters of the waiting requests next in line are placed in the slots the running request does
-    not hold, in admission order; the walk stops at the first request whose adapter finds no room (none after it is
-    tried), and a later request never evicts an earlier one's adapter."""
-    eng = Engine(config(demo_set, max_loras=4, max_batch_size=2, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM))
-    keys = [f"q{i}" for i in range(10)]
-    for key, path in zip(keys, many_adapters[:10]):
+def test_prefetch_places_the_next_admissions_in_order_and_stops_at_the_first_refusal(demo_set, many_adapters):
+    """After a step, the adapters of the waiting requests the next schedules can admit (here: as many as the running ones
+    that end within the look-ahead) are placed in the slots the running requests do not hold, in admission order; the
+    walk stops placing at the first request whose adapter finds no room (none after it is tried), and a later request
+    never evicts an earlier one's adapter."""
+    eng = Engine(config(demo_set, max_loras=4, max_batch_size=3, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM))
+    keys = [f"q{i}" for i in range(12)]
+    for key, path in zip(keys, many_adapters[:12]):
         eng.register_adapter(key, path)
     for i, key in enumerate(keys):
-        eng.add_request(req(f"r{i}", adapter_key=key, max_new_tokens=6))
+        eng.add_request(req(f"r{i}", adapter_key=key, max_new_tokens=4))
+    tried = _count_prefetches(eng)
+    for _ in range(3):
+        tried.clear()
+        eng.step()
+        running = [s.adapter_key for s in eng.planner.running]
+        waiting = [s.adapter_key for s in sorted(eng.planner.waiting, key=lambda s: s.order)]
+        assert len(running) == 3 and set(eng.resident_adapters()) == {*running, waiting[0]}, (running, waiting, eng.resident_adapters())
+        assert tried == waiting[:2], tried  # one placed, the second refused (3 slots pinned, 1 free), nothing tried after it
+
+
+def test_prefetch_places_nothing_while_no_running_request_ends_soon(demo_set, many_adapters):
+    """With the batch full and every running request far from its max_new_tokens, no admission is near: a step places
+    no waiting request's adapter (the host time would delay the GPU's work for nothing); once they near their end, the
+    next ones are placed."""
+    eng = Engine(config(demo_set, max_loras=8, max_batch_size=2, decode_steps=2, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM))
+    for i, path in enumerate(many_adapters[:4]):
+        eng.register_adapter(f"q{i}", path)
+        eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=12))
+    tried = _count_prefetches(eng)
+    steps = 0
+    while not tried:
+        eng.step()  # the first admits r0 and r1 (their first tokens)
+        steps += 1
+        assert steps > 1 or set(eng.resident_adapters()) == {"q0", "q1"}
+    # placed in the step that starts with 5 tokens left (12 - 7 made): this step's one and 2 rounds of 2 steps after it
+    assert steps == 8 and tried[:2] == ["q2", "q3"] and {"q2", "q3"} <= set(eng.resident_adapters()), (steps, tried)
+
+
+def test_queued_adapters_are_read_ahead_though_not_placed(demo_set, many_adapters):
+    """With read-ahead threads, the adapters of waiting requests that the next schedule cannot admit are read from the
+    store on the threads (into L2, no slot taken), so their admission only copies them."""
+    eng = Engine(config(demo_set, max_loras=8, max_batch_size=2, adapter_read_threads=2, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, **NO_WARM))  # fmt: skip
+    for i, path in enumerate(many_adapters[:5]):
+        eng.register_adapter(f"q{i}", path)
+        eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=30))
+    tried = _count_prefetches(eng)
+    for _ in range(2):
+        eng.step()
+    ahead = eng.adapters._ahead
+    assert tried == [] and all(ahead.pending(f"q{i}") or ahead.done(f"q{i}") for i in (2, 3, 4))
+    assert set(eng.resident_adapters()) == {"q0", "q1"}
+    results = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            results[r.request_id] = r
+    assert all(r.ok for r in results.values()) and len(results) == 5
+    disk = [e for e in eng.pop_load_events() if e.tier == "disk" and e.skip_reason is None]
+    assert sorted(e.key for e in disk) == [f"q{i}" for i in range(5)]  # each read once
+
+
+def _count_prefetches(eng) -> list[str]:
+    """The keys the engine asks the pool to place ahead, in order (the list fills as it steps)."""
     tried = []
     prefetch = eng.adapters.prefetch
 
@@ -384,10 +438,4 @@ def test_prefetch_fills_free_slots_in_admission_order_and_stops_at_the_first_ref
         return prefetch(key, exclude)
 
     eng.adapters.prefetch = counted
-    for _ in range(3):
-        tried.clear()
-        eng.step()
-        running = [s.adapter_key for s in eng.planner.running]
-        waiting = [s.adapter_key for s in sorted(eng.planner.waiting, key=lambda s: s.order)]
-        assert len(running) == 2 and set(eng.resident_adapters()) == {*running, *waiting[:2]}, (running, waiting, eng.resident_adapters())
-        assert tried == waiting[:3], tried  # two placed, the third refused, nothing tried after it
+    return tried

@@ -3,7 +3,9 @@
 
 One process; per adapter count a fresh engine on a random model of the shape, `requests` requests of `prompt` random
 tokens and `new` generated ones, each for an adapter drawn uniformly from `count` distinct ones (ranks cycled over
-`ranks`, on `targets`), after a warm-up pass on two adapters of their own (kernels compiled, graphs captured). Two
+`ranks`, on `targets`), after two warm-up passes on adapters of their own, every rank, one with base requests among
+them and one with an adapter on every request (kernels compiled, graphs captured; the row counts the Triton compiles
+left in each measured pass). Two
 passes over the same requests: cold (every adapter only on disk, L3) and host-warm (every adapter read once into L2,
 pinned; L1 holds what the adapter budget holds). Per count it prints tokens/s of both passes and their ratio to the
 smallest count's, the loads by tier, L2 -> L1 load time p50/p99 (copy on the side stream, CUDA events) against the
@@ -108,6 +110,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     sync(engine.device)
     t0 = time.perf_counter()
     tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call)
+    decode_rows = decode_steps = 0
+    spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     while engine.has_unfinished():
         loads = counters["loads_disk"] + counters["loads_host"]
         c0 = time.perf_counter()
@@ -118,10 +122,16 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         tokens += sum(len(r.output_ids) for r in results)
         if records:
             decode = all(r.tokens <= batch for r in records)
+            spent[decode] += us * 1e-6
+            if decode:
+                decode_rows += sum(r.tokens for r in records)
+                decode_steps += len(records)
             calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode))
     elapsed = time.perf_counter() - t0
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls}
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
+            "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
+            "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3)}  # fmt: skip
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -192,9 +202,17 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     # before. With two warm-up adapters of one rank, the 5-adapter cold pass compiled 13 Triton variants (about 5 s of it).
     n_warm = _warm_count(count, ranks, batch)
     warm_keys = [f"warm/{warm_paths[i % n_warm].name}" if i % 3 else None for i in range(requests)]
-    _pass(engine, prompts, warm_keys, new, f"w{count}", batch)
-    cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
-    warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
+    # A second warm-up pass with an adapter on every request, as the measured passes have: on a machine whose Triton cache
+    # was empty, the first alone left about 9 s of compiles in the 5-adapter cold pass (H200, session 9, call 1).
+    every = torch.randint(0, n_warm, (requests,), generator=torch.Generator().manual_seed(count + 1)).tolist()
+    with _Compiles() as compiles:
+        _pass(engine, prompts, warm_keys, new, f"w{count}", batch)
+        _pass(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"v{count}", batch)
+        warmup_compiles = compiles.take()
+        cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
+        cold_compiles = compiles.take()
+        warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
+        warm_compiles = compiles.take()
     host_loads = [e for e in warm["events"] + cold["events"] if e.tier == "host"]
     load_us = [e.load_us for e in host_loads]
     disk_us = [e.load_us for e in cold["events"] if e.tier == "disk"]
@@ -226,6 +244,12 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "prefill_steps_with_load": len(mixed_load), "prefill_steps_without_load": len(mixed_plain),
         "gpu_budget_bytes": lora.nbytes, "adapters_of_median_size_in_budget": fits,
         "resident_after": pool.stats()["lora_slots_used"],
+        # Triton kernels compiled in each (a pass that compiles measures the compiler; the warm-up is there to take them)
+        "compiles_warmup": warmup_compiles, "compiles_cold": cold_compiles, "compiles_warm": warm_compiles,
+        # where each pass's time went: decode-only steps (and their mean rows) against steps with prompt tokens
+        "cold_s": round(cold["seconds"], 3), "warm_s": round(warm["seconds"], 3),
+        "warm_decode_s": warm["decode_s"], "warm_mixed_s": warm["mixed_s"], "warm_decode_rows_mean": warm["decode_rows_mean"],
+        "cold_decode_s": cold["decode_s"], "cold_mixed_s": cold["mixed_s"], "cold_decode_rows_mean": cold["decode_rows_mean"],
     }  # fmt: skip
     if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
         row["load_step_ratio"] = round(row["decode_step_p99_with_load_us"] / row["decode_step_p50_without_us"], 3)
@@ -238,6 +262,40 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+class _Compiles:
+    """Counts Triton JIT compiles (kernel variants first met in this process) while entered, through Triton's
+    post-compile hook; counts nothing where this Triton has no such hook (`take` then gives None)."""
+
+    def __init__(self):
+        try:
+            from triton import knobs
+
+            self._runtime = knobs.runtime
+        except (ImportError, AttributeError):
+            self._runtime = None
+        self._n = 0
+
+    def __enter__(self) -> _Compiles:
+        if self._runtime is not None and hasattr(self._runtime, "jit_post_compile_hook"):
+            self._saved = self._runtime.jit_post_compile_hook
+            self._runtime.jit_post_compile_hook = self._hook
+        else:
+            self._runtime = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_post_compile_hook = self._saved
+
+    def _hook(self, *args, **kwargs) -> None:
+        self._n += 1
+
+    def take(self) -> int | None:
+        """Compiles since the last take."""
+        n, self._n = self._n, 0
+        return n if self._runtime is not None else None
 
 
 def _warm_count(count: int, ranks: list[int], batch: int) -> int:
