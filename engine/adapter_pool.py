@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from engine.adapter_reader import ReaderPool
 from engine.adapter_records import Content, LoadEvent, Meta, ReadAhead, Record, read_adapter
 from engine.adapter_residency import L1Placement
 from engine.adapter_policy import TokenBucket
@@ -71,7 +72,9 @@ class AdapterPool(L1Placement):
         self._slots: list[str | None] = [None] * lora.max_loras
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
-        self._ahead = ReadAhead(config.adapter_read_threads)
+        procs = config.adapter_read_processes
+        reader = ReaderPool(procs, model, config, base_fingerprint, lora) if procs else None
+        self._ahead = ReadAhead(max(config.adapter_read_threads, procs), reader)
         self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)
         self._predictor = TrafficPredictor(alpha=config.warm_pool_alpha, recent_weight=config.warm_pool_recent_weight)
         self._last_warm: float | None = None
@@ -203,6 +206,13 @@ class AdapterPool(L1Placement):
             return False
         self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
         return True
+
+    def close(self) -> None:
+        """Stop the reader processes, if any; reads ahead are not started again (the pool stays usable, reading on the
+        engine thread)."""
+        if self._ahead.reader is not None:
+            self._ahead.reader.close()
+            self._ahead.reader = None
 
     def failed(self, key: str) -> AdapterError | None:
         return self._records[key].error

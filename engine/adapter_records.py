@@ -105,10 +105,12 @@ def read_adapter(rec: Record, model: ModelConfig, config: EngineConfig, fingerpr
 
 
 class ReadAhead:
-    """Store reads on `threads` worker threads, one future per key (none with threads = 0)."""
+    """Store reads on `threads` worker threads, one future per key (none with threads = 0); with a `reader`
+    (engine.adapter_reader.ReaderPool) the threads hand each read to a reader process and wait for its pages."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, reader=None):
         self.threads = threads
+        self.reader = reader
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-read") if threads else None
         self._futures: dict[str, Future] = {}
 
@@ -117,7 +119,10 @@ class ReadAhead:
 
     def start(self, rec: Record, *args) -> None:
         assert self._pool is not None and rec.key not in self._futures, rec.key
-        self._futures[rec.key] = self._pool.submit(read_adapter, rec, *args)
+        if self.reader is not None:
+            self._futures[rec.key] = self._pool.submit(self.reader.read, rec.path, rec.sha)
+        else:
+            self._futures[rec.key] = self._pool.submit(read_adapter, rec, *args)
 
     def pending(self, key: str) -> bool:
         f = self._futures.get(key)

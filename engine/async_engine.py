@@ -76,6 +76,7 @@ class AsyncEngine:
         self._commands.put((self._request_stop, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.adapters.close()  # the reader processes, if any (engine.adapter_reader)
 
     async def __aenter__(self) -> Self:
         self.start()

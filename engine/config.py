@@ -68,6 +68,11 @@ class EngineConfig(BaseModel):
     adapter_read_threads: int = Field(
         0, ge=0, le=64, description="threads reading the adapters of queued requests from the store ahead of their admission (0: none)"
     )
+    adapter_read_processes: int = Field(
+        0, ge=0, le=64,
+        description="long-lived processes doing those reads (each imports torch once), off the engine process's GIL; "
+        "the read-ahead threads then only wait for them and receive the pages (0: the threads read)",
+    )  # fmt: skip
     host_cache_bytes: int = Field(2 * GiB, ge=0, description="L2: pinned host memory for adapters, an LRU bounded in bytes")
     adapter_loads_per_s: float = Field(
         4.0, gt=0, description="token-bucket rate of adapter reads from the store (L3) (seed 002, incident 1: adapter storms)"

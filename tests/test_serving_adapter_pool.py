@@ -439,3 +439,48 @@ def _count_prefetches(eng) -> list[str]:
 
     eng.adapters.prefetch = counted
     return tried
+
+
+def test_reads_in_reader_processes_serve_the_same_tokens_and_errors(demo_set, many_adapters, tmp_path):
+    """With store reads in reader processes (engine.adapter_reader): requests queued behind a full batch have their
+    adapters read there and give the tokens of an engine reading in-process; a corrupt file and a changed one fail their
+    requests with their codes; a reader process killed mid-run is replaced and no read is lost; the processes stop with
+    the pool."""
+    bad = _corrupt(demo_set["adapters"]["qv-r4"], tmp_path / "bad")
+    keys = [f"p{i}" for i in range(6)]
+    reqs = [req(f"r{i}", adapter_key=keys[i % 6], max_new_tokens=3) for i in range(10)]
+    reqs += [req("corrupt", adapter_key="bad", max_new_tokens=3), req("changed", adapter_key="moved", max_new_tokens=3)]
+
+    def run(**extra):
+        eng = Engine(config(demo_set, max_batch_size=2, max_loras=4, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM, **extra))
+        for key, path in zip(keys, many_adapters[:6]):
+            eng.register_adapter(key, path)
+        eng.register_adapter("bad", bad)
+        eng.register_adapter("moved", many_adapters[7], sha256="0" * 64)
+        for r in reqs:
+            eng.add_request(r)
+        out, steps = {}, 0
+        while eng.has_unfinished():
+            for r in eng.step():
+                out[r.request_id] = r
+            steps += 1
+            reader = eng.adapters._ahead.reader
+            if steps == 2 and reader is not None:
+                reader._workers[0][0].kill()
+        return eng, out
+
+    ref_eng, ref = run()
+    eng, got = run(adapter_read_processes=2)
+    reader = eng.adapters._ahead.reader
+    assert reader is not None and eng.adapters._ahead.threads == 2
+    for i in range(10):
+        assert got[f"r{i}"].ok and got[f"r{i}"].output_ids == ref[f"r{i}"].output_ids, i
+    assert got["corrupt"].error.code == ref["corrupt"].error.code == "adapter_corrupt"
+    assert got["changed"].error.code == ref["changed"].error.code == "adapter_changed"
+    assert "corrupt or truncated" in got["corrupt"].error.message
+    disk = [e for e in eng.pop_load_events() if e.tier == "disk" and e.skip_reason is None and e.error_code is None]
+    assert sorted({e.key for e in disk}) == keys and len(disk) == 6  # each good adapter read once, none lost to the kill
+    procs = [p for p, _ in reader._workers]
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    eng.adapters.close()
+    assert not any(p.is_alive() for p in procs) and eng.adapters._ahead.reader is None

@@ -36,7 +36,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import PROJECTION_PARENT, ModelConfig
 
-READ_THREADS = 8  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
+READ_THREADS = 4  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
+READ_PROCESSES = 4  # ... each handing its read to one of this many reader processes (engine.adapter_reader; 0: none)
 
 
 def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...], first: int = 0) -> list[Path]:
@@ -143,7 +144,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
-        root: Path | None = None, read_threads: int = READ_THREADS) -> list[dict]:  # fmt: skip
+        root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -163,7 +164,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         rows = []
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
-                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads)  # fmt: skip
+                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]
@@ -174,7 +175,8 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
     return rows
 
 
-def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads) -> dict:
+def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
+               read_processes) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -183,6 +185,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_loras=max(batch, min(count + 2, 2 * batch)), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
         warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
+        adapter_read_processes=read_processes,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -258,6 +261,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
               "prefill_step_p50_without_load_us"):  # fmt: skip
         if row[k] is not None:
             row[k] = round(row[k], 1)
+    engine.adapters.close()
     del engine, model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -336,13 +340,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-bytes", type=int, default=None, help="adapter budget (default: 64 max-rank all-projection slots' bytes)")
     p.add_argument("--device", default=None)
     p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
+    p.add_argument("--read-processes", type=int, default=READ_PROCESSES, help="engine.adapter_read_processes: ... in these processes")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
-        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads)  # fmt: skip
+        new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
+        read_processes=a.read_processes)  # fmt: skip
 
 
 if __name__ == "__main__":
