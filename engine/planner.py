@@ -19,9 +19,10 @@ Each step (`schedule`) spends a budget of `max_num_batched_tokens` tokens:
 Blocks are taken as needed rather than reserved for a request's worst case: more requests run at once,
 at the price of a preemption when they all grow at the same time.
 
-After the forward, `prefetch` starts the adapter loads of the waiting requests at the head of the
-queue, so that on CUDA they overlap the step's compute (a side-stream copy) instead of delaying the
-next step.
+After the forward, `prefetch` loads ahead for the waiting requests at the head of the queue: the
+adapters of those the next schedules can admit are copied into L1 (on CUDA a side-stream copy that
+overlaps the step's compute instead of delaying the next step), the others only read from the store
+on read-ahead threads.
 """
 
 from __future__ import annotations

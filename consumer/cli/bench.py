@@ -90,13 +90,15 @@ def bench_adapters(
     new: Annotated[int, typer.Option(help="new tokens per request (EOS ignored)")] = 64,
     gpu_bytes: Annotated[Optional[int], typer.Option(help="adapter device budget in bytes (default: 64 max-rank slots' worth)")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda where there is one)")] = None,
-    read_threads: Annotated[int, typer.Option(help="engine.adapter_read_threads: threads reading queued requests' adapters ahead")] = 8,
+    read_threads: Annotated[int, typer.Option(help="engine.adapter_read_threads: threads reading queued requests' adapters ahead")] = 4,
+    read_processes: Annotated[int, typer.Option(help="engine.adapter_read_processes: reader processes doing those reads (0: the threads)")] = 4,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
     from engine.bench.adapters import run
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
-        targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads)  # fmt: skip
+        targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
+        read_processes=read_processes)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
