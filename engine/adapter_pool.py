@@ -40,6 +40,7 @@ from engine.adapter_residency import L1Placement
 from engine.adapter_policy import TokenBucket
 from engine.api import AdapterError, AdapterInfo
 from engine.config import EngineConfig
+from engine.host_arena import HostArena
 from engine.lora import LoraState
 from engine.model import ModelConfig
 from engine.warm_pool import TrafficPredictor
@@ -47,6 +48,7 @@ from engine.warm_pool import TrafficPredictor
 WAIT_RATE = "rate_limited"  # acquire: the admission token bucket is empty
 WAIT_SLOT = "no_free_slot"  # acquire: the pages or slots it needs are held by adapters of running requests
 WAIT_READ = "reading"  # acquire: a read-ahead thread is reading it from the store
+ARENA_HEADROOM = 4  # the L2 arena is host_cache_bytes and a quarter more (engine.host_arena)
 MAX_EVENTS = 10_000  # load events kept for pop_events; older ones are dropped (and counted) if nobody drains them
 
 
@@ -72,6 +74,9 @@ class AdapterPool(L1Placement):
         self._slots: list[str | None] = [None] * lora.max_loras
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
+        if config.host_cache_bytes and lora.arena is None:
+            # L2 and what is on its way to and from it (reads ahead, transient copies): taken once, pinned on CUDA
+            lora.arena = HostArena(config.host_cache_bytes + config.host_cache_bytes // ARENA_HEADROOM, lora.dtype, lora.copy_stream)
         procs = config.adapter_read_processes
         reader = ReaderPool(procs, model, config, base_fingerprint, lora) if procs else None
         self._ahead = ReadAhead(max(config.adapter_read_threads, procs), reader)
@@ -277,6 +282,9 @@ class AdapterPool(L1Placement):
             "lora_memory_used_bytes": sum(self._contents[s].meta.nbytes for s in self._slots if s is not None),
             "adapter_host_bytes": self._l2_bytes,
             "adapter_host_capacity_bytes": self._config.host_cache_bytes,
+            # L2's host memory, taken at start (engine.host_arena); a miss is a copy that found no extent and took its own
+            "adapter_host_arena_bytes": self._lora.arena.nbytes if self._lora.arena is not None else 0,
+            "adapter_host_arena_misses": self._lora.arena.misses if self._lora.arena is not None else 0,
             "adapters_registered": len(self._records),
             "adapter_loads": {"disk": c["loads_disk"], "host": c["loads_host"]},
             "adapter_dedupe_skips": c["dedupe_skips"],

@@ -82,8 +82,7 @@ class ReaderPool:
         self._ctx = mp.get_context("spawn")
         self._args = (model, config.max_adapter_bytes, config.max_lora_rank, fingerprint, dict(lora.shapes), lora.num_layers,
                       str(lora.dtype).removeprefix("torch."))  # fmt: skip
-        self._dtype = lora.dtype
-        self._pin = lora.device.type == "cuda"
+        self._host_tensor = lora.host_tensor  # an extent of the L2 arena, or a pinned tensor of its own
         self._page_elems = lora.page_elems
         self._idle: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -114,7 +113,7 @@ class ReaderPool:
                 reply = conn.recv()
                 if reply[0] == "ok":
                     (sha, rank, alpha, rslora, scaling, targets, numel), us = reply[1], reply[2]
-                    data = torch.empty(numel, dtype=self._dtype, pin_memory=self._pin)
+                    data = self._host_tensor(numel)
                     got = conn.recv_bytes_into(data.view(torch.uint8).numpy())
                     assert got == numel * data.element_size(), (got, numel)
                 break

@@ -69,7 +69,8 @@ from torch import nn
 
 from engine.adapters import LoraAdapter
 from engine.backend import KernelBackend
-from engine.adapter_pages import HostPages, PageAllocator, copy_runs, to_pages
+from engine.host_arena import HostArena
+from engine.adapter_pages import HostPages, PageAllocator, copy_runs, page_elems_of, write_pages
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LORA_TARGETS, LlamaForCausalLM, ModelConfig, ModelOps
 from engine.lora_calibration import CONSUMERS, ConsumerCalibration
 from engine.timing import DeviceTimer, Stopwatch
@@ -120,6 +121,7 @@ class LoraState:
         self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.arena: HostArena | None = None  # L2's host memory, set by the adapter pool (engine.host_arena)
         # slot -> (end of its last write, not yet waited on; the pinned staging of its table rows, kept alive until then)
         self._ready: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
 
@@ -246,12 +248,18 @@ class LoraState:
     def host_copy(self, adapter: LoraAdapter) -> HostPages:
         """The L2 copy `write` takes: the adapter's pages in page layout and the pool's dtype, contiguous, pinned on CUDA
         (a DMA needs page-locked memory)."""
-        data = to_pages(adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers, self.dtype,
-                        pin=self.device.type == "cuda")  # fmt: skip
+        data = self.host_tensor(page_elems_of(adapter.target_modules, adapter.rank, self.shapes, self.num_layers))
+        write_pages(data, adapter.weights, adapter.target_modules, adapter.rank, self.shapes, self.num_layers)
         modules = tuple(LORA_TARGETS.index(m) for m in adapter.target_modules)
         return HostPages(sha256=adapter.sha256, rank=adapter.rank, scaling=adapter.scaling, alpha=adapter.alpha,
                          use_rslora=adapter.use_rslora, target_modules=adapter.target_modules, modules=modules, data=data,
                          page_elems=tuple(self.page_elems[m] for m in modules))  # fmt: skip
+
+    def host_tensor(self, numel: int) -> torch.Tensor:
+        """Host memory for one adapter's L2 copy: an extent of the L2 arena (engine.host_arena), or, when it has none free
+        (or there is none), a tensor of its own, pinned on CUDA (a DMA needs page-locked memory)."""
+        data = self.arena.alloc(numel) if self.arena is not None else None
+        return data if data is not None else torch.empty(numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def page_need(self, host: HostPages) -> list[tuple[int, int]]:
         """(page size, count) per module of `host`, as PageAllocator.alloc takes them."""

@@ -484,3 +484,33 @@ def test_reads_in_reader_processes_serve_the_same_tokens_and_errors(demo_set, ma
     assert len(procs) == 2 and all(p.is_alive() for p in procs)
     eng.adapters.close()
     assert not any(p.is_alive() for p in procs) and eng.adapters._ahead.reader is None
+
+
+def test_l2_copies_live_in_the_host_arena_and_a_full_arena_falls_back(demo_set, many_adapters):
+    """L2 copies are extents of the host arena taken at start (no allocation per read); with an arena too small for
+    them, copies take tensors of their own (counted as misses); either way the tokens are those of an engine with no
+    arena, and evicted adapters' extents come back."""
+    from engine.host_arena import HostArena
+
+    reqs = [req(f"a{i}", prompt=TEXTS[i % len(TEXTS)][:30], adapter_key=f"k{i % 8}", max_new_tokens=3) for i in range(24)]
+
+    def run(arena):
+        eng = Engine(config(demo_set, max_loras=4, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM))
+        lora = eng.runner.lora
+        if arena != "default":
+            lora.arena = arena(lora) if arena else None
+        for i, path in enumerate(many_adapters[:8]):
+            eng.register_adapter(f"k{i}", path)
+        return eng, {r.request_id: r.output_ids for r in eng.generate(reqs)}
+
+    _, want = run(None)
+    eng, got = run("default")
+    arena = eng.runner.lora.arena
+    assert got == want and arena is not None and eng.stats()["adapter_host_arena_misses"] == 0
+    block = arena._block
+    lo, hi = block.data_ptr(), block.data_ptr() + block.numel() * block.element_size()
+    held = [c.host for c in eng.adapters._contents.values() if c.host is not None]
+    assert len(held) == 8 and all(lo <= h.data.data_ptr() < hi for h in held)
+    room = sum(h.nbytes for h in held) // 3  # for two or three of the 8
+    eng2, got2 = run(lambda lora: HostArena(room, lora.dtype))
+    assert got2 == want and eng2.stats()["adapter_host_arena_misses"] > 0
