@@ -9,7 +9,8 @@ How: each launcher is called at issue 4's shapes (llama-1b and -8b: decode, grou
 fp16 and fp32) on "meta" tensors, which have shapes, dtypes and strides but no storage, so the launchers pick
 the same block sizes and constexprs they pick on CUDA. The launch itself is intercepted (JITFunction.run), and
 every distinct variant (kernel, argument types, constexprs, warps, stages) is then compiled to a cubin for
-sm_90 with the ptxas that Triton ships. One line per variant; exit status 1 if any fails. TRITON_INTERPRET must
+sm_90 with the ptxas that Triton ships, and its shared memory checked against what one sm_90 program may take (a
+variant over it compiles, but its launch fails on the device). One line per variant; exit status 1 if any fails. TRITON_INTERPRET must
 be unset: the interpreter replaces the very functions the compiler needs.
 """
 
@@ -24,6 +25,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+from kernels.utils import SHARED_BYTES
 
 TARGET_ARCH = 90  # the H200 (Hopper); issue 4's device
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
@@ -40,6 +43,7 @@ class Variant:
     kernel: str  # its name there
     signature: tuple[tuple[str, str], ...]  # (parameter, Triton type or "constexpr") in order
     constexprs: tuple[tuple[str, object], ...]
+    aligned: tuple[str, ...]  # parameters specialized as divisible by 16 (tensors, and ints that are), as the JIT does
     num_warps: int
     num_stages: int
 
@@ -76,9 +80,19 @@ def record_launches(calls: Callable[[], None]) -> list[Variant]:
         bound.update(kwargs)
         missing = [p.name for p in params if p.name not in bound]
         assert not missing, f"{self.fn.__name__}: no value for {missing}"
-        signature = tuple((p.name, "constexpr" if p.is_constexpr else _type_of(bound[p.name])) for p in params)
-        constexprs = tuple((p.name, bound[p.name]) for p in params if p.is_constexpr)
-        seen[Variant(self.fn.__module__, self.fn.__name__, signature, constexprs, num_warps, num_stages)] = None
+        # The JIT specializes as it launches on the device: an int argument equal to 1 becomes a constant, and tensors
+        # (16-byte aligned, as torch allocates them) and ints divisible by 16 are marked so, which lets the compiler
+        # vectorize and pipeline their loads; without these the compiled kernel is not the device's (a pipeline's
+        # shared memory among what differs).
+        def const(p) -> bool:
+            v = bound[p.name]
+            return p.is_constexpr or (not p.do_not_specialize and type(v) is int and v == 1)
+
+        signature = tuple((p.name, "constexpr" if const(p) else _type_of(bound[p.name])) for p in params)
+        constexprs = tuple((p.name, bound[p.name]) for p in params if const(p))
+        aligned = tuple(p.name for p in params if not const(p) and not p.do_not_specialize and (
+            isinstance(bound[p.name], torch.Tensor) or (type(bound[p.name]) is int and bound[p.name] % 16 == 0)))  # fmt: skip
+        seen[Variant(self.fn.__module__, self.fn.__name__, signature, constexprs, aligned, num_warps, num_stages)] = None
 
     JITFunction.run = intercept
     try:
@@ -101,10 +115,15 @@ def compile_variant(variant: Variant) -> tuple[str, str | None, float]:
         fn = getattr(importlib.import_module(variant.module), variant.kernel)
         names = [name for name, _ in variant.signature]
         constexprs = {(names.index(name),): value for name, value in variant.constexprs}
-        src = ASTSource(fn=fn, signature=dict(variant.signature), constexprs=constexprs)
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in variant.aligned}
+        src = ASTSource(fn=fn, signature=dict(variant.signature), constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
                                 options={"num_warps": variant.num_warps, "num_stages": variant.num_stages})
         assert kernel.asm.get("cubin"), "no cubin"
+        shared = kernel.metadata.shared
+        if shared > SHARED_BYTES:  # compiles, but its launch fails on the device
+            return variant.label, (f"asks {shared} bytes of shared memory, over sm_{TARGET_ARCH}'s {SHARED_BYTES}: "
+                                   "fewer stages or smaller tiles for this shape"), time.perf_counter() - start  # fmt: skip
         return variant.label, None, time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001  (every failure is reported, none stops the others)
         return variant.label, _explain(exc), time.perf_counter() - start
@@ -128,6 +147,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Iterator[Callable[[], None]]:
     """One call per launcher and shape of issue 4 (decode, grouped and prefill) and dtype."""
+    from kernels.decode_linear import MAX_ROWS as DECODE_MAX_ROWS
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
@@ -168,11 +188,12 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                     for accumulate in (True, False):
                         yield lambda y=y, t=t, b=b, segments=segments, accumulate=accumulate: lora_expand(
                             y, t, b, segments, accumulate=accumulate)
-                x, w = _meta(rows, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
-                lora = DecodeLora(t=_meta(len(widths), rows, max_rank, dtype=torch.float32), weights=paged(in_f, widths),
-                                  slot=_meta(rows, dtype=torch.int64))  # fmt: skip
-                bias = _meta(out_f, dtype=dtype)
-                yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
+                for m in (rows, DECODE_MAX_ROWS):  # its tiles grow with the rows: the most it takes, too
+                    x, w = _meta(m, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
+                    lora = DecodeLora(t=_meta(len(widths), m, max_rank, dtype=torch.float32), weights=paged(in_f, widths),
+                                      slot=_meta(m, dtype=torch.int64))  # fmt: skip
+                    bias = _meta(out_f, dtype=dtype)
+                    yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
             blocks = 64
             k_cache = _meta(blocks * rows, block, kv_heads, head_dim, dtype=dtype)
             tables = _meta(rows, blocks, dtype=torch.int32)

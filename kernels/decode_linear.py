@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import DecodeLora, lora_expand_ref, segments_per_row, slice_starts
-from kernels.utils import TL_DTYPE
+from kernels.utils import SHARED_BYTES, TL_DTYPE
 
 MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
 _BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
@@ -130,7 +130,7 @@ def decode_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_n, block_k, num_warps, num_stages = _config(m, n, k)
+    block_n, block_k, num_warps, num_stages = _config(m, n, k, x.element_size())
     starts = slice_starts(lora.slices if lora is not None else (n,), x.device)
     pw = lora.weights if lora is not None else None
     if lora is not None:
@@ -169,15 +169,26 @@ def decode_linear(
     return y
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def _config(m: int, n: int, k: int, elem: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the swept best for the shapes in `_TUNED`; otherwise the widest panel
-    that still gives the grid ~128 programs (an H200 has 132 SMs)."""
+    that still gives the grid ~128 programs (an H200 has 132 SMs). Stages are cut until the pipeline's buffers fit the
+    shared memory: each stage holds a [BLOCK_K, BLOCK_N] tile of W and a [BLOCK_M, BLOCK_K] tile of x. The tuned 5
+    stages, swept at 32 rows, asked 245,760 bytes at 64 rows in bf16 (over sm_90's 232,448), and the launch failed."""
     if (n, k) in _TUNED:
-        return _TUNED[(n, k)][0]
-    block_n = 64
-    while block_n > 16 and n // block_n < 128:
-        block_n //= 2
-    return block_n, 256, 4, 4
+        block_n, block_k, num_warps, num_stages = _TUNED[(n, k)][0]
+    else:
+        block_n = 64
+        while block_n > 16 and n // block_n < 128:
+            block_n //= 2
+        block_k, num_warps, num_stages = 256, 4, 4
+    while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
+        num_stages -= 1
+    return block_n, block_k, num_warps, num_stages
+
+
+def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:
+    """Shared memory of the K loop's pipeline: num_stages x (W tile + x tile), as Triton allocates it for this kernel."""
+    return num_stages * block_k * (block_n + max(16, triton.next_power_of_2(m))) * elem
 
 
 # kernels.bench.roofline._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after

@@ -11,6 +11,9 @@ import triton
 import triton.language as tl
 
 BLOCK_R = 16  # rank tile of the multi-LoRA kernels: the tensor-core minimum, and the granularity at which ranks are skipped
+# The shared memory one program may take on the target (sm_90: 227 KB, opted in). A launch asking more fails on the
+# device, though it compiles (kernels.compile_check checks each variant's against it).
+SHARED_BYTES = 232_448
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # a tensor's dtype in a kernel
 
 
