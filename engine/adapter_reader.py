@@ -38,8 +38,7 @@ def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint:
     """A reader process's loop: (path, registered sha) in, ("ok", ...) and the page bytes out, or an error."""
     torch.set_num_threads(1)
     from engine.adapter_pages import to_pages
-    from engine.adapters import parse_adapter
-    from engine.store import adapter_files, content_sha256, read_file
+    from engine.adapter_records import read_validated
 
     pool_dtype = getattr(torch, dtype)
     while True:
@@ -52,14 +51,10 @@ def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint:
         path, registered = msg
         t0 = time.perf_counter_ns()
         try:
-            config_path, weights_path = adapter_files(Path(path), max_adapter_bytes)
-            config_bytes, weight_bytes = config_path.read_bytes(), read_file(weights_path)
-            sha = content_sha256(config_bytes, weight_bytes)
-            if registered is not None and sha != registered:
+            sha, ad = read_validated(Path(path), registered, model, max_adapter_bytes, max_lora_rank, fingerprint)
+            if ad is None:
                 conn.send(("changed", sha, (time.perf_counter_ns() - t0) // 1000))
                 continue
-            ad = parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=max_lora_rank, sha256=sha, source=Path(path),
-                               base_fingerprint=fingerprint)  # fmt: skip
             data = to_pages(ad.weights, ad.target_modules, ad.rank, shapes, num_layers, pool_dtype)
         except AdapterError as e:
             conn.send(("adapter_error", str(e), e.code, e.retriable))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engine.adapter_pages import HostPages
 from engine.adapter_policy import Heat
-from engine.adapters import parse_adapter
+from engine.adapters import LoraAdapter, parse_adapter
 from engine.api import AdapterError, AdapterInfo
 from engine.config import EngineConfig
 from engine.model import ModelConfig
@@ -96,14 +96,22 @@ def read_adapter(rec: Record, model: ModelConfig, config: EngineConfig, fingerpr
     """(sha256, L2 copy or None when the content is not the registered one, µs) of `rec`'s folder; raises OSError or
     AdapterError as the files do."""
     t0 = time.perf_counter_ns()
-    config_path, weights_path = adapter_files(rec.path, config.max_adapter_bytes)
+    sha, adapter = read_validated(rec.path, rec.sha, model, config.max_adapter_bytes, config.max_lora_rank, fingerprint)
+    host = lora.host_copy(adapter) if adapter is not None else None
+    return sha, host, (time.perf_counter_ns() - t0) // 1000
+
+
+def read_validated(path: Path, registered: str | None, model: ModelConfig, max_adapter_bytes: int, max_lora_rank: int,
+                   fingerprint: str | None) -> tuple[str, LoraAdapter | None]:  # fmt: skip
+    """(sha256, the validated adapter, or None when its content is not the `registered` sha256) of the folder at `path`:
+    what a store read does before the page layout, in the engine's process or a reader process (engine.adapter_reader)."""
+    config_path, weights_path = adapter_files(path, max_adapter_bytes)
     config_bytes, weight_bytes = config_path.read_bytes(), read_file(weights_path)
     sha = content_sha256(config_bytes, weight_bytes)
-    if rec.sha is not None and sha != rec.sha:
-        return sha, None, (time.perf_counter_ns() - t0) // 1000  # the pool reports adapter_changed
-    adapter = parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=config.max_lora_rank, sha256=sha, source=rec.path,
-                            base_fingerprint=fingerprint)  # fmt: skip
-    return sha, lora.host_copy(adapter), (time.perf_counter_ns() - t0) // 1000
+    if registered is not None and sha != registered:
+        return sha, None  # the pool reports adapter_changed
+    return sha, parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=max_lora_rank, sha256=sha, source=path,
+                              base_fingerprint=fingerprint)  # fmt: skip
 
 
 class ReadAhead:

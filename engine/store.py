@@ -50,14 +50,15 @@ def content_sha256(config: bytes, weights: bytes) -> str:
 
 
 def read_file(path: Path) -> bytearray:
-    """A file's bytes, read into a writable buffer (engine.adapters.read_safetensors views tensors in it without a copy)."""
+    """A file's bytes, read into a writable buffer (engine.adapters.read_safetensors views tensors in it without a copy),
+    no more than its size when opened: a file that grows meanwhile is read to that size (what is read is what is hashed
+    and checked), never past the size limit adapter_files checked."""
     with open(path, "rb") as f:
         buf = bytearray(os.fstat(f.fileno()).st_size)
         got = f.readinto(buf)
-        rest = f.read()  # a file that grew since fstat: the bytes past its size then
-    if got < len(buf):
+    if got < len(buf):  # shrank meanwhile: what is left (read_safetensors refuses it as truncated)
         del buf[got:]
-    return buf + rest if rest else buf
+    return buf
 
 
 def adapter_files(src_dir: Path, max_bytes: int) -> tuple[Path, Path]:
