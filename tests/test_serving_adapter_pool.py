@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 import shutil
+import threading
+import time
 from collections import Counter, defaultdict
 
 import pytest
@@ -414,10 +416,13 @@ def test_queued_adapters_are_read_ahead_though_not_placed(demo_set, many_adapter
         eng.register_adapter(f"q{i}", path)
         eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=30))
     tried = _count_prefetches(eng)
-    for _ in range(2):
+    for _ in range(200):  # the first admissions wait for their reads too (the engine thread never reads the store)
         eng.step()
+        if set(eng.resident_adapters()) == {"q0", "q1"}:
+            break
+        time.sleep(0.01)
     ahead = eng.adapters._ahead
-    assert tried == [] and all(ahead.pending(f"q{i}") or ahead.done(f"q{i}") for i in (2, 3, 4))
+    assert set(tried) <= {"q0", "q1"} and all(ahead.pending(f"q{i}") or ahead.done(f"q{i}") for i in (2, 3, 4)), tried
     assert set(eng.resident_adapters()) == {"q0", "q1"}
     results = {}
     while eng.has_unfinished():
@@ -426,6 +431,35 @@ def test_queued_adapters_are_read_ahead_though_not_placed(demo_set, many_adapter
     assert all(r.ok for r in results.values()) and len(results) == 5
     disk = [e for e in eng.pop_load_events() if e.tier == "disk" and e.skip_reason is None]
     assert sorted(e.key for e in disk) == [f"q{i}" for i in range(5)]  # each read once
+
+
+def test_with_read_ahead_threads_the_engine_thread_never_reads_the_store(demo_set, many_adapters, monkeypatch):
+    """Admissions and placements wait for reads on the read-ahead threads (WAIT_READ) rather than reading on the engine
+    thread, even when more adapters are needed than the threads have room for; every request still runs."""
+    import engine.adapter_records as records
+
+    readers = []
+    real = records.read_adapter
+
+    def spy(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "read_adapter", spy)  # what the threads call
+    monkeypatch.setattr("engine.adapter_pool.read_adapter", spy)  # what the engine thread would call
+    eng = Engine(config(demo_set, max_loras=8, max_batch_size=4, adapter_read_threads=1, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, **NO_WARM))  # fmt: skip
+    n = 8  # twice the reads one thread has room for ahead (MAX_AHEAD_PER_THREAD)
+    for i, path in enumerate(many_adapters[:n]):
+        eng.register_adapter(f"q{i}", path)
+        eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=4))
+    results = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            results[r.request_id] = r
+        time.sleep(eng.idle_wait_s())
+    assert len(results) == n and all(r.ok for r in results.values()), results
+    assert len(readers) == n and all(name.startswith("adapter-read") for name in readers), readers
 
 
 def _count_prefetches(eng) -> list[str]:
