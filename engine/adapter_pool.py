@@ -74,10 +74,12 @@ class AdapterPool(L1Placement):
         self._slots: list[str | None] = [None] * lora.max_loras
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
-        if config.host_cache_bytes and lora.arena is None:
-            # L2 and what is on its way to and from it (reads ahead, transient copies): taken once, pinned on CUDA
-            lora.arena = HostArena(config.host_cache_bytes + config.host_cache_bytes // ARENA_HEADROOM, lora.dtype, lora.copy_stream)
         procs = config.adapter_read_processes
+        if config.host_cache_bytes and lora.arena is None:
+            # L2 and what is on its way to and from it (reads ahead, transient copies): taken once, pinned on CUDA, shared
+            # with the reader processes (which write their pages into it) where there are any
+            lora.arena = HostArena(config.host_cache_bytes + config.host_cache_bytes // ARENA_HEADROOM, lora.dtype, lora.copy_stream,
+                                   shared=procs > 0)  # fmt: skip
         reader = ReaderPool(procs, model, config, base_fingerprint, lora) if procs else None
         self._ahead = ReadAhead(max(config.adapter_read_threads, procs), reader)
         self._bucket = TokenBucket(config.adapter_loads_per_s, config.adapter_load_burst, clock)

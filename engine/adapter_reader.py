@@ -6,10 +6,13 @@ the engine thread waits its turn for: on the H200 host, 8 threads reading made a
 to 170 ms a step), 2 threads 3x; the 1000- and 2000-adapter cold passes spent most of their time there.
 
 `ReaderPool` starts `n` processes once (spawned: each imports torch once, about 2 s, while the engine warms up) and
-keeps them for the engine's life. A read-ahead thread hands one process a path and waits; the process reads, hashes,
-validates and lays the pages out, then sends the metadata and the page bytes over its pipe, which the thread receives
-straight into the pinned L2 tensor (`recv_bytes_into`, no copy in Python, the GIL released while it waits). So the
-engine process does per read: one pinned allocation and one receive. Errors come back as the AdapterError or OSError
+keeps them for the engine's life. A read-ahead thread hands one process a path and waits; the process reads, hashes and
+validates, and sends the metadata. The thread takes an extent of the L2 arena (engine.host_arena) for the pages and
+tells the process its offset; the arena is a shared-memory segment the processes attached to at start, so the process
+lays the pages out in place, and the engine process does per read only three small messages and the extent's
+bookkeeping. Receiving the pages over the pipe instead (`recv_bytes_into`, as session 9's first version did) cost the
+engine process two copies of them under its GIL. Where no shared extent can be had (the arena is full, or /dev/shm
+could not hold it), the pages still come over the pipe into a tensor of their own. Errors come back as the AdapterError or OSError
 the in-process read raises; a process found dead is replaced and the read tried once more on the new one (then it fails retriably).
 
 The processes stop with the pool (`close`, or when it is garbage collected): each is sent a stop and joined, then
@@ -34,13 +37,17 @@ from engine.model import LORA_TARGETS
 STOP = None  # what a process is sent to end it
 
 
-def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint: str | None, shapes, num_layers: int, dtype: str) -> None:
-    """A reader process's loop: (path, registered sha) in, ("ok", ...) and the page bytes out, or an error."""
+def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint: str | None, shapes, num_layers: int, dtype: str,
+           arena: tuple[str, int] | None) -> None:  # fmt: skip
+    """A reader process's loop: (path, registered sha) in, ("ok", ...) out, or an error; then, told where, the pages
+    written into the shared L2 arena (("at", offset) in, ("written", µs) out) or sent as bytes (("pipe",) in)."""
     torch.set_num_threads(1)
-    from engine.adapter_pages import to_pages
+    from engine.adapter_pages import page_elems_of, to_pages, write_pages
     from engine.adapter_records import read_validated
+    from engine.host_arena import attach
 
     pool_dtype = getattr(torch, dtype)
+    block = attach(*arena).view(pool_dtype) if arena is not None else None
     while True:
         try:
             msg = conn.recv()
@@ -55,7 +62,7 @@ def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint:
             if ad is None:
                 conn.send(("changed", sha, (time.perf_counter_ns() - t0) // 1000))
                 continue
-            data = to_pages(ad.weights, ad.target_modules, ad.rank, shapes, num_layers, pool_dtype)
+            numel = page_elems_of(ad.target_modules, ad.rank, shapes, num_layers)
         except AdapterError as e:
             conn.send(("adapter_error", str(e), e.code, e.retriable))
             continue
@@ -65,8 +72,21 @@ def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint:
         except Exception as e:  # anything else a malformed file provokes: refused, and the process goes on
             conn.send(("adapter_error", f"{path}: cannot be read ({type(e).__name__}: {e})", "adapter_invalid", False))
             continue
-        meta = (sha, ad.rank, ad.alpha, ad.use_rslora, ad.scaling, ad.target_modules, data.numel())
+        meta = (sha, ad.rank, ad.alpha, ad.use_rslora, ad.scaling, ad.target_modules, numel)
         conn.send(("ok", meta, (time.perf_counter_ns() - t0) // 1000))
+        try:
+            where = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if where[0] == "at" and block is not None:
+                write_pages(block[where[1] : where[1] + numel], ad.weights, ad.target_modules, ad.rank, shapes, num_layers)
+                conn.send(("written", (time.perf_counter_ns() - t0) // 1000))
+                continue
+            data = to_pages(ad.weights, ad.target_modules, ad.rank, shapes, num_layers, pool_dtype)
+        except Exception as e:  # a bug, not the file: the read fails retriably and the process goes on
+            conn.send(("adapter_error", f"{path}: the page layout failed ({type(e).__name__}: {e})", "adapter_load_failed", True))
+            continue
         conn.send_bytes(data.view(torch.uint8).numpy())
 
 
@@ -75,14 +95,17 @@ class ReaderPool:
 
     def __init__(self, n: int, model, config, fingerprint: str | None, lora):
         self._ctx = mp.get_context("spawn")
+        self._arena = lora.arena if lora.arena is not None and lora.arena.name is not None else None  # shared: written in place
+        shared = (self._arena.name, self._arena.nbytes) if self._arena is not None else None
         self._args = (model, config.max_adapter_bytes, config.max_lora_rank, fingerprint, dict(lora.shapes), lora.num_layers,
-                      str(lora.dtype).removeprefix("torch."))  # fmt: skip
+                      str(lora.dtype).removeprefix("torch."), shared)  # fmt: skip
         self._host_tensor = lora.host_tensor  # an extent of the L2 arena, or a pinned tensor of its own
         self._page_elems = lora.page_elems
         self._idle: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._workers: list = []
         self._closed = False
+        self.written_in_place = self.sent_over_pipe = 0  # reads by where their pages went
         for _ in range(n):
             self._idle.put(self._start())
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
@@ -109,8 +132,20 @@ class ReaderPool:
                 if reply[0] == "ok":
                     (sha, rank, alpha, rslora, scaling, targets, numel), us = reply[1], reply[2]
                     data = self._host_tensor(numel)
-                    got = conn.recv_bytes_into(data.view(torch.uint8).numpy())
-                    assert got == numel * data.element_size(), (got, numel)
+                    start = self._arena.offset_of(data) if self._arena is not None else None
+                    if start is not None:  # the process writes the pages in place: this process only waits
+                        conn.send(("at", start))
+                        done = conn.recv()
+                        if done[0] == "written":
+                            us = done[1]
+                            self.written_in_place += 1
+                        else:
+                            reply = done
+                    else:  # no shared extent free (or no shared arena): the pages come over the pipe
+                        conn.send(("pipe",))
+                        got = conn.recv_bytes_into(data.view(torch.uint8).numpy())
+                        assert got == numel * data.element_size(), (got, numel)
+                        self.sent_over_pipe += 1
                 break
             except (EOFError, OSError) as e:
                 with self._lock:

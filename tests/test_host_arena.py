@@ -2,12 +2,14 @@
 with free neighbours, never two live ones overlapping, from many threads at once."""
 
 import gc
+import multiprocessing as mp
+import os
 import random
 import threading
 
 import torch
 
-from engine.host_arena import ALIGN, HostArena
+from engine.host_arena import ALIGN, SHM_DIR, HostArena, attach
 
 
 def _span(t: torch.Tensor, base: int, elem: int) -> tuple[int, int]:
@@ -75,3 +77,44 @@ def test_many_threads_allocating_and_letting_go_never_overlap():
     gc.collect()
     assert not errors, errors[:5]
     assert arena.free_elems() == arena.capacity and arena.used == 0
+
+
+def _write_marks(name: str, nbytes: int, start: int, n: int) -> None:  # in a spawned process: what a reader does
+    block = attach(name, nbytes).view(torch.float32)
+    block[start : start + n] = torch.arange(n, dtype=torch.float32)
+
+
+def test_a_shared_arena_is_written_in_place_by_another_process_and_unlinked_when_collected():
+    """With shared=True the block is a /dev/shm segment: a spawned process attaches by name and writes an extent at its
+    offset, which this process's tensor then holds; the segment is unlinked when the arena goes, and its extents stay
+    readable until they go too."""
+    arena = HostArena(16 * ALIGN, torch.float32, shared=True)
+    assert arena.name is not None and os.path.exists(os.path.join(SHM_DIR, arena.name))
+    first = arena.alloc(5)  # held: the next extent starts past it, as readers' extents do
+    t = arena.alloc(100)
+    start = arena.offset_of(t)
+    assert start == ALIGN // 4 and arena.offset_of(torch.zeros(3)) is None
+    proc = mp.get_context("spawn").Process(target=_write_marks, args=(arena.name, arena.nbytes, start, 100))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and torch.equal(t, torch.arange(100, dtype=torch.float32))
+    path = os.path.join(SHM_DIR, arena.name)
+    del arena
+    gc.collect()
+    assert not os.path.exists(path) and torch.equal(t, torch.arange(100, dtype=torch.float32))
+    del first
+
+
+def test_a_shared_arena_that_dev_shm_cannot_hold_is_a_private_block(monkeypatch, caplog):
+    """A container's small /dev/shm would fault at the first write past its room: the arena checks the free space and
+    falls back to a block of its own (readers then send their pages over pipes), saying how to give it room."""
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, st):
+            self.f_bavail, self.f_frsize = 10, st.f_frsize
+
+    monkeypatch.setattr("engine.host_arena.os.statvfs", lambda p: Small(real(p)))
+    arena = HostArena(1 << 20, torch.float32, shared=True)
+    assert arena.name is None and arena.alloc(1000) is not None
+    assert "--shm-size" in caplog.text

@@ -4,6 +4,7 @@ failed loads (fail or fall back), pinning, the eviction score, and the warm pool
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import threading
@@ -475,11 +476,13 @@ def _count_prefetches(eng) -> list[str]:
     return tried
 
 
-def test_reads_in_reader_processes_serve_the_same_tokens_and_errors(demo_set, many_adapters, tmp_path):
+@pytest.mark.parametrize("pages", ["in_place", "over_pipes"])
+def test_reads_in_reader_processes_serve_the_same_tokens_and_errors(demo_set, many_adapters, tmp_path, monkeypatch, pages):
     """With store reads in reader processes (engine.adapter_reader): requests queued behind a full batch have their
     adapters read there and give the tokens of an engine reading in-process; a corrupt file and a changed one fail their
     requests with their codes; a reader process killed mid-run is replaced and no read is lost; the processes stop with
-    the pool."""
+    the pool. The pages are written in place into the shared L2 arena, or, where /dev/shm cannot hold it, sent over
+    the processes' pipes."""
     bad = _corrupt(demo_set["adapters"]["qv-r4"], tmp_path / "bad")
     keys = [f"p{i}" for i in range(6)]
     reqs = [req(f"r{i}", adapter_key=keys[i % 6], max_new_tokens=3) for i in range(10)]
@@ -504,9 +507,15 @@ def test_reads_in_reader_processes_serve_the_same_tokens_and_errors(demo_set, ma
         return eng, out
 
     ref_eng, ref = run()
+    if pages == "over_pipes":
+        real = os.statvfs
+        monkeypatch.setattr("engine.host_arena.os.statvfs", lambda p: os.statvfs_result((*real(p)[:4], 0, *real(p)[5:])))
     eng, got = run(adapter_read_processes=2)
     reader = eng.adapters._ahead.reader
     assert reader is not None and eng.adapters._ahead.threads == 2
+    assert (eng.runner.lora.arena.name is not None) == (pages == "in_place")
+    assert (reader.written_in_place, reader.sent_over_pipe)[pages == "over_pipes"] >= 6  # every good read
+    assert (reader.written_in_place, reader.sent_over_pipe)[pages == "in_place"] == 0
     for i in range(10):
         assert got[f"r{i}"].ok and got[f"r{i}"].output_ids == ref[f"r{i}"].output_ids, i
     assert got["corrupt"].error.code == ref["corrupt"].error.code == "adapter_corrupt"
