@@ -147,21 +147,30 @@ class Settings(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
-        if self.worker.max_adapters_per_batch > self.engine.max_loras:
-            raise ValueError(
-                f"worker.max_adapters_per_batch={self.worker.max_adapters_per_batch} exceeds engine.max_loras="
-                f"{self.engine.max_loras}: a batch could not fit its adapters; lower the first or raise the second"
-            )
-        if self.worker.max_batch_size > self.engine.max_batch_size:
-            raise ValueError(
-                f"worker.max_batch_size={self.worker.max_batch_size} exceeds engine.max_batch_size="
-                f"{self.engine.max_batch_size}; lower the first or raise the second"
-            )
+        # Against the engine's fields as set here; where the engine derives them from its GPU (engine.sizing), the
+        # worker checks again against the sized values when it starts (`check_worker_fits`).
+        check_worker_fits(self.worker, self.engine, only_set=True)
         return self
 
     def to_toml(self) -> str:
         """The effective settings as TOML; the SASL credentials are left out (read again from their variables or files)."""
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+
+def check_worker_fits(worker: WorkerConfig, engine: EngineConfig, *, only_set: bool = False) -> None:
+    """Raise ValueError, naming both keys, if the worker's batches could not fit the engine `engine` describes (with
+    `only_set`, against the engine fields the configuration sets, on a GPU the others are derived later)."""
+    fixed = engine.model_fields_set if only_set else {"max_loras", "max_batch_size"}
+    if "max_loras" in fixed and worker.max_adapters_per_batch > engine.max_loras:
+        raise ValueError(
+            f"worker.max_adapters_per_batch={worker.max_adapters_per_batch} exceeds engine.max_loras="
+            f"{engine.max_loras}: a batch could not fit its adapters; lower the first or raise the second"
+        )
+    if "max_batch_size" in fixed and worker.max_batch_size > engine.max_batch_size:
+        raise ValueError(
+            f"worker.max_batch_size={worker.max_batch_size} exceeds engine.max_batch_size="
+            f"{engine.max_batch_size}; lower the first or raise the second"
+        )
 
 
 def _describe(err: ValidationError, source: str) -> str:

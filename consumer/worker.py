@@ -28,7 +28,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from consumer.breaker import BreakerBoard
-from consumer.config import Settings
+from consumer.config import ConfigError, Settings, check_worker_fits
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
@@ -70,7 +70,11 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
-        self.capacity = settings.engine.max_batch_size  # requests the engine runs at once
+        try:
+            check_worker_fits(w, engine.config)  # the engine's sizes as derived for its device (engine.sizing)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        self.capacity = engine.config.max_batch_size  # requests the engine runs at once
         self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
                                    affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
                                    capacity=self.capacity, headroom=w.headroom_slots)

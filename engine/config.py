@@ -37,6 +37,14 @@ class EngineConfig(BaseModel):
         "early (EOS, stop string) may have computed up to decode_steps - 1 tokens it does not keep",
     )  # fmt: skip
 
+    gpu_memory_fraction: float = Field(
+        0.90, gt=0, le=1,
+        description="share of the GPU's memory the engine may take; on CUDA the fields below that the configuration does "
+        "not set (max_batch_size, kv_num_blocks, adapter_gpu_bytes, max_loras, the store readers and the admission bucket) "
+        "are derived from it and the device at start (engine.sizing; `lorabatch config show` prints them); the CPU keeps "
+        "the defaults",
+    )  # fmt: skip
+
     # ---- continuous batching
     max_batch_size: int = Field(32, ge=1, le=4096, description="most requests running at once")
     max_prompt_tokens: int = Field(1024, ge=1, description="longer prompts fail with prompt_too_long")

@@ -62,6 +62,7 @@ from engine.rounds import Round, book_round, chain_length, launch_round, plan_ne
 from engine.runner import BatchItem
 from engine.planner import Plan, StepPlanner
 from engine.sequence import Sequence
+from engine.sizing import derive, device_memory
 from engine.timing import DeviceTimer, StepRecord
 from engine.tokenizer import Tokenizer
 
@@ -101,6 +102,11 @@ class Engine:
         return engine
 
     def _setup(self, config, model, tokenizer, eos_ids, fingerprint, clock, wall_clock) -> None:
+        weight = model.lm_head.weight
+        # On CUDA, the sizes the configuration leaves unset come from the device (engine.sizing), the weights loaded
+        config, self.sizing = derive(config, model.config, weight.device, weight.dtype, device_memory(weight.device, weights_loaded=True))
+        if weight.device.type == "cuda":
+            log.info("engine sizes: %s", "; ".join(f"{d.field}={d.value} ({d.source})" for d in self.sizing))
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from consumer.cli.common import ConfigOpt, settings_from
 
 
-def show(config: ConfigOpt = None) -> None:
-    """Print the effective configuration as TOML."""
-    typer.echo(settings_from(config).to_toml())
+def show(config: ConfigOpt = None,
+         sizes: Annotated[bool, typer.Option("--sizes/--no-sizes", help="also the engine's sizes derived from this machine's device")] = True) -> None:  # fmt: skip
+    """Print the effective configuration as TOML, then, as comments, the engine sizes it gets on this machine's device and
+    where each comes from (on a GPU, those the configuration leaves unset are derived from the device's memory and the
+    model)."""
+    settings = settings_from(config)
+    typer.echo(settings.to_toml())
+    if not sizes:
+        return
+    from engine.api import EngineError
+    from engine.sizing import plan
+
+    try:
+        device, lines = plan(settings.engine)
+    except (EngineError, OSError) as e:
+        typer.echo(f"# engine sizes: not derived ({e})")
+        return
+    # As TOML comments, so that the whole output stays a valid configuration file.
+    width = max(len(d.field) + len(str(d.value)) for d in lines) + 3
+    typer.echo(f"# engine sizes on {device} (what the engine takes at start; set a field above to fix it):")
+    for d in lines:
+        typer.echo(f"#   {f'{d.field} = {d.value}':<{width}}  <- {d.source}")
 
 
 def register(app: typer.Typer) -> None:
