@@ -65,7 +65,7 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
 
     def put(field: str, value: object, how: str) -> None:
         if field in explicit:
-            lines.append(Derived(field, getattr(config, field), "set in the configuration"))
+            lines.append(Derived(field, config.kv_pool_blocks if field == "kv_num_blocks" else getattr(config, field), "set in the configuration"))
         else:
             update[field] = value
             lines.append(Derived(field, value, how))
@@ -93,7 +93,7 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
     adapter_bytes = config.adapter_gpu_bytes if "adapter_gpu_bytes" in explicit else int(left * ADAPTER_SHARE)
     put("adapter_gpu_bytes", adapter_bytes, f"{ADAPTER_SHARE:.0%} of {where}")
     block_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * config.kv_block_size * elem
-    kv_blocks = config.kv_num_blocks if "kv_num_blocks" in explicit else (left - (adapter_bytes or 0)) // block_bytes
+    kv_blocks = config.kv_pool_blocks if "kv_num_blocks" in explicit else (left - (adapter_bytes or 0)) // block_bytes
     put("kv_num_blocks", kv_blocks, f"the rest of {_gib(left)} GiB after the adapter pool, in blocks of {block_bytes // 1024} KiB")
     per_seq = config.blocks_per_sequence
     if kv_blocks < per_seq:

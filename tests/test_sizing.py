@@ -66,6 +66,16 @@ def test_fields_the_configuration_sets_keep_their_values_and_the_rest_fit_around
     assert (sized.adapter_read_threads, sized.adapter_loads_per_s, sized.adapter_load_burst) == (2, 100.0, 128)
 
 
+def test_none_set_explicitly_keeps_the_cpu_rule_for_that_field():
+    """kv_num_blocks = None and adapter_gpu_bytes = None written in the configuration mean what they mean on the CPU
+    (a pool for max_batch_size sequences; max_loras max-rank adapters on every projection), not a derived size."""
+    memory = DeviceMemory(total=H200, free=H200 - 3 * GB, weights_loaded=True)
+    cfg = EngineConfig(max_batch_size=32, kv_num_blocks=None, adapter_gpu_bytes=None)
+    sized, lines = derive(cfg, model_config("llama-1b"), CUDA, torch.bfloat16, memory, cpu_count=2)
+    assert sized.kv_pool_blocks == cfg.kv_pool_blocks and sized.adapter_gpu_bytes is None
+    assert _by_field(lines)["kv_num_blocks"].value == cfg.kv_pool_blocks
+
+
 def test_weights_not_yet_loaded_count_against_the_memory():
     model = model_config("llama-8b")
     before = DeviceMemory(total=H200, free=H200, weights_loaded=False)

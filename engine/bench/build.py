@@ -45,6 +45,8 @@ def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], u
         max_lora_rank=max(adapter_ranks + [uniform_rank or 1]),
         enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
         adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
+        # as the issue-4 suite measured them: none of these derived from the device (engine.sizing)
+        adapter_gpu_bytes=None, adapter_read_processes=0, adapter_read_threads=0, adapter_loads_per_s=4.0,
     )  # fmt: skip
     engine = Engine.from_model(config, model, _word_tokenizer(cfg.vocab_size), fingerprint=f"bench-{shape}")
     for path in paths:

@@ -43,7 +43,8 @@ def check_engine(dtype: str, device: str = "cuda", requests: int = 24, new: int 
     out, logits = {}, {}
     for backend in ("torch", "triton"):
         eng = Engine(EngineConfig(model_dir=str(root / "model"), device=device, dtype=dtype, max_prompt_tokens=64, max_new_tokens=new,
-                                  kv_block_size=16, max_batch_size=32, max_loras=8, kernel_backend=backend))  # fmt: skip
+                                  kv_block_size=16, max_batch_size=32, max_loras=8, kernel_backend=backend, kv_num_blocks=None,
+                                  adapter_gpu_bytes=None, adapter_read_processes=0))  # fmt: skip
         for name, path in adapters.items():
             eng.load_adapter(name, path)
         t0 = time.perf_counter()
