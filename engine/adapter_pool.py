@@ -262,7 +262,15 @@ class AdapterPool(L1Placement):
             event = None
             if content is None or content.host is None:
                 size = content.meta.nbytes if content is not None else 1  # unknown until read: at least a byte
-                if warm_bytes + size > cfg.warm_pool_host_bytes or not self._bucket.try_take():
+                if warm_bytes + size > cfg.warm_pool_host_bytes or self._ahead.pending(key):
+                    continue
+                if self._ahead.threads and not self._ahead.done(key):
+                    # On the read-ahead threads, as every store read with threads is: this pass starts the read, and the
+                    # next pass (or the key's first request) takes its result.
+                    if self._ahead.has_room() and self._bucket.try_take():
+                        self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
+                    continue
+                if not self._ahead.done(key) and not self._bucket.try_take():
                     continue
                 try:
                     content, event = self._read(rec, reason="warm_pool")

@@ -369,6 +369,43 @@ def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_
     assert cold.timings.adapter_load_us > 0
 
 
+def test_with_read_ahead_threads_the_warm_pool_reads_on_them_and_loads_at_its_next_pass(demo_set, many_adapters, monkeypatch):
+    """The warm pool's store reads go to the read-ahead threads too: its pass starts the read and returns (the engine
+    thread does not wait for the store); its next pass takes the result into L2 and a free slot."""
+    import engine.adapter_records as records
+
+    readers = []
+    real = records.read_adapter
+
+    def spy(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "read_adapter", spy)
+    monkeypatch.setattr("engine.adapter_pool.read_adapter", spy)
+    wall, mono = FakeClock(), FakeClock()
+    eng = Engine(config(demo_set, max_loras=4, warm_pool_slots=2, warm_pool_interval_s=60, adapter_read_threads=1),
+                 clock=mono, wall_clock=wall)  # fmt: skip
+    eng.register_adapter("morning", many_adapters[3])
+    for day in range(7):
+        for k in range(5):
+            wall.t = day * DAY + 9 * HOUR + 60 * k
+            eng.add_request(req(f"h{day}-{k}", adapter_key="morning"))
+            eng.abort(f"h{day}-{k}")
+    wall.t, mono.t = 7 * DAY + 8 * HOUR + 1800, 1000.0
+    eng.step()  # the pass starts the read on the thread
+    assert not eng.pop_load_events() and "morning" not in eng.resident_adapters()
+    for _ in range(500):
+        if eng.adapters._ahead.done("morning"):
+            break
+        time.sleep(0.01)
+    wall.t, mono.t = wall.t + 61, 1061.0
+    eng.step()  # the next pass takes it
+    events = eng.pop_load_events()
+    assert [(e.key, e.tier, e.dest, e.reason) for e in events] == [("morning", "disk", "gpu", "warm_pool")]
+    assert readers and all(name.startswith("adapter-read") for name in readers), readers
+
+
 def test_prefetch_places_the_next_admissions_in_order_and_stops_at_the_first_refusal(demo_set, many_adapters):
     """After a step, the adapters of the waiting requests the next schedules can admit (here: as many as the running ones
     that end within the look-ahead) are placed in the slots the running requests do not hold, in admission order; the
