@@ -10,7 +10,9 @@ Tiers:
 - L3, the adapter's folder as registered (the consumer registers `AdapterStore.path(sha256)`). Every read re-hashes
   the files; content that differs from the sha256 the key was registered with, or first read as, is refused
   (`adapter_changed`): a key never silently changes weights, so neither KV nor slots can go stale under it. Reads
-  for queued requests run ahead on threads (`prefetch`, engine/adapter_records.py).
+  for queued requests run ahead on threads (`prefetch`, engine/adapter_records.py). With threads, the engine thread
+  never reads the store (but for the operator's eager `load`): an admission, a placement or the warm pool whose
+  adapter is not read yet starts its read on a thread and goes on without it (WAIT_READ).
 
 Identity is the content sha256: keys with the same content share one L2 copy and one slot, and a read that finds
 content already held is skipped as "duplicate_content".
