@@ -104,6 +104,10 @@ class WorkerConfig(_Section):
     static_membership: bool = Field(True, description="join with group.instance.id = worker_id, so restarts cause no rebalance")
     revoke_deadline_s: float = Field(10.0, gt=0, description="revoked partitions' running work may finish this long")
     headroom_slots: int = Field(2, ge=0, description="engine slots kept for tenants under their fair share")
+    engine_queue_jobs: int = Field(32, ge=0, description="jobs handed to the engine beyond the batch it runs, waiting "
+                                   "in it to take a place the moment one frees (with 0, a freed place waits for the result's "
+                                   "round trip through the worker, a decode round on a GPU); they are past the fair "
+                                   "scheduler's reach, so keep it near what the engine admits in a step or two")
     ledger_flush_ms: int = Field(1000, ge=10, description="how often adapter loads and GPU busy time are written")
     spool_path: str = Field("", description="the durable local spool of ledger records while the ledger is down; "
                             "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")

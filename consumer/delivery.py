@@ -32,6 +32,7 @@ from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
 from consumer.spool import Spool
+from consumer.stages import StageLog, Stamps
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -51,6 +52,8 @@ class Outcome:
     epoch: int | None = None  # the partition epoch its offset belongs to (consumer/offsets.py)
     sent: set[str] = dataclasses.field(default_factory=set)  # "result", "dlq": what the broker has taken
     replaced: bool = False  # the result was swapped for a small failed one (too large or refused)
+    stamps: Stamps | None = None  # the job's way through the worker (consumer.stages), for a job the engine ran
+    body: bytes | None = None  # the result as JSON, made once for both the broker and the ledger row (`_fit`)
 
     @property
     def published(self) -> bool:
@@ -64,7 +67,7 @@ def _retriable(e: BaseException) -> bool:
 class Deliverer:
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
                  metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
-                 flush_s: float = 1.0):
+                 flush_s: float = 1.0, stages: StageLog | None = None):
         self.k = kafka
         self.producer = producer
         self.ledger = ledger
@@ -74,6 +77,7 @@ class Deliverer:
         self.known_tenant = known_tenant
         self.spool = spool
         self.flush_s = flush_s
+        self.stages = stages
         self.outbox: list[Outcome] = []
         self._event = asyncio.Event()
         self.ledger_down: str | None = None  # why the ledger cannot take writes now; None when it can
@@ -116,6 +120,8 @@ class Deliverer:
             await self.write(billed)
         for o in batch:
             self.offsets.finished(o.tp, o.offset, o.epoch)
+            if o.stamps is not None and self.stages is not None:
+                self.stages.billed(o.tp, o.offset, o.stamps)
             if o.result is not None:
                 self._count(o.result)
 
@@ -152,6 +158,7 @@ class Deliverer:
                 self._undeliverable(o, body, "result_too_large", f"the result is {len(body)} bytes, over "
                                     f"kafka.max_message_bytes={self.k.max_message_bytes}; ask for fewer max_new_tokens or logprobs")
                 body = o.result.model_dump_json().encode()
+            o.body = body
             if o.usage is not None:
                 o.usage = dataclasses.replace(o.usage, result_json=body.decode())
         if o.dlq is not None and len(o.dlq.model_dump_json()) > self._limit():
@@ -164,6 +171,7 @@ class Deliverer:
         error = ErrorInfo(code=code, message=why)
         o.result = r.model_copy(update={"status": "failed", "text": "", "output_ids": [], "logprobs": None, "error": error})
         o.replaced = True
+        o.body = None  # made again from the small result
         o.dlq = dlq_record(body, error, topic=self.k.results_topic, partition=o.tp.partition, offset=o.offset,
                            timestamp_ms=None, worker_id=self.worker_id, max_bytes=self.k.max_message_bytes,
                            request_id=r.request_id, tenant_id=r.tenant_id, batch_id=r.batch_id)
@@ -208,8 +216,11 @@ class Deliverer:
         """Send what of the outcome the broker has not taken yet; each part is sent once."""
         if o.result is not None and "result" not in o.sent:
             key = o.result.request_id.encode()
-            await (await self.producer.send(self.k.results_topic, o.result.model_dump_json().encode(), key=key))
+            body = o.body if o.body is not None else o.result.model_dump_json().encode()
+            await (await self.producer.send(self.k.results_topic, body, key=key))
             o.sent.add("result")
+            if o.stamps is not None:
+                o.stamps.published = time.monotonic_ns()
             self.published += 1
         if o.dlq is not None and "dlq" not in o.sent:
             await (await self.producer.send(self.k.dlq_topic, o.dlq.model_dump_json().encode()))

@@ -21,6 +21,7 @@ from consumer.outcomes import Served, succeeded_or_failed, to_request
 from consumer.registry import AdapterView
 from consumer.routing import Route
 from consumer.schemas import Job
+from consumer.stages import Stamps
 from engine.api import ADAPTER_ERROR_CODES
 from engine.async_engine import AsyncEngine
 from engine.store import AdapterStore
@@ -39,6 +40,7 @@ class Routed:
     received_mono_us: int
     abandoned: bool = False  # its partition was revoked: its result must not be published
     epoch: int | None = None  # of its partition's log (consumer/offsets.py)
+    stamps: Stamps | None = None  # its way through the worker (consumer.stages)
 
 
 class EngineFeeder:
@@ -75,6 +77,8 @@ class EngineFeeder:
         if a is not None:
             await self.register(a, slo_tier)
         res = await self.aengine.generate(to_request(item.job, adapter_key, item.received_mono_us))
+        if item.stamps is not None:
+            item.stamps.served_now(res.timings.queue_us)
         if item.abandoned:
             return Served(None, adapter_key, True)
         ran_on = a if a is not None and not res.base_fallback else None
@@ -88,7 +92,7 @@ class EngineFeeder:
         # Only the adapter's own failures count against its circuit: a caller's bad request, another
         # request's fault or an engine failure says nothing about the adapter.
         ok = not res.base_fallback and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
-        return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), adapter_key, ok)
+        return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
         """Adapter loads and measured busy time since the last call, as ledger records."""

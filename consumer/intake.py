@@ -33,6 +33,7 @@ from consumer.rules import RuleClassifier
 from consumer.scheduler import Pending, Scheduler
 from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, parse_job
 from consumer.spool import Spool
+from consumer.stages import Stamps
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.worker")
@@ -77,12 +78,15 @@ class Intake:
             return Rejection(ErrorInfo(code="unprocessable", message=f"the message could not be read as a job "
                                        f"({type(e).__name__}); send one JSON job object"), False)
 
-    async def ingest(self, items: list[tuple[TopicPartition, object, int]]) -> None:
-        """Answer, park, dead-letter or queue each fetched (partition, message, epoch)."""
+    async def ingest(self, items: list[tuple[TopicPartition, object, int]], fetched_ns: int | None = None) -> None:
+        """Answer, park, dead-letter or queue each fetched (partition, message, epoch); `fetched_ns`: when the fetch
+        that brought them returned (monotonic; consumer.stages)."""
         now = datetime.now(UTC)
+        fetched_ns = fetched_ns or time.monotonic_ns()
         parsed_items = [(tp, m, epoch, self.parse(m)) for tp, m, epoch in items]
         fresh = {k for *_, p in parsed_items if (k := key_of(p)) is not None and k not in self.running and k not in self.answers}
         stored = await self.stored(fresh)
+        looked_up_ns = time.monotonic_ns()
         jobs: list[tuple[TopicPartition, int, int, Job]] = []
         for tp, m, epoch, parsed in parsed_items:
             try:
@@ -109,19 +113,24 @@ class Intake:
                 log.exception("ingesting %s:%s@%s failed", tp.topic, tp.partition, m.offset)
                 self.dead_letter(tp, m, epoch, Rejection(ErrorInfo(
                     code="unprocessable", message=f"the worker failed on this message ({type(e).__name__}); it was logged"), False))
-        await self.admit(jobs, now)
+        await self.admit(jobs, now, (fetched_ns, looked_up_ns))
 
-    async def admit(self, jobs: list[tuple[TopicPartition, int, int, Job]], now: datetime) -> None:
-        """Route jobs (one cache round trip) and queue them in the fair scheduler."""
+    async def admit(self, jobs: list[tuple[TopicPartition, int, int, Job]], now: datetime,
+                    fetch_stamps: tuple[int, int] | None = None) -> None:
+        """Route jobs (one cache round trip) and queue them in the fair scheduler; `fetch_stamps`: (fetched, looked up)
+        in monotonic ns (consumer.stages), now when absent (a parked copy taking its first's place)."""
         if not jobs:
             return
+        fetched_ns, looked_up_ns = fetch_stamps or (time.monotonic_ns(),) * 2
         try:
             routes = await self.router.route_batch(self.snapshot, self.classifier, [j for *_, j in jobs])
         except Exception as e:  # noqa: BLE001 - routing must not lose the batch: each job fails on its own
             log.exception("routing %d jobs failed", len(jobs))
             routes = [RouteError(ErrorInfo(code="routing_failed", retriable=True,
                                            message=f"routing failed ({type(e).__name__}); it was logged")) for _ in jobs]
-        mono_us = time.monotonic_ns() // 1000
+        # The engine counts a request's queue time from this arrival (consumer.stages' `queue` stage starts here too).
+        queued_ns = time.monotonic_ns()
+        mono_us = queued_ns // 1000
         for (tp, offset, epoch, job), route in zip(jobs, routes):
             if isinstance(route, RouteError):
                 self.fail(tp, offset, epoch, job, route.info, now, route.info.code)
@@ -137,7 +146,8 @@ class Intake:
                     f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
                     f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
                 continue
-            item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch)
+            item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch,
+                          stamps=Stamps((job.tenant_id, job.request_id), fetched_ns, looked_up_ns, queued_ns))
             self.scheduler.push(Pending(job.tenant_id, route.view.adapter_key if route.view else None, tokens,
                                         time.monotonic(), item, partition=tp, priority=job.priority))
         self.work_event.set()

@@ -55,6 +55,14 @@ class WorkerMetrics:
         self.replays = Counter("lorabatch_replayed_results_total", "Jobs answered from a stored result instead of run",
                                ["source"], registry=r)
         self.fetch_errors = Counter("lorabatch_fetch_errors_total", "Fetches from the broker that failed", registry=r)
+        # consumer.stages: the seven stages of a job's way through the worker; `stage` takes those seven values only.
+        self.stage = Histogram(
+            "lorabatch_stage_seconds", "Time of each job in each worker stage (fetch, route, queue, engine, publish, "
+            "ledger, commit)", ["stage"], registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+        )
+        self.gpu_idle = Gauge("lorabatch_gpu_idle_share", "Share of the time the engine held jobs in which its steps "
+                              "computed nothing, over the last busy-time window", registry=r)
         self.ledger_up.set(1)
         self.ledger_schema_ok.set(1)
 

@@ -3,9 +3,11 @@
 Four tasks share one event loop:
 - fetch: `getmany`, parse, route the whole fetched batch (one cache round trip), and queue each job in
   the fair scheduler (or answer it at once when it cannot run: a DLQ record or a failed result);
-- dispatch: as engine slots free up, take the next jobs from the scheduler in fair order and submit
+- dispatch: as engine places free up, take the next jobs from the scheduler in fair order and submit
   them to the engine, which steps in its own thread (continuous batching), so the loop (and
-  aiokafka's heartbeats) never waits on the GPU;
+  aiokafka's heartbeats) never waits on the GPU. The places are the engine's batch and
+  `worker.engine_queue_jobs` more, which wait in the engine: a place the engine frees is taken at its
+  next step, not after the finished job's result has come to this loop and a new job gone back;
 - deliver: publish results and DLQ records, write ledger rows, then mark the offsets done;
 - commit: commit, per partition, the highest contiguous done offset + 1.
 A crash anywhere before the commit means redelivery; the ledger's (tenant, request_id) key keeps a
@@ -43,6 +45,7 @@ from consumer.routing import Router
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
 from consumer.schemas import ErrorInfo
 from consumer.spool import Spool
+from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
 from engine.async_engine import AsyncEngine
@@ -62,7 +65,8 @@ def make_route_cache(s: Settings) -> RouteCache:
 
 class Worker:
     def __init__(self, settings: Settings, engine, registry: Registry, ledger, *, metrics: WorkerMetrics | None = None,
-                 route_cache: RouteCache | None = None):
+                 route_cache: RouteCache | None = None, keep_stages: int = 0):
+        """`keep_stages`: keep the stage stamps of the last this many committed jobs in `stages.kept` (the bench)."""
         self.s = settings
         self.engine = engine
         self.registry = registry
@@ -74,13 +78,16 @@ class Worker:
             check_worker_fits(w, engine.config)  # the engine's sizes as derived for its device (engine.sizing)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        self.capacity = engine.config.max_batch_size  # requests the engine runs at once
+        # Jobs handed to the engine at once: the requests it runs, and those waiting in it for the next free place.
+        self.capacity = engine.config.max_batch_size + w.engine_queue_jobs
         self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
                                    affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
                                    capacity=self.capacity, headroom=w.headroom_slots)
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
         self.router = Router(route_cache or make_route_cache(settings), self.breakers)
         self.offsets = OffsetTracker()
+        self.stages = StageLog(self.metrics.stage, keep=keep_stages)  # consumer.stages
+        self.engine_clock = EngineClock()
         self.aengine = AsyncEngine(engine)
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
@@ -121,7 +128,8 @@ class Worker:
             self.partitions = Partitions(self.consumer, self.offsets, self.metrics)
             self.deliverer = self.intake.deliverer = Deliverer(
                 self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
-                lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000)
+                lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000,
+                stages=self.stages)
             self.aengine.start()
             try:
                 try:
@@ -210,8 +218,9 @@ class Worker:
                 continue
             delay = 0.1
             if batches:
+                fetched_ns = time.monotonic_ns()
                 await self.intake.ingest([(tp, m, self.offsets.fetched(tp, m.offset, batch.end if (batch := undecodable(m)) else None))
-                                          for tp, messages in batches.items() for m in messages])
+                                          for tp, messages in batches.items() for m in messages], fetched_ns)
             if time.monotonic() - self.partitions.checked_at >= self.s.worker.log_check_s:
                 await self.partitions.check_logs()
             self._refresh_registry()
@@ -263,6 +272,7 @@ class Worker:
             self.metrics.batch_size.observe(len(batch))
             for p in batch:
                 self._in_engine[id(p)] = (p, p.payload)
+                self.engine_clock.enter()
                 asyncio.create_task(self._serve(p), name=f"serve-{p.payload.job.tenant_id}/{p.payload.job.request_id}")
 
     async def _serve(self, p: Pending) -> None:
@@ -286,7 +296,8 @@ class Worker:
             if served.outcome is not None:
                 self.intake.answer(key, served.outcome)
         finally:
-            self._in_engine.pop(id(p), None)
+            if self._in_engine.pop(id(p), None) is not None:
+                self.engine_clock.leave()
             self.scheduler.finished(p)
             if item.abandoned:
                 await self.intake.orphaned(key, self._revoked)
@@ -313,7 +324,22 @@ class Worker:
             self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
         await self.deliverer.write(loads)
         if busy is not None:
+            self.engine_clock.add_steps(busy.busy_us, busy.steps)
             await self.deliverer.write([busy])
+        if (idle := self.engine_clock.window_idle_share()) is not None:
+            self.metrics.gpu_idle.set(idle)
+
+    async def restart_measures(self) -> None:
+        """Count stages and the GPU's idle share afresh from now (`lorabatch bench pipeline`, after its warm-up): the
+        steps run so far are drained first, so that none of them counts against the new span."""
+        await self._record_gpu_time()
+        self.engine_clock.reset()
+        self.stages.kept.clear()
+
+    async def gpu_idle_share(self) -> float | None:
+        """The GPU's idle share under this worker since the start or `restart_measures` (consumer.stages)."""
+        await self._record_gpu_time()
+        return self.engine_clock.idle_share()
 
     def _resident(self) -> set[str | None]:
         # The engine thread's snapshot: asking the engine itself from the event loop would race its step.
@@ -338,6 +364,7 @@ class Worker:
             log.warning("commit of %s failed: %s; the next commit retries", offsets, e)
             return
         self.offsets.mark_committed(offsets)
+        self.stages.committed(offsets)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Let what runs for the revoked partitions finish within the deadline and commit it; abandon the
@@ -367,6 +394,7 @@ class Worker:
             item.abandoned = True
             await self.intake.orphaned(key, revoked)
         self.offsets.forget(revoked)
+        self.stages.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
 

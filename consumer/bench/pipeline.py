@@ -1,10 +1,26 @@
-"""`lorabatch bench pipeline`: what the Kafka side costs, measured against the engine alone.
+"""`lorabatch bench pipeline`: the service (broker, worker, results, ledger) against the engine alone, stage by stage.
 
-The same jobs run twice on the same engine (the tiny model on the CPU): once straight through
-`engine.generate` (all at once, continuously batched), once through the embedded broker and a worker
-(parse, route with Redis or the in-process LRU, fair scheduling, results produced, ledger rows
-written, offsets committed). The worker is warmed up and has its partitions before the clock starts.
-Routing p99 comes from the decision time of each job as the ledger recorded it.
+The same kind of jobs run twice on one engine: once straight through `engine.generate` (every job handed over at
+once, adapters loaded: the best the engine does with them), once through the embedded broker and a worker (parse,
+route with Redis or the in-process LRU, fair scheduling, results produced, SQLite ledger rows written, offsets
+committed). Two job sets of one distribution, so that the second run finds none of the first one's prompts in the
+prefix cache. Both are warmed up first: the engine with twice its batch of jobs of 1 to `new_tokens` new tokens (so
+a GPU's decode graphs of every batch size are captured before the clock starts), the worker with a batch of its own.
+
+What it runs on:
+- `shape="tiny"` with `adapters=None` (the defaults): the demo set (engine.demo_model), three tenants with a default
+  and a second adapter each and a keyword rule, text prompts; today's CPU demo of the Kafka side's cost;
+- any other shape, or an adapter count: a random-weight model of the shape (engine.bench.random_model) and
+  `adapters` rank-16 PEFT adapters on all seven projections, registered round-robin to three tenants; each job names
+  its adapter (they take turns) and sends `prompt_tokens` random token ids (128 unless given) for `new_tokens`.
+The engine keeps the default configuration but for the device: on CUDA its batch, KV pool, adapter pool and readers
+are derived from the GPU (engine.sizing), and the worker has its defaults.
+
+It reports jobs/s and tokens/s of both and their ratio; the GPU's idle share between steps, under the engine alone
+(1 - the steps' device time / the run's wall time) and under the worker (consumer.stages `EngineClock`); p50 and p99
+of each stage of a job's way through the worker (consumer.stages); routing p50/p99 as the ledger recorded it. The
+results are counted by their Kafka key (the request id), so that the bench's own reading costs the worker's process
+no JSON parsing; the jobs are produced from the same process, all at once when the clock starts.
 """
 
 from __future__ import annotations
@@ -15,78 +31,139 @@ import random
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from consumer.broker import EmbeddedBroker, free_port
 from consumer.config import load_settings
 from consumer.schemas import Job
+from consumer.stages import STAGES, percentile, stage_summary
+
+TENANTS = ("acme", "globex", "initech")
+DEFAULT_PROMPT_TOKENS = 128  # of a shaped run's jobs, unless given
 
 
-def _jobs(n: int, tag: str, seed: int = 3) -> list[Job]:
-    rng = random.Random(seed)
-    words = "invoice refund contract schedule summary translate weather travel product support".split()
-    jobs = []
-    for i in range(n):
-        tenant = ("acme", "globex", "initech")[i % 3]
-        fields = {"request_id": f"{tag}-{i}", "tenant_id": tenant, "max_new_tokens": 16,
-                  "user_id": f"u{rng.randrange(40)}", "session_id": f"s{rng.randrange(80)}",
-                  "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(6, 20)))}
-        if i % 5 == 0:
-            fields["adapter"] = "second"
-        jobs.append(Job.model_validate(fields))
-    return jobs
+@dataclass(frozen=True)
+class Workload:
+    """The model folder, what each tenant may run, and how jobs are made."""
+
+    model_dir: Path
+    adapters: dict[str, list[tuple[str, Path]]]  # tenant -> [(adapter name, folder)], the first its default
+    demo: bool  # the demo set's text jobs (else: token ids naming an adapter each)
+    vocab: int
+    prompt_tokens: int | None
+    new_tokens: int
+
+    def jobs(self, n: int, tag: str, seed: int, new_tokens: int | None = None) -> list[Job]:
+        """`n` jobs; `new_tokens` (an int, or None for the workload's) as their max_new_tokens."""
+        rng = random.Random(seed)
+        new = new_tokens or self.new_tokens
+        owned = [(tenant, name) for tenant, names in self.adapters.items() for name, _ in names]
+        owned.sort(key=lambda tn: tn[1])
+        words = "invoice refund contract schedule summary translate weather travel product support".split()
+        jobs = []
+        for i in range(n):
+            fields: dict = {"request_id": f"{tag}-{i}", "max_new_tokens": new}
+            if self.demo:
+                fields.update(tenant_id=TENANTS[i % 3], user_id=f"u{rng.randrange(40)}", session_id=f"s{rng.randrange(80)}")
+                if i % 5 == 0:
+                    fields["adapter"] = "second"
+            else:
+                tenant, name = owned[i % len(owned)]
+                fields.update(tenant_id=tenant, adapter=name)
+            if self.prompt_tokens is None:
+                fields["prompt"] = " ".join(rng.choice(words) for _ in range(rng.randint(6, 20)))
+            else:
+                fields["input_ids"] = [rng.randrange(10, self.vocab) for _ in range(self.prompt_tokens)]
+            jobs.append(Job.model_validate(fields))
+        return jobs
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+def _workload(home: Path, shape: str, adapters: int | None, prompt_tokens: int | None, new_tokens: int) -> Workload:
+    from engine.bench.build import SHAPES
+    from engine.bench.random_model import write_random_adapters, write_random_model
+    from engine.demo_model import write_demo_set
+
+    if shape == "tiny" and adapters is None:
+        demo = write_demo_set(home / "set", seed=0)
+        names = sorted(demo)
+        per_tenant = {t: [("main", demo[names[i]]), ("second", demo[names[i + 3]])] for i, t in enumerate(TENANTS)}
+        return Workload(home / "set" / "model", per_tenant, True, _vocab(home / "set" / "model"), prompt_tokens, new_tokens)
+    assert shape in SHAPES, f"shape {shape!r}: use one of {sorted(SHAPES)}"
+    count = adapters if adapters is not None else 8
+    assert count >= 1, count
+    model_dir = write_random_model(home / "model", shape=shape, seed=0)
+    paths = write_random_adapters(home / "adapters", shape=shape, count=count, rank=16, seed=1)
+    per_tenant: dict[str, list[tuple[str, Path]]] = {t: [] for t in TENANTS}
+    for i, path in enumerate(paths):
+        per_tenant[TENANTS[i % 3]].append((path.name, path))
+    return Workload(model_dir, {t: a for t, a in per_tenant.items() if a}, False, _vocab(model_dir),
+                    prompt_tokens or DEFAULT_PROMPT_TOKENS, new_tokens)
 
 
-async def _pipeline(settings, services, engine, jobs: list[Job], warm: list[Job]) -> tuple[float, list[int]]:
-    from consumer.schemas import Result
+def _vocab(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+async def _service(settings, services, engine, jobs: list[Job], warm: list[Job]) -> dict:
+    """Run `warm`, then `jobs`, through the broker and a worker; the second run's time, idle share and stamps."""
     from consumer.submit import _read_topics, produce_jobs
     from consumer.worker import Worker
 
-    worker = Worker(settings, engine, services.registry, services.ledger)
+    worker = Worker(settings, engine, services.registry, services.ledger, keep_stages=len(jobs) + len(warm))
     task = asyncio.create_task(worker.run())
     seen: set[str] = set()
 
-    def take(_key, value):
-        seen.add(Result.model_validate_json(value).request_id)
+    def take(key, _value):  # results are keyed by request id: counted without parsing them
+        seen.add(key.decode())
 
+    async def settled(ids: set[str], timeout_s: float) -> None:  # every one of `ids` has its offset committed
+        deadline = time.monotonic() + timeout_s
+        while not ids <= {s.key[1] for s in worker.stages.kept} and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    k = settings.kafka
     try:
-        await produce_jobs(settings.kafka, warm, "warm", "acme", "bench", "request")
-        await _read_topics(settings.kafka, {settings.kafka.results_topic: take}, False,
-                           lambda: len(seen) >= len(warm), 120)
+        await produce_jobs(k, warm, "warm", "acme", "bench", "request")
+        await _read_topics(k, {k.results_topic: take}, False, lambda: task.done() or len(seen) >= len(warm), 600)
+        await settled({j.request_id for j in warm}, 30)
+        await worker.restart_measures()
         seen.clear()
-        t0 = time.perf_counter()
-        await produce_jobs(settings.kafka, jobs, "bench", "acme", "bench", "request")
         wanted = {j.request_id for j in jobs}
-        await _read_topics(settings.kafka, {settings.kafka.results_topic: take}, False, lambda: wanted <= seen, 600)
+        t0 = time.perf_counter()
+        await produce_jobs(k, jobs, "bench", "acme", "bench", "request")
+        await _read_topics(k, {k.results_topic: take}, False, lambda: task.done() or wanted <= seen, 1800)
         elapsed = time.perf_counter() - t0
+        if task.done():
+            task.result()  # the worker failed: say why
+            raise RuntimeError("the worker stopped before every result came")
+        idle = await worker.gpu_idle_share()
+        clock = worker.engine_clock
+        steps, busy_us, occupied_s = clock.steps, clock.busy_us, clock.occupied_ns() / 1e9
+        await settled(wanted, 30)
     finally:
         worker.stop()
         await asyncio.wait_for(task, 120)
-    rows = [services.ledger.usage_for(j.tenant_id, j.request_id) for j in jobs]
-    return elapsed, [r.routing_us for r in rows if r is not None]
+    stamps = [s for s in worker.stages.kept if s.key[1] in wanted]
+    return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s}
 
 
-def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False) -> dict:
+def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
+                   shape: str = "tiny", adapters: int | None = None, prompt_tokens: int | None = None,
+                   new_tokens: int = 16) -> dict:
     from billing.db import upgrade
     from consumer.outcomes import to_request
     from consumer.services import open_services
-    from engine.demo_model import write_demo_set
     from engine.engine import Engine
     from migrations import SCRIPT_LOCATION
 
     home = Path(tempfile.mkdtemp(prefix="lorabatch-bench-"))
-    set_dir = home / "set"
-    adapters = write_demo_set(set_dir, seed=0)
+    load = _workload(home, shape, adapters, prompt_tokens, new_tokens)
     port = free_port()
     overrides = {
         "kafka.bootstrap_servers": f"127.0.0.1:{port}", "kafka.group_id": f"bench-{uuid.uuid4().hex[:6]}",
-        "engine.model_dir": str(set_dir / "model"), "engine.device": "cpu", "store.adapter_dir": str(home / "store"),
-        "ledger.url": f"sqlite:///{home / 'ledger.db'}",
+        "engine.model_dir": str(load.model_dir), "engine.device": device, "store.adapter_dir": str(home / "store"),
+        "ledger.url": f"sqlite:///{home / 'ledger.db'}", "worker.spool_path": str(home / "spool.sqlite"),
     }
     if redis_url:
         overrides.update({"routing.cache": "redis", "routing.redis_url": redis_url,
@@ -98,51 +175,92 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     try:
         upgrade(s.ledger.url, script_location=SCRIPT_LOCATION)
         svc = open_services(s)
-        names = sorted(adapters)
-        for i, tenant in enumerate(("acme", "globex", "initech")):
+        for tenant, owned in load.adapters.items():
             svc.registry.add_tenant(tenant)
-            svc.registry.add_adapter(tenant, "main", adapters[names[i]], default=True)
-            svc.registry.add_adapter(tenant, "second", adapters[names[i + 3]])
-            svc.registry.add_rule(tenant, "keyword", "refund", "second")
+            for i, (name, path) in enumerate(owned):
+                svc.registry.add_adapter(tenant, name, path, default=i == 0)
+            if load.demo:
+                svc.registry.add_rule(tenant, "keyword", "refund", "second")
         engine = Engine(s.engine)
-        # Two job sets of one distribution: the second run must not find the first one's prompts in the
-        # prefix cache, or it would look faster than it is.
-        work = _jobs(jobs, "engine", seed=3)
-        piped = _jobs(jobs, "bench", seed=4)
         snap = svc.registry.snapshot()
 
         def key(job: Job) -> str:
-            name = job.adapter_ref or "main"
+            name = job.adapter_ref or load.adapters[job.tenant_id][0][0]
             return snap.versions(job.tenant_id, name)[-1].adapter_key
 
         for (tenant, name), versions in snap.adapters.items():
             engine.load_adapter(versions[-1].adapter_key, svc.registry.store.path(versions[-1].sha256))
-        # Engine alone: every job handed over at once, so its continuous batching keeps the batch full,
-        # adapters already loaded: the best the engine does with these jobs.
-        size = s.worker.max_batch_size
-        engine.generate([to_request(j, key(j)) for j in _jobs(size, "warm-engine", seed=9)])
+        # Warm-up: twice the engine's batch, new tokens from 1 up, so the batch shrinks through every size (a GPU
+        # captures a decode graph per size bucket: none of that may fall inside the measured runs).
+        size = engine.config.max_batch_size
+        warm = [j.model_copy(update={"max_new_tokens": 1 + i % load.new_tokens})
+                for i, j in enumerate(load.jobs(2 * size, "warm-engine", seed=9))]
+        engine.generate([to_request(j, key(j)) for j in warm])
         engine.pop_step_records()
+        # Engine alone: every job at once, so its continuous batching keeps the batch full.
+        work = load.jobs(jobs, "engine", seed=3)
         t0 = time.perf_counter()
         out = engine.generate([to_request(j, key(j)) for j in work])
-        tokens = sum(len(r.output_ids) for r in out)
         engine_s = time.perf_counter() - t0
-        engine.pop_step_records()  # the engine-alone steps are not the worker's to bill
-        pipe_s, routing_us = asyncio.run(_pipeline(s, svc, engine, piped, _jobs(size, "warm", seed=11)))
+        records = engine.pop_step_records()  # not the worker's to bill either
+        engine_busy_us, engine_steps = sum(r.total_us for r in records), len(records)
+        engine_tokens = sum(len(r.output_ids) for r in out)
+        failed = [r for r in out if r.error is not None]
+        assert not failed, f"{len(failed)} jobs failed in the engine alone, e.g. {failed[0].error}"
+        piped = load.jobs(jobs, "bench", seed=4)
+        ran = asyncio.run(_service(s, svc, engine, piped, load.jobs(s.worker.max_batch_size, "warm", seed=11)))
+        rows = [svc.ledger.usage_for(j.tenant_id, j.request_id) for j in piped]
         svc.close()
     finally:
         broker.stop()
+    pipe_s = ran["seconds"]
+    routing_us = [r.routing_us for r in rows if r is not None]
+    pipe_tokens = sum(r.output_tokens for r in rows if r is not None)
+    not_succeeded = sum(1 for r in rows if r is None or r.status != "succeeded")
+    engine_idle = max(0.0, 1 - engine_busy_us / (engine_s * 1e6))
     figures = {
-        "jobs": jobs, "cache": "redis" if redis_url else "lru",
+        "jobs": jobs, "cache": "redis" if redis_url else "lru", "device": device, "device_name": _device_name(engine),
+        "shape": shape, "adapters": sum(len(a) for a in load.adapters.values()),
+        "prompt_tokens": load.prompt_tokens, "new_tokens": load.new_tokens,
         "engine_jobs_per_s": round(jobs / engine_s, 2), "pipeline_jobs_per_s": round(jobs / pipe_s, 2),
-        "engine_tok_s": round(tokens / engine_s, 1), "pipeline_cost_pct": round(100 * (pipe_s - engine_s) / engine_s, 1),
-        "routing_p50_ms": round(_percentile(routing_us, 0.50) / 1000, 3),
-        "routing_p99_ms": round(_percentile(routing_us, 0.99) / 1000, 3),
+        "engine_tok_s": round(engine_tokens / engine_s, 1), "pipeline_tok_s": round(pipe_tokens / pipe_s, 1),
+        "ratio": round(engine_s / pipe_s, 3), "tok_ratio": round((pipe_tokens / pipe_s) / (engine_tokens / engine_s), 3),
+        "pipeline_cost_pct": round(100 * (pipe_s - engine_s) / engine_s, 1),
+        "engine_gpu_idle_share": round(engine_idle, 4),
+        "gpu_idle_share": round(ran["idle"], 4) if ran["idle"] is not None else None,
+        "stages": stage_summary(ran["stamps"]), "staged_jobs": len(ran["stamps"]), "not_succeeded": not_succeeded,
+        "routing_p50_ms": round(percentile(routing_us, 0.50) / 1000, 3),
+        "routing_p99_ms": round(percentile(routing_us, 0.99) / 1000, 3),
+        "engine_batch": engine.config.max_batch_size,
+        # Where a gap comes from: more steps (smaller batches), slower steps (the host shared), or idle time between.
+        "engine_steps": engine_steps, "service_steps": ran["steps"],
+        "engine_step_ms": round(engine_busy_us / max(1, engine_steps) / 1000, 3),
+        "service_step_ms": round(ran["busy_us"] / max(1, ran["steps"]) / 1000, 3),
+        "service_engine_s": round(ran["occupied_s"], 2),
     }
     if not json_only:
-        print(f"{'path':<10} {'seconds':>8} {'jobs/s':>8}")
-        print(f"{'engine':<10} {engine_s:>8.2f} {figures['engine_jobs_per_s']:>8.2f}")
-        print(f"{'pipeline':<10} {pipe_s:>8.2f} {figures['pipeline_jobs_per_s']:>8.2f}")
-        print(f"pipeline cost: {figures['pipeline_cost_pct']}% of the engine's throughput; "
-              f"routing ({figures['cache']}) p50 {figures['routing_p50_ms']} ms, p99 {figures['routing_p99_ms']} ms")
+        _print_table(figures, engine_s, pipe_s)
     print(json.dumps(figures))
     return figures
+
+
+def _device_name(engine) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+
+
+def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
+    print(f"{f['shape']} on {f['device_name']}: {f['jobs']} jobs, {f['adapters']} adapters, prompt "
+          f"{f['prompt_tokens'] or 'text'}, {f['new_tokens']} new tokens; engine batch {f['engine_batch']}")
+    print(f"{'path':<8} {'seconds':>8} {'jobs/s':>8} {'tokens/s':>9} {'GPU idle':>9}")
+    print(f"{'engine':<8} {engine_s:>8.2f} {f['engine_jobs_per_s']:>8.2f} {f['engine_tok_s']:>9.1f} {f['engine_gpu_idle_share']:>9.3f}")
+    idle = f"{f['gpu_idle_share']:.3f}" if f["gpu_idle_share"] is not None else "-"
+    print(f"{'service':<8} {pipe_s:>8.2f} {f['pipeline_jobs_per_s']:>8.2f} {f['pipeline_tok_s']:>9.1f} {idle:>9}")
+    print(f"steps: engine {f['engine_steps']} of {f['engine_step_ms']} ms, service {f['service_steps']} of "
+          f"{f['service_step_ms']} ms (mean device time); the service's engine held jobs {f['service_engine_s']} s")
+    print(f"service / engine: {f['ratio']:.3f}x jobs/s, {f['tok_ratio']:.3f}x tokens/s; routing ({f['cache']}) "
+          f"p50 {f['routing_p50_ms']} ms, p99 {f['routing_p99_ms']} ms")
+    print(f"{'stage':<8} {'p50 ms':>9} {'p99 ms':>9}   ({f['staged_jobs']} jobs)")
+    for name in STAGES:
+        print(f"{name:<8} {f['stages'][name]['p50_ms']:>9.3f} {f['stages'][name]['p99_ms']:>9.3f}")

@@ -54,13 +54,26 @@ def bench_ledger(
 
 def bench_pipeline(
     jobs: Annotated[int, typer.Option(help="jobs to run through both paths")] = 400,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    shape: Annotated[str, typer.Option(help="tiny (the demo set unless --adapters), llama-1b or llama-8b (random weights)")] = "tiny",
+    adapters: Annotated[Optional[int], typer.Option(help="distinct rank-16 adapters, written for the shape (default: the demo set's, or 8)")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(help="prompt token ids per job (default: text prompts on the demo set, else 128)")] = None,
+    new_tokens: Annotated[int, typer.Option(help="max_new_tokens of each job")] = 16,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis for the routing caches (default: in-process LRU)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
-    """The same jobs through broker and worker against the engine alone: the pipeline's cost, routing p99."""
+    """The same jobs through broker and worker against the engine alone: jobs/s and tokens/s, the GPU's idle share,
+    p50/p99 of each worker stage."""
     from consumer.bench.pipeline import bench_pipeline as run
 
-    run(jobs=jobs, redis_url=redis_url, json_only=json_out)
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
+    from engine.bench.build import SHAPES
+
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
+    run(jobs=jobs, redis_url=redis_url, json_only=json_out, device=device, shape=shape, adapters=adapters,
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens)
 
 
 def bench_scaleout(
@@ -77,6 +90,24 @@ def bench_scaleout(
     from consumer.bench.scaleout import bench_scaleout as run
 
     run(shape=shape, workers=workers, gpus=gpus, adapters=adapters, rank=rank, jobs=jobs, new_tokens=new, json_only=json_out)
+
+
+def bench_registry(
+    adapters: Annotated[int, typer.Option(help="demo-model adapters of ranks 4 to 64, registered in one call")] = 2000,
+    tenants: Annotated[int, typer.Option(help="tenants registered; the manifest spreads the adapters over them")] = 300,
+    form: Annotated[str, typer.Option(help="manifest (one line an adapter, tenants in turn) or dir (--dir, one tenant)")] = "manifest",
+    db: Annotated[Optional[str], typer.Option("--db", help="SQLAlchemy URL of a database to work in a fresh schema of (default: a SQLite file)")] = None,
+    lists: Annotated[int, typer.Option(help="runs of `tenants list` timed")] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """`lorabatch adapters add` of many adapters in one call, the same call again (all unchanged), and `tenants list`
+    with them registered: each command's process timed from start to exit."""
+    from consumer.bench.registry import bench_registry as run
+    from migrations import SCRIPT_LOCATION
+
+    if form not in ("manifest", "dir"):
+        raise typer.BadParameter(f"--form {form!r}: use manifest or dir")
+    run(adapters=adapters, tenants=tenants, form=form, db_url=db, lists=lists, script_location=SCRIPT_LOCATION, json_only=json_out)
 
 
 def bench_adapters(
@@ -108,5 +139,6 @@ def register(app: typer.Typer) -> None:
     group.command("kernels")(bench_kernels)
     group.command("ledger")(bench_ledger)
     group.command("pipeline")(bench_pipeline)
+    group.command("registry")(bench_registry)
     group.command("scaleout")(bench_scaleout)
     app.add_typer(group, name="bench")
