@@ -130,10 +130,11 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
         await worker.restart_measures()
         seen.clear()
         wanted = {j.request_id for j in jobs}
-        t0 = time.perf_counter()
+        t0, loop_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
         await produce_jobs(k, jobs, "bench", "acme", "bench", "request")
         await _read_topics(k, {k.results_topic: take}, False, lambda: task.done() or wanted <= seen, 1800)
         elapsed = time.perf_counter() - t0
+        loop_cpu, cpu = time.thread_time() - loop_cpu0, time.process_time() - cpu0
         if task.done():
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
@@ -145,7 +146,8 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
         worker.stop()
         await asyncio.wait_for(task, 120)
     stamps = [s for s in worker.stages.kept if s.key[1] in wanted]
-    return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s}
+    return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s,
+            "loop_cpu_s": loop_cpu, "cpu_s": cpu}
 
 
 def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
@@ -237,6 +239,9 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         "engine_step_ms": round(engine_busy_us / max(1, engine_steps) / 1000, 3),
         "service_step_ms": round(ran["busy_us"] / max(1, ran["steps"]) / 1000, 3),
         "service_engine_s": round(ran["occupied_s"], 2),
+        # Host CPU during the service run: the event loop's thread (the worker's tasks and the bench's client), and the
+        # whole process (the engine thread, reader processes' pipes, ledger writes in threads, torch's own threads).
+        "loop_cpu_s": round(ran["loop_cpu_s"], 2), "process_cpu_s": round(ran["cpu_s"], 2),
     }
     if not json_only:
         _print_table(figures, engine_s, pipe_s)
@@ -258,7 +263,8 @@ def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
     idle = f"{f['gpu_idle_share']:.3f}" if f["gpu_idle_share"] is not None else "-"
     print(f"{'service':<8} {pipe_s:>8.2f} {f['pipeline_jobs_per_s']:>8.2f} {f['pipeline_tok_s']:>9.1f} {idle:>9}")
     print(f"steps: engine {f['engine_steps']} of {f['engine_step_ms']} ms, service {f['service_steps']} of "
-          f"{f['service_step_ms']} ms (mean device time); the service's engine held jobs {f['service_engine_s']} s")
+          f"{f['service_step_ms']} ms (mean device time); the service's engine held jobs {f['service_engine_s']} s; "
+          f"CPU: event loop {f['loop_cpu_s']} s, process {f['process_cpu_s']} s")
     print(f"service / engine: {f['ratio']:.3f}x jobs/s, {f['tok_ratio']:.3f}x tokens/s; routing ({f['cache']}) "
           f"p50 {f['routing_p50_ms']} ms, p99 {f['routing_p99_ms']} ms")
     print(f"{'stage':<8} {'p50 ms':>9} {'p99 ms':>9}   ({f['staged_jobs']} jobs)")
