@@ -192,6 +192,21 @@ class AdapterPool(L1Placement):
         assert content.slot is not None
         return content.slot, charges
 
+    def waits_for_read(self, key: str) -> bool:
+        """Whether `acquire(key)` would only answer WAIT_READ now: with read-ahead threads, the adapter is in neither L1 nor
+        L2 and its read is under way, or not started with no room to start it. A cheap check, so that admission skips such
+        a request before its prefix-cache lookup (with a thousand requests queued behind reads, the lookups of those
+        that could not run anyway cost each step milliseconds)."""
+        if not self._ahead.threads:
+            return False
+        rec = self._records.get(key)
+        if rec is None or rec.error is not None:
+            return False
+        content = self._contents.get(rec.sha) if rec.sha else None
+        if content is not None and (content.slot is not None or content.host is not None):
+            return False
+        return self._ahead.pending(key) or (not self._ahead.done(key) and not self._ahead.has_room())
+
     def release(self, sha: str) -> None:
         content = self._contents[sha]
         assert content.pins > 0, sha

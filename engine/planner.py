@@ -160,6 +160,8 @@ class StepPlanner:
 
     def _admit(self, seq: Sequence, budget: int, plan: Plan) -> Scheduled | str | None:
         """Admit `seq` if it can run now: its Scheduled item, None to skip it, or "stop" to end admission."""
+        if seq.adapter_key is not None and seq.lora_slot < 0 and self.pool.waits_for_read(seq.adapter_key):
+            return None  # its adapter is being read on a read-ahead thread (or waits for one): skipped before any lookup
         hits, keys = self._lookup(seq)
         total = len(hits) * self.blocks.block_size + min(len(seq.tokens) - len(hits) * self.blocks.block_size, budget)
         if not self._fits(seq, hits, total):

@@ -500,6 +500,46 @@ def test_with_read_ahead_threads_the_engine_thread_never_reads_the_store(demo_se
     assert len(readers) == n and all(name.startswith("adapter-read") for name in readers), readers
 
 
+def test_admission_skips_a_request_whose_adapter_waits_for_a_read_before_any_lookup(demo_set, many_adapters, monkeypatch):
+    """`waits_for_read`: with read-ahead threads, an adapter in neither L1 nor L2 whose read is under way, or cannot start
+    for want of room, makes admission skip its request at once (no prefix-cache lookup); a finished read, a resident
+    adapter, or no threads at all do not."""
+    from engine.adapter_records import MAX_AHEAD_PER_THREAD
+
+    eng = Engine(config(demo_set, max_loras=8, max_batch_size=8, adapter_read_threads=1, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, **NO_WARM))  # fmt: skip
+    pool = eng.adapters
+    n = MAX_AHEAD_PER_THREAD + 1
+    for i, path in enumerate(many_adapters[:n]):
+        eng.register_adapter(f"q{i}", path)
+    started = [pool.read_ahead(f"q{i}") for i in range(n)]
+    assert started == [True] * (n - 1) + [False]
+    assert pool.waits_for_read(f"q{n - 1}")  # not started: no room
+    looked = []
+    lookup = eng.planner._lookup
+    monkeypatch.setattr(eng.planner, "_lookup", lambda seq: looked.append(seq.adapter_key) or lookup(seq))
+    waiting = {f"q{i}" for i in range(n) if pool.waits_for_read(f"q{i}")}
+    for i in range(n):
+        eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=2))
+    eng.step()
+    assert not (set(looked) & waiting), (looked, waiting)
+    for _ in range(500):
+        if all(pool._ahead.done(f"q{i}") for i in range(n - 1)):
+            break
+        time.sleep(0.01)
+    assert not any(pool.waits_for_read(f"q{i}") for i in range(n - 1))  # read: acquire takes it
+    results = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            results[r.request_id] = r
+        time.sleep(eng.idle_wait_s())
+    assert len(results) == n and all(r.ok for r in results.values())
+    assert not pool.waits_for_read("q0")  # resident now
+    plain = Engine(config(demo_set, max_loras=8, **NO_WARM))
+    plain.register_adapter("q0", many_adapters[0])
+    assert not plain.adapters.waits_for_read("q0")  # no threads: the engine thread reads
+
+
 def _count_prefetches(eng) -> list[str]:
     """The keys the engine asks the pool to place ahead, in order (the list fills as it steps)."""
     tried = []
