@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +30,35 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 class RegistryError(Exception):
     retriable = False
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (or a tenant), or None."""
+    return None if NAME_RE.match(name) else f"{name!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'"
+
+
+def canary_problem(canary: int | None) -> str | None:
+    """Why `canary` is no canary percentage, or None."""
+    if canary is None or (isinstance(canary, int) and not isinstance(canary, bool) and 1 <= canary <= 99):
+        return None
+    return f"canary={canary!r}: give a percentage from 1 to 99"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One adapter to register: content already in the store under `sha256`, what its config holds, and the flags
+    of `Registry.add_adapter`."""
+
+    tenant_id: str
+    name: str
+    sha256: str
+    rank: int
+    alpha: Decimal
+    target_modules: tuple[str, ...]
+    nbytes: int
+    default: bool = False
+    public: bool = False
+    canary: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,52 +152,96 @@ class Registry:
         with self.sessions() as s:
             return [_tenant(t) for t in s.scalars(select(Tenant).order_by(Tenant.id))]
 
+    def existing_tenants(self, tenant_ids: Iterable[str]) -> set[str]:
+        """Those of `tenant_ids` that are registered tenants."""
+        wanted = set(tenant_ids)
+        if not wanted:
+            return set()
+        with self.sessions() as s:
+            return set(s.scalars(select(Tenant.id).where(Tenant.id.in_(wanted))))
+
     def add_adapter(self, tenant_id: str, name: str, src: Path, *, default: bool = False, public: bool = False,
                     canary: int | None = None) -> tuple[AdapterView, bool]:
         """Store and register; returns (view, created). Same content under the same name is a no-op.
 
         A new version takes all of the name's traffic, or `canary` percent of it with the previous live
         version keeping the rest (`set_traffic` promotes or rolls back)."""
-        if canary is not None and not 1 <= canary <= 99:
-            raise RegistryError(f"canary={canary}: give a percentage from 1 to 99")
-        if not NAME_RE.match(name):
-            raise RegistryError(f"adapter name {name!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'")
-        with self.sessions() as s:
-            if s.get(Tenant, tenant_id) is None:
-                raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
+        if (problem := canary_problem(canary)) is not None:
+            raise RegistryError(problem)
+        if (problem := name_problem(name)) is not None:
+            raise RegistryError(f"adapter name {problem}")
+        if not self.existing_tenants([tenant_id]):
+            raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
         sha = self.store.put(Path(src))
         cfg = json.loads((self.store.path(sha) / "adapter_config.json").read_text())
         targets = cfg.get("target_modules") or []
         if isinstance(targets, str):
             targets = [targets]
         nbytes = sum(f.stat().st_size for f in self.store.path(sha).iterdir())
-        for _attempt in range(3):  # two registrations racing for the next version: retry on the unique key
+        reg = Registration(tenant_id, name, sha, int(cfg["r"]), Decimal(str(cfg.get("lora_alpha", cfg["r"]))), tuple(targets),
+                           nbytes, default=default, public=public, canary=canary)  # fmt: skip
+        return self.register([reg])[0]
+
+    def register(self, regs: Sequence[Registration]) -> list[tuple[AdapterView, bool]]:
+        """Register adapters already in the store, in one transaction; (view, created) for each, in order.
+
+        Each has the effect `add_adapter` would have, applied in order: same content as the name's latest version only
+        sets the flags (created False); new content is the name's next version. One query reads the names' versions and
+        the tenants' defaults, where add_adapter alone would read them once per adapter. Tenants must exist and names be
+        valid (`existing_tenants`, `name_problem`); a tenant and name appear at most once."""
+        keys = [(r.tenant_id, r.name) for r in regs]
+        assert len(set(keys)) == len(keys), "a tenant and name registered twice in one transaction"
+        if not regs:
+            return []
+        tenants = sorted({t for t, _ in keys})
+        for _attempt in range(3):  # two registrations racing for a name's next version: retry on the unique key
             try:
                 with self.sessions.begin() as s:
-                    rows = list(s.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name).order_by(Adapter.version)))
-                    prev = rows[-1] if rows else None
-                    make_default = default or (prev is not None and prev.is_default)
-                    if make_default:
-                        s.execute(update(Adapter).where(Adapter.tenant_id == tenant_id).values(is_default=False))
-                    if prev is not None and prev.sha256 == sha:  # same content: only the flags may change
-                        prev.is_default, prev.is_public = make_default, public
-                        return _view(prev), False
-                    live = [r for r in rows if r.traffic_weight > 0]
-                    for r in rows:  # the new version takes over, or shares with the latest live one
-                        r.traffic_weight = 100 - canary if canary is not None and live and r is live[-1] else 0
-                    a = Adapter(
-                        tenant_id=tenant_id, name=name, version=prev.version + 1 if prev else 1, sha256=sha,
-                        rank=int(cfg["r"]), alpha=Decimal(str(cfg.get("lora_alpha", cfg["r"]))),
-                        target_modules=sorted(targets), nbytes=nbytes, is_public=public,
-                        is_default=make_default, created_at=datetime.now(UTC),
-                        traffic_weight=canary if canary is not None and live else 100,
-                    )
-                    s.add(a)
+                    found = s.scalars(select(Adapter).where(Adapter.tenant_id.in_(tenants), Adapter.name.in_(sorted({n for _, n in keys})))
+                                      .order_by(Adapter.version))  # fmt: skip
+                    versions: dict[tuple[str, str], list[Adapter]] = {}
+                    for row in found:
+                        versions.setdefault((row.tenant_id, row.name), []).append(row)
+                    defaults: dict[str, list[Adapter]] = {t: [] for t in tenants}
+                    for row in s.scalars(select(Adapter).where(Adapter.tenant_id.in_(tenants), Adapter.is_default)):
+                        defaults[row.tenant_id].append(row)
+                    done = [self._register_one(s, r, versions.get((r.tenant_id, r.name), []), defaults[r.tenant_id]) for r in regs]
                     s.flush()
-                    return _view(a), True
+                    return [(_view(a), created) for a, created in done]
             except IntegrityError:
                 continue
-        raise RegistryError(f"could not register {tenant_id}/{name}: concurrent registrations kept colliding; try again")
+        names = ", ".join(f"{t}/{n}" for t, n in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        raise RegistryError(f"could not register {names}: concurrent registrations kept colliding; try again")
+
+    @staticmethod
+    def _register_one(s: Session, reg: Registration, rows: list[Adapter], defaults: list[Adapter]) -> tuple[Adapter, bool]:
+        """`reg` against its name's `rows` (versions, ascending) and its tenant's `defaults`, both kept current."""
+        prev = rows[-1] if rows else None
+        make_default = reg.default or (prev is not None and prev.is_default)
+        if make_default:  # one default per tenant: the rows read, and those this transaction made default
+            for row in defaults:
+                row.is_default = False
+            defaults.clear()
+        if prev is not None and prev.sha256 == reg.sha256:  # same content: only the flags may change
+            prev.is_default, prev.is_public = make_default, reg.public
+            if make_default:
+                defaults.append(prev)
+            return prev, False
+        live = [r for r in rows if r.traffic_weight > 0]
+        canary = reg.canary
+        for r in rows:  # the new version takes over, or shares with the latest live one
+            r.traffic_weight = 100 - canary if canary is not None and live and r is live[-1] else 0
+        a = Adapter(
+            tenant_id=reg.tenant_id, name=reg.name, version=prev.version + 1 if prev else 1, sha256=reg.sha256,
+            rank=reg.rank, alpha=reg.alpha, target_modules=sorted(reg.target_modules), nbytes=reg.nbytes,
+            is_public=reg.public, is_default=make_default, created_at=datetime.now(UTC),
+            traffic_weight=canary if canary is not None and live else 100,
+        )
+        s.add(a)
+        rows.append(a)
+        if make_default:
+            defaults.append(a)
+        return a, True
 
     def set_traffic(self, tenant_id: str, name: str, weights: dict[int, int]) -> list[AdapterView]:
         """Split a name's traffic among its versions by weight; versions not named get 0."""

@@ -82,7 +82,7 @@ def load_adapter_dir(
 def parse_adapter(
     config_bytes: bytes,
     weight_bytes: bytes,
-    model: ModelConfig,
+    model: ModelConfig | None,
     *,
     max_lora_rank: int,
     sha256: str,
@@ -91,7 +91,9 @@ def parse_adapter(
 ) -> LoraAdapter:
     """Validate the two files' bytes (already read, so what is hashed is what is loaded).
 
-    `base_fingerprint` is the serving base's; None skips the fingerprint check (tests of shapes alone)."""
+    `base_fingerprint` is the serving base's; None skips the fingerprint check (tests of shapes alone). `model` None
+    checks everything but what needs the base, its layer count and projection sizes (of each tensor only the rank
+    dimension is checked): for a registration where the base model is not at hand (`lorabatch adapters add` says so)."""
     cfg = _parse_config(config_bytes, source / "adapter_config.json", max_lora_rank)
     rank, alpha, rslora, targets, config_fp = cfg
     tensors, metadata = read_safetensors(weight_bytes, source / "adapter_model.safetensors")
@@ -101,7 +103,7 @@ def parse_adapter(
     def invalid(what: str) -> AdapterError:
         return AdapterError(f"{source}: {what}", code="adapter_invalid")
 
-    shapes = model.projection_shapes()
+    shapes = model.projection_shapes() if model is not None else None
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in sorted(tensors.items()):  # sorted: the first error reported does not depend on file order
         m = _KEY_RE.match(key)
@@ -115,19 +117,24 @@ def parse_adapter(
             raise invalid(f"unexpected key {key}: {hint}")
         layer, module, which = int(m.group(1)), m.group(3), m.group(4)
         name = f"layers.{layer}.{m.group(2)}.{module}"
-        if layer >= model.num_layers:
+        if model is not None and layer >= model.num_layers:
             raise invalid(f"{name} is past the base model's {model.num_layers} layers; the adapter was trained for another base")
         if module not in targets:
             raise invalid(f"{name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}")
         if tensor.dtype not in _FLOAT_DTYPES:
             raise invalid(f"{name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16 or float32")
-        in_f, out_f = shapes[module]
-        want = [rank, in_f] if which == "A" else [out_f, rank]
-        if list(tensor.shape) != want:
-            raise invalid(
-                f"{name} lora_{which}: expected {want} (r={rank}, base {module} {in_f} -> {out_f}), "
-                f"found {list(tensor.shape)}; the adapter does not fit this base model"
-            )
+        if shapes is None:  # no base at hand: the rank dimension alone
+            if tensor.dim() != 2 or tensor.shape[0 if which == "A" else 1] != rank:
+                want = "[r, in]" if which == "A" else "[out, r]"
+                raise invalid(f"{name} lora_{which}: expected {want} with r={rank}, found {list(tensor.shape)}")
+        else:
+            in_f, out_f = shapes[module]
+            want = [rank, in_f] if which == "A" else [out_f, rank]
+            if list(tensor.shape) != want:
+                raise invalid(
+                    f"{name} lora_{which}: expected {want} (r={rank}, base {module} {in_f} -> {out_f}), "
+                    f"found {list(tensor.shape)}; the adapter does not fit this base model"
+                )
         parts.setdefault((layer, module), {})[which] = tensor
     if not _all_finite(list(tensors.values())):
         for key, tensor in sorted(tensors.items()):  # name the first, in the order above

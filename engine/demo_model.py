@@ -267,7 +267,7 @@ def write_demo_adapter(
 
 
 # name -> (rank, targets, alpha, use_rslora): ranks 4..64, four kinds of target set, two rsLoRA.
-_DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], float, bool]] = {
+DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...], float, bool]] = {
     "qv-r4": (4, ("q_proj", "v_proj"), 8.0, False),
     "qkvo-r8": (8, ("q_proj", "k_proj", "v_proj", "o_proj"), 16.0, False),
     "all-r16": (16, LORA_TARGETS, 32.0, False),
@@ -285,7 +285,7 @@ def write_demo_set(root: Path, *, seed: int = 0, arch: str = "llama", num_layers
     model_dir = root / "model"
     write_demo_model(model_dir, seed=seed, arch=arch, num_layers=num_layers)
     paths: dict[str, Path] = {}
-    for i, (name, (rank, targets, alpha, rslora)) in enumerate(_DEMO_ADAPTERS.items()):
+    for i, (name, (rank, targets, alpha, rslora)) in enumerate(DEMO_ADAPTERS.items()):
         path = root / "adapters" / name
         write_demo_adapter(
             path, model_dir, rank=rank, target_modules=targets, alpha=alpha, use_rslora=rslora, seed=seed * 1000 + i + 1

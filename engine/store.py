@@ -15,6 +15,8 @@ names is one entry, one copy; the engine uses the same hash to load it once.
 Layout: `root/<sha256>/adapter_config.json` and `root/<sha256>/adapter_model.safetensors`. `put` writes
 into `root/.tmp-<random>/` and renames it into place, so a reader never sees half an entry, and hashes
 the bytes it writes, so a source that changes mid-copy cannot yield an entry that disagrees with its name.
+`put_bytes` stores bytes already read and validated (engine.adapter_import: read once, hashed, checked against the
+base, written) the same way.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def adapter_files(src_dir: Path, max_bytes: int) -> tuple[Path, Path]:
     """
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
-        raise AdapterError(f"{src_dir}: no such adapter folder; pass the folder holding {CONFIG_NAME}", code="adapter_missing")
+        what = "is not a folder" if src_dir.exists() or src_dir.is_symlink() else "does not exist"  # a file, or a dangling or looping link
+        raise AdapterError(f"{src_dir}: {what}; pass the adapter folder, the one holding {CONFIG_NAME}", code="adapter_missing")
     top = src_dir.resolve()
     for dirpath, _dirs, names in os.walk(src_dir):
         for name in names:
@@ -129,17 +132,44 @@ class AdapterStore:
                 _copy_hashing(src, tmp / name, name, h)
             _check_safetensors_header(tmp / WEIGHTS_NAME, weights_path)
             sha = h.hexdigest()
-            final = self.root / sha
-            if not final.exists():
-                try:
-                    os.rename(tmp, final)
-                except OSError:
-                    if not final.is_dir():  # a concurrent put of the same content wins the race; anything else is real
-                        raise
+            self._install(tmp, sha)
             return sha
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+    def put_bytes(self, config: bytes, weights: bytes) -> tuple[str, bool]:
+        """Store an adapter's two files from their bytes, already validated (engine.adapters.parse_adapter: this checks
+        nothing); return (sha256, whether this call added the entry). Content already stored is not written again."""
+        sha = content_sha256(config, weights)
+        if (self.root / sha).is_dir():
+            return sha, False
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            for name, data in zip(_FILES, (config, weights)):
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return sha, self._install(tmp, sha)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+
+    def _install(self, tmp: Path, sha: str) -> bool:
+        """Rename the written folder `tmp` into place as `sha`; False when the entry was there already (`tmp` is left
+        for the caller to remove)."""
+        final = self.root / sha
+        if final.exists():
+            return False
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # a concurrent put of the same content wins the race; anything else is real
+                raise
+            return False
+        return True
 
     def path(self, sha: str) -> Path:
         """The folder of a stored adapter."""

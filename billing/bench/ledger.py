@@ -14,7 +14,7 @@ What is measured:
   close   -- close_period of the month: freeze the spread, price and store every tenant's invoice.
 
 The bench never touches existing data: on PostgreSQL it works in a fresh schema of the given database,
-dropped at the end; on SQLite in a fresh file beside the given one, deleted at the end.
+dropped at the end; on SQLite in a fresh file beside the given one, deleted at the end (billing.bench.scratch).
 """
 
 from __future__ import annotations
@@ -22,22 +22,19 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import secrets
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, timedelta
 from decimal import Decimal
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy import Engine, create_engine, func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from billing import db
+from billing.bench.scratch import scratch_database
 from billing.closing import close_period
 from billing.config import LedgerConfig
 from billing.invoice import build_invoice
@@ -52,33 +49,6 @@ TENANTS = 50
 ADAPTERS = 40
 GPU_KIND = "bench-gpu"
 TIERS = {"standard": (Decimal("0.20"), Decimal("0.60")), "premium": (Decimal("0.50"), Decimal("1.50")), "batch": (Decimal("0.10"), Decimal("0.30"))}
-
-
-@contextmanager
-def _scratch_database(url: str) -> Iterator[str]:
-    """A URL of an empty database to fill: a fresh PostgreSQL schema or a fresh SQLite file, removed after."""
-    parsed = db._resolve_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        assert parsed.database and parsed.database != ":memory:", "bench a SQLite file, e.g. sqlite:///bench.db"
-        path = Path(f"{parsed.database}.bench-{secrets.token_hex(4)}")
-        try:
-            yield parsed.set(database=str(path)).render_as_string(hide_password=False)
-        finally:
-            for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-                leftover.unlink(missing_ok=True)
-        return
-    schema = f"lorabatch_bench_{secrets.token_hex(4)}"
-    admin = create_engine(parsed, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        try:
-            yield parsed.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
-        finally:
-            with admin.connect() as connection:
-                connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-    finally:
-        admin.dispose()
 
 
 @dataclass
@@ -147,7 +117,7 @@ def bench_ledger(url: str, rows: int, *, script_location: str, json_only: bool =
     print a table (unless json_only) and one JSON line; return the figures."""
     assert rows > 0 and batch > 0, (rows, batch)
     console = Console(stderr=True)
-    with _scratch_database(url) as scratch:
+    with scratch_database(url) as scratch:
         db.upgrade(scratch, script_location=script_location)
         engine = db.make_engine(scratch)
         try:

@@ -1,31 +1,107 @@
-"""`lorabatch adapters ...`: LoRA adapters in the registry (stored by content) and their traffic split."""
+"""`lorabatch adapters ...`: LoRA adapters in the registry (stored by content, one or many a call: consumer.bulk_adapters)
+and their traffic split."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from consumer.cli.common import ConfigOpt, fail, open_services, print_table, settings_from
+from consumer.cli.common import ConfigOpt, console, fail, one_line, open_services, print_table, progress_bar, settings_from
+
+if TYPE_CHECKING:
+    from consumer.bulk_adapters import Done
 
 
-def add(name: str, directory: Path, tenant: Annotated[str, typer.Option(help="owner tenant")],
-        default: Annotated[bool, typer.Option("--default", help="the tenant's default adapter")] = False,
-        public: Annotated[bool, typer.Option("--public", help="usable by every tenant")] = False,
-        canary: Annotated[Optional[int], typer.Option(help="a new version takes only this percentage of the traffic")] = None,
-        config: ConfigOpt = None) -> None:
-    """Store a PEFT adapter folder by content and register it as NAME for a tenant."""
-    from consumer.registry import RegistryError
-    from engine.api import AdapterError
+def add(
+    name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="the adapter's name, for the single form NAME DIR", show_default=False)] = None,
+    directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help="its PEFT folder", show_default=False)] = None,
+    tenant: Annotated[Optional[str], typer.Option(help="owner tenant (a manifest line may name its own)")] = None,
+    dirs: Annotated[Optional[list[Path]], typer.Option("--dir", help="a folder of adapter folders, each registered under its folder's name")] = None,
+    globs: Annotated[Optional[list[str]], typer.Option("--glob", help="a quoted pattern of adapter folders, e.g. 'adapters/*-r16', each under its folder's name")] = None,
+    manifests: Annotated[Optional[list[Path]], typer.Option("--manifest", help="a JSON lines file: {\"name\", \"path\", optional \"tenant\", \"default\", \"public\", \"canary\"} a line")] = None,
+    default: Annotated[bool, typer.Option("--default", help="the tenant's default adapter (single form)")] = False,
+    public: Annotated[bool, typer.Option("--public", help="usable by every tenant")] = False,
+    canary: Annotated[Optional[int], typer.Option(help="a new version takes only this percentage of the traffic")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="threads checking and storing adapters (default: two a core, at most 16)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the failures and the summary")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Store PEFT adapter folders by content and register them for a tenant: NAME DIR, or many at once with --dir, --glob
+    and --manifest (each repeatable). Each is checked as the engine loads it (against engine.model_dir's base); a failing
+    one is reported by path and the rest go on; the exit status is 1 if any failed."""
+    from consumer import bulk_adapters as bulk
+    from consumer.registry import canary_problem
+    from engine.adapter_import import AdapterChecks, default_threads
 
-    svc = open_services(settings_from(config))
+    sources = [*(dirs or []), *(globs or []), *(manifests or [])]
+    if name is not None and directory is None:
+        fail(f"give the adapter's folder after its name: `lorabatch adapters add --tenant T {name} DIR`")
+    if name is None and not sources:
+        fail("name the adapters: NAME DIR, or --dir ROOT, --glob 'PATTERN' or --manifest FILE")
+    if tenant is None and (name is not None or dirs or globs):
+        fail("give the owner tenant with --tenant T (only manifest lines can name their own)")
+    if default and sources:
+        fail("--default marks one adapter: with --dir, --glob or --manifest, mark its manifest line \"default\": true")
+    if (problem := canary_problem(canary)) is not None:
+        fail(f"--canary: {problem}")
+    if threads is not None and threads < 1:
+        fail(f"--threads {threads}: give 1 or more")
+    s = settings_from(config)
+    svc = open_services(s)
+    if tenant is not None and not svc.registry.existing_tenants([tenant]):
+        fail(f"tenant {tenant!r} does not exist; add it with `lorabatch tenants add {tenant}`")
+    flags = bulk.Flags(tenant, public, canary)
     try:
-        a, created = svc.registry.add_adapter(tenant, name, directory, default=default, public=public, canary=canary)
-    except (RegistryError, AdapterError) as e:
+        entries = bulk.from_folder(name, directory, flags, default=default) if name is not None else []
+        for d in dirs or []:
+            entries += bulk.from_dir(d, flags)
+        for g in globs or []:
+            entries += bulk.from_glob(g, flags)
+        for m in manifests or []:
+            entries += bulk.from_manifest(m, flags)
+    except bulk.BulkError as e:
         fail(str(e))
-    what = "registered" if created else "unchanged (same content)"
-    typer.echo(f"adapter {tenant}/{a.adapter} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}")
+    checks = AdapterChecks.for_model_dir(Path(s.engine.model_dir), s.engine.max_lora_rank)
+    if checks.model is None:
+        console.print(f"[yellow]warning:[/yellow] engine.model_dir {escape(s.engine.model_dir)} holds no config.json: "
+                      "adapters are checked without the base model (its shapes and fingerprint); set engine.model_dir "
+                      "to the model the workers serve", highlight=False, soft_wrap=True)  # fmt: skip
+    entries = bulk.refuse_early(entries, svc.registry)
+    if not sources:  # the single form: today's one line, or one error line and status 2
+        (result,) = bulk.register_all(svc.registry, entries, checks, threads=1)
+        if isinstance(result, bulk.Failure):
+            fail(result.reason if result.origin in result.reason else f"{result.origin}: {result.reason}")
+        typer.echo(_done_line(result))
+        return
+    with progress_bar() as bar:
+        checking = bar.add_task("checking and storing", total=sum(isinstance(e, bulk.Item) for e in entries))
+        registering = bar.add_task("registering", total=0, start=False)  # its total: those that pass their checks
+
+        def on_registered(n: int, total: int) -> None:
+            bar.start_task(registering)
+            bar.update(registering, advance=n, total=total)
+
+        results = bulk.register_all(svc.registry, entries, checks, threads=threads or default_threads(),
+                                    checked=lambda: bar.advance(checking), registered=on_registered)  # fmt: skip
+    failed = [r for r in results if isinstance(r, bulk.Failure)]
+    for r in results:
+        if isinstance(r, bulk.Done) and not quiet:
+            typer.echo(_done_line(r))
+    for f in failed:
+        console.print(f"[red]failed:[/red] {escape(one_line(f'{f.origin}: {f.reason}'))}", highlight=False, soft_wrap=True)
+    created = sum(isinstance(r, bulk.Done) and r.created for r in results)
+    typer.echo(f"{len(results)} adapters: {created} registered, {len(results) - created - len(failed)} unchanged, {len(failed)} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _done_line(done: Done) -> str:
+    a = done.view
+    what = "registered" if done.created else "unchanged (same content)"
+    return f"adapter {a.tenant_id}/{a.adapter} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}"
 
 
 def traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSION=WEIGHT pairs, e.g. 1=90 2=10")],
