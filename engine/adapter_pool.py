@@ -226,22 +226,21 @@ class AdapterPool(L1Placement):
             return WAIT_SLOT if content == WAIT_SLOT else None
         return content.slot
 
-    def read_ahead(self, key: str) -> bool:
+    def read_ahead(self, key: str) -> bool | None:
         """Start reading a waiting request's adapter from the store on a read-ahead thread, if it is in neither L1 nor L2
-        and no read of it is under way, and a thread and the admission bucket allow; whether one started. Nothing else:
-        no slot is taken (`prefetch` places)."""
+        and no read of it is under way, and a thread and the admission bucket allow: True if one started, False if none
+        was needed (or there are no threads), None if one was needed and could not start (no room, or no token). Nothing
+        else: no slot is taken (`prefetch` places)."""
         rec = self._records[key]
         content = self._contents.get(rec.sha) if rec.sha else None
         if rec.error is not None or not self._ahead.threads or (content is not None and (content.slot is not None or content.host is not None)):
             return False
-        if self._ahead.pending(key) or self._ahead.done(key) or not self._ahead.has_room() or not self._bucket.try_take():
+        if self._ahead.pending(key) or self._ahead.done(key):
             return False
+        if not self._ahead.has_room() or not self._bucket.try_take():
+            return None
         self._ahead.start(rec, self._model, self._config, self._fingerprint, self._lora)
         return True
-
-    def can_read_ahead(self) -> bool:
-        """Whether `read_ahead` could start a read now (a thread has room and the admission bucket a token)."""
-        return bool(self._ahead.threads) and self._ahead.has_room() and self._bucket.wait_s() == 0.0
 
     def close(self) -> None:
         """Stop the reader processes, if any; reads ahead are not started again (the pool stays usable, reading on the

@@ -11,6 +11,7 @@ the pool takes the result when the request is admitted.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -123,16 +124,26 @@ class ReadAhead:
         self.reader = reader
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-read") if threads else None
         self._futures: dict[str, Future] = {}
+        self._running = 0  # futures not done yet (started here, counted down by their done callbacks)
+        self._lock = threading.Lock()
 
     def has_room(self) -> bool:
-        return sum(not f.done() for f in self._futures.values()) < self.threads * MAX_AHEAD_PER_THREAD
+        return self._running < self.threads * MAX_AHEAD_PER_THREAD
 
     def start(self, rec: Record, *args) -> None:
         assert self._pool is not None and rec.key not in self._futures, rec.key
+        with self._lock:
+            self._running += 1
         if self.reader is not None:
-            self._futures[rec.key] = self._pool.submit(self.reader.read, rec.path, rec.sha)
+            future = self._pool.submit(self.reader.read, rec.path, rec.sha)
         else:
-            self._futures[rec.key] = self._pool.submit(read_adapter, rec, *args)
+            future = self._pool.submit(read_adapter, rec, *args)
+        future.add_done_callback(self._ended)
+        self._futures[rec.key] = future
+
+    def _ended(self, _future: Future) -> None:
+        with self._lock:
+            self._running -= 1
 
     def pending(self, key: str) -> bool:
         f = self._futures.get(key)

@@ -147,8 +147,8 @@ class StepPlanner:
             if seq.adapter_key is None or seq.lora_slot >= 0 or self.pool.failed(seq.adapter_key) is not None:
                 continue
             if not placing or i >= places:
-                if not self.pool.read_ahead(seq.adapter_key) and not self.pool.can_read_ahead():
-                    break
+                if self.pool.read_ahead(seq.adapter_key) is None:
+                    break  # no room for another read (or no token): none after it would start either
                 continue
             slot = self.pool.prefetch(seq.adapter_key, exclude)
             if slot == WAIT_SLOT:

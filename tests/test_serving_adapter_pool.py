@@ -513,7 +513,7 @@ def test_admission_skips_a_request_whose_adapter_waits_for_a_read_before_any_loo
     for i, path in enumerate(many_adapters[:n]):
         eng.register_adapter(f"q{i}", path)
     started = [pool.read_ahead(f"q{i}") for i in range(n)]
-    assert started == [True] * (n - 1) + [False]
+    assert started == [True] * (n - 1) + [None]  # the last: needed, no room
     assert pool.waits_for_read(f"q{n - 1}")  # not started: no room
     looked = []
     lookup = eng.planner._lookup
