@@ -59,6 +59,12 @@ def test_registry_commands(config, demo_set):
     assert "tenants add ghost" in missing.output
 
 
+def test_names_that_look_like_markup_are_listed_as_written(config):
+    """A display name is the tenant's to choose: "[/oops]" or "[bold]x" in a table cell is text, not rich markup."""
+    run("tenants", "add", "evil", "--name", "[/oops] [bold]x", "--config", config)
+    assert "[/oops] [bold]x" in run("tenants", "list", "--config", config).stdout
+
+
 def test_commands_refuse_an_unmigrated_ledger(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(f'[ledger]\nurl = "sqlite:///{tmp_path / "empty.db"}"\n')

@@ -186,8 +186,10 @@ def current_month() -> str:
 
 
 def print_table(table) -> None:
-    """A rich table on stdout; piped or captured output gets room enough not to cut cells."""
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    """A rich table on stdout; piped or captured output gets room enough not to cut cells. Cells are plain text: a
+    tenant's display name or an adapter's name such as "[/x]" is printed as written, never read as rich markup (which
+    raised MarkupError and ended the command)."""
+    Console(width=None if sys.stdout.isatty() else 200, markup=False).print(table)
 
 
 def parse_decimal(option: str, text: str) -> Decimal:
