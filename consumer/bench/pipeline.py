@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import tempfile
 import time
 import uuid
@@ -159,8 +160,15 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     from engine.engine import Engine
     from migrations import SCRIPT_LOCATION
 
+    started = time.perf_counter()
+
+    def say(what: str) -> None:  # progress on stderr: at llama-1b a run takes minutes before its table
+        if not json_only:
+            print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     home = Path(tempfile.mkdtemp(prefix="lorabatch-bench-"))
     load = _workload(home, shape, adapters, prompt_tokens, new_tokens)
+    say(f"model and adapters written under {home}")
     port = free_port()
     overrides = {
         "kafka.bootstrap_servers": f"127.0.0.1:{port}", "kafka.group_id": f"bench-{uuid.uuid4().hex[:6]}",
@@ -184,6 +192,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
             if load.demo:
                 svc.registry.add_rule(tenant, "keyword", "refund", "second")
         engine = Engine(s.engine)
+        say(f"engine loaded on {engine.device}, batch {engine.config.max_batch_size}")
         snap = svc.registry.snapshot()
 
         def key(job: Job) -> str:
@@ -199,6 +208,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
                 for i, j in enumerate(load.jobs(2 * size, "warm-engine", seed=9))]
         engine.generate([to_request(j, key(j)) for j in warm])
         engine.pop_step_records()
+        say(f"engine warmed up on {len(warm)} jobs")
         # Engine alone: every job at once, so its continuous batching keeps the batch full.
         work = load.jobs(jobs, "engine", seed=3)
         t0 = time.perf_counter()
@@ -209,8 +219,10 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         engine_tokens = sum(len(r.output_ids) for r in out)
         failed = [r for r in out if r.error is not None]
         assert not failed, f"{len(failed)} jobs failed in the engine alone, e.g. {failed[0].error}"
+        say(f"engine alone: {jobs} jobs in {engine_s:.2f} s")
         piped = load.jobs(jobs, "bench", seed=4)
         ran = asyncio.run(_service(s, svc, engine, piped, load.jobs(s.worker.max_batch_size, "warm", seed=11)))
+        say(f"service: {jobs} jobs in {ran['seconds']:.2f} s")
         rows = [svc.ledger.usage_for(j.tenant_id, j.request_id) for j in piped]
         svc.close()
     finally:
