@@ -18,18 +18,22 @@ are derived from the GPU (engine.sizing), and the worker has its defaults.
 
 It reports jobs/s and tokens/s of both and their ratio; the GPU's idle share between steps, under the engine alone
 (1 - the steps' device time / the run's wall time) and under the worker (consumer.stages `EngineClock`); p50 and p99
-of each stage of a job's way through the worker (consumer.stages); routing p50/p99 as the ledger recorded it. The
-results are counted by their Kafka key (the request id), so that the bench's own reading costs the worker's process
-no JSON parsing; the jobs are produced from the same process, all at once when the clock starts.
+of each stage of a job's way through the worker (consumer.stages); routing p50/p99 as the ledger recorded it; the CPU
+time of the worker's process and of its threads by role in the service run. The measured jobs come from a client
+process of its own (`_client`: it produces them all at once when the clock starts and counts the results by their
+Kafka key), as a user's producer would, so that none of the client's work shares the worker's interpreter lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -106,8 +110,48 @@ def _vocab(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
+def _client(kafka, jobs: list[str], conn) -> None:
+    """The bench's client, in a process of its own as a user's producer would be: say it is ready, wait for the go,
+    produce `jobs` (JSON) while reading the results topic, and send back (seconds from the first send to the last
+    result, how many never came). Results are counted by their Kafka key (the request id), unparsed."""
+    from consumer.submit import _read_topics, produce_jobs
+
+    todo = [Job.model_validate_json(j) for j in jobs]
+    wanted, seen = {j.request_id for j in todo}, set()
+
+    async def run() -> float:
+        t0 = time.perf_counter()
+        reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: lambda key, _v: seen.add(key.decode())},
+                                                   False, lambda: wanted <= seen, 1800))
+        await produce_jobs(kafka, todo, "bench", "acme", "bench", "request")
+        await reading
+        return time.perf_counter() - t0
+
+    conn.send("ready")
+    conn.recv()
+    seconds = asyncio.run(run())
+    conn.send((seconds, len(wanted - seen)))
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's Python threads, by role: the event loop (this thread), the engine's step
+    loop, the asyncio executor (ledger writes, stored-answer lookups), and the rest (Linux /proc; empty elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        role = ("loop" if t is threading.current_thread() else "engine" if t.name == "lorabatch-engine"
+                else "executor" if t.name.startswith("asyncio_") else "other")
+        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / tick  # utime + stime
+    return out
+
+
 async def _service(settings, services, engine, jobs: list[Job], warm: list[Job]) -> dict:
-    """Run `warm`, then `jobs`, through the broker and a worker; the second run's time, idle share and stamps."""
+    """Run `warm` from this process, then `jobs` from a client process, through the broker and a worker; the second
+    run's time, idle share, stamps and CPU."""
     from consumer.submit import _read_topics, produce_jobs
     from consumer.worker import Worker
 
@@ -115,40 +159,48 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
     task = asyncio.create_task(worker.run())
     seen: set[str] = set()
 
-    def take(key, _value):  # results are keyed by request id: counted without parsing them
-        seen.add(key.decode())
-
     async def settled(ids: set[str], timeout_s: float) -> None:  # every one of `ids` has its offset committed
         deadline = time.monotonic() + timeout_s
         while not ids <= {s.key[1] for s in worker.stages.kept} and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     k = settings.kafka
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    client = ctx.Process(target=_client, args=(k, [j.model_dump_json() for j in jobs], child_conn), daemon=True)
     try:
         await produce_jobs(k, warm, "warm", "acme", "bench", "request")
-        await _read_topics(k, {k.results_topic: take}, False, lambda: task.done() or len(seen) >= len(warm), 600)
+        await _read_topics(k, {k.results_topic: lambda key, _v: seen.add(key.decode())}, False,
+                           lambda: task.done() or len(seen) >= len(warm), 600)
         await settled({j.request_id for j in warm}, 30)
+        client.start()
+        await asyncio.to_thread(conn.recv)  # the client has started and imported what it needs
         await worker.restart_measures()
-        seen.clear()
-        wanted = {j.request_id for j in jobs}
-        t0, loop_cpu0, cpu0 = time.perf_counter(), time.thread_time(), time.process_time()
-        await produce_jobs(k, jobs, "bench", "acme", "bench", "request")
-        await _read_topics(k, {k.results_topic: take}, False, lambda: task.done() or wanted <= seen, 1800)
-        elapsed = time.perf_counter() - t0
-        loop_cpu, cpu = time.thread_time() - loop_cpu0, time.process_time() - cpu0
-        if task.done():
+        cpu0, thread_cpu0 = time.process_time(), _thread_cpu()
+        conn.send("go")
+        answer = asyncio.create_task(asyncio.to_thread(conn.recv))
+        await asyncio.wait({answer, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
+        elapsed, missing = answer.result()
+        cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu()
+        thread_cpu = {role: round(s - thread_cpu0.get(role, 0.0), 2) for role, s in thread_cpu.items()}
+        if missing:
+            raise RuntimeError(f"{missing} of {len(jobs)} results never came within the client's 1800 s")
         idle = await worker.gpu_idle_share()
         clock = worker.engine_clock
         steps, busy_us, occupied_s = clock.steps, clock.busy_us, clock.occupied_ns() / 1e9
-        await settled(wanted, 30)
+        await settled({j.request_id for j in jobs}, 30)
     finally:
+        if client.is_alive():
+            client.kill()
         worker.stop()
         await asyncio.wait_for(task, 120)
+    wanted = {j.request_id for j in jobs}
     stamps = [s for s in worker.stages.kept if s.key[1] in wanted]
     return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s,
-            "loop_cpu_s": loop_cpu, "cpu_s": cpu}
+            "loop_cpu_s": thread_cpu.get("loop", 0.0), "cpu_s": cpu, "thread_cpu_s": thread_cpu}
 
 
 def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
@@ -253,7 +305,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         "service_engine_s": round(ran["occupied_s"], 2),
         # Host CPU during the service run: the event loop's thread (the worker's tasks and the bench's client), and the
         # whole process (the engine thread, reader processes' pipes, ledger writes in threads, torch's own threads).
-        "loop_cpu_s": round(ran["loop_cpu_s"], 2), "process_cpu_s": round(ran["cpu_s"], 2),
+        "loop_cpu_s": round(ran["loop_cpu_s"], 2), "process_cpu_s": round(ran["cpu_s"], 2), "thread_cpu_s": ran["thread_cpu_s"],
     }
     if not json_only:
         _print_table(figures, engine_s, pipe_s)
@@ -276,7 +328,7 @@ def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
     print(f"{'service':<8} {pipe_s:>8.2f} {f['pipeline_jobs_per_s']:>8.2f} {f['pipeline_tok_s']:>9.1f} {idle:>9}")
     print(f"steps: engine {f['engine_steps']} of {f['engine_step_ms']} ms, service {f['service_steps']} of "
           f"{f['service_step_ms']} ms (mean device time); the service's engine held jobs {f['service_engine_s']} s; "
-          f"CPU: event loop {f['loop_cpu_s']} s, process {f['process_cpu_s']} s")
+          f"CPU s: process {f['process_cpu_s']}, " + ", ".join(f"{k} {v}" for k, v in sorted(f["thread_cpu_s"].items())))
     print(f"service / engine: {f['ratio']:.3f}x jobs/s, {f['tok_ratio']:.3f}x tokens/s; routing ({f['cache']}) "
           f"p50 {f['routing_p50_ms']} ms, p99 {f['routing_p99_ms']} ms")
     print(f"{'stage':<8} {'p50 ms':>9} {'p99 ms':>9}   ({f['staged_jobs']} jobs)")
