@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -118,6 +119,9 @@ class Worker:
     async def run(self) -> None:
         """Connect (waiting for the broker and Redis as long as it takes), serve until stopped, drain, commit."""
         producer = None
+        switch_interval = sys.getswitchinterval()
+        if self.s.worker.switch_interval_ms is not None:  # the engine thread takes the interpreter lock back sooner
+            sys.setswitchinterval(self.s.worker.switch_interval_ms / 1000)
         try:
             producer = await connect(lambda: make_producer(self.s.kafka, client_id=self.worker_id), self.s, self._stopping)
             await wait_for_redis(self.router.cache, self.s, self._stopping)
@@ -149,6 +153,7 @@ class Worker:
             close = getattr(self.router.cache, "close", None)
             if close is not None:
                 await close()
+            sys.setswitchinterval(switch_interval)
 
     def _make_consumer(self):
         k, w = self.s.kafka, self.s.worker

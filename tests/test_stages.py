@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from types import SimpleNamespace
 
@@ -202,12 +203,14 @@ async def test_dispatch_keeps_the_engine_batch_and_engine_queue_jobs_more_in_the
 
 async def test_every_job_through_the_worker_has_seven_ordered_stages_and_an_idle_share(broker, tmp_path, demo_set, cpu_engine):
     """Through the real broker: each job's stamps run fetched <= parsed <= queued <= started <= served <= published
-    <= billed <= committed, every stage is observed in the histogram, and the idle share is a share."""
+    <= billed <= committed, every stage is observed in the histogram, and the idle share is a share; the worker's
+    switch interval holds while it runs."""
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     upgrade(url, script_location=SCRIPT_LOCATION)
-    s = await service_settings(broker, tmp_path, url, demo_set["model"])
+    s = await service_settings(broker, tmp_path, url, demo_set["model"], **{"worker.switch_interval_ms": 0.5})
     svc = open_services(s)
     svc.registry.add_tenant("acme")
+    switch_interval = sys.getswitchinterval()
     svc.registry.add_adapter("acme", "support", demo_set["adapters"][sorted(demo_set["adapters"])[0]], default=True)
     jobs = [Job(request_id=f"s{i}", tenant_id="acme", input_ids=[1, 5, 9, 13 + i], max_new_tokens=2) for i in range(10)]
     async with running_worker(s, svc, cpu_engine) as rw:
@@ -220,7 +223,9 @@ async def test_every_job_through_the_worker_has_seven_ordered_stages_and_an_idle
         idle = await w.gpu_idle_share()
         text = w.metrics.registry.get_sample_value
         counts = {stage: text("lorabatch_stage_seconds_count", {"stage": stage}) for stage in STAGES}
+        assert sys.getswitchinterval() == 0.0005  # worker.switch_interval_ms, while the worker runs
     svc.close()
+    assert sys.getswitchinterval() == switch_interval, "restored when the worker stops"
     assert {st.key for st in w.stages.kept} == {("acme", j.request_id) for j in jobs}
     for st in w.stages.kept:
         t = (st.fetched, st.parsed, st.queued, st.started, st.served, st.published, st.billed, st.committed)
