@@ -74,6 +74,7 @@ class AdapterPool(L1Placement):
         self._records: dict[str, Record] = {}
         self._contents: dict[str, Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
+        self.l1_changes = 0  # counts changes of which keys are in L1 (`resident_keys`), so readers rebuild only on change
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
         procs = config.adapter_read_processes
@@ -423,6 +424,7 @@ class AdapterPool(L1Placement):
         assert content.pages is not None, content.sha
         event.copy = self._lora.write(slot, content.host, [offsets for _, offsets in content.pages])
         self._slots[slot] = content.sha
+        self.l1_changes += 1
         content.slot = slot
         if content.sha not in self._l2:
             content.host = None  # a transient copy (larger than L2): the slot now holds it
@@ -433,6 +435,7 @@ class AdapterPool(L1Placement):
     def _link(self, rec: Record, content: Content) -> None:
         rec.sha = content.sha
         content.keys.add(rec.key)
+        self.l1_changes += 1
 
     def _event(self, rec: Record, content: Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> LoadEvent:
         event = LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
@@ -461,6 +464,7 @@ class AdapterPool(L1Placement):
         if content is None:
             return
         content.keys.discard(key)
+        self.l1_changes += 1
         if content.keys:
             return
         assert content.pins == 0, f"unloading {key!r} while {content.pins} requests pin it"

@@ -74,6 +74,7 @@ class L1Placement:
         assert content.slot is not None and content.pins == 0, (sha, content.slot, content.pins)
         self._free_pages(content)
         self._slots[content.slot] = None
+        self.l1_changes += 1
         content.slot = None
         self.counters["evictions_l1"] += 1
 

@@ -48,6 +48,7 @@ class AsyncEngine:
         # The adapters in device slots, as the engine thread last saw them (after each pass of its loop). Other
         # threads read this snapshot instead of calling the engine while it steps: rebinding it is atomic.
         self._resident: frozenset[str] = frozenset()
+        self._resident_at = -1  # the pool's l1_changes when _resident was built
 
     # ---- lifecycle
 
@@ -119,7 +120,10 @@ class AsyncEngine:
         while not self._stop or self._pending:
             try:
                 self._turn()
-                self._resident = frozenset(self.engine.resident_adapters())
+                changes = self.engine.adapters.l1_changes
+                if changes != self._resident_at:  # rebuilt only when L1's keys changed: with thousands of rows, a
+                    self._resident_at = changes  # rebuild every turn cost the engine thread a scan and a sort
+                    self._resident = frozenset(self.engine.resident_adapters())
             except Exception as e:  # a bug in one step must not kill the thread and strand every caller
                 log.exception("engine step failed; failing the %d requests in flight", len(self._pending))
                 self._fail_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",

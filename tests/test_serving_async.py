@@ -169,3 +169,30 @@ async def test_resident_adapters_are_published_by_the_engine_thread(engine):
                 break
             await asyncio.sleep(0.005)
         assert "all-r16" in expected and ae.resident == expected
+
+
+async def test_the_resident_snapshot_follows_every_change_of_l1s_keys(engine, demo_set):
+    """The snapshot is rebuilt only when L1's keys change (the pool counts the changes): a load, a second key for
+    content already resident, an unload, and an eviction each show in it after the pass that made them."""
+
+    async def settled(ae) -> frozenset:
+        expected = frozenset(await ae.call(lambda e: e.resident_adapters()))
+        for _ in range(200):
+            if ae.resident == expected:
+                break
+            await asyncio.sleep(0.005)
+        assert ae.resident == expected
+        return expected
+
+    path = demo_set["adapters"]["qv-r4"]
+    async with AsyncEngine(engine) as ae:
+        await ae.call(lambda e: e.load_adapter("first", path))
+        assert "first" in await settled(ae)
+        await ae.call(lambda e: e.register_adapter("alias", path))
+        assert (await ae.generate(req("a", adapter_key="alias", max_new_tokens=1))).ok  # same content: linked, no load
+        assert {"first", "alias"} <= await settled(ae)
+        await ae.call(lambda e: e.unload_adapter("first"))
+        snap = await settled(ae)
+        assert "first" not in snap and "alias" in snap
+        await ae.call(lambda e: e.adapters.offload())
+        assert "alias" not in await settled(ae)
