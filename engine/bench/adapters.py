@@ -3,9 +3,9 @@
 
 One process; per adapter count a fresh engine on a random model of the shape, `requests` requests of `prompt` random
 tokens and `new` generated ones, each for an adapter drawn uniformly from `count` distinct ones (ranks cycled over
-`ranks`, on `targets`), after two warm-up passes on adapters of their own, every rank, one with base requests among
-them and one with an adapter on every request (kernels compiled, graphs captured; the row counts the Triton compiles
-left in each measured pass). Two
+`ranks`, on `targets`), after warm-up passes on adapters of their own, every rank, one with base requests among
+them, one with an adapter on every request, and one whose requests arrive in waves of odd sizes (kernels compiled,
+graphs captured; the row counts the Triton compiles left in each measured pass). Two
 passes over the same requests: cold (every adapter only on disk, L3) and host-warm (every adapter read once into L2,
 pinned, and L1 emptied before it: each adapter's first use is an L2 load). L1 holds what the adapter budget's bytes
 hold: the engine has a page-table row for every adapter, so rows never limit residency. Per count it prints tokens/s of both passes and their ratio to the
@@ -136,6 +136,19 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3)}  # fmt: skip
 
 
+def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
+    """Run `prompts` arriving in waves of 1, 3, 5, 7, ... requests with a step between waves (warm-up only)."""
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    i, wave = 0, 1
+    while i < len(prompts) or engine.has_unfinished():
+        for j in range(i, min(i + wave, len(prompts))):
+            engine.add_request(GenerationRequest(request_id=f"{tag}-{j}", input_ids=tuple(prompts[j]), adapter_key=keys[j], sampling=sp))
+        i, wave = i + wave, wave + 2
+        engine.step()
+    engine.pop_load_events()
+    engine.pop_step_records()
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -212,6 +225,10 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     with _Compiles() as compiles:
         _pass(engine, prompts, warm_keys, new, f"w{count}", batch)
         _pass(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"v{count}", batch)
+        # A third with requests arriving in waves of odd sizes: cold passes admit requests as their adapters' reads land,
+        # so steps mix prompts with any number of decode rows, shapes the first two never make (H200, session 10: the
+        # cold passes compiled 1-5 Triton variants, about a second each, after two full-batch warm-ups).
+        _staggered(engine, prompts[: 4 * batch], [f"warm/{warm_paths[i].name}" for i in every[: 4 * batch]], new, f"s{count}")
         warmup_compiles = compiles.take()
         cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
         cold_compiles = compiles.take()
