@@ -8,6 +8,7 @@ import pytest
 
 from engine.block_manager import BlockManager, chain_hashes, namespace_hash
 from engine.engine import Engine
+from engine.timing import PrefillCost
 from tests.test_serving_helpers import alone, config, demo_engine, req, run_until_done
 
 SYSTEM = "The user asked the assistant a question about the weather. The assistant answered that the morning would be cold"
@@ -37,10 +38,16 @@ def test_a_repeat_hits_and_equals_a_miss(engine, miss_engine):
     assert first.timings.cached_tokens == 0
     # The credit's per-token rate is fitted on prefill steps alone (engine.booking): one of another size gives it a slope.
     engine.generate([req("w", prompt="Hello there", tenant_id="globex")])
+    # Measured step times make that slope: on a loaded machine the smaller step can come out the slower one, and the
+    # slope is floored at 0 (no credit). The fit has its own tests (test_attribution); here a known one is fed in, so
+    # that the credit is checked exactly: the cached tokens times the rate when the request was scheduled.
+    cost = engine.book.prefill_cost = PrefillCost()
+    cost.update(1, 1000)
+    cost.update(33, 1640)  # 20 us a token
     again = engine.generate([req("r2", prompt=SYSTEM + " and rainy", adapter_key="qv-r4", tenant_id="acme")])[0]
     assert again.timings.cached_tokens == _cached_expected(again.prompt_tokens) > 0
     assert again.timings.prefill_tokens == again.prompt_tokens - again.timings.cached_tokens
-    assert again.timings.kv_saved_us > 0
+    assert again.timings.kv_saved_us == 20 * again.timings.cached_tokens > 0
     assert first.output_ids == again.output_ids == alone(miss_engine, req("m", prompt=SYSTEM + " and rainy", adapter_key="qv-r4")).output_ids
     other = engine.generate([req("r3", prompt=SYSTEM + " but the sun came out in the afternoon", adapter_key="qv-r4", tenant_id="acme")])[0]
     shared = len(engine.tokenizer.encode(SYSTEM))  # the two prompts share at least these tokens
