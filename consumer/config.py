@@ -108,10 +108,13 @@ class WorkerConfig(_Section):
                                    "in it to take a place the moment one frees (with 0, a freed place waits for the result's "
                                    "round trip through the worker, a decode round on a GPU); they are past the fair "
                                    "scheduler's reach, so keep it near what the engine admits in a step or two")
+    engine_process: bool = Field(True, description="run the engine's step loop in a child process of its own (false: "
+                                 "a thread of the worker, which shares the interpreter lock with the event loop and the "
+                                 "ledger writes and waits for it between its launches)")
     switch_interval_ms: float | None = Field(None, gt=0, le=100, description="the interpreter's thread switch interval "
-                                             "while the worker runs (sys.setswitchinterval); none: Python's 5 ms. The "
-                                             "engine's step loop shares the interpreter lock with the event loop and the "
-                                             "ledger writes, and waits up to this long for it each time they hold it")
+                                             "while the worker runs (sys.setswitchinterval); none: Python's 5 ms. With "
+                                             "engine_process = false, the engine's step loop waits up to this long for "
+                                             "the interpreter lock each time the event loop or a ledger write holds it")
     ledger_flush_ms: int = Field(1000, ge=10, description="how often adapter loads and GPU busy time are written")
     spool_path: str = Field("", description="the durable local spool of ledger records while the ledger is down; "
                             "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")

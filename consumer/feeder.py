@@ -1,6 +1,7 @@
 """Feeding the engine continuously: routed jobs join its running batch as slots free up.
 
-The engine steps in its own thread (`engine.async_engine.AsyncEngine`); each job here is one awaited
+The engine steps in its own process (`engine.engine_process.EngineProcess`) or thread
+(`engine.async_engine.AsyncEngine`), with the same face; each job here is one awaited
 `generate`, so a job joins between two engine steps and leaves when it finishes, whatever else runs.
 Adapters are registered with the engine by adapter_key on first sight (metadata only: the engine's pool
 loads them from the store, tiered, when a request needs them). Load events and the steps' measured
@@ -9,6 +10,7 @@ busy time are drained from the engine periodically and written to the ledger.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +26,7 @@ from consumer.schemas import Job
 from consumer.stages import Stamps
 from engine.api import ADAPTER_ERROR_CODES
 from engine.async_engine import AsyncEngine
+from engine.engine_process import EngineProcess
 from engine.store import AdapterStore
 
 log = logging.getLogger("lorabatch.worker")
@@ -44,7 +47,7 @@ class Routed:
 
 
 class EngineFeeder:
-    def __init__(self, aengine: AsyncEngine, store: AdapterStore, worker_id: str, gpu_kind: str,
+    def __init__(self, aengine: AsyncEngine | EngineProcess, store: AdapterStore, worker_id: str, gpu_kind: str,
                  slo_tiers: dict[str, str] | None = None):
         self.aengine = aengine
         self.store = store
@@ -59,15 +62,8 @@ class EngineFeeder:
         if self._registered.get(a.adapter_key) == a.sha256:
             return
         path = self.store.path(a.sha256)
-
-        def ensure(e) -> None:  # in the engine thread, between steps: no other registration interleaves
-            if e.has_adapter(a.adapter_key):
-                if e.adapters.sha_of(a.adapter_key) in (None, a.sha256):
-                    return
-                e.unload_adapter(a.adapter_key)  # the key now names other content (a registry rebuilt under it)
-            e.register_adapter(a.adapter_key, path, sha256=a.sha256, tenant_id=a.tenant_id, slo_tier=slo_tier)
-
-        await self.aengine.call(ensure)
+        await self.aengine.call(functools.partial(_ensure_registered, key=a.adapter_key, path=path, sha256=a.sha256,
+                                                  tenant_id=a.tenant_id, slo_tier=slo_tier))  # fmt: skip
         self._registered[a.adapter_key] = a.sha256
         self._adapters[a.adapter_key] = a
 
@@ -98,7 +94,7 @@ class EngineFeeder:
         """Adapter loads and measured busy time since the last call, as ledger records."""
         # Read between two engine steps, with the clock read there too: every step popped began after the
         # previous drain and ended before this one, so busy time never exceeds the record's wall span.
-        events, steps, now = await self.aengine.call(lambda e: (e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)))
+        events, steps, now = await self.aengine.call(_pop_gpu_time)
         loads = []
         for ev in events:
             a = self._adapters.get(ev.key)  # the pool's load events name the adapter_key `key`
@@ -112,3 +108,20 @@ class EngineFeeder:
                               busy_us=sum(s.total_us for s in steps), steps=len(steps))
         self._since = now
         return loads, busy
+
+
+# The engine-side halves of the calls above: module-level, so that they pickle to an engine in its own process
+# (engine.engine_process), and run there between two steps.
+
+
+def _ensure_registered(e, key: str, path, sha256: str, tenant_id: str, slo_tier: str) -> None:
+    """Register `key` unless it is already registered with this content (no other registration interleaves)."""
+    if e.has_adapter(key):
+        if e.adapters.sha_of(key) in (None, sha256):
+            return
+        e.unload_adapter(key)  # the key now names other content (a registry rebuilt under it)
+    e.register_adapter(key, path, sha256=sha256, tenant_id=tenant_id, slo_tier=slo_tier)
+
+
+def _pop_gpu_time(e) -> tuple:
+    return e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)

@@ -4,8 +4,8 @@ Four tasks share one event loop:
 - fetch: `getmany`, parse, route the whole fetched batch (one cache round trip), and queue each job in
   the fair scheduler (or answer it at once when it cannot run: a DLQ record or a failed result);
 - dispatch: as engine places free up, take the next jobs from the scheduler in fair order and submit
-  them to the engine, which steps in its own thread (continuous batching), so the loop (and
-  aiokafka's heartbeats) never waits on the GPU. The places are the engine's batch and
+  them to the engine, which steps in a process of its own (`worker.engine_process`, the default) or a
+  thread (continuous batching), so the loop (and aiokafka's heartbeats) never waits on the GPU. The places are the engine's batch and
   `worker.engine_queue_jobs` more, which wait in the engine: a place the engine frees is taken at its
   next step, not after the finished job's result has come to this loop and a new job gone back;
 - deliver: publish results and DLQ records, write ledger rows, then mark the offsets done;
@@ -50,6 +50,8 @@ from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
 from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from engine.engine_process import EngineProcess
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -65,22 +67,28 @@ def make_route_cache(s: Settings) -> RouteCache:
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine, registry: Registry, ledger, *, metrics: WorkerMetrics | None = None,
-                 route_cache: RouteCache | None = None, keep_stages: int = 0):
-        """`keep_stages`: keep the stage stamps of the last this many committed jobs in `stages.kept` (the bench)."""
+    def __init__(self, settings: Settings, engine: Engine | EngineProcess, registry: Registry, ledger, *,
+                 metrics: WorkerMetrics | None = None, route_cache: RouteCache | None = None, keep_stages: int = 0):
+        """`engine`: an Engine, which the worker steps on a thread of its own (AsyncEngine), or a started EngineProcess.
+        `keep_stages`: keep the stage stamps of the last this many committed jobs in `stages.kept` (the bench)."""
         self.s = settings
-        self.engine = engine
+        if isinstance(engine, EngineProcess):
+            assert engine.started, "start() the engine process first: the worker sizes itself on its derived config"
+            self.aengine = engine
+        else:
+            self.aengine = AsyncEngine(engine)
+        engine_config = self.aengine.config
         self.registry = registry
         self.ledger = ledger
         self.metrics = metrics or WorkerMetrics()
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
         try:
-            check_worker_fits(w, engine.config)  # the engine's sizes as derived for its device (engine.sizing)
+            check_worker_fits(w, engine_config)  # the engine's sizes as derived for its device (engine.sizing)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         # Jobs handed to the engine at once: the requests it runs, and those waiting in it for the next free place.
-        self.capacity = engine.config.max_batch_size + w.engine_queue_jobs
+        self.capacity = engine_config.max_batch_size + w.engine_queue_jobs
         self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
                                    affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
                                    capacity=self.capacity, headroom=w.headroom_slots)
@@ -89,7 +97,6 @@ class Worker:
         self.offsets = OffsetTracker()
         self.stages = StageLog(self.metrics.stage, keep=keep_stages)  # consumer.stages
         self.engine_clock = EngineClock()
-        self.aengine = AsyncEngine(engine)
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
         self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records)
@@ -134,7 +141,8 @@ class Worker:
                 self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
                 lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000,
                 stages=self.stages)
-            self.aengine.start()
+            if not self.aengine.started:
+                self.aengine.start()
             try:
                 try:
                     await self._run_tasks()
@@ -312,7 +320,7 @@ class Worker:
         while True:
             await asyncio.sleep(self.s.worker.ledger_flush_ms / 1000)
             if not self.aengine.alive:  # its step loop died: fail loudly rather than hang on its results
-                raise RuntimeError("the engine thread stopped; see the log above; its jobs will be redelivered")
+                raise RuntimeError("the engine stopped; see the log above; its jobs will be redelivered")
             await self._record_gpu_time()
             stats = await self.aengine.stats()
             m = self.metrics
@@ -347,7 +355,7 @@ class Worker:
         return self.engine_clock.idle_share()
 
     def _resident(self) -> set[str | None]:
-        # The engine thread's snapshot: asking the engine itself from the event loop would race its step.
+        # The step loop's own snapshot: asking the engine itself from the event loop would race its step.
         return set(self.aengine.resident) | {None}
 
     # ---------------------------------------------------------------- commit, rebalance, metrics

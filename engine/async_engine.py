@@ -37,24 +37,147 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 0.05  # longest sleep of an idle loop between looks at the queue; commands wake it at once
 
 
-class AsyncEngine:
+class StepLoop:
+    """The step loop and its awaited requests, apart from where commands come from and where results go: the
+    thread of `AsyncEngine` and the process of `engine.engine_process.EngineProcess` both run it.
+
+    Each request added carries a token of its caller's (a future here, a sequence number across processes), which
+    `_settle` gets back with the result; `_abort(key, only)` aborts only while the key still holds that token.
+    """
+
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = queue.SimpleQueue()
-        # (tenant_id, request_id) -> the caller's loop and future; engine thread only
-        self._pending: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._thread: threading.Thread | None = None
+        self._pending: dict[tuple[str, str], Any] = {}  # (tenant_id, request_id) -> its caller's token
         self._stop = False
+        self._resident_at = -1  # the pool's l1_changes when the resident snapshot was last published
+
+    # ---- what a host provides
+
+    def _next_command(self, block_s: float) -> Callable[[], Any] | None:
+        """The next command to run, waiting up to `block_s` for one; None when none came."""
+        raise NotImplementedError
+
+    def _settle(self, token: Any, res: GenerationResult) -> None:
+        raise NotImplementedError
+
+    def _publish_resident(self, keys: frozenset[str]) -> None:
+        """The adapters in device slots changed (after a pass of the loop)."""
+
+    def _end_of_turn(self) -> None:
+        """A pass of the loop ended (the process host sends what it settled in one message)."""
+
+    # ---- the loop
+
+    def run(self) -> None:
+        while not self._stop or self._pending:
+            try:
+                self._turn()
+                changes = self.engine.adapters.l1_changes
+                if changes != self._resident_at:  # rebuilt only when L1's keys changed: with thousands of rows, a
+                    self._resident_at = changes  # rebuild every turn cost the engine thread a scan and a sort
+                    self._publish_resident(frozenset(self.engine.resident_adapters()))
+            except Exception as e:  # a bug in one step must not kill the loop and strand every caller
+                log.exception("engine step failed; failing the %d requests in flight", len(self._pending))
+                self._fail_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",
+                                           code="engine_failed", retriable=True))  # fmt: skip
+            self._end_of_turn()
+
+    def _turn(self) -> None:
+        """One pass of the loop: the commands queued, then a step if anything is unfinished."""
+        if not self.engine.has_unfinished():
+            if self._pending:  # every request added is unfinished or has its result waiting: these were lost (a bug)
+                log.error("%d requests awaited but unknown to the engine; failing them", len(self._pending))
+                self._fail_all(EngineError("the engine lost track of this request; it was logged", code="engine_failed", retriable=True))
+            self._drain_commands(block_s=_IDLE_WAIT_S)
+            return
+        self._drain_commands(block_s=0.0)
+        for res in self.engine.step():
+            self._deliver(res)
+        wait = self.engine.idle_wait_s()  # > 0 when nothing could run (e.g. adapter loads rate-limited)
+        if wait > 0:
+            self._drain_commands(block_s=min(wait, _IDLE_WAIT_S))
+
+    def _drain_commands(self, block_s: float) -> None:
+        command = self._next_command(block_s)
+        while command is not None and not self._stop_now():
+            command()
+            command = self._next_command(0.0)
+
+    def _stop_now(self) -> bool:
+        """Whether to stop reading commands at once (the process host: its parent is gone)."""
+        return False
+
+    def _add(self, req: GenerationRequest, token: Any) -> None:
+        key = (req.tenant_id, req.request_id)
+        if key in self._pending:
+            dup = RequestError(f"request_id {req.request_id!r} of tenant {req.tenant_id!r} is already in flight; use unique ids "
+                               "per tenant", code="duplicate_request_id")  # fmt: skip
+            self._settle(token, GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=dup))
+            return
+        self._pending[key] = token
+        try:
+            self.engine.add_request(req)  # (fails the request into its results rather than raising)
+        except Exception as e:
+            log.exception("adding request %r raised", key)
+            error = EngineError(f"admitting the request raised {type(e).__name__}; it was logged", code="admission_failed")
+            self._deliver(GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=error))
+
+    def _abort(self, key: tuple[str, str], only: Any = None) -> GenerationResult | None:
+        """Abort the request `key`; with `only`, only while it is still the request that token's caller added."""
+        if only is not None and self._pending.get(key, None) != only:
+            return None  # the request already finished, or the id now belongs to a newer request
+        tenant_id, request_id = key
+        res = self.engine.abort(request_id, tenant_id)
+        if res is not None:
+            self._deliver(res)
+        return res
+
+    def _fail_all(self, error: EngineError) -> None:
+        """Fail every request in the engine and every caller waiting with `error` (results already made are delivered
+        as they are)."""
+        try:
+            results = self.engine.abort_all(error)
+        except Exception:
+            log.exception("could not abort the requests in flight after an engine failure")
+            results = []
+        for res in results:
+            self._deliver(res)
+        for tenant_id, request_id in list(self._pending):
+            self._deliver(GenerationResult(request_id=request_id, adapter_key=None, tenant_id=tenant_id, error=error))
+
+    def _deliver(self, res: GenerationResult) -> None:
+        token = self._pending.pop((res.tenant_id, res.request_id), None)
+        if token is None:
+            log.warning("result for %r of tenant %r, which no caller awaits", res.request_id, res.tenant_id)
+            return
+        self._settle(token, res)
+
+    def _request_stop(self) -> None:
+        self._stop = True
+
+
+class AsyncEngine(StepLoop):
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         # The adapters in device slots, as the engine thread last saw them (after each pass of its loop). Other
         # threads read this snapshot instead of calling the engine while it steps: rebinding it is atomic.
         self._resident: frozenset[str] = frozenset()
-        self._resident_at = -1  # the pool's l1_changes when _resident was built
+
+    @property
+    def config(self):
+        return self.engine.config
 
     # ---- lifecycle
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         assert self._thread is None, "already started"
-        self._thread = threading.Thread(target=self._loop, name="lorabatch-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="lorabatch-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -91,9 +214,8 @@ class AsyncEngine:
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Run one request to completion among everything else submitted; cancelling aborts it."""
         assert self._thread is not None, "start() first"
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[GenerationResult] = loop.create_future()
-        self._commands.put((lambda: self._add(req, loop, fut), None))
+        fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        self._commands.put((lambda: self._add(req, fut), None))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -102,7 +224,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str, tenant_id: str = "") -> GenerationResult | None:
         """Abort the request (tenant_id, request_id) in flight; its `generate` returns the partial result (code `aborted`)."""
-        return await self.call(lambda e: self._abort((tenant_id, request_id), None))
+        return await self.call(lambda e: self._abort((tenant_id, request_id)))
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
@@ -114,47 +236,20 @@ class AsyncEngine:
         self._commands.put((lambda: fn(self.engine), done))
         return await asyncio.wrap_future(done)
 
-    # ---- the engine thread
+    # ---- the engine thread (StepLoop's host)
 
-    def _loop(self) -> None:
-        while not self._stop or self._pending:
-            try:
-                self._turn()
-                changes = self.engine.adapters.l1_changes
-                if changes != self._resident_at:  # rebuilt only when L1's keys changed: with thousands of rows, a
-                    self._resident_at = changes  # rebuild every turn cost the engine thread a scan and a sort
-                    self._resident = frozenset(self.engine.resident_adapters())
-            except Exception as e:  # a bug in one step must not kill the thread and strand every caller
-                log.exception("engine step failed; failing the %d requests in flight", len(self._pending))
-                self._fail_all(EngineError(f"the engine failed while running this request ({type(e).__name__}); it was logged",
-                                           code="engine_failed", retriable=True))  # fmt: skip
-
-    def _turn(self) -> None:
-        """One pass of the loop: the commands queued, then a step if anything is unfinished."""
-        if not self.engine.has_unfinished():
-            if self._pending:  # every request added is unfinished or has its result waiting: these were lost (a bug)
-                log.error("%d requests awaited but unknown to the engine; failing them", len(self._pending))
-                self._fail_all(EngineError("the engine lost track of this request; it was logged", code="engine_failed", retriable=True))
-            self._drain_commands(block_s=_IDLE_WAIT_S)
-            return
-        self._drain_commands(block_s=0.0)
-        for res in self.engine.step():
-            self._deliver(res)
-        wait = self.engine.idle_wait_s()  # > 0 when nothing could run (e.g. adapter loads rate-limited)
-        if wait > 0:
-            self._drain_commands(block_s=min(wait, _IDLE_WAIT_S))
-
-    def _drain_commands(self, block_s: float) -> None:
+    def _next_command(self, block_s: float) -> Callable[[], Any] | None:
         try:
-            command = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+            fn, done = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
         except queue.Empty:
-            return
-        while True:
-            self._run_command(*command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            return None
+        return lambda: self._run_command(fn, done)
+
+    def _publish_resident(self, keys: frozenset[str]) -> None:
+        self._resident = keys
+
+    def _settle(self, token: asyncio.Future, res: GenerationResult) -> None:
+        token.get_loop().call_soon_threadsafe(_settle, token, res)
 
     def _run_command(self, fn: Callable[[], Any], done: concurrent.futures.Future | None) -> None:
         # A caller cancelled before its command ran (a task cancelled at shutdown) gets nothing run for it;
@@ -171,56 +266,6 @@ class AsyncEngine:
             return
         if done is not None:
             done.set_result(value)
-
-    def _add(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        key = (req.tenant_id, req.request_id)
-        if key in self._pending:
-            dup = RequestError(f"request_id {req.request_id!r} of tenant {req.tenant_id!r} is already in flight; use unique ids "
-                               "per tenant", code="duplicate_request_id")  # fmt: skip
-            res = GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=dup)
-            loop.call_soon_threadsafe(_settle, fut, res)
-            return
-        self._pending[key] = (loop, fut)
-        try:
-            self.engine.add_request(req)  # (fails the request into its results rather than raising)
-        except Exception as e:
-            log.exception("adding request %r raised", key)
-            error = EngineError(f"admitting the request raised {type(e).__name__}; it was logged", code="admission_failed")
-            self._deliver(GenerationResult(request_id=req.request_id, adapter_key=req.adapter_key, tenant_id=req.tenant_id, error=error))
-
-    def _abort(self, key: tuple[str, str], only: asyncio.Future | None) -> GenerationResult | None:
-        entry = self._pending.get(key)
-        if only is not None and (entry is None or entry[1] is not only):
-            return None  # the request already finished, or the id now belongs to a newer request
-        tenant_id, request_id = key
-        res = self.engine.abort(request_id, tenant_id)
-        if res is not None:
-            self._deliver(res)
-        return res
-
-    def _fail_all(self, error: EngineError) -> None:
-        """Fail every request in the engine and every caller waiting with `error` (results already made are delivered
-        as they are)."""
-        try:
-            results = self.engine.abort_all(error)
-        except Exception:
-            log.exception("could not abort the requests in flight after an engine failure")
-            results = []
-        for res in results:
-            self._deliver(res)
-        for tenant_id, request_id in list(self._pending):
-            self._deliver(GenerationResult(request_id=request_id, adapter_key=None, tenant_id=tenant_id, error=error))
-
-    def _deliver(self, res: GenerationResult) -> None:
-        entry = self._pending.pop((res.tenant_id, res.request_id), None)
-        if entry is None:
-            log.warning("result for %r of tenant %r, which no caller awaits", res.request_id, res.tenant_id)
-            return
-        loop, fut = entry
-        loop.call_soon_threadsafe(_settle, fut, res)
-
-    def _request_stop(self) -> None:
-        self._stop = True
 
 
 def _settle(fut: asyncio.Future, res: GenerationResult) -> None:

@@ -27,6 +27,7 @@ Kafka key), as a user's producer would, so that none of the client's work shares
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -133,19 +134,28 @@ def _client(kafka, jobs: list[str], conn) -> None:
     conn.send((seconds, len(wanted - seen)))
 
 
-def _thread_cpu() -> dict[str, float]:
+def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
     """CPU seconds so far of this process's Python threads, by role: the event loop (this thread), the engine's step
-    loop, the asyncio executor (ledger writes, stored-answer lookups), and the rest (Linux /proc; empty elsewhere)."""
+    loop, the asyncio executor (ledger writes, stored-answer lookups), and the rest; with `engine_pid`, the engine's
+    own process as "engine process" (Linux /proc; empty elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for t in threading.enumerate():
+
+    def cpu(stat_path: str) -> float | None:
         try:
-            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = Path(stat_path).read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
+            return None
+        return (int(stat[11]) + int(stat[12])) / tick  # utime + stime
+
+    for t in threading.enumerate():
+        if (seconds := cpu(f"/proc/self/task/{t.native_id}/stat")) is None:
             continue
-        role = ("loop" if t is threading.current_thread() else "engine" if t.name == "lorabatch-engine"
+        role = ("loop" if t is threading.current_thread() else "engine" if t.name.startswith("lorabatch-engine")
                 else "executor" if t.name.startswith("asyncio_") else "other")
-        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / tick  # utime + stime
+        out[role] = out.get(role, 0.0) + seconds
+    if engine_pid is not None and (seconds := cpu(f"/proc/{engine_pid}/stat")) is not None:
+        out["engine process"] = seconds
     return out
 
 
@@ -156,6 +166,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
     from consumer.worker import Worker
 
     worker = Worker(settings, engine, services.registry, services.ledger, keep_stages=len(jobs) + len(warm))
+    engine_pid = getattr(engine, "pid", None)  # an EngineProcess's child
     task = asyncio.create_task(worker.run())
     seen: set[str] = set()
 
@@ -176,7 +187,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
         client.start()
         await asyncio.to_thread(conn.recv)  # the client has started and imported what it needs
         await worker.restart_measures()
-        cpu0, thread_cpu0 = time.process_time(), _thread_cpu()
+        cpu0, thread_cpu0 = time.process_time(), _thread_cpu(engine_pid)
         conn.send("go")
         answer = asyncio.create_task(asyncio.to_thread(conn.recv))
         await asyncio.wait({answer, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,7 +195,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
         elapsed, missing = answer.result()
-        cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu()
+        cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu(engine_pid)
         thread_cpu = {role: round(s - thread_cpu0.get(role, 0.0), 2) for role, s in thread_cpu.items()}
         if missing:
             raise RuntimeError(f"{missing} of {len(jobs)} results never came within the client's 1800 s")
@@ -210,6 +221,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     from consumer.outcomes import to_request
     from consumer.services import open_services
     from engine.engine import Engine
+    from engine.engine_process import EngineProcess
     from migrations import SCRIPT_LOCATION
 
     started = time.perf_counter()
@@ -243,37 +255,43 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
                 svc.registry.add_adapter(tenant, name, path, default=i == 0)
             if load.demo:
                 svc.registry.add_rule(tenant, "keyword", "refund", "second")
-        engine = Engine(s.engine)
-        say(f"engine loaded on {engine.device}, batch {engine.config.max_batch_size}")
+        if s.worker.engine_process:  # as `lorabatch worker` runs it: the engine-alone run goes to the child too
+            engine = EngineProcess(s.engine)
+            engine.start()
+
+            def on_engine(fn):
+                return asyncio.run(engine.call(fn))
+        else:
+            engine = Engine(s.engine)
+
+            def on_engine(fn):
+                return fn(engine)
+        host = f"its own process (pid {engine.pid})" if s.worker.engine_process else "a thread of the worker"
+        name = on_engine(_device_name)
+        say(f"engine loaded on {name} in {host}, batch {engine.config.max_batch_size}")
         snap = svc.registry.snapshot()
 
         def key(job: Job) -> str:
             name = job.adapter_ref or load.adapters[job.tenant_id][0][0]
             return snap.versions(job.tenant_id, name)[-1].adapter_key
 
-        for (tenant, name), versions in snap.adapters.items():
-            engine.load_adapter(versions[-1].adapter_key, svc.registry.store.path(versions[-1].sha256))
+        on_engine(functools.partial(_load_adapters, [(versions[-1].adapter_key, svc.registry.store.path(versions[-1].sha256))
+                                                     for versions in snap.adapters.values()]))  # fmt: skip
         # Warm-up: twice the engine's batch, new tokens from 1 up, so the batch shrinks through every size (a GPU
         # captures a decode graph per size bucket: none of that may fall inside the measured runs).
         size = engine.config.max_batch_size
         warm = [j.model_copy(update={"max_new_tokens": 1 + i % load.new_tokens})
                 for i, j in enumerate(load.jobs(2 * size, "warm-engine", seed=9))]
-        engine.generate([to_request(j, key(j)) for j in warm])
-        engine.pop_step_records()
+        on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in warm]))
         say(f"engine warmed up on {len(warm)} jobs")
         # Engine alone: every job at once, so its continuous batching keeps the batch full.
-        work = load.jobs(jobs, "engine", seed=3)
-        t0 = time.perf_counter()
-        out = engine.generate([to_request(j, key(j)) for j in work])
-        engine_s = time.perf_counter() - t0
-        records = engine.pop_step_records()  # not the worker's to bill either
-        engine_busy_us, engine_steps = sum(r.total_us for r in records), len(records)
-        engine_tokens = sum(len(r.output_ids) for r in out)
-        failed = [r for r in out if r.error is not None]
-        assert not failed, f"{len(failed)} jobs failed in the engine alone, e.g. {failed[0].error}"
+        alone = on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in load.jobs(jobs, "engine", seed=3)]))
+        engine_s, engine_busy_us, engine_steps = alone["seconds"], alone["busy_us"], alone["steps"]
+        engine_tokens = alone["tokens"]
+        assert not alone["failed"], f"{len(alone['failed'])} jobs failed in the engine alone, e.g. {alone['failed'][0]}"
         say(f"engine alone: {jobs} jobs in {engine_s:.2f} s")
         piped = load.jobs(jobs, "bench", seed=4)
-        ran = asyncio.run(_service(s, svc, engine, piped, load.jobs(s.worker.max_batch_size, "warm", seed=11)))
+        ran = asyncio.run(_service(s, svc, engine, piped, load.jobs(s.worker.max_batch_size, "warm", seed=11)))  # closes it
         say(f"service: {jobs} jobs in {ran['seconds']:.2f} s")
         rows = [svc.ledger.usage_for(j.tenant_id, j.request_id) for j in piped]
         svc.close()
@@ -285,7 +303,8 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     not_succeeded = sum(1 for r in rows if r is None or r.status != "succeeded")
     engine_idle = max(0.0, 1 - engine_busy_us / (engine_s * 1e6))
     figures = {
-        "jobs": jobs, "cache": "redis" if redis_url else "lru", "device": device, "device_name": _device_name(engine),
+        "jobs": jobs, "cache": "redis" if redis_url else "lru", "device": device, "device_name": name,
+        "engine_host": "process" if s.worker.engine_process else "thread",
         "shape": shape, "adapters": sum(len(a) for a in load.adapters.values()),
         "prompt_tokens": load.prompt_tokens, "new_tokens": load.new_tokens,
         "engine_jobs_per_s": round(jobs / engine_s, 2), "pipeline_jobs_per_s": round(jobs / pipe_s, 2),
@@ -313,10 +332,29 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     return figures
 
 
+# Run on the engine wherever it is (module-level, so that they pickle to an engine in its own process).
+
+
 def _device_name(engine) -> str:
     import torch
 
     return torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+
+
+def _load_adapters(pairs: list[tuple[str, Path]], engine) -> None:
+    for adapter_key, path in pairs:
+        engine.load_adapter(adapter_key, path)
+
+
+def _run_alone(requests: list, engine) -> dict:
+    """`requests` through `engine.generate` at once, timed; its steps popped (not the worker's to bill)."""
+    engine.pop_step_records()
+    t0 = time.perf_counter()
+    out = engine.generate(requests)
+    seconds = time.perf_counter() - t0
+    records = engine.pop_step_records()
+    return {"seconds": seconds, "busy_us": sum(r.total_us for r in records), "steps": len(records),
+            "tokens": sum(len(r.output_ids) for r in out), "failed": [str(r.error) for r in out if r.error is not None]}
 
 
 def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:

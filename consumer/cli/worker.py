@@ -6,6 +6,7 @@ capped at worker.wait_max_s) instead of exiting; SIGTERM during a wait ends it c
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Optional
 
 import typer
@@ -24,11 +25,16 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     from consumer.waits import Stopped, wait_for_ledger
     from consumer.worker import Worker
     from engine.engine import Engine
+    from engine.engine_process import EngineProcess
 
     setup_logging(log_level)
     log = logging.getLogger("lorabatch.worker")
     s = settings_from(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
-    engine = Engine(s.engine)
+    if s.worker.engine_process:  # the step loop in a child: no Python of this process delays its launches
+        engine = EngineProcess(s.engine, initializer=functools.partial(_child_setup, log_level))
+        engine.start()  # blocks while the child builds its engine (a model on a GPU: up to minutes)
+    else:
+        engine = Engine(s.engine)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -59,7 +65,20 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         finally:
             svc.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if isinstance(engine, EngineProcess):  # the worker closes it when it ran; not when it stopped while waiting
+            asyncio.run(engine.close(drain=False))
+
+
+def _child_setup(log_level: str) -> None:
+    """The engine child's first act: the worker's log format, and SIGTERM left to the worker, which drains and then
+    closes the engine (the child ignores ^C on its own; it exits when the worker closes its pipe)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_logging(log_level)
 
 
 def register(app: typer.Typer) -> None:
