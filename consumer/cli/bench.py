@@ -132,9 +132,38 @@ def bench_adapters(
         read_processes=read_processes)  # fmt: skip
 
 
+def bench_batch_sweep(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights written to a temp folder)")] = "tiny",
+    adapters: Annotated[int, typer.Option(min=1, help="rank-16 adapters on all seven projections; the jobs take turns")] = 2,
+    jobs: Annotated[int, typer.Option(min=1, help="measured jobs, the same for every engine")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="random prompt token ids per job")] = 8,
+    new_tokens: Annotated[int, typer.Option(min=1, help="new tokens per job (EOS ignored)")] = 4,
+    batch_sizes: Annotated[Optional[str], typer.Option(help="explicit max_batch_size values swept beside the derived default, "
+                                                       "comma-separated (default 16,32,64,128,256 on cuda, 2,4,8 on cpu)")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
+) -> None:
+    """The default config (sizes derived from the device) against explicit batch sizes on the same jobs, the engine
+    alone: tokens/s and jobs/s of each, ratio to the best, and whether the default reaches 0.90 of it."""
+    from engine.bench.batch_sweep import parse_batch_sizes, run_sweep
+    from engine.bench.build import SHAPES
+
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
+    try:
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_sweep(shape=shape, adapters=adapters, jobs=jobs, prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_sizes=sizes,
+              device=device, json_only=json_out)  # fmt: skip
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
     group.command("adapters")(bench_adapters)
+    group.command("batch-sweep")(bench_batch_sweep)
     group.command("engine")(bench_engine)
     group.command("kernels")(bench_kernels)
     group.command("ledger")(bench_ledger)
