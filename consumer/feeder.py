@@ -67,6 +67,10 @@ class EngineFeeder:
         self._registered[a.adapter_key] = a.sha256
         self._adapters[a.adapter_key] = a
 
+    def forget_registrations(self) -> None:
+        """The engine was replaced (a restarted engine process knows no adapter): register each again on first use."""
+        self._registered.clear()
+
     async def serve(self, item: Routed, slo_tier: str) -> Served:
         a = item.route.view
         adapter_key = a.adapter_key if a is not None else None
@@ -92,9 +96,9 @@ class EngineFeeder:
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
         """Adapter loads and measured busy time since the last call, as ledger records."""
-        # Read between two engine steps, with the clock read there too: every step popped began after the
-        # previous drain and ended before this one, so busy time never exceeds the record's wall span.
-        events, steps, now = await self.aengine.call(_pop_gpu_time)
+        # Every step popped began after the previous drain and ended before `now`, so busy time never exceeds the
+        # record's wall span (each host says how it keeps that).
+        events, steps, now = await self.aengine.pop_gpu_time()
         loads = []
         for ev in events:
             a = self._adapters.get(ev.key)  # the pool's load events name the adapter_key `key`
@@ -110,8 +114,8 @@ class EngineFeeder:
         return loads, busy
 
 
-# The engine-side halves of the calls above: module-level, so that they pickle to an engine in its own process
-# (engine.engine_process), and run there between two steps.
+# The engine-side half of `register`: module-level, so that it pickles to an engine in its own process
+# (engine.engine_process), and runs there between two steps.
 
 
 def _ensure_registered(e, key: str, path, sha256: str, tenant_id: str, slo_tier: str) -> None:
@@ -121,7 +125,3 @@ def _ensure_registered(e, key: str, path, sha256: str, tenant_id: str, slo_tier:
             return
         e.unload_adapter(key)  # the key now names other content (a registry rebuilt under it)
     e.register_adapter(key, path, sha256=sha256, tenant_id=tenant_id, slo_tier=slo_tier)
-
-
-def _pop_gpu_time(e) -> tuple:
-    return e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)

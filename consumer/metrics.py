@@ -30,6 +30,8 @@ class WorkerMetrics:
         self.kv_hit_rate = Gauge("kv_pool_hit_rate", "Share of prompt tokens found in the prefix cache", registry=r)
         self.warm_pool_hit_rate = Gauge("lora_warm_pool_hit_rate", "Share of adapter requests that found it in memory", registry=r)
         self.dlq = Counter("lorabatch_dlq_total", "Messages sent to the DLQ", ["code"], registry=r)
+        self.engine_restarts = Counter("lorabatch_engine_restarts_total", "Engine processes started again after one died",
+                                       registry=r)
         self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
         self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)

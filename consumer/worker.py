@@ -49,6 +49,7 @@ from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
+from engine.api import EngineError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_process import EngineProcess
@@ -272,7 +273,9 @@ class Worker:
             if wait is None and self._stopping.is_set():
                 if not self._in_engine:
                     return
-            batch = self.scheduler.pop_batch(resident=self._resident(), max_requests=free) if free > 0 and wait is not None else []
+            # While a dead engine process is replaced (_engine_lost), jobs stay queued here rather than fail in it.
+            ready = free > 0 and wait is not None and self.aengine.alive
+            batch = self.scheduler.pop_batch(resident=self._resident(), max_requests=free) if ready else []
             if not batch:
                 self._work_event.clear()
                 timeout = max(wait, 0.005) if wait is not None and free > 0 else None
@@ -319,15 +322,34 @@ class Worker:
     async def _gpu_time_loop(self) -> None:
         while True:
             await asyncio.sleep(self.s.worker.ledger_flush_ms / 1000)
-            if not self.aengine.alive:  # its step loop died: fail loudly rather than hang on its results
-                raise RuntimeError("the engine stopped; see the log above; its jobs will be redelivered")
-            await self._record_gpu_time()
-            stats = await self.aengine.stats()
+            up = self.aengine.alive
+            if up or isinstance(self.aengine, EngineProcess):  # a dead process's last steps came with its last results
+                await self._record_gpu_time()
+            if not up:
+                await self._engine_lost()
+                continue
+            try:
+                stats = await self.aengine.stats()
+            except EngineError:  # the engine process died meanwhile: replaced at the next pass
+                continue
             m = self.metrics
             m.memory_used.set(stats.get("lora_memory_used_bytes", 0))
             m.kv_used_blocks.set(stats.get("kv_pool_used_blocks", 0))
             m.kv_hit_rate.set(stats.get("kv_pool_hit_rate", 0.0))
             m.warm_pool_hit_rate.set(stats.get("warm_pool_hit_rate", 0.0))
+
+    async def _engine_lost(self) -> None:
+        """The engine process died (a crash in a CUDA library, the OOM killer): the jobs it ran were answered with
+        `engine_failed` (retriable), so that a job that crashes it cannot crash it again on redelivery; start another
+        and go on. A thread that died is a bug of ours: stop, and the uncommitted jobs are redelivered."""
+        if not isinstance(self.aengine, EngineProcess) or not self.aengine.died:
+            raise RuntimeError("the engine stopped; see the log above; its jobs will be redelivered")
+        log.error("the engine process died; its jobs in flight were failed (engine_failed, retriable); starting another")
+        self.metrics.engine_restarts.inc()
+        await self.aengine.restart()  # raises if the new one cannot start: the worker stops
+        self.feeder.forget_registrations()
+        self._work_event.set()
+        log.info("engine process %d started", self.aengine.pid)
 
     async def _record_gpu_time(self) -> None:
         """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation. Written

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
@@ -228,6 +229,11 @@ class AsyncEngine(StepLoop):
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
+
+    async def pop_gpu_time(self) -> tuple[list, list, datetime]:
+        """The engine's adapter load events and step records since the last call, and the wall clock read between
+        the same two steps: every step popped began after the previous call and ended before this clock."""
+        return await self.call(lambda e: (e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine thread between steps (register_adapter, load_adapter, pop_load_events, ...)."""

@@ -37,6 +37,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
@@ -65,6 +66,10 @@ class EngineProcess:
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._resident: frozenset[str] = frozenset()
+        # Step records and adapter load events arrive with the results of the pass that made them (see pop_gpu_time).
+        self._steps: list = []
+        self._loads: list = []
+        self._clock: datetime | None = None  # the child's wall clock when it sent the last of them
         self._stopping = False
         self._dead: EngineError | None = None  # set once the child is gone: every later call fails with it
 
@@ -101,7 +106,7 @@ class EngineProcess:
         if kind == "failed":
             proc.join()
             raise value
-        self.config, self.pid = value, proc.pid
+        (self.config, self._clock), self.pid = value, proc.pid
         self._proc, self._to_child, self._from_child = proc, cmd_write, res_read
         self._threads = [threading.Thread(target=self._send_loop, name="lorabatch-engine-send", daemon=True),
                          threading.Thread(target=self._read_loop, name="lorabatch-engine-read", daemon=True)]
@@ -123,6 +128,11 @@ class EngineProcess:
         """Whether the child runs and answers; False before start, once closed, or if it died."""
         return self._proc is not None and self._dead is None and self._proc.is_alive()
 
+    @property
+    def died(self) -> bool:
+        """Whether the child died (not closed): `restart()` starts another."""
+        return self._dead is not None and self._dead.code == "engine_failed"
+
     async def close(self, *, drain: bool = True) -> None:
         """Stop the child: after the requests in flight finish (drain), or aborting them; then wait for it to exit."""
         if self._proc is None:
@@ -139,6 +149,14 @@ class EngineProcess:
         self._to_child.close()
         self._from_child.close()
         self._proc = None
+
+    async def restart(self) -> None:
+        """After the child died: reap it and start a fresh one on the same config (its adapters are registered
+        again by whoever registered them: the new child knows none)."""
+        assert self._dead is not None and self._dead.code == "engine_failed", "restart() is for a child that died"
+        await self.close()
+        self._outbox, self._resident, self._stopping, self._dead = queue.SimpleQueue(), frozenset(), False, None
+        await asyncio.to_thread(self.start)
 
     def kill(self) -> None:
         """Kill the child at once (a test's crash; shutdown uses close)."""
@@ -186,6 +204,19 @@ class EngineProcess:
     async def stats(self) -> dict:
         return await self.call(_stats)
 
+    async def pop_gpu_time(self) -> tuple[list, list, datetime]:
+        """The adapter load events and step records received since the last call, and the child's wall clock at the
+        end of the pass that sent the last of them: every step popped ended before it, and every step not yet popped
+        began after it (a clock read here could fall inside a step the child is running).
+
+        They come with the results of the pass of the child's loop that made them, in one message: every result
+        received has its steps here, and a child that dies takes with it only the steps of the requests it never
+        answered (their time shows as busy time none of them was billed for, not the other way round)."""
+        with self._lock:
+            loads, self._loads = self._loads, []
+            steps, self._steps = self._steps, []
+            return loads, steps, self._clock
+
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` in the child between steps; `fn` must pickle (a module-level function or a partial of one)."""
         try:
@@ -231,7 +262,12 @@ class EngineProcess:
                 break
             kind = message[0]
             if kind == "results":
-                for seq, res in message[1]:
+                _, settled, steps, loads, clock = message
+                with self._lock:
+                    self._steps.extend(steps)
+                    self._loads.extend(loads)
+                    self._clock = clock
+                for seq, res in settled:
                     with self._lock:
                         entry = self._requests.pop(seq, None)
                     if entry is not None:
@@ -301,7 +337,7 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         log.exception("building the engine failed")
         results.send_bytes(_dumps(("failed", _portable(e))))
         return
-    results.send_bytes(_dumps(("ready", engine.config)))
+    results.send_bytes(_dumps(("ready", (engine.config, datetime.now(UTC)))))
     host = _ChildHost(engine, commands, results)
     try:
         host.run()
@@ -366,9 +402,10 @@ class _ChildHost(StepLoop):
         self._send(("resident", keys))
 
     def _end_of_turn(self) -> None:
-        if self._settled:
+        steps, loads = self.engine.pop_step_records(), self.engine.pop_load_events()
+        if self._settled or steps or loads:
             settled, self._settled = self._settled, []
-            self._send(("results", settled))
+            self._send(("results", settled, steps, loads, datetime.now(UTC)))  # the clock after the steps popped
 
     def _reply(self, cid: int, ok: bool, value: Any) -> None:
         try:

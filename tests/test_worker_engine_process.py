@@ -1,0 +1,116 @@
+"""The worker with its engine in a process of its own (worker.engine_process): the same service, and a crashed engine
+process replaced while the worker goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from billing.conservation import period_conservation
+from consumer.schemas import Job
+from consumer.submit import produce_jobs
+from engine.config import EngineConfig
+from engine.engine_process import EngineProcess
+from tests.service_fixtures import Result, committed_vs_end, open_services, read_all, running_worker, service_settings
+
+pytestmark = pytest.mark.slow
+
+
+def _register(svc, demo_set) -> None:
+    names = sorted(demo_set["adapters"])
+    svc.registry.add_tenant("acme")
+    svc.registry.add_adapter("acme", "support", demo_set["adapters"][names[0]], default=True)
+    svc.registry.add_adapter("acme", "legal", demo_set["adapters"][names[1]])
+
+
+def _jobs(prefix: str, n: int, max_new_tokens: int) -> list[Job]:
+    return [Job(request_id=f"{prefix}{i}", tenant_id="acme", prompt=f"question {i} of {prefix}", max_new_tokens=max_new_tokens,
+                adapter="legal" if i % 2 else None) for i in range(n)]  # fmt: skip
+
+
+def _engine(demo_set) -> EngineProcess:
+    p = EngineProcess(EngineConfig(model_dir=str(demo_set["model"]), device="cpu", max_new_tokens=32, max_prompt_tokens=200))
+    p.start()
+    return p
+
+
+async def _conserved(svc, s) -> object:
+    """The period's conservation once the last busy record is written (every worker.ledger_flush_ms)."""
+    period = datetime.now(UTC).strftime("%Y-%m")
+    deadline = time.monotonic() + 15
+    while (c := period_conservation(svc.db, period, s.ledger)).attributed_us != c.busy_us and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return c
+
+
+async def test_jobs_through_an_engine_process_are_answered_billed_and_committed(broker, tmp_path, demo_set, ledger_url):
+    """Results, one ledger row each with its measured base time, busy time equal to what was attributed (the child's
+    step records travel with its results), adapter loads billed, every offset committed."""
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"])
+    svc = open_services(s)
+    _register(svc, demo_set)
+    jobs = _jobs("p", 12, 6)
+    engine = _engine(demo_set)
+    async with running_worker(s, svc, engine) as rw:
+        await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(jobs))
+        assert sorted(r.request_id for r in results) == sorted(j.request_id for j in jobs)
+        assert all(r.status == "succeeded" and r.cost.base_ms > 0 and 1 <= r.usage.output_tokens <= 6 for r in results)
+        assert {r.adapter for r in results} == {"support@1", "legal@1"}
+        c = await _conserved(svc, s)
+        assert c.busy_us > 0 and c.attributed_us == c.busy_us, c
+        assert c.load_us > 0 and c.cold_start_us == c.load_us, c
+        assert svc.ledger.count_usage() == len(jobs)
+        await rw.stop()
+    assert not engine.alive, "the worker closes its engine process when it stops"
+    committed, end = await committed_vs_end(s)
+    assert committed == end
+    svc.close()
+
+
+async def test_a_crashed_engine_process_is_replaced_and_the_worker_goes_on(broker, tmp_path, demo_set, ledger_url):
+    """SIGKILL of the engine child mid-batch: the jobs it was running are answered `engine_failed` (retriable), so a
+    job that crashes the engine cannot crash it again on redelivery; the worker starts another child (the restart
+    counter says so), registers its adapters again on first use, serves the next jobs, bills each job once, and
+    never bills more GPU time than the ledger's busy records hold."""
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"])
+    svc = open_services(s)
+    _register(svc, demo_set)
+    engine = _engine(demo_set)
+    first_pid = engine.pid
+    first, second = _jobs("a", 16, 32), _jobs("b", 8, 4)
+    async with running_worker(s, svc, engine) as rw:
+        await produce_jobs(s.kafka, first, "b1", "acme", "test", "request")
+        while not (await engine.stats())["running"]:
+            await asyncio.sleep(0.01)
+        os.kill(first_pid, signal.SIGKILL)
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(first))
+        failed = [r for r in results if r.status == "failed"]
+        assert failed, "the kill came while jobs ran"
+        assert all(r.error.code == "engine_failed" and r.error.retriable for r in failed), failed[0].error
+        for _ in range(600):
+            if engine.alive and engine.pid != first_pid:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.alive and engine.pid != first_pid
+        assert rw.worker.metrics.engine_restarts._value.get() == 1
+        await produce_jobs(s.kafka, second, "b2", "acme", "test", "request")
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(first) + len(second))
+        later = [r for r in results if r.request_id.startswith("b")]
+        assert len(later) == len(second) and all(r.status == "succeeded" for r in later), [r.error for r in later]
+        assert {r.adapter for r in later} == {"support@1", "legal@1"}  # registered again in the new child
+        assert not rw.task.done()
+        assert svc.ledger.count_usage() == len(first) + len(second)
+        period = datetime.now(UTC).strftime("%Y-%m")
+        await asyncio.sleep(s.worker.ledger_flush_ms / 1000 * 2)
+        c = period_conservation(svc.db, period, s.ledger)
+        assert c.attributed_us <= c.busy_us, c  # the dead child's unanswered steps: busy, billed to nobody
+        await rw.stop()
+    committed, end = await committed_vs_end(s)
+    assert committed == end
+    svc.close()
