@@ -98,7 +98,7 @@ class EngineFeeder:
         """Adapter loads and measured busy time since the last call, as ledger records."""
         # Every step popped began after the previous drain and ended before `now`, so busy time never exceeds the
         # record's wall span (each host says how it keeps that).
-        events, steps, now = await self.aengine.pop_gpu_time()
+        events, busy_us, steps, now = await self.aengine.pop_gpu_time()
         loads = []
         for ev in events:
             a = self._adapters.get(ev.key)  # the pool's load events name the adapter_key `key`
@@ -109,7 +109,7 @@ class EngineFeeder:
         busy = None
         if steps:
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
-                              busy_us=sum(s.total_us for s in steps), steps=len(steps))
+                              busy_us=busy_us, steps=steps)
         self._since = now
         return loads, busy
 

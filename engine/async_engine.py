@@ -230,10 +230,11 @@ class AsyncEngine(StepLoop):
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
 
-    async def pop_gpu_time(self) -> tuple[list, list, datetime]:
-        """The engine's adapter load events and step records since the last call, and the wall clock read between
-        the same two steps: every step popped began after the previous call and ended before this clock."""
-        return await self.call(lambda e: (e.pop_load_events(), e.pop_step_records(), datetime.now(UTC)))
+    async def pop_gpu_time(self) -> tuple[list, int, int, datetime]:
+        """The engine's adapter load events, its steps' measured busy µs and their count since the last call, and the
+        wall clock read between the same two steps: every step counted began after the previous call and ended
+        before this clock."""
+        return await self.call(_pop_gpu_time)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine thread between steps (register_adapter, load_adapter, pop_load_events, ...)."""
@@ -272,6 +273,11 @@ class AsyncEngine(StepLoop):
             return
         if done is not None:
             done.set_result(value)
+
+
+def _pop_gpu_time(e: Engine) -> tuple[list, int, int, datetime]:
+    steps = e.pop_step_records()
+    return e.pop_load_events(), sum(r.total_us for r in steps), len(steps), datetime.now(UTC)
 
 
 def _settle(fut: asyncio.Future, res: GenerationResult) -> None:

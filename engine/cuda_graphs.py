@@ -112,6 +112,10 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.sizes if b >= batch)
 
+    def __len__(self) -> int:
+        """How many graphs are captured (or prepared, without capture) so far."""
+        return len(self._graphs)
+
     def captured(self, items: list) -> bool:
         """Whether the graph a decode step of `items` replays exists already."""
         return (self.bucket(len(items)), any(it.lora_slot >= 0 for it in items)) in self._graphs
