@@ -274,7 +274,7 @@ class Worker:
                 if not self._in_engine:
                     return
             # While a dead engine process is replaced (_engine_lost), jobs stay queued here rather than fail in it.
-            ready = free > 0 and wait is not None and self.aengine.alive
+            ready = free > 0 and wait is not None and (self.aengine.alive or not isinstance(self.aengine, EngineProcess))
             batch = self.scheduler.pop_batch(resident=self._resident(), max_requests=free) if ready else []
             if not batch:
                 self._work_event.clear()

@@ -167,6 +167,9 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
 
     worker = Worker(settings, engine, services.registry, services.ledger, keep_stages=len(jobs) + len(warm))
     engine_pid = getattr(engine, "pid", None)  # an EngineProcess's child
+
+    async def engine_call(fn):  # the engine, wherever it runs
+        return await (engine.call(fn) if engine_pid is not None else asyncio.to_thread(fn, engine))
     task = asyncio.create_task(worker.run())
     seen: set[str] = set()
 
@@ -187,6 +190,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
         client.start()
         await asyncio.to_thread(conn.recv)  # the client has started and imported what it needs
         await worker.restart_measures()
+        await engine_call(_count_compiles)
         cpu0, thread_cpu0 = time.process_time(), _thread_cpu(engine_pid)
         conn.send("go")
         answer = asyncio.create_task(asyncio.to_thread(conn.recv))
@@ -195,6 +199,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
         elapsed, missing = answer.result()
+        compiles = await engine_call(_count_compiles)
         cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu(engine_pid)
         thread_cpu = {role: round(s - thread_cpu0.get(role, 0.0), 2) for role, s in thread_cpu.items()}
         if missing:
@@ -211,7 +216,7 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
     wanted = {j.request_id for j in jobs}
     stamps = [s for s in worker.stages.kept if s.key[1] in wanted]
     return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s,
-            "loop_cpu_s": thread_cpu.get("loop", 0.0), "cpu_s": cpu, "thread_cpu_s": thread_cpu}
+            "loop_cpu_s": thread_cpu.get("loop", 0.0), "cpu_s": cpu, "thread_cpu_s": thread_cpu, "compiles": compiles}
 
 
 def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
@@ -283,7 +288,10 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         warm = [j.model_copy(update={"max_new_tokens": 1 + i % load.new_tokens})
                 for i, j in enumerate(load.jobs(2 * size, "warm-engine", seed=9))]
         on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in warm]))
-        say(f"engine warmed up on {len(warm)} jobs")
+        if device == "cuda":  # then one whole pass of the measured kind, unmeasured: on the H200 (session 11) the first
+            # such pass after the warm-up above still met kernel variants (prompt-step shapes) and ran 17% slower
+            on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in load.jobs(jobs, "warm-pass", seed=5)]))
+        say(f"engine warmed up on {len(warm)} jobs" + (f" and a pass of {jobs}" if device == "cuda" else ""))
         # Engine alone: every job at once, so its continuous batching keeps the batch full.
         alone = on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in load.jobs(jobs, "engine", seed=3)]))
         engine_s, engine_busy_us, engine_steps = alone["seconds"], alone["busy_us"], alone["steps"]
@@ -319,6 +327,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         "engine_batch": engine.config.max_batch_size,
         # Where a gap comes from: more steps (smaller batches), slower steps (the host shared), or idle time between.
         "engine_steps": engine_steps, "service_steps": ran["steps"],
+        "engine_compiles": alone["compiles"], "service_compiles": ran["compiles"],  # Triton variants met while measured
         "engine_step_ms": round(engine_busy_us / max(1, engine_steps) / 1000, 3),
         "service_step_ms": round(ran["busy_us"] / max(1, ran["steps"]) / 1000, 3),
         "service_engine_s": round(ran["occupied_s"], 2),
@@ -348,13 +357,31 @@ def _load_adapters(pairs: list[tuple[str, Path]], engine) -> None:
 
 def _run_alone(requests: list, engine) -> dict:
     """`requests` through `engine.generate` at once, timed; its steps popped (not the worker's to bill)."""
+    from engine.bench.adapters import _Compiles
+
     engine.pop_step_records()
-    t0 = time.perf_counter()
-    out = engine.generate(requests)
-    seconds = time.perf_counter() - t0
+    with _Compiles() as compiles:
+        t0 = time.perf_counter()
+        out = engine.generate(requests)
+        seconds = time.perf_counter() - t0
     records = engine.pop_step_records()
-    return {"seconds": seconds, "busy_us": sum(r.total_us for r in records), "steps": len(records),
+    return {"seconds": seconds, "busy_us": sum(r.total_us for r in records), "steps": len(records), "compiles": compiles.take(),
             "tokens": sum(len(r.output_ids) for r in out), "failed": [str(r.error) for r in out if r.error is not None]}
+
+
+_COUNTING: list = []  # the service run's compile counter, in the engine's process
+
+
+def _count_compiles(engine) -> int | None:
+    """Start counting Triton compiles in the engine's process; the next call stops and returns the count."""
+    from engine.bench.adapters import _Compiles
+
+    if _COUNTING:
+        counter = _COUNTING.pop()
+        counter.__exit__(None, None, None)
+        return counter.take()
+    _COUNTING.append(_Compiles().__enter__())
+    return None
 
 
 def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
@@ -365,7 +392,8 @@ def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
     idle = f"{f['gpu_idle_share']:.3f}" if f["gpu_idle_share"] is not None else "-"
     print(f"{'service':<8} {pipe_s:>8.2f} {f['pipeline_jobs_per_s']:>8.2f} {f['pipeline_tok_s']:>9.1f} {idle:>9}")
     print(f"steps: engine {f['engine_steps']} of {f['engine_step_ms']} ms, service {f['service_steps']} of "
-          f"{f['service_step_ms']} ms (mean device time); the service's engine held jobs {f['service_engine_s']} s; "
+          f"{f['service_step_ms']} ms (mean device time); Triton compiles while measured: engine {f['engine_compiles']}, "
+          f"service {f['service_compiles']}; the service's engine held jobs {f['service_engine_s']} s; "
           f"CPU s: process {f['process_cpu_s']}, " + ", ".join(f"{k} {v}" for k, v in sorted(f["thread_cpu_s"].items())))
     print(f"service / engine: {f['ratio']:.3f}x jobs/s, {f['tok_ratio']:.3f}x tokens/s; routing ({f['cache']}) "
           f"p50 {f['routing_p50_ms']} ms, p99 {f['routing_p99_ms']} ms")
