@@ -33,9 +33,11 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.util
+import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -337,10 +339,9 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
 
     try:
         engine = Engine(config)
-    except BaseException as e:
-        log.exception("building the engine failed")
+    except BaseException as e:  # the parent raises it, and its caller says it once (the CLI: one line, no traceback)
         results.send_bytes(_dumps(("failed", _portable(e))))
-        return
+        _exit(0)
     _freeze_gc()
     results.send_bytes(_dumps(("ready", (engine.config, datetime.now(UTC)))))
     host = _ChildHost(engine, commands, results)
@@ -348,6 +349,16 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         host.run()
     finally:
         engine.adapters.close()  # the reader processes, if any
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the child without the interpreter's teardown: what it would free there (the frozen objects, native ones
+    among them) the process's end frees anyway, and nanobind would print a "leaked" line for each native type."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _freeze_gc() -> None:
