@@ -194,10 +194,16 @@ class AdapterPool(L1Placement):
         return content.slot, charges
 
     def waits_for_read(self, key: str) -> bool:
-        """Whether `acquire(key)` would only answer WAIT_READ now: with read-ahead threads, the adapter is in neither L1 nor
-        L2 and its read is under way, or not started with no room to start it. A cheap check, so that admission skips such
-        a request before its prefix-cache lookup (with a thousand requests queued behind reads, the lookups of those
-        that could not run anyway cost each step milliseconds)."""
+        """Whether `acquire(key)` would only answer WAIT_READ now: `awaits_read`, and the read is under way, or not started
+        with no room to start it. A cheap check, so that admission skips such a request before its prefix-cache lookup
+        (with a thousand requests queued behind reads, the lookups of those that could not run anyway cost each step
+        milliseconds)."""
+        return self.awaits_read(key) and (self._ahead.pending(key) or not self._ahead.has_room())
+
+    def awaits_read(self, key: str) -> bool:
+        """Whether a request for `key` has to wait for a store read before it can run: with read-ahead threads, the
+        adapter is in neither L1 nor L2 and no read of it has finished (one is under way, or none started yet). Admission
+        holds back while most of the requests it could take are in that state (engine.admission)."""
         if not self._ahead.threads:
             return False
         rec = self._records.get(key)
@@ -206,7 +212,7 @@ class AdapterPool(L1Placement):
         content = self._contents.get(rec.sha) if rec.sha else None
         if content is not None and (content.slot is not None or content.host is not None):
             return False
-        return self._ahead.pending(key) or (not self._ahead.done(key) and not self._ahead.has_room())
+        return not self._ahead.done(key)
 
     def release(self, sha: str) -> None:
         content = self._contents[sha]

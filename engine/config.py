@@ -52,6 +52,13 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="tokens one step computes at most; longer prefills are split into chunks across steps"
     )
+    admission_hold_ms: float = Field(
+        40.0, ge=0, le=10_000,
+        description="with read-ahead threads, while the running batch has work: the longest a step holds back admitting "
+        "the requests whose adapters are ready when fewer than 3/4 of the places the waiting requests could fill are "
+        "ready (the others' adapters still being read from the store), so that a batch is admitted in few prompt steps, "
+        "not one per read landing (engine.admission; the default's reasoning is there); 0: never hold",
+    )  # fmt: skip
 
     # ---- paged KV cache
     kv_block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")

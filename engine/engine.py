@@ -76,7 +76,8 @@ LOOKAHEAD_ROUNDS = 2
 class Engine:
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         """Load the model of `config.model_dir`. `clock` (monotonic seconds) paces the adapter admission
-        bucket, heat and the warm pool's interval; `wall_clock` gives the warm pool its hour of day."""
+        bucket, heat, the warm pool's interval and the admission hold's bound; `wall_clock` gives the warm pool its hour
+        of day."""
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         model_dir = Path(config.model_dir)
@@ -124,7 +125,7 @@ class Engine:
         self.runner = build_runner(model, config, quota)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
-        self.planner = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint)
+        self.planner = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint, clock=clock)
         self.requests = Requests(config, model.config, tokenizer, self.device, self.planner, self.adapters)
         self.book = StepBook(self.runner.blocks, self.requests)
         self._ran = False  # whether the last step ran a forward
@@ -282,6 +283,7 @@ class Engine:
             "waiting": len(planner.waiting),
             "steps": self.book.steps,
             "preemptions": planner.preemptions,
+            "admission_holds": planner.hold.holds,  # steps that held back admissions for store reads (engine.admission)
             "kv_pool_total_blocks": blocks.num_blocks,
             "kv_pool_used_blocks": blocks.num_used,
             "kv_pool_cached_blocks": blocks.num_cached,

@@ -14,7 +14,10 @@ Each step (`schedule`) spends a budget of `max_num_batched_tokens` tokens:
    meanwhile) and blocks for its first chunk. A request of a tenant at quota is skipped; one that does
    not fit the free blocks stops admission, so a long request is not passed over for ever. Admission
    keeps a watermark of free blocks (1% of the pool, at least one) while anything runs, so that a newly
-   admitted request does not preempt a running one at its next token.
+   admitted request does not preempt a running one at its next token. While the running batch has work
+   and most of the requests that could be admitted still wait for their adapters' store reads, a step
+   admits none of them, for at most `admission_hold_ms` (engine.admission), so that a batch is admitted in
+   few prompt steps rather than one per read landing.
 
 Blocks are taken as needed rather than reserved for a request's worst case: more requests run at once,
 at the price of a preemption when they all grow at the same time.
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.adapter_pool import WAIT_SLOT, AdapterPool
+from engine.admission import AdmissionHold
 from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
@@ -66,7 +71,8 @@ class StepPlanner:
     """Which requests run in each engine step, and how many of their tokens (module docstring). Not the worker's
     consumer.scheduler.Scheduler, which batches Kafka jobs by adapter and tenant before they reach the engine."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, pool: AdapterPool, base_fingerprint: str):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, pool: AdapterPool, base_fingerprint: str, *,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.config = config
         self.blocks = blocks
         self.pool = pool
@@ -77,6 +83,7 @@ class StepPlanner:
         self.preemptions = 0
         self.prompt_tokens_looked_up = 0  # prompt tokens of first admissions
         self.prompt_tokens_hit = 0  # of those, found in the prefix cache
+        self.hold = AdmissionHold(config.admission_hold_ms, clock)
         self._keys: dict[int, tuple[bytes | None, int, list[bytes]]] = {}  # id(seq) -> (namespace, len(tokens), keys)
 
     def add(self, seq: Sequence) -> None:
@@ -113,11 +120,12 @@ class StepPlanner:
                 plan.items.append(Scheduled(seq, seq.chunk(n), total == len(seq.tokens)))
                 budget -= n
                 i += 1
-        for seq in sorted(self.waiting, key=_rank):
+        queue = [s for s in sorted(self.waiting, key=_rank) if s not in plan.preempted]  # not back in the step that preempted it
+        if self._held(plan, queue, budget):
+            return plan
+        for seq in queue:
             if budget == 0 or len(self.running) >= self.config.max_batch_size:
                 break
-            if seq in plan.preempted:
-                continue  # not back in the step that preempted it
             verdict = self._admit(seq, budget, plan)
             if verdict == "stop":
                 break
@@ -157,6 +165,20 @@ class StepPlanner:
                 exclude.add(slot)
 
     # ---- internals
+
+    def _held(self, plan: Plan, queue: list[Sequence], budget: int) -> bool:
+        """Whether this step holds back its admissions (engine.admission): `queue`, the waiting requests in admission
+        order. The ready ones are counted only while the batch has work in the step (else nothing is held back), and
+        only up to what lets the step admit: over thousands of waiting requests the walk costs host time."""
+        want = max(0, min(self.config.max_batch_size - len(self.running), len(queue))) if budget > 0 else 0
+        ready = 0
+        if plan.items:
+            enough = self.hold.enough(want)
+            for seq in queue:
+                if ready >= enough:
+                    break
+                ready += seq.adapter_key is None or seq.lora_slot >= 0 or not self.pool.awaits_read(seq.adapter_key)
+        return self.hold.hold(bool(plan.items), ready, want)
 
     def _admit(self, seq: Sequence, budget: int, plan: Plan) -> Scheduled | str | None:
         """Admit `seq` if it can run now: its Scheduled item, None to skip it, or "stop" to end admission."""

@@ -27,6 +27,7 @@ def test_show_round_trips(tmp_path):
         ("[worker]\nmax_batch_size = 0\n", "worker.max_batch_size"),
         ("[kafka]\nbootstrap = 'x'\n", "kafka.bootstrap"),
         ("[engine]\ndevice = 'tpu'\n", "engine.device"),
+        ("[engine]\nadmission_hold_ms = -1\n", "engine.admission_hold_ms"),
         ("[worker]\nmax_batch_size = 64\n[engine]\nmax_batch_size = 8\n", "lower the first or raise the second"),
         ("[ledger]\ngpu_price_per_hour = -1\n", "ledger.gpu_price_per_hour"),
         ("not toml [", "not valid TOML"),

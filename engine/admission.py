@@ -1,0 +1,63 @@
+"""Admission hold-back: while adapters are being read from the store, a batch is admitted in few prompt steps.
+
+With read-ahead threads (engine.adapter_records), admission skips a waiting request whose adapter is still being read
+(WAIT_READ) and takes it at the first step after its read lands. Taken as they land, a batch's requests come in many
+small prompt steps, and a prompt step costs about as much with a quarter of a batch as with all of it: on the H200
+(engine/PERF.md, session 10: llama-1b, batch 64, prompts of 128, 2,000 adapters, the cold pass) the pass took 64 steps
+with prompt tokens, at a median of 41 ms, against 32 of them (32 ms) at 5 adapters; a decode step took 2.6 ms.
+
+The planner (engine.planner) holds back a step's admissions when all of these hold (`AdmissionHold.hold`):
+- the running batch has work in the step: otherwise the GPU would idle, and nothing is held back;
+- some waiting requests are ready (their adapters need no store read): with none, there is nothing to hold back;
+- fewer are ready than ADMIT_FRACTION of the places the waiting requests could fill, min(free places, waiting): the
+  reads of the others are still landing;
+- the hold began less than `engine.admission_hold_ms` ago.
+
+The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
+together, and timed from their arrival every hold after the first bound would end at once. A step that admits, or has
+nothing to hold back, ends the hold; so a ready request waits at most the bound (and the step under way when it runs
+out), however many requests keep arriving behind it. A request whose read failed counts as ready (it takes no place):
+it fails with its adapter's error at the step that admits, at most the bound later than it would have.
+
+Why 3/4 and 40 ms: a hold keeps the ready requests' places idle (fewer than 3/4 of the batch's; the others wait for
+their reads either way) for at most 40 ms, at worst 3/4 x 40 = 30 ms of the whole batch's time: about one prompt step
+(32 ms, less the 2.6 ms decode step that runs in its place). A hold that runs out thus costs at most about the prompt
+step it was after, and one whose reads land in time saves that step, or several. Eight reader processes land about
+23 reads in 40 ms (12-16 ms each, PERF.md session 10), a third of a batch of 64: a hold short of fewer reads than that
+ends by them, not by the bound. At llama-8b a prompt step costs more and the bound is on the safe side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+ADMIT_FRACTION = 0.75  # a step admits once this share of the places the waiting requests could fill is ready
+
+
+class AdmissionHold:
+    """Whether a step holds back its admissions (module docstring), and since when the hold under way began."""
+
+    def __init__(self, bound_ms: float, clock: Callable[[], float]):
+        self.bound_s = bound_ms / 1000
+        self._clock = clock
+        self._since: float | None = None  # clock() at the first held step of the hold under way
+        self.holds = 0  # steps whose admissions were held back
+
+    @staticmethod
+    def enough(want: int) -> int:
+        """Ready requests that let a step admit when the waiting requests could fill `want` places."""
+        return math.ceil(ADMIT_FRACTION * want)
+
+    def hold(self, running: bool, ready: int, want: int) -> bool:
+        """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests
+        whose adapters need no store read (counted up to `enough(want)`); `want`, the places the waiting could fill."""
+        if running and self.bound_s > 0 and 0 < ready < self.enough(want):
+            now = self._clock()
+            if self._since is None:
+                self._since = now
+            if now - self._since < self.bound_s:
+                self.holds += 1
+                return True
+        self._since = None
+        return False

@@ -1,0 +1,418 @@
+"""Admission hold-back (engine.admission): while adapters' store reads land, a batch is admitted in few prompt steps, never
+while nothing else runs, never for longer than the bound, and a failed read still fails its request."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from engine.adapter_pool import WAIT_READ
+from engine.admission import AdmissionHold
+from engine.api import AdapterError, GenerationRequest, SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.demo_model import write_demo_adapter
+from engine.engine import Engine
+from engine.planner import Plan, StepPlanner
+from engine.sequence import Sequence
+from tests.test_serving_helpers import config, req
+
+NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)
+BOUND_MS = 40.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.ms = 0  # integer milliseconds: no float drift at the bound
+
+    def __call__(self) -> float:
+        return self.ms / 1000
+
+
+# ---- the decision alone
+
+
+@pytest.mark.parametrize(
+    ("name", "bound_ms", "calls", "held"),
+    [
+        # calls: (ms, the batch has work in the step, ready, places the waiting could fill)
+        ("nothing waits", BOUND_MS, [(0, True, 0, 0)], [False]),
+        ("nothing runs: never held", BOUND_MS, [(0, False, 1, 8), (10, False, 1, 8)], [False, False]),
+        ("none ready: nothing to hold back", BOUND_MS, [(0, True, 0, 8)], [False]),
+        ("3/4 of the places ready", BOUND_MS, [(0, True, 6, 8)], [False]),
+        ("one short of 3/4", BOUND_MS, [(0, True, 5, 8)], [True]),
+        ("one place, one ready", BOUND_MS, [(0, True, 1, 1)], [False]),
+        ("two places, one ready", BOUND_MS, [(0, True, 1, 2)], [True]),
+        ("the bound ends the hold", BOUND_MS, [(0, True, 1, 8), (39, True, 1, 8), (40, True, 1, 8)], [True, True, False]),
+        ("a new hold after the bound", BOUND_MS, [(0, True, 1, 8), (40, True, 1, 8), (50, True, 1, 8), (80, True, 1, 8), (91, True, 1, 8)],
+         [True, False, True, True, False]),
+        ("an admission ends the hold", BOUND_MS, [(0, True, 1, 8), (30, True, 6, 8), (50, True, 1, 8), (80, True, 1, 8)],
+         [True, False, True, True]),
+        ("the batch idles mid-hold: the next hold starts afresh", BOUND_MS,
+         [(0, True, 1, 8), (10, False, 1, 8), (20, True, 1, 8), (50, True, 1, 8), (61, True, 1, 8)], [True, False, True, True, False]),
+        ("bound 0: never held", 0.0, [(0, True, 1, 8)], [False]),
+    ],
+)  # fmt: skip
+def test_hold_decision(name, bound_ms, calls, held):
+    """`AdmissionHold.hold` holds only while the batch runs, some are ready but fewer than 3/4 of the places, and the hold
+    is younger than its bound; the bound runs from the hold's first step and restarts after any step that does not hold."""
+    clock = FakeClock()
+    hold = AdmissionHold(bound_ms, clock)
+    got = []
+    for ms, running, ready, want in calls:
+        clock.ms = ms
+        got.append(hold.hold(running, ready, want))
+    assert got == held, name
+    assert hold.holds == sum(held), name
+
+
+# ---- the planner, over a fake pool
+
+
+class FakePool:
+    """The adapter pool as the planner sees it: an adapter in `reading` still comes from the store (WAIT_READ); one in
+    `failing` has had its read fail; any other is read and gets a slot."""
+
+    def __init__(self) -> None:
+        self.reading: set[str] = set()
+        self.failing: set[str] = set()
+        self.slots: dict[str, int] = {}
+
+    def awaits_read(self, key: str) -> bool:
+        return key in self.reading
+
+    def waits_for_read(self, key: str) -> bool:
+        return key in self.reading
+
+    def sha_of(self, key: str) -> str:
+        return f"{hash(key) & 0xFFFF:064x}"
+
+    def acquire(self, key: str):
+        if key in self.failing:
+            raise AdapterError(f"adapter {key!r} is corrupt", code="adapter_corrupt")
+        if key in self.reading:
+            return WAIT_READ
+        return self.slots.setdefault(key, len(self.slots)), []
+
+    def release(self, sha: str) -> None:
+        pass
+
+
+class Harness:
+    """A StepPlanner over a FakePool and a fake clock; `step` schedules, computes what it planned, and advances the
+    clock by `dt_ms` (a step's time)."""
+
+    def __init__(self, hold_ms: float = BOUND_MS, batch: int = 8, dt_ms: int = 1):
+        cfg = EngineConfig(max_batch_size=batch, max_prompt_tokens=16, max_new_tokens=512, max_num_batched_tokens=batch * 16,
+                           kv_block_size=16, kv_num_blocks=batch * 40, admission_hold_ms=hold_ms)  # fmt: skip
+        self.pool = FakePool()
+        self.clock = FakeClock()
+        self.dt_ms = dt_ms
+        self.planner = StepPlanner(cfg, BlockManager(cfg.kv_num_blocks, cfg.kv_block_size), self.pool, "fp", clock=self.clock)
+        self.n = 0
+        self.admitted_at: dict[str, int] = {}  # request id -> the step that admitted it
+        self.failed_at: dict[str, int] = {}
+        self.prompt_steps = 0
+        self.steps = 0
+
+    def add(self, adapter: str | None, *, priority: int = 0, reading: bool = True) -> str:
+        rid = f"r{self.n}"
+        request = GenerationRequest(request_id=rid, input_ids=tuple(range(1, 9)), adapter_key=adapter, priority=priority,
+                                    sampling=SamplingParams(max_new_tokens=512, ignore_eos=True))  # fmt: skip
+        self.planner.add(Sequence(request, self.n, list(request.input_ids), 0, None, None, adapter))
+        self.n += 1
+        if adapter is not None and reading:
+            self.pool.reading.add(adapter)
+        return rid
+
+    def step(self) -> Plan:
+        plan = self.planner.schedule()
+        prompt = False
+        for it in plan.items:
+            if len(it.tokens) > 1:
+                prompt = True
+                self.admitted_at.setdefault(it.seq.request_id, self.steps)
+            it.seq.num_computed += len(it.tokens)
+            if it.samples:
+                it.seq.tokens.append(1)
+        for seq, _error in plan.failed:
+            self.failed_at[seq.request_id] = self.steps
+        self.prompt_steps += prompt
+        self.steps += 1
+        self.clock.ms += self.dt_ms
+        return plan
+
+
+@pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 7), (BOUND_MS, 2)])
+def test_reads_landing_one_by_one_admit_in_few_prompt_steps(hold_ms, prompt_steps):
+    """A running request and 7 waiting ones whose reads land one a step (well within the bound): with the hold, the batch
+    is admitted in 2 prompt steps (6 = 3/4 of 7 places at once, then the last), not one per read; the running request
+    decodes in every step meanwhile."""
+    h = Harness(hold_ms)
+    h.add(None)
+    h.step()  # the running request's prompt
+    keys = [f"a{i}" for i in range(7)]
+    for k in keys:
+        h.add(k)
+    h.prompt_steps = 0
+    for k in keys:
+        h.pool.reading.discard(k)
+        plan = h.step()
+        assert any(it.seq.request_id == "r0" for it in plan.items)
+    h.step()
+    assert h.prompt_steps == prompt_steps
+    assert sorted(h.admitted_at) == [f"r{i}" for i in range(8)]
+    assert h.planner.hold.holds == (5 if hold_ms else 0)
+
+
+def test_the_bound_ends_the_wait():
+    """One read of seven lands and the others never do: its request is held while the hold is younger than the bound
+    (steps of 11 ms: held at 0, 11, 22, 33 ms) and admitted at the first step past it (44 ms), alone."""
+    h = Harness(dt_ms=11)
+    h.add(None)
+    h.step()
+    for i in range(7):
+        h.add(f"a{i}")
+    h.pool.reading.discard("a3")
+    first = h.steps
+    for _ in range(8):
+        h.step()
+    assert h.admitted_at.get("r4") == first + 4, (h.admitted_at, first)
+    assert h.planner.hold.holds == 4
+    assert set(h.admitted_at) == {"r0", "r4"}
+
+
+@pytest.mark.parametrize("ready", [1, 3])
+def test_no_hold_when_nothing_else_runs(ready):
+    """With nothing running the GPU would idle: the ready requests are admitted at once, however few they are of what
+    waits."""
+    h = Harness()
+    for i in range(8):
+        h.add(f"a{i}")
+    for i in range(ready):
+        h.pool.reading.discard(f"a{i}")
+    h.step()
+    assert sorted(h.admitted_at) == [f"r{i}" for i in range(ready)]
+    assert h.planner.hold.holds == 0
+
+
+def test_a_failed_read_still_fails_its_request():
+    """A request whose read failed counts as ready (it takes no place): it fails with its adapter's error, at the latest
+    when the bound ends the hold, and is never admitted; the others are admitted when their reads land."""
+    h = Harness(dt_ms=11)
+    h.add(None)
+    h.step()
+    for i in range(7):
+        h.add(f"a{i}")
+    h.pool.reading.discard("a2")
+    h.pool.failing.add("a2")
+    start = h.steps
+    for _ in range(6):
+        h.step()
+    assert h.failed_at.get("r3") is not None and h.failed_at["r3"] - start <= 4, (h.failed_at, start)
+    assert "r3" not in h.admitted_at and all(s.request_id != "r3" for s in h.planner.waiting + h.planner.running)
+    h.pool.reading.clear()
+    h.step()
+    assert sorted(h.admitted_at) == sorted(["r0", "r1", "r2", "r4", "r5", "r6", "r7"])
+
+
+def test_no_starvation_under_a_stream_of_arrivals():
+    """A stream of higher-priority arrivals whose reads never land keeps fewer than 3/4 of the places ready: each ready
+    request is still admitted within the bound (4 steps of 11 ms) of its read landing, every hold ending at the bound."""
+    h = Harness(batch=64, dt_ms=11)
+    h.add(None)
+    h.step()
+    landed: dict[str, int] = {}
+    for step in range(64):
+        h.add(f"hi{step}", priority=5)  # never lands
+        if step % 7 == 0 and step < 56:
+            rid = h.add(f"lo{step}")
+            h.pool.reading.discard(f"lo{step}")
+            landed[rid] = h.steps
+        h.step()
+    assert landed and all(rid in h.admitted_at for rid in landed), (landed, h.admitted_at)
+    assert max(h.admitted_at[rid] - landed[rid] for rid in landed) <= 4
+    assert h.planner.hold.holds > 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_arrivals_and_landings_keep_the_bound(seed):
+    """Random arrivals, priorities and read times, one long request always running, places to spare: no request waits
+    past its read's landing for longer than the bound (4 steps of 11 ms), and every one is admitted in the end."""
+    rng = random.Random(seed)
+    h = Harness(batch=128, dt_ms=11)
+    h.add(None)
+    h.step()
+    lands: dict[str, int] = {}  # request id -> the step before which its read lands
+    for _ in range(40):
+        for _ in range(rng.randrange(4)):
+            rid = f"r{h.n}"
+            h.add(f"k{rid}", priority=rng.randrange(3))
+            lands[rid] = h.steps + rng.randrange(12)
+        for rid, at in lands.items():
+            if at <= h.steps:
+                h.pool.reading.discard(f"k{rid}")
+        h.step()
+    end = h.steps
+    h.pool.reading.clear()
+    for _ in range(6):
+        h.step()
+    assert set(lands) <= set(h.admitted_at)
+    late = {rid: h.admitted_at[rid] - at for rid, at in lands.items() if at < end}
+    assert late and max(late.values()) <= 4, late
+
+
+def test_config_bound_is_validated():
+    """`admission_hold_ms` is milliseconds from 0 (never hold) up; a negative one is refused naming the field."""
+    assert EngineConfig(admission_hold_ms=0).admission_hold_ms == 0
+    with pytest.raises(ValidationError, match="admission_hold_ms"):
+        EngineConfig(admission_hold_ms=-1)
+
+
+# ---- the engine, with read-ahead threads and reads released one at a time
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_set, tmp_path_factory) -> list:
+    root = tmp_path_factory.mktemp("hold")
+    paths = []
+    for i in range(6):
+        write_demo_adapter(root / f"h{i}", demo_set["model"], rank=4, target_modules=("q_proj", "v_proj"), alpha=8.0, seed=7000 + i)
+        paths.append(root / f"h{i}")
+    return paths
+
+
+class Gates:
+    """Store reads on the read-ahead threads wait until the test opens their key's gate (or all of them)."""
+
+    def __init__(self) -> None:
+        self._open: set[str] = set()
+        self._all = False
+        self._cv = threading.Condition()
+
+    def open(self, key: str | None = None) -> None:
+        with self._cv:
+            if key is None:
+                self._all = True
+            else:
+                self._open.add(key)
+            self._cv.notify_all()
+
+    def wait(self, key: str) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._all or key in self._open, timeout=60)
+
+
+@pytest.fixture
+def gates(monkeypatch):
+    import engine.adapter_records as records
+
+    gates = Gates()
+    real = records.read_adapter
+
+    def gated(rec, *args, **kwargs):
+        gates.wait(rec.key)
+        return real(rec, *args, **kwargs)
+
+    monkeypatch.setattr(records, "read_adapter", gated)
+    yield gates
+    gates.open()  # no read thread left waiting after the test
+
+
+def _land(eng: Engine, gates: Gates, key: str) -> None:
+    """Open `key`'s gate and wait for its read to finish on its thread (a synchronisation, not a timing)."""
+    gates.open(key)
+    for _ in range(2000):
+        if eng.adapters._ahead.done(key):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the read of {key} did not finish")
+
+
+def _prompt_steps(records, ids: set[str]) -> set[int]:
+    return {r.step_id for r in records for s in r.shares if s.request_id in ids and s.tokens > 1}
+
+
+@pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 6), (BOUND_MS, 2)])
+def test_engine_admits_a_batch_whose_reads_land_one_by_one_in_few_prompt_steps(demo_set, adapters, gates, hold_ms, prompt_steps):
+    """An engine with read-ahead threads, one base request running, six requests for six adapters whose reads land one
+    a step: held back, they take 2 prompt steps (5 = 3/4 of 6 places, then the last), not 6; every request's tokens
+    are the same either way."""
+    clock = FakeClock()
+    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, admission_hold_ms=hold_ms, **NO_WARM), clock=clock)  # fmt: skip
+    for i, path in enumerate(adapters):
+        eng.register_adapter(f"h{i}", path)
+    eng.add_request(req("base", max_new_tokens=30))
+    results = {r.request_id: r for r in eng.step()}
+    ids = {f"q{i}" for i in range(6)}
+    for i in range(6):
+        eng.add_request(req(f"q{i}", adapter_key=f"h{i}", max_new_tokens=4))
+    for i in range(6):
+        clock.ms += 1
+        results.update((r.request_id, r) for r in eng.step())
+        _land(eng, gates, f"h{i}")
+    while eng.has_unfinished():
+        clock.ms += 1
+        results.update((r.request_id, r) for r in eng.step())
+    assert len(_prompt_steps(eng.pop_step_records(), ids)) == prompt_steps
+    assert all(r.ok for r in results.values()) and set(results) == ids | {"base"}, results
+    assert eng.stats()["admission_holds"] == (4 if hold_ms else 0)
+
+
+def test_engine_with_nothing_running_admits_the_first_read_at_once(demo_set, adapters, gates):
+    """Nothing runs: the first request whose read lands is admitted at the next step, alone, while five others' reads are
+    still under way (no hold: the GPU would idle)."""
+    clock = FakeClock()
+    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, **NO_WARM), clock=clock)  # fmt: skip
+    for i, path in enumerate(adapters):
+        eng.register_adapter(f"h{i}", path)
+    for i in range(6):
+        eng.add_request(req(f"q{i}", adapter_key=f"h{i}", max_new_tokens=4))
+    eng.step()  # starts the reads
+    _land(eng, gates, "h0")
+    eng.step()
+    assert _prompt_steps(eng.pop_step_records(), {"q0"}) and eng.stats()["admission_holds"] == 0
+    assert [s.request_id for s in eng.planner.running] == ["q0"]
+    gates.open()
+    while eng.has_unfinished():
+        clock.ms += 1
+        eng.step()
+        time.sleep(eng.idle_wait_s())
+
+
+def test_engine_fails_a_request_whose_read_fails_and_runs_the_rest(demo_set, adapters, gates, tmp_path):
+    """A corrupt adapter among reads landing one by one while a request runs and admissions are held: its request fails
+    with adapter_corrupt and the others finish."""
+    bad = tmp_path / "bad"
+    write_demo_adapter(bad, demo_set["model"], rank=4, target_modules=("q_proj", "v_proj"), alpha=8.0, seed=7100)
+    w = bad / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    clock = FakeClock()
+    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
+                        adapter_load_burst=10**6, **NO_WARM), clock=clock)  # fmt: skip
+    keys = ["h0", "bad", "h1", "h2", "h3"]
+    for i, path in enumerate(adapters[:4]):
+        eng.register_adapter(f"h{i}", path)
+    eng.register_adapter("bad", bad)
+    eng.add_request(req("base", max_new_tokens=30))
+    results = {r.request_id: r for r in eng.step()}
+    for k in keys:
+        eng.add_request(req(f"q-{k}", adapter_key=k, max_new_tokens=4))
+    for k in keys:
+        clock.ms += 1
+        results.update((r.request_id, r) for r in eng.step())
+        _land(eng, gates, k)
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        clock.ms += 11  # past the bound within a few steps, whatever is still held
+        results.update((r.request_id, r) for r in eng.step())
+    assert not eng.has_unfinished()
+    assert results["q-bad"].error is not None and results["q-bad"].error.code == "adapter_corrupt"
+    assert all(results[f"q-{k}"].ok for k in keys if k != "bad") and results["base"].ok
