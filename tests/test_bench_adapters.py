@@ -34,3 +34,36 @@ def test_warm_up_adapters_are_not_the_measured_ones(tmp_path):
     warm = write_adapters(tmp_path / "w", cfg, 8, [4, 8], ("q_proj",), first=4096 - 128)
     digest = lambda p: hashlib.sha256((p / "adapter_model.safetensors").read_bytes()).hexdigest()  # noqa: E731
     assert not {digest(p) for p in measured} & {digest(p) for p in warm}
+
+
+def test_bench_rows_count_prompt_steps_and_holds(tmp_path):
+    """Each row counts its passes' steps with prompt tokens (at least one a pass) and their held admissions."""
+    rows = run("tiny", [2], [4], requests=6, batch=3, prompt=6, new=2, device="cpu", root=tmp_path)
+    for r in rows:
+        assert r["cold_prompt_steps"] >= 1 and r["warm_prompt_steps"] >= 1, r
+        assert r["cold_admission_holds"] >= 0 and r["warm_admission_holds"] >= 0, r
+
+
+def test_partial_admissions_warm_up_makes_the_held_admission_shapes(tmp_path):
+    """The fourth warm-up pass makes the steps a held admission makes (engine.admission): `wave` prompts admitted beside
+    `running` decoding requests, the wave 3/4 of the free places or all of them."""
+    import torch
+
+    from engine.admission import AdmissionHold
+    from engine.bench.adapters import _partial_admissions
+    from engine.bench.build import _kv_blocks, _word_tokenizer, random_model
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    cfg, batch, prompt = model_config("tiny"), 8, 6
+    config = EngineConfig(model_dir=str(tmp_path), device="cpu", max_batch_size=batch, max_prompt_tokens=prompt, max_new_tokens=4,
+                          max_num_batched_tokens=batch * prompt, kv_num_blocks=_kv_blocks(batch, prompt + 4), warm_pool_slots=0)  # fmt: skip
+    engine = Engine.from_model(config, random_model(cfg, torch.device("cpu"), torch.float32, seed=0), _word_tokenizer(cfg.vocab_size), fingerprint="t")
+    records = []
+    pop = engine.pop_step_records
+    engine.pop_step_records = lambda: records.extend(pop()) or []
+    prompts = [[1 + i, 2, 3, 4, 5, 6] for i in range(batch)]
+    _partial_admissions(engine, prompts, [None] * batch, 4, "p", batch)
+    made = {(sum(s.tokens > 1 for s in r.shares), sum(s.tokens == 1 for s in r.shares)) for r in records}
+    want = {(wave, running) for running in (1, 3, 5) for wave in (AdmissionHold.enough(batch - running), batch - running)}
+    assert want <= made, sorted(made)

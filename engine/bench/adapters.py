@@ -4,8 +4,9 @@
 One process; per adapter count a fresh engine on a random model of the shape, `requests` requests of `prompt` random
 tokens and `new` generated ones, each for an adapter drawn uniformly from `count` distinct ones (ranks cycled over
 `ranks`, on `targets`), after warm-up passes on adapters of their own, every rank, one with base requests among
-them, one with an adapter on every request, and one whose requests arrive in waves of odd sizes (kernels compiled,
-graphs captured; the row counts the Triton compiles left in each measured pass). Two
+them, one with an adapter on every request, one whose requests arrive in waves of odd sizes, and one admitting most of
+a batch beside a few running requests, as a held admission does (kernels compiled, graphs captured; the row counts the
+Triton compiles left in each measured pass, and each pass's steps with prompt tokens and held admissions). Two
 passes over the same requests: cold (every adapter only on disk, L3) and host-warm (every adapter read once into L2,
 pinned, and L1 emptied before it: each adapter's first use is an L2 load). L1 holds what the adapter budget's bytes
 hold: the engine has a page-table row for every adapter, so rows never limit residency. Per count it prints tokens/s of both passes and their ratio to the
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.admission import AdmissionHold
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.config import EngineConfig
@@ -112,7 +114,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     sync(engine.device)
     t0 = time.perf_counter()
     tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call)
-    decode_rows = decode_steps = 0
+    decode_rows = decode_steps = prompt_steps = 0
+    holds = engine.planner.hold.holds
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     while engine.has_unfinished():
         loads = counters["loads_disk"] + counters["loads_host"]
@@ -122,6 +125,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         us = (time.perf_counter() - c0) * 1e6
         records = engine.pop_step_records()
         tokens += sum(len(r.output_ids) for r in results)
+        prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
         if records:
             decode = all(r.tokens <= batch for r in records)
             spent[decode] += us * 1e-6
@@ -133,7 +137,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
-            "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3)}  # fmt: skip
+            "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
+            "admission_holds": engine.planner.hold.holds - holds}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -145,6 +150,26 @@ def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: i
             engine.add_request(GenerationRequest(request_id=f"{tag}-{j}", input_ids=tuple(prompts[j]), adapter_key=keys[j], sampling=sp))
         i, wave = i + wave, wave + 2
         engine.step()
+    engine.pop_load_events()
+    engine.pop_step_records()
+
+
+def _partial_admissions(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str, batch: int) -> None:
+    """Steps that admit most of a batch beside a few running requests, as the admission hold makes (engine.admission:
+    once 3/4 of the free places' requests are ready, or all of them): `running` requests first, then 3/4 of the other
+    places' worth, or all of them, one step later; each round run out before the next (warm-up only)."""
+    sp = SamplingParams(max_new_tokens=min(new, 3), ignore_eos=True)  # the mixed step is the second: the rest only drains
+    n = 0
+    for running in sorted(r for r in {1, 5, batch // 4 + 1, batch // 2 + 1} if r < batch):
+        for wave in sorted({AdmissionHold.enough(batch - running), batch - running}):
+            for size in (running, wave):
+                for _ in range(size):
+                    i = n % len(prompts)
+                    engine.add_request(GenerationRequest(request_id=f"{tag}-{n}", input_ids=tuple(prompts[i]), adapter_key=keys[i], sampling=sp))
+                    n += 1
+                engine.step()
+            while engine.has_unfinished():
+                engine.step()
     engine.pop_load_events()
     engine.pop_step_records()
 
@@ -229,6 +254,9 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # so steps mix prompts with any number of decode rows, shapes the first two never make (H200, session 10: the
         # cold passes compiled 1-5 Triton variants, about a second each, after two full-batch warm-ups).
         _staggered(engine, prompts[: 4 * batch], [f"warm/{warm_paths[i].name}" for i in every[: 4 * batch]], new, f"s{count}")
+        # A fourth with the steps a held admission makes (engine.admission): most of a batch admitted beside a few
+        # running requests, which the waves above (small ones, into a batch filling up) do not make.
+        _partial_admissions(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"p{count}", batch)
         warmup_compiles = compiles.take()
         cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
         cold_compiles = compiles.take()
@@ -272,6 +300,10 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "cold_s": round(cold["seconds"], 3), "warm_s": round(warm["seconds"], 3),
         "warm_decode_s": warm["decode_s"], "warm_mixed_s": warm["mixed_s"], "warm_decode_rows_mean": warm["decode_rows_mean"],
         "cold_decode_s": cold["decode_s"], "cold_mixed_s": cold["mixed_s"], "cold_decode_rows_mean": cold["decode_rows_mean"],
+        # steps with prompt tokens (a batch admitted in pieces pays one each), and steps whose admissions were held back
+        # while reads landed (engine.admission)
+        "cold_prompt_steps": cold["prompt_steps"], "warm_prompt_steps": warm["prompt_steps"],
+        "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
     }  # fmt: skip
     if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
         row["load_step_ratio"] = round(row["decode_step_p99_with_load_us"] / row["decode_step_p50_without_us"], 3)
