@@ -46,6 +46,7 @@ from typing import Any, Self, TypeVar
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
 from engine.async_engine import StepLoop
 from engine.config import EngineConfig
+from engine.host_arena import release_segments
 
 log = logging.getLogger("lorabatch.engine")
 T = TypeVar("T")
@@ -349,6 +350,7 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         host.run()
     finally:
         engine.adapters.close()  # the reader processes, if any
+        release_segments()  # the L2 arena's /dev/shm segment: _exit skips the finalizers that would unlink it
     _exit(0)
 
 

@@ -53,6 +53,7 @@ class HostArena:
             self._block = block[0].view(dtype)
             self.name = block[1]
             self._finalizer = weakref.finalize(self, *block[2:])
+            _SEGMENTS.append(self._finalizer)
         else:
             self._block = torch.empty(self.capacity, dtype=dtype, pin_memory=copy_stream is not None)
         self._lock = threading.Lock()
@@ -127,6 +128,16 @@ class HostArena:
         with self._lock:
             self._reclaim()
             return sum(self._sizes.values())
+
+
+_SEGMENTS: list[weakref.finalize] = []  # this process's shared arenas' finalizers (release_segments)
+
+
+def release_segments() -> None:
+    """Unlink every shared segment this process made, now: for a process that ends without the interpreter's teardown
+    (os._exit: engine.engine_process), which would otherwise leave them to the resource tracker's warning."""
+    while _SEGMENTS:
+        _SEGMENTS.pop()()  # a finalizer already run does nothing
 
 
 def _shared_block(nbytes: int, pin: bool):
