@@ -504,8 +504,15 @@ def test_admission_skips_a_request_whose_adapter_waits_for_a_read_before_any_loo
     """`waits_for_read`: with read-ahead threads, an adapter in neither L1 nor L2 whose read is under way, or cannot start
     for want of room, makes admission skip its request at once (no prefix-cache lookup); a finished read, a resident
     adapter, or no threads at all do not."""
+    import threading
+
+    from engine import adapter_records
     from engine.adapter_records import MAX_AHEAD_PER_THREAD
 
+    # The reads wait for the test: a tiny adapter's read could end (and free its room) before the last one is asked for.
+    release = threading.Event()
+    real_read = adapter_records.read_adapter
+    monkeypatch.setattr(adapter_records, "read_adapter", lambda *a: release.wait(30) and real_read(*a))
     eng = Engine(config(demo_set, max_loras=8, max_batch_size=8, adapter_read_threads=1, adapter_loads_per_s=1e9,
                         adapter_load_burst=10**6, **NO_WARM))  # fmt: skip
     pool = eng.adapters
@@ -523,6 +530,7 @@ def test_admission_skips_a_request_whose_adapter_waits_for_a_read_before_any_loo
         eng.add_request(req(f"r{i}", adapter_key=f"q{i}", max_new_tokens=2))
     eng.step()
     assert not (set(looked) & waiting), (looked, waiting)
+    release.set()
     for _ in range(500):
         if all(pool._ahead.done(f"q{i}") for i in range(n - 1)):
             break
