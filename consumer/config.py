@@ -104,10 +104,11 @@ class WorkerConfig(_Section):
     static_membership: bool = Field(True, description="join with group.instance.id = worker_id, so restarts cause no rebalance")
     revoke_deadline_s: float = Field(10.0, gt=0, description="revoked partitions' running work may finish this long")
     headroom_slots: int = Field(2, ge=0, description="engine slots kept for tenants under their fair share")
-    engine_queue_jobs: int = Field(32, ge=0, description="jobs handed to the engine beyond the batch it runs, waiting "
-                                   "in it to take a place the moment one frees (with 0, a freed place waits for the result's "
-                                   "round trip through the worker, a decode round on a GPU); they are past the fair "
-                                   "scheduler's reach, so keep it near what the engine admits in a step or two")
+    engine_queue_jobs: int | None = Field(None, ge=0, description="jobs handed to the engine beyond the batch it runs, "
+                                          "waiting in it to take a place the moment one frees (unset: as many as the "
+                                          "engine's batch, so a batch that ends together is refilled in one step; with 0, "
+                                          "a freed place waits for the result's round trip through the worker); they are "
+                                          "past the fair scheduler's reach")
     engine_process: bool = Field(True, description="run the engine's step loop in a child process of its own (false: "
                                  "a thread of the worker, which shares the interpreter lock with the event loop and the "
                                  "ledger writes and waits for it between its launches)")

@@ -88,8 +88,10 @@ class Worker:
             check_worker_fits(w, engine_config)  # the engine's sizes as derived for its device (engine.sizing)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        # Jobs handed to the engine at once: the requests it runs, and those waiting in it for the next free place.
-        self.capacity = engine_config.max_batch_size + w.engine_queue_jobs
+        # Jobs handed to the engine at once: the requests it runs, and those waiting in it for the next free place
+        # (unset: another batch, so that requests that finish together, as a batch job's do, are replaced at once).
+        queue = engine_config.max_batch_size if w.engine_queue_jobs is None else w.engine_queue_jobs
+        self.capacity = engine_config.max_batch_size + queue
         self.scheduler = Scheduler(w.max_batch_size, w.max_batch_tokens, w.max_adapters_per_batch,
                                    affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
                                    capacity=self.capacity, headroom=w.headroom_slots)

@@ -115,6 +115,16 @@ async def read_all(settings: Settings, topic: str, model, until, timeout_s: floa
     return out
 
 
+async def ledger_rows(services: Services, at_least: int, timeout_s: float = 30.0) -> int:
+    """The ledger's usage row count once it reaches `at_least` (or the time is up). A worker publishes a
+    batch's results before it writes their rows, so a reader of the results can be a flush ahead."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (n := services.ledger.count_usage()) < at_least and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return n
+
+
 async def committed_vs_end(settings: Settings) -> tuple[dict, dict]:
     """The group's committed offset and the true log end (last offset + 1) of each jobs partition.
 

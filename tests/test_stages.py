@@ -145,9 +145,10 @@ def test_engine_clock_counts_an_open_span_and_restarts_on_reset():
 # ---------------------------------------------------------------- the worker
 
 
-def _bare_worker(tmp_path, engine_batch: int, queue_jobs: int) -> Worker:
+def _bare_worker(tmp_path, engine_batch: int, queue_jobs: int | None) -> Worker:
     """A worker over a stand-in engine of `engine_batch` places and an empty registry; nothing connects."""
-    s = load_settings(None, {"worker.max_batch_size": engine_batch, "worker.engine_queue_jobs": queue_jobs,
+    queue = {} if queue_jobs is None else {"worker.engine_queue_jobs": queue_jobs}
+    s = load_settings(None, {"worker.max_batch_size": engine_batch, **queue,
                              "worker.spool_path": str(tmp_path / "spool.sqlite"), "worker.headroom_slots": 0})
     engine = SimpleNamespace(config=EngineConfig(max_batch_size=engine_batch))
     registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=None)
@@ -167,10 +168,11 @@ async def _until(cond, what: str, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("queue_jobs", [0, 3])
+@pytest.mark.parametrize("queue_jobs", [0, 3, None])
 async def test_dispatch_keeps_the_engine_batch_and_engine_queue_jobs_more_in_the_engine(tmp_path, queue_jobs):
-    """The worker hands the engine its batch and `worker.engine_queue_jobs` more (they wait in it for a free place),
-    and refills a place as soon as a job comes back; the engine clock counts while any job is in the engine."""
+    """The worker hands the engine its batch and `worker.engine_queue_jobs` more (they wait in it for a free place;
+    unset, another batch), and refills a place as soon as a job comes back; the engine clock counts while any job is
+    in the engine."""
     w = _bare_worker(tmp_path, engine_batch=4, queue_jobs=queue_jobs)
     release: dict[str, asyncio.Event] = {}
 
@@ -183,7 +185,7 @@ async def test_dispatch_keeps_the_engine_batch_and_engine_queue_jobs_more_in_the
     for i in range(20):
         w.scheduler.push(_routed(i))
     task = asyncio.create_task(w._dispatch_loop())
-    places = 4 + queue_jobs
+    places = 4 + (4 if queue_jobs is None else queue_jobs)
     try:
         w._work_event.set()
         await _until(lambda: len(release) == places, f"{places} jobs in the engine")

@@ -22,6 +22,7 @@ rank, and each adapter's own index written into three entries of B.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -113,12 +114,14 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     counters = engine.adapters.counters
     sync(engine.device)
     t0 = time.perf_counter()
-    tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call)
+    tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag)
+    paused = _GcPauses()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     while engine.has_unfinished():
         loads = counters["loads_disk"] + counters["loads_host"]
+        paused.ms = 0.0
         c0 = time.perf_counter()
         results = engine.step()
         sync(engine.device)
@@ -132,8 +135,10 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             if decode:
                 decode_rows += sum(r.tokens for r in records)
                 decode_steps += len(records)
-            calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode))
+            calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode,
+                          sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag))
     elapsed = time.perf_counter() - t0
+    paused.close()
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
@@ -271,11 +276,11 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     floor = floors[int(nbytes)]
     over = [e.load_us / floors[e.nbytes] for e in host_loads]  # each L2 load against the floor of its own bytes
     steps = [c for c in warm["calls"] + cold["calls"] if c[2]]
-    with_load = [us for us, load, _ in steps if load]
-    without = [us for us, load, _ in steps if not load]
+    with_load = [c[0] for c in steps if c[1]]
+    without = [c[0] for c in steps if not c[1]]
     mixed = [c for c in warm["calls"] + cold["calls"] if not c[2]]  # steps with prompt tokens (admissions: where loads go)
-    mixed_load = [us for us, load, _ in mixed if load]
-    mixed_plain = [us for us, load, _ in mixed if not load]
+    mixed_load = [c[0] for c in mixed if c[1]]
+    mixed_plain = [c[0] for c in mixed if not c[1]]
     pool = engine.adapters
     lora = engine.runner.lora
     fits = int(lora.nbytes // nbytes) if nbytes else None
@@ -304,6 +309,10 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # while reads landed (engine.admission)
         "cold_prompt_steps": cold["prompt_steps"], "warm_prompt_steps": warm["prompt_steps"],
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
+        # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
+        # step() call spent outside the measured sections), the collector's pause in it, and the pass
+        "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
+                                     for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
     if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
         row["load_step_ratio"] = round(row["decode_step_p99_with_load_us"] / row["decode_step_p50_without_us"], 3)
@@ -317,6 +326,23 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+class _GcPauses:
+    """Milliseconds the garbage collector ran since `ms` was last set (gc.callbacks), until `close`."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 class _Compiles:
