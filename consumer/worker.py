@@ -57,6 +57,10 @@ from engine.engine_process import EngineProcess
 log = logging.getLogger("lorabatch.worker")
 
 SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction weights know these tiers
+# A commit or a leave the group coordinator does not answer is given up after these: a member stuck rejoining after a
+# rebalance storm saw its commits hang and its exit wait past a SIGTERM's minute (tests/test_chaos.py, under load).
+COMMIT_TIMEOUT_S = 10.0
+LEAVE_TIMEOUT_S = 15.0
 
 
 def make_route_cache(s: Settings) -> RouteCache:
@@ -113,6 +117,7 @@ class Worker:
         self._cache_errors_seen = 0
         self._revoked: set[TopicPartition] = set()  # of the latest rebalance
         self.consumer = None
+        self._left = False  # the consumer was stopped (`_leave`)
         self.partitions: Partitions | None = None
         self.deliverer: Deliverer | None = None
         self._in_flight_at_stop: int | None = None
@@ -152,12 +157,12 @@ class Worker:
                 finally:
                     await self._commit()
                     self._log_summary()
-                    await self.consumer.stop()  # before the engine closes: a last revoke may still abort its work
+                    await self._leave()  # before the engine closes: a last revoke may still abort its work
             finally:
                 await self.aengine.close(drain=False)
         finally:
             if self.consumer is not None:
-                await self.consumer.stop()
+                await self._leave()
             if producer is not None:
                 await producer.stop()
             self.spool.close()
@@ -396,12 +401,26 @@ class Worker:
         if not offsets:
             return
         try:
-            await self.consumer.commit(offsets)
-        except KafkaError as e:
-            log.warning("commit of %s failed: %s; the next commit retries", offsets, e)
+            await asyncio.wait_for(self.consumer.commit(offsets), COMMIT_TIMEOUT_S)
+        except (KafkaError, TimeoutError) as e:
+            why = str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s"
+            log.warning("commit of %s failed: %s; the next commit retries", offsets, why)
             return
         self.offsets.mark_committed(offsets)
         self.stages.committed(offsets)
+
+    async def _leave(self) -> None:
+        """Stop the consumer (it leaves the group), within LEAVE_TIMEOUT_S: a member whose rejoin the coordinator never
+        answers would otherwise hang the exit (seen with Tansu after a rebalance storm); the broker then drops the
+        membership itself when its session times out, and the uncommitted offsets are redelivered."""
+        if self._left:
+            return
+        self._left = True
+        try:
+            await asyncio.wait_for(self.consumer.stop(), LEAVE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the consumer did not leave its group within %.0f s (the coordinator does not answer); exiting "
+                        "without it: the broker drops the membership when its session times out", LEAVE_TIMEOUT_S)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Let what runs for the revoked partitions finish within the deadline and commit it; abandon the

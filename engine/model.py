@@ -289,7 +289,9 @@ class RopeInputs:
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The weight passed in: nn.Embedding's own init (normal_) on the meta device goes through torch's reference ops,
+        # whose first use imports torch._dynamo (3 s of every engine start on the CPU); the checkpoint's weights replace it.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
