@@ -41,6 +41,7 @@ class Conservation:
     load_us: int  # load time billed to the period, of adapters with requests billed to it
     unbilled_load_us: int  # load time billed to the period, of adapters without any
     cold_start_us: int  # cold-start time on the period's invoices
+    unbilled_us: int = 0  # busy time the workers named as taken by requests no usage row bills (gpu_busy.unbilled_us)
 
     @property
     def unattributed_us(self) -> int:
@@ -57,7 +58,7 @@ def period_conservation(db: Engine | Session, period: str, config: LedgerConfig)
     session = db if isinstance(db, Session) else Session(db)
     try:
         attributed = session.scalar(select(func.sum(Usage.base_us + Usage.lora_us)).where(Usage.period == period))
-        busy = session.scalar(select(func.sum(Busy.busy_us)).where(Busy.period == period))
+        busy, unbilled = session.execute(select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one()
         loads = session.execute(
             select(AdapterLoad.adapter, AdapterLoad.adapter_sha256, func.sum(AdapterLoad.load_us))
             .where(AdapterLoad.invoice_period == period)
@@ -77,7 +78,7 @@ def period_conservation(db: Engine | Session, period: str, config: LedgerConfig)
         billed = sum(_int(us) for adapter, sha, us in loads if (adapter, sha) in used or (adapter, None) in used)
         total_load = sum(_int(us) for *_, us in loads)
         cold = sum(int(invoice.totals.cold_start_ms * 1000) for invoice in period_invoices(session, period, config))
-        return Conservation(period, _int(attributed), _int(busy), billed, total_load - billed, cold)
+        return Conservation(period, _int(attributed), _int(busy), billed, total_load - billed, cold, _int(unbilled))
     finally:
         if session is not db:
             session.close()

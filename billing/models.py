@@ -208,6 +208,8 @@ class Busy(Base):
     busy_us: Mapped[int] = mapped_column(BigInteger)
     steps: Mapped[int] = mapped_column(Integer)
     period: Mapped[str] = mapped_column(CHAR(7))  # the UTC month of started_at
+    # Of the busy time measured so far, what requests that no usage row bills took (billing.records.BusyRecord)
+    unbilled_us: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class GpuPrice(Base):

@@ -2,7 +2,7 @@
 
 Three identities, each exact in integer microseconds; whatever does not fit is a named residue line.
 
-  busy      = base + lora + billed_later + redelivered_work + unexplained_busy
+  busy      = base + lora + billed_later + redelivered_work + unbilled_work + unexplained_busy
   loads     = cold_start_spread + unused_loads
   invoiced  = base + lora + routing_decisions - kv_credit + cold_start_spread + late_usage + invoice_difference
 
@@ -13,6 +13,9 @@ Three identities, each exact in integer microseconds; whatever does not fit is a
   earlier months' requests billed on P's invoices (their busy time is their own month's).
 - redelivered_work: copies of a request that ran again after its row was written (billing.models.
   UsageRedelivery): measured in busy, billed to nobody.
+- unbilled_work: what the workers named on their busy records as taken by requests no usage row bills: the
+  requests an engine process was running when it died (answered engine_failed, charged nothing) and jobs
+  abandoned on a partition revoke (their new owner runs and bills them).
 - unexplained_busy: what is left, zero when every engine batch's busy record and its requests fall in
   one month; a batch that straddles a month's first instant moves microseconds between two months, and
   work whose usage rows never reached the ledger stays here too.
@@ -86,7 +89,7 @@ def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *,
     session = db if isinstance(db, Session) else Session(db)
     try:
         check_billable_period(session, period, now)
-        busy = _int(session.scalar(select(func.sum(Busy.busy_us)).where(Busy.period == period)))
+        busy, unbilled = _sums(session, Busy.busy_us, Busy.unbilled_us, where=Busy.period == period)
         idle = sum(int(w.idle_s * 1_000_000) for w in worker_times(session, period))
         base, lora = _sums(session, Usage.base_us, Usage.lora_us, where=(Usage.period == period) & (Usage.invoice_period == period))
         later_base, later_lora = _sums(session, Usage.base_us, Usage.lora_us, where=(Usage.period == period) & (Usage.invoice_period != period))
@@ -113,7 +116,8 @@ def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *,
             ReconcileLine("billed_later", "residue", billed_later, "the month's requests that arrived after their invoice closed: on a later month's adjustment lines"),
             ReconcileLine("redelivered_work", "residue", redelivered, "copies that ran again after the request's row was written: measured, billed to nobody"),
             ReconcileLine("unused_loads", "residue", cons.unbilled_load_us, "loads of adapters that no request billed to the month used"),
-            ReconcileLine("unexplained_busy", "residue", busy - base - lora - billed_later - redelivered,
+            ReconcileLine("unbilled_work", "residue", unbilled, "requests an engine crash failed, or a revoke abandoned to their new owner: measured, billed to nobody"),
+            ReconcileLine("unexplained_busy", "residue", busy - base - lora - billed_later - redelivered - unbilled,
                           "busy time no row explains: batches straddling a month boundary, or rows that never reached the ledger"),
             ReconcileLine("invoice_difference", "residue", invoiced - (base + lora + routing - credit + cold + late),
                           "invoices against the rows they bill: invoices closed under an earlier rule"),

@@ -76,6 +76,11 @@ class BusyRecord:
     busy_us is the sum of the measured times of the `steps` engine steps run between started_at and
     ended_at: exactly what the engine split over those steps' requests as base_us + lora_us, so the
     ledger can check per-period conservation, and ended_at - started_at - busy_us is the GPU's idle time.
+
+    unbilled_us names the part of the worker's busy time (this record's or an earlier one's) that requests took
+    which no usage row bills, as the worker learned of it by ended_at: the requests an engine process was running
+    when it died (answered engine_failed, with no time charged) and jobs abandoned when their partition was
+    revoked (the new owner runs and bills them again).
     """
 
     worker_id: str
@@ -84,3 +89,4 @@ class BusyRecord:
     ended_at: datetime  # timezone-aware, not before started_at
     busy_us: int  # sum of the steps' measured device time, integer microseconds
     steps: int  # engine steps measured
+    unbilled_us: int = 0  # measured busy time of requests no usage row bills (above)

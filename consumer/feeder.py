@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from aiokafka import TopicPartition
 
@@ -25,7 +25,7 @@ from consumer.routing import Route
 from consumer.schemas import Job
 from consumer.stages import Stamps
 from engine.api import ADAPTER_ERROR_CODES
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, charged_us
 from engine.engine_process import EngineProcess
 from engine.store import AdapterStore
 
@@ -56,6 +56,7 @@ class EngineFeeder:
         self._registered: dict[str, str] = {}  # adapter_key -> sha256
         self._adapters: dict[str, AdapterView] = {}
         self._since = datetime.now(UTC)
+        self._unbilled_us = 0  # measured time of jobs abandoned on a revoke: on the next busy record, as unbilled
         self.slo_tiers = slo_tiers or {}
 
     async def register(self, a: AdapterView, slo_tier: str) -> None:
@@ -79,7 +80,8 @@ class EngineFeeder:
         res = await self.aengine.generate(to_request(item.job, adapter_key, item.received_mono_us))
         if item.stamps is not None:
             item.stamps.served_now(res.timings.queue_us)
-        if item.abandoned:
+        if item.abandoned:  # its partition was revoked: the new owner runs and bills it again
+            self._unbilled_us += charged_us(res)
             return Served(None, adapter_key, True)
         ran_on = a if a is not None and not res.base_fallback else None
         label = item.route.label
@@ -98,7 +100,8 @@ class EngineFeeder:
         """Adapter loads and measured busy time since the last call, as ledger records."""
         # Every step popped began after the previous drain and ended before `now`, so busy time never exceeds the
         # record's wall span (each host says how it keeps that).
-        events, busy_us, steps, now = await self.aengine.pop_gpu_time()
+        events, busy_us, steps, now, unbilled_us = await self.aengine.pop_gpu_time()
+        unbilled_us, self._unbilled_us = unbilled_us + self._unbilled_us, 0
         loads = []
         for ev in events:
             a = self._adapters.get(ev.key)  # the pool's load events name the adapter_key `key`
@@ -107,9 +110,11 @@ class EngineFeeder:
             loads.append(AdapterLoadRecord(adapter=a.adapter, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
                                            nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now))
         busy = None
-        if steps:
+        if not steps and unbilled_us:  # no step since the last record: its clock may be that record's; 1 µs on keeps
+            now = max(now, self._since + timedelta(microseconds=1))  # (worker_id, started_at), the key, unique
+        if steps or unbilled_us:
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
-                              busy_us=busy_us, steps=steps)
+                              busy_us=busy_us, steps=steps, unbilled_us=unbilled_us)
         self._since = now
         return loads, busy
 

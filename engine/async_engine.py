@@ -165,6 +165,9 @@ class AsyncEngine(StepLoop):
         # The adapters in device slots, as the engine thread last saw them (after each pass of its loop). Other
         # threads read this snapshot instead of calling the engine while it steps: rebinding it is atomic.
         self._resident: frozenset[str] = frozenset()
+        # Measured time of results that reached no caller (its generate was cancelled first): busy time no usage row
+        # bills. Touched on the callers' event loop only.
+        self._unbilled_us = 0
 
     @property
     def config(self):
@@ -230,11 +233,13 @@ class AsyncEngine(StepLoop):
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
 
-    async def pop_gpu_time(self) -> tuple[list, int, int, datetime]:
-        """The engine's adapter load events, its steps' measured busy µs and their count since the last call, and the
-        wall clock read between the same two steps: every step counted began after the previous call and ended
-        before this clock."""
-        return await self.call(_pop_gpu_time)
+    async def pop_gpu_time(self) -> tuple[list, int, int, datetime, int]:
+        """The engine's adapter load events, its steps' measured busy µs and their count since the last call, the
+        wall clock read between the same two steps (every step counted began after the previous call and ended
+        before this clock), and the µs charged to results that reached no caller since the last call."""
+        loads, busy_us, steps, clock = await self.call(_pop_gpu_time)
+        unbilled, self._unbilled_us = self._unbilled_us, 0
+        return loads, busy_us, steps, clock, unbilled
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine thread between steps (register_adapter, load_adapter, pop_load_events, ...)."""
@@ -256,7 +261,13 @@ class AsyncEngine(StepLoop):
         self._resident = keys
 
     def _settle(self, token: asyncio.Future, res: GenerationResult) -> None:
-        token.get_loop().call_soon_threadsafe(_settle, token, res)
+        token.get_loop().call_soon_threadsafe(self._settle_on_loop, token, res)
+
+    def _settle_on_loop(self, fut: asyncio.Future, res: GenerationResult) -> None:
+        if fut.done():  # cancelled meanwhile: nobody bills what it ran
+            self._unbilled_us += charged_us(res)
+        else:
+            fut.set_result(res)
 
     def _run_command(self, fn: Callable[[], Any], done: concurrent.futures.Future | None) -> None:
         # A caller cancelled before its command ran (a task cancelled at shutdown) gets nothing run for it;
@@ -280,6 +291,6 @@ def _pop_gpu_time(e: Engine) -> tuple[list, int, int, datetime]:
     return e.pop_load_events(), sum(r.total_us for r in steps), len(steps), datetime.now(UTC)
 
 
-def _settle(fut: asyncio.Future, res: GenerationResult) -> None:
-    if not fut.done():  # cancelled meanwhile
-        fut.set_result(res)
+def charged_us(res: GenerationResult) -> int:
+    """The measured GPU time a result carries: its shares of the steps it ran in (what its usage row bills)."""
+    return res.timings.base_us + res.timings.lora_us

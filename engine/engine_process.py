@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
-from engine.async_engine import StepLoop
+from engine.async_engine import StepLoop, charged_us
 from engine.config import EngineConfig
 from engine.host_arena import release_segments
 
@@ -74,6 +74,11 @@ class EngineProcess:
         # pop_gpu_time). Sums, not the step records: each holds a share per row (256 at a GPU's batch), and pickling
         # them took about 1 ms a step (here, on a loaded 2-core machine) on the step loop's path.
         self._busy: tuple[int, int] = (0, 0)  # (µs, steps)
+        # Busy time no usage row will bill (pop_gpu_time): results that reached no caller, and at the child's death the
+        # shares its unanswered requests had taken. The child's lifetime sums give the latter exactly: every step's
+        # time is split over its requests, and every step of an answered request came before or with its answer.
+        self._unbilled_us = 0
+        self._life: tuple[int, int] = (0, 0)  # (busy µs received, µs charged to the results received) of this child
         self._loads: list = []
         self._clock: datetime | None = None  # the child's wall clock when it sent the last of them
         self._stopping = False
@@ -114,6 +119,7 @@ class EngineProcess:
             raise value
         (self.config, self._clock), self.pid = value, proc.pid
         self._proc, self._to_child, self._from_child = proc, cmd_write, res_read
+        self._life = (0, 0)
         self._threads = [threading.Thread(target=self._send_loop, name="lorabatch-engine-send", daemon=True),
                          threading.Thread(target=self._read_loop, name="lorabatch-engine-read", daemon=True)]
         for t in self._threads:
@@ -210,19 +216,21 @@ class EngineProcess:
     async def stats(self) -> dict:
         return await self.call(_stats)
 
-    async def pop_gpu_time(self) -> tuple[list, int, int, datetime]:
-        """The adapter load events, the steps' measured busy µs and their count received since the last call, and the
-        child's wall clock at the
-        end of the pass that sent the last of them: every step popped ended before it, and every step not yet popped
-        began after it (a clock read here could fall inside a step the child is running).
+    async def pop_gpu_time(self) -> tuple[list, int, int, datetime, int]:
+        """The adapter load events, the steps' measured busy µs and their count received since the last call, the
+        child's wall clock at the end of the pass that sent the last of them (every step popped ended before it, and
+        every step not yet popped began after it: a clock read here could fall inside a step the child is running),
+        and the busy µs since the last call that no result a caller received carries.
 
         They come with the results of the pass of the child's loop that made them, in one message: every result
-        received has its steps here, and a child that dies takes with it only the steps of the requests it never
-        answered (their time shows as busy time none of them was billed for, not the other way round)."""
+        received has its steps here. A child that dies takes with it only the steps of its last pass; the time its
+        unanswered requests took in the steps received is the unbilled µs (they are answered engine_failed, with no
+        time charged), as is the time of results whose caller had gone (a cancelled generate)."""
         with self._lock:
             loads, self._loads = self._loads, []
             busy_us, steps, self._busy = *self._busy, (0, 0)
-            return loads, busy_us, steps, self._clock
+            unbilled, self._unbilled_us = self._unbilled_us, 0
+            return loads, busy_us, steps, self._clock, unbilled
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` in the child between steps; `fn` must pickle (a module-level function or a partial of one)."""
@@ -272,13 +280,16 @@ class EngineProcess:
                 _, settled, (busy_us, steps), loads, clock = message
                 with self._lock:
                     self._busy = (self._busy[0] + busy_us, self._busy[1] + steps)
+                    self._life = (self._life[0] + busy_us, self._life[1] + sum(charged_us(res) for _, res in settled))
                     self._loads.extend(loads)
                     self._clock = clock
                 for seq, res in settled:
                     with self._lock:
                         entry = self._requests.pop(seq, None)
+                        if entry is None:
+                            self._unbilled_us += charged_us(res)
                     if entry is not None:
-                        _settle_soon(entry[1], res)
+                        self._settle_result(entry[1], res)
             elif kind == "reply":
                 _, cid, ok, value = message
                 with self._lock:
@@ -299,10 +310,29 @@ class EngineProcess:
             self._dead = error
             requests, self._requests = self._requests, {}
             calls, self._calls = self._calls, {}
+            if not self._stopping:  # the time its unanswered requests took in the steps received: billed to nobody
+                self._unbilled_us += max(0, self._life[0] - self._life[1])
         for (tenant_id, request_id), fut in requests.values():
             _settle_soon(fut, GenerationResult(request_id=request_id, adapter_key=None, tenant_id=tenant_id, error=error))
         for fut in calls.values():
             _settle_soon(fut, error, ok=False)
+
+
+    def _settle_result(self, fut: asyncio.Future, res: GenerationResult) -> None:
+        """Hand a request's result to its caller on the caller's loop; one whose caller has gone (its generate was
+        cancelled meanwhile) is counted unbilled."""
+
+        def settle() -> None:
+            if fut.done():
+                with self._lock:
+                    self._unbilled_us += charged_us(res)
+            else:
+                fut.set_result(res)
+
+        try:
+            fut.get_loop().call_soon_threadsafe(settle)
+        except RuntimeError:  # its loop is closed: nobody awaits it any more
+            pass
 
 
 def _settle_soon(fut: asyncio.Future, value: Any, *, ok: bool = True) -> None:

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 import pytest
 
 from billing.conservation import period_conservation
+from billing.reconcile import reconcile_report
 from consumer.schemas import Job
 from consumer.submit import produce_jobs
 from engine.config import EngineConfig
@@ -44,7 +45,7 @@ async def _conserved(svc, s) -> object:
     """The period's conservation once the last busy record is written (every worker.ledger_flush_ms)."""
     period = datetime.now(UTC).strftime("%Y-%m")
     deadline = time.monotonic() + 15
-    while (c := period_conservation(svc.db, period, s.ledger)).attributed_us != c.busy_us and time.monotonic() < deadline:
+    while (c := period_conservation(svc.db, period, s.ledger)).attributed_us + c.unbilled_us != c.busy_us and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     return c
 
@@ -87,7 +88,7 @@ async def test_a_crashed_engine_process_is_replaced_and_the_worker_goes_on(broke
     first, second = _jobs("a", 16, 32), _jobs("b", 8, 4)
     async with running_worker(s, svc, engine) as rw:
         await produce_jobs(s.kafka, first, "b1", "acme", "test", "request")
-        while not (await engine.stats())["running"]:
+        while (st := await engine.stats())["running"] == 0 or st["steps"] < 2:  # a pass of theirs reported: busy time
             await asyncio.sleep(0.01)
         os.kill(first_pid, signal.SIGKILL)
         results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(first))
@@ -107,10 +108,14 @@ async def test_a_crashed_engine_process_is_replaced_and_the_worker_goes_on(broke
         assert {r.adapter for r in later} == {"support@1", "legal@1"}  # registered again in the new child
         assert not rw.task.done()
         assert await ledger_rows(svc, len(first) + len(second)) == len(first) + len(second)
+        assert all(svc.ledger.usage_for("acme", r.request_id).base_us == 0 for r in failed), "the crash is charged to nobody"
+        # The time the dead child's unanswered jobs took in the steps it reported: busy, billed to nobody, and named so
+        # on a busy record (reconcile's unbilled work): every measured µs is billed or named, none unexplained.
+        c = await _conserved(svc, s)
+        assert c.unbilled_us > 0 and c.attributed_us + c.unbilled_us == c.busy_us, c
         period = datetime.now(UTC).strftime("%Y-%m")
-        await asyncio.sleep(s.worker.ledger_flush_ms / 1000 * 2)
-        c = period_conservation(svc.db, period, s.ledger)
-        assert c.attributed_us <= c.busy_us, c  # the dead child's unanswered steps: busy, billed to nobody
+        report = reconcile_report(svc.db, period, s.ledger)
+        assert report.us("unbilled_work") == c.unbilled_us and report.us("unexplained_busy") == 0, report.lines
         await rw.stop()
     committed, end = await committed_vs_end(s)
     assert committed == end
