@@ -60,6 +60,7 @@ def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[s
     from billing.db import upgrade
     from billing.prices import set_token_price
     from consumer.services import open_services
+    from engine.adapter_import import AdapterChecks
     from engine.demo_model import write_demo_set
     from migrations import SCRIPT_LOCATION
 
@@ -76,11 +77,13 @@ def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[s
     set_token_price(svc.db, "premium", Decimal("0.50"), Decimal("1.50"), month_start)
     names = sorted(paths)
     owned = {t: names[i::len(TENANTS)] for i, t in enumerate(TENANTS)}  # 3 / 3 / 2 adapters
+    checks = AdapterChecks.for_model_dir(Path(settings.engine.model_dir), settings.engine.max_lora_rank)
     try:
         for tenant in TENANTS:
             svc.registry.ensure_tenant(tenant, tier="premium" if tenant == "acme" else "standard")
             for i, name in enumerate(owned[tenant]):
-                svc.registry.add_adapter(tenant, name, paths[name], default=(i == 0), public=(tenant == "acme" and i == 1))
+                svc.registry.add_adapter(tenant, name, paths[name], default=(i == 0), public=(tenant == "acme" and i == 1),
+                                         checks=checks)
     finally:
         svc.close()
     return owned

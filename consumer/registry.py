@@ -8,10 +8,10 @@ refresh it on an interval, so registry changes need no restart.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -24,6 +24,9 @@ from billing.models import Adapter, RouteRuleRow, Tenant
 from consumer.rules import RouteRule, compile_rule
 from consumer.tenants import TenantView
 from engine.store import AdapterStore
+
+if TYPE_CHECKING:
+    from engine.adapter_import import AdapterChecks
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
@@ -161,25 +164,27 @@ class Registry:
             return set(s.scalars(select(Tenant.id).where(Tenant.id.in_(wanted))))
 
     def add_adapter(self, tenant_id: str, name: str, src: Path, *, default: bool = False, public: bool = False,
-                    canary: int | None = None) -> tuple[AdapterView, bool]:
-        """Store and register; returns (view, created). Same content under the same name is a no-op.
+                    canary: int | None = None, checks: AdapterChecks | None = None) -> tuple[AdapterView, bool]:
+        """Check, store and register one adapter folder; returns (view, created). Same content under the same name is a
+        no-op.
 
-        A new version takes all of the name's traffic, or `canary` percent of it with the previous live
-        version keeping the rest (`set_traffic` promotes or rolls back)."""
+        The folder gets the checks `lorabatch adapters add` makes (engine.adapter_import): against the serving base
+        with `checks` (AdapterChecks.for_model_dir), else everything but the base's shapes and fingerprint, up to the
+        engine's default largest rank. A folder that fails raises AdapterError naming the file, the field and the fix,
+        and stores nothing. A new version takes all of the name's traffic, or `canary` percent of it with the previous
+        live version keeping the rest (`set_traffic` promotes or rolls back)."""
         if (problem := canary_problem(canary)) is not None:
             raise RegistryError(problem)
         if (problem := name_problem(name)) is not None:
             raise RegistryError(f"adapter name {problem}")
         if not self.existing_tenants([tenant_id]):
             raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
-        sha = self.store.put(Path(src))
-        cfg = json.loads((self.store.path(sha) / "adapter_config.json").read_text())
-        targets = cfg.get("target_modules") or []
-        if isinstance(targets, str):
-            targets = [targets]
-        nbytes = sum(f.stat().st_size for f in self.store.path(sha).iterdir())
-        reg = Registration(tenant_id, name, sha, int(cfg["r"]), Decimal(str(cfg.get("lora_alpha", cfg["r"]))), tuple(targets),
-                           nbytes, default=default, public=public, canary=canary)  # fmt: skip
+        from engine.adapter_import import AdapterChecks, import_adapter  # torch: only where an adapter is read
+        from engine.config import EngineConfig
+
+        imported = import_adapter(Path(src), self.store, checks or AdapterChecks(None, None, EngineConfig().max_lora_rank))
+        reg = Registration(tenant_id, name, imported.sha256, imported.rank, Decimal(str(imported.alpha)), imported.target_modules,
+                           imported.nbytes, default=default, public=public, canary=canary)  # fmt: skip
         return self.register([reg])[0]
 
     def register(self, regs: Sequence[Registration]) -> list[tuple[AdapterView, bool]]:

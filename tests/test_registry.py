@@ -126,3 +126,35 @@ def test_core_tenant_listing_is_the_registrys(registry, ledger_url):
         assert list_tenants(db)[-1].tokens_per_minute == 2**40
     finally:
         db.dispose()
+
+
+def test_add_adapter_checks_the_folder_as_the_cli_does(registry, demo_set, tmp_path):
+    """add_adapter makes the command's checks: against the serving base when given (an adapter made for another base is
+    refused, naming it, and nothing is stored or registered), and PEFT's lora_alpha default (8) when the config has
+    none, as the engine scales it."""
+    import json
+    import shutil
+
+    from engine.adapter_import import AdapterChecks
+    from engine.api import AdapterError
+    from engine.demo_model import write_demo_set
+
+    registry.add_tenant("acme")
+    checks = AdapterChecks.for_model_dir(demo_set["model"], max_lora_rank=64)
+    other = write_demo_set(tmp_path / "other", arch="qwen2")  # another base: another fingerprint
+    name = sorted(other)[0]
+    with pytest.raises(AdapterError, match="trained for base fingerprint"):
+        registry.add_adapter("acme", "foreign", other[name], checks=checks)
+    assert registry.snapshot().versions("acme", "foreign") == () and not any(registry.store.root.iterdir())
+    no_alpha = tmp_path / "no-alpha"
+    shutil.copytree(demo_set["adapters"][name], no_alpha)
+    cfg = json.loads((no_alpha / "adapter_config.json").read_text())
+    cfg.pop("lora_alpha", None)
+    (no_alpha / "adapter_config.json").write_text(json.dumps(cfg))
+    view, created = registry.add_adapter("acme", "plain", no_alpha, checks=checks)
+    assert created and view.alpha == 8 and view.rank == cfg["r"]
+    broken = tmp_path / "broken"
+    shutil.copytree(no_alpha, broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        registry.add_adapter("acme", "broken", broken)

@@ -225,6 +225,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     from billing.db import upgrade
     from consumer.outcomes import to_request
     from consumer.services import open_services
+    from engine.adapter_import import AdapterChecks
     from engine.engine import Engine
     from engine.engine_process import EngineProcess
     from migrations import SCRIPT_LOCATION
@@ -254,10 +255,11 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     try:
         upgrade(s.ledger.url, script_location=SCRIPT_LOCATION)
         svc = open_services(s)
+        checks = AdapterChecks.for_model_dir(Path(s.engine.model_dir), s.engine.max_lora_rank)
         for tenant, owned in load.adapters.items():
             svc.registry.add_tenant(tenant)
             for i, (name, path) in enumerate(owned):
-                svc.registry.add_adapter(tenant, name, path, default=i == 0)
+                svc.registry.add_adapter(tenant, name, path, default=i == 0, checks=checks)
             if load.demo:
                 svc.registry.add_rule(tenant, "keyword", "refund", "second")
         if s.worker.engine_process:  # as `lorabatch worker` runs it: the engine-alone run goes to the child too

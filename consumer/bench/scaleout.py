@@ -99,6 +99,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
                    jobs: int = 2000, new_tokens: int = 16, json_only: bool = False) -> dict:
     from billing.db import upgrade
     from consumer.services import open_services
+    from engine.adapter_import import AdapterChecks
     from engine.bench.random_model import write_random_adapters, write_random_model
     from migrations import SCRIPT_LOCATION
 
@@ -124,8 +125,9 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
         svc = open_services(s0)
         svc.registry.add_tenant("bench")
         names = []
+        checks = AdapterChecks.for_model_dir(model_dir, s0.engine.max_lora_rank)
         for i, path in enumerate(adapter_dirs):
-            svc.registry.add_adapter("bench", f"a{i:03d}", path)
+            svc.registry.add_adapter("bench", f"a{i:03d}", path, checks=checks)
             names.append(f"a{i:03d}")
         for n_workers, key_by in ((1, "adapter"), (workers, "adapter"), (workers, "request"), (workers, "adapter-balanced")):
             run = uuid.uuid4().hex[:6]
