@@ -9,6 +9,7 @@ refresh it on an interval, so registry changes need no restart.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from billing.models import Adapter, RouteRuleRow, Tenant
 from consumer.rules import RouteRule, compile_rule
 from consumer.tenants import TenantView
-from engine.store import AdapterStore
+from engine.store import AdapterStore, StoreEntry
 
 if TYPE_CHECKING:
     from engine.adapter_import import AdapterChecks
@@ -300,6 +301,24 @@ class Registry:
             if row is None:
                 raise RegistryError(f"no route rule {rule_id}; `lorabatch routes list` shows their ids")
             s.delete(row)
+
+    def prune_store(self, grace_s: float, *, dry_run: bool = False, now: float | None = None) -> list[StoreEntry]:
+        """Remove what the store holds that no registered adapter (any tenant, any version) names, and unfinished writes,
+        once older than `grace_s` seconds; return what was (or, with `dry_run`, would be) removed.
+
+        Left behind by a registration that stored its content and then failed (a transaction refused, the database
+        down mid-call, the command interrupted) and by a crashed write. The grace keeps a registration under way safe:
+        its content was written, or put again (which renews the entry's time), moments before its row."""
+        now = time.time() if now is None else now
+        with self.sessions() as s:
+            named = set(s.scalars(select(Adapter.sha256).distinct()))
+        gone = []
+        for entry in self.store.entries():
+            if (entry.unfinished or entry.name not in named) and now - entry.mtime >= grace_s:
+                if not dry_run:
+                    self.store.remove(entry)
+                gone.append(entry)
+        return gone
 
     def list_adapters(self, tenant_id: str | None = None) -> list[AdapterView]:
         q = select(Adapter).order_by(Adapter.tenant_id, Adapter.name, Adapter.version)

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -143,6 +144,7 @@ class AdapterStore:
         nothing); return (sha256, whether this call added the entry). Content already stored is not written again."""
         sha = content_sha256(config, weights)
         if (self.root / sha).is_dir():
+            self._touch(sha)
             return sha, False
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
@@ -162,6 +164,7 @@ class AdapterStore:
         for the caller to remove)."""
         final = self.root / sha
         if final.exists():
+            self._touch(sha)
             return False
         try:
             os.rename(tmp, final)
@@ -170,6 +173,14 @@ class AdapterStore:
                 raise
             return False
         return True
+
+    def _touch(self, sha: str) -> None:
+        """Content put again: its entry counts as just written, so that a prune (`entries`, `remove`) racing with the
+        registration that follows this put leaves it alone for its grace period."""
+        try:
+            os.utime(self.root / sha)
+        except FileNotFoundError:
+            pass
 
     def path(self, sha: str) -> Path:
         """The folder of a stored adapter."""
@@ -196,6 +207,40 @@ class AdapterStore:
 
     def __contains__(self, sha: str) -> bool:
         return bool(_SHA_RE.match(sha)) and (self.root / sha).is_dir()
+
+    def entries(self) -> list[StoreEntry]:
+        """Every folder in the store: its entries (named by a sha256) and the unfinished writes a crashed `put` left
+        (`.tmp-*`), with their bytes and age. Anything else in the root is not the store's and is not listed."""
+        out = []
+        with os.scandir(self.root) as it:
+            for d in it:
+                if not d.is_dir(follow_symlinks=False) or not (_SHA_RE.match(d.name) or d.name.startswith(".tmp-")):
+                    continue
+                try:
+                    files = [f.stat(follow_symlinks=False) for f in os.scandir(d.path)]
+                    mtime = d.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+                out.append(StoreEntry(d.name, Path(d.path), sum(f.st_size for f in files), mtime, d.name.startswith(".tmp-")))
+        return sorted(out, key=lambda e: e.name)
+
+    def remove(self, entry: StoreEntry) -> None:
+        """Delete an entry's folder: renamed aside first, so a reader never finds half an entry under its name."""
+        aside = self.root / f".tmp-{uuid.uuid4().hex}"
+        try:
+            os.rename(entry.path, aside)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(aside)
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    name: str  # the sha256, or `.tmp-...` for an unfinished write
+    path: Path
+    nbytes: int
+    mtime: float  # when it was written (its folder's modification time)
+    unfinished: bool
 
 
 def _frame(name: str, size: int) -> bytes:

@@ -365,3 +365,17 @@ def test_a_failed_batch_fails_its_items_and_the_rest_go_on(tmp_path, demo_set, m
     assert all("the ledger database failed (server closed the connection" in r for r in failed.values())
     assert [r.item.name for r in results if isinstance(r, bulk.Done)] == kinds[0:2] + kinds[4:6]
     assert len(_store_entries(tmp_path)) == 6 and not any(n.startswith(".tmp") for n in _store_entries(tmp_path))
+
+
+def test_prune_lists_then_removes_content_no_adapter_names(config, registry, tmp_path, demo_set):
+    """`adapters prune`: content a failed registration left in the store goes (here with no grace), registered content
+    stays; --dry-run lists the same and removes nothing."""
+    names = sorted(demo_set["adapters"])
+    run("adapters", "add", "--tenant", "acme", "kept", str(demo_set["adapters"][names[0]]), "--config", config)
+    orphan = registry.store.put(demo_set["adapters"][names[1]])
+    planned = run("adapters", "prune", "--grace", "0", "--dry-run", "--config", config).output
+    assert f"would remove {orphan}" in planned and "1 store entries" in planned and orphan in registry.store
+    done = run("adapters", "prune", "--grace", "0", "--config", config).output
+    assert f"removed {orphan}" in done and orphan not in registry.store
+    assert [a.adapter for a in registry.list_adapters("acme")] == ["kept@1"] and len(_store_entries(tmp_path)) == 1
+    assert "0 store entries, 0 bytes removed" in run("adapters", "prune", "--config", config).output

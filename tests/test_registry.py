@@ -158,3 +158,36 @@ def test_add_adapter_checks_the_folder_as_the_cli_does(registry, demo_set, tmp_p
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(AdapterError, match="adapter_model.safetensors"):
         registry.add_adapter("acme", "broken", broken)
+
+
+def test_prune_removes_only_unnamed_content_past_its_grace(registry, demo_set):
+    """Content stored by a registration that then failed, and an unfinished write, go once past the grace; registered
+    content (any tenant, any version) stays; content put again renews its time, so a prune racing a registration of
+    content already stored leaves it."""
+    import os
+    import time
+
+    a = demo_set["adapters"]
+    first, second, third = sorted(a)[:3]
+    registry.add_tenant("acme")
+    kept, _ = registry.add_adapter("acme", "support", a[first])
+    orphan = registry.store.put(a[second])  # stored, never registered: a failed registration's leftover
+    (registry.store.root / ".tmp-crashed").mkdir()
+    (registry.store.root / ".tmp-crashed" / "adapter_model.safetensors").write_bytes(b"half")
+    (registry.store.root / "notes").mkdir()  # not the store's: never touched
+    later = time.time() + 7200
+    assert registry.prune_store(3600) == [], "nothing is past the grace yet"
+    planned = registry.prune_store(3600, dry_run=True, now=later)
+    assert sorted(e.name for e in planned) == sorted([orphan, ".tmp-crashed"])
+    assert orphan in registry.store, "a dry run removes nothing"
+    past = later - 2 * 3600 - 60
+    os.utime(registry.store.root / orphan, (past, past))
+    again = registry.store.put(a[second])  # put again (a registration of it under way): its time is renewed
+    assert again == orphan and registry.prune_store(3600, now=time.time() + 60) == []
+    gone = registry.prune_store(3600, now=later)
+    assert sorted(e.name for e in gone) == sorted([orphan, ".tmp-crashed"])
+    assert orphan not in registry.store and kept.sha256 in registry.store
+    assert (registry.store.root / "notes").is_dir() and not (registry.store.root / ".tmp-crashed").exists()
+    registry.store.verify(kept.sha256)
+    v, _ = registry.add_adapter("acme", "legal", a[third])
+    assert registry.prune_store(0, now=later + 10**6) == [] and v.sha256 in registry.store

@@ -136,9 +136,25 @@ def list_(config: ConfigOpt = None, tenant: Optional[str] = None) -> None:
     print_table(table)
 
 
+def prune(
+    grace: Annotated[float, typer.Option(help="keep what was written or put again within this many hours (a registration under way)", min=0)] = 1.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would be removed, remove nothing")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Remove adapter content no registered adapter names (left by a registration that failed after storing it) and
+    unfinished writes from the store, once older than --grace."""
+    svc = open_services(settings_from(config))
+    gone = svc.registry.prune_store(grace * 3600, dry_run=dry_run)
+    for e in gone:
+        typer.echo(f"{'would remove' if dry_run else 'removed'} {e.name}{' (unfinished write)' if e.unfinished else ''}: {e.nbytes:,} bytes")
+    total = sum(e.nbytes for e in gone)
+    typer.echo(f"{len(gone)} store entries, {total:,} bytes {'to remove' if dry_run else 'removed'}")
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(help="LoRA adapters in the registry.", no_args_is_help=True)
     group.command("add")(add)
     group.command("traffic")(traffic)
     group.command("list")(list_)
+    group.command("prune")(prune)
     app.add_typer(group, name="adapters")
