@@ -117,6 +117,9 @@ class WorkerConfig(_Section):
                                              "engine_process = false, the engine's step loop waits up to this long for "
                                              "the interpreter lock each time the event loop or a ledger write holds it")
     ledger_flush_ms: int = Field(1000, ge=10, description="how often adapter loads and GPU busy time are written")
+    engine_stall_s: float = Field(300.0, ge=0, description="an engine process that answers nothing this long (a hung GPU "
+                                  "or driver, a deadlock) is killed and replaced: its jobs are answered engine_failed, as "
+                                  "after a crash; 0: never. A step, a graph capture or a kernel compile takes far less")
     spool_path: str = Field("", description="the durable local spool of ledger records while the ledger is down; "
                             "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")
     spool_max_records: int = Field(100_000, ge=1, description="fetching pauses while the spool holds this many records")

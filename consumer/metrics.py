@@ -32,6 +32,8 @@ class WorkerMetrics:
         self.dlq = Counter("lorabatch_dlq_total", "Messages sent to the DLQ", ["code"], registry=r)
         self.engine_restarts = Counter("lorabatch_engine_restarts_total", "Engine processes started again after one died",
                                        registry=r)
+        self.engine_stalls = Counter("lorabatch_engine_stalls_total", "Engine processes killed for answering nothing for "
+                                     "worker.engine_stall_s", registry=r)
         self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
         self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)

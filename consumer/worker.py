@@ -305,12 +305,15 @@ class Worker:
         slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
         try:
             served = await self.feeder.serve(item, slo_tier)
-        except Exception:  # a bug on our side: fail this job alone, keep the worker
-            log.exception("serving %s/%s failed", *key)
-            result, usage = failed_before_engine(
-                (item.job.request_id, item.job.tenant_id, item.job.batch_id),
-                ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True),
-                item.received_at, self.worker_id, route_reason=item.route.label, routing_us=item.route.routing_us)
+        except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
+            if isinstance(e, EngineError) and e.code == "engine_failed":
+                error = ErrorInfo(code=e.code, message=str(e), retriable=e.retriable)
+            else:
+                log.exception("serving %s/%s failed", *key)
+                error = ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged", retriable=True)
+            result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
+                                                 item.received_at, self.worker_id, route_reason=item.route.label,
+                                                 routing_us=item.route.routing_us)  # fmt: skip
             if not item.abandoned:
                 self.intake.answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch))
         else:
@@ -336,7 +339,7 @@ class Worker:
                 await self._engine_lost()
                 continue
             try:
-                stats = await self.aengine.stats()
+                stats = await self._engine_stats()
             except EngineError:  # the engine process died meanwhile: replaced at the next pass
                 continue
             m = self.metrics
@@ -344,6 +347,21 @@ class Worker:
             m.kv_used_blocks.set(stats.get("kv_pool_used_blocks", 0))
             m.kv_hit_rate.set(stats.get("kv_pool_hit_rate", 0.0))
             m.warm_pool_hit_rate.set(stats.get("warm_pool_hit_rate", 0.0))
+
+    async def _engine_stats(self) -> dict:
+        """The engine's gauges; an engine process that does not answer within `worker.engine_stall_s` is hung (a GPU
+        or driver hang, a deadlock): it is killed, and the next pass replaces it as after a crash (`_engine_lost`)."""
+        stall = self.s.worker.engine_stall_s
+        if not stall or not isinstance(self.aengine, EngineProcess):
+            return await self.aengine.stats()
+        try:
+            return await asyncio.wait_for(self.aengine.stats(), stall)
+        except TimeoutError:
+            log.error("the engine process %d has not answered for %.0f s (worker.engine_stall_s): killing it; its jobs in "
+                      "flight are failed (engine_failed, retriable) and another starts", self.aengine.pid, stall)
+            self.metrics.engine_stalls.inc()
+            self.aengine.kill()
+            raise EngineError("the engine process stalled and was killed", code="engine_failed", retriable=True) from None
 
     async def _engine_lost(self) -> None:
         """The engine process died (a crash in a CUDA library, the OOM killer): the jobs it ran were answered with

@@ -120,3 +120,44 @@ async def test_a_crashed_engine_process_is_replaced_and_the_worker_goes_on(broke
     committed, end = await committed_vs_end(s)
     assert committed == end
     svc.close()
+
+
+def _hang(engine) -> None:
+    """Run in the engine child as a command: it answers nothing more, as a child stuck in a hung GPU call would."""
+    time.sleep(3600)
+
+
+async def test_a_hung_engine_process_is_killed_and_replaced(broker, tmp_path, demo_set, ledger_url):
+    """A child that answers nothing for worker.engine_stall_s is killed and replaced as after a crash: its jobs in flight
+    are answered engine_failed (retriable), the stall and the restart are counted, later jobs are served and billed."""
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"],
+                               **{"worker.engine_stall_s": 2.0, "worker.ledger_flush_ms": 200})
+    svc = open_services(s)
+    _register(svc, demo_set)
+    engine = _engine(demo_set)
+    first_pid = engine.pid
+    first, second = _jobs("h", 6, 32), _jobs("i", 4, 4)
+    async with running_worker(s, svc, engine) as rw:
+        await produce_jobs(s.kafka, first, "b1", "acme", "test", "request")
+        while (await engine.stats())["running"] == 0:
+            await asyncio.sleep(0.01)
+        hung = asyncio.create_task(engine.call(_hang))
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(first), timeout_s=60)
+        assert {r.error.code for r in results if r.status == "failed"} == {"engine_failed"}
+        assert all(r.error.retriable for r in results if r.status == "failed")
+        assert await asyncio.gather(hung, return_exceptions=True) != [None], "the hung command fails with its child"
+        for _ in range(600):
+            if engine.alive and engine.pid != first_pid:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.alive and engine.pid != first_pid
+        m = rw.worker.metrics
+        assert (m.engine_stalls._value.get(), m.engine_restarts._value.get()) == (1, 1)
+        await produce_jobs(s.kafka, second, "b2", "acme", "test", "request")
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(first) + len(second))
+        assert all(r.status == "succeeded" for r in results if r.request_id.startswith("i"))
+        assert await ledger_rows(svc, len(first) + len(second)) == len(first) + len(second)
+        await rw.stop()
+    committed, end = await committed_vs_end(s)
+    assert committed == end
+    svc.close()
