@@ -12,6 +12,7 @@ way). `base_fingerprint` names the architecture and vocabulary of a folder (engi
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from engine.api import EngineError
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig
+from engine.quant import FP8, QUANT_METHOD, Fp8Linear
 from engine.rope import inv_frequencies
 
 
@@ -52,20 +54,41 @@ def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
     return ()
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model of `model_dir` on `device` in `dtype` from its safetensors, with a strict key check."""
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, weight_dtype: str = "auto") -> LlamaForCausalLM:
+    """Build the model of `model_dir` on `device` in `dtype` from its safetensors, with a strict key check. The
+    projections are FP8 (engine.quant) when `weight_dtype` is "fp8" or the folder is an FP8 one (`is_fp8_folder`)."""
     model_dir = Path(model_dir)
     cfg = read_model_config(model_dir)
+    folder_fp8 = is_fp8_folder(model_dir)
     state = _read_safetensors(model_dir)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints carry it
     try:
-        return build_model(cfg, state, device, dtype)
+        return build_model(cfg, state, device, dtype, fp8=weight_dtype == "fp8" or folder_fp8, fp8_state=folder_fp8)
     except EngineError as e:
         raise EngineError(f"{model_dir}: {e}", code=e.code) from e
 
 
-def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape of a checkpoint of `cfg` (lm_head.weight absent when the embeddings are tied)."""
+def is_fp8_folder(model_dir: Path) -> bool:
+    """Whether `model_dir`'s config.json says its projections are stored in FP8 (engine.quant); EngineError for a
+    quantization this engine does not read."""
+    path = Path(model_dir) / "config.json"
+    try:
+        q = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError):
+        return False  # read_model_config says what is wrong with it
+    if q is None:
+        return False
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method != QUANT_METHOD:
+        raise EngineError(f"{path}: quantization_config.quant_method={method!r} is not supported; the engine reads "
+                          f"{QUANT_METHOD!r} folders (FP8 e4m3 weights, a scale per output channel), or quantizes a bf16 "
+                          "checkpoint itself with engine.weight_dtype = \"fp8\"", code="model_invalid")  # fmt: skip
+    return True
+
+
+def hf_param_shapes(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of a checkpoint of `cfg` (lm_head.weight absent when the embeddings are tied); with
+    `fp8`, an FP8 folder's: each projection's weight_scale [out, 1] too."""
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias,
@@ -75,6 +98,8 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.input_layernorm.weight"] = shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
         for module, (in_f, out_f) in cfg.projection_shapes().items():
             shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.weight"] = (out_f, in_f)
+            if fp8:
+                shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.weight_scale"] = (out_f, 1)
             if bias[module]:
                 shapes[f"{p}.{PROJECTION_PARENT[module]}.{module}.bias"] = (out_f,)
     if not cfg.tie_word_embeddings:
@@ -113,15 +138,18 @@ def _multi_part_params(cfg: ModelConfig) -> Iterator[tuple[str, str, tuple[str, 
     for i in range(cfg.num_layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             if len(parts) > 1:
-                for kind in ("weight", "bias"):
+                for kind in ("weight", "bias", "weight_scale"):
                     yield f"model.layers.{i}.{FUSED_PARENT[fused]}", fused, parts, kind
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The model of `cfg` holding `state` (HF names; lm_head.weight may be absent when tied), on `device` in `dtype`."""
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, *,
+                fp8: bool = False, fp8_state: bool = False) -> LlamaForCausalLM:
+    """The model of `cfg` holding `state` (HF names; lm_head.weight may be absent when tied), on `device` in `dtype`;
+    with `fp8`, the projections FP8 (engine.quant): `state`'s own FP8 weights and scales with `fp8_state` (an FP8
+    folder), else quantized here from its weights as they are stored."""
     if cfg.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    shapes = hf_param_shapes(cfg)
+    shapes = hf_param_shapes(cfg, fp8=fp8_state)
     missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing or unexpected:
         raise EngineError(
@@ -133,16 +161,41 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.
         want = shapes[key]
         if tuple(tensor.shape) != want:
             raise EngineError(f"{key} expected {list(want)}, found {list(tensor.shape)}", code="model_invalid")
+    projection = re.compile(r"^model\.layers\.\d+\.\w+\.\w+_proj\.(weight|weight_scale)$")
+    if fp8_state:
+        for key, tensor in state.items():
+            if key.endswith("_proj.weight") and tensor.dtype != FP8:
+                raise EngineError(f"{key} is {tensor.dtype}, not float8_e4m3fn, in a folder whose quantization_config "
+                                  f"says {QUANT_METHOD}; re-export it", code="model_invalid")  # fmt: skip
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    fused = fuse_hf_state(cfg, {k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+    # The projections' weights keep their stored dtype when they become FP8 (quantized from the checkpoint's own
+    # precision, or already FP8 with fp32 scales); everything else is cast to the engine's dtype.
+    fused = fuse_hf_state(cfg, {k: v.to(device=device) if fp8 and projection.match(k) else v.to(device=device, dtype=dtype)
+                                for k, v in state.items()})  # fmt: skip
+    if fp8:
+        _make_fp8(model, cfg, fused, dtype)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    expected -= {k for k in expected if k.endswith((".qweight", ".weight_scale"))}  # set by _make_fp8
     assert set(fused) == expected, (sorted(set(fused) ^ expected)[:5], "fuse_hf_state and the model disagree")
     model.load_state_dict(fused, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope, device=device)
     return model.eval()
+
+
+def _make_fp8(model: LlamaForCausalLM, cfg: ModelConfig, fused: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace each layer's projections by Fp8Linear modules made from (and taken out of) `fused`."""
+    for i, layer in enumerate(model.model.layers):
+        for name, parent in FUSED_PARENT.items():
+            p = f"model.layers.{i}.{parent}.{name}"
+            weight, bias, scale = fused.pop(f"{p}.weight"), fused.pop(f"{p}.bias", None), fused.pop(f"{p}.weight_scale", None)
+            if scale is None:
+                module = Fp8Linear.quantize(weight, bias, dtype)
+            else:
+                module = Fp8Linear(weight, scale.reshape(-1).float(), bias, dtype)
+            setattr(getattr(layer, parent), name, module)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,10 @@ class EngineConfig(BaseModel):
     model_dir: str = Field(".lorabatch/demo-model", description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
+    weight_dtype: Literal["auto", "fp8"] = Field("auto", description="the projections' stored weights: auto, as the "
+                                                 "checkpoint has them (FP8 for a folder whose quantization_config says "
+                                                 "fbgemm_fp8, else `dtype`); fp8, quantized at load to e4m3 with a scale "
+                                                 "per output channel (embeddings, norms, LM head and adapters keep `dtype`)")
 
     # ---- compute backend (engine.backend)
     kernel_backend: Literal["auto", "triton", "torch"] = Field(

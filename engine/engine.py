@@ -82,7 +82,7 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         model_dir = Path(config.model_dir)
         tokenizer = Tokenizer(model_dir)
-        model = load_model(model_dir, device, dtype)
+        model = load_model(model_dir, device, dtype, config.weight_dtype)
         self._setup(config, model, tokenizer, read_eos_ids(model_dir), base_fingerprint(model_dir), clock, wall_clock)
 
     @classmethod

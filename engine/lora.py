@@ -73,6 +73,7 @@ from engine.host_arena import HostArena
 from engine.adapter_pages import HostPages, PageAllocator, copy_runs, page_elems_of, write_pages
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LORA_TARGETS, LlamaForCausalLM, ModelConfig, ModelOps
 from engine.lora_calibration import CONSUMERS, ConsumerCalibration
+from engine.quant import Fp8Linear
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_segments import DecodeLora, LoraDelta, LoraPages, LoraSegments, segments_per_row
 
@@ -363,7 +364,7 @@ def apply_lora(model: LlamaForCausalLM, max_loras: int, max_lora_rank: int, back
         for fused, parts in FUSED_PROJECTIONS.items():
             parent = getattr(layer, FUSED_PARENT[fused])
             base = getattr(parent, fused)
-            assert isinstance(base, nn.Linear), f"layers.{i}.{fused} is {type(base).__name__}: apply_lora twice?"
+            assert isinstance(base, (nn.Linear, Fp8Linear)), f"layers.{i}.{fused} is {type(base).__name__}: apply_lora twice?"
             w = state.weights[(i, fused)] = state.projection(i, fused)
             assert w.in_features == base.in_features, (fused, w.in_features, base.in_features)
             setattr(parent, fused, LoraLinear(fused, base, w, state, state.total_slices))

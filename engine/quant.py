@@ -1,0 +1,118 @@
+"""FP8 (e4m3) base weights with one scale per output channel (`engine.weight_dtype = "fp8"`).
+
+The four projections of each layer (qkv, o, gate_up, down) hold their weights as float8_e4m3fn with an fp32 scale per
+output row: W ≈ q * scale[:, None]. The embeddings, norms and the LM head stay in the engine's dtype, and so do the
+adapters: a LoRA delta adds to the projection's output as it does over a bf16 base.
+
+Two ways in:
+- a bf16/fp32 checkpoint quantized at load (`quantize_fp8`): scale = max |row| / 448 (e4m3's largest finite value), a row
+  of zeros scale 1, q = W / scale rounded to e4m3 (round to nearest even, as torch's cast does);
+- an HF folder already in FP8 (`config.json` `quantization_config.quant_method = "fbgemm_fp8"`): per projection
+  `weight` in F8_E4M3 and `weight_scale` [out, 1] fp32, the layout transformers' FBGEMM FP8 integration writes (its
+  `modules_to_not_convert` keep the LM head in the model's dtype). `is_fp8_folder` tells; engine.checkpoint reads it.
+
+Compute: `Fp8Linear.weight` is the dequantized weight in the compute dtype, made when it is read, so every path that
+takes a projection's weight (the torch backend, the prefill GEMM, kernels/decode_linear.py, the CUDA graphs) runs on
+it unchanged, to the rounding of one bf16 product per weight. That is the CPU's fallback, and CI tests the logic
+through it; the GPU paths that read the FP8 bytes themselves (a weight-only FP8 GEMM for decode rows, FP8 tensor-core
+GEMMs for prefill) are what makes the format fast, and read `qweight` and `weight_scale` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+QUANT_METHOD = "fbgemm_fp8"  # the quantization_config.quant_method of an FP8 folder this engine reads and writes
+_PROJECTION_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [out, in] float8_e4m3fn, scale [out] fp32) of a weight [out, in]: W ≈ q * scale[:, None] (module docstring)."""
+    assert w.dim() == 2, w.shape
+    w32 = w.float()
+    amax = w32.abs().amax(dim=1)
+    if not torch.isfinite(amax).all():
+        raise ValueError("the weight holds a NaN or an infinity; an FP8 scale cannot be taken of it")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale[:, None] in `dtype` ([out, in]); the product is taken in fp32 and rounded once."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A projection whose weight is stored as FP8 with a scale per output row (module docstring); the bias, if any, in
+    the compute dtype. Duck-types nn.Linear for the engine: `weight` (dequantized when read), `bias`, `in_features`,
+    `out_features`, and calling it on x [N, in]."""
+
+    def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        assert qweight.dtype == FP8 and qweight.dim() == 2, (qweight.dtype, qweight.shape)
+        assert weight_scale.shape == (qweight.shape[0],), (weight_scale.shape, qweight.shape)
+        self.out_features, self.in_features = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Fp8Linear:
+        """Quantized from `weight` [out, in] as stored (per output row, `quantize_fp8`)."""
+        q, scale = quantize_fp8(weight)
+        return cls(q, scale, bias, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.weight_scale, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, scale per output row"
+
+
+def write_fp8_folder(src: Path, dst: Path) -> Path:
+    """An FP8 copy of the HF model folder `src` at `dst`: every projection weight `...{q,k,v,o,gate,up,down}_proj.weight`
+    quantized per output channel (`quantize_fp8`) and stored as F8_E4M3 beside its `weight_scale` [out, 1] fp32,
+    everything else (embeddings, norms, LM head, biases) as it was; config.json gains the quantization_config of
+    transformers' FBGEMM FP8 integration. The tokenizer and the other files are copied. Returns `dst`."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{src / 'config.json'} is quantized already ({config['quantization_config'].get('quant_method')!r})")
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+    for path in sorted(src.iterdir()):
+        if path.name == "config.json" or not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            out: dict[str, torch.Tensor] = {}
+            for key, tensor in load_file(str(path)).items():
+                if _PROJECTION_WEIGHT.match(key):
+                    q, scale = quantize_fp8(tensor)
+                    out[key], out[key + "_scale"] = q, scale[:, None].contiguous()
+                else:
+                    out[key] = tensor
+            save_file(out, str(dst / path.name), metadata={"format": "pt"})
+        elif path.name == "model.safetensors.index.json":
+            index = json.loads(path.read_text())
+            index["weight_map"].update({k + "_scale": f for k, f in index["weight_map"].items() if _PROJECTION_WEIGHT.match(k)})
+            (dst / path.name).write_text(json.dumps(index, indent=2))
+        else:
+            shutil.copyfile(path, dst / path.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
