@@ -338,7 +338,7 @@ class LoraLinear(nn.Module):
             if self.name in self.state.consumers:
                 return self.state.base_then_pending(self.base, x, w)
             return self.state.delta_then_base(self.base, x, w)
-        if self.state.one_launch(x.shape[0], w.slices, self.base.in_features):
+        if not isinstance(self.base, Fp8Linear) and self.state.one_launch(x.shape[0], w.slices, self.base.in_features):
             return self.state.decode_linear(self.base, x, w, self.slice_offset)
         y = self.base(x)  # [N, out]
         if self.state.active:

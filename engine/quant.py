@@ -11,11 +11,12 @@ Two ways in:
   `weight` in F8_E4M3 and `weight_scale` [out, 1] fp32, the layout transformers' FBGEMM FP8 integration writes (its
   `modules_to_not_convert` keep the LM head in the model's dtype). `is_fp8_folder` tells; engine.checkpoint reads it.
 
-Compute: `Fp8Linear.weight` is the dequantized weight in the compute dtype, made when it is read, so every path that
-takes a projection's weight (the torch backend, the prefill GEMM, kernels/decode_linear.py, the CUDA graphs) runs on
-it unchanged, to the rounding of one bf16 product per weight. That is the CPU's fallback, and CI tests the logic
-through it; the GPU paths that read the FP8 bytes themselves (a weight-only FP8 GEMM for decode rows, FP8 tensor-core
-GEMMs for prefill) are what makes the format fast, and read `qweight` and `weight_scale` instead.
+Compute: on the triton backend, a call of up to 64 rows (a decode step, in or out of a CUDA graph) runs
+kernels/fp8_linear.py, which streams the FP8 bytes and applies the scales after its K loop (`Fp8Linear.decode`, set by
+engine.runner). Everything else reads `Fp8Linear.weight`, the dequantized weight in the compute dtype made when it is
+read, so every path that takes a projection's weight (the torch backend, the prefill GEMM) runs on it unchanged, to
+the rounding of one product per weight: the CPU's fallback, through which CI tests the logic. FP8 tensor-core GEMMs
+for prefill (activations quantized per token, `torch._scaled_mm`) are not built yet.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,6 +69,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", weight_scale.float())
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+        # kernels.fp8_linear.fp8_linear on the triton backend (engine.runner sets it): decode rows read the FP8 bytes
+        self.decode: Callable | None = None
+        self.decode_rows = 64  # the most rows it takes (kernels.fp8_linear.MAX_ROWS)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Fp8Linear:
@@ -79,6 +84,8 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8(self.qweight, self.weight_scale, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode is not None and 0 < x.shape[0] <= self.decode_rows and x.is_contiguous():
+            return self.decode(x, self.qweight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -30,7 +30,7 @@ from kernels.utils import SHARED_BYTES
 
 TARGET_ARCH = 90  # the H200 (Hopper); issue 4's device
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
-           torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+           torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 _MODELS = {  # hidden, heads, kv_heads, head_dim, intermediate (kernels.bench.cases.MODELS, without importing triton.testing)
     "llama-1b": (2048, 32, 8, 64, 8192),
     "llama-8b": (4096, 32, 8, 128, 14336),
@@ -149,6 +149,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     """One call per launcher and shape of issue 4 (decode, grouped and prefill) and dtype."""
     from kernels.decode_linear import MAX_ROWS as DECODE_MAX_ROWS
     from kernels.decode_linear import DecodeLora, decode_linear
+    from kernels.fp8_linear import FP8, fp8_linear
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
     from kernels.lora_shrink import lora_shrink
@@ -194,6 +195,8 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                                       slot=_meta(m, dtype=torch.int64))  # fmt: skip
                     bias = _meta(out_f, dtype=dtype)
                     yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
+                    q, wscale = _meta(out_f, in_f, dtype=FP8), _meta(out_f, dtype=torch.float32)
+                    yield lambda x=x, q=q, wscale=wscale, bias=bias: (fp8_linear(x, q, wscale), fp8_linear(x, q, wscale, bias))
             blocks = 64
             k_cache = _meta(blocks * rows, block, kv_heads, head_dim, dtype=dtype)
             tables = _meta(rows, blocks, dtype=torch.int32)

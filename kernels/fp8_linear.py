@@ -1,0 +1,122 @@
+"""A decode step's projection over FP8 weights: `y = x (q * scale)^T (+ bias)` for a few rows, reading q's bytes.
+
+Semantics: y[m, n] = scale[n] * sum_k x[m, k] q[n, k] + bias[n], for M <= 64 rows, q [N, K] float8_e4m3fn with one
+fp32 scale per output row (engine.quant). The scale factors out of the sum, so each program multiplies its panel's
+accumulator by the panel's scales once, after the K loop. Sums in fp32, y rounded once to x's dtype.
+
+Why: a decode step is bound by reading the weights, and e4m3 weights are half the bytes of bf16. Dequantizing to bf16
+first (engine.quant's fallback) reads the FP8 bytes, writes and reads twice as many again: slower than bf16 alone.
+Here each program streams a [BLOCK_N, K] panel of q (one byte an element) against all M rows, as kernels/
+decode_linear.py does with bf16 (whose notes on grid and pipeline apply); each loaded tile is widened to x's dtype in
+registers for the dot. The LoRA delta stays the separate expand's (engine.lora `apply`), as over a bf16 base outside
+decode_linear's tuned shapes.
+
+Not yet measured on a GPU: the panel and pipeline sizes are decode_linear's untuned defaults; its interpreter tests
+(tests/test_kernel_fp8_linear.py) check the numerics against `fp8_linear_ref`, and kernels.compile_check compiles it
+for sm_90 within its shared memory.
+
+Interpreter: on CPU the dot operands are widened to fp32 (the interpreter multiplies the raw bit patterns of bf16 in
+`tl.dot`, triton-lang/triton#11584); on CUDA bf16/fp16 go to the tensor cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.utils import SHARED_BYTES, TL_DTYPE
+
+MAX_ROWS = 64  # beyond, a step is a GEMM of its own shape (prefill): the caller dequantizes or uses tensor-core FP8
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [N, K] float8_e4m3fn
+    scale_ptr,  # [N] fp32
+    bias_ptr,  # [N], unused without HAS_BIAS
+    y_ptr,  # [M, N]
+    M, N, K,
+    stride_xm, stride_qn, stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # [1, BN]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < K
+        qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN] fp8
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        acc += tl.dot(xt.to(DOT_DTYPE), qt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (q * scale[:, None])^T + bias for at most MAX_ROWS rows, in one launch (see Semantics); [M, N] in x's dtype."""
+    m, k = x.shape
+    n = q.shape[0]
+    assert m <= MAX_ROWS, f"fp8_linear takes at most {MAX_ROWS} rows, got {m}"
+    assert q.shape == (n, k) and q.dtype == FP8 and q.stride(1) == 1 and x.stride(1) == 1, (tuple(x.shape), tuple(q.shape), q.dtype)
+    assert scale.shape == (n,) and scale.dtype == torch.float32, (tuple(scale.shape), scale.dtype)
+    assert x.dtype in TL_DTYPE and (bias is None or bias.shape == (n,)), (x.dtype, None if bias is None else tuple(bias.shape))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_n, block_k, num_warps, num_stages = _config(m, n, x.element_size())
+    interpreted = x.device.type == "cpu"
+    _fp8_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, q, scale, bias if bias is not None else scale, y,
+        m, n, k,
+        x.stride(0), q.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreted else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def _config(m: int, n: int, elem: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the widest panel of 64/32/16 that gives the grid ~128 programs (an H200
+    has 132 SMs), K tiles of 256; stages cut until the pipeline fits the shared memory."""
+    block_n = 64
+    while block_n > 16 and n // block_n < 128:
+        block_n //= 2
+    block_k, num_warps, num_stages = 256, 4, 4
+    while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
+        num_stages -= 1
+    return block_n, block_k, num_warps, num_stages
+
+
+def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:
+    """Shared memory of the K loop's pipeline: num_stages x (an FP8 tile of q + a tile of x)."""
+    return num_stages * block_k * (block_n + max(16, triton.next_power_of_2(m)) * elem)
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure torch: dequantize in fp32, multiply in fp32, round once to x's dtype."""
+    y = x.float() @ (q.float() * scale.float()[:, None]).t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
