@@ -50,6 +50,12 @@ class KafkaConfig(_Section):
         "tenant", description="what `lorabatch submit` keys jobs by (see README: partition keys)"
     )
     max_message_bytes: int = Field(1_000_000, ge=1024, description="jobs larger than this go to the DLQ")
+    session_timeout_ms: int = Field(10_000, ge=1000, description="a worker that sends no heartbeat this long leaves the "
+                                    "group, and its partitions go to the others (the broker's group.min/max.session."
+                                    "timeout.ms bound it)")
+    heartbeat_interval_ms: int = Field(3_000, ge=100, description="how often a worker heartbeats; a rebalance reaches "
+                                       "the members within one interval, so a shorter one lets a joining or leaving "
+                                       "worker take effect sooner (keep it under a third of session_timeout_ms)")
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
     sasl_username_env: str = Field("LORABATCH_KAFKA_USERNAME", description="environment variable holding the SASL username")
@@ -66,6 +72,9 @@ class KafkaConfig(_Section):
 
     @model_validator(mode="after")
     def _check_security(self) -> "KafkaConfig":
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(f"kafka.heartbeat_interval_ms = {self.heartbeat_interval_ms} is not under kafka.session_timeout_ms "
+                             f"= {self.session_timeout_ms}: the worker would be dropped between heartbeats; keep it under a third")
         for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
             if (path := getattr(self, name)) and not Path(path).is_file():
                 raise ValueError(f"kafka.{name} = {path!r} is not a readable file; point it at the PEM file, "

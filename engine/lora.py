@@ -150,6 +150,8 @@ class LoraState:
             t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
             z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
             self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
+        if isinstance(base, Fp8Linear):  # its own GEMM (engine.quant: FP8 tensor cores, or the dequantized weight)
+            return z.add_(base(x))
         z.addmm_(x, base.weight.t())
         if base.bias is not None:
             z.add_(base.bias)

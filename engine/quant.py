@@ -11,12 +11,15 @@ Two ways in:
   `weight` in F8_E4M3 and `weight_scale` [out, 1] fp32, the layout transformers' FBGEMM FP8 integration writes (its
   `modules_to_not_convert` keep the LM head in the model's dtype). `is_fp8_folder` tells; engine.checkpoint reads it.
 
-Compute: on the triton backend, a call of up to 64 rows (a decode step, in or out of a CUDA graph) runs
-kernels/fp8_linear.py, which streams the FP8 bytes and applies the scales after its K loop (`Fp8Linear.decode`, set by
-engine.runner). Everything else reads `Fp8Linear.weight`, the dequantized weight in the compute dtype made when it is
-read, so every path that takes a projection's weight (the torch backend, the prefill GEMM) runs on it unchanged, to
-the rounding of one product per weight: the CPU's fallback, through which CI tests the logic. FP8 tensor-core GEMMs
-for prefill (activations quantized per token, `torch._scaled_mm`) are not built yet.
+Compute, on the triton backend (engine.runner sets `Fp8Linear.decode` and `.prefill`):
+- a call of up to 64 rows (a decode step, in or out of a CUDA graph) runs kernels/fp8_linear.py, which streams the FP8
+  bytes and applies the scales after its K loop: the weights only are FP8, the activations stay as they are;
+- a longer bf16 call (prefill) runs on FP8 tensor cores (`scaled_linear`): its activations quantized per row (token) as
+  the weights are per output row, `torch._scaled_mm` with both scales, output bf16. This rounds the activations to
+  e4m3 too, as FP8 serving engines do for prefill: `scaled_linear_ref` is its reference.
+Everything else (the torch backend, fp32 and fp16 engines) reads `Fp8Linear.weight`, the dequantized weight in the
+compute dtype made when it is read, to the rounding of one product per weight: the CPU's fallback, through which CI
+tests the logic.
 """
 
 from __future__ import annotations
@@ -55,6 +58,32 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq [M, K] float8_e4m3fn, scale [M, 1] fp32) of activations x [M, K], one scale per row (token), as
+    `quantize_fp8` takes one per weight row; a row of zeros gets scale 1."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (q * scale)^T + bias on FP8 tensor cores (torch._scaled_mm): x quantized per row (`quantize_rows_fp8`), the
+    product of the two FP8 operands accumulated in fp32 and scaled by both scales, output in x's dtype (bf16: the
+    dtype row-wise scaling takes). Prefill rows; numerics are `scaled_linear_ref`'s."""
+    xq, xs = quantize_rows_fp8(x)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.float()[None, :], out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def scaled_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`scaled_linear` in fp32 torch: both operands dequantized, multiplied, rounded once."""
+    xq, xs = quantize_rows_fp8(x)
+    y = (xq.float() * xs) @ (q.float() * scale.float()[:, None]).t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
 class Fp8Linear(nn.Module):
     """A projection whose weight is stored as FP8 with a scale per output row (module docstring); the bias, if any, in
     the compute dtype. Duck-types nn.Linear for the engine: `weight` (dequantized when read), `bias`, `in_features`,
@@ -72,6 +101,8 @@ class Fp8Linear(nn.Module):
         # kernels.fp8_linear.fp8_linear on the triton backend (engine.runner sets it): decode rows read the FP8 bytes
         self.decode: Callable | None = None
         self.decode_rows = 64  # the most rows it takes (kernels.fp8_linear.MAX_ROWS)
+        # `scaled_linear` for longer bf16 steps (prefill) on the triton backend, set by engine.runner: FP8 tensor cores
+        self.prefill: Callable | None = None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Fp8Linear:
@@ -86,6 +117,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode is not None and 0 < x.shape[0] <= self.decode_rows and x.is_contiguous():
             return self.decode(x, self.qweight, self.weight_scale, self.bias)
+        if self.prefill is not None and x.dtype == torch.bfloat16 and x.shape[0] > 0 and self.in_features % 16 == 0 \
+                and self.out_features % 16 == 0:  # what torch._scaled_mm takes
+            return self.prefill(x, self.qweight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
-from engine.quant import Fp8Linear
+from engine.quant import Fp8Linear, scaled_linear
 from kernels.lora_segments import segments_from_indices, segments_per_row
 
 
@@ -70,7 +70,7 @@ class ModelRunner:
             self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config)
             for module in self.model.modules():  # FP8 projections (engine.quant): decode rows read their FP8 bytes
                 if isinstance(module, Fp8Linear):
-                    module.decode = self.backend.fp8_linear
+                    module.decode, module.prefill = self.backend.fp8_linear, scaled_linear
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,

@@ -46,6 +46,10 @@ async def service_settings(broker: EmbeddedBroker, tmp_path, ledger_url: str, mo
         "kafka.batches_topic": f"{run}.batches",
         "kafka.group_id": f"workers-{run}",
         "kafka.partitions": 3,
+        # Tansu answers a JoinGroup after half the session timeout (5 s at the default 10 s, 8 s with static
+        # membership): every worker a test starts would wait that long for its partitions.
+        "kafka.session_timeout_ms": 3000,
+        "kafka.heartbeat_interval_ms": 500,
         "store.adapter_dir": str(tmp_path / "store"),
         "engine.model_dir": str(model_dir),
         "engine.device": "cpu",

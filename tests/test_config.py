@@ -30,6 +30,10 @@ def test_show_round_trips(tmp_path):
         ("[engine]\nadmission_hold_ms = -1\n", "engine.admission_hold_ms"),
         ("[worker]\nmax_batch_size = 64\n[engine]\nmax_batch_size = 8\n", "lower the first or raise the second"),
         ("[ledger]\ngpu_price_per_hour = -1\n", "ledger.gpu_price_per_hour"),
+        ("[kafka]\nsession_timeout_ms = 3000\nheartbeat_interval_ms = 3000\n", "kafka.heartbeat_interval_ms = 3000 is not under"),
+        ("[kafka]\nsession_timeout_ms = 10\n", "kafka.session_timeout_ms"),
+        ("[worker]\nengine_stall_s = -1\n", "worker.engine_stall_s"),
+        ("[engine]\nweight_dtype = 'int4'\n", "engine.weight_dtype"),
         ("not toml [", "not valid TOML"),
     ],
 )

@@ -58,6 +58,23 @@ def engine(demo) -> Engine:
     return eng
 
 
+@pytest.fixture(scope="module")
+def short_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """As `engine`, on a 1-layer demo model: for the tests of how rounds and chains are scheduled and booked (several
+    whole generations each), whose numerics the per-layer tests above already cover."""
+    root = tmp_path_factory.mktemp("demo1")
+    demo1 = {"model": root / "model", "adapters": write_demo_set(root, seed=0, num_layers=1)}
+    eng = Engine(_config(demo1))
+    for name in ADAPTERS:
+        eng.load_adapter(name, demo1["adapters"][name])
+    if DEVICE.type != "cuda":
+        r = eng.runner
+        r.graphs = DecodeGraphs(r.model, r.lora, r.kv, sizes=SIZES, max_blocks=eng.config.blocks_per_sequence,
+                                scratch_block=r.blocks.num_blocks, block_table=r.blocks.block_table, capture=False,
+                                max_chain=eng.config.decode_steps)  # fmt: skip
+    return eng
+
+
 @pytest.fixture(params=["cublas", "decode_linear"])
 def projections(request, engine, monkeypatch):
     """Which kernel runs the graphed steps' projections: cuBLAS (+ the expand), or kernels/decode_linear.py with the
@@ -190,7 +207,8 @@ def _chain_requests(n: int, new: int) -> list[GenerationRequest]:
             for i in range(n)]  # fmt: skip
 
 
-def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
+def test_decode_chains_generate_what_single_steps_do(short_engine, monkeypatch):
+    engine = short_engine
     """Decode rounds of several graph replays (config decode_steps, engine.cuda_graphs "Chains"), each next round
     launched from the last one's tokens on the device before the host reads them, give every request the tokens
     one step per round gives, greedy and sampled, with max_new_tokens that differ (rounds are cut to the fewest
@@ -232,7 +250,8 @@ def test_decode_chains_generate_what_single_steps_do(engine, monkeypatch):
     assert got[0].timings.steps <= rows <= got[0].timings.steps + 2 * 4 - 1, (rows, got[0].timings.steps)
 
 
-def test_decode_rounds_run_with_a_full_batch_while_requests_wait(engine, monkeypatch):
+def test_decode_rounds_run_with_a_full_batch_while_requests_wait(short_engine, monkeypatch):
+    engine = short_engine
     """With the batch full (max_batch_size 8) and more requests waiting, rounds still run (nobody could join before a
     request finishes), end where the first request reaches its length, and the waiting ones are admitted then: every
     request gets the tokens of single-step rounds."""

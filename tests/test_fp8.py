@@ -155,3 +155,22 @@ def test_an_fp8_folder_with_a_projection_not_in_fp8_is_refused(demo_set, tmp_pat
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(EngineError, match="missing"):
         _engine(folder)
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+def test_scaled_linear_on_fp8_operands_equals_its_reference(rows):
+    """Prefill's FP8 tensor-core GEMM (torch._scaled_mm; it runs on the CPU too): activations quantized per row, both
+    scales applied, equal to both operands dequantized and multiplied in fp32, to bf16 rounding."""
+    from engine.quant import quantize_rows_fp8, scaled_linear, scaled_linear_ref
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 64, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(torch.bfloat16)
+    q, scale = quantize_fp8(torch.randn(48, 64, generator=g))
+    bias = torch.randn(48, generator=g).to(torch.bfloat16)
+    got, want = scaled_linear(x, q, scale, bias), scaled_linear_ref(x, q, scale, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-2).all()
+    xq, xs = quantize_rows_fp8(x)
+    assert xq.dtype == FP8 and xs.shape == (rows, 1) and (xq.float().abs().amax(dim=1) == FP8_MAX).all()
+    exact = x.float() @ dequantize_fp8(q, scale, torch.float32).t() + bias.float()
+    assert ((got.float() - exact).abs().max() / exact.abs().max()).item() < 0.1, "activation rounding: a few percent"

@@ -62,7 +62,7 @@ def _slot_tensors(engine: Engine) -> list:
 
 
 def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):
-    """240 requests over 200 adapters (zipf popularity, mixed ranks and targets) through 8 slots, arriving while
+    """160 requests over 200 adapters (zipf popularity, mixed ranks and targets) through 8 slots, arriving while
     others run: every output equals the request run with its adapter freshly loaded; each adapter is read from
     disk once (L2 holds them all), every other placement is an L2 copy, placements = evictions + resident; and
     the slot tensors are the ones allocated at start (no allocation on the hot path)."""
@@ -76,7 +76,7 @@ def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):
         eng.register_adapter(f"t{i % 5}/ad{i:03d}@1", path, sha, tenant_id=f"t{i % 5}")
     before = [(id(t), t.data_ptr()) for t in _slot_tensors(eng)]
     weights = [1 / (k + 1) ** 1.1 for k in range(200)]
-    picks = rng.choices(range(200), weights=weights, k=240)
+    picks = rng.choices(range(200), weights=weights, k=160)
     reqs = [req(f"z{n}", prompt=TEXTS[n % len(TEXTS)][:40], adapter_key=f"t{i % 5}/ad{i:03d}@1", tenant_id=f"t{i % 5}", max_new_tokens=3)
             for n, i in enumerate(picks)]  # fmt: skip
     results = {}

@@ -115,6 +115,9 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
         "engine.model_dir": str(model_dir), "engine.device": device, "engine.max_loras": 32,
         "engine.max_lora_rank": max(rank, 16), "store.adapter_dir": str(home / "store"),
         "ledger.url": f"sqlite:///{home / 'ledger.db'}", "worker.max_adapters_per_batch": 32,
+        # Each scenario starts a group afresh; joins are not measured, and the embedded broker answers a JoinGroup after
+        # half the session timeout (plus about 3 s for a static member): 2 s here, not 8.
+        "kafka.session_timeout_ms": 3000, "kafka.heartbeat_interval_ms": 500, "worker.static_membership": False,
     }
     broker = EmbeddedBroker(port, log_path=home / "broker.log")
     broker.start([], 1)
