@@ -56,7 +56,9 @@ async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_databas
 
         upgrade(url, script_location=SCRIPT_LOCATION)
         s = await service_settings(broker, tmp_path, url, demo_set["model"],
-                                   **{"kafka.partitions": 6, "worker.commit_interval_ms": 100})
+                                   **{"kafka.partitions": 6, "worker.commit_interval_ms": 100,
+                                      # the defaults: with static members, Tansu's group fell into rebalance storms at 3 s
+                                      "kafka.session_timeout_ms": 10_000, "kafka.heartbeat_interval_ms": 3_000})
         svc = open_services(s)
         names = sorted(demo_set["adapters"])
         for tenant, adapter, path in (("acme", "a1", names[0]), ("globex", "g1", names[1])):

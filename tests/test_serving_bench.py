@@ -35,6 +35,21 @@ def test_bench_table_and_no_peer(capsys):
     assert out["peer_mixed_tok_s"] is None
 
 
+def test_the_bench_runs_an_fp8_base_and_counts_its_bytes_in_the_roofline():
+    """weight_dtype "fp8" (issue 22's suite runs): the projections' FP8 bytes and scales, not bf16's, are what the
+    roofline says a decode step reads."""
+    from engine.bench.build import random_model
+    from engine.bench.roofline import weight_bytes
+
+    cfg = model_config("tiny")
+    full, fp8 = (weight_bytes(random_model(cfg, torch.device("cpu"), torch.bfloat16, seed=0, fp8=q)) for q in (False, True))
+    layer = sum(i * o for i, o in cfg.projection_shapes().values())  # weights of the seven projections, one layer
+    outs = sum(o for _, o in cfg.projection_shapes().values())
+    assert full - fp8 == cfg.num_layers * (2 * layer - (layer + 4 * outs))  # bf16 -> FP8 bytes + an fp32 scale a row
+    out = bench_engine(shape="tiny", adapters=2, rank=4, batch=2, prompt=4, new=2, device="cpu", weight_dtype="fp8", json_only=True)
+    assert out["weight_dtype"] == "fp8" and out["base_roofline_ms"] > 0
+
+
 def test_roofline_and_flop_counts_of_the_published_shapes():
     """The byte and FLOP counts the bench divides by, checked against hand arithmetic for Llama-3.2-1B's shape."""
     cfg = model_config("llama-1b")

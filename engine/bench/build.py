@@ -30,10 +30,12 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 
 
 def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], uniform_rank: int | None, batch: int, prompt: int,
-                       new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto") -> tuple[Engine, list[Path]]:  # fmt: skip
-    """The bench's engine on a random model of `cfg` with adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`)
-    loaded, sized for `batch` requests of `prompt` + `new` tokens; returns it and the adapter folders."""
-    model = random_model(cfg, dev, dtype, seed=0)
+                       new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto",
+                       weight_dtype: str = "auto") -> tuple[Engine, list[Path]]:  # fmt: skip
+    """The bench's engine on a random model of `cfg` (its projections FP8 with weight_dtype "fp8", engine.quant) with
+    adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`) loaded, sized for `batch` requests of `prompt` + `new`
+    tokens; returns it and the adapter folders."""
+    model = random_model(cfg, dev, dtype, seed=0, fp8=weight_dtype == "fp8")
     paths = [_write_adapter(tmp / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
     if uniform_rank is not None:
         paths += [_write_adapter(tmp / f"u{i}", cfg, uniform_rank, seed=1000 + i, device=dev) for i in range(len(adapter_ranks))]
@@ -63,8 +65,9 @@ def model_config(shape: str) -> ModelConfig:
     )  # fmt: skip
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
-    """Random weights drawn on the device, std 1/sqrt(fan_in) so activations stay O(1) through the layers."""
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int, fp8: bool = False) -> LlamaForCausalLM:
+    """Random weights drawn on the device, std 1/sqrt(fan_in) so activations stay O(1) through the layers; with `fp8`,
+    the projections quantized from them (engine.quant)."""
     shapes = hf_param_shapes(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
@@ -73,7 +76,7 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
             state[key] = torch.ones(shp, dtype=dtype, device=device)
         else:
             state[key] = torch.randn(shp, generator=gen, dtype=dtype, device=device) * (shp[-1] ** -0.5)
-    return build_model(cfg, state, device, dtype)
+    return build_model(cfg, state, device, dtype, fp8=fp8)
 
 
 def _kv_blocks(batch: int, tokens: int, block_size: int = EngineConfig.model_fields["kv_block_size"].default) -> int:

@@ -19,10 +19,12 @@ def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes a decode step reads of the base: every weight but the embedding table (B rows of it only)."""
+    """Bytes a decode step reads of the base: every weight but the embedding table (B rows of it only); an FP8
+    projection's (engine.quant) are its FP8 bytes and scales."""
     skip = model.model.embed_tokens.weight.data_ptr()
     seen, total = set(), 0
-    for name, p in model.named_parameters():
+    fp8 = [(n, b) for n, b in model.named_buffers() if n.endswith((".qweight", ".weight_scale"))]
+    for name, p in [*model.named_parameters(), *fp8]:
         if p.data_ptr() in seen or ("a_stack" in name or "b_stack" in name):
             continue
         seen.add(p.data_ptr())

@@ -65,9 +65,11 @@ def bench_engine(
     json_only: bool = False,
     peer_new: int | None = None,
     kernel_backend: str = "auto",
+    weight_dtype: str = "auto",
 ) -> dict:
     """Run the bench of the module docstring; print a table (unless json_only), then one JSON line; return the figures.
-    `peer_new`: new tokens of the peer's runs (default `new`); `kernel_backend`: the engine's (engine.backend)."""
+    `peer_new`: new tokens of the peer's runs (default `new`); `kernel_backend`: the engine's (engine.backend);
+    `weight_dtype` "fp8": the projections in FP8 (engine.quant; the roofline counts their bytes)."""
     assert shape in SHAPES, f"shape {shape!r}: use one of {sorted(SHAPES)}"
     assert adapters >= 1 and batch >= 1 and prompt >= 1 and new >= 2, (adapters, batch, prompt, new)
     dev = pick_device(device)
@@ -79,11 +81,12 @@ def bench_engine(
     uniform_rank = round(statistics.mean(adapter_ranks[: min(adapters, batch)])) if mixed_ranks else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
-    out: dict = {"shape": shape, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "adapters": adapters,
+    out: dict = {"shape": shape, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "weight_dtype": weight_dtype, "adapters": adapters,
                  "ranks": sorted(set(adapter_ranks)), "batch": batch, "prompt": prompt, "new": new}  # fmt: skip
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine, paths = build_bench_engine(cfg, shape, adapter_ranks, uniform_rank, batch, prompt, new, dev, dtype, Path(tmp), kernel_backend)
+        engine, paths = build_bench_engine(cfg, shape, adapter_ranks, uniform_rank, batch, prompt, new, dev, dtype, Path(tmp), kernel_backend,
+                                           weight_dtype)  # fmt: skip
         runs = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
         if uniform_rank is not None:
             runs["uniform"] = [f"u{i % adapters}" for i in range(batch)]

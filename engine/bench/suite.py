@@ -67,6 +67,9 @@ RUNS = {
     "llama-1b": dict(ISSUE_1B, peer=True),
     "llama-1b-mixed-ranks": dict(ISSUE_1B, mixed_ranks="8,16,32,64"),
     "llama-8b": ISSUE_8B,
+    # issue 22: the FP8 base against the bf16 runs above (same shapes and adapters)
+    "llama-1b-fp8": dict(ISSUE_1B, weight_dtype="fp8"),
+    "llama-8b-fp8": dict(ISSUE_8B, weight_dtype="fp8"),
 }
 
 
