@@ -89,7 +89,7 @@ class SreReport:
     workers: tuple[WorkerSre, ...]
     busy_s: Decimal
     attributed_s: Decimal  # base + lora of the period's requests
-    unattributed_s: Decimal  # busy - attributed: zero when every step's time reached a request
+    unattributed_s: Decimal  # busy - attributed - unbilled work (reconcile names it): zero when every step's time is accounted
     idle_s: Decimal
     unused_load_s: Decimal  # load time of adapters with no request in the period
 
@@ -178,12 +178,13 @@ def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None
                 ttft_ms=tuple(us_to_ms(nearest_rank(ttft, p)) for p in PERCENTILES),
             ))
         workers = worker_times(session, period)
-        busy_us = int(session.scalar(select(func.sum(Busy.busy_us)).where(Busy.period == period)) or 0)
+        busy_us, unbilled_us = (int(v or 0) for v in session.execute(
+            select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one())
         attributed_us = sum(s["base_us"] + s["lora_us"] for s in sums.values())
         unused_us = sum(us for adapter, (_, us) in loads.items() if adapter not in sums)
         return SreReport(
             period=period, adapters=tuple(adapters), workers=tuple(workers), busy_s=us_to_s(busy_us), attributed_s=us_to_s(attributed_us),
-            unattributed_s=us_to_s(busy_us - attributed_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
+            unattributed_s=us_to_s(busy_us - attributed_us - unbilled_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
             unused_load_s=us_to_s(unused_us),
         )
     finally:

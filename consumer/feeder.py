@@ -110,8 +110,9 @@ class EngineFeeder:
             loads.append(AdapterLoadRecord(adapter=a.adapter, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
                                            nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now))
         busy = None
+        now = max(now, self._since)  # a host's clock stands still while no step is reported: never step back
         if not steps and unbilled_us:  # no step since the last record: its clock may be that record's; 1 µs on keeps
-            now = max(now, self._since + timedelta(microseconds=1))  # (worker_id, started_at), the key, unique
+            now = self._since + timedelta(microseconds=1)  # (worker_id, started_at), the key, unique
         if steps or unbilled_us:
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
                               busy_us=busy_us, steps=steps, unbilled_us=unbilled_us)

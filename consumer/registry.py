@@ -315,9 +315,8 @@ class Registry:
         gone = []
         for entry in self.store.entries():
             if (entry.unfinished or entry.name not in named) and now - entry.mtime >= grace_s:
-                if not dry_run:
-                    self.store.remove(entry)
-                gone.append(entry)
+                if dry_run or self.store.remove(entry, unless_newer_than=entry.mtime):
+                    gone.append(entry)
         return gone
 
     def list_adapters(self, tenant_id: str | None = None) -> list[AdapterView]:

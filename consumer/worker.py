@@ -174,7 +174,10 @@ class Worker:
     def _make_consumer(self):
         k, w = self.s.kafka, self.s.worker
         static = {"group_instance_id": self.worker_id} if w.static_membership and w.worker_id else {}
-        consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500, **static)
+        # A rebalance may wait for on_revoked: the revoked work's deadline and a last commit, and then some.
+        rebalance_ms = max(k.session_timeout_ms, int((w.revoke_deadline_s + COMMIT_TIMEOUT_S + 5) * 1000))
+        consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500,
+                                 rebalance_timeout_ms=rebalance_ms, **static)  # fmt: skip
         consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
         return consumer
 

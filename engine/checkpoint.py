@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from engine.api import EngineError
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, PROJECTION_PARENT, LlamaForCausalLM, ModelConfig
-from engine.quant import FP8, QUANT_METHOD, Fp8Linear
+from engine.quant import FP8, QUANT_METHOD, Fp8Linear, quantize_fp8
 from engine.rope import inv_frequencies
 
 
@@ -169,14 +169,13 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.
                                   f"says {QUANT_METHOD}; re-export it", code="model_invalid")  # fmt: skip
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    # The projections' weights keep their stored dtype when they become FP8 (quantized from the checkpoint's own
-    # precision, or already FP8 with fp32 scales); everything else is cast to the engine's dtype.
-    fused = fuse_hf_state(cfg, {k: v.to(device=device) if fp8 and projection.match(k) else v.to(device=device, dtype=dtype)
+    # The projections' weights stay where and as they are stored until they become FP8 (quantized from the
+    # checkpoint's own precision, one fused projection at a time, then moved: a model whose bf16 weights would not fit
+    # the device loads in FP8), or already FP8 with fp32 scales; everything else is cast to the engine's dtype and moved.
+    fused = fuse_hf_state(cfg, {k: v if fp8 and projection.match(k) else v.to(device=device, dtype=dtype)
                                 for k, v in state.items()})  # fmt: skip
-    if fp8:
-        _make_fp8(model, cfg, fused, dtype)
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    expected -= {k for k in expected if k.endswith((".qweight", ".weight_scale"))}  # set by _make_fp8
+    made: set[str] = _make_fp8(model, fused, device, dtype) if fp8 else set()
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()) - made
     assert set(fused) == expected, (sorted(set(fused) ^ expected)[:5], "fuse_hf_state and the model disagree")
     model.load_state_dict(fused, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -185,17 +184,23 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.
     return model.eval()
 
 
-def _make_fp8(model: LlamaForCausalLM, cfg: ModelConfig, fused: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Replace each layer's projections by Fp8Linear modules made from (and taken out of) `fused`."""
+def _make_fp8(model: LlamaForCausalLM, fused: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> set[str]:
+    """Replace each layer's projections by Fp8Linear modules on `device` made from (and taken out of) `fused`; return
+    the state_dict keys they hold (set here, not loaded)."""
+    made = set()
     for i, layer in enumerate(model.model.layers):
         for name, parent in FUSED_PARENT.items():
             p = f"model.layers.{i}.{parent}.{name}"
             weight, bias, scale = fused.pop(f"{p}.weight"), fused.pop(f"{p}.bias", None), fused.pop(f"{p}.weight_scale", None)
-            if scale is None:
-                module = Fp8Linear.quantize(weight, bias, dtype)
+            bias = None if bias is None else bias.to(device)
+            if scale is None:  # on the device, one projection at a time: its full-precision copy is freed at once
+                q, scale = quantize_fp8(weight.to(device))
             else:
-                module = Fp8Linear(weight, scale.reshape(-1).float(), bias, dtype)
+                q = weight
+            module = Fp8Linear(q.to(device), scale.reshape(-1).float().to(device), bias, dtype)
             setattr(getattr(layer, parent), name, module)
+            made |= {f"{p}.{k}" for k in module.state_dict()}
+    return made
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

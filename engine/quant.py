@@ -58,6 +58,12 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def fp8_compute(device: torch.device) -> bool:
+    """Whether FP8 operands can be computed on `device`: CUDA from sm_89 (Ada, Hopper), or the CPU (Triton's interpreter,
+    torch's CPU `_scaled_mm`, for the tests). Elsewhere (an A100) FP8 weights are dequantized where they are read."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq [M, K] float8_e4m3fn, scale [M, 1] fp32) of activations x [M, K], one scale per row (token), as
     `quantize_fp8` takes one per weight row; a row of zeros gets scale 1."""

@@ -25,7 +25,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
-from engine.quant import Fp8Linear, scaled_linear
+from engine.quant import Fp8Linear, fp8_compute, scaled_linear
 from kernels.lora_segments import segments_from_indices, segments_per_row
 
 
@@ -68,9 +68,10 @@ class ModelRunner:
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend, adapter_gpu_bytes)
         if self.backend.triton:
             self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config)
-            for module in self.model.modules():  # FP8 projections (engine.quant): decode rows read their FP8 bytes
-                if isinstance(module, Fp8Linear):
-                    module.decode, module.prefill = self.backend.fp8_linear, scaled_linear
+            if fp8_compute(self.device):
+                for module in self.model.modules():  # FP8 projections (engine.quant): decode rows read their FP8 bytes
+                    if isinstance(module, Fp8Linear):
+                        module.decode, module.prefill = self.backend.fp8_linear, scaled_linear
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,

@@ -179,7 +179,7 @@ class AdapterStore:
         registration that follows this put leaves it alone for its grace period."""
         try:
             os.utime(self.root / sha)
-        except FileNotFoundError:
+        except OSError:  # gone, or a store this user may not write times in (a shared, read-only one): nothing to renew
             pass
 
     def path(self, sha: str) -> Path:
@@ -224,14 +224,23 @@ class AdapterStore:
                 out.append(StoreEntry(d.name, Path(d.path), sum(f.st_size for f in files), mtime, d.name.startswith(".tmp-")))
         return sorted(out, key=lambda e: e.name)
 
-    def remove(self, entry: StoreEntry) -> None:
-        """Delete an entry's folder: renamed aside first, so a reader never finds half an entry under its name."""
+    def remove(self, entry: StoreEntry, *, unless_newer_than: float | None = None) -> bool:
+        """Delete an entry's folder: renamed aside first, so a reader never finds half an entry under its name. With
+        `unless_newer_than`, an entry written or put again after that time (a registration racing the caller) is put
+        back. Returns whether it was removed."""
         aside = self.root / f".tmp-{uuid.uuid4().hex}"
         try:
             os.rename(entry.path, aside)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(aside)
+        except FileNotFoundError:  # removed meanwhile (another prune)
+            return False
+        if unless_newer_than is not None and aside.stat().st_mtime > unless_newer_than and not entry.unfinished:
+            try:
+                os.rename(aside, entry.path)
+                return False
+            except OSError:  # put again meanwhile under its name: this copy is the spare
+                pass
+        shutil.rmtree(aside, ignore_errors=True)
+        return True
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,18 @@ def test_scaled_linear_on_fp8_operands_equals_its_reference(rows):
     assert xq.dtype == FP8 and xs.shape == (rows, 1) and (xq.float().abs().amax(dim=1) == FP8_MAX).all()
     exact = x.float() @ dequantize_fp8(q, scale, torch.float32).t() + bias.float()
     assert ((got.float() - exact).abs().max() / exact.abs().max()).item() < 0.1, "activation rounding: a few percent"
+
+
+def test_an_fp8_model_with_projection_biases_loads_and_matches_its_reference(tmp_path):
+    """Qwen2's q, k and v carry biases: they stay in the compute dtype beside the FP8 weights."""
+    from engine.demo_model import write_demo_set
+
+    demo = {"model": tmp_path / "model", "adapters": write_demo_set(tmp_path, arch="qwen2")}
+    eng = _engine(demo["model"], weight_dtype="fp8")
+    qkv = eng.runner.model.model.layers[0].self_attn.qkv_proj.base
+    assert isinstance(qkv, Fp8Linear) and qkv.bias is not None and qkv.bias.dtype == torch.float32
+    ours = _logits(eng, demo)
+    folder = write_fp8_folder(demo["model"], tmp_path / "fp8")
+    assert torch.equal(_logits(_engine(folder), demo), ours)
+    full = _logits(_engine(demo["model"]), demo)
+    assert ((ours - full).abs().max() / full.abs().max()).item() < 0.1

@@ -185,7 +185,10 @@ def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SM
     _assert_close(z, (y_want - y0.double()).to(DEVICE), TOL[dtype], f"expand delta ({dtype})")
 
 
-CASES = list(itertools.product([torch.float32, torch.float16, torch.bfloat16], POPULARITY, RANKS, SLICES, FORMS))
+# fp16 runs the bf16 cases' code (another 16-bit type on the same tensor-core path): its cases take one slice layout,
+# the fused qkv one (48 cases fewer, about 35 s of the suite)
+CASES = [c for c in itertools.product([torch.float32, torch.float16, torch.bfloat16], POPULARITY, RANKS, SLICES, FORMS)
+         if c[0] != torch.float16 or c[3] == "qkv"]
 
 
 @pytest.mark.parametrize(("dtype", "popularity", "ranks", "slices", "form"), CASES, ids=lambda v: str(v).replace("torch.", ""))
