@@ -317,29 +317,25 @@ class EngineProcess:
         for fut in calls.values():
             _settle_soon(fut, error, ok=False)
 
-
     def _settle_result(self, fut: asyncio.Future, res: GenerationResult) -> None:
-        """Hand a request's result to its caller on the caller's loop; one whose caller has gone (its generate was
-        cancelled meanwhile) is counted unbilled."""
+        """Hand a request's result to its caller; one whose caller has gone (its generate was cancelled meanwhile, its
+        loop closed) is counted unbilled."""
 
-        def settle() -> None:
-            if fut.done():
-                with self._lock:
-                    self._unbilled_us += charged_us(res)
-            else:
-                fut.set_result(res)
+        def dropped() -> None:
+            with self._lock:
+                self._unbilled_us += charged_us(res)
 
-        try:
-            fut.get_loop().call_soon_threadsafe(settle)
-        except RuntimeError:  # its loop is closed: nobody awaits it any more
-            pass
+        _settle_soon(fut, res, dropped=dropped)
 
 
-def _settle_soon(fut: asyncio.Future, value: Any, *, ok: bool = True) -> None:
+def _settle_soon(fut: asyncio.Future, value: Any, *, ok: bool = True, dropped: Callable[[], None] | None = None) -> None:
+    """Set `fut`'s result (or exception) on its own loop; `dropped` runs instead when nobody awaits it any more."""
+
     def settle() -> None:
         if fut.done():  # cancelled meanwhile
-            return
-        if ok:
+            if dropped is not None:
+                dropped()
+        elif ok:
             fut.set_result(value)
         else:
             fut.set_exception(value)
@@ -347,7 +343,8 @@ def _settle_soon(fut: asyncio.Future, value: Any, *, ok: bool = True) -> None:
     try:
         fut.get_loop().call_soon_threadsafe(settle)
     except RuntimeError:  # its loop is closed: nobody awaits it any more
-        pass
+        if dropped is not None:
+            dropped()
 
 
 def _dumps(message: tuple) -> bytes:
