@@ -41,6 +41,7 @@ def _fp8_linear_kernel(
     M, N, K,
     stride_xm, stride_qn, stride_ym,
     HAS_BIAS: tl.constexpr,
+    WIDEN: tl.constexpr,  # 0: q's tile cast to DOT_DTYPE; 1: its bits placed in a bf16 (x 2^-120, undone with the scales)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -58,10 +59,18 @@ def _fp8_linear_kernel(
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
         k_mask = offs_k < K
-        qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN] fp8
+        qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN] e4m3 bits
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        acc += tl.dot(xt.to(DOT_DTYPE), qt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if WIDEN == 1:
+            bits = qt.to(tl.uint16)
+            wt = (((bits & 0x80) << 8) | ((bits & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+        else:
+            wt = qt.to(tl.float8e4nv, bitcast=True)
+        acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if WIDEN == 1:
+        scale = scale * 1.329227995784916e36  # 2^120: e4m3's exponent bias 7 read as bf16's 127
+    acc *= scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -79,13 +88,14 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_n, block_k, num_warps, num_stages = _config(m, n, x.element_size())
+    block_n, block_k, num_warps, num_stages, widen = _config(m, n, x.element_size())
     interpreted = x.device.type == "cpu"
     _fp8_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, q, scale, bias if bias is not None else scale, y,
+        x, q.view(torch.uint8), scale, bias if bias is not None else scale, y,
         m, n, k,
         x.stride(0), q.stride(0), y.stride(0),
         HAS_BIAS=bias is not None,
+        WIDEN=widen if x.dtype == torch.bfloat16 and not interpreted else 0,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -97,7 +107,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     return y
 
 
-def _config(m: int, n: int, elem: int) -> tuple[int, int, int, int]:
+def _config(m: int, n: int, elem: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the widest panel of 64/32/16 that gives the grid ~128 programs (an H200
     has 132 SMs), K tiles of 256; stages cut until the pipeline fits the shared memory."""
     block_n = 64
@@ -106,7 +116,7 @@ def _config(m: int, n: int, elem: int) -> tuple[int, int, int, int]:
     block_k, num_warps, num_stages = 256, 4, 4
     while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
         num_stages -= 1
-    return block_n, block_k, num_warps, num_stages
+    return block_n, block_k, num_warps, num_stages, 0
 
 
 def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:

@@ -59,5 +59,5 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 def test_the_pipeline_fits_the_shared_memory_at_every_row_count():
     for rows in range(1, fp8_module.MAX_ROWS + 1):
         for n, elem in ((4096, 2), (14336 * 2, 2), (512, 4)):
-            block_n, block_k, _, stages = fp8_module._config(rows, n, elem)
+            block_n, block_k, _, stages, _ = fp8_module._config(rows, n, elem)
             assert fp8_module.shared_bytes(rows, block_n, block_k, stages, elem) <= fp8_module.SHARED_BYTES
