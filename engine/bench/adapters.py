@@ -26,8 +26,12 @@ import gc
 import json
 import math
 import statistics
+import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -116,16 +120,18 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     t0 = time.perf_counter()
     tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag)
     paused = _GcPauses()
+    stalls = _StallStacks()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     while engine.has_unfinished():
         loads = counters["loads_disk"] + counters["loads_host"]
         paused.ms = 0.0
-        c0 = time.perf_counter()
+        c0 = stalls.begin()
         results = engine.step()
         sync(engine.device)
         us = (time.perf_counter() - c0) * 1e6
+        stalls.end()
         records = engine.pop_step_records()
         tokens += sum(len(r.output_ids) for r in results)
         prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
@@ -139,11 +145,12 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                           sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag))
     elapsed = time.perf_counter() - t0
     paused.close()
+    stalls.close()
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds}  # fmt: skip
+            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top()}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -311,6 +318,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
+        "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
@@ -326,6 +334,43 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+class _StallStacks:
+    """Where an engine.step() call that runs past `after_ms` spends its time: a thread samples the calling thread's stack
+    every 5 ms of such a call (its innermost frames); `top` gives the most frequent stacks with their sample counts."""
+
+    def __init__(self, after_ms: float = 20.0, depth: int = 8):
+        self._after, self._depth = after_ms / 1e3, depth
+        self._ident, self._start = threading.get_ident(), None
+        self.samples: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-stacks", daemon=True)
+        self._thread.start()
+
+    def begin(self) -> float:
+        self._start = time.perf_counter()
+        return self._start
+
+    def end(self) -> None:
+        self._start = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            start = self._start
+            if start is None or time.perf_counter() - start < self._after:
+                continue
+            frame = sys._current_frames().get(self._ident)
+            if frame is not None:
+                stack = traceback.extract_stack(frame)[-self._depth :]
+                self.samples[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))] += 1
+
+    def top(self, n: int = 3) -> list[dict]:
+        return [{"samples": c, "ms": 5 * c, "stack": s} for s, c in self.samples.most_common(n)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _GcPauses:

@@ -41,7 +41,12 @@ def main(rows: int = 32, rep: int = 50) -> None:
             bf16_us = graph_us(lambda: x @ w.t(), rep)
             ours_us = graph_us(lambda: fp8_module.fp8_linear(x, q, s), rep)
             mm_us = graph_us(lambda: scaled_linear(x, q, s, None), rep)
-            decode.append((label, w.numel() * 2 / bandwidth * 1e6, bf16_us, fp8_floor, ours_us, mm_us))
+
+            def kernel_mm(x=x, q=q, sb=s[None, :]):
+                xq, xs = quantize_rows(x)
+                return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16)
+
+            decode.append((label, w.numel() * 2 / bandwidth * 1e6, bf16_us, fp8_floor, ours_us, mm_us, graph_us(kernel_mm, rep)))
             xp = torch.randn(PREFILL_ROWS[name], in_f, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(xp)
             ref_q, ref_s = quantize_rows_ref(xp)
@@ -53,9 +58,9 @@ def main(rows: int = 32, rep: int = 50) -> None:
                             graph_us(lambda: scaled_linear(xp, q, s, None), 10), same))  # fmt: skip
             print(f"  {label}: quantize_rows equals the reference on {same[0]:.6f} of the bytes, scales equal {same[1]}", flush=True)
     print(f"\ndecode, {rows} rows (µs; floors at {bandwidth / 1e9:.0f} GB/s)")
-    print(f"{'projection':34} {'bf16 floor':>10} {'cuBLAS':>8} {'fp8 floor':>9} {'fp8_linear':>10} {'quant+_scaled_mm':>16}")
+    print(f"{'projection':34} {'bf16 floor':>10} {'cuBLAS':>8} {'fp8 floor':>9} {'fp8_linear':>10} {'torch quant+mm':>14} {'kernel quant+mm':>15}")
     for label, *us in decode:
-        print(f"{label:34} " + " ".join(f"{v:{wd}.1f}" for v, wd in zip(us, (10, 8, 9, 10, 16))))
+        print(f"{label:34} " + " ".join(f"{v:{wd}.1f}" for v, wd in zip(us, (10, 8, 9, 10, 14, 15))))
     print(f"\nprefill (µs; bf16 matmul floor at {matmul / 1e12:.0f} TFLOP/s)")
     print(f"{'projection':34} {'bf16 floor':>10} {'cuBLAS':>8} {'quant torch':>11} {'quant kernel':>12} {'_scaled_mm':>10} {'scaled_linear':>13}")
     for label, *us, _ in prefill:
