@@ -180,10 +180,11 @@ def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
 
 
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
-                       progress=None, openai: dict[str, OpenAIRequest] | None = None) -> None:
+                       progress=None, openai: dict[str, OpenAIRequest] | None = None, producer=None) -> None:
     """Produce the jobs, then the batch's manifest; nothing at all when a job is over kafka.max_message_bytes.
 
-    `openai` (Prepared.openai) goes into manifest parts of its own, read back by `read_manifest`.
+    `openai` (Prepared.openai) goes into manifest parts of its own, read back by `read_manifest`. `producer`, an
+    AIOKafkaProducer already started (make_producer), is used and left running; by default one is started and stopped.
     """
     records = [job_message(job, key_by) for job in jobs]
     too_big = [(job.request_id, size) for job, record in zip(jobs, records) if (size := record_size(*record)) > cfg.max_message_bytes]
@@ -196,9 +197,11 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
         manifests += index_parts(batch_id, tenant_id, openai or {}, source, manifests[0].created_at, cfg.max_message_bytes)
     except ValueError as e:
         raise SubmitError(str(e)) from e
-    producer = make_producer(cfg, client_id="lorabatch-submit")
+    own = producer is None
+    producer = producer or make_producer(cfg, client_id="lorabatch-submit")
     try:
-        await producer.start()  # inside: a start that fails (broker down) still closes what it opened
+        if own:
+            await producer.start()  # inside: a start that fails (broker down) still closes what it opened
         placed: list[int | None] = [None] * len(jobs)
         if key_by == "adapter-balanced" and jobs:
             placed = balanced_partitions(jobs, sorted(await producer.partitions_for(cfg.jobs_topic)))
@@ -211,15 +214,18 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
         for manifest in manifests:  # one key, so one partition: the parts stay in order
             await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=batch_id.encode())
     finally:
-        await producer.stop()
+        if own:
+            await producer.stop()
 
 
 def new_batch_id() -> str:
     return "batch_" + uuid.uuid4().hex[:16]
 
 
-async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, timeout_s: float) -> None:
-    """Read whole topics from the beginning without a group, handing each message to its topic's handler."""
+async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, timeout_s: float,
+                       started: asyncio.Event | None = None) -> None:  # fmt: skip
+    """Read whole topics from the beginning without a group, handing each message to its topic's handler; `started` is
+    set once the consumer is assigned and about to read."""
     consumer = make_consumer(cfg, group_id=None, client_id="lorabatch-results")
     try:
         await consumer.start()  # inside: a start that fails (broker down) still closes what it opened
@@ -228,6 +234,8 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
             return
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        if started is not None:
+            started.set()
         # Tansu answers ListOffsets with the last batch's base offset + 1, so reaching "the end" is
         # judged by that offset *and* a poll that brings nothing more.
         end = await consumer.end_offsets(tps)

@@ -41,6 +41,7 @@ class KernelBackend:
     decode_linear_fits: Callable | None = None  # kernels.decode_linear.fits: (rows, slices, in_features) -> bool
     interpreted: bool = False  # Triton's CPU interpreter (tests)
     fp8_linear: Callable | None = None  # kernels.fp8_linear.fp8_linear: an FP8 projection's decode rows (engine.quant)
+    fp8_quantize_rows: Callable | None = None  # kernels.fp8_quant.quantize_rows: activations to FP8 for prefill (engine.quant)
 
     @property
     def triton(self) -> bool:
@@ -58,8 +59,8 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         shrink = importlib.import_module("kernels.lora_shrink")
         expand = importlib.import_module("kernels.lora_expand")
         attention = importlib.import_module("kernels.paged_attention")
-        norm, rope, act, linear, fp8 = (importlib.import_module(f"kernels.{m}")
-                                        for m in ("rms_norm", "rope_cache", "silu_mul", "decode_linear", "fp8_linear"))
+        norm, rope, act, linear, fp8, quant = (importlib.import_module(f"kernels.{m}") for m in
+                                               ("rms_norm", "rope_cache", "silu_mul", "decode_linear", "fp8_linear", "fp8_quant"))
     except ImportError as e:
         raise EngineError(
             f"engine.kernel_backend={choice!r} needs triton, which failed to import ({e}); install triton or set "
@@ -74,7 +75,8 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
             code="config_invalid",
         )
     return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
-                         rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted, fp8.fp8_linear)  # fmt: skip
+                         rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted, fp8.fp8_linear,
+                         quant.quantize_rows)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

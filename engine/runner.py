@@ -11,6 +11,7 @@ the engine reading the sampled tokens.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ class ModelRunner:
             if fp8_compute(self.device):
                 for module in self.model.modules():  # FP8 projections (engine.quant): decode rows read their FP8 bytes
                     if isinstance(module, Fp8Linear):
-                        module.decode, module.prefill = self.backend.fp8_linear, scaled_linear
+                        module.decode = self.backend.fp8_linear
+                        module.prefill = functools.partial(scaled_linear, quantize=self.backend.fp8_quantize_rows)
         # One block more than the block manager hands out: the padding rows of a graphed decode batch use it.
         self.kv = KVCache(
             num_layers=self.config.num_layers,

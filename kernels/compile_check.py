@@ -150,6 +150,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     from kernels.decode_linear import MAX_ROWS as DECODE_MAX_ROWS
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.fp8_linear import FP8, fp8_linear
+    from kernels.fp8_quant import quantize_rows
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
     from kernels.lora_shrink import lora_shrink
@@ -197,6 +198,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                     yield lambda x=x, w=w, lora=lora, bias=bias: (decode_linear(x, w), decode_linear(x, w, bias, lora))
                     q, wscale = _meta(out_f, in_f, dtype=FP8), _meta(out_f, dtype=torch.float32)
                     yield lambda x=x, q=q, wscale=wscale, bias=bias: (fp8_linear(x, q, wscale), fp8_linear(x, q, wscale, bias))
+                yield lambda x=_meta(rows * 512, in_f, dtype=dtype): quantize_rows(x)  # FP8 prefill's activations
             blocks = 64
             k_cache = _meta(blocks * rows, block, kv_heads, head_dim, dtype=dtype)
             tables = _meta(rows, blocks, dtype=torch.int32)

@@ -34,14 +34,14 @@ FP8 = torch.float8_e4m3fn
 @triton.jit
 def _fp8_linear_kernel(
     x_ptr,  # [M, K]
-    q_ptr,  # [N, K] float8_e4m3fn
+    q_ptr,  # [N, K] e4m3 bits (uint8)
     scale_ptr,  # [N] fp32
     bias_ptr,  # [N], unused without HAS_BIAS
-    y_ptr,  # [M, N]
-    M, N, K,
-    stride_xm, stride_qn, stride_ym,
+    y_ptr,  # [M, N] without SPLIT_K > 1, else the fp32 partials [SPLIT_K, M, N]
+    M, N, K, k_per_split,
+    stride_xm, stride_qn, stride_ym, stride_ys,
     HAS_BIAS: tl.constexpr,
-    WIDEN: tl.constexpr,  # 0: q's tile cast to DOT_DTYPE; 1: its bits placed in a bf16 (x 2^-120, undone with the scales)
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -49,36 +49,52 @@ def _fp8_linear_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
+    split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)  # [BM]
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
     m_mask = offs_m < M
     n_mask = offs_n < N
     q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # [1, BN]
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_begin, k_end, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-        k_mask = offs_k < K
+        k_mask = offs_k < k_end
         qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN] e4m3 bits
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        if WIDEN == 1:
-            bits = qt.to(tl.uint16)
-            wt = (((bits & 0x80) << 8) | ((bits & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-        else:
-            wt = qt.to(tl.float8e4nv, bitcast=True)
+        wt = qt.to(tl.float8e4nv, bitcast=True)
         acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-    if WIDEN == 1:
-        scale = scale * 1.329227995784916e36  # 2^120: e4m3's exponent bias 7 read as bf16's 127
-    acc *= scale[None, :]
+    out = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out)
+    else:  # the partial sum of this split's K range; _reduce_kernel adds the splits, scales and rounds
+        tl.store(y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=out)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ps, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """y = (sum of the SPLIT_K partials, in split order) * scale[n] (+ bias[n]), rounded once; flat over [M, N]."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    acc *= tl.load(scale_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (q * scale[:, None])^T + bias for at most MAX_ROWS rows, in one launch (see Semantics); [M, N] in x's dtype."""
+    """x (q * scale[:, None])^T + bias for at most MAX_ROWS rows (see Semantics); [M, N] in x's dtype. One launch, or
+    two where the K loop is split (`_config`)."""
     m, k = x.shape
     n = q.shape[0]
     assert m <= MAX_ROWS, f"fp8_linear takes at most {MAX_ROWS} rows, got {m}"
@@ -88,14 +104,17 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_n, block_k, num_warps, num_stages, widen = _config(m, n, x.element_size())
+    block_n, block_k, num_warps, num_stages, split_k = _config(m, n, k, x.element_size())
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole K tiles per split
+    split_k = triton.cdiv(k, k_per_split)
+    out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     interpreted = x.device.type == "cpu"
-    _fp8_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, q.view(torch.uint8), scale, bias if bias is not None else scale, y,
-        m, n, k,
-        x.stride(0), q.stride(0), y.stride(0),
+    _fp8_linear_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, q.view(torch.uint8), scale, bias if bias is not None else scale, out,
+        m, n, k, k_per_split,
+        x.stride(0), q.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None,
-        WIDEN=widen if x.dtype == torch.bfloat16 and not interpreted else 0,
+        SPLIT_K=split_k,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -104,19 +123,31 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
+    if split_k > 1:
+        _reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](out, scale, bias if bias is not None else scale, y, m, n, out.stride(0),
+                                                               HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK)  # fmt: skip
     return y
 
 
-def _config(m: int, n: int, elem: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the widest panel of 64/32/16 that gives the grid ~128 programs (an H200
-    has 132 SMs), K tiles of 256; stages cut until the pipeline fits the shared memory."""
-    block_n = 64
-    while block_n > 16 and n // block_n < 128:
-        block_n //= 2
-    block_k, num_warps, num_stages = 256, 4, 4
+_REDUCE_BLOCK = 1024
+
+
+def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the swept best for the shapes in `_TUNED`; otherwise panels
+    of 32 columns and the K loop split until the grid has about 4 programs an SM (an H200 has 132). Stages are cut
+    until the pipeline fits the shared memory."""
+    if (n, k) in _TUNED:
+        block_n, block_k, num_warps, num_stages, split_k = _TUNED[(n, k)]
+    else:
+        block_n, block_k, num_warps, num_stages = 32, 256, 4, 4
+        split_k = max(1, min(8, 528 // triton.cdiv(n, block_n), k // (2 * block_k)))
     while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
         num_stages -= 1
-    return block_n, block_k, num_warps, num_stages, 0
+    return block_n, block_k, num_warps, num_stages, split_k
+
+
+# kernels.bench.fp8 on an H200 (bf16 x, 32 rows), per (N, K): filled from its sweep.
+_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
 
 def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:

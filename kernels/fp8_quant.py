@@ -2,7 +2,13 @@
 
 Semantics (engine.quant.quantize_rows_fp8's, to the bit): per row m of x [M, K], amax = max_k |x[m, k]| in fp32,
 scale[m] = amax / 448 (e4m3's largest finite value; 1 for a row of zeros), xq[m, k] = x[m, k] / scale[m] clamped to
-±448 and rounded to the nearest e4m3 (ties to even). The division is IEEE (`div_rn`), as torch's is.
+±448 and rounded to the nearest e4m3 (ties to even). Both divisions are IEEE (`div_rn`; the references divide tensor by
+tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which differs in the last bit).
+
+Rounding: the kernel rounds to e4m3's grid itself, in fp32 (adding and taking away a number whose last bit is the grid
+step at the value's binade, step 2^-9 below 2^-6), and casts the exact result. The cast alone would round the same way
+on a GPU, but Triton's CPU interpreter truncates it (84 became 88, 126.8 became 64), and the interpreter is where CI
+tests this kernel.
 
 Why: the torch ops of the reference read the activations four times and write fp32 copies between them; at a llama-8b
 prefill of 16,384 tokens that is several times the bytes of the FP8 GEMM it feeds (`python -m kernels.bench.fp8`).
@@ -38,7 +44,18 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K:
         offs = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < K)
+        tl.store(q_row + offs, _round_e4m3(q).to(tl.float8e4nv), mask=offs < K)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even (module docstring, Rounding)."""
+    a = tl.abs(v)
+    binade = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # e4m3's subnormals share the step of 2^-6
+    magic = (((binade + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 x 2^(binade + 20): last bit 2^(binade - 3)
+    r = (a + magic) - magic
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # v's sign bit: -0.0 and what rounds to zero keep theirs
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +72,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure torch (engine.quant.quantize_rows_fp8)."""
+    """Pure torch, as engine.quant.quantize_rows_fp8 (which the engine's torch path runs, without triton)."""
     amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

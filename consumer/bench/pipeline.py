@@ -112,24 +112,33 @@ def _vocab(model_dir: Path) -> int:
 
 
 def _client(kafka, jobs: list[str], conn) -> None:
-    """The bench's client, in a process of its own as a user's producer would be: say it is ready, wait for the go,
-    produce `jobs` (JSON) while reading the results topic, and send back (seconds from the first send to the last
-    result, how many never came). Results are counted by their Kafka key (the request id), unparsed."""
+    """The bench's client, in a process of its own as a user's producer would be: connect its producer and its results
+    reader, say it is ready, wait for the go, produce `jobs` (JSON) while reading the results topic, and send back
+    (seconds from the first send to the last result, how many never came). Results are counted by their Kafka key (the
+    request id), unparsed. Connecting is not timed: it is the client's start-up, not the service's work."""
+    from consumer.kafka import make_producer
     from consumer.submit import _read_topics, produce_jobs
 
     todo = [Job.model_validate_json(j) for j in jobs]
     wanted, seen = {j.request_id for j in todo}, set()
 
     async def run() -> float:
-        t0 = time.perf_counter()
+        producer = make_producer(kafka, client_id="lorabatch-bench")
+        await producer.start()
+        started = asyncio.Event()
         reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: lambda key, _v: seen.add(key.decode())},
-                                                   False, lambda: wanted <= seen, 1800))
-        await produce_jobs(kafka, todo, "bench", "acme", "bench", "request")
-        await reading
-        return time.perf_counter() - t0
+                                                   False, lambda: wanted <= seen, 1800, started))
+        try:
+            await asyncio.wait({asyncio.create_task(started.wait()), reading}, return_when=asyncio.FIRST_COMPLETED)
+            conn.send("ready")
+            await asyncio.to_thread(conn.recv)
+            t0 = time.perf_counter()
+            await produce_jobs(kafka, todo, "bench", "acme", "bench", "request", producer=producer)
+            await reading
+            return time.perf_counter() - t0
+        finally:
+            await producer.stop()
 
-    conn.send("ready")
-    conn.recv()
     seconds = asyncio.run(run())
     conn.send((seconds, len(wanted - seen)))
 

@@ -1,8 +1,8 @@
 """FP8 projections on the GPU (issue 22): `python -m kernels.bench.fp8 [rows]`, CUDA only.
 
 Per projection of llama-8b and llama-1b (bf16 activations, weights quantized per output channel, engine.quant):
-- decode (32 rows): cuBLAS over the bf16 weight, kernels/fp8_linear.py over a grid of configs (the launcher's choice
-  and the best three), and the FP8 tensor-core path (kernels/fp8_quant.py's row quantization + torch._scaled_mm), each
+- decode (32 rows): cuBLAS over the bf16 weight, kernels/fp8_linear.py over a grid of configs with and without a split
+  K loop (the launcher's choice and the best three), and the FP8 tensor-core path (kernels/fp8_quant.py's row quantization + torch._scaled_mm), each
   against the byte floor of its weight;
 - prefill (llama-8b: 16,384 rows; llama-1b: 4,096): cuBLAS bf16, the row quantization (torch ops and the kernel), the
   FP8 GEMM alone, and engine.quant.scaled_linear whole.
@@ -27,7 +27,7 @@ PREFILL_ROWS = {"llama-8b": 16384, "llama-1b": 4096}
 def main(rows: int = 32, rep: int = 50) -> None:
     bandwidth, matmul, _ = measure_ceilings()
     torch.manual_seed(0)
-    cands = [(bn, bk, w, st, widen) for widen in (0, 1) for bn, bk, w, st in itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 5))]
+    cands = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))  # (BN, BK, warps, stages, split K)
     decode, prefill = [], []
     for name in ("llama-8b", "llama-1b"):
         for proj, (in_f, widths) in MODELS[name].projections().items():
