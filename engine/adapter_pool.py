@@ -167,6 +167,10 @@ class AdapterPool(L1Placement):
         """Keys whose adapter is in a device slot now (a request for one starts without a load)."""
         return sorted(k for sha in self._slots if sha is not None for k in self._contents[sha].keys)
 
+    def resident_slots(self) -> list[int]:
+        """The device slots that hold an adapter now, in slot order."""
+        return [slot for slot, sha in enumerate(self._slots) if sha is not None]
+
     # ---- requests
 
     def note_request(self, key: str) -> None:

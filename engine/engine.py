@@ -165,6 +165,13 @@ class Engine:
             )
         self.adapters.unload(adapter_key)
 
+    def capture_decode_graphs(self) -> int:
+        """Capture every decode bucket's CUDA graphs now, between steps, rather than at each bucket's first step: the
+        base graphs on padding rows, and, when adapters are in device slots, the with-LoRA graphs calibrated on rows of
+        those adapters (engine.cuda_graphs `prepare_all`). Call it after a warm-up that loaded adapters. Returns how many
+        graphs it made (0 without graphs: the torch backend, or no CUDA)."""
+        return self.runner.capture_graphs(self.adapters.resident_slots())
+
     def has_adapter(self, adapter_key: str) -> bool:
         return self.adapters.has(adapter_key)
 

@@ -118,6 +118,14 @@ class ModelRunner:
             self.lora.calibration.prepare(sum(len(it.token_ids) for it in items))
 
     @torch.inference_mode()
+    def capture_graphs(self, slots: list[int]) -> int:
+        """Every decode bucket's graphs not captured yet (engine.cuda_graphs `prepare_all`); 0 without graphs."""
+        if self.graphs is None:
+            return 0
+        self.lora.wait_ready(slots)
+        return self.graphs.prepare_all(slots)
+
+    @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:
         """Run one forward over every item's new tokens; logits [M, vocab] fp32 for the last token of each
         item with `logits` set (or [N, vocab] for every token with `all_logits`).

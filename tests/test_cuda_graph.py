@@ -294,3 +294,21 @@ def test_popping_step_records_reads_a_round_in_flight_back(engine, monkeypatch):
     done = engine.step()
     assert sorted(r.request_id for r in done) == ["p0", "p1", "p2"] and all(len(r.output_ids) == 5 for r in done)
     assert not engine.has_unfinished()
+
+
+def test_capturing_every_bucket_up_front_changes_no_token(short_engine):
+    """Engine.capture_decode_graphs makes every bucket's two graphs at once (the with-LoRA ones on rows of the adapters in
+    the slots, calibrated where graphs are captured), a second call makes none, and generation gives the same tokens as
+    with graphs made at each bucket's first step."""
+    graphs = short_engine.runner.graphs
+    reqs = _chain_requests(6, 4)
+    lazily = short_engine.generate(reqs)
+    _forget_graphs(graphs)
+    assert short_engine.adapters.resident_slots(), "the fixture's adapters are in slots"
+    assert short_engine.capture_decode_graphs() == 2 * len(SIZES)
+    assert set(graphs._graphs) == {(b, lora) for b in SIZES for lora in (False, True)}
+    assert set(graphs.lora_us) == (set(SIZES) if graphs.capture else set())
+    assert short_engine.capture_decode_graphs() == 0
+    upfront = short_engine.generate(reqs)
+    assert all(r.ok for r in lazily + upfront)
+    assert [r.output_ids for r in upfront] == [r.output_ids for r in lazily]

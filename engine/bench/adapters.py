@@ -269,6 +269,10 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # A fourth with the steps a held admission makes (engine.admission): most of a batch admitted beside a few
         # running requests, which the waves above (small ones, into a batch filling up) do not make.
         _partial_admissions(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"p{count}", batch)
+        # Then every decode bucket's graphs the passes above did not meet, calibrated on the warm-up adapters in the slots:
+        # the admission hold makes decode batches of sizes no warm-up made, and a bucket's first step captured and
+        # calibrated its graphs inside the cold pass (H200, session 13: one decode step of 127-159 ms at 2000 adapters).
+        captured = engine.capture_decode_graphs()
         warmup_compiles = compiles.take()
         cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
         cold_compiles = compiles.take()
@@ -318,7 +322,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
-        "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]},
+        "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
