@@ -15,9 +15,10 @@ views of ONE buffer, filled on the host (pinned) and copied with one H2D copy pe
 Buckets (engine.backend.graph_batch_sizes): a batch of B rows runs in the smallest bucket b >= B, its
 rows B .. b - 1 padding: token 0 at position 0, no adapter, a sequence of length 1 whose block table
 points at a scratch block (the KV pool has one more block than the block manager hands out), so the
-padding writes and reads only that block. Each bucket has two graphs, captured lazily at the first step
-that needs them: with the LoRA ops, for batches with any adapter row, and without, for base-only
-batches (which therefore carry no LoRA time, as in eager mode). The graphs share one memory pool; only
+padding writes and reads only that block. Each bucket has two graphs: with the LoRA ops, for batches with
+any adapter row, and without, for base-only batches (which therefore carry no LoRA time, as in eager mode).
+They are captured at the first step that needs them, or all at once between steps (`prepare_all`, through
+Engine.capture_decode_graphs after a warm-up), which keeps a capture and its calibration out of serving. The graphs share one memory pool; only
 one runs at a time and each one's output is consumed before the next replay.
 
 Chains (`run_chain`): when every request of a batch is decoding and nothing else waits, the engine runs
