@@ -198,7 +198,7 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
     except ValueError as e:
         raise SubmitError(str(e)) from e
     own = producer is None
-    producer = producer or make_producer(cfg, client_id="lorabatch-submit")
+    producer = producer if producer is not None else make_producer(cfg, client_id="lorabatch-submit")
     try:
         if own:
             await producer.start()  # inside: a start that fails (broker down) still closes what it opened

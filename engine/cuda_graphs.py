@@ -39,9 +39,11 @@ would be graph nodes, so the LoRA share of a graphed step is calibrated once per
 capture, the two graphs of the bucket are replayed alternately on that step's inputs (11 times each,
 after 3 warm-ups) and the LoRA share is the difference of their median times (at least 0), capped at
 the step's measured total by the engine, so base + LoRA still sums to the measured step exactly.
-The calibration sees the adapter mix of the step that captured the bucket; the LoRA kernels' time
-depends on the distinct adapters and their ranks, so later steps with other mixes are charged the
-calibrated figure, an estimate (eager steps measure theirs).
+The calibration sees the adapter mix of the step that captured the bucket, or with `prepare_all` rows
+cycling over the adapters in the slots then (as many distinct ones as the bucket has rows, where that many
+are resident: the dearer end of the mixes a bucket meets). The LoRA kernels' time depends on the distinct
+adapters and their ranks, so later steps with other mixes are charged the calibrated figure, an estimate
+(eager steps measure theirs); it moves time between a step's base and LoRA shares, never the step's total.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  quantize: Callable = None) -> torch.Tensor:  # fmt: skip
+                  quantize: Callable | None = None) -> torch.Tensor:  # fmt: skip
     """x (q * scale)^T + bias on FP8 tensor cores (torch._scaled_mm): x quantized per row (`quantize`, by default
     `quantize_rows_fp8`; the triton backend passes kernels.fp8_quant.quantize_rows, equal to the bit), the product of
     the two FP8 operands accumulated in fp32 and scaled by both scales, output in x's dtype (bf16: the dtype row-wise

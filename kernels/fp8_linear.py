@@ -136,7 +136,7 @@ _REDUCE_BLOCK = 1024
 
 def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the swept best for the shapes in `_TUNED`; otherwise panels
-    of 32 columns and the K loop split until the grid has about 4 programs an SM (an H200 has 132). Stages are cut
+    of 64 columns and the K loop split until the grid has about 4 programs an SM (an H200 has 132). Stages are cut
     until the pipeline fits the shared memory."""
     if (n, k) in _TUNED:
         block_n, block_k, num_warps, num_stages, split_k = _TUNED[(n, k)]

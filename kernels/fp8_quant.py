@@ -2,7 +2,9 @@
 
 Semantics (engine.quant.quantize_rows_fp8's, to the bit): per row m of x [M, K], amax = max_k |x[m, k]| in fp32,
 scale[m] = amax / 448 (e4m3's largest finite value; 1 for a row of zeros), xq[m, k] = x[m, k] / scale[m] clamped to
-±448 and rounded to the nearest e4m3 (ties to even). Both divisions are IEEE (`div_rn`; the references divide tensor by
+±448 and rounded to the nearest e4m3 (ties to even). A NaN stays NaN, as in torch: a row holding one gets scale 1
+(NaN > 0 is false) and a NaN where it was; a row holding an infinity gets scale inf, zeros and a NaN where it was. So
+a fault upstream still reaches the logits as NaN, where the engine fails the request, not as finite numbers. Both divisions are IEEE (`div_rn`; the references divide tensor by
 tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which differs in the last bit).
 
 Rounding: the kernel rounds to e4m3's grid itself, in fp32 (adding and taking away a number whose last bit is the grid
@@ -29,6 +31,7 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr):
+    # q_ptr: the e4m3 bits, as uint8
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -36,15 +39,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K:
     for k in range(0, K, BLOCK_K):
         offs = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    top = tl.max(amax, axis=0)
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    top = tl.max(amax, axis=0)  # a reduction drops NaNs: put one back where the row held one
+    top = tl.where(tl.max((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), top)
     scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
     tl.store(s_ptr + row, scale)
     for k in range(0, K, BLOCK_K):
         offs = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(q_row + offs, _round_e4m3(q).to(tl.float8e4nv), mask=offs < K)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        r = _round_e4m3(q)
+        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(q_row + offs, tl.where(r != r, 0x7F, bits).to(tl.uint8), mask=offs < K)  # NaN as e4m3's 0x7F: the interpreter's cast loses it
 
 
 @triton.jit
@@ -66,7 +73,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block_k = min(2048, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, FP8_MAX=FP8_MAX,
+        _quantize_rows_kernel[(m,)](x, q.view(torch.uint8), scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, FP8_MAX=FP8_MAX,
                                     num_warps=4 if block_k <= 1024 else 8)  # fmt: skip
     return q, scale
 

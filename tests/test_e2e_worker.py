@@ -122,7 +122,7 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
         # that long after their results: wait for the flush (up to 10 s) rather than for a fixed time.
         period = datetime.now(UTC).strftime("%Y-%m")
         deadline = time.monotonic() + 10
-        while (c := period_conservation(svc.db, period, s.ledger)).attributed_us != c.busy_us and time.monotonic() < deadline:
+        while ((c := period_conservation(svc.db, period, s.ledger)).busy_us == 0 or c.attributed_us != c.busy_us) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert c.busy_us > 0 and c.attributed_us == c.busy_us, c
         assert c.cold_start_us == c.load_us, c

@@ -2,9 +2,9 @@
 and the reference against the engine's torch path (engine.quant.quantize_rows_fp8).
 
 Grid: dtype (bf16, fp16, fp32) x K (one tile, a masked tail, several tiles) x rows (1, an odd 7). The values span eight
-decades, a row is all zeros (scale 1), one holds a single nonzero element, and one is built on e4m3's ties, its
-largest value and its subnormals, where a cast that truncates (Triton's interpreter's) or a scale taken by a
-reciprocal's product would differ.
+decades, a row is all zeros (scale 1), one holds a single nonzero element; rows built on e4m3's ties, its largest
+value and its subnormals, where a cast that truncates (Triton's interpreter's) or a scale taken by a reciprocal's
+product would differ; rows holding NaN and infinities.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def _rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
     assert got[0].dtype == torch.float8_e4m3fn and got[1].dtype == torch.float32
     assert torch.equal(got[1], want[1]), (got[1].flatten()[:4], want[1].flatten()[:4])
-    diff = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).nonzero()
+    nan = got[0].float().isnan()
+    assert torch.equal(nan, want[0].float().isnan())  # NaN where torch has one (its sign bit is torch's own business)
+    diff = ((got[0].view(torch.uint8) != want[0].view(torch.uint8)) & ~nan).nonzero()
     assert diff.numel() == 0, [(got[0][i, j].float().item(), want[0][i, j].float().item()) for i, j in diff[:5].tolist()]
 
 
@@ -44,14 +46,29 @@ def test_quantize_rows_equals_the_reference_to_the_bit(dtype, k, rows):
 
 
 def test_ties_the_largest_value_and_subnormals_round_as_torch_casts():
+    """Every e4m3 value, every midpoint between two (to the even one), values just either side of each, at scale 1 and
+    at 2^-12 (subnormals), and a row of amax 449 (each value scaled by 449/448)."""
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite e4m3 value >= 0
     ties = (grid[1:] + grid[:-1]) / 2  # exactly between two neighbours: to the even one
     near = torch.cat([grid * (1 + 2.0**-6), grid * (1 - 2.0**-6)])
-    row = torch.cat([grid, ties, near, -grid, -ties, torch.tensor([448.0, 449.0])])  # amax 449: every value scaled by 449/448
-    x = torch.stack([row, row * 2.0**-12, row[: row.numel()] * 0 + 1.0]).to(DEVICE)
-    _same(quant.quantize_rows(x), quant.quantize_rows_ref(x))
-    exact = torch.cat([grid, -grid]).to(DEVICE)[None, :] * (448.0 / grid.max())  # amax 448: scale 1, every value on the grid
-    _same(quant.quantize_rows(exact), quant.quantize_rows_ref(exact))
+    near = near[near <= 448.0]
+    row = torch.cat([grid, ties, near, -grid, -ties])  # amax 448: scale 1, so the ties stay ties
+    assert row.abs().max() == 448.0
+    x = torch.stack([row, row * 2.0**-12, torch.cat([row[:-1], torch.tensor([449.0])])]).to(DEVICE)  # 2^-12: exact too
+    got, want = quant.quantize_rows(x), quant.quantize_rows_ref(x)
+    _same(got, want)
+    assert got[1][0].item() == 1.0 and torch.equal(got[0][0].float()[: grid.numel()], grid.to(DEVICE))
+
+
+def test_nan_and_infinity_stay_faults():
+    """A NaN keeps its row's scale at 1 and stays NaN; an infinity makes the scale inf, its row zeros and itself NaN: as
+    torch's ops do, so a fault upstream reaches the logits (where the engine fails the request), never finite values."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, -2.0, nan, 0.0], [1.0, -2.0, inf, 0.0], [1.0, -2.0, -inf, 0.0], [1e-40, 0.0, 0.0, 0.0]], device=DEVICE)
+    got = quant.quantize_rows(x)
+    _same(got, quant.quantize_rows_ref(x))
+    assert got[1].flatten().tolist()[:3] == [1.0, inf, inf]
+    assert got[0].float().isnan().nonzero().tolist() == [[0, 2], [1, 2], [2, 2]]
 
 
 def test_the_reference_is_the_engines_torch_path():

@@ -113,9 +113,10 @@ def _vocab(model_dir: Path) -> int:
 
 def _client(kafka, jobs: list[str], conn) -> None:
     """The bench's client, in a process of its own as a user's producer would be: connect its producer and its results
-    reader, say it is ready, wait for the go, produce `jobs` (JSON) while reading the results topic, and send back
-    (seconds from the first send to the last result, how many never came). Results are counted by their Kafka key (the
-    request id), unparsed. Connecting is not timed: it is the client's start-up, not the service's work."""
+    reader, say ("ready",), wait for the go, produce `jobs` (JSON) while reading the results topic, and send back
+    ("done", seconds from the first send to the last result, how many never came); ("failed", why) if anything fails.
+    Results are counted by their Kafka key (the request id), unparsed. Connecting is not timed: it is the client's
+    start-up, not the service's work."""
     from consumer.kafka import make_producer
     from consumer.submit import _read_topics, produce_jobs
 
@@ -130,17 +131,43 @@ def _client(kafka, jobs: list[str], conn) -> None:
                                                    False, lambda: wanted <= seen, 1800, started))
         try:
             await asyncio.wait({asyncio.create_task(started.wait()), reading}, return_when=asyncio.FIRST_COMPLETED)
-            conn.send("ready")
+            if not started.is_set():
+                reading.result()  # its error, if it raised
+                raise RuntimeError(f"the results topic {kafka.results_topic!r} has no partitions to read")
+            conn.send(("ready",))
             await asyncio.to_thread(conn.recv)
             t0 = time.perf_counter()
             await produce_jobs(kafka, todo, "bench", "acme", "bench", "request", producer=producer)
             await reading
             return time.perf_counter() - t0
         finally:
+            reading.cancel()
             await producer.stop()
 
-    seconds = asyncio.run(run())
-    conn.send((seconds, len(wanted - seen)))
+    try:
+        seconds = asyncio.run(run())
+    except BaseException as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        raise
+    conn.send(("done", seconds, len(wanted - seen)))
+
+
+def _from_client(conn, client, timeout_s: float) -> list:
+    """The client's next message past its kind; raises if it failed, ended without a word or said nothing in time."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not client.is_alive() and not conn.poll(0):
+            raise RuntimeError(f"the bench's client process ended (exit code {client.exitcode}) without a word")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the bench's client said nothing within {timeout_s:.0f} s")
+    try:
+        kind, *value = conn.recv()
+    except EOFError:
+        client.join(5)  # its end of the pipe closed as it exited: its exit code comes a moment later
+        raise RuntimeError(f"the bench's client process ended (exit code {client.exitcode}) without a word") from None
+    if kind == "failed":
+        raise RuntimeError(f"the bench's client failed: {value[0]}")
+    return value
 
 
 def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
@@ -197,12 +224,13 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
                            lambda: task.done() or len(seen) >= len(warm), 600)
         await settled({j.request_id for j in warm}, 30)
         client.start()
-        await asyncio.to_thread(conn.recv)  # the client has started and imported what it needs
+        child_conn.close()  # the client's end lives in the client alone: its death reads as the end of the pipe
+        await asyncio.to_thread(_from_client, conn, client, 300)  # connected and reading the results topic
         await worker.restart_measures()
         await engine_call(_count_compiles)
         cpu0, thread_cpu0 = time.process_time(), _thread_cpu(engine_pid)
         conn.send("go")
-        answer = asyncio.create_task(asyncio.to_thread(conn.recv))
+        answer = asyncio.create_task(asyncio.to_thread(_from_client, conn, client, 1900))
         await asyncio.wait({answer, task}, return_when=asyncio.FIRST_COMPLETED)
         if not answer.done():
             task.result()  # the worker failed: say why
