@@ -112,6 +112,9 @@ class WorkerConfig(_Section):
     max_defer_ms: float = Field(250.0, ge=0, description="longest a job is passed over for adapter affinity")
     static_membership: bool = Field(True, description="join with group.instance.id = worker_id, so restarts cause no rebalance")
     revoke_deadline_s: float = Field(10.0, gt=0, description="revoked partitions' running work may finish this long")
+    stop_deadline_s: float = Field(15.0, gt=0, description="after SIGTERM, queued jobs keep running this long; then the "
+                                   "rest is left to the partitions' next owner (uncommitted) and the running jobs get "
+                                   "worker.revoke_deadline_s more to finish, as on a revoke")
     headroom_slots: int = Field(2, ge=0, description="engine slots kept for tenants under their fair share")
     engine_queue_jobs: int | None = Field(None, ge=0, description="jobs handed to the engine beyond the batch it runs, "
                                           "waiting in it to take a place the moment one frees (unset: as many as the "

@@ -121,13 +121,17 @@ class Worker:
         self.partitions: Partitions | None = None
         self.deliverer: Deliverer | None = None
         self._in_flight_at_stop: int | None = None
+        self._stop_at = 0.0  # monotonic time of the stop request
+        self._left_on_stop = 0  # jobs left to the next owners when the stop's deadline passed
 
     # ---------------------------------------------------------------- lifecycle
 
     def stop(self) -> None:
-        """Ask the worker to drain and exit (SIGTERM handler)."""
+        """Ask the worker to drain and exit (SIGTERM handler): what is queued keeps running for worker.stop_deadline_s,
+        then is left to the partitions' next owners (`_leave_queue_on_stop`)."""
         if not self._stopping.is_set():
             self._in_flight_at_stop = self.offsets.in_flight()
+            self._stop_at = time.monotonic()
         self._stopping.set()
         self._work_event.set()
 
@@ -184,7 +188,7 @@ class Worker:
     def _log_summary(self) -> None:
         """One line on the way out: what was in flight at the stop and what became of it, what went out."""
         d = self.deliverer
-        left = self.offsets.in_flight()
+        left = self.offsets.in_flight() + self._left_on_stop
         at_stop = self._in_flight_at_stop if self._in_flight_at_stop is not None else left
         committed = {f"{tp.topic}:{tp.partition}": self.offsets.confirmed(tp) for tp in self.offsets.partitions()}
         log.info("%s: %d jobs in flight at the stop, %d finished, %d abandoned (uncommitted: redelivered to the next "
@@ -206,8 +210,22 @@ class Worker:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
             # The others never end on their own: if one does, it failed, and so does the worker.
             running = {fetch, dispatch}
+            left_at: float | None = None  # when the queue was left to the next owners (the stop's deadline passed)
             while running:
-                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush}, return_when=asyncio.FIRST_COMPLETED)
+                timeout = None
+                if self._stopping.is_set():  # the stop's deadline, then the revoke's for what still runs, then no more
+                    timeout = (self._stop_at + self.s.worker.stop_deadline_s if left_at is None
+                               else left_at + self.s.worker.revoke_deadline_s + 5) - time.monotonic()
+                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush}, timeout=max(0.0, timeout) if timeout is not None else None,
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if not done and left_at is None:
+                    left_at = time.monotonic()
+                    await self._leave_queue_on_stop()
+                    continue
+                if not done:
+                    log.warning("stopping: %d jobs still in the engine %.0f s after the queue was left; exiting without them "
+                                "(uncommitted: redelivered to the next owner)", len(self._in_engine), time.monotonic() - left_at)
+                    break
                 for t in done:
                     t.result()
                     if t in (deliver, gpu_time, flush):
@@ -443,10 +461,20 @@ class Worker:
             log.warning("the consumer did not leave its group within %.0f s (the coordinator does not answer); exiting "
                         "without it: the broker drops the membership when its session times out", LEAVE_TIMEOUT_S)
 
-    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+    async def _leave_queue_on_stop(self) -> None:
+        """The stop's deadline passed with jobs still queued or running: treat every partition as revoked (running
+        jobs get worker.revoke_deadline_s, then are aborted; queued ones are dropped; what finished is committed), so a
+        worker with a deep queue exits within a grace period an orchestrator gives, and loses nothing: what it leaves
+        is uncommitted and redelivered to the partitions' next owner."""
+        queued, running = len(self.scheduler), len(self._in_engine)
+        log.warning("stopping: worker.stop_deadline_s=%.0f passed with %d jobs queued and %d in the engine; leaving them "
+                    "to the partitions' next owner", self.s.worker.stop_deadline_s, queued, running)
+        self._left_on_stop += await self.on_revoked(set(self.offsets.partitions()))
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> int:
         """Let what runs for the revoked partitions finish within the deadline and commit it; abandon the
         rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new owner redoes
-        it) and leave the queued jobs to the new owner."""
+        it) and leave the queued jobs to the new owner. Returns how many jobs it left (aborted or dropped)."""
         deadline = time.monotonic() + self.s.worker.revoke_deadline_s
         self._revoked = set(revoked)
 
@@ -455,7 +483,8 @@ class Worker:
 
         while revoked_running() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for item in revoked_running():
+        aborted = revoked_running()
+        for item in aborted:
             item.abandoned = True
             await self.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id)
         if self.deliverer is not None:
@@ -474,6 +503,7 @@ class Worker:
         self.stages.forget(revoked)
         if dropped:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
+        return len(aborted) + len(dropped)
 
     def _gauges(self) -> None:
         m = self.metrics

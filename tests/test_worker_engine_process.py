@@ -164,3 +164,38 @@ async def test_a_hung_engine_process_is_killed_and_replaced(broker, tmp_path, de
     committed, end = await committed_vs_end(s)
     assert committed == end
     svc.close()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the deadline is the worker's: one ledger is enough
+async def test_a_stop_leaves_a_deep_queue_to_the_next_owner_within_its_deadline(broker, tmp_path, demo_set, ledger_url, caplog):
+    """SIGTERM with jobs queued behind a busy engine: the queue keeps running for worker.stop_deadline_s, then the rest
+    is left uncommitted (running jobs get worker.revoke_deadline_s, then are aborted), and the worker exits within
+    those bounds, not after the whole queue. The next worker on the group answers the rest: every job once in the
+    ledger, every offset committed."""
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"],
+                               **{"worker.stop_deadline_s": 1.0, "worker.revoke_deadline_s": 1.0})
+    svc = open_services(s)
+    _register(svc, demo_set)
+    jobs = _jobs("q", 80, 16)
+    wanted = {j.request_id for j in jobs}
+    async with running_worker(s, svc, _engine(demo_set)) as rw:
+        await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")
+        while len(rw.worker.scheduler) == 0:  # fetched, and more than the engine takes: a queue behind it
+            await asyncio.sleep(0.02)
+        with caplog.at_level("WARNING", "lorabatch.worker"):
+            t0 = time.monotonic()
+            await rw.stop()
+            took = time.monotonic() - t0
+    assert took < 20, f"the stop took {took:.1f} s: it ran the queue instead of leaving it"
+    assert "leaving them to the partitions' next owner" in caplog.text
+    committed, end = await committed_vs_end(s)
+    assert any((committed.get(p) or 0) < e for p, e in end.items()), "the queue was left uncommitted"
+    async with running_worker(s, svc, _engine(demo_set)) as rw:
+        results = await read_all(s, s.kafka.results_topic, Result, lambda got: wanted <= {r.request_id for r in got}, 180)
+        assert wanted <= {r.request_id for r in results}
+        assert all(r.status == "succeeded" for r in results), [r.error for r in results if r.status != "succeeded"][:3]
+        assert await ledger_rows(svc, len(jobs)) == len(jobs)
+        await rw.stop()
+    committed, end = await committed_vs_end(s)
+    assert committed == end
+    svc.close()
