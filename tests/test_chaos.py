@@ -21,7 +21,7 @@ from tests.service_fixtures import open_services, read_all, service_settings
 
 pytestmark = pytest.mark.slow
 
-N_JOBS = 600
+N_JOBS = 450
 
 
 def _spawn(config_path, worker_id: str, log_dir) -> subprocess.Popen:

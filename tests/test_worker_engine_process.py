@@ -35,8 +35,8 @@ def _jobs(prefix: str, n: int, max_new_tokens: int) -> list[Job]:
                 adapter="legal" if i % 2 else None) for i in range(n)]  # fmt: skip
 
 
-def _engine(demo_set) -> EngineProcess:
-    p = EngineProcess(EngineConfig(model_dir=str(demo_set["model"]), device="cpu", max_new_tokens=32, max_prompt_tokens=200))
+def _engine(demo_set, **config) -> EngineProcess:
+    p = EngineProcess(EngineConfig(model_dir=str(demo_set["model"]), device="cpu", max_new_tokens=32, max_prompt_tokens=200, **config))
     p.start()
     return p
 
@@ -173,12 +173,12 @@ async def test_a_stop_leaves_a_deep_queue_to_the_next_owner_within_its_deadline(
     those bounds, not after the whole queue. The next worker on the group answers the rest: every job once in the
     ledger, every offset committed."""
     s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"],
-                               **{"worker.stop_deadline_s": 1.0, "worker.revoke_deadline_s": 1.0})
+                               **{"worker.stop_deadline_s": 1.0, "worker.revoke_deadline_s": 1.0, "worker.max_batch_size": 8})
     svc = open_services(s)
     _register(svc, demo_set)
-    jobs = _jobs("q", 80, 16)
+    jobs = _jobs("q", 40, 8)
     wanted = {j.request_id for j in jobs}
-    async with running_worker(s, svc, _engine(demo_set)) as rw:
+    async with running_worker(s, svc, _engine(demo_set, max_batch_size=8)) as rw:  # 8 running, 8 waiting in it, 24 queued
         await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")
         while len(rw.worker.scheduler) == 0:  # fetched, and more than the engine takes: a queue behind it
             await asyncio.sleep(0.02)
@@ -190,7 +190,7 @@ async def test_a_stop_leaves_a_deep_queue_to_the_next_owner_within_its_deadline(
     assert "leaving them to the partitions' next owner" in caplog.text
     committed, end = await committed_vs_end(s)
     assert any((committed.get(p) or 0) < e for p, e in end.items()), "the queue was left uncommitted"
-    async with running_worker(s, svc, _engine(demo_set)) as rw:
+    async with running_worker(s, svc, _engine(demo_set, max_batch_size=8)) as rw:
         results = await read_all(s, s.kafka.results_topic, Result, lambda got: wanted <= {r.request_id for r in got}, 180)
         assert wanted <= {r.request_id for r in results}
         assert all(r.status == "succeeded" for r in results), [r.error for r in results if r.status != "succeeded"][:3]
