@@ -241,7 +241,7 @@ def _report_tally() -> Iterator[None]:
     print(f"\naudit property: {TALLY['cases']} cases; invariants held: " + ", ".join(f"{k} {v}" for k, v in sorted(TALLY.items()) if k != "cases"))
 
 
-@settings(max_examples=10, **_SETTINGS)
+@settings(max_examples=8, **_SETTINGS)
 @given(month=months())
 def test_audit_property_sqlite(sqlite_engine: Engine, month: Month) -> None:
     """For any month of work: no negative line, credit <= charge, every format equal, residue explained, drafts stable and closed invoices byte-identical."""
@@ -249,7 +249,7 @@ def test_audit_property_sqlite(sqlite_engine: Engine, month: Month) -> None:
 
 
 @pytest.mark.postgres
-@settings(max_examples=8, **_SETTINGS)
+@settings(max_examples=6, **_SETTINGS)
 @given(month=months())
 def test_audit_property_postgresql(pg_engine: Engine, month: Month) -> None:
     """The same property on PostgreSQL, with fewer examples."""
