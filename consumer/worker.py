@@ -122,7 +122,6 @@ class Worker:
         self.deliverer: Deliverer | None = None
         self._in_flight_at_stop: int | None = None
         self._stop_at = 0.0  # monotonic time of the stop request
-        self._left_on_stop = 0  # jobs left to the next owners when the stop's deadline passed
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -188,7 +187,7 @@ class Worker:
     def _log_summary(self) -> None:
         """One line on the way out: what was in flight at the stop and what became of it, what went out."""
         d = self.deliverer
-        left = self.offsets.in_flight() + self._left_on_stop
+        left = self.offsets.in_flight()
         at_stop = self._in_flight_at_stop if self._in_flight_at_stop is not None else left
         committed = {f"{tp.topic}:{tp.partition}": self.offsets.confirmed(tp) for tp in self.offsets.partitions()}
         log.info("%s: %d jobs in flight at the stop, %d finished, %d abandoned (uncommitted: redelivered to the next "
@@ -211,13 +210,20 @@ class Worker:
             # The others never end on their own: if one does, it failed, and so does the worker.
             running = {fetch, dispatch}
             left_at: float | None = None  # when the queue was left to the next owners (the stop's deadline passed)
+            stop = asyncio.create_task(self._stopping.wait(), name="stop")  # wakes the wait below: the deadline starts
+            tasks.append(stop)
             while running:
                 timeout = None
                 if self._stopping.is_set():  # the stop's deadline, then the revoke's for what still runs, then no more
                     timeout = (self._stop_at + self.s.worker.stop_deadline_s if left_at is None
                                else left_at + self.s.worker.revoke_deadline_s + 5) - time.monotonic()
-                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush}, timeout=max(0.0, timeout) if timeout is not None else None,
+                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush} | ({stop} if not stop.done() else set()),
+                                             timeout=max(0.0, timeout) if timeout is not None else None,
                                              return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                woken = stop in done
+                done.discard(stop)
+                if not done and woken:
+                    continue  # the stop itself woke us: wait again, now against its deadline
                 if not done and left_at is None:
                     left_at = time.monotonic()
                     await self._leave_queue_on_stop()
@@ -462,21 +468,35 @@ class Worker:
                         "without it: the broker drops the membership when its session times out", LEAVE_TIMEOUT_S)
 
     async def _leave_queue_on_stop(self) -> None:
-        """The stop's deadline passed with jobs still queued or running: treat every partition as revoked (running
-        jobs get worker.revoke_deadline_s, then are aborted; queued ones are dropped; what finished is committed), so a
+        """The stop's deadline passed with jobs still queued or running: treat every partition as revoked (queued jobs
+        are dropped; running ones get worker.revoke_deadline_s, then are aborted; what finished is committed), so a
         worker with a deep queue exits within a grace period an orchestrator gives, and loses nothing: what it leaves
-        is uncommitted and redelivered to the partitions' next owner."""
+        is uncommitted and redelivered to the partitions' next owner. Bounded even if the engine answers nothing."""
         queued, running = len(self.scheduler), len(self._in_engine)
         log.warning("stopping: worker.stop_deadline_s=%.0f passed with %d jobs queued and %d in the engine; leaving them "
                     "to the partitions' next owner", self.s.worker.stop_deadline_s, queued, running)
-        self._left_on_stop += await self.on_revoked(set(self.offsets.partitions()))
+        try:
+            await asyncio.wait_for(self.on_revoked(set(self.offsets.partitions()), forget=False),
+                                   self.s.worker.revoke_deadline_s + 5)
+        except TimeoutError:
+            log.warning("stopping: the engine did not give back its jobs within worker.revoke_deadline_s + 5 s")
 
-    async def on_revoked(self, revoked: set[TopicPartition]) -> int:
-        """Let what runs for the revoked partitions finish within the deadline and commit it; abandon the
-        rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new owner redoes
-        it) and leave the queued jobs to the new owner. Returns how many jobs it left (aborted or dropped)."""
+    async def on_revoked(self, revoked: set[TopicPartition], *, forget: bool = True) -> int:
+        """Leave the revoked partitions' queued jobs to the new owner, let what runs for them finish within the deadline
+        and commit it; abandon the rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new
+        owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets,
+        so the last commit covers what is delivered after. Returns how many jobs it left (dropped or aborted)."""
         deadline = time.monotonic() + self.s.worker.revoke_deadline_s
         self._revoked = set(revoked)
+        # The queue first: a place in the engine freed while the running jobs finish must not take one of these.
+        dropped = self.scheduler.drop(set(revoked))
+        for p in dropped:  # queued, never run: the new owner answers them, and the copies that waited here
+            item = p.payload
+            key = (item.job.tenant_id, item.job.request_id)
+            item.abandoned = True
+            await self.intake.orphaned(key, revoked)
+        if dropped:
+            log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
 
         def revoked_running() -> list[Routed]:
             return [r for _, r in self._in_engine.values() if r.tp in revoked]
@@ -484,25 +504,21 @@ class Worker:
         while revoked_running() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         aborted = revoked_running()
-        for item in aborted:
+        for item in aborted:  # all marked before the first abort's round trip
             item.abandoned = True
-            await self.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id)
+        for item, outcome in zip(aborted, await asyncio.gather(
+                *(self.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id) for item in aborted), return_exceptions=True)):  # fmt: skip
+            if isinstance(outcome, Exception):  # a dead engine has failed its jobs already
+                log.warning("rebalance: aborting %s/%s failed: %s", item.job.tenant_id, item.job.request_id, outcome)
         if self.deliverer is not None:
             try:
                 await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
         await self._commit(only=set(revoked))
-        dropped = self.scheduler.drop(set(revoked))
-        for p in dropped:  # queued, never run: the new owner answers them, and the copies that waited here
-            item = p.payload
-            key = (item.job.tenant_id, item.job.request_id)
-            item.abandoned = True
-            await self.intake.orphaned(key, revoked)
-        self.offsets.forget(revoked)
-        self.stages.forget(revoked)
-        if dropped:
-            log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
+        if forget:
+            self.offsets.forget(revoked)
+            self.stages.forget(revoked)
         return len(aborted) + len(dropped)
 
     def _gauges(self) -> None:
