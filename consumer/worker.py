@@ -238,7 +238,11 @@ class Worker:
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
             await self._record_gpu_time()
-            await asyncio.wait_for(self.deliverer.drain(), timeout=60)
+            try:
+                await asyncio.wait_for(self.deliverer.drain(), timeout=60)
+            except TimeoutError:  # the broker is away: what was not published stays uncommitted, for the next owner
+                log.warning("stopping: results not published within 60 s (is the broker up?); their jobs stay "
+                            "uncommitted and are redelivered to the partitions' next owner")
             await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
             for t in tasks:
