@@ -1,6 +1,7 @@
 """Activations quantized to FP8 per row, in one launch: `xq, scale = quantize_rows(x)` before an FP8 tensor-core GEMM.
 
-Semantics (engine.quant.quantize_rows_fp8's, to the bit): per row m of x [M, K], amax = max_k |x[m, k]| in fp32,
+Semantics (engine.quant.quantize_rows_fp8's, to the bit; that torch function is this kernel's reference, kept in the
+engine because the torch backend runs it without triton): per row m of x [M, K], amax = max_k |x[m, k]| in fp32,
 scale[m] = amax / 448 (e4m3's largest finite value; 1 for a row of zeros), xq[m, k] = x[m, k] / scale[m] clamped to
 ±448 and rounded to the nearest e4m3 (ties to even). A NaN stays NaN, as in torch: a row holding one gets scale 1
 (NaN > 0 is false) and a NaN where it was; a row holding an infinity gets scale inf, zeros and a NaN where it was. So
@@ -76,10 +77,3 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_rows_kernel[(m,)](x, q.view(torch.uint8), scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, FP8_MAX=FP8_MAX,
                                     num_warps=4 if block_k <= 1024 else 8)  # fmt: skip
     return q, scale
-
-
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure torch, as engine.quant.quantize_rows_fp8 (which the engine's torch path runs, without triton)."""
-    amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

@@ -19,6 +19,7 @@ SLOWEST_FIRST = (  # by their time in a full run here (session 12); the compile 
     "tests/test_worker_engine_process.py",
     "tests/test_audit_property.py",
     "tests/test_serving_adapter_pool.py",
+    "tests/test_serving_adapter_reads.py",
     "tests/test_serving_batching.py",
     "tests/adversarial/test_ledger_outage.py",
     "tests/test_kernel_bench_cases.py",

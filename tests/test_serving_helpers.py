@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+
+import pytest
 
 from engine.api import GenerationRequest, GenerationResult, SamplingParams
 from engine.config import EngineConfig
+from engine.demo_model import write_demo_adapter
 from engine.engine import Engine
+from engine.model import LORA_TARGETS
 
 # Prompts of the demo tokenizer's corpus, 5 to ~30 tokens.
 TEXTS = [
@@ -72,3 +77,28 @@ def patch_forward(monkeypatch, engine: Engine, edit) -> None:
         return logits
 
     monkeypatch.setattr(engine.runner, "forward", forward)
+
+
+TARGET_SETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"), LORA_TARGETS]
+RANKS = [4, 8, 16, 64]
+
+
+@pytest.fixture(scope="module")
+def many_adapters(demo_set, tmp_path_factory) -> list:
+    """200 adapters of the demo model: ranks 4..64 and four target sets, mixed."""
+    root = tmp_path_factory.mktemp("many")
+    paths = []
+    for i in range(200):
+        path = root / f"ad{i:03d}"
+        write_demo_adapter(path, demo_set["model"], rank=RANKS[i % 4], target_modules=TARGET_SETS[(i // 4) % 4],
+                           alpha=2.0 * RANKS[i % 4], use_rslora=i % 7 == 0, seed=5000 + i)  # fmt: skip
+        paths.append(path)
+    return paths
+
+
+def corrupt_copy(src, dst):
+    """A copy of the adapter folder `src` at `dst` whose safetensors file is cut in half."""
+    path = shutil.copytree(src, dst)
+    w = path / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    return path

@@ -18,8 +18,8 @@ import torch
 
 import kernels.fp8_linear as fp8_module
 from kernels.bench.cases import MODELS, best, graph_us, measure_ceilings
-from kernels.fp8_quant import quantize_rows, quantize_rows_ref
-from engine.quant import quantize_fp8, scaled_linear
+from engine.quant import quantize_fp8, quantize_rows_fp8 as quantize_rows_ref, scaled_linear
+from kernels.fp8_quant import quantize_rows
 
 PREFILL_ROWS = {"llama-8b": 16384, "llama-1b": 4096}
 
