@@ -61,6 +61,9 @@ SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction we
 # rebalance storm saw its commits hang and its exit wait past a SIGTERM's minute (tests/test_chaos.py, under load).
 COMMIT_TIMEOUT_S = 10.0
 LEAVE_TIMEOUT_S = 15.0
+# An engine that has not stopped this long after the worker's last commit (a hung GPU, a step that never ends) is killed
+# (a process) or left behind (a daemon thread): its jobs are uncommitted already, and the exit must fit a grace period.
+ENGINE_CLOSE_TIMEOUT_S = 10.0
 
 
 def make_route_cache(s: Settings) -> RouteCache:
@@ -162,7 +165,7 @@ class Worker:
                     self._log_summary()
                     await self._leave()  # before the engine closes: a last revoke may still abort its work
             finally:
-                await self.aengine.close(drain=False)
+                await self._close_engine()
         finally:
             if self.consumer is not None:
                 await self._leave()
@@ -173,6 +176,16 @@ class Worker:
             if close is not None:
                 await close()
             sys.setswitchinterval(switch_interval)
+
+    async def _close_engine(self) -> None:
+        if isinstance(self.aengine, EngineProcess):
+            await self.aengine.close(drain=False, timeout_s=ENGINE_CLOSE_TIMEOUT_S)
+            return
+        try:
+            await asyncio.wait_for(self.aengine.close(drain=False), ENGINE_CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.error("the engine thread did not stop within %.0f s; exiting without it (its jobs stay uncommitted)",
+                      ENGINE_CLOSE_TIMEOUT_S)
 
     def _make_consumer(self):
         k, w = self.s.kafka, self.s.worker

@@ -32,6 +32,7 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
@@ -83,6 +84,7 @@ class EngineProcess:
         self._clock: datetime | None = None  # the child's wall clock when it sent the last of them
         self._stopping = False
         self._dead: EngineError | None = None  # set once the child is gone: every later call fails with it
+        self._starting: asyncio.Future | None = None  # a restart's start, running in a thread
 
     # ---- lifecycle
 
@@ -145,15 +147,42 @@ class EngineProcess:
         """Whether the child died (not closed): `restart()` starts another."""
         return self._dead is not None and self._dead.code == "engine_failed"
 
-    async def close(self, *, drain: bool = True) -> None:
-        """Stop the child: after the requests in flight finish (drain), or aborting them; then wait for it to exit."""
+    async def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop the child: after the requests in flight finish (drain), or aborting them; then wait for it to exit.
+        With `timeout_s`, a child that has not exited that long after the close began (a hung GPU, a step that never
+        ends) is killed: a worker's stop must end within its grace period."""
+        if self._starting is not None:  # a restart's start, still in its thread: close what it makes
+            starting, self._starting = self._starting, None
+            try:
+                await asyncio.wait_for(asyncio.shield(starting), timeout_s)
+            except TimeoutError:
+                log.error("the engine process did not start within %.0f s of the close; it is killed when it does",
+                          timeout_s)
+                starting.add_done_callback(lambda _: self.kill())
+                return
+            except Exception:  # noqa: BLE001  (the restart that awaited it says why)
+                return
         if self._proc is None:
             return
-        if self._dead is None:
-            if not drain:
-                await self._ask(lambda cid: ("fail_all", cid))
+        loop = asyncio.get_running_loop()
+        until = None if timeout_s is None else loop.time() + timeout_s
+        try:
+            if self._dead is None:
+                if not drain:
+                    await asyncio.wait_for(self._ask(lambda cid: ("fail_all", cid)), _left(loop, until))
+                self._stopping = True
+                self._post(("stop",))
+            # Its sentinel, not join's answer: the reader thread may be reaping it at the same time, and then a join
+            # here returns at once with no exit code.
+            if not await asyncio.to_thread(multiprocessing.connection.wait, [self._proc.sentinel], _left(loop, until)):
+                raise TimeoutError
+        except TimeoutError:
+            log.error("the engine process %d did not stop within %.0f s of the close; killing it", self._proc.pid,
+                      timeout_s)
             self._stopping = True
-            self._post(("stop",))
+            self._proc.kill()
+        except EngineError:  # it died meanwhile: only the reaping below is left
+            pass
         await asyncio.to_thread(self._proc.join)
         self._outbox.put(None)  # the sender's end
         for t in self._threads:
@@ -164,11 +193,17 @@ class EngineProcess:
 
     async def restart(self) -> None:
         """After the child died: reap it and start a fresh one on the same config (its adapters are registered
-        again by whoever registered them: the new child knows none)."""
+        again by whoever registered them: the new child knows none). A caller cancelled while the child builds its
+        engine leaves the start to `close`, which waits for it and stops what it made."""
         assert self._dead is not None and self._dead.code == "engine_failed", "restart() is for a child that died"
         await self.close()
         self._outbox, self._resident, self._stopping, self._dead = queue.SimpleQueue(), frozenset(), False, None
-        await asyncio.to_thread(self.start)
+        self._starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            await asyncio.shield(self._starting)
+        finally:
+            if self._starting is not None and self._starting.done():
+                self._starting = None
 
     def kill(self) -> None:
         """Kill the child at once (a test's crash; shutdown uses close)."""
@@ -326,6 +361,10 @@ class EngineProcess:
                 self._unbilled_us += charged_us(res)
 
         _settle_soon(fut, res, dropped=dropped)
+
+
+def _left(loop: asyncio.AbstractEventLoop, until: float | None) -> float | None:
+    return None if until is None else max(0.0, until - loop.time())
 
 
 def _settle_soon(fut: asyncio.Future, value: Any, *, ok: bool = True, dropped: Callable[[], None] | None = None) -> None:

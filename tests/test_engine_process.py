@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 
@@ -40,6 +42,10 @@ def _load(engine, key: str, path) -> str:
 
 def _child_pid(engine) -> int:
     return os.getpid()
+
+
+def _hang(engine) -> None:
+    time.sleep(3600)  # a child stuck in a hung GPU call answers nothing more
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +190,47 @@ async def test_close_drains_or_aborts_and_the_child_exits(demo_set):
     assert res.error.code == "aborted" and not p.alive
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_a_close_with_a_deadline_kills_a_child_that_answers_nothing(demo_set):
+    """A hung child (a GPU call that never returns) cannot take close(drain=False)'s abort: with `timeout_s` the close
+    kills it and returns within the deadline (a worker's stop fits its grace period); its callers get an error."""
+    p = _fresh(demo_set)
+    pid = p.pid
+    hung = asyncio.create_task(p.call(_hang))
+    task = asyncio.create_task(p.generate(req("stuck", max_new_tokens=8)))
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    await asyncio.wait_for(p.close(drain=False, timeout_s=1.0), 20)
+    assert time.monotonic() - t0 < 10
+    assert not p.alive and not p.started
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert (await asyncio.wait_for(task, 10)).error is not None
+    with pytest.raises(EngineError):
+        await asyncio.wait_for(hung, 10)
+
+
+async def test_a_restart_cancelled_while_the_child_builds_leaves_no_child(demo_set):
+    """The worker's stop can cancel a restart whose new child is still loading its model: close() then waits for
+    that start and stops what it made, so no engine is left holding memory (or a GPU) behind a closed handle."""
+    p = _fresh(demo_set)
+    before = {c.pid for c in multiprocessing.active_children()}
+    os.kill(p.pid, signal.SIGKILL)
+    for _ in range(500):
+        if p.died:
+            break
+        await asyncio.sleep(0.01)
+    assert p.died
+    restart = asyncio.create_task(p.restart())
+    await asyncio.sleep(0.05)  # the new child is spawned and building its engine
+    restart.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await restart
+    await asyncio.wait_for(p.close(), 60)
+    assert not p.started
+    left = [c for c in multiprocessing.active_children() if c.name == "lorabatch-engine" and c.pid not in before]
+    assert not left, f"the restart's child {left} outlived the close"
 
 
 def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
