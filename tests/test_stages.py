@@ -242,14 +242,16 @@ def test_bench_pipeline_cpu_run_prints_its_figures(capsys):
     each stage's p50/p99 over every job."""
     from consumer.bench.pipeline import bench_pipeline
 
-    figures = bench_pipeline(jobs=12, json_only=True, new_tokens=2)
+    figures = bench_pipeline(jobs=6, json_only=True, new_tokens=2, rounds=2)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == figures
     for key in ("jobs", "cache", "engine_jobs_per_s", "pipeline_jobs_per_s", "engine_tok_s", "pipeline_tok_s", "ratio",
                 "pipeline_cost_pct", "routing_p50_ms", "routing_p99_ms", "engine_gpu_idle_share", "gpu_idle_share"):
         assert key in line, key
-    assert line["device"] == "cpu" and line["shape"] == "tiny" and line["jobs"] == 12
-    assert line["staged_jobs"] == 12 and line["not_succeeded"] == 0
+    assert line["device"] == "cpu" and line["shape"] == "tiny" and line["jobs"] == 12 and line["rounds"] == 2
+    assert len(line["round_ratios"]) == 2 and all(r > 0 for r in line["round_ratios"])
+    assert line["engine_steps"] > 0 and line["service_steps"] > 0
+    assert line["staged_jobs"] == 12 and line["not_succeeded"] == 0  # every round's jobs billed once
     assert set(line["stages"]) == set(STAGES)
     assert all(v["p50_ms"] >= 0 and v["p99_ms"] >= v["p50_ms"] for v in line["stages"].values())
     assert 0 <= line["gpu_idle_share"] <= 1 and 0 <= line["engine_gpu_idle_share"] <= 1

@@ -4,7 +4,11 @@ The same kind of jobs run twice on one engine: once straight through `engine.gen
 once, adapters loaded: the best the engine does with them), once through the embedded broker and a worker (parse,
 route with Redis or the in-process LRU, fair scheduling, results produced, SQLite ledger rows written, offsets
 committed). Two job sets of one distribution, so that the second run finds none of the first one's prompts in the
-prefix cache. Both are warmed up first: the engine with twice its batch of jobs of 1 to `new_tokens` new tokens (so
+prefix cache. With `rounds` > 1 the two paths take turns, each round with job sets of its own, the engine alone first
+in the first round and second in the next: a GPU's speed drifts between runs of one process by more than the gap
+measured (the H200: 21% between two calls), so the ratio is taken over all rounds and each round's is printed. The
+engine-alone run goes to the engine through the idle worker's `call`, between its steps; with the engine in the
+worker's process (`worker.engine_process = false`) the idle worker's event loop shares its interpreter lock. Both are warmed up first: the engine with twice its batch of jobs of 1 to `new_tokens` new tokens (so
 a GPU's decode graphs of every batch size are captured before the clock starts), the worker with a batch of its own.
 
 What it runs on:
@@ -111,45 +115,55 @@ def _vocab(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
-def _client(kafka, jobs: list[str], conn) -> None:
+def _client(kafka, rounds: list[list[str]], conn) -> None:
     """The bench's client, in a process of its own as a user's producer would be: connect its producer and its results
-    reader, say ("ready",), wait for the go, produce `jobs` (JSON) while reading the results topic, and send back
-    ("done", seconds from the first send to the last result, how many never came); ("failed", why) if anything fails.
-    Results are counted by their Kafka key (the request id), unparsed. Connecting is not timed: it is the client's
-    start-up, not the service's work."""
+    reader, then for each round of jobs (JSON) say ("ready",), wait for the go, produce the round while reading the
+    results topic, and send back ("done", seconds from the first send to the round's last result, how many never
+    came); ("failed", why) if anything fails. Results are counted by their Kafka key (the request id), unparsed.
+    Connecting is not timed: it is the client's start-up, not the service's work."""
     from consumer.kafka import make_producer
     from consumer.submit import _read_topics, produce_jobs
 
-    todo = [Job.model_validate_json(j) for j in jobs]
-    wanted, seen = {j.request_id for j in todo}, set()
+    todo = [[Job.model_validate_json(j) for j in jobs] for jobs in rounds]
+    wanted, seen = {j.request_id for jobs in todo for j in jobs}, set()
+    arrived = asyncio.Event()
 
-    async def run() -> float:
+    def saw(key: bytes, _value) -> None:
+        seen.add(key.decode())
+        arrived.set()
+
+    async def run() -> None:
         producer = make_producer(kafka, client_id="lorabatch-bench")
         await producer.start()
         started = asyncio.Event()
-        reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: lambda key, _v: seen.add(key.decode())},
-                                                   False, lambda: wanted <= seen, 1800, started))
+        reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: saw}, False, lambda: wanted <= seen, 1800,
+                                                   started))
         try:
             await asyncio.wait({asyncio.create_task(started.wait()), reading}, return_when=asyncio.FIRST_COMPLETED)
             if not started.is_set():
                 reading.result()  # its error, if it raised
                 raise RuntimeError(f"the results topic {kafka.results_topic!r} has no partitions to read")
-            conn.send(("ready",))
-            await asyncio.to_thread(conn.recv)
-            t0 = time.perf_counter()
-            await produce_jobs(kafka, todo, "bench", "acme", "bench", "request", producer=producer)
-            await reading
-            return time.perf_counter() - t0
+            for jobs in todo:
+                ids = {j.request_id for j in jobs}
+                conn.send(("ready",))
+                await asyncio.to_thread(conn.recv)
+                t0 = time.perf_counter()
+                await produce_jobs(kafka, jobs, "bench", "acme", "bench", "request", producer=producer)
+                while not ids <= seen and not reading.done():
+                    arrived.clear()
+                    waiter = asyncio.create_task(arrived.wait())
+                    await asyncio.wait({waiter, reading}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                conn.send(("done", time.perf_counter() - t0, len(ids - seen)))
         finally:
             reading.cancel()
             await producer.stop()
 
     try:
-        seconds = asyncio.run(run())
+        asyncio.run(run())
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         raise
-    conn.send(("done", seconds, len(wanted - seen)))
 
 
 def _from_client(conn, client, timeout_s: float) -> list:
@@ -195,17 +209,18 @@ def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
     return out
 
 
-async def _service(settings, services, engine, jobs: list[Job], warm: list[Job]) -> dict:
-    """Run `warm` from this process, then `jobs` from a client process, through the broker and a worker; the second
-    run's time, idle share, stamps and CPU."""
+async def _service(settings, services, engine, rounds: list[tuple[list[Job], list]], warm: list[Job]) -> list[dict]:
+    """Run `warm` from this process through the broker and a worker; then, for each round of (jobs, requests), the
+    requests on the engine alone (`_run_alone`, between the idle worker's steps) and the jobs from a client process
+    through the service, the engine alone first in even rounds and second in odd ones (so that neither path always
+    runs on the warmer machine). Each round's engine-alone figures, and the service run's time, idle share, stamps and
+    CPU."""
     from consumer.submit import _read_topics, produce_jobs
     from consumer.worker import Worker
 
-    worker = Worker(settings, engine, services.registry, services.ledger, keep_stages=len(jobs) + len(warm))
+    worker = Worker(settings, engine, services.registry, services.ledger,
+                    keep_stages=sum(len(jobs) for jobs, _ in rounds) + len(warm))
     engine_pid = getattr(engine, "pid", None)  # an EngineProcess's child
-
-    async def engine_call(fn):  # the engine, wherever it runs
-        return await (engine.call(fn) if engine_pid is not None else asyncio.to_thread(fn, engine))
     task = asyncio.create_task(worker.run())
     seen: set[str] = set()
 
@@ -214,20 +229,10 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
         while not ids <= {s.key[1] for s in worker.stages.kept} and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    k = settings.kafka
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    client = ctx.Process(target=_client, args=(k, [j.model_dump_json() for j in jobs], child_conn), daemon=True)
-    try:
-        await produce_jobs(k, warm, "warm", "acme", "bench", "request")
-        await _read_topics(k, {k.results_topic: lambda key, _v: seen.add(key.decode())}, False,
-                           lambda: task.done() or len(seen) >= len(warm), 600)
-        await settled({j.request_id for j in warm}, 30)
-        client.start()
-        child_conn.close()  # the client's end lives in the client alone: its death reads as the end of the pipe
+    async def through_service(jobs: list[Job]) -> dict:
         await asyncio.to_thread(_from_client, conn, client, 300)  # connected and reading the results topic
         await worker.restart_measures()
-        await engine_call(_count_compiles)
+        await worker.aengine.call(_count_compiles)
         cpu0, thread_cpu0 = time.process_time(), _thread_cpu(engine_pid)
         conn.send("go")
         answer = asyncio.create_task(asyncio.to_thread(_from_client, conn, client, 1900))
@@ -236,29 +241,51 @@ async def _service(settings, services, engine, jobs: list[Job], warm: list[Job])
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
         elapsed, missing = answer.result()
-        compiles = await engine_call(_count_compiles)
+        compiles = await worker.aengine.call(_count_compiles)
         cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu(engine_pid)
         thread_cpu = {role: round(s - thread_cpu0.get(role, 0.0), 2) for role, s in thread_cpu.items()}
         if missing:
             raise RuntimeError(f"{missing} of {len(jobs)} results never came within the client's 1800 s")
         idle = await worker.gpu_idle_share()
         clock = worker.engine_clock
-        steps, busy_us, occupied_s = clock.steps, clock.busy_us, clock.occupied_ns() / 1e9
         await settled({j.request_id for j in jobs}, 30)
+        return {"seconds": elapsed, "idle": idle, "steps": clock.steps, "busy_us": clock.busy_us,
+                "occupied_s": clock.occupied_ns() / 1e9, "loop_cpu_s": thread_cpu.get("loop", 0.0), "cpu_s": cpu,
+                "thread_cpu_s": thread_cpu, "compiles": compiles}
+
+    k = settings.kafka
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    client = ctx.Process(target=_client, args=(k, [[j.model_dump_json() for j in jobs] for jobs, _ in rounds], child_conn),
+                         daemon=True)  # fmt: skip
+    out = []
+    try:
+        await produce_jobs(k, warm, "warm", "acme", "bench", "request")
+        await _read_topics(k, {k.results_topic: lambda key, _v: seen.add(key.decode())}, False,
+                           lambda: task.done() or len(seen) >= len(warm), 600)
+        await settled({j.request_id for j in warm}, 30)
+        client.start()
+        child_conn.close()  # the client's end lives in the client alone: its death reads as the end of the pipe
+        for i, (jobs, requests) in enumerate(rounds):
+            if i % 2:
+                ran = await through_service(jobs)
+            alone = await worker.aengine.call(functools.partial(_run_alone, requests))
+            assert not alone["failed"], f"{len(alone['failed'])} jobs failed in the engine alone, e.g. {alone['failed'][0]}"
+            if not i % 2:
+                ran = await through_service(jobs)
+            wanted = {j.request_id for j in jobs}
+            out.append({"alone": alone, **ran, "stamps": [s for s in worker.stages.kept if s.key[1] in wanted]})
     finally:
         if client.is_alive():
             client.kill()
         worker.stop()
         await asyncio.wait_for(task, 120)
-    wanted = {j.request_id for j in jobs}
-    stamps = [s for s in worker.stages.kept if s.key[1] in wanted]
-    return {"seconds": elapsed, "idle": idle, "stamps": stamps, "steps": steps, "busy_us": busy_us, "occupied_s": occupied_s,
-            "loop_cpu_s": thread_cpu.get("loop", 0.0), "cpu_s": cpu, "thread_cpu_s": thread_cpu, "compiles": compiles}
+    return out
 
 
 def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
                    shape: str = "tiny", adapters: int | None = None, prompt_tokens: int | None = None,
-                   new_tokens: int = 16) -> dict:
+                   new_tokens: int = 16, rounds: int = 1) -> dict:
     from billing.db import upgrade
     from consumer.outcomes import to_request
     from consumer.services import open_services
@@ -331,53 +358,73 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
             # such pass after the warm-up above still met kernel variants (prompt-step shapes) and ran 17% slower
             on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in load.jobs(jobs, "warm-pass", seed=5)]))
         say(f"engine warmed up on {len(warm)} jobs" + (f" and a pass of {jobs}" if device == "cuda" else ""))
-        # Engine alone: every job at once, so its continuous batching keeps the batch full.
-        alone = on_engine(functools.partial(_run_alone, [to_request(j, key(j)) for j in load.jobs(jobs, "engine", seed=3)]))
-        engine_s, engine_busy_us, engine_steps = alone["seconds"], alone["busy_us"], alone["steps"]
-        engine_tokens = alone["tokens"]
-        assert not alone["failed"], f"{len(alone['failed'])} jobs failed in the engine alone, e.g. {alone['failed'][0]}"
-        say(f"engine alone: {jobs} jobs in {engine_s:.2f} s")
-        piped = load.jobs(jobs, "bench", seed=4)
-        ran = asyncio.run(_service(s, svc, engine, piped, load.jobs(s.worker.max_batch_size, "warm", seed=11)))  # closes it
-        say(f"service: {jobs} jobs in {ran['seconds']:.2f} s")
+        # Engine alone: every job at once, so its continuous batching keeps the batch full. Each round runs a job set
+        # of its own through each path (the prefix cache finds no prompt of an earlier one).
+        plan = [(load.jobs(jobs, f"bench{r}", seed=4 + 2 * r),
+                 [to_request(j, key(j)) for j in load.jobs(jobs, f"engine{r}", seed=3 + 2 * r)]) for r in range(rounds)]
+        warm_service = load.jobs(s.worker.max_batch_size, "warm", seed=11)
+        ran = asyncio.run(_service(s, svc, engine, plan, warm_service))  # closes the engine
+        for r, one in enumerate(ran):
+            say(f"round {r + 1}: engine alone {one['alone']['seconds']:.2f} s, service {one['seconds']:.2f} s "
+                f"({one['alone']['seconds'] / one['seconds']:.3f}x)")
+        piped = [j for jobs, _ in plan for j in jobs]
         rows = [svc.ledger.usage_for(j.tenant_id, j.request_id) for j in piped]
         svc.close()
     finally:
         broker.stop()
-    pipe_s = ran["seconds"]
+    engine_s, pipe_s = sum(one["alone"]["seconds"] for one in ran), sum(one["seconds"] for one in ran)
+    engine_busy_us, engine_steps = sum(one["alone"]["busy_us"] for one in ran), sum(one["alone"]["steps"] for one in ran)
+    engine_tokens = sum(one["alone"]["tokens"] for one in ran)
+    busy_us, steps = sum(one["busy_us"] for one in ran), sum(one["steps"] for one in ran)
+    thread_cpu: dict[str, float] = {}
+    for one in ran:
+        for role, cpu in one["thread_cpu_s"].items():
+            thread_cpu[role] = round(thread_cpu.get(role, 0.0) + cpu, 2)
     routing_us = [r.routing_us for r in rows if r is not None]
     pipe_tokens = sum(r.output_tokens for r in rows if r is not None)
     not_succeeded = sum(1 for r in rows if r is None or r.status != "succeeded")
     engine_idle = max(0.0, 1 - engine_busy_us / (engine_s * 1e6))
+    idles = [one["idle"] for one in ran if one["idle"] is not None]
+    total = jobs * rounds
     figures = {
-        "jobs": jobs, "cache": "redis" if redis_url else "lru", "device": device, "device_name": name,
+        "jobs": total, "rounds": rounds, "cache": "redis" if redis_url else "lru", "device": device, "device_name": name,
         "engine_host": "process" if s.worker.engine_process else "thread",
         "shape": shape, "adapters": sum(len(a) for a in load.adapters.values()),
         "prompt_tokens": load.prompt_tokens, "new_tokens": load.new_tokens,
-        "engine_jobs_per_s": round(jobs / engine_s, 2), "pipeline_jobs_per_s": round(jobs / pipe_s, 2),
+        "engine_jobs_per_s": round(total / engine_s, 2), "pipeline_jobs_per_s": round(total / pipe_s, 2),
         "engine_tok_s": round(engine_tokens / engine_s, 1), "pipeline_tok_s": round(pipe_tokens / pipe_s, 1),
         "ratio": round(engine_s / pipe_s, 3), "tok_ratio": round((pipe_tokens / pipe_s) / (engine_tokens / engine_s), 3),
+        "round_ratios": [round(one["alone"]["seconds"] / one["seconds"], 3) for one in ran],
         "pipeline_cost_pct": round(100 * (pipe_s - engine_s) / engine_s, 1),
         "engine_gpu_idle_share": round(engine_idle, 4),
-        "gpu_idle_share": round(ran["idle"], 4) if ran["idle"] is not None else None,
-        "stages": stage_summary(ran["stamps"]), "staged_jobs": len(ran["stamps"]), "not_succeeded": not_succeeded,
+        "gpu_idle_share": round(sum(idles) / len(idles), 4) if idles else None,
+        "stages": stage_summary([st for one in ran for st in one["stamps"]]),
+        "staged_jobs": sum(len(one["stamps"]) for one in ran), "not_succeeded": not_succeeded,
         "routing_p50_ms": round(percentile(routing_us, 0.50) / 1000, 3),
         "routing_p99_ms": round(percentile(routing_us, 0.99) / 1000, 3),
         "engine_batch": engine.config.max_batch_size,
         # Where a gap comes from: more steps (smaller batches), slower steps (the host shared), or idle time between.
-        "engine_steps": engine_steps, "service_steps": ran["steps"],
-        "engine_compiles": alone["compiles"], "service_compiles": ran["compiles"],  # Triton variants met while measured
+        "engine_steps": engine_steps, "service_steps": steps,
+        "engine_compiles": _known_sum(one["alone"]["compiles"] for one in ran),  # Triton variants met while measured
+        "service_compiles": _known_sum(one["compiles"] for one in ran),
         "engine_step_ms": round(engine_busy_us / max(1, engine_steps) / 1000, 3),
-        "service_step_ms": round(ran["busy_us"] / max(1, ran["steps"]) / 1000, 3),
-        "service_engine_s": round(ran["occupied_s"], 2),
-        # Host CPU during the service run: the event loop's thread (the worker's tasks and the bench's client), and the
+        "service_step_ms": round(busy_us / max(1, steps) / 1000, 3),
+        "service_engine_s": round(sum(one["occupied_s"] for one in ran), 2),
+        # Host CPU during the service runs: the event loop's thread (the worker's tasks and the bench's client), and the
         # whole process (the engine thread, reader processes' pipes, ledger writes in threads, torch's own threads).
-        "loop_cpu_s": round(ran["loop_cpu_s"], 2), "process_cpu_s": round(ran["cpu_s"], 2), "thread_cpu_s": ran["thread_cpu_s"],
+        "loop_cpu_s": round(sum(one["loop_cpu_s"] for one in ran), 2), "process_cpu_s": round(sum(one["cpu_s"] for one in ran), 2),
+        "thread_cpu_s": thread_cpu,
     }
     if not json_only:
         _print_table(figures, engine_s, pipe_s)
     print(json.dumps(figures))
     return figures
+
+
+def _known_sum(values) -> int | None:
+    """The sum of the counts that are known (None: the count could not be taken)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 # Run on the engine wherever it is (module-level, so that they pickle to an engine in its own process).
@@ -434,6 +481,9 @@ def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
           f"{f['service_step_ms']} ms (mean device time); Triton compiles while measured: engine {f['engine_compiles']}, "
           f"service {f['service_compiles']}; the service's engine held jobs {f['service_engine_s']} s; "
           f"CPU s: process {f['process_cpu_s']}, " + ", ".join(f"{k} {v}" for k, v in sorted(f["thread_cpu_s"].items())))
+    if f["rounds"] > 1:
+        print(f"{f['rounds']} rounds, each path's jobs/s in turn (engine first in rounds 1, 3, ...): service / engine "
+              + ", ".join(f"{r:.3f}" for r in f["round_ratios"]))
     print(f"service / engine: {f['ratio']:.3f}x jobs/s, {f['tok_ratio']:.3f}x tokens/s; routing ({f['cache']}) "
           f"p50 {f['routing_p50_ms']} ms, p99 {f['routing_p99_ms']} ms")
     print(f"{'stage':<8} {'p50 ms':>9} {'p99 ms':>9}   ({f['staged_jobs']} jobs)")

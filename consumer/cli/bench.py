@@ -60,6 +60,7 @@ def bench_pipeline(
     prompt_tokens: Annotated[Optional[int], typer.Option(help="prompt token ids per job (default: text prompts on the demo set, else 128)")] = None,
     new_tokens: Annotated[int, typer.Option(help="max_new_tokens of each job")] = 16,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis for the routing caches (default: in-process LRU)")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="runs of each path, taking turns (the GPU's speed drifts between runs)")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """The same jobs through broker and worker against the engine alone: jobs/s and tokens/s, the GPU's idle share,
@@ -73,7 +74,7 @@ def bench_pipeline(
     if shape not in SHAPES:
         raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
     run(jobs=jobs, redis_url=redis_url, json_only=json_out, device=device, shape=shape, adapters=adapters,
-        prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
 
 
 def bench_scaleout(
