@@ -209,12 +209,14 @@ def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
     return out
 
 
-async def _service(settings, services, engine, rounds: list[tuple[list[Job], list]], warm: list[Job]) -> list[dict]:
+async def _service(settings, services, engine, rounds: list[tuple[list[Job], list]], warm: list[Job],
+                   profile: Path | None = None) -> list[dict]:
     """Run `warm` from this process through the broker and a worker; then, for each round of (jobs, requests), the
     requests on the engine alone (`_run_alone`, between the idle worker's steps) and the jobs from a client process
     through the service, the engine alone first in even rounds and second in odd ones (so that neither path always
     runs on the warmer machine). Each round's engine-alone figures, and the service run's time, idle share, stamps and
-    CPU."""
+    CPU. With `profile`, the last round's two runs are profiled in the engine's step loop (`<profile>/alone.prof`,
+    `<profile>/service.prof`)."""
     from consumer.submit import _read_topics, produce_jobs
     from consumer.worker import Worker
 
@@ -229,10 +231,15 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
         while not ids <= {s.key[1] for s in worker.stages.kept} and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    async def profiling(name: str | None) -> None:  # start (None) or stop and write <name>.prof, in the last round
+        if profile is not None and len(out) == len(rounds) - 1:
+            await worker.aengine.call(functools.partial(_profile, str(profile / f"{name}.prof") if name else ""))
+
     async def through_service(jobs: list[Job]) -> dict:
         await asyncio.to_thread(_from_client, conn, client, 300)  # connected and reading the results topic
         await worker.restart_measures()
         await worker.aengine.call(_count_compiles)
+        await profiling(None)
         cpu0, thread_cpu0 = time.process_time(), _thread_cpu(engine_pid)
         conn.send("go")
         answer = asyncio.create_task(asyncio.to_thread(_from_client, conn, client, 1900))
@@ -241,6 +248,7 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
             task.result()  # the worker failed: say why
             raise RuntimeError("the worker stopped before every result came")
         elapsed, missing = answer.result()
+        await profiling("service")
         compiles = await worker.aengine.call(_count_compiles)
         cpu, thread_cpu = time.process_time() - cpu0, _thread_cpu(engine_pid)
         thread_cpu = {role: round(s - thread_cpu0.get(role, 0.0), 2) for role, s in thread_cpu.items()}
@@ -269,7 +277,9 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
         for i, (jobs, requests) in enumerate(rounds):
             if i % 2:
                 ran = await through_service(jobs)
+            await profiling(None)
             alone = await worker.aengine.call(functools.partial(_run_alone, requests))
+            await profiling("alone")
             assert not alone["failed"], f"{len(alone['failed'])} jobs failed in the engine alone, e.g. {alone['failed'][0]}"
             if not i % 2:
                 ran = await through_service(jobs)
@@ -285,7 +295,7 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
 
 def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: bool = False, *, device: str = "cpu",
                    shape: str = "tiny", adapters: int | None = None, prompt_tokens: int | None = None,
-                   new_tokens: int = 16, rounds: int = 1) -> dict:
+                   new_tokens: int = 16, rounds: int = 1, profile: Path | None = None) -> dict:
     from billing.db import upgrade
     from consumer.outcomes import to_request
     from consumer.services import open_services
@@ -363,7 +373,9 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         plan = [(load.jobs(jobs, f"bench{r}", seed=4 + 2 * r),
                  [to_request(j, key(j)) for j in load.jobs(jobs, f"engine{r}", seed=3 + 2 * r)]) for r in range(rounds)]
         warm_service = load.jobs(s.worker.max_batch_size, "warm", seed=11)
-        ran = asyncio.run(_service(s, svc, engine, plan, warm_service))  # closes the engine
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+        ran = asyncio.run(_service(s, svc, engine, plan, warm_service, profile))  # closes the engine
         for r, one in enumerate(ran):
             say(f"round {r + 1}: engine alone {one['alone']['seconds']:.2f} s, service {one['seconds']:.2f} s "
                 f"({one['alone']['seconds'] / one['seconds']:.3f}x)")
@@ -417,8 +429,29 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     }
     if not json_only:
         _print_table(figures, engine_s, pipe_s)
+        if profile is not None:
+            _print_profile_gap(profile / "alone.prof", profile / "service.prof")
     print(json.dumps(figures))
     return figures
+
+
+def _print_profile_gap(alone: Path, service: Path, top: int = 25) -> None:
+    """The functions whose own time in the engine's step loop grew most from the engine alone to the service (the last
+    round's two runs, the same number of jobs each): where the engine's process spends what the service costs it."""
+    import pstats
+
+    def own(path: Path) -> dict:
+        return {key: (row[1], row[2]) for key, row in pstats.Stats(str(path)).stats.items()}  # (calls, own seconds)
+
+    a, b = own(alone), own(service)
+    total_a, total_b = sum(t for _, t in a.values()), sum(t for _, t in b.values())
+    print(f"engine step loop, own seconds under the profiler: alone {total_a:.2f}, service {total_b:.2f} "
+          f"(stats in {alone.parent})")
+    print(f"{'function':<64} {'calls alone':>11} {'calls svc':>10} {'alone s':>8} {'service s':>9} {'more s':>7}")
+    for key in sorted(a.keys() | b.keys(), key=lambda k: a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1])[:top]:
+        (ca, ta), (cb, tb) = a.get(key, (0, 0.0)), b.get(key, (0, 0.0))
+        where = f"{Path(key[0]).name}:{key[1]} {key[2]}"[-64:]
+        print(f"{where:<64} {ca:>11} {cb:>10} {ta:>8.3f} {tb:>9.3f} {tb - ta:>7.3f}")
 
 
 def _known_sum(values) -> int | None:
@@ -456,6 +489,22 @@ def _run_alone(requests: list, engine) -> dict:
 
 
 _COUNTING: list = []  # the service run's compile counter, in the engine's process
+_PROFILING: list = []  # the profiler running in the engine's process (`profile`)
+
+
+def _profile(path: str, engine) -> None:
+    """Start profiling the engine's step loop (cProfile, its thread only); the next call stops and writes the stats to
+    `path` (its own path is ignored)."""
+    import cProfile
+
+    if _PROFILING:
+        profiler = _PROFILING.pop()
+        profiler.disable()
+        profiler.dump_stats(path)
+        return
+    profiler = cProfile.Profile()
+    _PROFILING.append(profiler)
+    profiler.enable()
 
 
 def _count_compiles(engine) -> int | None:

@@ -7,6 +7,7 @@ The work lives in each package's bench/ subpackage (`engine.bench`, `kernels.ben
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -61,6 +62,8 @@ def bench_pipeline(
     new_tokens: Annotated[int, typer.Option(help="max_new_tokens of each job")] = 16,
     redis_url: Annotated[Optional[str], typer.Option(help="Redis for the routing caches (default: in-process LRU)")] = None,
     rounds: Annotated[int, typer.Option(min=1, help="runs of each path, taking turns (the GPU's speed drifts between runs)")] = 1,
+    profile: Annotated[Optional[Path], typer.Option(help="profile the engine's step loop in the last round's two runs; "
+                                                    "stats written to this folder, the functions that grew printed")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="only the JSON line")] = False,
 ) -> None:
     """The same jobs through broker and worker against the engine alone: jobs/s and tokens/s, the GPU's idle share,
@@ -74,7 +77,8 @@ def bench_pipeline(
     if shape not in SHAPES:
         raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
     run(jobs=jobs, redis_url=redis_url, json_only=json_out, device=device, shape=shape, adapters=adapters,
-        prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
+        profile=profile)
 
 
 def bench_scaleout(
