@@ -34,6 +34,9 @@ class StepBook:
         self.records: list[StepRecord] = []
         self.prefill_cost = PrefillCost()  # measured us per prefill token (engine.timing)
         self.steps = 0
+        # Steps that held prompt tokens, their device µs and those tokens (`Engine.stats`): how a load's prompts were
+        # batched (many small prompt steps cost more than a few full ones).
+        self.prompt_steps = self.prompt_step_us = self.prompt_tokens = 0
         self._ids = itertools.count()
 
     def book(self, rows: list[tuple[Sequence, int, bool]], total_us: int, lora_us: int, end_us: int, outcomes: list[Outcome],
@@ -66,6 +69,10 @@ class StepBook:
             prompt_tokens += in_prompt
             seq.num_computed += n
             self._blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+        if prompt_tokens:
+            self.prompt_steps += 1
+            self.prompt_step_us += total_us
+            self.prompt_tokens += prompt_tokens
         if prompt_tokens and not failed:
             self.prefill_cost.update(record.tokens, total_us)
         for i, error in failed.items():

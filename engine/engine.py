@@ -289,6 +289,9 @@ class Engine:
             "running": len(planner.running),
             "waiting": len(planner.waiting),
             "steps": self.book.steps,
+            "prompt_steps": self.book.prompt_steps,  # steps with prompt tokens, their device µs and prompt tokens
+            "prompt_step_us": self.book.prompt_step_us,
+            "prompt_tokens": self.book.prompt_tokens,
             "preemptions": planner.preemptions,
             "admission_holds": planner.hold.holds,  # steps that held back admissions for store reads (engine.admission)
             "kv_pool_total_blocks": blocks.num_blocks,

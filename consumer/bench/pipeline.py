@@ -231,6 +231,12 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
         while not ids <= {s.key[1] for s in worker.stages.kept} and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    async def counted(run):  # the engine's step counters over `run` (Engine.stats): how its prompts were batched
+        before = await worker.aengine.stats()
+        result = await run
+        after = await worker.aengine.stats()
+        return result, {k: after[k] - before[k] for k in ("steps", "prompt_steps", "prompt_step_us", "prompt_tokens")}
+
     async def profiling(name: str | None) -> None:  # start (None) or stop and write <name>.prof, in the last round
         if profile is not None and len(out) == len(rounds) - 1:
             await worker.aengine.call(functools.partial(_profile, str(profile / f"{name}.prof") if name else ""))
@@ -276,13 +282,14 @@ async def _service(settings, services, engine, rounds: list[tuple[list[Job], lis
         child_conn.close()  # the client's end lives in the client alone: its death reads as the end of the pipe
         for i, (jobs, requests) in enumerate(rounds):
             if i % 2:
-                ran = await through_service(jobs)
+                ran, ran["counts"] = await counted(through_service(jobs))
             await profiling(None)
-            alone = await worker.aengine.call(functools.partial(_run_alone, requests))
+            alone, counts = await counted(worker.aengine.call(functools.partial(_run_alone, requests)))
+            alone["counts"] = counts
             await profiling("alone")
             assert not alone["failed"], f"{len(alone['failed'])} jobs failed in the engine alone, e.g. {alone['failed'][0]}"
             if not i % 2:
-                ran = await through_service(jobs)
+                ran, ran["counts"] = await counted(through_service(jobs))
             wanted = {j.request_id for j in jobs}
             out.append({"alone": alone, **ran, "stamps": [s for s in worker.stages.kept if s.key[1] in wanted]})
     finally:
@@ -370,8 +377,8 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         say(f"engine warmed up on {len(warm)} jobs" + (f" and a pass of {jobs}" if device == "cuda" else ""))
         # Engine alone: every job at once, so its continuous batching keeps the batch full. Each round runs a job set
         # of its own through each path (the prefix cache finds no prompt of an earlier one).
-        plan = [(load.jobs(jobs, f"bench{r}", seed=4 + 2 * r),
-                 [to_request(j, key(j)) for j in load.jobs(jobs, f"engine{r}", seed=3 + 2 * r)]) for r in range(rounds)]
+        plan = [(load.jobs(jobs, f"bench{r}", seed=101 + 2 * r),  # seeds of their own: the warm-up's prompts are cached
+                 [to_request(j, key(j)) for j in load.jobs(jobs, f"engine{r}", seed=100 + 2 * r)]) for r in range(rounds)]
         warm_service = load.jobs(s.worker.max_batch_size, "warm", seed=11)
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
@@ -422,6 +429,10 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         "engine_step_ms": round(engine_busy_us / max(1, engine_steps) / 1000, 3),
         "service_step_ms": round(busy_us / max(1, steps) / 1000, 3),
         "service_engine_s": round(sum(one["occupied_s"] for one in ran), 2),
+        # How each path's prompts were batched: steps holding prompt tokens, their mean device ms and prompt tokens.
+        **{f"{path}_{k}": v for path, counts in (("engine", [one["alone"]["counts"] for one in ran]),
+                                                 ("service", [one["counts"] for one in ran]))
+           for k, v in _prompt_figures(counts).items()},
         # Host CPU during the service runs: the event loop's thread (the worker's tasks and the bench's client), and the
         # whole process (the engine thread, reader processes' pipes, ledger writes in threads, torch's own threads).
         "loop_cpu_s": round(sum(one["loop_cpu_s"] for one in ran), 2), "process_cpu_s": round(sum(one["cpu_s"] for one in ran), 2),
@@ -452,6 +463,12 @@ def _print_profile_gap(alone: Path, service: Path, top: int = 25) -> None:
         (ca, ta), (cb, tb) = a.get(key, (0, 0.0)), b.get(key, (0, 0.0))
         where = f"{Path(key[0]).name}:{key[1]} {key[2]}"[-64:]
         print(f"{where:<64} {ca:>11} {cb:>10} {ta:>8.3f} {tb:>9.3f} {tb - ta:>7.3f}")
+
+
+def _prompt_figures(counts: list[dict]) -> dict:
+    steps = sum(c["prompt_steps"] for c in counts)
+    return {"prompt_steps": steps, "prompt_step_ms": round(sum(c["prompt_step_us"] for c in counts) / max(1, steps) / 1000, 3),
+            "prompt_tokens_per_step": round(sum(c["prompt_tokens"] for c in counts) / max(1, steps), 1)}
 
 
 def _known_sum(values) -> int | None:
@@ -530,6 +547,9 @@ def _print_table(f: dict, engine_s: float, pipe_s: float) -> None:
           f"{f['service_step_ms']} ms (mean device time); Triton compiles while measured: engine {f['engine_compiles']}, "
           f"service {f['service_compiles']}; the service's engine held jobs {f['service_engine_s']} s; "
           f"CPU s: process {f['process_cpu_s']}, " + ", ".join(f"{k} {v}" for k, v in sorted(f["thread_cpu_s"].items())))
+    print(f"steps with prompt tokens: engine {f['engine_prompt_steps']} of {f['engine_prompt_step_ms']} ms, "
+          f"{f['engine_prompt_tokens_per_step']} prompt tokens each; service {f['service_prompt_steps']} of "
+          f"{f['service_prompt_step_ms']} ms, {f['service_prompt_tokens_per_step']} each")
     if f["rounds"] > 1:
         print(f"{f['rounds']} rounds, each path's jobs/s in turn (engine first in rounds 1, 3, ...): service / engine "
               + ", ".join(f"{r:.3f}" for r in f["round_ratios"]))
