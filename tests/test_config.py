@@ -33,6 +33,7 @@ def test_show_round_trips(tmp_path):
         ("[kafka]\nsession_timeout_ms = 3000\nheartbeat_interval_ms = 3000\n", "kafka.heartbeat_interval_ms = 3000 is not under"),
         ("[kafka]\nsession_timeout_ms = 10\n", "kafka.session_timeout_ms"),
         ("[worker]\nengine_stall_s = -1\n", "worker.engine_stall_s"),
+        ("[kafka]\nfetch_max_wait_ms = 0\n", "kafka.fetch_max_wait_ms"),
         ("[engine]\nweight_dtype = 'int4'\n", "engine.weight_dtype"),
         ("not toml [", "not valid TOML"),
     ],
@@ -53,3 +54,15 @@ def test_missing_file(tmp_path):
 def test_overrides_apply():
     s = load_settings(None, {"kafka.bootstrap_servers": "h:1", "engine.device": "cpu"})
     assert s.kafka.bootstrap_servers == "h:1" and s.engine.device == "cpu"
+
+
+async def test_every_consumer_waits_at_the_broker_as_configured():
+    """kafka.fetch_max_wait_ms reaches the consumers lorabatch makes (the worker's, the results readers'): Kafka's
+    default 500 ms held each hop of a job through the embedded broker for about 115 ms."""
+    from consumer.kafka import make_consumer
+
+    assert Settings().kafka.fetch_max_wait_ms == 100
+    s = load_settings(None, {"kafka.fetch_max_wait_ms": 37})
+    consumer = make_consumer(s.kafka, group_id=None)
+    assert consumer._fetch_max_wait_ms == 37  # aiokafka keeps no public accessor
+    await consumer.stop()
