@@ -272,12 +272,19 @@ class Engine:
             return 0.0
         return max(0.001, self.adapters.wait_s())
 
-    def pop_step_records(self) -> list[StepRecord]:
+    def pop_step_records(self, *, drain: bool = True) -> list[StepRecord]:
         """The records of every step launched so far: a decode round still in flight is read back first (its results
         come from the next step()), so that no step popped later began before this call. The worker's busy-time
         records rely on that: each covers the wall span between two pops, and the ledger refuses one whose GPU time
-        exceeds its span."""
-        self._drain()
+        exceeds its span.
+
+        `drain=False` leaves a round in flight running and returns the steps booked so far, those of every result
+        handed out: a step loop that pops after each step (engine.engine_process) would otherwise wait for each round
+        and leave the GPU idle while it sends results and reads commands. The round left in flight began on the device
+        as the one before it ended, so it may have begun up to the read-back's host time before this call; the busy
+        records' keeper carries such an excess into the next record (consumer.feeder)."""
+        if drain:
+            self._drain()
         records, self.book.records = self.book.records, []
         return records
 

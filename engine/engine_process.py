@@ -254,8 +254,10 @@ class EngineProcess:
     async def pop_gpu_time(self) -> tuple[list, int, int, datetime, int]:
         """The adapter load events, the steps' measured busy µs and their count received since the last call, the
         child's wall clock at the end of the pass that sent the last of them (every step popped ended before it, and
-        every step not yet popped began after it: a clock read here could fall inside a step the child is running),
-        and the busy µs since the last call that no result a caller received carries.
+        every step not yet popped began after it, but for the decode round the child leaves running, which began on
+        the device as the one before it ended, a read-back's host time at most before the clock: `Engine.
+        pop_step_records`, drain=False; a clock read here could fall inside a step the child is running), and the busy
+        µs since the last call that no result a caller received carries.
 
         They come with the results of the pass of the child's loop that made them, in one message: every result
         received has its steps here. A child that dies takes with it only the steps of its last pass; the time its
@@ -499,7 +501,9 @@ class _ChildHost(StepLoop):
         self._send(("resident", keys))
 
     def _end_of_turn(self) -> None:
-        steps, loads = self.engine.pop_step_records(), self.engine.pop_load_events()
+        # The steps booked, not the round in flight: reading it back here would idle the GPU each pass (it carries on
+        # while this pass sends and reads); its steps come with the pass that books them, with their results.
+        steps, loads = self.engine.pop_step_records(drain=False), self.engine.pop_load_events()
         if self._settled or steps or loads:
             settled, self._settled = self._settled, []
             busy = (sum(r.total_us for r in steps), len(steps))

@@ -19,6 +19,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.demo_model import write_demo_set
 from engine.engine import Engine
 from engine.runner import BatchItem
+from engine.async_engine import charged_us
 from tests.triton_interp import DEVICE, import_kernels, interpreter_env  # noqa: F401  (autouse fixture)
 
 TOL = 1e-5
@@ -294,6 +295,29 @@ def test_popping_step_records_reads_a_round_in_flight_back(engine, monkeypatch):
     done = engine.step()
     assert sorted(r.request_id for r in done) == ["p0", "p1", "p2"] and all(len(r.output_ids) == 5 for r in done)
     assert not engine.has_unfinished()
+
+
+def test_popping_without_a_drain_leaves_the_round_running_and_its_steps_come_with_its_results(engine, monkeypatch):
+    """pop_step_records(drain=False), the engine process's pop after each pass: the steps booked so far, every one of
+    the results handed out, while the round in flight keeps the GPU busy; its steps come with the pass that books it,
+    the one that returns its finished requests. Nothing is popped twice or lost."""
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    engine.pop_step_records()
+    reqs = [GenerationRequest(request_id=f"q{i}", input_ids=(7, 9 + i), sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))
+            for i in range(3)]  # fmt: skip
+    for r in reqs:
+        engine.add_request(r)
+    assert engine.step() == []  # the prefill: one token each
+    assert engine.step() == []  # a round of 4 launched, not read
+    first = engine.pop_step_records(drain=False)
+    assert len(first) == 1, "the prefill's step alone: the round is not read back"
+    assert engine._inflight is not None and engine._inflight.steps == 4
+    done = engine.step()  # reads the round back: its requests finish
+    assert sorted(r.request_id for r in done) == ["q0", "q1", "q2"]
+    records = engine.pop_step_records(drain=False)
+    assert len(records) == 4, "the round's steps, with the pass that returned its results"
+    assert sum(r.total_us for r in first + records) == sum(charged_us(r) for r in done)  # every step's time, once
+    assert not engine.has_unfinished() and engine.pop_step_records() == []
 
 
 def test_capturing_every_bucket_up_front_changes_no_token(short_engine):
