@@ -57,7 +57,6 @@ class EngineFeeder:
         self._adapters: dict[str, AdapterView] = {}
         self._since = datetime.now(UTC)
         self._unbilled_us = 0  # measured time of jobs abandoned on a revoke: on the next busy record, as unbilled
-        self._carried_us = 0  # busy µs past the last record's wall span, for the next record (drain_gpu_time)
         self.slo_tiers = slo_tiers or {}
 
     async def register(self, a: AdapterView, slo_tier: str) -> None:
@@ -100,7 +99,7 @@ class EngineFeeder:
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
         """Adapter loads and measured busy time since the last call, as ledger records."""
         # Every step popped ended before `now` and began after the previous drain (each host says how it keeps that),
-        # but for an engine process's decode round left running: see the carry below.
+        # but for an engine process's decode round left running: see below.
         events, busy_us, steps, now, unbilled_us = await self.aengine.pop_gpu_time()
         unbilled_us, self._unbilled_us = unbilled_us + self._unbilled_us, 0
         loads = []
@@ -116,12 +115,10 @@ class EngineFeeder:
             now = self._since + timedelta(microseconds=1)  # (worker_id, started_at), the key, unique
         if steps or unbilled_us:
             # An engine process leaves a decode round running past the clock it reports (EngineProcess.pop_gpu_time),
-            # so a record's steps may pass its wall span by that round's head start (a read-back's host time). The
-            # excess goes on the next record: the total is kept, and no record claims more busy time than its span
-            # (the ledger refuses that). What is carried when the worker stops is the last steps' head start, at most.
-            busy_us += self._carried_us
-            self._carried_us = max(0, busy_us - (now - self._since) // timedelta(microseconds=1))
-            busy_us -= self._carried_us
+            # so a record's steps may pass its wall span by that round's head start (a read-back's host time). Such a
+            # record ends that much later (the next one starts there): no record claims more busy time than its span,
+            # which the ledger refuses, and no µs is moved or lost.
+            now = max(now, self._since + timedelta(microseconds=busy_us))
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
                               busy_us=busy_us, steps=steps, unbilled_us=unbilled_us)
         self._since = now

@@ -80,8 +80,7 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
         value_deserializer=undecodable.keep_value,
         session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
-        fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         fetch_max_bytes=max(cfg.max_message_bytes * 4, 4 * 1_048_576),
         max_partition_fetch_bytes=max(cfg.max_message_bytes, 1_048_576),
-        **kw,
+        **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **kw},
     )

@@ -223,7 +223,7 @@ class Engine:
                 log.exception("launching the next decode round raised; stepping afresh")
             book_round(rnd, self._book)
             self._ran = True
-            return self.requests.pop_done()
+            return self._pop_done()
         plan = self.planner.schedule()
         now = monotonic_us()
         for seq, error in plan.failed:
@@ -233,7 +233,22 @@ class Engine:
             self._run(plan, now)
         else:
             self._load_ahead()
-        return self.requests.pop_done()
+        return self._pop_done()
+
+    def _pop_done(self) -> list[GenerationResult]:
+        """The finished requests' results, but for those with a row in the decode round in flight: a request that
+        stopped (EOS, a stop string, a failed row) in the round just read back has a row in the next, launched before
+        the stop was known, and that row is charged to it when its round is booked. Its result waits for that (one
+        round), so that every result carries its whole charge when it is handed out, and every step of it has been
+        booked (pop_step_records(drain=False) relies on that)."""
+        if self._inflight is None:
+            return self.requests.pop_done()
+        in_round = {s.key for s in self._inflight.seqs}
+        done, self.requests.done = self.requests.done, []
+        for res in done:
+            if (res.tenant_id, res.request_id) in in_round:
+                self.requests.done.append(res)
+        return [res for res in done if (res.tenant_id, res.request_id) not in in_round]
 
     def generate(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         """Run `reqs` to completion; results in input order. Other requests' results stay for step()."""
@@ -279,10 +294,10 @@ class Engine:
         exceeds its span.
 
         `drain=False` leaves a round in flight running and returns the steps booked so far, those of every result
-        handed out: a step loop that pops after each step (engine.engine_process) would otherwise wait for each round
+        handed out (`_pop_done` holds back a result with a row in the round in flight): a step loop that pops after each step (engine.engine_process) would otherwise wait for each round
         and leave the GPU idle while it sends results and reads commands. The round left in flight began on the device
         as the one before it ended, so it may have begun up to the read-back's host time before this call; the busy
-        records' keeper carries such an excess into the next record (consumer.feeder)."""
+        records' keeper ends a record that much later (consumer.feeder)."""
         if drain:
             self._drain()
         records, self.book.records = self.book.records, []

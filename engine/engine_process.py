@@ -52,6 +52,7 @@ from engine.host_arena import release_segments
 log = logging.getLogger("lorabatch.engine")
 T = TypeVar("T")
 _START_POLL_S = 0.5  # how often start() looks whether a child that has not answered yet is still alive
+_KILL_GRACE_S = 5.0  # how long a close with a deadline waits for a killed child to exit
 
 
 class EngineProcess:
@@ -85,6 +86,7 @@ class EngineProcess:
         self._stopping = False
         self._dead: EngineError | None = None  # set once the child is gone: every later call fails with it
         self._starting: asyncio.Future | None = None  # a restart's start, running in a thread
+        self._abandon = threading.Event()  # set by a close that will not wait for that start: it kills what it made
 
     # ---- lifecycle
 
@@ -105,7 +107,10 @@ class EngineProcess:
         cmd_read.close()  # the child's ends: closed here, so that each side sees EOF when the other is gone
         res_write.close()
         log.info("engine process %d building its engine on %s", proc.pid, self._start_config.device)
+        abandon = self._abandon
         while not res_read.poll(_START_POLL_S):
+            if abandon.is_set():
+                _abandoned(proc)
             if not proc.is_alive():
                 proc.join()
                 raise EngineError(f"the engine process exited with code {proc.exitcode} while building its engine; "
@@ -119,6 +124,8 @@ class EngineProcess:
         if kind == "failed":
             proc.join()
             raise value
+        if abandon.is_set():
+            _abandoned(proc)
         (self.config, self._clock), self.pid = value, proc.pid
         self._proc, self._to_child, self._from_child = proc, cmd_write, res_read
         self._life = (0, 0)
@@ -150,22 +157,25 @@ class EngineProcess:
     async def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop the child: after the requests in flight finish (drain), or aborting them; then wait for it to exit.
         With `timeout_s`, a child that has not exited that long after the close began (a hung GPU, a step that never
-        ends) is killed: a worker's stop must end within its grace period."""
+        ends) is killed, and one the kill does not end within _KILL_GRACE_S (stuck in the kernel) is left behind,
+        logged: a worker's stop must end within its grace period."""
+        loop = asyncio.get_running_loop()
+        until = None if timeout_s is None else loop.time() + timeout_s
         if self._starting is not None:  # a restart's start, still in its thread: close what it makes
             starting, self._starting = self._starting, None
             try:
-                await asyncio.wait_for(asyncio.shield(starting), timeout_s)
-            except TimeoutError:
-                log.error("the engine process did not start within %.0f s of the close; it is killed when it does",
-                          timeout_s)
-                starting.add_done_callback(lambda _: self.kill())
+                await asyncio.wait_for(asyncio.shield(starting), _left(loop, until))
+            except (TimeoutError, asyncio.CancelledError) as e:  # the start kills what it made and raises
+                self._abandon.set()
+                starting.add_done_callback(_retrieve)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                log.error("the engine process did not start within %g s of the close; its start is abandoned", timeout_s)
                 return
             except Exception:  # noqa: BLE001  (the restart that awaited it says why)
                 return
         if self._proc is None:
             return
-        loop = asyncio.get_running_loop()
-        until = None if timeout_s is None else loop.time() + timeout_s
         try:
             if self._dead is None:
                 if not drain:
@@ -177,12 +187,17 @@ class EngineProcess:
             if not await asyncio.to_thread(multiprocessing.connection.wait, [self._proc.sentinel], _left(loop, until)):
                 raise TimeoutError
         except TimeoutError:
-            log.error("the engine process %d did not stop within %.0f s of the close; killing it", self._proc.pid,
-                      timeout_s)
+            log.error("the engine process %d did not stop within %g s of the close; killing it", self._proc.pid, timeout_s)
             self._stopping = True
             self._proc.kill()
         except EngineError:  # it died meanwhile: only the reaping below is left
             pass
+        grace = None if timeout_s is None else _KILL_GRACE_S
+        if not await asyncio.to_thread(multiprocessing.connection.wait, [self._proc.sentinel], grace):
+            log.error("the engine process %d has not exited %g s after SIGKILL (stuck in the kernel: a driver call?); "
+                      "leaving it", self._proc.pid, grace)
+            self._proc = None
+            return
         await asyncio.to_thread(self._proc.join)
         self._outbox.put(None)  # the sender's end
         for t in self._threads:
@@ -198,6 +213,7 @@ class EngineProcess:
         assert self._dead is not None and self._dead.code == "engine_failed", "restart() is for a child that died"
         await self.close()
         self._outbox, self._resident, self._stopping, self._dead = queue.SimpleQueue(), frozenset(), False, None
+        self._abandon = threading.Event()
         self._starting = asyncio.ensure_future(asyncio.to_thread(self.start))
         try:
             await asyncio.shield(self._starting)
@@ -363,6 +379,19 @@ class EngineProcess:
                 self._unbilled_us += charged_us(res)
 
         _settle_soon(fut, res, dropped=dropped)
+
+
+def _abandoned(proc) -> None:
+    """A start that a close gave up on: kill the child it made and raise (nobody awaits it)."""
+    proc.kill()
+    proc.join()
+    raise EngineError("the engine process's start was abandoned: the engine was closed meanwhile", code="aborted")
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Take an abandoned start's outcome, so that its error is not reported as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _left(loop: asyncio.AbstractEventLoop, until: float | None) -> float | None:

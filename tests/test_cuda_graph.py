@@ -7,6 +7,8 @@ block. Either way each graphed step is compared with the eager forward of the sa
 
 from __future__ import annotations
 
+import pickle
+
 import dataclasses
 import sys
 
@@ -318,6 +320,32 @@ def test_popping_without_a_drain_leaves_the_round_running_and_its_steps_come_wit
     assert len(records) == 4, "the round's steps, with the pass that returned its results"
     assert sum(r.total_us for r in first + records) == sum(charged_us(r) for r in done)  # every step's time, once
     assert not engine.has_unfinished() and engine.pop_step_records() == []
+
+
+def test_a_result_waits_for_the_round_that_still_charges_it(short_engine, monkeypatch):
+    """A request stopped by EOS in a round has a row in the next round, launched before the stop was known and charged
+    to it. Popping steps after each step without a read-back (the engine process's way), every result handed out
+    already carries that row, and every µs of the steps popped is in a result: nothing is billed after its result left."""
+    engine = short_engine
+    reqs = _chain_requests(6, 8)
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
+    eos = engine.generate(reqs)[0].output_ids[2]  # request 0 (greedy, EOS honoured) stops at its third token
+    monkeypatch.setattr(engine, "eos_ids", (eos,))
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    engine.pop_step_records()
+    for r in reqs:
+        engine.add_request(r)
+    busy = sent = 0
+    results = []
+    while engine.has_unfinished():
+        done = engine.step()
+        busy += sum(s.total_us for s in engine.pop_step_records(drain=False))
+        sent += sum(charged_us(pickle.loads(pickle.dumps(r))) for r in done)  # as the engine process sends them
+        results += done
+        assert busy >= sent
+    assert next(r for r in results if r.request_id == "c0").finish_reason == "eos"
+    assert engine.pop_step_records() == [] and busy == sent, (busy, sent)
+    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in reqs)
 
 
 def test_capturing_every_bucket_up_front_changes_no_token(short_engine):

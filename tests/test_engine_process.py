@@ -233,6 +233,33 @@ async def test_a_restart_cancelled_while_the_child_builds_leaves_no_child(demo_s
     assert not left, f"the restart's child {left} outlived the close"
 
 
+async def test_a_close_that_will_not_wait_for_a_restarts_start_ends_what_it_makes(demo_set):
+    """A worker's stop with a deadline shorter than a restart's model load: close returns by its deadline, and the
+    start it gave up on kills the child it made (no engine left holding memory or a GPU, however the loop ends)."""
+    p = _fresh(demo_set)
+    before = {c.pid for c in multiprocessing.active_children()}
+    os.kill(p.pid, signal.SIGKILL)
+    for _ in range(500):
+        if p.died:
+            break
+        await asyncio.sleep(0.01)
+    restart = asyncio.create_task(p.restart())
+    await asyncio.sleep(0.05)
+    restart.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await restart
+    t0 = time.monotonic()
+    await p.close(drain=False, timeout_s=0.2)
+    assert time.monotonic() - t0 < 5
+    for _ in range(300):  # the start notices within its poll (0.5 s), or once the child answers
+        left = [c for c in multiprocessing.active_children() if c.name == "lorabatch-engine" and c.pid not in before]
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    assert not left, f"the abandoned start's child {left} is still running"
+    assert not p.started
+
+
 def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
     """A model folder that is not there: start() raises the engine's own error, and no child is left behind."""
     p = EngineProcess(EngineConfig(model_dir=str(tmp_path / "no-model"), device="cpu"))

@@ -95,24 +95,23 @@ async def test_a_job_abandoned_on_a_revoke_is_named_unbilled_on_the_next_busy_re
     assert (await feeder.drain_gpu_time())[1] is None, "nothing measured and nothing unbilled: no record"
 
 
-async def test_busy_time_past_a_records_span_goes_on_the_next_record(engine: Engine) -> None:
+async def test_a_record_whose_steps_pass_its_span_ends_later(engine: Engine) -> None:
     """An engine process pops its steps without reading back the decode round it leaves running (the GPU carries on),
     so a round may have begun a read-back's host time before the clock it reports: a record's steps can pass its wall
-    span. The excess is carried to the next record: every record fits its span (the ledger refuses one that does not),
-    and the total busy time is kept."""
+    span. Such a record ends that much later and the next starts there: every record fits its span (the ledger refuses
+    one that does not), the records stay contiguous, and every µs is on the record that measured it."""
     stub = _StubEngine()
     feeder = EngineFeeder(stub, store=None, worker_id="w0", gpu_kind="h100")
     t0 = feeder._since
     stub.gpu = ([], 1_000_300, 9, t0 + timedelta(seconds=1), 0)  # 300 µs of the next round's head start
     _, first = await feeder.drain_gpu_time()
-    assert first.busy_us == 1_000_000 and first.steps == 9
+    assert (first.busy_us, first.steps) == (1_000_300, 9) and first.ended_at == t0 + timedelta(seconds=1, microseconds=300)
     stub.gpu = ([], 400_000, 4, t0 + timedelta(seconds=2), 0)
     _, second = await feeder.drain_gpu_time()
-    assert second.started_at == first.ended_at and second.busy_us == 400_300
-    stub.gpu = ([], 1_000_000, 8, t0 + timedelta(seconds=3), 0)  # a span the GPU filled: nothing carried into it
+    assert second.started_at == first.ended_at and second.ended_at == t0 + timedelta(seconds=2) and second.busy_us == 400_000
+    stub.gpu = ([], 1_000_000, 8, t0 + timedelta(seconds=2, microseconds=999_990), 0)  # the clock behind the steps again
     _, third = await feeder.drain_gpu_time()
-    assert third.busy_us == 1_000_000 and feeder._carried_us == 0
-    assert first.busy_us + second.busy_us + third.busy_us == 1_000_300 + 400_000 + 1_000_000
+    assert third.ended_at == second.ended_at + timedelta(seconds=1)
     ledger = Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
     ledger.record_busy([first, second, third])  # each within its span: accepted
 

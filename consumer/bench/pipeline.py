@@ -136,8 +136,8 @@ def _client(kafka, rounds: list[list[str]], conn) -> None:
         producer = make_producer(kafka, client_id="lorabatch-bench")
         await producer.start()
         started = asyncio.Event()
-        reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: saw}, False, lambda: wanted <= seen, 1800,
-                                                   started))
+        reading = asyncio.create_task(_read_topics(kafka, {kafka.results_topic: saw}, False, lambda: wanted <= seen,
+                                                   1800 * len(todo), started))  # 1,800 s a round, engine-alone runs too
         try:
             await asyncio.wait({asyncio.create_task(started.wait()), reading}, return_when=asyncio.FIRST_COMPLETED)
             if not started.is_set():
@@ -416,7 +416,8 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
         "round_ratios": [round(one["alone"]["seconds"] / one["seconds"], 3) for one in ran],
         "pipeline_cost_pct": round(100 * (pipe_s - engine_s) / engine_s, 1),
         "engine_gpu_idle_share": round(engine_idle, 4),
-        "gpu_idle_share": round(sum(idles) / len(idles), 4) if idles else None,
+        "gpu_idle_share": (round(sum(one["idle"] * one["seconds"] for one in ran) / pipe_s, 4)  # weighted by time
+                           if len(idles) == len(ran) else None),
         "stages": stage_summary([st for one in ran for st in one["stamps"]]),
         "staged_jobs": sum(len(one["stamps"]) for one in ran), "not_succeeded": not_succeeded,
         "routing_p50_ms": round(percentile(routing_us, 0.50) / 1000, 3),
