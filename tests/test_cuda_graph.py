@@ -279,19 +279,23 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(short_engine, m
     assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
 
 
+def _round_in_flight(engine, monkeypatch, tag: str) -> None:
+    """Three requests of 5 new tokens, prefilled, then a decode round of 4 launched and not read back."""
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    engine.pop_step_records()
+    for i in range(3):
+        engine.add_request(GenerationRequest(request_id=f"{tag}{i}", input_ids=(7, 8 + i),
+                                             sampling=SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    assert engine.step() == []  # the prefill: one token each
+    assert engine.step() == []  # a round of 4 launched, not read
+    assert engine._inflight is not None and engine._inflight.steps == 4
+
+
 def test_popping_step_records_reads_a_round_in_flight_back(engine, monkeypatch):
     """pop_step_records() first reads back a decode round still on the device, so every step launched before the call
     is in what it returns (a worker's busy-time record covers exactly the span between two pops); the round's
     finished requests come back from the next step()."""
-    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
-    engine.pop_step_records()
-    reqs = [GenerationRequest(request_id=f"p{i}", input_ids=(7, 8 + i), sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))
-            for i in range(3)]  # fmt: skip
-    for r in reqs:
-        engine.add_request(r)
-    engine.step()  # the prefill: one token each
-    engine.step()  # a round of 4 launched, not read
-    assert engine._inflight is not None and engine._inflight.steps == 4
+    _round_in_flight(engine, monkeypatch, "p")
     records = engine.pop_step_records()
     assert engine._inflight is None and len(records) == 1 + 4
     done = engine.step()
@@ -303,14 +307,7 @@ def test_popping_without_a_drain_leaves_the_round_running_and_its_steps_come_wit
     """pop_step_records(drain=False), the engine process's pop after each pass: the steps booked so far, every one of
     the results handed out, while the round in flight keeps the GPU busy; its steps come with the pass that books it,
     the one that returns its finished requests. Nothing is popped twice or lost."""
-    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
-    engine.pop_step_records()
-    reqs = [GenerationRequest(request_id=f"q{i}", input_ids=(7, 9 + i), sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))
-            for i in range(3)]  # fmt: skip
-    for r in reqs:
-        engine.add_request(r)
-    assert engine.step() == []  # the prefill: one token each
-    assert engine.step() == []  # a round of 4 launched, not read
+    _round_in_flight(engine, monkeypatch, "q")
     first = engine.pop_step_records(drain=False)
     assert len(first) == 1, "the prefill's step alone: the round is not read back"
     assert engine._inflight is not None and engine._inflight.steps == 4
@@ -327,7 +324,7 @@ def test_a_result_waits_for_the_round_that_still_charges_it(short_engine, monkey
     to it. Popping steps after each step without a read-back (the engine process's way), every result handed out
     already carries that row, and every µs of the steps popped is in a result: nothing is billed after its result left."""
     engine = short_engine
-    reqs = _chain_requests(6, 8)
+    reqs = _chain_requests(3, 8)
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 1}))
     eos = engine.generate(reqs)[0].output_ids[2]  # request 0 (greedy, EOS honoured) stops at its third token
     monkeypatch.setattr(engine, "eos_ids", (eos,))

@@ -211,9 +211,9 @@ async def test_a_close_with_a_deadline_kills_a_child_that_answers_nothing(demo_s
         await asyncio.wait_for(hung, 10)
 
 
-async def test_a_restart_cancelled_while_the_child_builds_leaves_no_child(demo_set):
-    """The worker's stop can cancel a restart whose new child is still loading its model: close() then waits for
-    that start and stops what it made, so no engine is left holding memory (or a GPU) behind a closed handle."""
+async def _restart_cancelled_while_building(demo_set) -> tuple[EngineProcess, set[int]]:
+    """A child killed, its restart cancelled while the new child loads its model (a worker's stop arriving then); the
+    handle, and the pids of the children alive before."""
     p = _fresh(demo_set)
     before = {c.pid for c in multiprocessing.active_children()}
     os.kill(p.pid, signal.SIGKILL)
@@ -227,36 +227,34 @@ async def test_a_restart_cancelled_while_the_child_builds_leaves_no_child(demo_s
     restart.cancel()
     with pytest.raises(asyncio.CancelledError):
         await restart
+    return p, before
+
+
+def _new_children(before: set[int]) -> list:
+    return [c for c in multiprocessing.active_children() if c.name == "lorabatch-engine" and c.pid not in before]
+
+
+async def test_a_restart_cancelled_while_the_child_builds_leaves_no_child(demo_set):
+    """The worker's stop can cancel a restart whose new child is still loading its model: close() then waits for
+    that start and stops what it made, so no engine is left holding memory (or a GPU) behind a closed handle."""
+    p, before = await _restart_cancelled_while_building(demo_set)
     await asyncio.wait_for(p.close(), 60)
     assert not p.started
-    left = [c for c in multiprocessing.active_children() if c.name == "lorabatch-engine" and c.pid not in before]
-    assert not left, f"the restart's child {left} outlived the close"
+    assert not _new_children(before), "the restart's child outlived the close"
 
 
 async def test_a_close_that_will_not_wait_for_a_restarts_start_ends_what_it_makes(demo_set):
     """A worker's stop with a deadline shorter than a restart's model load: close returns by its deadline, and the
     start it gave up on kills the child it made (no engine left holding memory or a GPU, however the loop ends)."""
-    p = _fresh(demo_set)
-    before = {c.pid for c in multiprocessing.active_children()}
-    os.kill(p.pid, signal.SIGKILL)
-    for _ in range(500):
-        if p.died:
-            break
-        await asyncio.sleep(0.01)
-    restart = asyncio.create_task(p.restart())
-    await asyncio.sleep(0.05)
-    restart.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await restart
+    p, before = await _restart_cancelled_while_building(demo_set)
     t0 = time.monotonic()
     await p.close(drain=False, timeout_s=0.2)
     assert time.monotonic() - t0 < 5
     for _ in range(300):  # the start notices within its poll (0.5 s), or once the child answers
-        left = [c for c in multiprocessing.active_children() if c.name == "lorabatch-engine" and c.pid not in before]
-        if not left:
+        if not _new_children(before):
             break
         await asyncio.sleep(0.1)
-    assert not left, f"the abandoned start's child {left} is still running"
+    assert not _new_children(before), "the abandoned start's child is still running"
     assert not p.started
 
 

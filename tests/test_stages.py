@@ -237,11 +237,14 @@ async def test_every_job_through_the_worker_has_seven_ordered_stages_and_an_idle
     assert idle is not None and 0.0 <= idle <= 1.0
 
 
-def test_bench_pipeline_cpu_run_prints_its_figures(capsys):
+def test_bench_pipeline_cpu_run_prints_its_figures(capsys, tmp_path, monkeypatch):
     """`lorabatch bench pipeline` on the CPU: one JSON line with the engine against the service, the idle shares and
-    each stage's p50/p99 over every job."""
+    each stage's p50/p99 over every job. (A batch of 8 under the usual config file: the warm-ups run two batches.)"""
     from consumer.bench.pipeline import bench_pipeline
 
+    config = tmp_path / "lorabatch.toml"
+    config.write_text("[engine]\nmax_batch_size = 8\n[worker]\nmax_batch_size = 8\n")
+    monkeypatch.setenv("LORABATCH_CONFIG", str(config))
     figures = bench_pipeline(jobs=6, json_only=True, new_tokens=2, rounds=2)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == figures
@@ -250,7 +253,7 @@ def test_bench_pipeline_cpu_run_prints_its_figures(capsys):
         assert key in line, key
     assert line["device"] == "cpu" and line["shape"] == "tiny" and line["jobs"] == 12 and line["rounds"] == 2
     assert len(line["round_ratios"]) == 2 and all(r > 0 for r in line["round_ratios"])
-    assert line["engine_steps"] > 0 and line["service_steps"] > 0
+    assert line["engine_steps"] > 0 and line["service_steps"] > 0 and line["engine_batch"] == 8
     assert line["staged_jobs"] == 12 and line["not_succeeded"] == 0  # every round's jobs billed once
     assert set(line["stages"]) == set(STAGES)
     assert all(v["p50_ms"] >= 0 and v["p99_ms"] >= v["p50_ms"] for v in line["stages"].values())
