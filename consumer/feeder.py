@@ -118,7 +118,7 @@ class EngineFeeder:
             # so a record's steps may pass its wall span by that round's head start (a read-back's host time). Such a
             # record ends that much later (the next one starts there): no record claims more busy time than its span,
             # which the ledger refuses, and no µs is moved or lost.
-            now = max(now, self._since + timedelta(microseconds=busy_us))
+            now = max(now, self._since + timedelta(microseconds=max(busy_us, 1)))  # 1 µs on at least: keys stay unique
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
                               busy_us=busy_us, steps=steps, unbilled_us=unbilled_us)
         self._since = now

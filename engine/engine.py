@@ -241,9 +241,9 @@ class Engine:
         the stop was known, and that row is charged to it when its round is booked. Its result waits for that (one
         round), so that every result carries its whole charge when it is handed out, and every step of it has been
         booked (pop_step_records(drain=False) relies on that)."""
-        if self._inflight is None:
+        if self._inflight is None or not self.requests.done:
             return self.requests.pop_done()
-        in_round = {s.key for s in self._inflight.seqs}
+        in_round = {s.key for s in self._inflight.seqs if s.finish_reason is not None or s.error is not None}
         done, self.requests.done = self.requests.done, []
         for res in done:
             if (res.tenant_id, res.request_id) in in_round:

@@ -86,7 +86,8 @@ class EngineProcess:
         self._stopping = False
         self._dead: EngineError | None = None  # set once the child is gone: every later call fails with it
         self._starting: asyncio.Future | None = None  # a restart's start, running in a thread
-        self._abandon = threading.Event()  # set by a close that will not wait for that start: it kills what it made
+        self._abandon = threading.Event()  # that start's: set by a close that will not wait for it (see start)
+        self._start_lock = threading.Lock()
 
     # ---- lifecycle
 
@@ -94,9 +95,11 @@ class EngineProcess:
     def started(self) -> bool:
         return self._proc is not None
 
-    def start(self) -> None:
-        """Spawn the child and wait until its engine is built; raises what building it raised."""
+    def start(self, abandon: threading.Event | None = None) -> None:
+        """Spawn the child and wait until its engine is built; raises what building it raised. `abandon` (a restart's):
+        once set, the start kills the child it made and raises, unless it had published it already."""
         assert self._proc is None, "already started"
+        abandon = abandon or threading.Event()
         ctx = multiprocessing.get_context("spawn")  # a fork would copy a CUDA context (and the parent's threads)
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         res_read, res_write = ctx.Pipe(duplex=False)
@@ -107,7 +110,6 @@ class EngineProcess:
         cmd_read.close()  # the child's ends: closed here, so that each side sees EOF when the other is gone
         res_write.close()
         log.info("engine process %d building its engine on %s", proc.pid, self._start_config.device)
-        abandon = self._abandon
         while not res_read.poll(_START_POLL_S):
             if abandon.is_set():
                 _abandoned(proc)
@@ -124,15 +126,16 @@ class EngineProcess:
         if kind == "failed":
             proc.join()
             raise value
-        if abandon.is_set():
-            _abandoned(proc)
-        (self.config, self._clock), self.pid = value, proc.pid
-        self._proc, self._to_child, self._from_child = proc, cmd_write, res_read
-        self._life = (0, 0)
-        self._threads = [threading.Thread(target=self._send_loop, name="lorabatch-engine-send", daemon=True),
-                         threading.Thread(target=self._read_loop, name="lorabatch-engine-read", daemon=True)]
-        for t in self._threads:
-            t.start()
+        with self._start_lock:  # a close abandons under it: the child is either published or killed, never both
+            if abandon.is_set():
+                _abandoned(proc)
+            (self.config, self._clock), self.pid = value, proc.pid
+            self._proc, self._to_child, self._from_child = proc, cmd_write, res_read
+            self._life = (0, 0)
+            self._threads = [threading.Thread(target=self._send_loop, name="lorabatch-engine-send", daemon=True),
+                             threading.Thread(target=self._read_loop, name="lorabatch-engine-read", daemon=True)]
+            for t in self._threads:
+                t.start()
         # At interpreter exit, multiprocessing joins its non-daemon children: a parent that never closed this one would
         # wait forever for a child that waits for commands. Closing the command pipe first (a finalizer runs before
         # that join) lets the child see its parent go, abort what it runs and exit.
@@ -166,12 +169,18 @@ class EngineProcess:
             try:
                 await asyncio.wait_for(asyncio.shield(starting), _left(loop, until))
             except (TimeoutError, asyncio.CancelledError) as e:  # the start kills what it made and raises
-                self._abandon.set()
+                with self._start_lock:
+                    self._abandon.set()
+                    published = self._proc is not None  # it came through just before: closed below (killed, if cancelled)
                 starting.add_done_callback(_retrieve)
                 if isinstance(e, asyncio.CancelledError):
+                    if published:
+                        self._stopping = True
+                        self._proc.kill()
                     raise
-                log.error("the engine process did not start within %g s of the close; its start is abandoned", timeout_s)
-                return
+                if not published:
+                    log.error("the engine process did not start within %g s of the close; its start is abandoned", timeout_s)
+                    return
             except Exception:  # noqa: BLE001  (the restart that awaited it says why)
                 return
         if self._proc is None:
@@ -196,6 +205,11 @@ class EngineProcess:
         if not await asyncio.to_thread(multiprocessing.connection.wait, [self._proc.sentinel], grace):
             log.error("the engine process %d has not exited %g s after SIGKILL (stuck in the kernel: a driver call?); "
                       "leaving it", self._proc.pid, grace)
+            # At exit multiprocessing joins the children it started, which would wait for this one forever; the
+            # handle stays closed (a later start would find a GPU that a stuck child may still hold).
+            multiprocessing.process._children.discard(self._proc)  # no public way to let go of a child
+            with self._lock:
+                self._dead = self._dead or EngineError("the engine is closed", code="aborted")
             self._proc = None
             return
         await asyncio.to_thread(self._proc.join)
@@ -214,7 +228,7 @@ class EngineProcess:
         await self.close()
         self._outbox, self._resident, self._stopping, self._dead = queue.SimpleQueue(), frozenset(), False, None
         self._abandon = threading.Event()
-        self._starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        self._starting = asyncio.ensure_future(asyncio.to_thread(self.start, self._abandon))
         try:
             await asyncio.shield(self._starting)
         finally:
@@ -323,6 +337,7 @@ class EngineProcess:
                 return
 
     def _read_loop(self) -> None:
+        proc = self._proc  # a close that leaves a stuck child behind drops the handle's reference
         while True:
             try:
                 message = pickle.loads(self._from_child.recv_bytes())
@@ -351,12 +366,12 @@ class EngineProcess:
                     _settle_soon(fut, value, ok=ok)
             elif kind == "resident":
                 self._resident = message[1]
-        self._proc.join(timeout=5)
-        code = self._proc.exitcode
+        proc.join(timeout=5)
+        code = proc.exitcode
         if self._stopping:
             error = EngineError("the engine is closed", code="aborted")
         else:
-            log.error("the engine process %d exited (code %s); failing what waits for it", self._proc.pid, code)
+            log.error("the engine process %d exited (code %s); failing what waits for it", proc.pid, code)
             error = EngineError(f"the engine process exited (code {code}) while running this request; it was logged",
                                 code="engine_failed", retriable=True)  # fmt: skip
         with self._lock:

@@ -112,8 +112,17 @@ async def test_a_record_whose_steps_pass_its_span_ends_later(engine: Engine) -> 
     stub.gpu = ([], 1_000_000, 8, t0 + timedelta(seconds=2, microseconds=999_990), 0)  # the clock behind the steps again
     _, third = await feeder.drain_gpu_time()
     assert third.ended_at == second.ended_at + timedelta(seconds=1)
+    stub.gpu = ([], 0, 1, t0 + timedelta(seconds=2, microseconds=999_995), 0)  # a step of 0 µs (a forward that failed)
+    _, fourth = await feeder.drain_gpu_time()
+    assert fourth.started_at == third.ended_at and fourth.ended_at == third.ended_at + timedelta(microseconds=1)
+    stub.gpu = ([], 500, 1, t0 + timedelta(seconds=4), 0)
+    _, fifth = await feeder.drain_gpu_time()
+    assert fifth.started_at == fourth.ended_at  # keys (worker_id, started_at) all differ: none dropped as a duplicate
     ledger = Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
-    ledger.record_busy([first, second, third])  # each within its span: accepted
+    records = [first, second, third, fourth, fifth]
+    ledger.record_busy(records)  # each within its span: accepted
+    report = reconcile_report(engine, f"{t0:%Y-%m}", CONFIG, now=t0 + timedelta(days=40))
+    assert report.us("gpu_busy") == sum(r.busy_us for r in records) == 1_000_300 + 400_000 + 1_000_000 + 500
 
 
 async def test_a_result_that_reaches_no_caller_is_unbilled(demo_set) -> None:
