@@ -24,22 +24,8 @@ from engine.adapters import FINGERPRINT_KEY
 from engine.engine import Engine
 from engine.store import content_sha256
 from engine.warm_pool import TrafficPredictor
-from tests.test_serving_helpers import TEXTS, alone, config, corrupt_copy, many_adapters, req, run_until_done  # noqa: F401 (a fixture)
+from tests.test_serving_helpers import NO_WARM, TEXTS, FakeClock, _slot_tensors, alone, config, corrupt_copy, many_adapters, req, run_until_done  # noqa: F401 (a fixture)
 
-NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _slot_tensors(engine: Engine) -> list:
-    lora = engine.runner.lora
-    return [lora.pool, lora.pages, lora.rank, lora.scale]
 
 
 def test_churn_200_adapters_through_8_slots(demo_set, many_adapters):

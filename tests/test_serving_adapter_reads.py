@@ -10,23 +10,9 @@ import time
 import pytest
 
 from engine.engine import Engine
-from tests.test_serving_helpers import TEXTS, config, corrupt_copy, many_adapters, req  # noqa: F401 (a fixture)
+from tests.test_serving_helpers import NO_WARM, TEXTS, FakeClock, _slot_tensors, config, corrupt_copy, many_adapters, req  # noqa: F401 (a fixture)
 
-NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)
 DAY, HOUR = 86400, 3600
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _slot_tensors(engine: Engine) -> list:
-    lora = engine.runner.lora
-    return [lora.pool, lora.pages, lora.rank, lora.scale]
 
 
 def test_the_warm_pool_loads_a_predicted_adapter_before_its_hour(demo_set, many_adapters):

@@ -83,6 +83,24 @@ TARGET_SETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), (
 RANKS = [4, 8, 16, 64]
 
 
+NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)  # engine config: no warm pool
+
+
+class FakeClock:
+    """A clock the test sets (`t`), for the warm pool's wall and monotonic time."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _slot_tensors(engine: Engine) -> list:
+    lora = engine.runner.lora
+    return [lora.pool, lora.pages, lora.rank, lora.scale]
+
+
 @pytest.fixture(scope="module")
 def many_adapters(demo_set, tmp_path_factory) -> list:
     """200 adapters of the demo model: ranks 4..64 and four target sets, mixed."""
