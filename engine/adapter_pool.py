@@ -319,6 +319,11 @@ class AdapterPool(L1Placement):
         events, self._events = self._events, deque()
         return [e.info() for e in events]
 
+    @property
+    def reads_in_flight(self) -> int:
+        """Store reads queued or running on the read-ahead threads."""
+        return self._ahead.in_flight
+
     def stats(self) -> dict:
         c = self.counters
         asked = c["requests_warm"] + c["requests_cold"]

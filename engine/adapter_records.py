@@ -130,6 +130,11 @@ class ReadAhead:
     def has_room(self) -> bool:
         return self._running < self.threads * MAX_AHEAD_PER_THREAD
 
+    @property
+    def in_flight(self) -> int:
+        """Reads queued or running."""
+        return self._running
+
     def start(self, rec: Record, *args) -> None:
         assert self._pool is not None and rec.key not in self._futures, rec.key
         with self._lock:

@@ -26,6 +26,28 @@ def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path):
         assert r["cold_tok_s"] > 0 and r["warm_tok_s"] > 0 and r["gpu_budget_bytes"] > 0
 
 
+def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
+    """--timeline writes each pass step by step: every request's prompt rows once, reads taken that add up to the cold
+    pass's disk loads, and the cold pass's steps with prompt tokens are printed."""
+    import json
+
+    from engine.bench.adapters import TIMELINE_COLUMNS
+
+    rows = run("tiny", [6], [4], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, read_threads=2,
+               read_processes=0, timeline=tmp_path / "tl")  # fmt: skip
+    data = json.loads((tmp_path / "tl" / "timeline_6.json").read_text())
+    col = {c: i for i, c in enumerate(TIMELINE_COLUMNS)}
+    for name in ("cold", "warm"):
+        steps = data[name]
+        assert sum(s[col["prompt_rows"]] for s in steps) == 8, steps  # prompts of 6 in one chunk each
+        assert [s[col["ms"]] for s in steps] == sorted(s[col["ms"]] for s in steps)
+        assert steps[-1][col["running"]] == steps[-1][col["waiting"]] == 0
+    assert data["cold"][-1][col["reads_taken"]] == rows[0]["loads_cold"]["disk"] > 0
+    assert data["warm"][-1][col["reads_taken"]] == 0
+    assert "cold pass at 6 adapters" in capsys.readouterr().out
+    assert "timeline" not in rows[0]
+
+
 def test_warm_up_adapters_are_not_the_measured_ones(tmp_path):
     """The warm-up's adapters (marked from another index on) share no content with the measured ones, so none of the
     measured adapters is resident before its cold pass."""

@@ -124,6 +124,10 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     stalls = _StallStacks()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
+    disk0 = counters["loads_disk"]
+    # one row per step() call: ms into the pass, its wall µs, prompt rows, decode rows, then after it: requests running,
+    # waiting, store reads in flight, store reads taken so far, admission holds so far
+    timeline: list[tuple] = []
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     try:
         while engine.has_unfinished():
@@ -137,6 +141,10 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             records = engine.pop_step_records()
             tokens += sum(len(r.output_ids) for r in results)
             prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
+            timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(s.tokens > 1 for r in records for s in r.shares),
+                             sum(s.tokens == 1 for r in records for s in r.shares), len(engine.planner.running),
+                             len(engine.planner.waiting), engine.adapters.reads_in_flight, counters["loads_disk"] - disk0,
+                             engine.planner.hold.holds - holds))
             if records:
                 decode = all(r.tokens <= batch for r in records)
                 spent[decode] += us * 1e-6
@@ -153,7 +161,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top()}  # fmt: skip
+            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -198,8 +206,10 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
-        root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES) -> list[dict]:  # fmt: skip
-    """The bench (module docstring): one row per count."""
+        root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
+        timeline: Path | None = None) -> list[dict]:  # fmt: skip
+    """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
+    timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -219,6 +229,11 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
                              gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes)  # fmt: skip
+            passes = row.pop("timeline")
+            if timeline is not None:
+                timeline.mkdir(parents=True, exist_ok=True)
+                (timeline / f"timeline_{count}.json").write_text(json.dumps({"columns": TIMELINE_COLUMNS, **passes}))
+                _print_prompt_steps(count, passes["cold"])
             rows.append(row)
             print(json.dumps(row), flush=True)
     base = rows[0]
@@ -326,6 +341,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
+        "timeline": {"cold": cold["timeline"], "warm": warm["timeline"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
@@ -444,6 +460,23 @@ def _tiers(events) -> dict[str, int]:
     return out
 
 
+TIMELINE_COLUMNS = ["ms", "wall_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_taken", "holds"]
+
+
+def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
+    """The cold pass's steps with prompt tokens, and the decode steps between them summed: where admissions waited."""
+    print(f"cold pass at {count} adapters, steps with prompt tokens ({' / '.join(TIMELINE_COLUMNS)}; "
+          "decode steps between them: count, ms):")
+    between = [0, 0.0]
+    for row in timeline:
+        if row[2]:
+            print(f"  {' / '.join(str(v) for v in row)}   after {between[0]} decode steps, {between[1] / 1e3:.1f} ms")
+            between = [0, 0.0]
+        else:
+            between[0] += 1
+            between[1] += row[1]
+
+
 def _print_table(rows: list[dict]) -> None:
     head = ("count", "cold tok/s", "ratio", "warm tok/s", "ratio", "loads c d/h", "loads w d/h", "L2 p50/p99 us", "floor us",
             "load/floor p50", "step+load p99", "step p50", "fits")  # fmt: skip
@@ -471,6 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
     p.add_argument("--read-processes", type=int, default=READ_PROCESSES, help="engine.adapter_read_processes: ... in these processes")
+    p.add_argument("--timeline", type=Path, default=None, help="a folder for each count's passes step by step (JSON)")
     return p.parse_args(argv)
 
 
@@ -478,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
-        read_processes=a.read_processes)  # fmt: skip
+        read_processes=a.read_processes, timeline=a.timeline)  # fmt: skip
 
 
 if __name__ == "__main__":
