@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import uuid
 from dataclasses import dataclass
 
@@ -73,7 +74,16 @@ class RunningWorker:
 
     async def stop(self) -> None:
         self.worker.stop()
-        await asyncio.wait_for(self.task, 60)
+        done, _ = await asyncio.wait([self.task], timeout=60)
+        if not done:  # say what the stop waits on before cancelling it (a hang seen once in a full run, never alone)
+            stacks = io.StringIO()
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.print_stack(limit=12, file=stacks)
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            raise AssertionError(f"the worker did not stop within 60 s; its tasks:\n{stacks.getvalue()}")
+        self.task.result()
 
 
 @contextlib.asynccontextmanager
