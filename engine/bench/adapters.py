@@ -125,8 +125,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
     disk0 = counters["loads_disk"]
-    # one row per step() call: ms into the pass, its wall µs, prompt rows, decode rows, then after it: requests running,
-    # waiting, store reads in flight, store reads taken so far, admission holds so far
+    # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
+    # it: requests running, waiting, store reads in flight, store reads taken so far, admission holds so far
     timeline: list[tuple] = []
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     try:
@@ -141,7 +141,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             records = engine.pop_step_records()
             tokens += sum(len(r.output_ids) for r in results)
             prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
-            timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(s.tokens > 1 for r in records for s in r.shares),
+            timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(r.total_us for r in records), sum(s.tokens > 1 for r in records for s in r.shares),
                              sum(s.tokens == 1 for r in records for s in r.shares), len(engine.planner.running),
                              len(engine.planner.waiting), engine.adapters.reads_in_flight, counters["loads_disk"] - disk0,
                              engine.planner.hold.holds - holds))
@@ -460,7 +460,7 @@ def _tiers(events) -> dict[str, int]:
     return out
 
 
-TIMELINE_COLUMNS = ["ms", "wall_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_taken", "holds"]
+TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_taken", "holds"]
 
 
 def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
@@ -469,7 +469,7 @@ def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
           "decode steps between them: count, ms):")
     between = [0, 0.0]
     for row in timeline:
-        if row[2]:
+        if row[3]:
             print(f"  {' / '.join(str(v) for v in row)}   after {between[0]} decode steps, {between[1] / 1e3:.1f} ms")
             between = [0, 0.0]
         else:
