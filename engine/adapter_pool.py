@@ -324,6 +324,11 @@ class AdapterPool(L1Placement):
         """Store reads queued or running on the read-ahead threads."""
         return self._ahead.in_flight
 
+    @property
+    def reads_landed(self) -> int:
+        """Store reads finished on the read-ahead threads and not yet taken into L2."""
+        return self._ahead.landed
+
     def stats(self) -> dict:
         c = self.counters
         asked = c["requests_warm"] + c["requests_cold"]

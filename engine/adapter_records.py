@@ -135,6 +135,11 @@ class ReadAhead:
         """Reads queued or running."""
         return self._running
 
+    @property
+    def landed(self) -> int:
+        """Reads finished and not yet taken."""
+        return sum(f.done() for f in self._futures.values())
+
     def start(self, rec: Record, *args) -> None:
         assert self._pool is not None and rec.key not in self._futures, rec.key
         with self._lock:

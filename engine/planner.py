@@ -17,7 +17,9 @@ Each step (`schedule`) spends a budget of `max_num_batched_tokens` tokens:
    admitted request does not preempt a running one at its next token. While the running batch has work
    and most of the requests that could be admitted still wait for their adapters' store reads, a step
    admits none of them, for at most `admission_hold_ms` (engine.admission), so that a batch is admitted in
-   few prompt steps rather than one per read landing.
+   few prompt steps rather than one per read landing; likewise while running requests that reach their
+   max_new_tokens within a few steps would free more places, so that a batch admitted in parts is not
+   replaced in parts for ever.
 
 Blocks are taken as needed rather than reserved for a request's worst case: more requests run at once,
 at the price of a preemption when they all grow at the same time.
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.adapter_pool import WAIT_SLOT, AdapterPool
-from engine.admission import AdmissionHold
+from engine.admission import COALESCE_STEPS, AdmissionHold
 from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
@@ -65,6 +67,10 @@ READ_AHEAD_BATCHES = 2  # prefetch reads ahead for this many batches' worth of w
 
 def _rank(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.order)
+
+
+def _tokens_left(seq: Sequence) -> int:
+    return seq.request.sampling.max_new_tokens - len(seq.output_ids)
 
 
 class StepPlanner:
@@ -170,15 +176,27 @@ class StepPlanner:
         """Whether this step holds back its admissions (engine.admission): `queue`, the waiting requests in admission
         order. The ready ones are counted only while the batch has work in the step (else nothing is held back), and
         only up to what lets the step admit: over thousands of waiting requests the walk costs host time."""
-        want = max(0, min(self.config.max_batch_size - len(self.running), len(queue))) if budget > 0 else 0
-        ready = 0
-        if plan.items:
-            enough = self.hold.enough(want)
+        free = self.config.max_batch_size - len(self.running)
+        want = max(0, min(free, len(queue))) if budget > 0 else 0
+        ready = soon = 0
+        if plan.items and want:
+            # places that requests reaching their max_new_tokens within COALESCE_STEPS steps free (a sampling row's
+            # next steps are decodes; one that may stop earlier, by EOS or a stop string, frees its place sooner)
+            ending = sum(it.samples and _tokens_left(it.seq) <= COALESCE_STEPS for it in plan.items)
+            if ending:  # as many as one step's token budget takes then (theirs back in it): a step admits no more
+                fits, left = 0, budget + ending
+                for seq in queue[: free + ending]:
+                    left -= seq.num_uncomputed
+                    if left < 0:
+                        break
+                    fits += 1
+                soon = max(0, fits - want)
+            enough = self.hold.enough(want, soon)
             for seq in queue:
                 if ready >= enough:
                     break
                 ready += seq.adapter_key is None or seq.lora_slot >= 0 or not self.pool.awaits_read(seq.adapter_key)
-        return self.hold.hold(bool(plan.items), ready, want)
+        return self.hold.hold(bool(plan.items), ready, want, soon)
 
     def _admit(self, seq: Sequence, budget: int, plan: Plan) -> Scheduled | str | None:
         """Admit `seq` if it can run now: its Scheduled item, None to skip it, or "stop" to end admission."""

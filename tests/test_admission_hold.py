@@ -116,13 +116,14 @@ class Harness:
         self.n = 0
         self.admitted_at: dict[str, int] = {}  # request id -> the step that admitted it
         self.failed_at: dict[str, int] = {}
+        self.finished_at: dict[str, int] = {}
         self.prompt_steps = 0
         self.steps = 0
 
-    def add(self, adapter: str | None, *, priority: int = 0, reading: bool = True) -> str:
+    def add(self, adapter: str | None, *, priority: int = 0, reading: bool = True, new: int = 512) -> str:
         rid = f"r{self.n}"
         request = GenerationRequest(request_id=rid, input_ids=tuple(range(1, 9)), adapter_key=adapter, priority=priority,
-                                    sampling=SamplingParams(max_new_tokens=512, ignore_eos=True))  # fmt: skip
+                                    sampling=SamplingParams(max_new_tokens=new, ignore_eos=True))  # fmt: skip
         self.planner.add(Sequence(request, self.n, list(request.input_ids), 0, None, None, adapter))
         self.n += 1
         if adapter is not None and reading:
@@ -139,6 +140,10 @@ class Harness:
             it.seq.num_computed += len(it.tokens)
             if it.samples:
                 it.seq.tokens.append(1)
+                it.seq.output_ids.append(1)
+                if len(it.seq.output_ids) >= it.seq.request.sampling.max_new_tokens:
+                    self.planner.remove(it.seq)
+                    self.finished_at[it.seq.request_id] = self.steps
         for seq, _error in plan.failed:
             self.failed_at[seq.request_id] = self.steps
         self.prompt_steps += prompt
@@ -266,6 +271,90 @@ def test_random_arrivals_and_landings_keep_the_bound(seed):
     assert late and max(late.values()) <= 4, late
 
 
+@pytest.mark.parametrize(
+    ("name", "calls", "held"),
+    [
+        # calls: (ms, the batch has work in the step, ready, places the waiting could fill now, places more within
+        # COALESCE_STEPS steps)
+        ("places freeing: the ready wait for them", [(0, True, 8, 1, 7)], [True]),
+        ("most places free, two more freeing: still held", [(0, True, 8, 6, 2)], [True]),
+        ("none freeing, 3/4 ready: admitted", [(0, True, 6, 8, 0)], [False]),
+        ("no free place: nothing to hold back", [(0, True, 8, 0, 8)], [False]),
+        ("none ready: nothing to hold back", [(0, True, 0, 2, 6)], [False]),
+        ("nothing runs: never held", [(0, False, 8, 1, 7)], [False]),
+        ("the bound ends it", [(0, True, 8, 1, 7), (39, True, 8, 1, 7), (40, True, 8, 1, 7)], [True, True, False]),
+    ],
+)  # fmt: skip
+def test_hold_decision_with_places_freeing(name, calls, held):
+    """Places that running requests free within COALESCE_STEPS steps: a step admits only once every place it could fill
+    then is free (or the bound ends the hold), so that a batch is admitted in one prompt step."""
+    clock = FakeClock()
+    hold = AdmissionHold(BOUND_MS, clock)
+    got = []
+    for ms, running, ready, want, soon in calls:
+        clock.ms = ms
+        got.append(hold.hold(running, ready, want, soon))
+    assert got == held, name
+
+
+def _parts(h: Harness, sizes: list[int], new: int) -> None:
+    """A batch admitted in parts of `sizes`, one prompt step each (their adapters ready), every request of `new` tokens."""
+    for size in sizes:
+        for _ in range(size):
+            h.add(f"a{h.n}", reading=False, new=new)
+        h.step()
+
+
+@pytest.mark.parametrize(("coalesce", "prompt_steps"), [(True, 1), (False, 3)])
+def test_a_batch_admitted_in_parts_is_replaced_in_one_prompt_step(monkeypatch, coalesce, prompt_steps):
+    """Requests of the same length admitted in parts of 1, 5 and 2, a step apart, finish a step apart: the 8 waiting
+    behind them come in one prompt step once all three parts are done (two steps held), not one per part, which would
+    go on pass after pass."""
+    import engine.planner as planner
+
+    if not coalesce:
+        monkeypatch.setattr(planner, "COALESCE_STEPS", 0)
+    h = Harness(batch=8)
+    _parts(h, [1, 5, 2], new=6)
+    assert len(h.planner.running) == 8
+    h.prompt_steps = 0
+    later = [h.add(f"b{i}", reading=False, new=6) for i in range(8)]
+    while h.planner.waiting:
+        h.step()
+    assert h.prompt_steps == prompt_steps
+    assert len({h.admitted_at[rid] for rid in later}) == prompt_steps
+    last = max(h.finished_at[f"r{i}"] for i in range(8))
+    assert min(h.admitted_at[rid] for rid in later) == (last + 1 if coalesce else h.finished_at["r0"] + 1)
+    assert h.planner.hold.holds == (2 if coalesce else 0)
+
+
+def test_requests_far_from_their_end_free_no_places():
+    """Running requests with more than COALESCE_STEPS tokens left free no place soon: a ready request is admitted at
+    once into the free places, as before."""
+    h = Harness(batch=8)
+    _parts(h, [4], new=40)
+    rid = h.add("late", reading=False, new=40)
+    h.step()
+    assert rid in h.admitted_at and h.planner.hold.holds == 0
+
+
+def test_a_budget_full_of_prompts_is_not_held_for_places_freeing():
+    """A token budget that takes the running rows and 2 prompts a step: the 2 free places' requests fill it, so a step
+    admits them at once although 2 running requests free more places within a few steps (holding could only admit the
+    same 2 prompts later)."""
+    cfg = EngineConfig(max_batch_size=8, max_prompt_tokens=16, max_new_tokens=512, max_num_batched_tokens=6 + 2 * 8,
+                       kv_block_size=16, kv_num_blocks=8 * 40, admission_hold_ms=BOUND_MS)  # fmt: skip
+    h = Harness(batch=8)
+    h.planner = StepPlanner(cfg, BlockManager(cfg.kv_num_blocks, cfg.kv_block_size), h.pool, "fp", clock=h.clock)
+    _parts(h, [2], new=5)  # 2 tokens left after the next two steps
+    _parts(h, [2, 2], new=40)
+    assert len(h.planner.running) == 6 and h.planner.hold.holds == 0
+    waiting = [h.add(f"w{h.n}", reading=False, new=40) for _ in range(4)]
+    h.step()
+    assert h.planner.hold.holds == 0
+    assert [rid for rid in waiting if rid in h.admitted_at] == waiting[:2]
+
+
 def test_config_bound_is_validated():
     """`admission_hold_ms` is milliseconds from 0 (never hold) up; a negative one is refused naming the field."""
     assert EngineConfig(admission_hold_ms=0).admission_hold_ms == 0
@@ -384,6 +473,28 @@ def test_engine_with_nothing_running_admits_the_first_read_at_once(demo_set, ada
         clock.ms += 1
         eng.step()
         time.sleep(eng.idle_wait_s())
+
+
+def test_engine_replaces_a_batch_admitted_in_parts_in_one_prompt_step(demo_set):
+    """The engine: requests of 6 tokens admitted in parts of 1, 2 and 1 finish in parts; the 4 waiting behind them
+    are admitted in one prompt step once the last part is done, and every request gets its 6 tokens."""
+    eng = Engine(config(demo_set, max_batch_size=4, max_loras=2, **NO_WARM), clock=FakeClock())  # no bound reached
+    results = {}
+    n = 0
+    for size in (1, 2, 1):
+        for _ in range(size):
+            eng.add_request(req(f"p{n}", max_new_tokens=6))
+            n += 1
+        results.update((r.request_id, r) for r in eng.step())
+    later = {f"later{i}" for i in range(4)}
+    for rid in sorted(later):
+        eng.add_request(req(rid, max_new_tokens=6))
+    while eng.has_unfinished():
+        results.update((r.request_id, r) for r in eng.step())
+    assert len(_prompt_steps(eng.pop_step_records(), later)) == 1
+    assert set(results) == later | {f"p{i}" for i in range(4)}
+    assert all(r.ok and len(r.output_ids) == 6 for r in results.values()), results
+    assert eng.stats()["admission_holds"] == 2
 
 
 def test_engine_fails_a_request_whose_read_fails_and_runs_the_rest(demo_set, adapters, gates, tmp_path):

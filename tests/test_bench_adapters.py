@@ -44,6 +44,7 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
         assert steps[-1][col["running"]] == steps[-1][col["waiting"]] == 0
     assert data["cold"][-1][col["reads_taken"]] == rows[0]["loads_cold"]["disk"] > 0
     assert data["warm"][-1][col["reads_taken"]] == 0
+    assert data["cold"][-1][col["reads_landed"]] == 0  # every read landed was taken
     assert "cold pass at 6 adapters" in capsys.readouterr().out
     assert "timeline" not in rows[0]
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.admission import AdmissionHold
+from engine.admission import COALESCE_STEPS, AdmissionHold
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.config import EngineConfig
@@ -126,7 +126,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     holds = engine.planner.hold.holds
     disk0 = counters["loads_disk"]
     # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
-    # it: requests running, waiting, store reads in flight, store reads taken so far, admission holds so far
+    # it: requests running, waiting, store reads in flight, landed and not taken, taken so far, admission holds so far
     timeline: list[tuple] = []
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     try:
@@ -143,7 +143,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
             timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(r.total_us for r in records), sum(s.tokens > 1 for r in records for s in r.shares),
                              sum(s.tokens == 1 for r in records for s in r.shares), len(engine.planner.running),
-                             len(engine.planner.waiting), engine.adapters.reads_in_flight, counters["loads_disk"] - disk0,
+                             len(engine.planner.waiting), engine.adapters.reads_in_flight, engine.adapters.reads_landed, counters["loads_disk"] - disk0,
                              engine.planner.hold.holds - holds))
             if records:
                 decode = all(r.tokens <= batch for r in records)
@@ -181,7 +181,9 @@ def _partial_admissions(engine: Engine, prompts: list[list[int]], keys: list[str
     """Steps that admit most of a batch beside a few running requests, as the admission hold makes (engine.admission:
     once 3/4 of the free places' requests are ready, or all of them): `running` requests first, then 3/4 of the other
     places' worth, or all of them, one step later; each round run out before the next (warm-up only)."""
-    sp = SamplingParams(max_new_tokens=min(new, 3), ignore_eos=True)  # the mixed step is the second: the rest only drains
+    # The mixed step is the second, the rest only drains; the running requests have more tokens left than
+    # COALESCE_STEPS, or the wave would be held back until their places free (engine.admission)
+    sp = SamplingParams(max_new_tokens=min(new, COALESCE_STEPS + 3), ignore_eos=True)
     n = 0
     for running in sorted(r for r in {1, 5, batch // 4 + 1, batch // 2 + 1} if r < batch):
         for wave in sorted({AdmissionHold.enough(batch - running), batch - running}):
@@ -460,7 +462,7 @@ def _tiers(events) -> dict[str, int]:
     return out
 
 
-TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_taken", "holds"]
+TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_landed", "reads_taken", "holds"]
 
 
 def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
