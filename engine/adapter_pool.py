@@ -325,6 +325,11 @@ class AdapterPool(L1Placement):
         return self._ahead.in_flight
 
     @property
+    def read_spans(self) -> list[tuple[float, float]]:
+        """(time.perf_counter() at start, at landing) of the recent store reads on the read-ahead threads."""
+        return list(self._ahead.spans)
+
+    @property
     def reads_landed(self) -> int:
         """Store reads finished on the read-ahead threads and not yet taken into L2."""
         return self._ahead.landed

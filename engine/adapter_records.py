@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,7 @@ class ReadAhead:
         self._futures: dict[str, Future] = {}
         self._running = 0  # futures not done yet (started here, counted down by their done callbacks)
         self._lock = threading.Lock()
+        self.spans: deque[tuple[float, float]] = deque(maxlen=4096)  # (perf_counter at start, at landing) of recent reads
 
     def has_room(self) -> bool:
         return self._running < self.threads * MAX_AHEAD_PER_THREAD
@@ -148,10 +150,12 @@ class ReadAhead:
             future = self._pool.submit(self.reader.read, rec.path, rec.sha)
         else:
             future = self._pool.submit(read_adapter, rec, *args)
+        future.started_at = time.perf_counter()  # type: ignore[attr-defined]
         future.add_done_callback(self._ended)
         self._futures[rec.key] = future
 
-    def _ended(self, _future: Future) -> None:
+    def _ended(self, future: Future) -> None:
+        self.spans.append((future.started_at, time.perf_counter()))  # type: ignore[attr-defined]
         with self._lock:
             self._running -= 1
 

@@ -45,6 +45,9 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
     assert data["cold"][-1][col["reads_taken"]] == rows[0]["loads_cold"]["disk"] > 0
     assert data["warm"][-1][col["reads_taken"]] == 0
     assert data["cold"][-1][col["reads_landed"]] == 0  # every read landed was taken
+    reads = data["cold_reads"]
+    assert len(reads["started_landed_ms"]) == len(reads["load_us"]) == rows[0]["loads_cold"]["disk"]
+    assert all(0 <= a <= b for a, b in reads["started_landed_ms"])
     assert "cold pass at 6 adapters" in capsys.readouterr().out
     assert "timeline" not in rows[0]
 

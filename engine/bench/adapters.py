@@ -139,6 +139,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             us = (time.perf_counter() - c0) * 1e6
             stalls.end()
             records = engine.pop_step_records()
+            time.sleep(engine.idle_wait_s())  # as the serving loop (engine.async_engine) when nothing could run
             tokens += sum(len(r.output_ids) for r in results)
             prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
             timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(r.total_us for r in records), sum(s.tokens > 1 for r in records for s in r.shares),
@@ -158,10 +159,13 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         stalls.close()
     elapsed = time.perf_counter() - t0
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
+    # each store read of the pass: ms into the pass when it started and landed; each disk load's µs (read and copy)
+    spans = sorted((round((a - t0) * 1e3, 2), round((b - t0) * 1e3, 2)) for a, b in engine.adapters.read_spans if a >= t0)
+    timeline_reads = {"started_landed_ms": spans, "load_us": [e.load_us for e in events if e.tier == "disk"]}
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline}  # fmt: skip
+            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -343,7 +347,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
-        "timeline": {"cold": cold["timeline"], "warm": warm["timeline"]},
+        "timeline": {"cold": cold["timeline"], "warm": warm["timeline"], "cold_reads": cold["reads"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
