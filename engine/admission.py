@@ -14,13 +14,16 @@ The planner (engine.planner) holds back a step's admissions when all of these ho
 - the hold began less than `engine.admission_hold_ms` ago.
 
 A batch whose requests were admitted together also finish together, and one admitted in parts finishes in parts: the
-same requests take the same number of steps, so the parts free their places a step or two apart, and each part's
+same requests take the same number of steps, so the parts free their places some steps apart, and each part's
 successors would come in a prompt step of their own, pass after pass. A prompt step of few rows costs nearly what a
 batch's does: it runs eagerly, and its few hundred launches, not its kernels, set its time (H100, session 16: 1 prompt
 row beside 63 decode rows 21 ms, 9 rows 22 ms, 54 rows 31 ms, 64 rows 36 ms; a decode step 2.8 ms; llama-1b, 64 adapters
-of ranks 8-64). So a step also holds back its admissions while running requests that reach their max_new_tokens within
-COALESCE_STEPS steps would free places for waiting requests: until those places are free, the ready requests wait,
-at most COALESCE_STEPS decode steps (about 11 ms there) for a prompt step saved. A request counts by its
+of ranks 8-64: a small prompt step costs 6-7 decode steps more than a decode step). So a step also holds back its
+admissions while running requests that reach their max_new_tokens within COALESCE_STEPS steps would free more places
+for the waiting requests, when waiting for them is cheaper than a prompt step: the places free now, idle until the
+last of those requests finishes, come to at most PROMPT_STEP_DECODES whole-batch decode steps (4 free places of 64
+for 7 steps are held; 60 free places for 7 steps are not, they are admitted and the other 4 come later). Such a hold
+lasts until those places are free, at most COALESCE_STEPS steps, not bounded by the clock. A request counts by its
 max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
 
 The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
@@ -43,7 +46,8 @@ import math
 from collections.abc import Callable
 
 ADMIT_FRACTION = 0.75  # a step admits once this share of the places the waiting requests could fill is ready
-COALESCE_STEPS = 4  # running requests that reach their max_new_tokens within this many steps count as places freeing
+COALESCE_STEPS = 16  # running requests that reach their max_new_tokens within this many steps count as places freeing
+PROMPT_STEP_DECODES = 4  # a small prompt step's cost beyond a decode step, in whole-batch decode steps (measured: 6-7)
 
 
 class AdmissionHold:
@@ -65,12 +69,13 @@ class AdmissionHold:
     def hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
         """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests
         whose adapters need no store read (counted up to `enough(want, soon)`); `want`, the places the waiting could
-        fill now; `soon`, the places more they could fill within COALESCE_STEPS steps (module docstring)."""
+        fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when waiting for them is cheaper
+        than a prompt step (the caller's reckoning; module docstring)."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             now = self._clock()
             if self._since is None:
                 self._since = now
-            if now - self._since < self.bound_s:
+            if soon > 0 or now - self._since < self.bound_s:  # places freeing: bounded by their steps instead
                 self.holds += 1
                 return True
         self._since = None

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.adapter_pool import WAIT_SLOT, AdapterPool
-from engine.admission import COALESCE_STEPS, AdmissionHold
+from engine.admission import COALESCE_STEPS, PROMPT_STEP_DECODES, AdmissionHold
 from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
@@ -182,8 +182,11 @@ class StepPlanner:
         if plan.items and want:
             # places that requests reaching their max_new_tokens within COALESCE_STEPS steps free (a sampling row's
             # next steps are decodes; one that may stop earlier, by EOS or a stop string, frees its place sooner)
-            ending = sum(it.samples and _tokens_left(it.seq) <= COALESCE_STEPS for it in plan.items)
-            if ending:  # as many as one step's token budget takes then (theirs back in it): a step admits no more
+            left_of = [t for it in plan.items if it.samples and (t := _tokens_left(it.seq)) <= COALESCE_STEPS]
+            ending = len(left_of)
+            # worth waiting for only while the free places' idle steps cost less than a prompt step (engine.admission)
+            if ending and want * max(left_of) <= PROMPT_STEP_DECODES * self.config.max_batch_size:
+                # as many as one step's token budget takes then (theirs back in it): a step admits no more
                 fits, left = 0, budget + ending
                 for seq in queue[: free + ending]:
                     left -= seq.num_uncomputed

@@ -282,7 +282,10 @@ def test_random_arrivals_and_landings_keep_the_bound(seed):
         ("no free place: nothing to hold back", [(0, True, 8, 0, 8)], [False]),
         ("none ready: nothing to hold back", [(0, True, 0, 2, 6)], [False]),
         ("nothing runs: never held", [(0, False, 8, 1, 7)], [False]),
-        ("the bound ends it", [(0, True, 8, 1, 7), (39, True, 8, 1, 7), (40, True, 8, 1, 7)], [True, True, False]),
+        ("not bounded by the clock: by the places' steps", [(0, True, 8, 1, 7), (39, True, 8, 1, 7), (400, True, 8, 1, 7)],
+         [True, True, True]),
+        ("a read hold after it counts from its start", [(0, True, 8, 1, 7), (30, True, 1, 8, 0), (40, True, 1, 8, 0)],
+         [True, True, False]),
     ],
 )  # fmt: skip
 def test_hold_decision_with_places_freeing(name, calls, held):
@@ -326,6 +329,27 @@ def test_a_batch_admitted_in_parts_is_replaced_in_one_prompt_step(monkeypatch, c
     last = max(h.finished_at[f"r{i}"] for i in range(8))
     assert min(h.admitted_at[rid] for rid in later) == (last + 1 if coalesce else h.finished_at["r0"] + 1)
     assert h.planner.hold.holds == (2 if coalesce else 0)
+
+
+def test_many_free_places_are_not_held_for_a_few_far_off():
+    """8 waiting, 6 places free and 2 more freeing: in 5 steps, 6 x 5 = 30 idle place-steps cost less than a prompt
+    step (PROMPT_STEP_DECODES x 8 = 32 place-steps), so the step holds; in 6 steps (36) more, so the 6 are admitted at
+    once and the other 2 come later."""
+    h = Harness(batch=8)
+    _parts(h, [2], new=12)
+    for _ in range(6):
+        h.step()  # the 2 have 5 tokens left
+    for _ in range(8):
+        h.add(f"w{h.n}", reading=False, new=12)
+    h.step()
+    assert h.planner.hold.holds == 1  # 6 x 5 = 30: held, within the line
+    h2 = Harness(batch=8)
+    _parts(h2, [2], new=13)
+    for _ in range(6):
+        h2.step()  # the 2 have 6 tokens left
+    waiting = [h2.add(f"w{h2.n}", reading=False, new=13) for _ in range(8)]
+    h2.step()
+    assert h2.planner.hold.holds == 0 and [rid for rid in waiting if rid in h2.admitted_at] == waiting[:6]  # 36: admitted
 
 
 def test_requests_far_from_their_end_free_no_places():
