@@ -511,11 +511,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
     p.add_argument("--read-processes", type=int, default=READ_PROCESSES, help="engine.adapter_read_processes: ... in these processes")
     p.add_argument("--timeline", type=Path, default=None, help="a folder for each count's passes step by step (JSON)")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the run, in ms (default: Python's, 5): how long the read-ahead threads "
+                   "wait before the engine thread must hand them the GIL")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.gil_switch_ms is not None:
+        sys.setswitchinterval(a.gil_switch_ms / 1000)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
         read_processes=a.read_processes, timeline=a.timeline)  # fmt: skip
