@@ -19,6 +19,13 @@ turns False, and later calls fail the same way at once: the worker stops and its
 engine thread dies. The child exits when its parent goes away (its command pipe closes): a killed worker leaves no
 engine holding the GPU.
 
+The child's other threads are the adapter read-ahead threads (engine.adapter_records, engine.adapter_reader), each of
+which takes the lock a few times a read. At Python's switch interval (5 ms) each such turn made the step loop hand the
+lock over mid-launch: on the H100 (engine/PERF.md, session 16: llama-1b, 2,000 adapters, the cold pass) the steps with
+prompt tokens ran 20-30 ms longer than in the host-warm pass. The child sets it to GIL_SWITCH_S, so that a read-ahead
+thread mostly runs while the loop waits (on a CUDA event, on its pipe), which it does every step: the same bench's
+cold pass took 4.58 s against 4.99 s at 5 ms, the disk loads' median unchanged (12.7 against 13.5 ms).
+
     engine = EngineProcess(config)
     engine.start()  # blocks while the child loads the model
     async with engine:
@@ -50,6 +57,7 @@ from engine.config import EngineConfig
 from engine.host_arena import release_segments
 
 log = logging.getLogger("lorabatch.engine")
+GIL_SWITCH_S = 0.05  # the child's sys.setswitchinterval: how long another thread waits before the step loop must yield
 T = TypeVar("T")
 _START_POLL_S = 0.5  # how often start() looks whether a child that has not answered yet is still alive
 _KILL_GRACE_S = 5.0  # how long a close with a deadline waits for a killed child to exit
@@ -446,6 +454,7 @@ def _stats(engine) -> dict:
 def _child_main(config: EngineConfig, commands, results, initializer: Callable[[], None] | None) -> None:
     # ^C at a terminal reaches the whole process group: the parent decides when its engine stops (it drains first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(GIL_SWITCH_S)  # the step loop first (module docstring)
     if initializer is not None:
         initializer()
     from engine.engine import Engine  # here, not at the top: the parent of a process engine never imports torch for it

@@ -7,13 +7,14 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
 
 from engine.api import EngineError
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess
+from engine.engine_process import GIL_SWITCH_S, EngineProcess
 from tests.test_serving_helpers import TEXTS, alone, config, demo_engine, req
 
 ADAPTERS = ["qv-r4", "all-r16", "mlp-r64", None]
@@ -42,6 +43,10 @@ def _load(engine, key: str, path) -> str:
 
 def _child_pid(engine) -> int:
     return os.getpid()
+
+
+def _switch_interval(engine) -> float:
+    return sys.getswitchinterval()
 
 
 def _hang(engine) -> None:
@@ -84,6 +89,8 @@ async def test_requests_from_many_callers_get_the_tokens_they_get_alone(proc, re
         assert res.ok, res.error
         assert res.output_ids == alone(reference, r).output_ids, r.request_id
     assert await proc.call(_child_pid) == proc.pid != os.getpid()
+    # the step loop yields the GIL to the adapter read-ahead threads only every GIL_SWITCH_S, the worker keeps its own
+    assert await proc.call(_switch_interval) == pytest.approx(GIL_SWITCH_S) != sys.getswitchinterval()
     stats = await proc.stats()
     assert stats["running"] == stats["waiting"] == 0 and stats["kv_pool_used_blocks"] == 0
 

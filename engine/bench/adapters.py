@@ -43,6 +43,7 @@ from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.engine_process import GIL_SWITCH_S
 from engine.model import PROJECTION_PARENT, ModelConfig
 
 READ_THREADS = 4  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
@@ -213,9 +214,20 @@ def _pct(values: list[float], q: float) -> float | None:
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
-        timeline: Path | None = None) -> list[dict]:  # fmt: skip
+        timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
-    timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed."""
+    timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
+    thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(gil_switch_s)
+    try:
+        return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
+         timeline) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -511,19 +523,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-threads", type=int, default=READ_THREADS, help="engine.adapter_read_threads: store reads run ahead on these")
     p.add_argument("--read-processes", type=int, default=READ_PROCESSES, help="engine.adapter_read_processes: ... in these processes")
     p.add_argument("--timeline", type=Path, default=None, help="a folder for each count's passes step by step (JSON)")
-    p.add_argument("--gil-switch-ms", type=float, default=None,
-                   help="sys.setswitchinterval for the run, in ms (default: Python's, 5): how long the read-ahead threads "
-                   "wait before the engine thread must hand them the GIL")  # fmt: skip
+    p.add_argument("--gil-switch-ms", type=float, default=GIL_SWITCH_S * 1000,
+                   help="sys.setswitchinterval for the run, in ms: how long the read-ahead threads wait before the engine "
+                   "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    if a.gil_switch_ms is not None:
-        sys.setswitchinterval(a.gil_switch_ms / 1000)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
-        read_processes=a.read_processes, timeline=a.timeline)  # fmt: skip
+        read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000)  # fmt: skip
 
 
 if __name__ == "__main__":
