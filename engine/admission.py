@@ -23,8 +23,8 @@ admissions while running requests that reach their max_new_tokens within COALESC
 for the waiting requests, when waiting for them is cheaper than a prompt step: the places free now, idle until the
 last of those requests finishes, come to at most PROMPT_STEP_DECODES whole-batch decode steps (4 free places of 64
 for 7 steps are held; 60 free places for 7 steps are not, they are admitted and the other 4 come later). Such a hold
-lasts until those places are free, at most COALESCE_STEPS steps, not bounded by the clock. A request counts by its
-max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
+lasts until those places are free, at most COALESCE_STEPS steps and, as any hold, at most the bound. A request counts
+by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
 
 The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
 together, and timed from their arrival every hold after the first bound would end at once. A step that admits, or has
@@ -75,7 +75,7 @@ class AdmissionHold:
             now = self._clock()
             if self._since is None:
                 self._since = now
-            if soon > 0 or now - self._since < self.bound_s:  # places freeing: bounded by their steps instead
+            if now - self._since < self.bound_s:
                 self.holds += 1
                 return True
         self._since = None

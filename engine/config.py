@@ -58,10 +58,12 @@ class EngineConfig(BaseModel):
     )
     admission_hold_ms: float = Field(
         40.0, ge=0, le=10_000,
-        description="with read-ahead threads, while the running batch has work: the longest a step holds back admitting "
-        "the requests whose adapters are ready when fewer than 3/4 of the places the waiting requests could fill are "
-        "ready (the others' adapters still being read from the store), so that a batch is admitted in few prompt steps, "
-        "not one per read landing (engine.admission; the default's reasoning is there); 0: never hold",
+        description="while the running batch has work: the longest a step holds back admitting the requests whose "
+        "adapters are ready when, with read-ahead threads, fewer than 3/4 of the places the waiting requests could fill "
+        "are ready (the others' adapters still being read from the store), or when running requests that reach their "
+        "max_new_tokens within a few steps would free more places, so that a batch is admitted in few prompt steps, not "
+        "one per read landing or per part of a batch finishing (engine.admission; the default's reasoning is there); 0: "
+        "never hold",
     )  # fmt: skip
 
     # ---- paged KV cache
