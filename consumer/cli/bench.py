@@ -138,6 +138,31 @@ def bench_adapters(
         read_processes=read_processes, timeline=timeline)  # fmt: skip
 
 
+def bench_mixed_steps(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights written to a temp folder)")] = "tiny",
+    prompt_rows: Annotated[str, typer.Option(help="prompt rows of the measured steps, comma-separated, each at most --batch")] = "4,1",
+    batch: Annotated[int, typer.Option(min=1, help="the engine's places: each measured step has them all filled")] = 4,
+    prompt: Annotated[int, typer.Option(min=1, help="prompt tokens of each request")] = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+) -> None:
+    """What a step that admits k prompts beside batch - k decode rows costs, with adapters and without: its device and
+    wall µs, and a whole-batch decode step's (a probe of the engine's step costs, not a target's bench)."""
+    from engine.bench.build import SHAPES
+    from engine.bench.mixed_steps import main
+
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
+    try:
+        rows = [int(k) for k in prompt_rows.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"--prompt-rows {prompt_rows!r}: use whole numbers separated by commas, e.g. 64,9,1") from None
+    if not rows or any(not 0 < k <= batch for k in rows):
+        raise typer.BadParameter(f"--prompt-rows {prompt_rows!r}: each must be from 1 to --batch ({batch})")
+    main(["--shape", shape, "--prompt-rows", prompt_rows, "--batch", str(batch), "--prompt", str(prompt), "--device", device])
+
+
 def bench_batch_sweep(
     shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights written to a temp folder)")] = "tiny",
     adapters: Annotated[int, typer.Option(min=1, help="rank-16 adapters on all seven projections; the jobs take turns")] = 2,
@@ -170,6 +195,7 @@ def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Benchmarks: each prints a table, then one JSON line.", no_args_is_help=True)
     group.command("adapters")(bench_adapters)
     group.command("batch-sweep")(bench_batch_sweep)
+    group.command("mixed-steps")(bench_mixed_steps)
     group.command("engine")(bench_engine)
     group.command("kernels")(bench_kernels)
     group.command("ledger")(bench_ledger)
