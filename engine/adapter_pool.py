@@ -326,7 +326,7 @@ class AdapterPool(L1Placement):
 
     @property
     def read_spans(self) -> list[tuple[float, float]]:
-        """(time.perf_counter() at start, at landing) of the recent store reads on the read-ahead threads."""
+        """(time.perf_counter() when it began on its thread, when it landed) of the recent store reads read ahead."""
         return list(self._ahead.spans)
 
     @property

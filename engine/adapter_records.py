@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,11 @@ def read_validated(path: Path, registered: str | None, model: ModelConfig, max_a
                               base_fingerprint=fingerprint)  # fmt: skip
 
 
+def _timed(began: list[float], fn: Callable, *args):
+    began[0] = time.perf_counter()
+    return fn(*args)
+
+
 class ReadAhead:
     """Store reads on `threads` worker threads, one future per key (none with threads = 0); with a `reader`
     (engine.adapter_reader.ReaderPool) the threads hand each read to a reader process and wait for its pages."""
@@ -127,7 +133,7 @@ class ReadAhead:
         self._futures: dict[str, Future] = {}
         self._running = 0  # futures not done yet (started here, counted down by their done callbacks)
         self._lock = threading.Lock()
-        self.spans: deque[tuple[float, float]] = deque(maxlen=4096)  # (perf_counter at start, at landing) of recent reads
+        self.spans: deque[tuple[float, float]] = deque(maxlen=4096)  # (perf_counter when it began, landed) of recent reads
 
     def has_room(self) -> bool:
         return self._running < self.threads * MAX_AHEAD_PER_THREAD
@@ -146,16 +152,17 @@ class ReadAhead:
         assert self._pool is not None and rec.key not in self._futures, rec.key
         with self._lock:
             self._running += 1
+        began = [0.0]  # set by the thread when the read begins (it may queue behind others first)
         if self.reader is not None:
-            future = self._pool.submit(self.reader.read, rec.path, rec.sha)
+            future = self._pool.submit(_timed, began, self.reader.read, rec.path, rec.sha)
         else:
-            future = self._pool.submit(read_adapter, rec, *args)
-        future.started_at = time.perf_counter()  # type: ignore[attr-defined]
-        future.add_done_callback(self._ended)
+            future = self._pool.submit(_timed, began, read_adapter, rec, *args)
+        future.add_done_callback(lambda f: self._ended(began[0]))
         self._futures[rec.key] = future
 
-    def _ended(self, future: Future) -> None:
-        self.spans.append((future.started_at, time.perf_counter()))  # type: ignore[attr-defined]
+    def _ended(self, began: float) -> None:
+        if began:  # (0: cancelled before it began)
+            self.spans.append((began, time.perf_counter()))
         with self._lock:
             self._running -= 1
 

@@ -20,11 +20,14 @@ batch's does: it runs eagerly, and its few hundred launches, not its kernels, se
 row beside 63 decode rows 21 ms, 9 rows 22 ms, 54 rows 31 ms, 64 rows 36 ms; a decode step 2.8 ms; llama-1b, 64 adapters
 of ranks 8-64: a small prompt step costs 6-7 decode steps more than a decode step). So a step also holds back its
 admissions while running requests that reach their max_new_tokens within COALESCE_STEPS steps would free more places
-for the waiting requests, when waiting for them is cheaper than a prompt step: the places free now, idle until the
-last of those requests finishes, come to at most PROMPT_STEP_DECODES whole-batch decode steps (4 free places of 64
-for 7 steps are held; 60 free places for 7 steps are not, they are admitted and the other 4 come later). Such a hold
-lasts until those places are free, at most COALESCE_STEPS steps and, as any hold, at most the bound. A request counts
-by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
+for the waiting requests, when waiting for them is cheaper than a prompt step. What a hold costs, counted over the
+whole hold (the steps already held and those until the last of those requests finishes), in whole-batch decode steps:
+the free places idle meanwhile (place-steps over the batch), and UNCHAINED_STEP a held step, since a step that leaves
+places free for waiting requests runs as a round of one step, not chained with the next (engine.rounds; PERF.md,
+issue 21's suite: 2.92 against 2.16 ms a step at llama-1b). It must stay within PROMPT_STEP_DECODES: 4 free places of
+64 for 7 steps are held (0.4 + 1.75); 60 for 7 steps are not, they are admitted and the other 4 come later; nor are
+places freeing 16 steps on. A hold lasts at most that reckoning allows and, as any hold, at most the bound. A request
+counts by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
 
 The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
 together, and timed from their arrival every hold after the first bound would end at once. A step that admits, or has
@@ -48,6 +51,7 @@ from collections.abc import Callable
 ADMIT_FRACTION = 0.75  # a step admits once this share of the places the waiting requests could fill is ready
 COALESCE_STEPS = 16  # running requests that reach their max_new_tokens within this many steps count as places freeing
 PROMPT_STEP_DECODES = 4  # a small prompt step's cost beyond a decode step, in whole-batch decode steps (measured: 6-7)
+UNCHAINED_STEP = 0.25  # what a held step costs more than a chained one, in whole-batch decode steps (measured: 0.26-0.35)
 
 
 class AdmissionHold:
@@ -57,7 +61,15 @@ class AdmissionHold:
         self.bound_s = bound_ms / 1000
         self._clock = clock
         self._since: float | None = None  # clock() at the first held step of the hold under way
+        self._idle = 0  # place-steps left idle by the hold under way's steps held for places freeing
+        self._held = 0  # those steps
         self.holds = 0  # steps whose admissions were held back
+
+    def worth_waiting(self, want: int, steps: int, batch: int) -> bool:
+        """Whether holding `want` free places of `batch` idle for `steps` more steps, until places freeing then are
+        free, keeps the hold under way's cost within a prompt step's (module docstring)."""
+        idle = (self._idle + want * steps) / batch
+        return idle + (self._held + steps) * UNCHAINED_STEP <= PROMPT_STEP_DECODES
 
     @staticmethod
     def enough(want: int, soon: int = 0) -> int:
@@ -69,14 +81,18 @@ class AdmissionHold:
     def hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
         """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests
         whose adapters need no store read (counted up to `enough(want, soon)`); `want`, the places the waiting could
-        fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when waiting for them is cheaper
-        than a prompt step (the caller's reckoning; module docstring)."""
+        fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when `worth_waiting` says so
+        (the caller's reckoning; module docstring)."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             now = self._clock()
             if self._since is None:
                 self._since = now
             if now - self._since < self.bound_s:
                 self.holds += 1
+                if soon > 0:
+                    self._idle += want
+                    self._held += 1
                 return True
         self._since = None
+        self._idle = self._held = 0
         return False

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.adapter_pool import WAIT_SLOT, AdapterPool
-from engine.admission import COALESCE_STEPS, PROMPT_STEP_DECODES, AdmissionHold
+from engine.admission import COALESCE_STEPS, AdmissionHold
 from engine.api import AdapterError, EngineError
 from engine.block_manager import BlockManager, namespace_hash
 from engine.config import EngineConfig
@@ -184,8 +184,8 @@ class StepPlanner:
             # next steps are decodes; one that may stop earlier, by EOS or a stop string, frees its place sooner)
             left_of = [t for it in plan.items if it.samples and (t := _tokens_left(it.seq)) <= COALESCE_STEPS]
             ending = len(left_of)
-            # worth waiting for only while the free places' idle steps cost less than a prompt step (engine.admission)
-            if ending and want * max(left_of) <= PROMPT_STEP_DECODES * self.config.max_batch_size:
+            # worth waiting for only while the hold costs less than a prompt step (engine.admission)
+            if ending and self.hold.worth_waiting(want, max(left_of), self.config.max_batch_size):
                 # as many as one step's token budget takes then (theirs back in it): a step admits no more
                 fits, left = 0, budget + ending
                 for seq in queue[: free + ending]:
@@ -194,7 +194,7 @@ class StepPlanner:
                         break
                     fits += 1
                 soon = max(0, fits - want)
-            enough = self.hold.enough(want, soon)
+            enough = 1 if soon else self.hold.enough(want)  # with places freeing, any ready request is held back
             for seq in queue:
                 if ready >= enough:
                     break

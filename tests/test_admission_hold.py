@@ -332,24 +332,39 @@ def test_a_batch_admitted_in_parts_is_replaced_in_one_prompt_step(monkeypatch, c
 
 
 def test_many_free_places_are_not_held_for_a_few_far_off():
-    """8 waiting, 6 places free and 2 more freeing: in 5 steps, 6 x 5 = 30 idle place-steps cost less than a prompt
-    step (PROMPT_STEP_DECODES x 8 = 32 place-steps), so the step holds; in 6 steps (36) more, so the 6 are admitted at
-    once and the other 2 come later."""
+    """8 waiting, 6 places free and 2 more freeing, batch 8: a hold costs 6/8 of a decode step a step for the idle places
+    and UNCHAINED_STEP for the unchained round, so places 4 steps off (4 decode steps' worth, PROMPT_STEP_DECODES) are
+    waited for and places 5 steps off are not: the 6 are admitted at once and the other 2 come later."""
     h = Harness(batch=8)
-    _parts(h, [2], new=12)
+    _parts(h, [2], new=11)
     for _ in range(6):
-        h.step()  # the 2 have 5 tokens left
+        h.step()  # the 2 have 4 tokens left
     for _ in range(8):
-        h.add(f"w{h.n}", reading=False, new=12)
+        h.add(f"w{h.n}", reading=False, new=11)
     h.step()
-    assert h.planner.hold.holds == 1  # 6 x 5 = 30: held, within the line
+    assert h.planner.hold.holds == 1
     h2 = Harness(batch=8)
-    _parts(h2, [2], new=13)
+    _parts(h2, [2], new=12)
     for _ in range(6):
-        h2.step()  # the 2 have 6 tokens left
-    waiting = [h2.add(f"w{h2.n}", reading=False, new=13) for _ in range(8)]
+        h2.step()  # the 2 have 5 tokens left
+    waiting = [h2.add(f"w{h2.n}", reading=False, new=12) for _ in range(8)]
     h2.step()
-    assert h2.planner.hold.holds == 0 and [rid for rid in waiting if rid in h2.admitted_at] == waiting[:6]  # 36: admitted
+    assert h2.planner.hold.holds == 0 and [rid for rid in waiting if rid in h2.admitted_at] == waiting[:6]
+
+
+def test_a_hold_for_places_freeing_counts_what_it_has_spent():
+    """Places freeing 4 steps on, step after step (requests finishing in a stream keep entering the window): the hold's
+    cost adds up over its steps, 1 idle place of 8 and an unchained round each, so it ends after 7 held steps, not at
+    the clock's bound; a step that does not hold starts the reckoning afresh."""
+    clock = FakeClock()
+    hold = AdmissionHold(BOUND_MS, clock)
+    held = []
+    for step in range(12):
+        clock.ms = step
+        soon = 3 if hold.worth_waiting(1, 4, 8) else 0
+        held.append(hold.hold(True, 1, 1, soon))
+    assert held == [True] * 7 + [False] + [True] * 4
+    assert hold.worth_waiting(1, 4, 8) is True  # 4 held since the reset: (4 + 4) / 8 + 8 x 0.25 = 3 decode steps
 
 
 def test_requests_far_from_their_end_free_no_places():

@@ -93,3 +93,33 @@ def test_partial_admissions_warm_up_makes_the_held_admission_shapes(tmp_path):
     made = {(sum(s.tokens > 1 for s in r.shares), sum(s.tokens == 1 for s in r.shares)) for r in records}
     want = {(wave, running) for running in (1, 3, 5) for wave in (AdmissionHold.enough(batch - running), batch - running)}
     assert want <= made, sorted(made)
+
+
+def test_read_spans_begin_when_the_thread_takes_the_read_not_when_it_queues():
+    """One read-ahead thread, three reads queued at once, each holding the thread until the test lets it go: each span
+    begins when its read began (after the one before it landed), and `landed` counts the reads done and not taken."""
+    import threading
+    from pathlib import Path
+
+    from engine.adapter_records import ReadAhead, Record
+
+    gates = [threading.Event() for _ in range(3)]
+    order = iter(range(3))
+
+    class Reader:
+        def read(self, path, sha):
+            gates[next(order)].wait(timeout=30)
+            return "sha", None, 0
+
+    ahead = ReadAhead(1, reader=Reader())
+    for i in range(3):
+        ahead.start(Record(f"k{i}", Path("/nowhere"), None, "", "standard"))
+    for g in gates:
+        g.set()
+        while len(ahead.spans) < gates.index(g) + 1:
+            threading.Event().wait(0.001)
+    while ahead.in_flight:  # counted down just after the span is kept
+        threading.Event().wait(0.001)
+    spans = list(ahead.spans)
+    assert all(spans[i][0] >= spans[i - 1][1] for i in (1, 2)), spans  # not queued time
+    assert ahead.landed == 3 and ahead.in_flight == 0

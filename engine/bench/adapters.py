@@ -160,7 +160,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         stalls.close()
     elapsed = time.perf_counter() - t0
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
-    # each store read of the pass: ms into the pass when it started and landed; each disk load's µs (read and copy)
+    # each store read of the pass: ms into the pass when it began on its thread and landed; each disk load's µs (read and copy)
     spans = sorted((round((a - t0) * 1e3, 2), round((b - t0) * 1e3, 2)) for a, b in engine.adapters.read_spans if a >= t0)
     timeline_reads = {"started_landed_ms": spans, "load_us": [e.load_us for e in events if e.tier == "disk"]}
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
