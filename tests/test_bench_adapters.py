@@ -50,6 +50,7 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
     assert all(0 <= a <= b for a, b in reads["started_landed_ms"])
     assert "cold pass at 6 adapters" in capsys.readouterr().out
     assert "timeline" not in rows[0]
+    assert rows[0]["decode_step_device_p50_without_us"] > 0  # the decode steps' device µs beside their wall µs
 
 
 def test_warm_up_adapters_are_not_the_measured_ones(tmp_path):
