@@ -4,6 +4,7 @@ nothing from disk), and every distinct adapter content. Figures are printed, nev
 
 from __future__ import annotations
 
+import gc
 import hashlib
 
 from engine.bench.adapters import run, write_adapters
@@ -51,6 +52,8 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
     assert "cold pass at 6 adapters" in capsys.readouterr().out
     assert "timeline" not in rows[0]
     assert rows[0]["decode_step_device_p50_without_us"] > 0  # the decode steps' device µs beside their wall µs
+    assert rows[0]["cold_gc_ms"] >= 0 and rows[0]["warm_gc_ms"] >= 0
+    assert gc.get_freeze_count() == 0  # the bench froze its engine for the passes only
 
 
 def test_warm_up_adapters_are_not_the_measured_ones(tmp_path):

@@ -43,7 +43,7 @@ from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.engine_process import GIL_SWITCH_S
+from engine.engine_process import GIL_SWITCH_S, _freeze_gc
 from engine.model import PROJECTION_PARENT, ModelConfig
 
 READ_THREADS = 4  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
@@ -122,6 +122,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     t0 = time.perf_counter()
     tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag)
     paused = _GcPauses()
+    gc_ms = 0.0  # the collector's pauses over the pass
     stalls = _StallStacks()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
@@ -133,6 +134,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     try:
         while engine.has_unfinished():
             loads = counters["loads_disk"] + counters["loads_host"]
+            gc_ms += paused.ms
             paused.ms = 0.0
             c0 = stalls.begin()
             results = engine.step()
@@ -156,6 +158,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                 calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode,
                               sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag))
     finally:
+        gc_ms += paused.ms
         paused.close()
         stalls.close()
     elapsed = time.perf_counter() - t0
@@ -166,7 +169,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads}  # fmt: skip
+            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads, "gc_ms": round(gc_ms, 1)}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -309,12 +312,18 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # the admission hold makes decode batches of sizes no warm-up made, and a bucket's first step captured and
         # calibrated its graphs inside the cold pass (H200, session 13: one decode step of 127-159 ms at 2000 adapters).
         captured = engine.capture_decode_graphs()
-        warmup_compiles = compiles.take()
-        cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
-        cold_compiles = compiles.take()
-        engine.adapters.offload()  # the host-warm pass starts with every adapter in L2 and none in L1
-        warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
-        warm_compiles = compiles.take()
+        # What lives now out of the collector's walks, as the engine process does after building its engine and after
+        # new decode graphs (engine.engine_process `_freeze_gc`): the adapters' records and the graphs among it
+        _freeze_gc()
+        try:
+            warmup_compiles = compiles.take()
+            cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
+            cold_compiles = compiles.take()
+            engine.adapters.offload()  # the host-warm pass starts with every adapter in L2 and none in L1
+            warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
+            warm_compiles = compiles.take()
+        finally:
+            gc.unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
     host_loads = [e for e in warm["events"] + cold["events"] if e.tier == "host"]
     load_us = [e.load_us for e in host_loads]
     disk_us = [e.load_us for e in cold["events"] if e.tier == "disk"]
@@ -362,6 +371,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # while reads landed (engine.admission)
         "cold_prompt_steps": cold["prompt_steps"], "warm_prompt_steps": warm["prompt_steps"],
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
+        "cold_gc_ms": cold["gc_ms"], "warm_gc_ms": warm["gc_ms"],  # the collector's pauses in each pass
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
