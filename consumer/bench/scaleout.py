@@ -42,6 +42,9 @@ def _zipf_jobs(n: int, adapters: list[str], tag: str, new_tokens: int, seed: int
                 max_new_tokens=new_tokens) for i, a in enumerate(picks)]
 
 
+WARM_ROUNDS = 60  # warm-up rounds of a job per partition, at most, until every worker has answered one
+
+
 def _spawn(config: Path, worker_id: str, gpu: str | None, log_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if gpu is not None:
@@ -61,19 +64,30 @@ async def _scenario(s: Settings, config: Path, workers: int, gpus: list[str | No
 
     procs = [_spawn(config, f"w{i}-{key_by}-{workers}", gpus[i % len(gpus)], home) for i in range(workers)]
     seen: dict[str, int] = {}
+    answered_by: set[str] = set()  # workers that have answered a warm-up job
 
     def take(_key, value):
         r = Result.model_validate_json(value)
         seen[r.request_id] = seen.get(r.request_id, 0) + 1
+        answered_by.add(r.worker_id)
 
     def dead() -> bool:
         return any(p.poll() is not None for p in procs)
 
     try:
-        # Warm-up: one job per worker's partitions, so the group is formed and models are loaded.
-        await produce_jobs(s.kafka, warm, "warm", "bench", "scaleout", "request")
-        await _read_topics(s.kafka, {s.kafka.results_topic: take}, False,
-                           lambda: dead() or all(j.request_id in seen for j in warm), 900)
+        # Warm-up: a job per partition, again until every worker has answered one, so that the group is formed with all
+        # of them and their models are loaded (one worker could answer a whole round before the other joined, and then
+        # run the measured jobs alone until a rebalance).
+        for round_ in range(WARM_ROUNDS):
+            batch = [j.model_copy(update={"request_id": f"{j.request_id}-{round_}"}) for j in warm]
+            await produce_jobs(s.kafka, batch, "warm", "bench", "scaleout", "request")
+            await _read_topics(s.kafka, {s.kafka.results_topic: take}, False,
+                               lambda: dead() or all(j.request_id in seen for j in batch), 900)
+            if dead() or len(answered_by) >= workers:
+                break
+        else:
+            raise RuntimeError(f"only {len(answered_by)} of {workers} workers answered in {WARM_ROUNDS} warm-up rounds; "
+                               f"see their logs in {home}")
         t0 = time.perf_counter()
         await produce_jobs(s.kafka, jobs, "run", "bench", "scaleout", key_by)
         wanted = {j.request_id for j in jobs}
