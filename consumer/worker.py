@@ -74,6 +74,26 @@ def make_route_cache(s: Settings) -> RouteCache:
     return LruRouteCache(r.cache_entries, r.cache_ttl_s)
 
 
+async def end_tasks(tasks: list[asyncio.Task], *, wait_s: float = 1.0, rounds: int = 10) -> None:
+    """Cancel `tasks` and wait for them to end; one still running `wait_s` later is cancelled again, up to `rounds`
+    times, then left running, logged. Before Python 3.12, `asyncio.wait_for` hands its caller the inner result when the
+    inner future completes as the caller is cancelled, and a loop around it goes on as if never cancelled: under load a
+    worker's stop once waited for ever on its gpu-time loop (cancelled in the engine stats' `wait_for`)."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(rounds):
+        if not pending:
+            break
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=wait_s)
+    if pending:
+        log.error("stopping: %s did not end when cancelled %d times; left running",
+                  ", ".join(sorted(t.get_name() for t in pending)), rounds)  # fmt: skip
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved (an error of one was raised or logged where it happened)
+
+
 class Worker:
     def __init__(self, settings: Settings, engine: Engine | EngineProcess, registry: Registry, ledger, *,
                  metrics: WorkerMetrics | None = None, route_cache: RouteCache | None = None, keep_stages: int = 0):
@@ -258,9 +278,7 @@ class Worker:
                             "uncommitted and are redelivered to the partitions' next owner")
             await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await end_tasks(tasks)
 
     # ---------------------------------------------------------------- fetch, route, queue
 
