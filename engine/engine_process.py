@@ -19,12 +19,8 @@ turns False, and later calls fail the same way at once: the worker stops and its
 engine thread dies. The child exits when its parent goes away (its command pipe closes): a killed worker leaves no
 engine holding the GPU.
 
-The child's other threads are the adapter read-ahead threads (engine.adapter_records, engine.adapter_reader), each of
-which takes the lock a few times a read. At Python's switch interval (5 ms) each such turn made the step loop hand the
-lock over mid-launch: on the H100 (engine/PERF.md, session 16: llama-1b, 2,000 adapters, the cold pass) the steps with
-prompt tokens ran 20-30 ms longer than in the host-warm pass. The child sets it to GIL_SWITCH_S, so that a read-ahead
-thread mostly runs while the loop waits (on a CUDA event, on its pipe), which it does every step: the same bench's
-cold pass took 4.58 s against 4.99 s at 5 ms, the disk loads' median unchanged (12.7 against 13.5 ms).
+The child's switch interval is GIL_SWITCH_S, not Python's 5 ms, so that its adapter read-ahead threads take the lock
+while the step loop waits, not mid-launch (engine/PERF.md, session 16: a 2,000-adapter cold pass 4.58 s against 4.99).
 
     engine = EngineProcess(config)
     engine.start()  # blocks while the child loads the model

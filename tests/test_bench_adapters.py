@@ -127,3 +127,23 @@ def test_read_spans_begin_when_the_thread_takes_the_read_not_when_it_queues():
     spans = list(ahead.spans)
     assert all(spans[i][0] >= spans[i - 1][1] for i in (1, 2)), spans  # not queued time
     assert ahead.landed == 3 and ahead.in_flight == 0
+
+
+def test_the_switch_interval_option_refuses_what_python_cannot_take():
+    """--gil-switch-ms 0 or below (sys.setswitchinterval refuses it) and past 1 s are refused naming the option, in both
+    the module's parser and the CLI; the run restores the interval it found."""
+    import sys
+
+    import pytest
+    from typer.testing import CliRunner
+
+    from consumer.cli import build_app
+    from engine.bench.adapters import parse_args
+
+    for bad in ("0", "-5", "5000"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gil-switch-ms", bad])
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", "--gil-switch-ms", bad])
+        assert out.exit_code != 0 and "--gil-switch-ms" in out.output, out.output
+    assert parse_args(["--gil-switch-ms", "5"]).gil_switch_ms == 5.0
+    assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -129,13 +129,15 @@ def bench_adapters(
     read_threads: Annotated[int, typer.Option(help="engine.adapter_read_threads: threads reading queued requests' adapters ahead")] = 4,
     read_processes: Annotated[int, typer.Option(help="engine.adapter_read_processes: reader processes doing those reads (0: the threads)")] = 4,
     timeline: Annotated[Optional[Path], typer.Option(help="a folder for each count's passes step by step (JSON); the cold pass's admissions are printed")] = None,
+    gil_switch_ms: Annotated[float, typer.Option(min=0.001, max=1000.0, help="the interpreter's switch interval for the run, "
+                                                 "in ms (default: the engine process's; Python's own is 5)")] = 50.0,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
     from engine.bench.adapters import run
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
-        read_processes=read_processes, timeline=timeline)  # fmt: skip
+        read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -546,7 +546,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gil-switch-ms", type=float, default=GIL_SWITCH_S * 1000,
                    help="sys.setswitchinterval for the run, in ms: how long the read-ahead threads wait before the engine "
                    "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not 0 < a.gil_switch_ms <= 1000:
+        p.error(f"--gil-switch-ms {a.gil_switch_ms}: use a number of ms above 0, at most 1000")
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:
