@@ -28,6 +28,7 @@ is 0 in the page table).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -168,22 +169,27 @@ class PageAllocator:
             total[size] = total.get(size, 0) + n
         if not self.fits(total):
             return None
-        return [[self._take(size) for _ in range(n)] for size, n in need]
+        return [self._take(size, n) for size, n in need]
 
     def free(self, size: int, offsets: list[int]) -> None:
+        by_chunk: dict[int, list[int]] = {}
         for off in offsets:
             c = off // self.chunk
             assert self._size_of.get(c) == size and (off - c * self.chunk) % size == 0, (off, size, self._size_of.get(c))
-            self._free[size].setdefault(c, []).append(off)
-            self.nfree[size] += 1
-            self.used[c] -= 1
+            by_chunk.setdefault(c, []).append(off)
+        for c, offs in by_chunk.items():
+            self.nfree[size] += len(offs)
+            self.used[c] -= len(offs)
             if self.used[c] == 0:  # the whole chunk is free again: back to the free chunks, for any size
-                del self._free[size][c], self.used[c], self._size_of[c]
+                self._free[size].pop(c, None)
+                del self.used[c], self._size_of[c]
                 self.nfree[size] -= self.per_chunk[size]
                 self._free_chunks.append(c)
                 self._free_chunks.sort(reverse=True)
             else:
-                self._free[size][c].sort(reverse=True)
+                free = self._free[size].setdefault(c, [])
+                free.extend(offs)
+                free.sort(reverse=True)
 
     def trial(self) -> Trial:
         """A what-if of frees, for choosing victims before evicting any."""
@@ -192,21 +198,28 @@ class PageAllocator:
     def used_elems(self) -> int:
         return sum(n * self._size_of[c] for c, n in self.used.items())
 
-    def _take(self, size: int) -> int:
+    def _take(self, size: int, n: int) -> list[int]:
+        """`n` free pages of `size`, lowest first: from the lowest chunk with free pages of it (so an adapter's pages
+        stay together), then the next, cutting a free chunk into pages of `size` when none is left."""
         chunks = self._free[size]
-        if not chunks:
-            c = self._free_chunks.pop()
-            base = c * self.chunk
-            chunks[c] = [base + i * size for i in range(self.per_chunk[size] - 1, -1, -1)]
-            self.used[c], self._size_of[c] = 0, size
-            self.nfree[size] += self.per_chunk[size]
-        c = min(chunks)  # the lowest chunk with a free page: an adapter's pages stay together
-        off = chunks[c].pop()
-        if not chunks[c]:
-            del chunks[c]
-        self.used[c] += 1
-        self.nfree[size] -= 1
-        return off
+        taken: list[int] = []
+        while len(taken) < n:
+            if not chunks:
+                c = self._free_chunks.pop()
+                base = c * self.chunk
+                chunks[c] = [base + i * size for i in range(self.per_chunk[size] - 1, -1, -1)]
+                self.used[c], self._size_of[c] = 0, size
+                self.nfree[size] += self.per_chunk[size]
+            c = min(chunks)
+            free = chunks[c]  # descending: the lowest offsets at its end
+            k = min(n - len(taken), len(free))
+            taken.extend(reversed(free[-k:]))
+            del free[-k:]
+            if not free:
+                del chunks[c]
+            self.used[c] += k
+            self.nfree[size] -= k
+        return taken
 
 
 class Trial:
@@ -219,11 +232,11 @@ class Trial:
         self._free_chunks = alloc.free_chunks
 
     def free(self, size: int, offsets: list[int]) -> None:
-        for off in offsets:
-            c = off // self._a.chunk
-            used = self._used.get(c, self._a.used[c]) - 1
+        chunk = self._a.chunk
+        for c, n in Counter(off // chunk for off in offsets).items():
+            used = self._used.get(c, self._a.used[c]) - n
             self._used[c] = used
-            self._nfree[size] += 1
+            self._nfree[size] += n
             if used == 0:
                 self._free_chunks += 1
                 self._nfree[size] -= self._a.per_chunk[size]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from engine.adapter_reader import ReaderPool
@@ -74,6 +74,8 @@ class AdapterPool(L1Placement):
         self._records: dict[str, Record] = {}
         self._contents: dict[str, Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
+        self._ranked_at: float | None = None  # a placement walk's clock, while one runs (L1Placement.placing)
+        self._ranking: list | None = None  # ... and its ranking of eviction candidates, once made
         self.l1_changes = 0  # counts changes of which keys are in L1 (`resident_keys`), so readers rebuild only on change
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
@@ -115,6 +117,8 @@ class AdapterPool(L1Placement):
         self._records[key] = Record(key, Path(path), sha256, tenant, slo_tier)
         if sha256 is not None and sha256 in self._contents:
             self._contents[sha256].keys.add(key)
+            if self._contents[sha256].slot is not None:
+                self._unrank()
 
     def load(self, key: str, path: Path, *, tenant: str = "", slo_tier: str = "standard") -> AdapterInfo:
         """Register and load now, into a slot if one is free or can be freed; the key is dropped again if it fails."""
@@ -178,6 +182,7 @@ class AdapterPool(L1Placement):
         rec = self._records[key]
         self._predictor.observe(key, self._wall())
         rec.heat.hit(self._clock())
+        self._unrank()
         content = self._contents.get(rec.sha) if rec.sha else None
         ready = content is not None and (content.slot is not None or content.host is not None)
         self.counters["requests_warm" if ready else "requests_cold"] += 1
@@ -222,6 +227,7 @@ class AdapterPool(L1Placement):
         content = self._contents[sha]
         assert content.pins > 0, sha
         content.pins -= 1
+        self._unrank()
 
     def prefetch(self, key: str, exclude: Iterable[int]) -> int | str | None:
         """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
@@ -230,7 +236,7 @@ class AdapterPool(L1Placement):
         if self.read_ahead(key) or self._ahead.pending(key):
             return None  # read on a thread, off the step's path; placed by a later prefetch or its admission
         try:
-            content = self._ensure_slot(key, exclude=tuple(exclude), reason="request")
+            content = self._ensure_slot(key, exclude=frozenset(exclude), reason="request")
         except AdapterError:
             return None
         if isinstance(content, str):
@@ -365,7 +371,7 @@ class AdapterPool(L1Placement):
 
     # ---- internals
 
-    def _ensure_slot(self, key: str, exclude: tuple[int, ...], reason: str) -> Content | str:
+    def _ensure_slot(self, key: str, exclude: Collection[int], reason: str) -> Content | str:
         rec = self._records[key]
         if rec.error is not None:
             if not rec.error.retriable:
@@ -451,6 +457,7 @@ class AdapterPool(L1Placement):
         self._slots[slot] = content.sha
         self.l1_changes += 1
         content.slot = slot
+        self._ranked_place(content)
         if content.sha not in self._l2:
             content.host = None  # a transient copy (larger than L2): the slot now holds it
         if content.sha in self._l2:
@@ -461,6 +468,8 @@ class AdapterPool(L1Placement):
         rec.sha = content.sha
         content.keys.add(rec.key)
         self.l1_changes += 1
+        if content.slot is not None:  # its heat and tier are its keys'
+            self._unrank()
 
     def _event(self, rec: Record, content: Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> LoadEvent:
         event = LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
@@ -488,6 +497,8 @@ class AdapterPool(L1Placement):
         content = self._contents.get(rec.sha) if rec.sha else None
         if content is None:
             return
+        if content.slot is not None:
+            self._unrank()
         content.keys.discard(key)
         self.l1_changes += 1
         if content.keys:

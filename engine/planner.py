@@ -129,15 +129,16 @@ class StepPlanner:
         queue = [s for s in sorted(self.waiting, key=_rank) if s not in plan.preempted]  # not back in the step that preempted it
         if self._held(plan, queue, budget):
             return plan
-        for seq in queue:
-            if budget == 0 or len(self.running) >= self.config.max_batch_size:
-                break
-            verdict = self._admit(seq, budget, plan)
-            if verdict == "stop":
-                break
-            if isinstance(verdict, Scheduled):
-                plan.items.append(verdict)
-                budget -= len(verdict.tokens)
+        with self.pool.placing():  # the eviction candidates ranked once for the step's admissions
+            for seq in queue:
+                if budget == 0 or len(self.running) >= self.config.max_batch_size:
+                    break
+                verdict = self._admit(seq, budget, plan)
+                if verdict == "stop":
+                    break
+                if isinstance(verdict, Scheduled):
+                    plan.items.append(verdict)
+                    budget -= len(verdict.tokens)
         return plan
 
     def prefetch(self, busy_slots: Iterable[int], places: int) -> None:
@@ -157,18 +158,19 @@ class StepPlanner:
         # thousands of waiting requests it would cost more host time than a round of GPU work (L1's rows, max_loras, are
         # no bound once the byte budget, not the rows, limits residency).
         walk = min(len(self.waiting), max(places, 0) + READ_AHEAD_BATCHES * self.config.max_batch_size)
-        for i, seq in enumerate(heapq.nsmallest(walk, self.waiting, key=_rank)):
-            if seq.adapter_key is None or seq.lora_slot >= 0 or self.pool.failed(seq.adapter_key) is not None:
-                continue
-            if not placing or i >= places:
-                if self.pool.read_ahead(seq.adapter_key) is None:
-                    break  # no room for another read (or no token): none after it would start either
-                continue
-            slot = self.pool.prefetch(seq.adapter_key, exclude)
-            if slot == WAIT_SLOT:
-                placing = False
-            elif slot is not None:
-                exclude.add(slot)
+        with self.pool.placing():  # the eviction candidates ranked once for the walk
+            for i, seq in enumerate(heapq.nsmallest(walk, self.waiting, key=_rank)):
+                if seq.adapter_key is None or seq.lora_slot >= 0 or self.pool.failed(seq.adapter_key) is not None:
+                    continue
+                if not placing or i >= places:
+                    if self.pool.read_ahead(seq.adapter_key) is None:
+                        break  # no room for another read (or no token): none after it would start either
+                    continue
+                slot = self.pool.prefetch(seq.adapter_key, exclude)
+                if slot == WAIT_SLOT:
+                    placing = False
+                elif slot is not None:
+                    exclude.add(slot)
 
     # ---- internals
 

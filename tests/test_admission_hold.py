@@ -3,6 +3,8 @@ while nothing else runs, never for longer than the bound, and a failed read stil
 
 from __future__ import annotations
 
+import contextlib
+
 import random
 import threading
 import time
@@ -100,6 +102,9 @@ class FakePool:
 
     def release(self, sha: str) -> None:
         pass
+
+    def placing(self):
+        return contextlib.nullcontext()
 
 
 class Harness:

@@ -4,6 +4,7 @@ request (the warm pool's loads, prefetch, read-ahead, reader processes, the host
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -227,6 +228,46 @@ def test_adapters_of_running_requests_stay_pinned(demo_set, many_adapters):
     for i, r in enumerate(reqs):
         ref.load_adapter(f"p{i}", many_adapters[i])
         assert results[r.request_id].output_ids == alone(ref, r).output_ids
+
+
+def _placements(demo_set, many_adapters, *, walk: bool, hot: str | None = None) -> list[tuple[str, ...]]:
+    """12 adapters of mixed tiers, heat and sizes through 6 slots: 6 placed, then 6 more, in one placement walk or one
+    at a time; `hot` gets 50 requests after the first of the 6. Which adapters are resident after each of the 6."""
+    clock = FakeClock(100.0)
+    eng = Engine(config(demo_set, max_loras=6, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
+                 clock=clock)  # fmt: skip
+    pool = eng.adapters
+    keys = [f"k{i}" for i in range(12)]
+    for i, key in enumerate(keys):
+        eng.register_adapter(key, many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
+    for i, key in enumerate(keys[:6]):
+        clock.t += 1.0
+        for _ in range(i % 4):
+            pool.note_request(key)
+        assert isinstance(pool.prefetch(key, ()), int)
+    clock.t += 1.0
+    seen = []
+    with pool.placing() if walk else contextlib.nullcontext():
+        for j, key in enumerate(keys[6:]):
+            assert isinstance(pool.prefetch(key, ()), int)
+            seen.append(tuple(sorted(eng.resident_adapters())))
+            if j == 0 and hot is not None:
+                for _ in range(50):
+                    pool.note_request(hot)
+    return seen
+
+
+def test_a_placement_walk_evicts_as_single_placements_do(demo_set, many_adapters):
+    """A walk of placements ranks the eviction candidates once (L1Placement.placing): it evicts the same adapters in
+    the same order as placements one at a time, its own placements among the candidates, and requests arriving inside
+    it (heat) count as they would outside: the adapter the second placement evicted stays when it turns hot."""
+    alone = _placements(demo_set, many_adapters, walk=False)
+    assert _placements(demo_set, many_adapters, walk=True) == alone
+    assert len(set(alone)) == 6  # each placement evicted something
+    (second,) = set(alone[0]) - set(alone[1])
+    alone_hot = _placements(demo_set, many_adapters, walk=False, hot=second)
+    assert second in alone_hot[1]
+    assert _placements(demo_set, many_adapters, walk=True, hot=second) == alone_hot
 
 
 SLOT = 1_000_000
