@@ -123,8 +123,14 @@ class LoraState:
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.arena: HostArena | None = None  # L2's host memory, set by the adapter pool (engine.host_arena)
-        # slot -> (end of its last write, not yet waited on; the pinned staging of its table rows, kept alive until then)
-        self._ready: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
+        # The tables' rows as last written, in host memory (pinned on CUDA): a write fills its slot's rows here and copies
+        # them over, with no staging tensor pinned per write (three of those took host time at each of a round's
+        # dozens of loads). A row is only rewritten for a later write of its slot, whose copies follow the earlier ones.
+        pin = device.type == "cuda"
+        self._pages_host = torch.zeros(self.pages.shape, dtype=torch.int64, pin_memory=pin)
+        self._rank_host = torch.zeros(self.rank.shape, dtype=torch.int32, pin_memory=pin)
+        self._scale_host = torch.zeros(self.scale.shape, dtype=torch.float32, pin_memory=pin)
+        self._ready: dict[int, torch.cuda.Event] = {}  # slot -> the end of its last write, not yet waited on
 
     def projection(self, layer: int, fused: str) -> LoraPages:
         """The kernels' view of one projection: the pool, and the slices' columns of the page and rank tables."""
@@ -276,12 +282,13 @@ class LoraState:
         assert 0 <= slot < self.max_loras, slot
         assert host.rank <= self.max_lora_rank, (host.rank, self.max_lora_rank)
         assert [len(p) for p in pages] == [host.rank] * len(host.modules), ([len(p) for p in pages], host.rank)
-        table = torch.zeros(len(LORA_TARGETS), self.max_lora_rank, dtype=torch.int64)  # [7, R]
-        ranks = torch.zeros(len(LORA_TARGETS), dtype=torch.int32)  # [7]
+        table, ranks, scale = self._pages_host[slot], self._rank_host[slot], self._scale_host[slot : slot + 1]  # [7, R], [7], [1]
+        table.zero_()
+        ranks.zero_()
         for m, offsets in zip(host.modules, pages):
             table[m, : host.rank] = torch.tensor(offsets, dtype=torch.int64)
             ranks[m] = host.rank
-        scale = torch.tensor([host.scaling], dtype=torch.float32)
+        scale.fill_(host.scaling)
         if self.copy_stream is None:
             watch = Stopwatch(self.device)
             for src, dest, n in copy_runs(host, pages):
@@ -292,19 +299,18 @@ class LoraState:
         # for SMs (H200, issue 19 call 2: L2 loads 363 µs for 6.8 MB against 221 with DMAs alone, a 136 µs floor).
         # The stopwatch spans the pages' DMAs alone (the load, against the floor of one copy of its bytes): the table rows
         # go first, on the same stream, so that their small copies' launches are not counted in it.
-        staging = tuple(t.pin_memory() for t in (table, ranks, scale))
         runs = copy_runs(host, pages)
         with torch.cuda.stream(self.copy_stream):
-            self.pages[slot].copy_(staging[0], non_blocking=True)
-            self.rank[slot].copy_(staging[1], non_blocking=True)
-            self.scale[slot : slot + 1].copy_(staging[2], non_blocking=True)
+            self.pages[slot].copy_(table, non_blocking=True)
+            self.rank[slot].copy_(ranks, non_blocking=True)
+            self.scale[slot : slot + 1].copy_(scale, non_blocking=True)
             watch = Stopwatch(self.device, self.copy_stream)
             for src, dest, n in runs:
                 self.pool[dest : dest + n].copy_(host.data[src : src + n], non_blocking=True)
         watch.stop()
         event = torch.cuda.Event()
         event.record(self.copy_stream)
-        self._ready[slot] = (event, staging)
+        self._ready[slot] = event
         return watch
 
     def wait_ready(self, slots: Iterable[int]) -> None:
@@ -315,7 +321,7 @@ class LoraState:
         for slot in set(slots):
             pending = self._ready.pop(slot, None)
             if pending is not None:
-                stream.wait_event(pending[0])
+                stream.wait_event(pending)
 
     @property
     def nbytes(self) -> int:
