@@ -4,7 +4,6 @@ while nothing else runs, never for longer than the bound, and a failed read stil
 from __future__ import annotations
 
 import contextlib
-
 import random
 import threading
 import time
