@@ -76,6 +76,9 @@ class AdapterPool(L1Placement):
         self._slots: list[str | None] = [None] * lora.max_loras
         self._ranked_at: float | None = None  # a placement walk's clock, while one runs (L1Placement.placing)
         self._ranking: list | None = None  # ... and its ranking of eviction candidates, once made
+        # Placements for requests (L1 room made, pages written) and the host time they took: what a step's placement walk
+        # adds to the engine thread (the copies themselves run on the side stream)
+        self.placements = self.placement_ns = 0
         self.l1_changes = 0  # counts changes of which keys are in L1 (`resident_keys`), so readers rebuild only on change
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
@@ -395,10 +398,13 @@ class AdapterPool(L1Placement):
                     return WAIT_READ
             content, event = self._read(rec, reason=reason)
         if content.slot is None:
+            t0 = time.perf_counter_ns()
             slot = self._make_room(content, exclude)
             if slot is None:
                 return WAIT_SLOT
             self._copy_in(content, slot, event, reason=reason, key=key)
+            self.placements += 1
+            self.placement_ns += time.perf_counter_ns() - t0
         return content
 
     def _read(self, rec: Record, *, reason: str) -> tuple[Content, LoadEvent]:

@@ -53,6 +53,8 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
     assert "timeline" not in rows[0]
     assert rows[0]["decode_step_device_p50_without_us"] > 0  # the decode steps' device µs beside their wall µs
     assert rows[0]["cold_gc_ms"] >= 0 and rows[0]["warm_gc_ms"] >= 0
+    # every adapter of the host-warm pass was placed from L2 for its requests, each placement's host time counted
+    assert rows[0]["warm_placements"] == rows[0]["loads_warm"]["host"] > 0 and rows[0]["warm_placement_host_ms"] > 0
     assert gc.get_freeze_count() == 0  # the bench froze its engine for the passes only
 
 

@@ -127,6 +127,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
     disk0 = counters["loads_disk"]
+    placed0, placed_ns0 = engine.adapters.placements, engine.adapters.placement_ns
     # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
     # it: requests running, waiting, store reads in flight, landed and not taken, taken so far, admission holds so far
     timeline: list[tuple] = []
@@ -169,7 +170,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds, "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads, "gc_ms": round(gc_ms, 1)}  # fmt: skip
+            "admission_holds": engine.planner.hold.holds - holds,
+            "placements": engine.adapters.placements - placed0, "placement_host_ms": round((engine.adapters.placement_ns - placed_ns0) / 1e6, 1), "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads, "gc_ms": round(gc_ms, 1)}  # fmt: skip
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str) -> None:
@@ -372,6 +374,9 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "cold_prompt_steps": cold["prompt_steps"], "warm_prompt_steps": warm["prompt_steps"],
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
         "cold_gc_ms": cold["gc_ms"], "warm_gc_ms": warm["gc_ms"],  # the collector's pauses in each pass
+        # L1 placements for requests and their host time on the engine thread (eviction choice, pages, the copies' launches)
+        "cold_placements": cold["placements"], "cold_placement_host_ms": cold["placement_host_ms"],
+        "warm_placements": warm["placements"], "warm_placement_host_ms": warm["placement_host_ms"],
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
@@ -516,7 +521,7 @@ def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
 
 def _print_table(rows: list[dict]) -> None:
     head = ("count", "cold tok/s", "ratio", "warm tok/s", "ratio", "loads c d/h", "loads w d/h", "L2 p50/p99 us", "floor us",
-            "load/floor p50", "step+load p99", "step p50", "on the device", "fits")  # fmt: skip
+            "load/floor p50", "step+load p99", "step p50", "on the device", "placing us c/w", "fits")  # fmt: skip
     print(" | ".join(head))
     for r in rows:
         print(" | ".join(str(v) for v in (
@@ -524,8 +529,15 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['loads_cold']['disk']}/{r['loads_cold']['host']}", f"{r['loads_warm']['disk']}/{r['loads_warm']['host']}",
             f"{r['host_load_p50_us']}/{r['host_load_p99_us']}", r["pinned_floor_us"], r["load_over_floor_p50"],
             r["decode_step_p99_with_load_us"], r["decode_step_p50_without_us"],
-            f"{r['decode_step_device_p99_with_load_us']}/{r['decode_step_device_p50_without_us']}", r["adapters_of_median_size_in_budget"],
+            f"{r['decode_step_device_p99_with_load_us']}/{r['decode_step_device_p50_without_us']}",
+            f"{_per(r['cold_placement_host_ms'], r['cold_placements'])}/{_per(r['warm_placement_host_ms'], r['warm_placements'])}",
+            r["adapters_of_median_size_in_budget"],
         )))  # fmt: skip
+
+
+def _per(ms: float, n: int) -> int | None:
+    """µs per item of `ms` over `n` items (None for none)."""
+    return round(ms * 1000 / n) if n else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
