@@ -228,6 +228,22 @@ def test_usable_rows_flags_rows_that_cannot_be_sampled(kind, usable):
     assert all(0 <= t < logits.shape[1] for t in tokens)
 
 
+def test_usable_rows_judges_mixed_poison_row_by_row():
+    """Rows mixing NaN, +inf and -inf anywhere in the row (first, last, alone among -inf) are unusable; a row with one
+    finite logit among -inf is usable; each judged on its own within one batch, as the decode chains call it."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.full((7, 50), -inf)
+    rows[0, 49] = 0.5  # one finite logit at the end
+    rows[1, 0], rows[1, 1] = nan, inf
+    rows[2, 49] = nan  # NaN alone among -inf
+    rows[3] = torch.randn(50)
+    rows[3, 0] = inf  # +inf first, the rest finite
+    rows[4] = torch.randn(50)
+    rows[4, 49] = nan  # NaN last, the rest finite
+    rows[5] = torch.finfo(torch.float32).max  # huge but finite
+    assert usable_rows(rows).tolist() == [True, False, False, False, False, True, False]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1e-300, 1e-6, TEMPERATURE_FLOOR])
 def test_a_temperature_at_or_below_the_floor_is_greedy(temperature):
     """Temperatures up to TEMPERATURE_FLOOR take the argmax and need no generator."""
