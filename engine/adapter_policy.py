@@ -63,7 +63,8 @@ class Candidate:
 
 
 def keep_score(c: Candidate, *, mem_weight: float, slot_bytes: int) -> float:
-    """The module docstring's keep score; the lowest is evicted first."""
+    """The module docstring's keep score; the lowest is evicted first. (The pool's placement walks compute the same
+    expression inline, engine.adapter_residency `_rank_entry`.)"""
     return (c.heat + 1.0 / HEAT_WINDOW_S) * c.slo_weight * (1.0 + mem_weight * c.nbytes / slot_bytes)
 
 

@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
-from engine.adapter_policy import Candidate, keep_score
+from engine.adapter_policy import HEAT_WINDOW_S
 
 
 class L1Placement:
@@ -86,14 +86,22 @@ class L1Placement:
     def _rank(self, now: float) -> list[tuple[tuple[float, float, int], str]]:
         """Every resident adapter (pinned ones too: skipped when chosen), lowest keep score first, then least recently
         used, then lowest slot (engine.adapter_policy: `choose_victim`'s order)."""
-        return sorted(self._rank_entry(self._contents[sha], now) for sha in self._slots if sha is not None)
+        contents, entry = self._contents, self._rank_entry
+        return sorted(entry(contents[sha], now) for sha in self._slots if sha is not None)
 
     def _rank_entry(self, c, now: float) -> tuple[tuple[float, float, int], str]:
+        """(keep score, last used, slot), sha: engine.adapter_policy `keep_score` of `c` at `now`, computed inline (a
+        walk ranks about 900 adapters at llama-1b; through Candidate objects 2.4 ms on this machine's CPU)."""
         weights = self._config.adapter_slo_weights
-        recs = [self._records[k] for k in c.keys]
-        slo_weight = max((weights[r.slo_tier] for r in recs), default=weights["standard"])
-        candidate = Candidate(c.sha, sum(r.heat.rate(now) for r in recs), slo_weight, c.meta.nbytes, c.last_used)
-        return (keep_score(candidate, mem_weight=self._config.adapter_mem_weight, slot_bytes=self._slot_bytes), c.last_used, c.slot), c.sha
+        if len(c.keys) == 1:
+            rec = self._records[next(iter(c.keys))]
+            heat, slo_weight = rec.heat.rate(now), weights[rec.slo_tier]
+        else:
+            recs = [self._records[k] for k in c.keys]
+            heat = sum(r.heat.rate(now) for r in recs)
+            slo_weight = max((weights[r.slo_tier] for r in recs), default=weights["standard"])
+        score = (heat + 1.0 / HEAT_WINDOW_S) * slo_weight * (1.0 + self._config.adapter_mem_weight * c.meta.nbytes / self._slot_bytes)
+        return (score, c.last_used, c.slot), c.sha
 
     def _ranked_place(self, content) -> None:
         """`content` just took a slot: into the walk's ranking, if one is kept."""

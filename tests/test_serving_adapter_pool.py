@@ -270,6 +270,35 @@ def test_a_placement_walk_evicts_as_single_placements_do(demo_set, many_adapters
     assert _placements(demo_set, many_adapters, walk=True, hot=second) == alone_hot
 
 
+def test_the_walk_ranking_scores_as_keep_score(demo_set, many_adapters):
+    """The placement walk's inline scores (L1Placement._rank_entry) are engine.adapter_policy's keep_score of the same
+    candidate, for adapters of every tier, with and without heat, and one content under two keys of two tiers."""
+    clock = FakeClock(50.0)
+    eng = Engine(config(demo_set, max_loras=8, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
+                 clock=clock)  # fmt: skip
+    pool = eng.adapters
+    for i in range(6):
+        eng.register_adapter(f"k{i}", many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
+        for _ in range(i):
+            pool.note_request(f"k{i}")
+        clock.t += 7.0
+        assert isinstance(pool.prefetch(f"k{i}", ()), int)
+    eng.register_adapter("k0-again", many_adapters[0], pool.sha_of("k0"), slo_tier="batch")
+    pool.note_request("k0-again")
+    clock.t += 30.0
+    weights = eng.config.adapter_slo_weights
+    ranked = pool._rank(clock.t)
+    assert len(ranked) == 6
+    for (score, last_used, slot), sha in ranked:
+        content = pool._contents[sha]
+        recs = [pool._records[k] for k in content.keys]
+        candidate = Candidate(sha, sum(r.heat.rate(clock.t) for r in recs), max(weights[r.slo_tier] for r in recs), content.meta.nbytes,
+                              content.last_used)  # fmt: skip
+        assert score == keep_score(candidate, mem_weight=eng.config.adapter_mem_weight, slot_bytes=pool._slot_bytes)
+        assert (last_used, slot) == (content.last_used, content.slot)
+    assert [sha for _, sha in ranked] == [sha for _, sha in sorted(ranked)]
+
+
 SLOT = 1_000_000
 
 
