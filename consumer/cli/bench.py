@@ -165,6 +165,28 @@ def bench_mixed_steps(
     main(["--shape", shape, "--prompt-rows", prompt_rows, "--batch", str(batch), "--prompt", str(prompt), "--device", device])
 
 
+def bench_host_profile(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights built on the device)")] = "tiny",
+    adapters: Annotated[int, typer.Option(min=1, help="adapters of --rank on all seven projections; the mixed run's rows take turns")] = 2,
+    rank: Annotated[int, typer.Option(min=1)] = 8,
+    batch: Annotated[int, typer.Option(min=1, help="requests decoding together")] = 4,
+    prompt: Annotated[int, typer.Option(min=1, help="prompt tokens of each request")] = 8,
+    new: Annotated[int, typer.Option(min=2, help="new tokens of each request: a prefill, then new - 1 decode steps")] = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+) -> None:
+    """Where a decode step's host time goes: the decode phase in rounds of decode_steps and one step at a time, each
+    under cProfile, their wall and device ms per step (a probe of the engine's host work, not a target's bench)."""
+    from engine.bench.build import SHAPES
+    from engine.bench.host_profile import main
+
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: use cpu or cuda")
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
+    main(["--shape", shape, "--adapters", str(adapters), "--rank", str(rank), "--batch", str(batch), "--prompt", str(prompt),
+          "--new", str(new), "--device", device])  # fmt: skip
+
+
 def bench_batch_sweep(
     shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights written to a temp folder)")] = "tiny",
     adapters: Annotated[int, typer.Option(min=1, help="rank-16 adapters on all seven projections; the jobs take turns")] = 2,
@@ -198,6 +220,7 @@ def register(app: typer.Typer) -> None:
     group.command("adapters")(bench_adapters)
     group.command("batch-sweep")(bench_batch_sweep)
     group.command("mixed-steps")(bench_mixed_steps)
+    group.command("host-profile")(bench_host_profile)
     group.command("engine")(bench_engine)
     group.command("kernels")(bench_kernels)
     group.command("ledger")(bench_ledger)
