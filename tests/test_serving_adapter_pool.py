@@ -270,6 +270,27 @@ def test_a_placement_walk_evicts_as_single_placements_do(demo_set, many_adapters
     assert _placements(demo_set, many_adapters, walk=True, hot=second) == alone_hot
 
 
+def test_a_walk_that_raises_leaves_no_ranking_behind(demo_set, many_adapters):
+    """A placement walk ended by an exception (a failed admission, say) drops its ranking and clock: the next placement
+    outside any walk ranks afresh at the clock's time and evicts as usual; walks nest, the inner one using the outer's."""
+    clock = FakeClock(10.0)
+    eng = Engine(config(demo_set, max_loras=2, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
+                 clock=clock)  # fmt: skip
+    pool = eng.adapters
+    for i in range(4):
+        eng.register_adapter(f"k{i}", many_adapters[i])
+    assert isinstance(pool.prefetch("k0", ()), int) and isinstance(pool.prefetch("k1", ()), int)
+    with pytest.raises(RuntimeError, match="admission failed"), pool.placing():
+        with pool.placing():  # nested: the outer walk's clock
+            assert isinstance(pool.prefetch("k2", ()), int)  # evicts one of k0, k1
+            assert pool._ranking is not None and pool._ranked_at == 10.0
+        raise RuntimeError("admission failed")
+    assert pool._ranking is None and pool._ranked_at is None
+    clock.t = 20.0
+    assert isinstance(pool.prefetch("k3", ()), int)
+    assert len(eng.resident_adapters()) == 2 and "k3" in eng.resident_adapters()
+
+
 def test_the_walk_ranking_scores_as_keep_score(demo_set, many_adapters):
     """The placement walk's inline scores (L1Placement._rank_entry) are engine.adapter_policy's keep_score of the same
     candidate, for adapters of every tier, with and without heat, and one content under two keys of two tiers."""
