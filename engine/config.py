@@ -36,9 +36,11 @@ class EngineConfig(BaseModel):
     decode_steps: int = Field(
         8, ge=1, le=64,
         description="decode steps run back to back on the GPU per scheduling round when every running request is "
-        "decoding, none asks for logprobs and none waits (CUDA graphs only); the host reads their tokens once. Rounds "
+        "decoding, none asks for logprobs and none waits (CUDA graphs only); the host reads their tokens once, after it "
+        "launched the next round (1: rounds of one step, each still launched before the last is read). Rounds "
         "are cut to the fewest tokens any request has left, so none computes past max_new_tokens; a request that stops "
-        "early (EOS, stop string) may have computed up to decode_steps - 1 tokens it does not keep",
+        "early (EOS, stop string) may have computed up to 2 x decode_steps - 1 tokens it does not keep (the rest of its "
+        "round and the next, launched before it was read)",
     )  # fmt: skip
 
     gpu_memory_fraction: float = Field(

@@ -340,7 +340,7 @@ class Engine:
         items = [BatchItem(it.seq.seq_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
         whole_batch = not self._admissible() and len(plan.items) == len(self.planner.running)
         steps = chain_length(plan, items, self.runner, self.config.decode_steps, whole_batch=whole_batch)
-        if steps > 1:
+        if steps:
             try:
                 self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
                 return

@@ -1,8 +1,8 @@
 """Decode rounds: several decode steps replayed back to back as CUDA graphs, read back by a later step().
 
 When every running request decodes, none wants logprobs and nothing waits, a step runs up to `decode_steps`
-graph replays back to back (`launch_round`), each fed the tokens the one before sampled, without the host
-reading them; the next step() launches the following round from the last one's tokens on the device
+graph replays back to back (`launch_round`; one with `decode_steps` 1), each fed the tokens the one before sampled,
+without the host reading them; the next step() launches the following round from the last one's tokens on the device
 (`plan_next_round`) and only then reads the last one back and books it (`book_round`), so that host work
 overlaps the GPU instead of idling it (llama-1b, batch 32: 2.11 -> 1.34 ms per decode step, engine/PERF.md).
 Results thus come back one step() call later. A waiting request that the batch has room for, a request
@@ -45,16 +45,18 @@ class Round:
 
 def chain_length(plan: Plan, items: list[BatchItem], runner: ModelRunner, decode_steps: int, *, whole_batch: bool) -> int:
     """Decode steps the round of `plan` runs back to back (engine.config `decode_steps`, engine.cuda_graphs
-    "Chains"): more than 1 only when `whole_batch` (every running request is in the step and no waiting request
-    could be admitted now: the engine's call), nothing was preempted, every item decodes one token and samples,
-    none wants logprobs, the graphs fit, and every sequence's blocks grow to cover the extra steps (taken here).
-    Capped at the fewest tokens any request has left, so no request computes past its max_new_tokens."""
-    if decode_steps <= 1 or not whole_batch or plan.preempted:
-        return 1  # (a running request left out of this step by the token budget must not wait for a whole run)
+    "Chains"), 0 when the step runs eagerly instead. A round (of one step or more) only when `whole_batch` (every
+    running request is in the step and no waiting request could be admitted now: the engine's call), nothing was
+    preempted, every item decodes one token and samples, none wants logprobs, the graphs fit, and every sequence's
+    blocks grow to cover the steps (taken here). Capped at the fewest tokens any request has left, so no request
+    computes past its max_new_tokens. A round of one step still pays off: the next one is launched before it is read
+    back, so its host work overlaps the GPU as a longer round's does."""
+    if not whole_batch or plan.preempted:
+        return 0  # (a running request left out of this step by the token budget must not wait for a whole run)
     if not all(it.samples and len(it.tokens) == 1 and it.seq.logprobs is None for it in plan.items):
-        return 1
+        return 0
     steps = min(decode_steps, *(tokens_left(it.seq) for it in plan.items))
-    return steps if steps > 1 and reserve_round(runner, items, steps) else 1
+    return steps if steps >= 1 and reserve_round(runner, items, steps) else 0
 
 
 def plan_next_round(rnd: Round, runner: ModelRunner, decode_steps: int) -> tuple[list[BatchItem], int] | None:

@@ -3,8 +3,7 @@ llama-1b`.
 
 The serving bench's batch (engine.bench.serving: B requests of prompt P on N adapters of rank R, or none), its decode
 phase run twice, with engine.config decode_steps as configured (rounds of several steps, the next launched before the
-last is read back) and with 1 (every step scheduled, launched and read back on its own), each under cProfile after a
-warm-up. Prints each run's wall and device ms per step, the one-step runs' functions by their own time (a host wait in
+last is read back) and with 1 (rounds of one step, the same way), each under cProfile after a warm-up. Prints each run's wall and device ms per step, the one-step runs' functions by their own time (a host wait in
 `tolist` is the GPU's time; the rest is host work the GPU waits for), a table, then one JSON line.
 """
 
