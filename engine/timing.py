@@ -94,6 +94,11 @@ class Stopwatch:
             self._ns = time.perf_counter_ns() - self._t0
         return self
 
+    @property
+    def end_event(self) -> torch.cuda.Event | None:
+        """The CUDA event recorded by `stop` (None on CPU): what a stream waits on to follow the timed work."""
+        return None if self._events is None else self._events[1]
+
     def done(self) -> bool:
         return self._events is None or self._events[1].query()
 

@@ -46,6 +46,10 @@ def test_timeline_has_a_row_per_step_and_counts_every_read(tmp_path, capsys):
     assert data["cold"][-1][col["reads_taken"]] == rows[0]["loads_cold"]["disk"] > 0
     assert data["warm"][-1][col["reads_taken"]] == 0
     assert data["cold"][-1][col["reads_landed"]] == 0  # every read landed was taken
+    # each call's steps and L1 placements: all of the pass's placements, each call's with its host µs
+    assert sum(s[col["placed"]] for s in data["warm"]) == rows[0]["warm_placements"] > 0
+    assert all(s[col["placing_us"]] > 0 for s in data["warm"] if s[col["placed"]])
+    assert sum(s[col["steps"]] for s in data["warm"]) >= 2 * 2  # prefill and decode steps of both batches
     reads = data["cold_reads"]
     assert len(reads["started_landed_ms"]) == len(reads["load_us"]) == rows[0]["loads_cold"]["disk"]
     assert all(0 <= a <= b for a, b in reads["started_landed_ms"])

@@ -120,7 +120,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     counters = engine.adapters.counters
     sync(engine.device)
     t0 = time.perf_counter()
-    tokens, calls = 0, []  # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag)
+    # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag, steps, placements, their µs)
+    tokens, calls = 0, []
     paused = _GcPauses()
     gc_ms = 0.0  # the collector's pauses over the pass
     stalls = _StallStacks()
@@ -129,7 +130,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     disk0 = counters["loads_disk"]
     placed0, placed_ns0 = engine.adapters.placements, engine.adapters.placement_ns
     # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
-    # it: requests running, waiting, store reads in flight, landed and not taken, taken so far, admission holds so far
+    # it: requests running, waiting, store reads in flight, landed and not taken, taken so far, admission holds so far; then
+    # the steps booked in it, its L1 placements for requests and their host µs
     timeline: list[tuple] = []
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     try:
@@ -137,6 +139,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             loads = counters["loads_disk"] + counters["loads_host"]
             gc_ms += paused.ms
             paused.ms = 0.0
+            placed, placed_ns = engine.adapters.placements, engine.adapters.placement_ns
             c0 = stalls.begin()
             results = engine.step()
             sync(engine.device)
@@ -149,7 +152,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             timeline.append((round((c0 - t0) * 1e3, 2), round(us), sum(r.total_us for r in records), sum(s.tokens > 1 for r in records for s in r.shares),
                              sum(s.tokens == 1 for r in records for s in r.shares), len(engine.planner.running),
                              len(engine.planner.waiting), engine.adapters.reads_in_flight, engine.adapters.reads_landed, counters["loads_disk"] - disk0,
-                             engine.planner.hold.holds - holds))
+                             engine.planner.hold.holds - holds, len(records), engine.adapters.placements - placed,
+                             round((engine.adapters.placement_ns - placed_ns) / 1e3)))
             if records:
                 decode = all(r.tokens <= batch for r in records)
                 spent[decode] += us * 1e-6
@@ -157,7 +161,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                     decode_rows += sum(r.tokens for r in records)
                     decode_steps += len(records)
                 calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode,
-                              sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag))
+                              sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag, len(records),
+                              engine.adapters.placements - placed, timeline[-1][-1]))
     finally:
         gc_ms += paused.ms
         paused.close()
@@ -381,7 +386,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
         "timeline": {"cold": cold["timeline"], "warm": warm["timeline"], "cold_reads": cold["reads"]},
-        "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5]}
+        "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5], "steps": c[6],
+                                      "placed": c[7], "placing_us": c[8]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
     if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
@@ -502,7 +508,8 @@ def _tiers(events) -> dict[str, int]:
     return out
 
 
-TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_landed", "reads_taken", "holds"]
+TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_landed", "reads_taken", "holds",
+                    "steps", "placed", "placing_us"]  # fmt: skip
 
 
 def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
