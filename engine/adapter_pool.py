@@ -74,8 +74,12 @@ class AdapterPool(L1Placement):
         self._records: dict[str, Record] = {}
         self._contents: dict[str, Content] = {}
         self._slots: list[str | None] = [None] * lora.max_loras
-        self._ranked_at: float | None = None  # a placement walk's clock, while one runs (L1Placement.placing)
-        self._ranking: list | None = None  # ... and its ranking of eviction candidates, once made
+        # The eviction candidates' ranking, kept between placements (engine.adapter_residency "Ranking"): the entries
+        # in order, each resident sha's entry, the clock of its scores, and whether a placement walk runs
+        self._ranking: list | None = None
+        self._rank_of: dict[str, tuple] = {}
+        self._ranked_at = 0.0
+        self._walking = False
         # Placements for requests (L1 room made, pages written) and the host time they took: what a step's placement walk
         # adds to the engine thread (the copies themselves run on the side stream)
         self.placements = self.placement_ns = 0
@@ -120,8 +124,7 @@ class AdapterPool(L1Placement):
         self._records[key] = Record(key, Path(path), sha256, tenant, slo_tier)
         if sha256 is not None and sha256 in self._contents:
             self._contents[sha256].keys.add(key)
-            if self._contents[sha256].slot is not None:
-                self._unrank()
+            self._rescore(self._contents[sha256])
 
     def load(self, key: str, path: Path, *, tenant: str = "", slo_tier: str = "standard") -> AdapterInfo:
         """Register and load now, into a slot if one is free or can be freed; the key is dropped again if it fails."""
@@ -185,8 +188,9 @@ class AdapterPool(L1Placement):
         rec = self._records[key]
         self._predictor.observe(key, self._wall())
         rec.heat.hit(self._clock())
-        self._unrank()
         content = self._contents.get(rec.sha) if rec.sha else None
+        if content is not None:
+            self._rescore(content)
         ready = content is not None and (content.slot is not None or content.host is not None)
         self.counters["requests_warm" if ready else "requests_cold"] += 1
 
@@ -198,6 +202,7 @@ class AdapterPool(L1Placement):
             return content
         content.pins += 1
         content.last_used = self._clock()
+        self._rescore(content)
         if content.warm:
             content.warm = False
             self.counters["warm_prefetches_used"] += 1
@@ -230,7 +235,6 @@ class AdapterPool(L1Placement):
         content = self._contents[sha]
         assert content.pins > 0, sha
         content.pins -= 1
-        self._unrank()
 
     def prefetch(self, key: str, exclude: Iterable[int]) -> int | str | None:
         """Bring a waiting request's adapter into a slot ahead of its admission, without pinning it; returns
@@ -463,7 +467,7 @@ class AdapterPool(L1Placement):
         self._slots[slot] = content.sha
         self.l1_changes += 1
         content.slot = slot
-        self._ranked_place(content)
+        self._rescore(content)
         if content.sha not in self._l2:
             content.host = None  # a transient copy (larger than L2): the slot now holds it
         if content.sha in self._l2:
@@ -474,8 +478,7 @@ class AdapterPool(L1Placement):
         rec.sha = content.sha
         content.keys.add(rec.key)
         self.l1_changes += 1
-        if content.slot is not None:  # its heat and tier are its keys'
-            self._unrank()
+        self._rescore(content)  # its heat and tier are its keys'
 
     def _event(self, rec: Record, content: Content, tier: str, dest: str, reason: str, *, skip_reason: str | None = None) -> LoadEvent:
         event = LoadEvent(rec.key, content.sha, tier, dest, reason, rec.tenant, content.meta, skip_reason=skip_reason)
@@ -503,11 +506,10 @@ class AdapterPool(L1Placement):
         content = self._contents.get(rec.sha) if rec.sha else None
         if content is None:
             return
-        if content.slot is not None:
-            self._unrank()
         content.keys.discard(key)
         self.l1_changes += 1
         if content.keys:
+            self._rescore(content)
             return
         assert content.pins == 0, f"unloading {key!r} while {content.pins} requests pin it"
         if content.slot is not None:
@@ -516,3 +518,4 @@ class AdapterPool(L1Placement):
         if content.sha in self._l2:
             self._l2_bytes -= self._l2.pop(content.sha)
         del self._contents[content.sha]
+        self._rescore(content)  # (gone: out of the ranking)

@@ -271,8 +271,8 @@ def test_a_placement_walk_evicts_as_single_placements_do(demo_set, many_adapters
 
 
 def test_a_walk_that_raises_leaves_no_ranking_behind(demo_set, many_adapters):
-    """A placement walk ended by an exception (a failed admission, say) drops its ranking and clock: the next placement
-    outside any walk ranks afresh at the clock's time and evicts as usual; walks nest, the inner one using the outer's."""
+    """A placement walk ended by an exception (a failed admission, say) drops its ranking: the next placement outside
+    any walk ranks afresh at the clock's time and evicts as usual; walks nest, the inner one using the outer's."""
     clock = FakeClock(10.0)
     eng = Engine(config(demo_set, max_loras=2, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
                  clock=clock)  # fmt: skip
@@ -281,14 +281,84 @@ def test_a_walk_that_raises_leaves_no_ranking_behind(demo_set, many_adapters):
         eng.register_adapter(f"k{i}", many_adapters[i])
     assert isinstance(pool.prefetch("k0", ()), int) and isinstance(pool.prefetch("k1", ()), int)
     with pytest.raises(RuntimeError, match="admission failed"), pool.placing():
-        with pool.placing():  # nested: the outer walk's clock
+        with pool.placing():  # nested: the outer walk's ranking
             assert isinstance(pool.prefetch("k2", ()), int)  # evicts one of k0, k1
-            assert pool._ranking is not None and pool._ranked_at == 10.0
+            assert pool._ranking is not None and pool._ranked_at == 10.0 and pool._walking
+        assert pool._walking
         raise RuntimeError("admission failed")
-    assert pool._ranking is None and pool._ranked_at is None
+    assert pool._ranking is None and not pool._walking
     clock.t = 20.0
     assert isinstance(pool.prefetch("k3", ()), int)
     assert len(eng.resident_adapters()) == 2 and "k3" in eng.resident_adapters()
+    assert pool._ranked_at == 20.0
+
+
+def test_the_kept_ranking_is_a_fresh_ranking_at_its_time(demo_set, many_adapters):
+    """The ranking kept between placements (engine.adapter_residency "Ranking") follows every change one entry at a
+    time: after random requests (heat), placements and evictions, admissions and releases (last use), keys linked to
+    and dropped from a resident content, adapters unloaded and the L1 offloaded, it equals a ranking made afresh at its
+    time, entry for entry; it is renewed once RANK_TTL_S old, and not inside a walk."""
+    import random
+
+    from engine.adapter_residency import RANK_TTL_S
+
+    rng = random.Random(7)
+    clock = FakeClock(100.0)
+    eng = Engine(config(demo_set, max_loras=4, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
+                 clock=clock)  # fmt: skip
+    pool = eng.adapters
+    keys = [f"k{i}" for i in range(10)]
+    for i, key in enumerate(keys):
+        eng.register_adapter(key, many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
+    pinned: list[str] = []
+    aliases = 0
+    checked = 0
+    for _ in range(400):
+        clock.t += rng.choice((0.0, 0.01, 0.2))
+        op = rng.random()
+        key = rng.choice(keys)
+        if not pool.has(key):
+            continue
+        if op < 0.3:
+            pool.note_request(key)
+        elif op < 0.55:
+            pool.prefetch(key, ())
+        elif op < 0.7:
+            got = pool.acquire(key)
+            if isinstance(got, tuple):
+                pinned.append(pool.sha_of(key))
+        elif op < 0.85 and pinned:
+            pool.release(pinned.pop(rng.randrange(len(pinned))))
+        elif op < 0.9 and pool.sha_of(key) is not None:
+            aliases += 1
+            alias = f"{key}-alias{aliases}"
+            eng.register_adapter(alias, many_adapters[keys.index(key)], pool.sha_of(key), slo_tier="batch")
+            keys.append(alias)
+        elif op < 0.95 and "-alias" in key:
+            eng.unload_adapter(key)
+            keys.remove(key)
+        elif op < 0.97:
+            pool.offload()
+        if pool._ranking is not None:
+            checked += 1
+            assert pool._ranking == pool._rank(pool._ranked_at)
+            assert pool._rank_of == {entry[1]: entry for entry in pool._ranking}
+    assert checked > 200 and aliases > 3
+    pool.note_request(keys[0])
+    assert pool._ranking is not None
+    ranked_at = pool._ranked_at
+    clock.t = ranked_at + RANK_TTL_S + 0.5
+    with pool.placing():  # begun with a ranking too old: made afresh at its first eviction
+        assert pool._ranking is None
+        for key in keys[:8]:
+            pool.prefetch(key, ())
+        assert pool._ranked_at == (walk_start := clock.t)
+        clock.t += 2 * RANK_TTL_S  # inside a walk: kept
+        for key in keys[:8]:
+            pool.prefetch(key, ())
+        assert pool._ranked_at == walk_start
+    pool.prefetch(keys[8], ())  # outside: too old, made afresh
+    assert pool._ranked_at == clock.t
 
 
 def test_the_walk_ranking_scores_as_keep_score(demo_set, many_adapters):
