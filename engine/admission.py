@@ -24,7 +24,9 @@ for the waiting requests, when waiting for them is cheaper than a prompt step. W
 whole hold (the steps already held and those until the last of those requests finishes), in whole-batch decode steps:
 the free places idle meanwhile (place-steps over the batch), and UNCHAINED_STEP a held step, since a step that leaves
 places free for waiting requests runs as a round of one step, not chained with the next (engine.rounds; PERF.md,
-issue 21's suite: 2.92 against 2.16 ms a step at llama-1b). It must stay within PROMPT_STEP_DECODES: 4 free places of
+issue 21's suite: 2.92 against 2.16 ms a step at llama-1b, when such a step ran eagerly; since session 18 a held step
+is a round of one step launched before the last is read back, 1.00-1.01x a chained step on the H100 with
+decode_steps 1, and the figure, kept until the hold is measured again, overstates it). It must stay within PROMPT_STEP_DECODES: 4 free places of
 64 for 7 steps are held (0.4 + 1.75); 60 for 7 steps are not, they are admitted and the other 4 come later; nor are
 places freeing 16 steps on. A hold lasts at most that reckoning allows and, as any hold, at most the bound. A request
 counts by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
@@ -51,7 +53,7 @@ from collections.abc import Callable
 ADMIT_FRACTION = 0.75  # a step admits once this share of the places the waiting requests could fill is ready
 COALESCE_STEPS = 16  # running requests that reach their max_new_tokens within this many steps count as places freeing
 PROMPT_STEP_DECODES = 4  # a small prompt step's cost beyond a decode step, in whole-batch decode steps (measured: 6-7)
-UNCHAINED_STEP = 0.25  # what a held step costs more than a chained one, in whole-batch decode steps (measured: 0.26-0.35)
+UNCHAINED_STEP = 0.25  # what a held step costs more than a chained one, in whole-batch decode steps (measured eager: 0.26-0.35)
 
 
 class AdmissionHold:
@@ -77,6 +79,12 @@ class AdmissionHold:
         once the running requests that reach their max_new_tokens within COALESCE_STEPS steps have finished: 3/4 of
         `want` while none are freeing; else every place, those freeing included (which no step can admit before then)."""
         return want + soon if soon > 0 else math.ceil(ADMIT_FRACTION * want)
+
+    def would_hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
+        """What `hold` would answer now, changing nothing."""
+        if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
+            return self._since is None or self._clock() - self._since < self.bound_s
+        return False
 
     def hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
         """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests

@@ -338,8 +338,10 @@ class Engine:
                 seq.timings.queue_us = max(0, now_us - seq.arrival_us)
                 seq.timings.kv_saved_us = round(seq.timings.cached_tokens * (self.book.prefill_cost.value or 0.0))
         items = [BatchItem(it.seq.seq_id, it.tokens, it.seq.num_computed, it.seq.lora_slot, it.samples) for it in plan.items]
-        whole_batch = not self._admissible() and len(plan.items) == len(self.planner.running)
-        steps = chain_length(plan, items, self.runner, self.config.decode_steps, whole_batch=whole_batch)
+        # While a waiting request could be admitted, a round is of one step: the next step() schedules it afresh unless
+        # the planner finds that nobody would be admitted then either (`_next_round`)
+        limit = 1 if self._admissible() else self.config.decode_steps
+        steps = chain_length(plan, items, self.runner, limit, whole_batch=len(plan.items) == len(self.planner.running))
         if steps:
             try:
                 self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
@@ -383,8 +385,15 @@ class Engine:
     def _next_round(self, rnd: Round) -> Round | None:
         """The round after `rnd`, launched before `rnd` is read back, so that the host's reading and bookkeeping of
         `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when a waiting request could
-        be admitted (`_admissible`) or engine.rounds `plan_next_round` finds none."""
-        if self._admissible() or (planned := plan_next_round(rnd, self.runner, self.config.decode_steps)) is None:
+        be admitted, or engine.rounds `plan_next_round` finds none. While requests wait with room for them but the
+        planner would admit none (each awaits a store read, or the admission hold holds them back: engine.planner
+        `admits_none`), the round is of one step, so that the next step() asks again."""
+        limit = self.config.decode_steps
+        if self._admissible():
+            if not self.planner.admits_none():
+                return None
+            limit = 1
+        if (planned := plan_next_round(rnd, self.runner, limit)) is None:
             return None
         items, steps = planned
         return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids, finished_before=rnd.steps)

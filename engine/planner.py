@@ -172,19 +172,41 @@ class StepPlanner:
                 elif slot is not None:
                     exclude.add(slot)
 
+    def admits_none(self) -> bool:
+        """Whether the next schedule, every running request decoding, would admit none of the waiting ones, by what it
+        can tell before trying: none could take a place (the batch is full, or the token budget is spent), none is ready
+        (each awaits a store read), or the admission hold holds them back (engine.admission; counted as the schedule's
+        own hold). The engine runs decode rounds of one step meanwhile, each launched before the last is read back."""
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        free = self.config.max_batch_size - len(self.running)
+        if not self.waiting or free <= 0 or budget <= 0:
+            return True
+        queue = sorted(self.waiting, key=_rank)
+        ready, want, soon = self._hold_counts(self.running, queue, budget)
+        if ready and not self.hold.would_hold(bool(self.running), ready, want, soon):
+            return False  # (the hold left as it is: the schedule that follows decides, and ends it)
+        self.hold.hold(bool(self.running), ready, want, soon)  # a held step, or none ready: as the schedule counts it
+        return True
+
     # ---- internals
 
     def _held(self, plan: Plan, queue: list[Sequence], budget: int) -> bool:
         """Whether this step holds back its admissions (engine.admission): `queue`, the waiting requests in admission
-        order. The ready ones are counted only while the batch has work in the step (else nothing is held back), and
-        only up to what lets the step admit: over thousands of waiting requests the walk costs host time."""
+        order."""
+        ready, want, soon = self._hold_counts([it.seq for it in plan.items if it.samples], queue, budget) if plan.items else (0, 0, 0)
+        return self.hold.hold(bool(plan.items), ready, want, soon)
+
+    def _hold_counts(self, samplers: list[Sequence], queue: list[Sequence], budget: int) -> tuple[int, int, int]:
+        """(ready, want, soon) for AdmissionHold.hold, with the batch at work (`samplers`: its requests that sample a
+        token in the step). The ready ones are counted only up to what lets the step admit: over thousands of waiting
+        requests the walk costs host time."""
         free = self.config.max_batch_size - len(self.running)
         want = max(0, min(free, len(queue))) if budget > 0 else 0
         ready = soon = 0
-        if plan.items and want:
+        if want:
             # places that requests reaching their max_new_tokens within COALESCE_STEPS steps free (a sampling row's
             # next steps are decodes; one that may stop earlier, by EOS or a stop string, frees its place sooner)
-            left_of = [t for it in plan.items if it.samples and (t := _tokens_left(it.seq)) <= COALESCE_STEPS]
+            left_of = [t for seq in samplers if (t := _tokens_left(seq)) <= COALESCE_STEPS]
             ending = len(left_of)
             # worth waiting for only while the hold costs less than a prompt step (engine.admission)
             if ending and self.hold.worth_waiting(want, max(left_of), self.config.max_batch_size):
@@ -201,7 +223,7 @@ class StepPlanner:
                 if ready >= enough:
                     break
                 ready += seq.adapter_key is None or seq.lora_slot >= 0 or not self.pool.awaits_read(seq.adapter_key)
-        return self.hold.hold(bool(plan.items), ready, want, soon)
+        return ready, want, soon
 
     def _admit(self, seq: Sequence, budget: int, plan: Plan) -> Scheduled | str | None:
         """Admit `seq` if it can run now: its Scheduled item, None to skip it, or "stop" to end admission."""

@@ -1,13 +1,15 @@
 """Decode rounds: several decode steps replayed back to back as CUDA graphs, read back by a later step().
 
-When every running request decodes, none wants logprobs and nothing waits, a step runs up to `decode_steps`
-graph replays back to back (`launch_round`; one with `decode_steps` 1), each fed the tokens the one before sampled,
-without the host reading them; the next step() launches the following round from the last one's tokens on the device
-(`plan_next_round`) and only then reads the last one back and books it (`book_round`), so that host work
-overlaps the GPU instead of idling it (llama-1b, batch 32: 2.11 -> 1.34 ms per decode step, engine/PERF.md).
-Results thus come back one step() call later. A waiting request that the batch has room for, a request
-reaching its max_new_tokens, or one found finished ends the run of rounds, and the next step() schedules
-afresh (engine.engine).
+When every running request decodes and none wants logprobs, a step runs up to `decode_steps` graph replays back to
+back (`launch_round`), each fed the tokens the one before sampled, without the host reading them; the next step()
+launches the following round from the last one's tokens on the device (`plan_next_round`) and only then reads the last
+one back and books it (`book_round`), so that host work overlaps the GPU instead of idling it (llama-1b, batch 32: 2.11
+-> 1.34 ms per decode step, engine/PERF.md; a round of one step costs what a step of a longer one does, 1.00-1.01x on
+the H100 in session 18). Results thus come back one step() call later. While a waiting request could be admitted, a
+round is of one step (so is every round with `decode_steps` 1), and the next is launched only while the planner would
+admit none of them (their adapters' store reads, the admission hold: engine.planner `admits_none`); a waiting
+request that could be admitted, a request reaching its max_new_tokens, or one found finished ends the run of rounds,
+and the next step() schedules afresh (engine.engine).
 
 A sequence that finishes at step j of a round (EOS, stop string) still has a row in the steps after j, and
 in the round launched before it was read: those rows' time is charged to it, as the lookahead computed it on
@@ -46,8 +48,8 @@ class Round:
 def chain_length(plan: Plan, items: list[BatchItem], runner: ModelRunner, decode_steps: int, *, whole_batch: bool) -> int:
     """Decode steps the round of `plan` runs back to back (engine.config `decode_steps`, engine.cuda_graphs
     "Chains"), 0 when the step runs eagerly instead. A round (of one step or more) only when `whole_batch` (every
-    running request is in the step and no waiting request could be admitted now: the engine's call), nothing was
-    preempted, every item decodes one token and samples, none wants logprobs, the graphs fit, and every sequence's
+    running request is in the step; the engine passes `decode_steps` 1 while a waiting request could be admitted),
+    nothing was preempted, every item decodes one token and samples, none wants logprobs, the graphs fit, and every sequence's
     blocks grow to cover the steps (taken here). Capped at the fewest tokens any request has left, so no request
     computes past its max_new_tokens. A round of one step still pays off: the next one is launched before it is read
     back, so its host work overlaps the GPU as a longer round's does."""

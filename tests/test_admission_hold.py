@@ -155,6 +155,22 @@ class Harness:
         self.clock.ms += self.dt_ms
         return plan
 
+    def round_or_step(self) -> None:
+        """As the engine with a decode round in flight: when every running request decodes and the planner says the next
+        schedule would admit nobody (`admits_none`), a decode step of the running batch with no schedule; else `step`."""
+        if self.planner.running and all(s.num_computed == len(s.tokens) - 1 for s in self.planner.running) and self.planner.admits_none():
+            for seq in list(self.planner.running):
+                seq.num_computed += 1
+                seq.tokens.append(1)
+                seq.output_ids.append(1)
+                if len(seq.output_ids) >= seq.request.sampling.max_new_tokens:
+                    self.planner.remove(seq)
+                    self.finished_at[seq.request_id] = self.steps
+            self.steps += 1
+            self.clock.ms += self.dt_ms
+        else:
+            self.step()
+
 
 @pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 7), (BOUND_MS, 2)])
 def test_reads_landing_one_by_one_admit_in_few_prompt_steps(hold_ms, prompt_steps):
@@ -570,3 +586,33 @@ def test_engine_fails_a_request_whose_read_fails_and_runs_the_rest(demo_set, ada
     assert not eng.has_unfinished()
     assert results["q-bad"].error is not None and results["q-bad"].error.code == "adapter_corrupt"
     assert all(results[f"q-{k}"].ok for k in keys if k != "bad") and results["base"].ok
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_asking_admits_none_holds_and_admits_as_the_schedule_does(seed):
+    """The engine's decode rounds ask the planner whether the next schedule would admit nobody (engine.planner
+    `admits_none`) instead of scheduling: over random arrivals, read landings and lengths (reads that land one by one
+    and are held for 3/4 of the places, the bound, requests finishing and freeing places, base requests), a harness that
+    asks wherever it could admits every request at the step a scheduling harness does, with the same holds counted."""
+
+    def run(ask: bool) -> Harness:
+        rng = random.Random(seed)
+        h = Harness(batch=8, dt_ms=rng.choice((3, 11)))
+        h.add(None, new=40)
+        h.step()
+        lands: dict[str, int] = {}
+        for step in range(90):
+            if step < 50 and rng.random() < 0.4:
+                adapter = None if rng.random() < 0.15 else f"a{h.n}"
+                rid = h.add(adapter, new=rng.randint(2, 12))
+                lands[adapter or rid] = step + rng.randint(0, 12)
+            for key, at in lands.items():
+                if at == step:
+                    h.pool.reading.discard(key)
+            h.round_or_step() if ask else h.step()
+        return h
+
+    asked, scheduled = run(True), run(False)
+    assert asked.admitted_at == scheduled.admitted_at
+    assert asked.planner.hold.holds == scheduled.planner.hold.holds > 0
+    assert len(asked.admitted_at) > 8

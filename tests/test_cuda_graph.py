@@ -287,6 +287,52 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(short_engine, m
     assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
 
 
+def test_rounds_of_one_step_run_while_the_planner_would_admit_nobody(short_engine, monkeypatch):
+    """Requests waiting with room for them, held back (as the admission hold does while their adapters' store reads land):
+    the running batch's steps are rounds of one step, each launched from the last one's tokens on the device before it
+    is read back (engine.planner `admits_none` asked instead of a schedule), never longer ones; once the hold lifts the
+    waiting requests are admitted at the next schedule, and every request gets its tokens, every measured µs charged."""
+    engine = short_engine
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    engine.pop_step_records()
+    first = [GenerationRequest(request_id=f"h{i}", input_ids=(6 + i, 9), adapter_key=[None, *ADAPTERS][i % 5],
+                               sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)) for i in range(3)]  # fmt: skip
+    later = [GenerationRequest(request_id=f"w{i}", input_ids=(8 + i, 3, 4), adapter_key=ADAPTERS[i % 4],
+                               sampling=SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(3)]  # fmt: skip
+    for r in first:
+        engine.add_request(r)
+    assert engine.step() == []  # their prompts
+    held = {"on": True}
+    planner = engine.planner
+    monkeypatch.setattr(planner, "_held", lambda plan, queue, budget: held["on"])
+    asked = []
+    monkeypatch.setattr(planner, "admits_none", lambda: asked.append(held["on"]) or held["on"])
+    calls = []
+    chain = engine.runner.decode_chain
+
+    def counted(items, steps, *a, first_ids=None):
+        calls.append((steps, first_ids is not None, len(planner.waiting)))
+        return chain(items, steps, *a, first_ids=first_ids)
+
+    monkeypatch.setattr(engine.runner, "decode_chain", counted)
+    for r in later:
+        engine.add_request(r)
+    results = []
+    for _ in range(3):
+        results += engine.step()
+    assert calls and all(steps == 1 and waiting == 3 for steps, _, waiting in calls), calls
+    assert sum(fed for _, fed, _ in calls) >= 2 and len(asked) >= 2, (calls, asked)
+    held["on"] = False
+    while engine.has_unfinished():
+        results += engine.step()
+    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in first + later)
+    want = {r.request_id: r.sampling.max_new_tokens for r in first + later}
+    assert all(r.ok and len(r.output_ids) == want[r.request_id] for r in results), [(r.request_id, r.error) for r in results]
+    assert any(steps > 1 for steps, _, waiting in calls if waiting == 0), calls  # the hold lifted, all admitted: longer rounds
+    records = engine.pop_step_records()
+    assert sum(r.total_us for r in records) == sum(charged_us(r) for r in results)
+
+
 def _round_in_flight(engine, monkeypatch, tag: str) -> None:
     """Three requests of 5 new tokens, prefilled, then a decode round of 4 launched and not read back."""
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
