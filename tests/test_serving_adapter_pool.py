@@ -230,16 +230,22 @@ def test_adapters_of_running_requests_stay_pinned(demo_set, many_adapters):
         assert results[r.request_id].output_ids == alone(ref, r).output_ids
 
 
+def _tiered_engine(demo_set, many_adapters, slots: int, count: int, clock: FakeClock) -> tuple[Engine, list[str]]:
+    """An engine of `slots` L1 slots on `clock` with `count` adapters k0.. registered, tiers premium, standard, batch in turn."""
+    eng = Engine(config(demo_set, max_loras=slots, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
+                 clock=clock)  # fmt: skip
+    keys = [f"k{i}" for i in range(count)]
+    for i, key in enumerate(keys):
+        eng.register_adapter(key, many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
+    return eng, keys
+
+
 def _placements(demo_set, many_adapters, *, walk: bool, hot: str | None = None) -> list[tuple[str, ...]]:
     """12 adapters of mixed tiers, heat and sizes through 6 slots: 6 placed, then 6 more, in one placement walk or one
     at a time; `hot` gets 50 requests after the first of the 6. Which adapters are resident after each of the 6."""
     clock = FakeClock(100.0)
-    eng = Engine(config(demo_set, max_loras=6, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
-                 clock=clock)  # fmt: skip
+    eng, keys = _tiered_engine(demo_set, many_adapters, 6, 12, clock)
     pool = eng.adapters
-    keys = [f"k{i}" for i in range(12)]
-    for i, key in enumerate(keys):
-        eng.register_adapter(key, many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
     for i, key in enumerate(keys[:6]):
         clock.t += 1.0
         for _ in range(i % 4):
@@ -304,12 +310,8 @@ def test_the_kept_ranking_is_a_fresh_ranking_at_its_time(demo_set, many_adapters
 
     rng = random.Random(7)
     clock = FakeClock(100.0)
-    eng = Engine(config(demo_set, max_loras=4, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM),
-                 clock=clock)  # fmt: skip
+    eng, keys = _tiered_engine(demo_set, many_adapters, 4, 10, clock)
     pool = eng.adapters
-    keys = [f"k{i}" for i in range(10)]
-    for i, key in enumerate(keys):
-        eng.register_adapter(key, many_adapters[i], slo_tier=("premium", "standard", "batch")[i % 3])
     pinned: list[str] = []
     aliases = 0
     checked = 0
