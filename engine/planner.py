@@ -32,7 +32,7 @@ on read-ahead threads.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -83,7 +83,7 @@ class StepPlanner:
         self.blocks = blocks
         self.pool = pool
         self.base_fingerprint = base_fingerprint
-        self.waiting: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # in admission order (`_rank`), kept so: each step walks it, 1,000 long in a cold start
         self.running: list[Sequence] = []
         self.watermark = max(1, blocks.num_blocks // 100)
         self.preemptions = 0
@@ -93,7 +93,7 @@ class StepPlanner:
         self._keys: dict[int, tuple[bytes | None, int, list[bytes]]] = {}  # id(seq) -> (namespace, len(tokens), keys)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted request out, releasing its blocks and adapter pin."""
@@ -126,7 +126,7 @@ class StepPlanner:
                 plan.items.append(Scheduled(seq, seq.chunk(n), total == len(seq.tokens)))
                 budget -= n
                 i += 1
-        queue = [s for s in sorted(self.waiting, key=_rank) if s not in plan.preempted]  # not back in the step that preempted it
+        queue = [s for s in self.waiting if s not in plan.preempted]  # not back in the step that preempted it
         if self._held(plan, queue, budget):
             return plan
         with self.pool.placing():  # the eviction candidates ranked once for the step's admissions
@@ -159,7 +159,7 @@ class StepPlanner:
         # no bound once the byte budget, not the rows, limits residency).
         walk = min(len(self.waiting), max(places, 0) + READ_AHEAD_BATCHES * self.config.max_batch_size)
         with self.pool.placing():  # the eviction candidates ranked once for the walk
-            for i, seq in enumerate(heapq.nsmallest(walk, self.waiting, key=_rank)):
+            for i, seq in enumerate(self.waiting[:walk]):
                 if seq.adapter_key is None or seq.lora_slot >= 0 or self.pool.failed(seq.adapter_key) is not None:
                     continue
                 if not placing or i >= places:
@@ -181,8 +181,7 @@ class StepPlanner:
         free = self.config.max_batch_size - len(self.running)
         if not self.waiting or free <= 0 or budget <= 0:
             return True
-        queue = sorted(self.waiting, key=_rank)
-        ready, want, soon = self._hold_counts(self.running, queue, budget)
+        ready, want, soon = self._hold_counts(self.running, self.waiting, budget)
         if ready and not self.hold.would_hold(bool(self.running), ready, want, soon):
             return False  # (the hold left as it is: the schedule that follows decides, and ends it)
         self.hold.hold(bool(self.running), ready, want, soon)  # a held step, or none ready: as the schedule counts it
@@ -313,7 +312,7 @@ class StepPlanner:
         seq.num_computed = 0
         seq.timings.preemptions += 1
         self.preemptions += 1
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_rank)
         plan.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
