@@ -67,6 +67,9 @@ class AdmissionHold:
         self._held = 0  # those steps
         self.holds = 0  # steps whose admissions were held back
 
+    def clock(self) -> float:
+        return self._clock()
+
     def worth_waiting(self, want: int, steps: int, batch: int) -> bool:
         """Whether holding `want` free places of `batch` idle for `steps` more steps, until places freeing then are
         free, keeps the hold under way's cost within a prompt step's (module docstring)."""
@@ -80,19 +83,19 @@ class AdmissionHold:
         `want` while none are freeing; else every place, those freeing included (which no step can admit before then)."""
         return want + soon if soon > 0 else math.ceil(ADMIT_FRACTION * want)
 
-    def would_hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
-        """What `hold` would answer now, changing nothing."""
+    def would_hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None) -> bool:
+        """What `hold` would answer at `now` (the clock's time by default), changing nothing."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
-            return self._since is None or self._clock() - self._since < self.bound_s
+            return self._since is None or (self._clock() if now is None else now) - self._since < self.bound_s
         return False
 
-    def hold(self, running: bool, ready: int, want: int, soon: int = 0) -> bool:
+    def hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None) -> bool:
         """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests
         whose adapters need no store read (counted up to `enough(want, soon)`); `want`, the places the waiting could
         fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when `worth_waiting` says so
-        (the caller's reckoning; module docstring)."""
+        (the caller's reckoning; module docstring); `now`, the step's time (the clock's by default)."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
-            now = self._clock()
+            now = self._clock() if now is None else now
             if self._since is None:
                 self._since = now
             if now - self._since < self.bound_s:

@@ -221,7 +221,11 @@ class Engine:
                 self._inflight = self._next_round(rnd)
             except Exception:  # the next step schedules afresh, eagerly
                 log.exception("launching the next decode round raised; stepping afresh")
-            book_round(rnd, self._book)
+            try:
+                if self._inflight is not None:
+                    self._load_ahead(self._inflight.steps, rnd.steps)  # overlapped with the round just launched
+            finally:
+                book_round(rnd, self._book)  # (booked whatever the load-ahead did)
             self._ran = True
             return self._pop_done()
         plan = self.planner.schedule()
@@ -345,11 +349,13 @@ class Engine:
         if steps:
             try:
                 self._inflight = self._launch_round([it.seq for it in plan.items], items, steps)  # read by the next step()
-                return
             except Exception:  # (blocks grown for the round stay the sequences', for their next tokens)
                 log.exception("launching a decode round of %d requests raised; running one isolated step instead", len(items))
                 self._step_timer.reset()
                 self.runner.begin_step()
+            else:
+                self._load_ahead(steps)  # overlapped with the round (which is in flight whatever this does)
+                return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
         self._load_ahead(1)  # between launching the forward and reading its results: on CUDA, overlapped with it
         samplers = [i for i, it in enumerate(plan.items) if it.samples and i not in failed]
@@ -375,12 +381,10 @@ class Engine:
         with self._step_timer.section():
             return self.runner.forward(items)  # [M, V] fp32, one row per sampling item
 
-    def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None,
-                      finished_before: int = 0) -> Round:  # fmt: skip
-        """Launch a decode round (engine.rounds `launch_round`), then start the adapter loads no request of it waits for."""
-        rnd = launch_round(self.runner, seqs, items, steps, first_ids)
-        self._load_ahead(steps, finished_before)
-        return rnd
+    def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> Round:
+        """Launch a decode round (engine.rounds `launch_round`); the caller then starts the adapter loads no request of it
+        waits for (`_load_ahead`), once the round is kept, so that a load-ahead that raises loses no launched step."""
+        return launch_round(self.runner, seqs, items, steps, first_ids)
 
     def _next_round(self, rnd: Round) -> Round | None:
         """The round after `rnd`, launched before `rnd` is read back, so that the host's reading and bookkeeping of
@@ -388,15 +392,16 @@ class Engine:
         be admitted, or engine.rounds `plan_next_round` finds none. While requests wait with room for them but the
         planner would admit none (each awaits a store read, or the admission hold holds them back: engine.planner
         `admits_none`), the round is of one step, so that the next step() asks again."""
-        limit = self.config.decode_steps
-        if self._admissible():
-            if not self.planner.admits_none():
-                return None
-            limit = 1
-        if (planned := plan_next_round(rnd, self.runner, limit)) is None:
+        held = self._admissible()
+        if held and not self.planner.admits_none():
+            return None
+        if (planned := plan_next_round(rnd, self.runner, 1 if held else self.config.decode_steps)) is None:
             return None
         items, steps = planned
-        return self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids, finished_before=rnd.steps)
+        launched = self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
+        if held:
+            self.planner.note_held()  # the step the planner held back admissions for runs: its hold counted once
+        return launched
 
     def _admissible(self) -> bool:
         """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the

@@ -90,6 +90,7 @@ class StepPlanner:
         self.prompt_tokens_looked_up = 0  # prompt tokens of first admissions
         self.prompt_tokens_hit = 0  # of those, found in the prefix cache
         self.hold = AdmissionHold(config.admission_hold_ms, clock)
+        self._asked: tuple | None = None  # what the last `admits_none` that said yes saw, for `note_held`
         self._keys: dict[int, tuple[bytes | None, int, list[bytes]]] = {}  # id(seq) -> (namespace, len(tokens), keys)
 
     def add(self, seq: Sequence) -> None:
@@ -175,17 +176,27 @@ class StepPlanner:
     def admits_none(self) -> bool:
         """Whether the next schedule, every running request decoding, would admit none of the waiting ones, by what it
         can tell before trying: none could take a place (the batch is full, or the token budget is spent), none is ready
-        (each awaits a store read), or the admission hold holds them back (engine.admission; counted as the schedule's
-        own hold). The engine runs decode rounds of one step meanwhile, each launched before the last is read back."""
+        (each awaits a store read), or the admission hold holds them back (engine.admission). Changes nothing: the
+        engine runs a decode round of one step instead of that schedule, and `note_held` then counts its hold."""
+        self._asked = None
         budget = self.config.max_num_batched_tokens - len(self.running)
         free = self.config.max_batch_size - len(self.running)
         if not self.waiting or free <= 0 or budget <= 0:
             return True
         ready, want, soon = self._hold_counts(self.running, self.waiting, budget)
-        if ready and not self.hold.would_hold(bool(self.running), ready, want, soon):
-            return False  # (the hold left as it is: the schedule that follows decides, and ends it)
-        self.hold.hold(bool(self.running), ready, want, soon)  # a held step, or none ready: as the schedule counts it
+        now = self.hold.clock()
+        if ready and not self.hold.would_hold(bool(self.running), ready, want, soon, now=now):
+            return False
+        self._asked = (bool(self.running), ready, want, soon, now)
         return True
+
+    def note_held(self) -> None:
+        """The step that `admits_none` answered for runs (the engine launched its round): its hold counted, or a hold
+        ended when none was ready, as the schedule that step replaces would (at the time `admits_none` asked)."""
+        if self._asked is not None:
+            running, ready, want, soon, now = self._asked
+            self._asked = None
+            self.hold.hold(running, ready, want, soon, now=now)
 
     # ---- internals
 

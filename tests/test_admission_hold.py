@@ -123,6 +123,9 @@ class Harness:
         self.finished_at: dict[str, int] = {}
         self.prompt_steps = 0
         self.steps = 0
+        self.inflight: list[Sequence] | None = None  # engine_step's round in flight: its sequences
+        self.holds_per_step: list[int] = []  # engine_step: the holds counted for each launched step
+        self._holds_seen = 0
 
     def add(self, adapter: str | None, *, priority: int = 0, reading: bool = True, new: int = 512) -> str:
         rid = f"r{self.n}"
@@ -134,8 +137,16 @@ class Harness:
             self.pool.reading.add(adapter)
         return rid
 
-    def step(self) -> Plan:
+    def step(self, *, apply: bool = True) -> Plan:
         plan = self.planner.schedule()
+        if apply:
+            self._apply(plan)
+            self.steps += 1
+            self.clock.ms += self.dt_ms
+        return plan
+
+    def _apply(self, plan: Plan) -> None:
+        """The step's work computed: prompt chunks and decodes, sampled tokens, finished requests out."""
         prompt = False
         for it in plan.items:
             if len(it.tokens) > 1:
@@ -151,25 +162,50 @@ class Harness:
         for seq, _error in plan.failed:
             self.failed_at[seq.request_id] = self.steps
         self.prompt_steps += prompt
+
+    def engine_step(self) -> None:
+        """As engine.Engine.step, a decode step a call: with a round of one step in flight (its tokens not booked yet),
+        while requests wait with room for them the planner is asked (`admits_none`) instead of scheduling; the next
+        round is launched when it says nobody would be admitted and every request has a token left past the one in
+        flight, its hold then counted (`note_held`); then the round in flight is booked. Without one, a schedule, whose
+        whole-batch decode step becomes the round in flight. Each launched step's holds go to `holds_per_step`."""
+        planner = self.planner
+        if self.inflight is not None:
+            rnd, self.inflight = self.inflight, None
+            held = bool(planner.waiting) and len(planner.running) < planner.config.max_batch_size
+            if (not held or planner.admits_none()) and all(_left(s) > 1 for s in rnd):
+                self.inflight = rnd
+                if held:
+                    planner.note_held()
+                self._launched()
+            self._book(rnd)
+        else:
+            plan = self.step(apply=False)
+            decode = [it.seq for it in plan.items if len(it.tokens) == 1 and it.samples]
+            if plan.items and len(decode) == len(plan.items) == len(planner.running):
+                self.inflight = decode
+            else:
+                self._apply(plan)
+            self._launched()
         self.steps += 1
         self.clock.ms += self.dt_ms
-        return plan
 
-    def round_or_step(self) -> None:
-        """As the engine with a decode round in flight: when every running request decodes and the planner says the next
-        schedule would admit nobody (`admits_none`), a decode step of the running batch with no schedule; else `step`."""
-        if self.planner.running and all(s.num_computed == len(s.tokens) - 1 for s in self.planner.running) and self.planner.admits_none():
-            for seq in list(self.planner.running):
-                seq.num_computed += 1
-                seq.tokens.append(1)
-                seq.output_ids.append(1)
-                if len(seq.output_ids) >= seq.request.sampling.max_new_tokens:
-                    self.planner.remove(seq)
-                    self.finished_at[seq.request_id] = self.steps
-            self.steps += 1
-            self.clock.ms += self.dt_ms
-        else:
-            self.step()
+    def _launched(self) -> None:
+        self.holds_per_step.append(self.planner.hold.holds - self._holds_seen)
+        self._holds_seen = self.planner.hold.holds
+
+    def _book(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.num_computed += 1
+            seq.tokens.append(1)
+            seq.output_ids.append(1)
+            if len(seq.output_ids) >= seq.request.sampling.max_new_tokens:
+                self.planner.remove(seq)
+                self.finished_at[seq.request_id] = self.steps
+
+
+def _left(seq: Sequence) -> int:
+    return seq.request.sampling.max_new_tokens - len(seq.output_ids)
 
 
 @pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 7), (BOUND_MS, 2)])
@@ -265,9 +301,11 @@ def test_no_starvation_under_a_stream_of_arrivals():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_random_arrivals_and_landings_keep_the_bound(seed):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_random_arrivals_and_landings_keep_the_bound(seed, pipelined):
     """Random arrivals, priorities and read times, one long request always running, places to spare: no request waits
-    past its read's landing for longer than the bound (4 steps of 11 ms), and every one is admitted in the end."""
+    past its read's landing for longer than the bound (4 steps of 11 ms), and every one is admitted in the end; stepping
+    as the engine does with decode rounds in flight (`engine_step`), at most one step more, each step's hold counted once."""
     rng = random.Random(seed)
     h = Harness(batch=128, dt_ms=11)
     h.add(None)
@@ -281,14 +319,15 @@ def test_random_arrivals_and_landings_keep_the_bound(seed):
         for rid, at in lands.items():
             if at <= h.steps:
                 h.pool.reading.discard(f"k{rid}")
-        h.step()
+        h.engine_step() if pipelined else h.step()
     end = h.steps
     h.pool.reading.clear()
     for _ in range(6):
-        h.step()
+        h.engine_step() if pipelined else h.step()
     assert set(lands) <= set(h.admitted_at)
     late = {rid: h.admitted_at[rid] - at for rid, at in lands.items() if at < end}
-    assert late and max(late.values()) <= 4, late
+    assert late and max(late.values()) <= 4 + pipelined, late
+    assert max(h.holds_per_step, default=0) <= 1 and h.planner.hold.holds > 0
 
 
 @pytest.mark.parametrize(
@@ -588,31 +627,50 @@ def test_engine_fails_a_request_whose_read_fails_and_runs_the_rest(demo_set, ada
     assert all(results[f"q-{k}"].ok for k in keys if k != "bad") and results["base"].ok
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_asking_admits_none_holds_and_admits_as_the_schedule_does(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_rounds_asking_admits_none_admit_and_finish_every_request(seed):
     """The engine's decode rounds ask the planner whether the next schedule would admit nobody (engine.planner
-    `admits_none`) instead of scheduling: over random arrivals, read landings and lengths (reads that land one by one
-    and are held for 3/4 of the places, the bound, requests finishing and freeing places, base requests), a harness that
-    asks wherever it could admits every request at the step a scheduling harness does, with the same holds counted."""
+    `admits_none`) before the round in flight is booked, instead of scheduling. Over random arrivals, read landings and
+    lengths through a batch of 8 (requests finishing and freeing places, base requests, reads landing late), in the
+    engine's order: every request is admitted and finishes, rounds are launched while requests wait, and each launched
+    step counts at most one hold (a step asked for and then not launched counts none)."""
+    rng = random.Random(seed)
+    h = Harness(batch=8, dt_ms=rng.choice((3, 11)))
+    h.add(None, new=60)
+    h.step()
+    lands: dict[str, int] = {}
+    added = []
+    for step in range(160):
+        if step < 50 and rng.random() < 0.4:
+            adapter = None if rng.random() < 0.15 else f"a{h.n}"
+            added.append(h.add(adapter, new=rng.randint(2, 12)))
+            lands[adapter or added[-1]] = step + rng.randint(0, 12)
+        for key, at in lands.items():
+            if at == step:
+                h.pool.reading.discard(key)
+        h.engine_step()
+    assert h.inflight is None and not h.planner.waiting and not h.planner.running
+    assert set(added) <= set(h.admitted_at) and set(added) <= set(h.finished_at) and len(added) > 8
+    assert max(h.holds_per_step) <= 1, h.holds_per_step
+    assert h.planner.hold.holds > 0
 
-    def run(ask: bool) -> Harness:
-        rng = random.Random(seed)
-        h = Harness(batch=8, dt_ms=rng.choice((3, 11)))
-        h.add(None, new=40)
-        h.step()
-        lands: dict[str, int] = {}
-        for step in range(90):
-            if step < 50 and rng.random() < 0.4:
-                adapter = None if rng.random() < 0.15 else f"a{h.n}"
-                rid = h.add(adapter, new=rng.randint(2, 12))
-                lands[adapter or rid] = step + rng.randint(0, 12)
-            for key, at in lands.items():
-                if at == step:
-                    h.pool.reading.discard(key)
-            h.round_or_step() if ask else h.step()
-        return h
 
-    asked, scheduled = run(True), run(False)
-    assert asked.admitted_at == scheduled.admitted_at
-    assert asked.planner.hold.holds == scheduled.planner.hold.holds > 0
-    assert len(asked.admitted_at) > 8
+def test_rounds_asking_admits_none_admit_reads_landing_in_few_prompt_steps():
+    """As test_reads_landing_one_by_one_admit_in_few_prompt_steps, stepping as the engine does with rounds in flight: 7
+    reads landing one a step are admitted in at most 2 prompt steps (the first admission at most a step later than a
+    schedule's), the running request decoding in every step meanwhile, each held step's hold counted once."""
+    h = Harness()
+    h.add(None)
+    h.step()
+    keys = [f"a{i}" for i in range(7)]
+    for k in keys:
+        h.add(k)
+    h.prompt_steps = 0
+    for k in keys:
+        h.pool.reading.discard(k)
+        h.engine_step()
+    for _ in range(3):
+        h.engine_step()
+    assert 1 <= h.prompt_steps <= 2
+    assert sorted(h.admitted_at) == [f"r{i}" for i in range(8)]
+    assert max(h.holds_per_step) <= 1 and h.planner.hold.holds >= 4, (h.holds_per_step, h.planner.hold.holds)

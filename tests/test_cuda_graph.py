@@ -333,6 +333,41 @@ def test_rounds_of_one_step_run_while_the_planner_would_admit_nobody(short_engin
     assert sum(r.total_us for r in records) == sum(charged_us(r) for r in results)
 
 
+def test_a_load_ahead_that_raises_loses_no_launched_step(short_engine, monkeypatch):
+    """The adapter load-ahead runs after a decode round is launched (overlapped with it): when it raises, the step()
+    raises, but the round stays in flight and the one before is booked, so the next step() goes on; every request
+    gets its tokens and every measured µs is charged."""
+    engine = short_engine
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 2}))
+    engine.pop_step_records()
+    reqs = [GenerationRequest(request_id=f"l{i}", input_ids=(4 + i, 7), adapter_key=[None, *ADAPTERS][i % 5],
+                              sampling=SamplingParams(max_new_tokens=7, ignore_eos=True)) for i in range(3)]  # fmt: skip
+    for r in reqs:
+        engine.add_request(r)
+    results = engine.step()  # the prompts
+    load_ahead = engine._load_ahead
+    failures = []
+
+    def flaky(in_flight=0, finished_before=0):
+        if in_flight and len(failures) < 2:
+            failures.append(engine._inflight is not None)
+            raise RuntimeError("load-ahead failed")
+        return load_ahead(in_flight, finished_before)
+
+    monkeypatch.setattr(engine, "_load_ahead", flaky)
+    raised = 0
+    while engine.has_unfinished():
+        try:
+            results += engine.step()
+        except RuntimeError:
+            raised += 1
+    assert raised == 2 and failures == [True, True]  # each time with the launched round kept in flight
+    assert sorted(r.request_id for r in results) == ["l0", "l1", "l2"]
+    assert all(r.ok and len(r.output_ids) == 7 for r in results), [(r.request_id, r.error) for r in results]
+    records = engine.pop_step_records()
+    assert len(records) == 7 and sum(r.total_us for r in records) == sum(charged_us(r) for r in results)
+
+
 def _round_in_flight(engine, monkeypatch, tag: str) -> None:
     """Three requests of 5 new tokens, prefilled, then a decode round of 4 launched and not read back."""
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
