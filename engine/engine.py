@@ -10,9 +10,10 @@ a request needs one, or eagerly with `load_adapter`.
 Device, dtype and compute backend (engine.device), chosen once at start and logged: Triton kernels on CUDA, with
 decode steps replayed as CUDA graphs (engine.cuda_graphs); the torch reference ops on the CPU.
 
-Decode rounds (CUDA graphs only, engine.rounds): when every running request decodes, none wants logprobs and
-nothing waits, a step launches several graph replays back to back, and the next step() launches the following round
-before it reads the last one back, so that host work overlaps the GPU; results thus come back one step() call later.
+Decode rounds (CUDA graphs only, engine.rounds): when every running request decodes and none wants logprobs, a step
+launches graph replays back to back (several when nothing waits, one while a waiting request could be admitted), and
+the next step() launches the following round before it reads the last one back, so that host work overlaps the GPU;
+results thus come back one step() call later.
 
 Timings and the KV credit (engine.booking): each step's measured device time is split exactly among its requests by
 tokens, one StepRecord per step (`pop_step_records`); cached prompt tokens are credited at the measured marginal
