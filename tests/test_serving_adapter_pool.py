@@ -363,6 +363,61 @@ def test_the_kept_ranking_is_a_fresh_ranking_at_its_time(demo_set, many_adapters
     assert pool._ranked_at == clock.t
 
 
+def test_the_kept_ranking_follows_unloads_reloads_and_the_warm_pool(demo_set, many_adapters):
+    """As the test above, with the warm pool placing adapters of its own and keys unloaded whole (the last key of a
+    resident content among them: its slot freed and its entry gone) and registered or loaded again, walks of placements
+    among the rest and clock jumps past RANK_TTL_S: the kept ranking is a fresh ranking at its time after every step."""
+    import random
+
+    from engine.adapter_residency import RANK_TTL_S
+
+    rng = random.Random(11)
+    clock = FakeClock(100.0)
+    eng = Engine(config(demo_set, max_loras=4, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000,
+                        warm_pool_slots=2, warm_pool_host_bytes=1 << 30, warm_pool_interval_s=0.001, warm_pool_min_per_hour=0.001),
+                 clock=clock)  # fmt: skip
+    pool = eng.adapters
+    paths = {f"k{i}": many_adapters[i] for i in range(10)}
+    for i, (key, path) in enumerate(paths.items()):
+        eng.register_adapter(key, path, slo_tier=("premium", "standard", "batch")[i % 3])
+    pinned: list[str] = []
+    checked = resident_unloads = 0
+    for _ in range(600):
+        clock.t += rng.choice((0.0, 0.01, 0.2, RANK_TTL_S + 0.5))
+        op, key = rng.random(), rng.choice(list(paths))
+        if op < 0.25:
+            pool.note_request(key)
+        elif op < 0.45:
+            pool.prefetch(key, ())
+        elif op < 0.55:
+            if isinstance(pool.acquire(key), tuple):
+                pinned.append(pool.sha_of(key))
+        elif op < 0.65 and pinned:
+            pool.release(pinned.pop(rng.randrange(len(pinned))))
+        elif op < 0.75 and pool.sha_of(key) not in pinned:
+            sha = pool.sha_of(key)
+            content = pool._contents.get(sha) if sha else None
+            resident_unloads += content is not None and content.slot is not None and len(content.keys) == 1
+            pool.unload(key)
+            if rng.random() < 0.5:
+                eng.load_adapter(key, paths[key])
+            else:
+                eng.register_adapter(key, paths[key], sha)
+        elif op < 0.85:
+            pool.warm()
+        elif op < 0.88:
+            pool.offload()
+        elif op < 0.95:
+            with pool.placing():
+                for other in rng.sample(list(paths), 4):
+                    pool.prefetch(other, ())
+        if pool._ranking is not None:
+            checked += 1
+            assert pool._ranking == pool._rank(pool._ranked_at)
+            assert pool._rank_of == {entry[1]: entry for entry in pool._ranking}
+    assert checked > 100 and resident_unloads > 3 and pool.counters["warm_prefetches"] > 0, (checked, resident_unloads, pool.counters)
+
+
 def test_the_walk_ranking_scores_as_keep_score(demo_set, many_adapters):
     """The placement walk's inline scores (L1Placement._rank_entry) are engine.adapter_policy's keep_score of the same
     candidate, for adapters of every tier, with and without heat, and one content under two keys of two tiers."""
