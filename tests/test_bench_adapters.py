@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import hashlib
 
+import pytest
+
 from engine.bench.adapters import run, write_adapters
 from engine.bench.build import model_config
 
@@ -18,9 +20,12 @@ def test_adapters_written_are_distinct(tmp_path):
     assert len(digests) == 40
 
 
-def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path):
-    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path)
+@pytest.mark.parametrize("synced", [True, False])
+def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, synced):
+    """Synchronised after each step() call or not (`--pipelined`: steps popped as the engine process pops them)."""
+    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, synced=synced)
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
+    assert all(r["synced_calls"] == synced for r in rows)
     for r in rows:
         assert r["loads_warm"]["disk"] == 0, r  # L2 holds every adapter after the cold pass
         assert 0 < r["loads_cold"]["disk"] <= r["count"], r
@@ -140,7 +145,6 @@ def test_the_switch_interval_option_refuses_what_python_cannot_take():
     the module's parser and the CLI; the run restores the interval it found."""
     import sys
 
-    import pytest
     from typer.testing import CliRunner
 
     from consumer.cli import build_app
@@ -153,3 +157,21 @@ def test_the_switch_interval_option_refuses_what_python_cannot_take():
         assert out.exit_code != 0 and "--gil-switch-ms" in out.output, out.output
     assert parse_args(["--gil-switch-ms", "5"]).gil_switch_ms == 5.0
     assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_the_pipelined_option_reaches_the_run(monkeypatch):
+    """--pipelined (no sync after each step() call) in both the module's parser and the CLI: the run gets synced=False;
+    without it, synced=True."""
+    from typer.testing import CliRunner
+
+    import engine.bench.adapters as bench
+    from consumer.cli import build_app
+
+    got = []
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: got.append(kw["synced"]))
+    bench.main(["--pipelined"])
+    bench.main([])
+    for args in (["--pipelined"], []):
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", *args])
+        assert out.exit_code == 0, out.output
+    assert got == [False, True, False, True]

@@ -131,13 +131,15 @@ def bench_adapters(
     timeline: Annotated[Optional[Path], typer.Option(help="a folder for each count's passes step by step (JSON); the cold pass's admissions are printed")] = None,
     gil_switch_ms: Annotated[float, typer.Option(min=0.001, max=1000.0, help="the interpreter's switch interval for the run, "
                                                  "in ms (default: the engine process's; Python's own is 5)")] = 50.0,
+    pipelined: Annotated[bool, typer.Option(help="do not synchronise the device after each engine.step() call: a call's wall "
+                                            "time is the interval between call returns, as a serving loop sees it")] = False,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
     from engine.bench.adapters import run
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
-        read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000)  # fmt: skip
+        read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -109,9 +109,12 @@ def pinned_copy_floor_us(nbytes: int, dev: torch.device, repeats: int = 20) -> f
     return statistics.median(times[2:])
 
 
-def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str, batch: int) -> dict:
+def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, tag: str, batch: int, synced: bool = True) -> dict:
     """Every request, at most `batch` running (the engine's max_batch_size); tokens/s over the pass, the loads it made,
-    each engine.step() call's wall time per step, and whether a load happened in it."""
+    each engine.step() call's wall time per step, and whether a load happened in it. `synced`: the device is synchronised
+    after each call, so that a call's wall time holds the GPU work it launched and its own host work end to end;
+    without, steps are popped as the engine process pops them (a round left in flight), and a call's wall time is the
+    interval between two calls' returns, as a serving loop sees it: host work overlapped with the round in flight."""
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
     for i, (p, k) in enumerate(zip(prompts, keys)):
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=k, sampling=sp))
@@ -142,10 +145,11 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             placed, placed_ns = engine.adapters.placements, engine.adapters.placement_ns
             c0 = stalls.begin()
             results = engine.step()
-            sync(engine.device)
+            if synced:
+                sync(engine.device)
             us = (time.perf_counter() - c0) * 1e6
             stalls.end()
-            records = engine.pop_step_records()
+            records = engine.pop_step_records(drain=synced)
             time.sleep(engine.idle_wait_s())  # as the serving loop (engine.async_engine) when nothing could run
             tokens += sum(len(r.output_ids) for r in results)
             prompt_steps += sum(any(share.tokens > 1 for share in r.shares) for r in records)
@@ -167,6 +171,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         gc_ms += paused.ms
         paused.close()
         stalls.close()
+    sync(engine.device)
     elapsed = time.perf_counter() - t0
     events = [e for e in engine.pop_load_events() if e.skip_reason is None and e.error_code is None]
     # each store read of the pass: ms into the pass when it began on its thread and landed; each disk load's µs (read and copy)
@@ -224,20 +229,22 @@ def _pct(values: list[float], q: float) -> float | None:
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
-        timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S) -> list[dict]:  # fmt: skip
+        timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
     timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
-    thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process)."""
+    thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process). `synced`
+    False: the device is not synchronised after each engine.step() call (`_pass`)."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(gil_switch_s)
     try:
-        return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline)
+        return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline,
+                    synced)  # fmt: skip
     finally:
         sys.setswitchinterval(previous)
 
 
 def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
-         timeline) -> list[dict]:  # fmt: skip
+         timeline, synced) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -256,7 +263,8 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
         rows = []
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
-                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes)  # fmt: skip
+                             gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes,
+                             synced=synced)  # fmt: skip
             passes = row.pop("timeline")
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
@@ -273,7 +281,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
 
 
 def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes) -> dict:  # fmt: skip
+               read_processes, synced=True) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -306,8 +314,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     # was empty, the first alone left about 9 s of compiles in the 5-adapter cold pass (H200, session 9, call 1).
     every = torch.randint(0, n_warm, (requests,), generator=torch.Generator().manual_seed(count + 1)).tolist()
     with _Compiles() as compiles:
-        _pass(engine, prompts, warm_keys, new, f"w{count}", batch)
-        _pass(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"v{count}", batch)
+        _pass(engine, prompts, warm_keys, new, f"w{count}", batch, synced)
+        _pass(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"v{count}", batch, synced)
         # A third with requests arriving in waves of odd sizes: cold passes admit requests as their adapters' reads land,
         # so steps mix prompts with any number of decode rows, shapes the first two never make (H200, session 10: the
         # cold passes compiled 1-5 Triton variants, about a second each, after two full-batch warm-ups).
@@ -324,10 +332,10 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         _freeze_gc()
         try:
             warmup_compiles = compiles.take()
-            cold = _pass(engine, prompts, chosen, new, f"c{count}", batch)
+            cold = _pass(engine, prompts, chosen, new, f"c{count}", batch, synced)
             cold_compiles = compiles.take()
             engine.adapters.offload()  # the host-warm pass starts with every adapter in L2 and none in L1
-            warm = _pass(engine, prompts, chosen, new, f"h{count}", batch)
+            warm = _pass(engine, prompts, chosen, new, f"h{count}", batch, synced)
             warm_compiles = compiles.take()
         finally:
             gc.unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
@@ -352,7 +360,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     lora = engine.runner.lora
     fits = int(lora.nbytes // nbytes) if nbytes else None
     row = {
-        "count": count, "cold_tok_s": round(cold["tok_s"], 1), "warm_tok_s": round(warm["tok_s"], 1),
+        "count": count, "synced_calls": synced, "cold_tok_s": round(cold["tok_s"], 1), "warm_tok_s": round(warm["tok_s"], 1),
         "loads_cold": _tiers(cold["events"]), "loads_warm": _tiers(warm["events"]),
         "host_load_p50_us": _pct(load_us, 0.5), "host_load_p99_us": _pct(load_us, 0.99),
         "disk_load_p50_us": _pct(disk_us, 0.5), "disk_load_p99_us": _pct(disk_us, 0.99),
@@ -565,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gil-switch-ms", type=float, default=GIL_SWITCH_S * 1000,
                    help="sys.setswitchinterval for the run, in ms: how long the read-ahead threads wait before the engine "
                    "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
+    p.add_argument("--pipelined", action="store_true",
+                   help="do not synchronise the device after each engine.step() call: a call's wall time is then the interval "
+                   "between call returns, as a serving loop sees it, its host work overlapped with the round in flight")  # fmt: skip
     a = p.parse_args(argv)
     if not 0 < a.gil_switch_ms <= 1000:
         p.error(f"--gil-switch-ms {a.gil_switch_ms}: use a number of ms above 0, at most 1000")
@@ -575,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
-        read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000)  # fmt: skip
+        read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined)  # fmt: skip
 
 
 if __name__ == "__main__":
