@@ -1,12 +1,12 @@
 """Admission hold-back (engine.admission): while adapters' store reads land, a batch is admitted in few prompt steps, never
-while nothing else runs, never for longer than the bound, and a failed read still fails its request."""
+while nothing else runs, never for longer than the bound, and a failed read still fails its request: the decision
+alone, and the planner over a fake pool, scheduling or stepping as the engine does with decode rounds in flight. The
+engine with real store reads: tests/test_admission_hold_engine.py."""
 
 from __future__ import annotations
 
 import contextlib
 import random
-import threading
-import time
 
 import pytest
 from pydantic import ValidationError
@@ -16,13 +16,9 @@ from engine.admission import AdmissionHold
 from engine.api import AdapterError, GenerationRequest, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.demo_model import write_demo_adapter
-from engine.engine import Engine
 from engine.planner import Plan, StepPlanner
 from engine.sequence import Sequence
-from tests.test_serving_helpers import config, req
 
-NO_WARM = dict(warm_pool_slots=0, warm_pool_host_bytes=0)
 BOUND_MS = 40.0
 
 
@@ -208,11 +204,12 @@ def _left(seq: Sequence) -> int:
     return seq.request.sampling.max_new_tokens - len(seq.output_ids)
 
 
-@pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 7), (BOUND_MS, 2)])
-def test_reads_landing_one_by_one_admit_in_few_prompt_steps(hold_ms, prompt_steps):
+@pytest.mark.parametrize(("hold_ms", "prompt_steps", "pipelined"), [(0.0, (7,), False), (BOUND_MS, (2,), False), (BOUND_MS, (1, 2), True)])
+def test_reads_landing_one_by_one_admit_in_few_prompt_steps(hold_ms, prompt_steps, pipelined):
     """A running request and 7 waiting ones whose reads land one a step (well within the bound): with the hold, the batch
     is admitted in 2 prompt steps (6 = 3/4 of 7 places at once, then the last), not one per read; the running request
-    decodes in every step meanwhile."""
+    decodes in every step meanwhile. Stepping as the engine does with decode rounds in flight (`engine_step`), the first
+    admission may come a step later (in 1 or 2 prompt steps), each held step's hold counted once."""
     h = Harness(hold_ms)
     h.add(None)
     h.step()  # the running request's prompt
@@ -222,12 +219,18 @@ def test_reads_landing_one_by_one_admit_in_few_prompt_steps(hold_ms, prompt_step
     h.prompt_steps = 0
     for k in keys:
         h.pool.reading.discard(k)
-        plan = h.step()
-        assert any(it.seq.request_id == "r0" for it in plan.items)
-    h.step()
-    assert h.prompt_steps == prompt_steps
+        if pipelined:
+            h.engine_step()
+        else:
+            assert any(it.seq.request_id == "r0" for it in h.step().items)
+    for _ in range(3 if pipelined else 1):
+        h.engine_step() if pipelined else h.step()
+    assert h.prompt_steps in prompt_steps
     assert sorted(h.admitted_at) == [f"r{i}" for i in range(8)]
-    assert h.planner.hold.holds == (5 if hold_ms else 0)
+    if pipelined:
+        assert max(h.holds_per_step) <= 1 and h.planner.hold.holds >= 4, (h.holds_per_step, h.planner.hold.holds)
+    else:
+        assert h.planner.hold.holds == (5 if hold_ms else 0)
 
 
 def test_the_bound_ends_the_wait():
@@ -460,173 +463,6 @@ def test_config_bound_is_validated():
         EngineConfig(admission_hold_ms=-1)
 
 
-# ---- the engine, with read-ahead threads and reads released one at a time
-
-
-@pytest.fixture(scope="module")
-def adapters(demo_set, tmp_path_factory) -> list:
-    root = tmp_path_factory.mktemp("hold")
-    paths = []
-    for i in range(6):
-        write_demo_adapter(root / f"h{i}", demo_set["model"], rank=4, target_modules=("q_proj", "v_proj"), alpha=8.0, seed=7000 + i)
-        paths.append(root / f"h{i}")
-    return paths
-
-
-class Gates:
-    """Store reads on the read-ahead threads wait until the test opens their key's gate (or all of them)."""
-
-    def __init__(self) -> None:
-        self._open: set[str] = set()
-        self._all = False
-        self._cv = threading.Condition()
-
-    def open(self, key: str | None = None) -> None:
-        with self._cv:
-            if key is None:
-                self._all = True
-            else:
-                self._open.add(key)
-            self._cv.notify_all()
-
-    def wait(self, key: str) -> None:
-        with self._cv:
-            self._cv.wait_for(lambda: self._all or key in self._open, timeout=60)
-
-
-@pytest.fixture
-def gates(monkeypatch):
-    import engine.adapter_records as records
-
-    gates = Gates()
-    real = records.read_adapter
-
-    def gated(rec, *args, **kwargs):
-        gates.wait(rec.key)
-        return real(rec, *args, **kwargs)
-
-    monkeypatch.setattr(records, "read_adapter", gated)
-    yield gates
-    gates.open()  # no read thread left waiting after the test
-
-
-def _land(eng: Engine, gates: Gates, key: str) -> None:
-    """Open `key`'s gate and wait for its read to finish on its thread (a synchronisation, not a timing)."""
-    gates.open(key)
-    for _ in range(2000):
-        if eng.adapters._ahead.done(key):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"the read of {key} did not finish")
-
-
-def _prompt_steps(records, ids: set[str]) -> set[int]:
-    return {r.step_id for r in records for s in r.shares if s.request_id in ids and s.tokens > 1}
-
-
-@pytest.mark.parametrize(("hold_ms", "prompt_steps"), [(0.0, 6), (BOUND_MS, 2)])
-def test_engine_admits_a_batch_whose_reads_land_one_by_one_in_few_prompt_steps(demo_set, adapters, gates, hold_ms, prompt_steps):
-    """An engine with read-ahead threads, one base request running, six requests for six adapters whose reads land one
-    a step: held back, they take 2 prompt steps (5 = 3/4 of 6 places, then the last), not 6; every request's tokens
-    are the same either way."""
-    clock = FakeClock()
-    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
-                        adapter_load_burst=10**6, admission_hold_ms=hold_ms, **NO_WARM), clock=clock)  # fmt: skip
-    for i, path in enumerate(adapters):
-        eng.register_adapter(f"h{i}", path)
-    eng.add_request(req("base", max_new_tokens=30))
-    results = {r.request_id: r for r in eng.step()}
-    ids = {f"q{i}" for i in range(6)}
-    for i in range(6):
-        eng.add_request(req(f"q{i}", adapter_key=f"h{i}", max_new_tokens=4))
-    for i in range(6):
-        clock.ms += 1
-        results.update((r.request_id, r) for r in eng.step())
-        _land(eng, gates, f"h{i}")
-    while eng.has_unfinished():
-        clock.ms += 1
-        results.update((r.request_id, r) for r in eng.step())
-    assert len(_prompt_steps(eng.pop_step_records(), ids)) == prompt_steps
-    assert all(r.ok for r in results.values()) and set(results) == ids | {"base"}, results
-    assert eng.stats()["admission_holds"] == (4 if hold_ms else 0)
-
-
-def test_engine_with_nothing_running_admits_the_first_read_at_once(demo_set, adapters, gates):
-    """Nothing runs: the first request whose read lands is admitted at the next step, alone, while five others' reads are
-    still under way (no hold: the GPU would idle)."""
-    clock = FakeClock()
-    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
-                        adapter_load_burst=10**6, **NO_WARM), clock=clock)  # fmt: skip
-    for i, path in enumerate(adapters):
-        eng.register_adapter(f"h{i}", path)
-    for i in range(6):
-        eng.add_request(req(f"q{i}", adapter_key=f"h{i}", max_new_tokens=4))
-    eng.step()  # starts the reads
-    _land(eng, gates, "h0")
-    eng.step()
-    assert _prompt_steps(eng.pop_step_records(), {"q0"}) and eng.stats()["admission_holds"] == 0
-    assert [s.request_id for s in eng.planner.running] == ["q0"]
-    gates.open()
-    while eng.has_unfinished():
-        clock.ms += 1
-        eng.step()
-        time.sleep(eng.idle_wait_s())
-
-
-def test_engine_replaces_a_batch_admitted_in_parts_in_one_prompt_step(demo_set):
-    """The engine: requests of 6 tokens admitted in parts of 1, 2 and 1 finish in parts; the 4 waiting behind them
-    are admitted in one prompt step once the last part is done, and every request gets its 6 tokens."""
-    eng = Engine(config(demo_set, max_batch_size=4, max_loras=2, **NO_WARM), clock=FakeClock())  # no bound reached
-    results = {}
-    n = 0
-    for size in (1, 2, 1):
-        for _ in range(size):
-            eng.add_request(req(f"p{n}", max_new_tokens=6))
-            n += 1
-        results.update((r.request_id, r) for r in eng.step())
-    later = {f"later{i}" for i in range(4)}
-    for rid in sorted(later):
-        eng.add_request(req(rid, max_new_tokens=6))
-    while eng.has_unfinished():
-        results.update((r.request_id, r) for r in eng.step())
-    assert len(_prompt_steps(eng.pop_step_records(), later)) == 1
-    assert set(results) == later | {f"p{i}" for i in range(4)}
-    assert all(r.ok and len(r.output_ids) == 6 for r in results.values()), results
-    assert eng.stats()["admission_holds"] == 2
-
-
-def test_engine_fails_a_request_whose_read_fails_and_runs_the_rest(demo_set, adapters, gates, tmp_path):
-    """A corrupt adapter among reads landing one by one while a request runs and admissions are held: its request fails
-    with adapter_corrupt and the others finish."""
-    bad = tmp_path / "bad"
-    write_demo_adapter(bad, demo_set["model"], rank=4, target_modules=("q_proj", "v_proj"), alpha=8.0, seed=7100)
-    w = bad / "adapter_model.safetensors"
-    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
-    clock = FakeClock()
-    eng = Engine(config(demo_set, max_batch_size=8, max_loras=8, adapter_read_threads=8, adapter_loads_per_s=1e9,
-                        adapter_load_burst=10**6, **NO_WARM), clock=clock)  # fmt: skip
-    keys = ["h0", "bad", "h1", "h2", "h3"]
-    for i, path in enumerate(adapters[:4]):
-        eng.register_adapter(f"h{i}", path)
-    eng.register_adapter("bad", bad)
-    eng.add_request(req("base", max_new_tokens=30))
-    results = {r.request_id: r for r in eng.step()}
-    for k in keys:
-        eng.add_request(req(f"q-{k}", adapter_key=k, max_new_tokens=4))
-    for k in keys:
-        clock.ms += 1
-        results.update((r.request_id, r) for r in eng.step())
-        _land(eng, gates, k)
-    for _ in range(200):
-        if not eng.has_unfinished():
-            break
-        clock.ms += 11  # past the bound within a few steps, whatever is still held
-        results.update((r.request_id, r) for r in eng.step())
-    assert not eng.has_unfinished()
-    assert results["q-bad"].error is not None and results["q-bad"].error.code == "adapter_corrupt"
-    assert all(results[f"q-{k}"].ok for k in keys if k != "bad") and results["base"].ok
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_rounds_asking_admits_none_admit_and_finish_every_request(seed):
     """The engine's decode rounds ask the planner whether the next schedule would admit nobody (engine.planner
@@ -653,24 +489,3 @@ def test_rounds_asking_admits_none_admit_and_finish_every_request(seed):
     assert set(added) <= set(h.admitted_at) and set(added) <= set(h.finished_at) and len(added) > 8
     assert max(h.holds_per_step) <= 1, h.holds_per_step
     assert h.planner.hold.holds > 0
-
-
-def test_rounds_asking_admits_none_admit_reads_landing_in_few_prompt_steps():
-    """As test_reads_landing_one_by_one_admit_in_few_prompt_steps, stepping as the engine does with rounds in flight: 7
-    reads landing one a step are admitted in at most 2 prompt steps (the first admission at most a step later than a
-    schedule's), the running request decoding in every step meanwhile, each held step's hold counted once."""
-    h = Harness()
-    h.add(None)
-    h.step()
-    keys = [f"a{i}" for i in range(7)]
-    for k in keys:
-        h.add(k)
-    h.prompt_steps = 0
-    for k in keys:
-        h.pool.reading.discard(k)
-        h.engine_step()
-    for _ in range(3):
-        h.engine_step()
-    assert 1 <= h.prompt_steps <= 2
-    assert sorted(h.admitted_at) == [f"r{i}" for i in range(8)]
-    assert max(h.holds_per_step) <= 1 and h.planner.hold.holds >= 4, (h.holds_per_step, h.planner.hold.holds)
