@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import LoraPages, LoraSegments
-from kernels.utils import BLOCK_R, group_rows
+from kernels.utils import BLOCK_R, TL_DTYPE, group_rows
 
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 1024, 4  # prefill also pays a memset of t (1-3 MB) for a split
@@ -81,8 +81,12 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # the tiles' dtype in tl.dot: the input's on the GPU, fp32 in the interpreter
+    NUM_SLICES: tl.constexpr,  # S, when one program computes every slice of its rank tile (FUSED_SLICES)
+    FUSED_SLICES: tl.constexpr,  # tiles (BLOCK_M > 1): one x tile against all S slices' A tiles, x read once
+    BLOCK_C: tl.constexpr,  # columns of a fused tile: S x BLOCK_R, to a power of two
 ):
-    pid_c = tl.program_id(0)  # slice x rank tile x K split: programs sharing an x tile are neighbours
+    pid_c = tl.program_id(0)  # [slice x] rank tile x K split: programs sharing an x tile are neighbours
     pid_m = tl.program_id(1)  # row tile within the group
     group = tl.program_id(2)
     split = pid_c % SPLIT_K
@@ -95,6 +99,13 @@ def _shrink_kernel(
         return
     m0 = row_begin + pid_m * BLOCK_M
     if m0 >= row_end:
+        return
+    if FUSED_SLICES:
+        _shrink_fused_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot.to(tl.int64), m0, row_end, r_tile * BLOCK_R,
+                           split * k_per_split, tl.minimum(split * k_per_split + k_per_split, in_features), a_offset,
+                           stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
+                           stride_ti, stride_tm, stride_tr, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, DOT_DTYPE,
+                           NUM_SLICES, BLOCK_C)  # fmt: skip
         return
     rank = tl.load(rank_ptr + slot.to(tl.int64) * stride_rs + sl * stride_ri)
     r0 = r_tile * BLOCK_R
@@ -137,13 +148,49 @@ def _shrink_kernel(
                 other=0.0,
             )  # [BM, BK]
             at = tl.load(a_rows[None, :] + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BK, BR]
-            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision=DOT_PRECISION)
+            acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         t_ptrs = t_ptr + sl * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
         mask = m_mask[:, None] & r_mask[None, :]
         if SPLIT_K == 1:
             tl.store(t_ptrs, acc, mask=mask)
         else:
             tl.atomic_add(t_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _shrink_fused_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot, m0, row_end, r0, k_begin, k_end, a_offset,
+                       stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
+                       stride_ti, stride_tm, stride_tr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_SLICES: tl.constexpr,
+                       BLOCK_C: tl.constexpr):  # fmt: skip
+    """One [BLOCK_M, BLOCK_K] x tile at a time against the A rows of every slice's rank tile r0 side by side: column c is
+    rank row r0 + c % BLOCK_R of slice c // BLOCK_R, so x comes from memory once for all S slices."""
+    offs_c = tl.arange(0, BLOCK_C)  # [BC]
+    sl = offs_c // BLOCK_R
+    offs_r = r0 + offs_c % BLOCK_R
+    live = sl < NUM_SLICES
+    rank = tl.load(rank_ptr + slot * stride_rs + sl * stride_ri, mask=live, other=0)  # [BC] each column's slice rank
+    if r0 >= tl.max(rank, axis=0):
+        return  # past every slice's rank, or none targeted
+    c_mask = live & (offs_r < rank)
+    pages = tl.load(page_ptr + slot * stride_ps + sl * stride_pi + offs_r * stride_pr, mask=c_mask, other=0)  # [BC]
+    a_rows = pool_ptr + pages + a_offset
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < row_end
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < k_end
+        xt = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        at = tl.load(a_rows[None, :] + offs_k[:, None], mask=k_mask[:, None] & c_mask[None, :], other=0.0)  # [BK, BC]
+        acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    t_ptrs = t_ptr + sl[None, :] * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
+    mask = m_mask[:, None] & c_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(t_ptrs, acc, mask=mask)
 
 
 def lora_shrink(
@@ -164,7 +211,8 @@ def lora_shrink(
     w.check(x.device)
     assert segments.slot.device == x.device, (segments.slot.device, x.device)
     assert segments.num_rows == n, f"segments cover {segments.num_rows} rows, x has {n}"
-    split_k, block_m, block_k, num_warps = _config(segments, num_slices, in_features)
+    split_k, block_m, block_k, num_warps, num_stages, fused = _config(segments, num_slices, in_features)
+    fused = fused and block_m > 1 and num_slices > 1
     if out is None:
         out = (torch.zeros if split_k > 1 else torch.empty)(num_slices, n, max_rank, dtype=torch.float32, device=x.device)
     else:
@@ -175,7 +223,8 @@ def lora_shrink(
         return out
     num_rtiles = triton.cdiv(max_rank, BLOCK_R)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    grid = (num_slices * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    grid = ((1 if fused else num_slices) * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    interpreted = x.device.type == "cpu"  # the interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _shrink_kernel[grid](
         x, w.pool, w.pages, out, w.rank, segments.slot, start,
@@ -191,13 +240,18 @@ def lora_shrink(
         BLOCK_R=BLOCK_R,
         BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact for widened fp16/bf16
+        DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
+        NUM_SLICES=num_slices,
+        FUSED_SLICES=fused,
+        BLOCK_C=triton.next_power_of_2(num_slices * BLOCK_R),
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
 
-def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int]:
-    """(split_k, BLOCK_M, BLOCK_K, num_warps) for this batch, from kernels.bench.roofline._sweep on an H200 (bf16, 32 adapters
+def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int, int, bool]:
+    """(split_k, BLOCK_M, BLOCK_K, num_warps, num_stages, FUSED_SLICES) for this batch, from kernels.bench.roofline._sweep on an H200 (bf16, 32 adapters
     of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush)."""
     if segments.start is None:
         # Decode, one row per group: 8b qkv 12.6 µs at split 8 (split 4: 13.0, BLOCK_K 128: 12.9).
@@ -217,4 +271,4 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
     split_k = 1
     while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2
-    return split_k, block_m, block_k, num_warps
+    return split_k, block_m, block_k, num_warps, 3, False

@@ -261,6 +261,21 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
     torch.testing.assert_close(ones[defined], one_pass[defined] + 1, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize(("ranks", "slices"), [("mixed", "qkv"), ("mixed", "gate_up"), ("uniform", "qkv")])
+@pytest.mark.parametrize("form", ["grouped", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_fused_slices_tile_matches_float64(monkeypatch, dtype, form, ranks, slices, split_k):
+    """Tiles computing all slices of a rank tile in one program (FUSED_SLICES: one x tile against every slice's A rows,
+    a slice of rank 0 or past its rank masked out) give the grid's answers, written where the per-slice tiles write
+    and nowhere else, whole or with K split and added into a zeroed t."""
+    default = lora_shrink_module._config
+    monkeypatch.setattr(lora_shrink_module, "_config", lambda seg, num_slices, in_f: (split_k, 16, 64, 4, 2, True)
+                        if seg.start is not None else default(seg, num_slices, in_f))  # fmt: skip
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), form, ranks, slices, split_k)).encode()))
+    _run_case(dtype, "zipf", RANKS[ranks], SLICES[slices], form, IN_FEATURES, gen)
+
+
 @pytest.mark.parametrize("form", ["per_row", "prefill"])
 def test_empty_batch_and_all_base_batch_change_nothing(form):
     """No rows, or rows all without an adapter: y keeps every bit and nothing is launched for nothing."""

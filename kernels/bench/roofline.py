@@ -152,10 +152,10 @@ def _sweep(rep: int = 30) -> None:
     def projection(label: str, in_f: int, widths: tuple[int, ...], phase: str) -> None:
         case = lora_case(in_f, widths, phase, [RANK] * ADAPTERS)
         if phase == "decode":
-            s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,)))
+            s_cands = list(itertools.product((1, 4, 8, 16), (1,), (128, 256, 512), (4,), (3,), (False,)))
             e_cands = list(itertools.product((1,), (256, 512, 1024, 2048), (4, 8), (1,)))
         else:
-            s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,)))
+            s_cands = list(itertools.product((1, 2, 4), (32, 64), (128,), (4,), (3,), (False,)))
             e_cands = [(128, 128, 8, 1), (128, 256, 8, 1), (64, 256, 8, 1), (256, 128, 8, 1), (32, 128, 4, 4)]
         best(f"{label} shrink", shrink_module, s_cands,
               lambda: graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep))
@@ -194,7 +194,7 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
     for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
         for proj, (in_f, widths) in model.projections().items():
             case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-            s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,)))
+            s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,), (3,), (False, True)))
             e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
                 best(f"{name} {proj} shrink", shrink_module, s_cands,
