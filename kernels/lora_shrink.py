@@ -54,7 +54,7 @@ from kernels.lora_segments import LoraPages, LoraSegments
 from kernels.utils import BLOCK_R, TL_DTYPE, group_rows
 
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
-_PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 1024, 4  # prefill also pays a memset of t (1-3 MB) for a split
+_PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 384, 4  # prefill also pays a memset of t (1-3 MB) for a split
 _MIN_K_PER_SPLIT = 512
 
 
@@ -251,8 +251,10 @@ def lora_shrink(
 
 
 def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int, int, bool]:
-    """(split_k, BLOCK_M, BLOCK_K, num_warps, num_stages, FUSED_SLICES) for this batch, from kernels.bench.roofline._sweep on an H200 (bf16, 32 adapters
-    of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush)."""
+    """(split_k, BLOCK_M, BLOCK_K, num_warps, num_stages, FUSED_SLICES) for this batch. Decode, from kernels.bench.roofline._sweep
+    on an H200 (bf16, 32 adapters of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush); prefill,
+    from the same sweep at issue 4's prefills on an H100 (engine/PERF.md, session 19)."""
+    fused = False
     if segments.start is None:
         # Decode, one row per group: 8b qkv 12.6 µs at split 8 (split 4: 13.0, BLOCK_K 128: 12.9).
         block_m, block_k, num_warps = 1, 256, 4
@@ -260,15 +262,22 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
     elif segments.max_len <= 16:
         block_m, block_k, num_warps = 16, 128, 4
         target, max_split = _TARGET_PROGRAMS, 64
-    else:
-        # Prefill: 32-row tiles of 256 columns; at 32 x 512 tokens (kernels.bench.roofline._sweep_prefill, H200, rank 16) the
-        # fastest for 7 of the 8 llama-1b/-8b projections, no split (8b qkv 90.9 µs, down 133.2; BLOCK_K 128: 97.5,
-        # 138.3). Short prefills still split K up to 4 ways when they launch too few programs.
-        block_m, block_k, num_warps = 32, 256, 4
+    elif in_features < 4096:
+        # Prefill at llama-1b's widths (32 x 128 tokens): 32 x 128 tiles, a program per slice; K split only while fewer than
+        # 384 programs run. qkv 28.2 µs, o 23.5 (split 4), gate_up 26.1, down 48.4 (split 4), against 61.3, 29.5, 45.3
+        # and 58.3 with 256-column tiles split toward 1024 programs; all slices in one program: qkv 36.3.
+        block_m, block_k, num_warps = 32, 128, 4
         target, max_split = _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
-    # Programs live at rank <= 16: one rank tile per (group, row tile, slice).
-    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * num_slices)
+    else:
+        # Prefill at llama-8b's widths (32 x 512 tokens): 64 x 128 tiles, qkv and gate_up with all slices in one program
+        # (x read once): qkv 78.1 µs against 90.6 a slice a program; down 186.6 split 2 ways (8 warps); against 132.4,
+        # 102.4, 96.7 and 250.9 with 32 x 256 tiles.
+        fused = num_slices > 1
+        block_m, block_k, num_warps = 64, 128, 4 if fused else 8
+        target, max_split = _PREFILL_TARGET_PROGRAMS // 2 + 1, _PREFILL_MAX_SPLIT
+    # Programs live at rank <= 16: one rank tile per (group, row tile[, slice]).
+    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * (1 if fused else num_slices))
     split_k = 1
     while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2
-    return split_k, block_m, block_k, num_warps, 3, False
+    return split_k, block_m, block_k, num_warps, 3, fused
