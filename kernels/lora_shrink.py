@@ -262,19 +262,19 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
     elif segments.max_len <= 16:
         block_m, block_k, num_warps = 16, 128, 4
         target, max_split = _TARGET_PROGRAMS, 64
-    elif in_features < 4096:
-        # Prefill at llama-1b's widths (32 x 128 tokens): 32 x 128 tiles, a program per slice; K split only while fewer than
-        # 384 programs run. qkv 28.2 µs, o 23.5 (split 4), gate_up 26.1, down 48.4 (split 4), against 61.3, 29.5, 45.3
-        # and 58.3 with 256-column tiles split toward 1024 programs; all slices in one program: qkv 36.3.
-        block_m, block_k, num_warps = 32, 128, 4
-        target, max_split = _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
     else:
-        # Prefill at llama-8b's widths (32 x 512 tokens): 64 x 128 tiles, qkv and gate_up with all slices in one program
-        # (x read once): qkv 78.1 µs against 90.6 a slice a program; down 186.6 split 2 ways (8 warps); against 132.4,
-        # 102.4, 96.7 and 250.9 with 32 x 256 tiles.
-        fused = num_slices > 1
-        block_m, block_k, num_warps = 64, 128, 4 if fused else 8
-        target, max_split = _PREFILL_TARGET_PROGRAMS // 2 + 1, _PREFILL_MAX_SPLIT
+        # Prefill (issue 4's: 32 x 128 tokens at llama-1b, 32 x 512 at 8b; engine/PERF.md, session 19, H100): 128-column K
+        # steps. One slice: 32-row tiles, K split while fewer than 384 programs run (1b o 23.8 µs, down 47.9 split 4 ways;
+        # 8b o 65.5, down 179.3 unsplit). Several: split only below 256 programs (short prefills); 32-row tiles at 1b (qkv 28.0, gate_up 26.3), 64-row ones at
+        # 8b, where q, k and v in one program read x once (qkv 75.6 against 101.0 and more a slice a program; gate_up's
+        # two slices 73.2 apart, 78.8 together). Before: 32 x 256 tiles split toward 1024 programs, 1b qkv 61.3, o 29.5,
+        # gate_up 45.3, down 58.3; 8b 132.4, 96.7, 102.4, 250.9.
+        block_k, num_warps = 128, 4
+        if num_slices == 1:
+            block_m, target, max_split = 32, _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT
+        else:
+            block_m, target, max_split = (64 if in_features >= 4096 else 32), _PREFILL_TARGET_PROGRAMS * 2 // 3, _PREFILL_MAX_SPLIT
+            fused = in_features >= 4096 and num_slices >= 3
     # Programs live at rank <= 16: one rank tile per (group, row tile[, slice]).
     base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * (1 if fused else num_slices))
     split_k = 1
