@@ -56,6 +56,13 @@ class Derived:
     source: str  # "set" (the configuration's), "default" (the CPU's), or how it was derived
 
 
+def auto_readers(cores: int | None = None) -> int:
+    """Store-reader processes (and read-ahead threads) for a host of `cores` cores (default: this one's): half of them, at
+    least 1, at most AUTO_READERS; what `engine.adapter_read_processes` derives to."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(AUTO_READERS, cores // 2))
+
+
 def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype, memory: DeviceMemory | None,
            weight_bytes: int = 0, cpu_count: int | None = None) -> tuple[EngineConfig, list[Derived]]:  # fmt: skip
     """(the configuration sized for `device`, what each sized field is and where it came from) (module docstring)."""
@@ -106,7 +113,7 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
     rows = max(config.max_loras, min(AUTO_MAX_LORAS, (adapter_bytes or 0) // typical))
     put("max_loras", rows, f"rank-16 q,v adapters ({typical / 2**20:.1f} MiB each) the adapter pool holds, at most {AUTO_MAX_LORAS}")
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-    readers = max(1, min(AUTO_READERS, cores // 2))
+    readers = auto_readers(cores)
     put("adapter_read_processes", readers, f"half of the host's {cores} cores, at most {AUTO_READERS}")
     procs = update.get("adapter_read_processes", config.adapter_read_processes)
     put("adapter_read_threads", max(1, procs), "one per reader process")

@@ -175,3 +175,15 @@ def test_the_pipelined_option_reaches_the_run(monkeypatch):
         out = CliRunner().invoke(build_app(), ["bench", "adapters", *args])
         assert out.exit_code == 0, out.output
     assert got == [False, True, False, True]
+
+
+def test_read_defaults_are_what_the_engine_derives_for_the_host(monkeypatch):
+    """Without --read-threads/--read-processes the bench reads as a service on this host would: half its cores, at least
+    one, at most AUTO_READERS (engine.sizing), so the issue's command line measures the derived defaults."""
+    from engine.bench.adapters import READ_PROCESSES, READ_THREADS, parse_args
+    from engine.sizing import AUTO_READERS, auto_readers
+
+    assert [auto_readers(c) for c in (1, 2, 3, 8, 16, 17, 128)] == [1, 1, 1, 4, 8, 8, AUTO_READERS]
+    a = parse_args([])
+    assert a.read_threads == a.read_processes == READ_THREADS == READ_PROCESSES == auto_readers()
+    assert parse_args(["--read-processes", "0", "--read-threads", "3"]).read_processes == 0

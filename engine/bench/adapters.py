@@ -45,9 +45,11 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.engine_process import GIL_SWITCH_S, _freeze_gc
 from engine.model import PROJECTION_PARENT, ModelConfig
+from engine.sizing import auto_readers
 
-READ_THREADS = 4  # store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records)
-READ_PROCESSES = 4  # ... each handing its read to one of this many reader processes (engine.adapter_reader; 0: none)
+# Store reads of queued requests' adapters run ahead on this many threads (engine.adapter_records), each handing its read to
+# one of as many reader processes (engine.adapter_reader; 0: none): by default what the engine derives for this host.
+READ_THREADS = READ_PROCESSES = auto_readers()
 
 
 def write_adapters(root: Path, cfg: ModelConfig, count: int, ranks: list[int], targets: tuple[str, ...], first: int = 0) -> list[Path]:
