@@ -24,20 +24,27 @@ its own targets (no padding, no pages for untargeted projections), and the table
 
 Fused projections: A holds S slices (q, k, v: S = 3; gate, up: S = 2; others S = 1), all reading the
 same x. The slice and rank tile are the fastest grid axis, so the S x (R / 16) programs that read the
-same x tile run side by side and x comes from DRAM about once.
+same x tile run side by side and x comes from DRAM about once. Or, for tiles (FUSED_SLICES), one program
+takes every slice of its rank tile: its A tile is S x 16 columns (column c is rank row r0 + c % 16 of slice
+c // 16, padded to a power of two and masked past each slice's rank), so each x tile is loaded once for all
+S. The launcher picks it where it measured faster (llama-8b's qkv prefill: 75.6 µs against 101.0, H100).
 
-Products. Half-precision tiles are widened to fp32 before `tl.dot`, and fp16/bf16 inputs use TF32
-tensor cores: their 8- or 11-bit significands fit TF32's 11, so every product is exact and sums are fp32
-(fp32 inputs use IEEE fp32). The op is memory-bound (about R flops per byte of x), so TF32's half rate
-costs nothing here, and the same code runs in the Triton interpreter, which multiplies the raw bit
-patterns of bf16 operands in `tl.dot` (triton-lang/triton#11584).
+Products. The GPU multiplies fp16/bf16 tiles as they are, into fp32 sums: their 8- or 11-bit significands
+make every product exact in fp32. The Triton interpreter multiplies the raw bit patterns of bf16 operands in
+`tl.dot` (triton-lang/triton#11584), so there (x on the CPU) the tiles are widened to fp32 first and multiplied
+in IEEE fp32, the same exact products. On the GPU the tiles used to be widened too (TF32 tensor cores); with
+native tiles and 128-column K steps the 1b qkv prefill shrink takes 28.0 µs against 61.3 widened with 256-column
+steps split 4 ways (engine/PERF.md, session 19; the two changes were not timed apart). fp32 inputs use IEEE fp32
+everywhere.
 
 Split-K. A decode batch is short (32 rows) and in_features long (4096 at 8b, 14336 for down_proj),
 so one program per (row, slice) would leave most of the 132 SMs idle: 32 rows x 1 slice of down_proj is
 32 programs each streaming 16 x 14336 x 2 B = 458 KB. The launcher splits K until about 512 programs
 are live (down_proj: 16 splits of 896; 14.0 µs against 14.5 at 8 splits on an H200) and the splits add
-into t with fp32 atomics, so t is zeroed first. Prefill splits too (up to 4, toward 1024 programs):
-32 sequences of 128 tokens are only 128 row tiles of 32 per slice. Accumulation is fp32 throughout, and
+into t with fp32 atomics, so t is zeroed first. Prefill splits less (up to 4, toward 384 programs for one
+slice, 256 for several): 32 sequences of 128 tokens are 128 row tiles of 32 per slice, and at 1b o_proj's
+128 programs 4 splits were the fastest, but at qkv's 384 one pass beat every split timed (28.0 µs; the best split,
+2 ways over 64-row tiles, 31.6). Accumulation is fp32 throughout, and
 t is fp32 so the expand reads it at full precision.
 
 Reference: `kernels.lora_segments.lora_shrink_ref`, pure torch in this layout and this signature; it lives beside the row
