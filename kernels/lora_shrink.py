@@ -13,7 +13,8 @@ this kernel and this launcher: a one-row group is just a segment of length 1, co
 Heterogeneous ranks (S-LoRA, Sheng et al., 2023, arXiv:2311.03285) without padding to the largest: the
 rank axis is cut into BLOCK_R = 16 tiles, and a program whose tile starts at or beyond its slice's rank
 returns before loading anything. A rank-8 adapter runs 1 of the 4 rank tiles of max rank 64 and reads its
-8 rows of A; a slice the adapter does not target has rank 0 and runs none. Entries of t beyond a row's
+8 rows of A; a slice the adapter does not target has rank 0 and runs none. (A fused tile, below, returns once
+its rank tile is past every slice's rank, and masks the columns of a slice past its own.) Entries of t beyond a row's
 rank are left as they were and never read by the expand.
 
 Paged A (S-LoRA's unified paging): every rank row of a slice lives in a page of its own, anywhere in one
@@ -246,11 +247,11 @@ def lora_shrink(
         BLOCK_M=block_m,
         BLOCK_R=BLOCK_R,
         BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact for widened fp16/bf16
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreted else "tf32",  # tf32 is moot for fp16/bf16 tiles
         DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
-        NUM_SLICES=num_slices,
+        NUM_SLICES=num_slices if fused else 1,  # only the fused tiles read them: one variant per S would be compiled otherwise
         FUSED_SLICES=fused,
-        BLOCK_C=triton.next_power_of_2(num_slices * BLOCK_R),
+        BLOCK_C=triton.next_power_of_2(num_slices * BLOCK_R) if fused else BLOCK_R,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -260,7 +261,7 @@ def lora_shrink(
 def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[int, int, int, int, int, bool]:
     """(split_k, BLOCK_M, BLOCK_K, num_warps, num_stages, FUSED_SLICES) for this batch. Decode, from kernels.bench.roofline._sweep
     on an H200 (bf16, 32 adapters of rank 16 in max-rank-64 slots; µs are CUDA-graph replays after an L2 flush); prefill,
-    from the same sweep at issue 4's prefills on an H100 (engine/PERF.md, session 19)."""
+    from kernels.bench.roofline._sweep_prefill_shrink at issue 4's prefills on an H100 (engine/PERF.md, session 19)."""
     fused = False
     if segments.start is None:
         # Decode, one row per group: 8b qkv 12.6 µs at split 8 (split 4: 13.0, BLOCK_K 128: 12.9).

@@ -33,7 +33,7 @@ LoraSegments = lora_segments_module.LoraSegments
 segments_from_indices, segments_per_row = lora_segments_module.segments_from_indices, lora_segments_module.segments_per_row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # max |err| / max |want| of y
 SENTINEL = -1.25e30  # fills a fresh output first: what the kernel leaves unwritten keeps it, computed NaN does not
-T_TOL = 1e-5  # t is fp32 from exact products (TF32 holds fp16/bf16 exactly), whatever the input dtype
+T_TOL = 1e-5  # t is fp32 from exact products (fp32 holds a product of two fp16/bf16 exactly), whatever the input dtype
 POPULARITY = ["distinct", "uniform", "zipf", "identical"]
 RANKS = {"uniform": (16, [16]), "mixed": (64, [8, 16, 32, 64, 1, 0])}  # max rank, ranks cycled over the slots
 SLICES = {"one": (48,), "qkv": (64, 16, 16), "gate_up": (40, 40)}  # qkv: llama-1b's 2048/512/512, scaled down
@@ -86,7 +86,8 @@ def _batch(form: str, popularity: str, gen: torch.Generator, size: Size = SMALL)
 def _weights(max_rank, ranks, in_f, out_f, num_slices, dtype, gen, num_slots=SMALL.slots, targets="mixed"):
     """Dense slot stacks (a [slots, S, R, in], b [slots, R, out]) and per-slice ranks [slots, S], drawn on the
     generator's device. With mixed targets, every third slot of a fused projection leaves one slice untargeted (rank 0
-    there), as an adapter of q and v leaves k. Packed as pages (`_paged`), every table entry beyond a rank points at a
+    there), as an adapter of q and v leaves k; with ragged targets each slice has a rank of its own, none 0 but an empty
+    slot's. Packed as pages (`_paged`), every table entry beyond a rank points at a
     NaN page, so a kernel that reads past a rank or into an untargeted slice fails."""
     dev = gen.device
     rank = torch.tensor([ranks[s % len(ranks)] for s in range(num_slots)], dtype=torch.int32, device=dev)  # [slots]
@@ -94,6 +95,8 @@ def _weights(max_rank, ranks, in_f, out_f, num_slices, dtype, gen, num_slots=SMA
     if targets == "mixed" and num_slices > 1:
         for s in range(0, num_slots, 3):
             rank2[s, (s // 3) % num_slices] = 0
+    elif targets == "ragged":  # each slice its own rank: the first the slot's, the next half of it, a third of it, ...
+        rank2 = torch.stack([torch.where(rank > 0, torch.clamp(rank // (j + 1), min=1), 0) for j in range(num_slices)], 1).to(torch.int32)
     a = torch.randn(num_slots, num_slices, max_rank, in_f, generator=gen, device=dev) / in_f**0.5  # [slots, S, R, in]
     b = torch.randn(num_slots, max_rank, out_f, generator=gen, device=dev)  # [slots, R, out]
     scale = torch.rand(num_slots, generator=gen, device=dev) * 2 + 0.25  # [slots]
@@ -151,13 +154,14 @@ def _bits(y: torch.Tensor) -> torch.Tensor:
     return y.view(torch.int32 if y.element_size() == 4 else torch.int16)
 
 
-def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SMALL, data_gen: torch.Generator | None = None):
+def _run_case(dtype, popularity, ranks, widths, form, in_f, gen, size: Size = SMALL, data_gen: torch.Generator | None = None,
+              targets: str = "mixed"):  # fmt: skip
     """One grid case; `gen` draws the batch, `data_gen` (default `gen`) the tensors, on its own device."""
     data_gen = data_gen or gen
     max_rank, rank_list = ranks
     idx, segments = _batch(form, popularity, gen, size)
     n, num_slices, out_f = len(idx), len(widths), sum(widths)
-    a, b, rank, scale = _weights(max_rank, rank_list, in_f, out_f, num_slices, dtype, data_gen, size.slots)
+    a, b, rank, scale = _weights(max_rank, rank_list, in_f, out_f, num_slices, dtype, data_gen, size.slots, targets=targets)
     x = torch.randn(n, in_f, generator=data_gen, device=data_gen.device).to(dtype)  # [N, in]
     y0 = torch.randn(n, out_f, generator=data_gen, device=data_gen.device).to(dtype)  # [N, out]
     y0[:, ::3] = -0.0  # untouched rows must keep these bits; y + 0.0 would turn them into +0.0
@@ -262,18 +266,20 @@ def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize(("ranks", "slices"), [("mixed", "qkv"), ("mixed", "gate_up"), ("uniform", "qkv")])
+@pytest.mark.parametrize(("ranks", "slices", "targets"), [("mixed", "qkv", "mixed"), ("mixed", "gate_up", "mixed"), ("uniform", "qkv", "mixed"),
+                                                          ("mixed", "qkv", "ragged")])
 @pytest.mark.parametrize("form", ["grouped", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
-def test_fused_slices_tile_matches_float64(monkeypatch, dtype, form, ranks, slices, split_k):
+def test_fused_slices_tile_matches_float64(monkeypatch, dtype, form, ranks, slices, targets, split_k):
     """Tiles computing all slices of a rank tile in one program (FUSED_SLICES: one x tile against every slice's A rows,
     a slice of rank 0 or past its rank masked out) give the grid's answers, written where the per-slice tiles write
-    and nowhere else, whole or with K split and added into a zeroed t."""
+    and nowhere else, whole or with K split and added into a zeroed t; also where each slice of a slot has a rank of
+    its own (ragged: q 64, k 32, v 21), so one rank tile is live in some slices and past the rank in others."""
     default = lora_shrink_module._config
     monkeypatch.setattr(lora_shrink_module, "_config", lambda seg, num_slices, in_f: (split_k, 16, 64, 4, 2, True)
                         if seg.start is not None else default(seg, num_slices, in_f))  # fmt: skip
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), form, ranks, slices, split_k)).encode()))
-    _run_case(dtype, "zipf", RANKS[ranks], SLICES[slices], form, IN_FEATURES, gen)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), form, ranks, slices, targets, split_k)).encode()))
+    _run_case(dtype, "zipf", RANKS[ranks], SLICES[slices], form, IN_FEATURES, gen, targets=targets)
 
 
 @pytest.mark.parametrize("form", ["per_row", "prefill"])

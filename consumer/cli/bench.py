@@ -126,8 +126,10 @@ def bench_adapters(
     new: Annotated[int, typer.Option(help="new tokens per request (EOS ignored)")] = 64,
     gpu_bytes: Annotated[Optional[int], typer.Option(help="adapter device budget in bytes (default: 64 max-rank slots' worth)")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda where there is one)")] = None,
-    read_threads: Annotated[int, typer.Option(help="engine.adapter_read_threads: threads reading queued requests' adapters ahead")] = 4,
-    read_processes: Annotated[int, typer.Option(help="engine.adapter_read_processes: reader processes doing those reads (0: the threads)")] = 4,
+    read_threads: Annotated[Optional[int], typer.Option(help="engine.adapter_read_threads: threads reading queued requests' adapters "
+                                                        "ahead (default: what the engine derives, half the host's cores, at most 8)")] = None,
+    read_processes: Annotated[Optional[int], typer.Option(help="engine.adapter_read_processes: reader processes doing those reads "
+                                                          "(0: the threads; default as --read-threads)")] = None,
     timeline: Annotated[Optional[Path], typer.Option(help="a folder for each count's passes step by step (JSON); the cold pass's admissions are printed")] = None,
     gil_switch_ms: Annotated[float, typer.Option(min=0.001, max=1000.0, help="the interpreter's switch interval for the run, "
                                                  "in ms (default: the engine process's; Python's own is 5)")] = 50.0,
@@ -135,7 +137,12 @@ def bench_adapters(
                                             "time is the interval between call returns, as a serving loop sees it")] = False,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
-    from engine.bench.adapters import run
+    from engine.bench.adapters import READ_PROCESSES, READ_THREADS, run
+
+    read_threads = READ_THREADS if read_threads is None else read_threads
+    read_processes = READ_PROCESSES if read_processes is None else read_processes
+    if read_threads < 0 or read_processes < 0:
+        raise typer.BadParameter(f"--read-threads {read_threads} / --read-processes {read_processes}: use 0 or more")
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
@@ -189,6 +196,22 @@ def bench_host_profile(
           "--new", str(new), "--device", device])  # fmt: skip
 
 
+def bench_reads(
+    shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b: the adapters' projection sizes")] = "llama-1b",
+    ranks: Annotated[str, typer.Option(help="adapter ranks, comma-separated")] = "8,16,32,64",
+    per_rank: Annotated[int, typer.Option(min=1, help="adapters written of each rank")] = 2,
+    reps: Annotated[int, typer.Option(min=1, help="timed reads of each adapter, after one untimed")] = 5,
+) -> None:
+    """One store read on this host's CPU, as a reader process does it: the files, sha256 first or beside the validation,
+    and the page layout, median ms by rank (a probe of the read path, not a target's bench)."""
+    from engine.bench.build import SHAPES
+    from engine.bench.reads import main
+
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"--shape {shape!r}: use one of {', '.join(sorted(SHAPES))}")
+    main(["--shape", shape, "--ranks", ranks, "--per-rank", str(per_rank), "--reps", str(reps)])
+
+
 def bench_batch_sweep(
     shape: Annotated[str, typer.Option(help="tiny, llama-1b or llama-8b (random weights written to a temp folder)")] = "tiny",
     adapters: Annotated[int, typer.Option(min=1, help="rank-16 adapters on all seven projections; the jobs take turns")] = 2,
@@ -228,5 +251,6 @@ def register(app: typer.Typer) -> None:
     group.command("ledger")(bench_ledger)
     group.command("pipeline")(bench_pipeline)
     group.command("registry")(bench_registry)
+    group.command("reads")(bench_reads)
     group.command("scaleout")(bench_scaleout)
     app.add_typer(group, name="bench")

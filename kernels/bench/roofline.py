@@ -194,7 +194,7 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
     for name, model in reversed(MODELS.items()):  # llama-8b first: issue 4's prefill target is at 8b
         for proj, (in_f, widths) in model.projections().items():
             case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
-            s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,), (3,), (False, True)))
+            s_cands = list(itertools.product((1, 2), (32, 64), (128, 256), (4,), (3,), (False, True) if len(widths) > 1 else (False,)))
             e_cands = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 2, 4, 8)))
             if "shrink" in kernels:
                 best(f"{name} {proj} shrink", shrink_module, s_cands,
@@ -204,6 +204,38 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
                 best(f"{name} {proj} expand", expand_module, e_cands, lambda: graph_us(
                     lambda: lora_expand(case.y, case.t, case.w, case.segments), rep),
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
+
+
+def _sweep_prefill_shrink(rep: int = 30) -> None:
+    """The prefill shrink alone at issue 4's prefills (llama-1b: 32 sequences of 128 tokens; llama-8b: of 512; 32 adapters
+    of rank 16): per projection, the launcher's config and its time, then the six fastest of a grid (split 1/2/4, 32/64/128
+    rows, 128-column K steps, 4/8 warps, a slice a program or all slices in one) (python -c "from kernels.bench.roofline
+    import _sweep_prefill_shrink; _sweep_prefill_shrink()")."""
+    import itertools
+
+    import kernels.lora_shrink as shrink_module
+
+    torch.manual_seed(0)
+    for name, tokens in (("llama-1b", 128), ("llama-8b", 512)):
+        for proj, (in_f, widths) in MODELS[name].projections().items():
+            case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            now_cfg = shrink_module._config(case.segments, len(widths), in_f)
+            fused = (False, True) if len(widths) > 1 else (False,)
+            cands = list(itertools.product((1, 2, 4), (32, 64, 128), (128,), (4, 8), (3,), fused))
+            times = []
+            default = shrink_module._config
+            for cfg in cands:
+                shrink_module._config = lambda *_, cfg=cfg: cfg
+                try:
+                    times.append((graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep), cfg))
+                except (triton.CompilationError, triton.runtime.OutOfResources) as exc:
+                    print(f"  {name} {proj} {cfg}: {type(exc).__name__}")
+                finally:
+                    shrink_module._config = default
+            times.sort()
+            now_us = graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep)
+            print(f"{name} {proj:8} now {now_cfg} {now_us:.1f} µs | top: " + " ".join(f"{c}:{t:.1f}" for t, c in times[:6]),
+                  flush=True)
 
 
 def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
