@@ -238,8 +238,14 @@ def _config(segments: LoraSegments, accumulate: bool = True) -> tuple[int, int, 
     if segments.max_len <= 16:
         return 16, 256, 4, 1
     if not accumulate:
-        # The prefill delta, kernels.bench.roofline._sweep_prefill_delta on an H200 (8b, 32 x 512 tokens, rank 16): 64 x 256 tiles,
-        # one per program, were the fastest for all four projections (gate_up 490 µs; 32 x 128 x 4 row tiles: 755).
+        # The prefill delta, kernels.bench.roofline._sweep_prefill_delta: on an H200 (8b, 32 x 512 tokens, rank 16) 64 x 256
+        # tiles, one per program, were the fastest for all four projections (gate_up 490 µs; 32 x 128 x 4 row tiles: 755).
+        # On an H100 (engine/PERF.md, session 19), where groups are long (a prefill's sequences, 64 rows or more on
+        # average), 128 x 256 tiles at 8 warps were the fastest for all four at both shapes: 8b qkv 146.7 µs against 161.9,
+        # o 96.7 / 108.0, gate_up 590.9 / 631.4, down 95.4 / 107.4; 1b (32 x 128 tokens) 25.6 / 30.0, 18.0 / 21.2,
+        # 101.4 / 121.2, 18.4 / 21.3. Steps of many short groups (decode rows beside a prompt) keep the smaller tiles.
+        if segments.num_rows >= 64 * max(1, segments.num_groups):
+            return 128, 256, 8, 1
         return 64, 256, 4, 1
     # Prefill, kernels.bench.roofline._sweep_prefill on an H200 (32 x 512 tokens, rank 16): 32 x 128 tiles at 4 warps were
     # the fastest for every projection of llama-1b and -8b (8b gate_up 1139 µs; 64 x 256 at 8 warps: 1491).

@@ -22,7 +22,8 @@ in the tensor cores' layout and the activation runs there, with no layout change
 adapter (slot -1) and empty slots run no product and take the plain activation.
 
 On an H200 (kernels.bench.probes.probe_consumers, 8b, 32 x 512 tokens, 32 adapters of rank 16; engine/PERF.md, Session 5):
-this op 639 µs against 341 plain (32 x 256 tiles, 8 warps, the best of 18 configs); GEMM + shrink + this op took +20.8%
+this op 639 µs against 341 plain (32 x 256 tiles, 8 warps, the best of 18 configs; an H100 preferred 128 x 64 tiles
+where groups are long, `_config`); GEMM + shrink + this op took +20.8%
 over GEMM + plain op, the delta written first and the GEMM adding into it +22.5%. qkv keeps the delta-first order
 (engine/PERF.md, "Tried and set aside": added by RoPE + the KV write, its delta costs more).
 """
@@ -157,9 +158,14 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
 
 
 def _config(segments) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form: 32 x 256 tiles at 8 warps, the best of 18 on an H200 at 8b and 1b
-    prefill (module docstring); fewer rows for short groups (decode rows of a mixed step), 16 at least, the tensor-core
-    minimum of the delta's product."""
+    """(BLOCK_M, BLOCK_N, num_warps) of the LoRA form. Where groups are long (a prefill's sequences, 64 rows or more on
+    average): 128 x 64 tiles at 8 warps, the best of 18 on an H100 at both shapes (kernels.bench.probes.probe_consumers;
+    engine/PERF.md, session 19): 8b (32 x 512 tokens) 934.2 µs against 1244.3 with 32 x 256, 1b (32 x 128) 152.5 against
+    204.2 (the plain op: 475.7 and 76.2). Otherwise 32 x 256 tiles at 8 warps, the best of 18 on an H200 at 8b and 1b
+    prefill (module docstring), fewer rows for short groups (decode rows of a mixed step), 16 at least, the tensor-core
+    minimum of the delta's product: a 128-row tile over a one-row group would be all padding."""
+    if segments.num_rows >= 64 * max(1, segments.num_groups):
+        return 128, 64, 8
     return max(16, min(32, triton.next_power_of_2(max(segments.max_len, 1)))), 256, 8
 
 

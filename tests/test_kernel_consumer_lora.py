@@ -31,9 +31,9 @@ PREFILL_LENS = (5, 1, 23, 3, 17, 2)
 NUM_SLOTS = 8
 
 
-def _rows(form: str, popularity: str, gen: torch.Generator) -> list[int]:
-    """Adapter slot of every row; every fourth sequence (prefill) or row (decode) has none."""
-    units = len(PREFILL_LENS) if form == "prefill" else 10
+def _rows(form: str, popularity: str, gen: torch.Generator, lens: tuple[int, ...] = PREFILL_LENS) -> list[int]:
+    """Adapter slot of every row; every fourth sequence (prefill, of `lens` tokens) or row (decode) has none."""
+    units = len(lens) if form == "prefill" else 10
     if popularity == "distinct":
         unit = torch.arange(units) % NUM_SLOTS
     elif popularity == "zipf":
@@ -42,7 +42,7 @@ def _rows(form: str, popularity: str, gen: torch.Generator) -> list[int]:
         unit = torch.zeros(units, dtype=torch.int64)
     unit[3::4] = -1
     if form == "prefill":
-        return [int(s) for s, n in zip(unit, PREFILL_LENS) for _ in range(n)]
+        return [int(s) for s, n in zip(unit, lens) for _ in range(n)]
     return sorted(unit.tolist(), key=lambda s: (s < 0, s))  # the engine orders decode rows by slot
 
 
@@ -107,9 +107,20 @@ def test_silu_mul_with_lora_delta_at_llama_8b_width(dtype):
     _silu_case(dtype, "zipf", "mixed", "prefill", inter=14336)
 
 
-def _silu_case(dtype, popularity, ranks, form, inter):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form} {inter}".encode()))
-    idx = _rows(form, popularity, gen)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_with_lora_delta_over_long_sequences(dtype):
+    """A prefill of long sequences (64 rows a group or more on average) takes the long groups' tiles (128 rows x 64
+    columns) and computes the same op, a group's last tile past its end masked."""
+    lens = (70, 130, 64, 90, 1)
+    idx = _rows("prefill", "distinct", torch.Generator().manual_seed(0), lens)
+    seg = lora_segments.segments_from_indices(idx, device=DEVICE)
+    assert silu_mul._config(seg) == (128, 64, 8)
+    _silu_case(dtype, "distinct", "mixed", "prefill", inter=200, lens=lens)
+
+
+def _silu_case(dtype, popularity, ranks, form, inter, lens=PREFILL_LENS):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {popularity} {ranks} {form} {inter} {lens}".encode()))
+    idx = _rows(form, popularity, gen, lens)
     gate_up = (torch.randn(len(idx), 2 * inter, generator=gen) * 2).to(dtype).to(DEVICE)
     lora = _delta(idx, (inter, inter), ranks, form, dtype, gen)
     out = silu_mul.silu_mul(gate_up, lora)

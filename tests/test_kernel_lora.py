@@ -238,6 +238,18 @@ def test_expand_with_several_row_tiles_per_program(monkeypatch, dtype, row_tiles
     _run_case(dtype, "zipf", RANKS["mixed"], SLICES["qkv"], "prefill", IN_FEATURES, gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_expand_delta_over_long_sequences_takes_the_long_tiles(dtype):
+    """A prefill of long sequences (64 rows a group or more on average) writes its delta in 128-row tiles at 8 warps,
+    and the shrink and both expand forms still compute what float64 does (a group's last tile past its end masked)."""
+    size = Size(decode_rows=10, prefill_lens=(70, 130, 64, 90, 1), slots=16)
+    _, segments = _batch("prefill", "distinct", torch.Generator().manual_seed(0), size)
+    assert lora_expand_module._config(segments, accumulate=False) == (128, 256, 8, 1)
+    assert lora_expand_module._config(segments, accumulate=True) == (32, 128, 4, 1)
+    gen = torch.Generator().manual_seed(23)
+    _run_case(dtype, "distinct", RANKS["mixed"], SLICES["qkv"], "prefill", IN_FEATURES, gen, size=size)
+
+
 @pytest.mark.parametrize("form", ["per_row", "prefill"])
 @pytest.mark.parametrize("num_slices", [1, 3])
 def test_split_k_adds_up_to_the_same_t(monkeypatch, form, num_slices):
