@@ -1,0 +1,127 @@
+"""A prefill step with adapters against one without, with this checkout's LoRA kernels and, beside them on the same
+engine, another version of one: `python -m engine.bench.prefill_ab --shape llama-1b --prompt 128 --reps 9
+[--swap lora_shrink=FILE]`.
+
+The bench's engine (engine.bench.build: batch 32, 32 adapters of rank 16 on all seven projections) prefills 32 prompts
+of `--prompt` tokens, base-only and with a distinct adapter on each, `--reps` times each after two untimed rounds, the
+versions interleaved. FILE is the kernel's module from another commit (`git show COMMIT:kernels/lora_shrink.py >
+FILE`); its function of the same name stands in for the backend's (engine.backend.KernelBackend: lora_shrink or
+lora_expand) in the "other" runs. Prints the median wall and device ms of each case and LoRA's share per version, then
+one JSON line. Device ms are a CUDA event span, so they include the gaps where the GPU waits for the host's launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.bench.build import SHAPES, build_bench_engine, model_config
+from engine.device import pick_device, pick_dtype
+
+SWAPPABLE = ("lora_shrink", "lora_expand")
+
+
+def load_other(field: str, path: Path):
+    """The function `field` of the module file at `path`, imported under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"_prefill_ab_{field}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, field)
+
+
+def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None, device: str = "auto", batch: int = 32,
+        adapters: int = 32, rank: int = 16) -> dict:  # fmt: skip
+    dev = pick_device(device)
+    dtype = pick_dtype("auto", dev)
+    cfg = model_config(shape)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
+    keys = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine, _ = build_bench_engine(cfg, shape, [rank] * adapters, None, batch, prompt, 4, dev, dtype, Path(tmp))
+        state = engine.runner.lora
+        versions = {"this": state.backend}
+        if swap is not None:
+            versions["other"] = dataclasses.replace(state.backend, **{swap[0]: load_other(*swap)})
+        samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for rep in range(reps + 2):
+            for kind in ("base", "mixed"):
+                for version, backend in versions.items():
+                    state.backend = backend
+                    timed = _prefill(engine, prompts, keys[kind], f"{kind}-{version}-{rep}", dev)
+                    if rep >= 2:
+                        samples.setdefault((kind, version), []).append(timed)
+        state.backend = versions["this"]
+    out: dict = {"shape": shape, "prompt": prompt, "batch": batch, "reps": reps, "swap": None if swap is None else [swap[0], str(swap[1])]}
+    for (kind, version), v in samples.items():
+        out[f"{kind}_{version}_ms"] = round(statistics.median(w for w, _ in v), 3)
+        out[f"{kind}_{version}_device_ms"] = round(statistics.median(d for _, d in v), 3)
+    for version in versions:
+        out[f"lora_pct_{version}"] = round(100 * (out[f"mixed_{version}_device_ms"] / out[f"base_{version}_device_ms"] - 1), 1)
+    return out
+
+
+def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
+    """(wall ms, device ms) of the step that prefills every prompt; the requests are then run out."""
+    for i, (p, a) in enumerate(zip(prompts, keys)):
+        engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=a,
+                                             sampling=SamplingParams(max_new_tokens=2, ignore_eos=True)))  # fmt: skip
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    engine.step()
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    device_ms = start.elapsed_time(end) if cuda else wall
+    while engine.has_unfinished():
+        engine.step()
+    engine.pop_step_records()
+    engine.pop_load_events()
+    return wall, device_ms
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m engine.bench.prefill_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--swap", default=None, help="FIELD=FILE: the backend's FIELD (lora_shrink or lora_expand) from the module file FILE")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    swap = None
+    if a.swap is not None:
+        field, _, path = a.swap.partition("=")
+        if field not in SWAPPABLE or not path or not Path(path).is_file():
+            p.error(f"--swap {a.swap!r}: use FIELD=FILE with FIELD one of {', '.join(SWAPPABLE)} and FILE an existing module file")
+        swap = (field, Path(path))
+    if a.prompt < 1 or a.reps < 1:
+        p.error("--prompt and --reps must be at least 1")
+    out = run(a.shape, a.prompt, a.reps, swap, a.device)
+    print("| case | kernels | wall ms (median) | device ms |")
+    for kind in ("base", "mixed"):
+        for version in ("this", "other"):
+            if f"{kind}_{version}_ms" in out:
+                print(f"| {kind} | {version} | {out[f'{kind}_{version}_ms']:.2f} | {out[f'{kind}_{version}_device_ms']:.2f} |")
+    for version in ("this", "other"):
+        if f"lora_pct_{version}" in out:
+            print(f"{version}: LoRA +{out[f'lora_pct_{version}']:.1f}% (device)")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
