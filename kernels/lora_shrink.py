@@ -108,12 +108,13 @@ def _shrink_kernel(
     m0 = row_begin + pid_m * BLOCK_M
     if m0 >= row_end:
         return
-    if FUSED_SLICES:
-        _shrink_fused_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot.to(tl.int64), m0, row_end, r_tile * BLOCK_R,
-                           split * k_per_split, tl.minimum(split * k_per_split + k_per_split, in_features), a_offset,
-                           stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
-                           stride_ti, stride_tm, stride_tr, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, DOT_DTYPE,
-                           NUM_SLICES, BLOCK_C)  # fmt: skip
+    if BLOCK_M > 1:
+        # Tiles: slice `sl`'s rank tile, or (FUSED_SLICES, whose grid has no slice axis: sl is 0) every slice's side by side.
+        _shrink_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot.to(tl.int64), sl, m0, row_end, r_tile * BLOCK_R,
+                     split * k_per_split, tl.minimum(split * k_per_split + k_per_split, in_features), a_offset,
+                     stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
+                     stride_ti, stride_tm, stride_tr, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, DOT_DTYPE,
+                     NUM_SLICES, BLOCK_C)  # fmt: skip
         return
     rank = tl.load(rank_ptr + slot.to(tl.int64) * stride_rs + sl * stride_ri)
     r0 = r_tile * BLOCK_R
@@ -128,58 +129,38 @@ def _shrink_kernel(
     pages = tl.load(page_ptr + slot.to(tl.int64) * stride_ps + sl * stride_pi + offs_r * stride_pr, mask=r_mask, other=0)
     a_rows = pool_ptr + pages + a_offset  # [BR] pointers to this layer's row k of A
 
-    if BLOCK_M == 1:
-        # GEMV: one row against a [BR, BK] tile of A on CUDA cores; a tensor-core tile would be 15/16 padding.
-        acc_v = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        x_row = x_ptr + m0.to(tl.int64) * stride_xm
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = offs_k < k_end
-            xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)  # [BK]
-            at = tl.load(a_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]
-            acc_v += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-        t_ptrs = t_ptr + sl * stride_ti + m0.to(tl.int64) * stride_tm + offs_r * stride_tr  # [BR]
-        if SPLIT_K == 1:
-            tl.store(t_ptrs, acc_v, mask=r_mask)
-        else:
-            tl.atomic_add(t_ptrs, acc_v, mask=r_mask)
+    # GEMV: one row against a [BR, BK] tile of A on CUDA cores; a tensor-core tile would be 15/16 padding.
+    acc_v = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    x_row = x_ptr + m0.to(tl.int64) * stride_xm
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < k_end
+        xv = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)  # [BK]
+        at = tl.load(a_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]
+        acc_v += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+    t_ptrs = t_ptr + sl * stride_ti + m0.to(tl.int64) * stride_tm + offs_r * stride_tr  # [BR]
+    if SPLIT_K == 1:
+        tl.store(t_ptrs, acc_v, mask=r_mask)
     else:
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM]
-        m_mask = offs_m < row_end
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = offs_k < k_end
-            xt = tl.load(
-                x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # [BM, BK]
-            at = tl.load(a_rows[None, :] + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BK, BR]
-            acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        t_ptrs = t_ptr + sl * stride_ti + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
-        mask = m_mask[:, None] & r_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(t_ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(t_ptrs, acc, mask=mask)
+        tl.atomic_add(t_ptrs, acc_v, mask=r_mask)
 
 
 @triton.jit
-def _shrink_fused_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot, m0, row_end, r0, k_begin, k_end, a_offset,
-                       stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
-                       stride_ti, stride_tm, stride_tr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_SLICES: tl.constexpr,
-                       BLOCK_C: tl.constexpr):  # fmt: skip
-    """One [BLOCK_M, BLOCK_K] x tile at a time against the A rows of every slice's rank tile r0 side by side: column c is
-    rank row r0 + c % BLOCK_R of slice c // BLOCK_R, so x comes from memory once for all S slices."""
+def _shrink_tile(x_ptr, pool_ptr, page_ptr, t_ptr, rank_ptr, slot, sl0, m0, row_end, r0, k_begin, k_end, a_offset,
+                 stride_xm, stride_xk, stride_ps, stride_pi, stride_pr, stride_rs, stride_ri,
+                 stride_ti, stride_tm, stride_tr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_SLICES: tl.constexpr,
+                 BLOCK_C: tl.constexpr):  # fmt: skip
+    """One [BLOCK_M, BLOCK_K] x tile at a time against the A rows of rank tile r0 of NUM_SLICES slices from sl0 side by
+    side: column c is rank row r0 + c % BLOCK_R of slice sl0 + c // BLOCK_R, so x comes from memory once for them all
+    (one slice: BLOCK_C = BLOCK_R, the per-slice tile)."""
     offs_c = tl.arange(0, BLOCK_C)  # [BC]
-    sl = offs_c // BLOCK_R
+    sl = sl0 + offs_c // BLOCK_R
     offs_r = r0 + offs_c % BLOCK_R
-    live = sl < NUM_SLICES
+    live = offs_c < NUM_SLICES * BLOCK_R
     rank = tl.load(rank_ptr + slot * stride_rs + sl * stride_ri, mask=live, other=0)  # [BC] each column's slice rank
     if r0 >= tl.max(rank, axis=0):
-        return  # past every slice's rank, or none targeted
+        return  # past every slice's rank, or none targeted (rank 0)
     c_mask = live & (offs_r < rank)
     pages = tl.load(page_ptr + slot * stride_ps + sl * stride_pi + offs_r * stride_pr, mask=c_mask, other=0)  # [BC]
     a_rows = pool_ptr + pages + a_offset
