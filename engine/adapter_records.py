@@ -4,7 +4,7 @@ Reading (`read_adapter`): the files' bytes (engine.store: confined to the root, 
 against the base (engine.adapters), and the L2 copy in page layout, pinned on CUDA (engine.lora.LoraState.host_copy):
 what L3 -> L2 costs, about 12 ms for a 3-13 MB llama-1b adapter on one core of the H200 host (read 2, sha256 4, parse 2-4,
 page layout 2-4; pinning a fresh block 4.7 ms more). The sha256 of a registered adapter's bytes runs on a hashing
-thread beside their validation (hashlib lets go of the GIL), the two compared after: on this project's 2-core CI host
+thread beside their validation (so a read keeps a second core busy for its hash's few ms) (hashlib lets go of the GIL), the two compared after: on this project's 2-core CI host
 a rank-16 llama-1b read took 3.9-4.1 ms against 4.8-5.4 hashed first, rank 64 13.4-14.1 against 16.1
 (`lorabatch bench reads`, two runs). None of it touches the pool's state, so `ReadAhead` runs it on
 worker threads for the adapters of queued requests (the pool's `read_ahead` and `prefetch`), off the engine thread's
@@ -14,6 +14,7 @@ the pool takes the result when the request is admitted.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -115,24 +116,33 @@ def read_validated(path: Path, registered: str | None, model: ModelConfig, max_a
     config_path, weights_path = adapter_files(path, max_adapter_bytes)
     config_bytes, weight_bytes = config_path.read_bytes(), read_file(weights_path)
     if registered is None or len(weight_bytes) < OVERLAP_HASH_BYTES:
-        sha = content_sha256(config_bytes, weight_bytes)
-        if registered is not None and sha != registered:
-            return sha, None  # the pool reports adapter_changed
-        return sha, parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=max_lora_rank, sha256=sha, source=path,
-                                  base_fingerprint=fingerprint)  # fmt: skip
+        return read_validated_serial(path, config_bytes, weight_bytes, registered, model, max_lora_rank, fingerprint)
     # The registered content is expected: hash on a thread of its own (hashlib lets go of the GIL over the bytes) while
     # this one validates them as that content (parse_adapter only reads the buffer), then compare. A changed file is
     # reported as changed even where it would not parse: the comparison comes before the parse's error.
-    hashing = _hash_pool().submit(content_sha256, config_bytes, weight_bytes)
+    try:
+        hashing = _hash_pool().submit(content_sha256, config_bytes, weight_bytes)
+    except RuntimeError:  # the interpreter is shutting down: no new threads; hash here, first
+        return read_validated_serial(path, config_bytes, weight_bytes, registered, model, max_lora_rank, fingerprint)
     try:
         adapter = parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=max_lora_rank, sha256=registered, source=path,
                                 base_fingerprint=fingerprint)  # fmt: skip
-    except BaseException:
+    except Exception:  # not an interrupt: those go up as they came
         if hashing.result() != registered:
             return hashing.result(), None
         raise
     sha = hashing.result()
     return (sha, adapter) if sha == registered else (sha, None)
+
+
+def read_validated_serial(path: Path, config_bytes: bytes, weight_bytes: bytearray, registered: str | None, model: ModelConfig,
+                          max_lora_rank: int, fingerprint: str | None) -> tuple[str, LoraAdapter | None]:  # fmt: skip
+    """`read_validated` on bytes already read, the sha256 first: what reads of unregistered or small adapters do."""
+    sha = content_sha256(config_bytes, weight_bytes)
+    if registered is not None and sha != registered:
+        return sha, None  # the pool reports adapter_changed
+    return sha, parse_adapter(config_bytes, weight_bytes, model, max_lora_rank=max_lora_rank, sha256=sha, source=path,
+                              base_fingerprint=fingerprint)  # fmt: skip
 
 
 OVERLAP_HASH_BYTES = 1 << 20  # weights at least this big are hashed beside their validation (smaller: a thread's hand-off costs more)
@@ -148,6 +158,15 @@ def _hash_pool() -> ThreadPoolExecutor:
         if _hashers is None:
             _hashers = ThreadPoolExecutor(max_workers=AUTO_READERS, thread_name_prefix="adapter-hash")
         return _hashers
+
+
+def _forget_hash_pool() -> None:
+    """In a forked child: the parent's pool came over without its threads, so a task given to it would never run."""
+    global _hashers, _hashers_lock
+    _hashers, _hashers_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hash_pool)
 
 
 def _timed(began: list[float], fn: Callable, *args):

@@ -58,7 +58,8 @@ class Derived:
 
 def auto_readers(cores: int | None = None) -> int:
     """Store-reader processes (and read-ahead threads) for a host of `cores` cores (default: this one's): half of them, at
-    least 1, at most AUTO_READERS; what `engine.adapter_read_processes` derives to."""
+    least 1, at most AUTO_READERS; what `engine.adapter_read_processes` derives to. A reader hashes on a second thread for
+    part of each read (engine.adapter_records), so at their busiest the readers can take most of the cores."""
     cores = cores if cores is not None else (os.cpu_count() or 1)
     return max(1, min(AUTO_READERS, cores // 2))
 

@@ -98,3 +98,56 @@ def test_the_reads_bench_times_both_orders_and_the_layout_for_every_rank():
         assert sorted(out[key]) == [4, 8] and all(v > 0 for v in out[key].values()), (key, out[key])
     bad = CliRunner().invoke(build_app(), ["bench", "reads", "--shape", "llama-70b"])
     assert bad.exit_code != 0 and "--shape" in bad.output
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["hash_first", "hash_beside"])
+def test_an_unexpected_error_of_a_changed_file_is_changed_and_an_interrupt_goes_up(monkeypatch, setup, overlap):
+    """A changed file whose validation fails in a way no check foresaw (a ValueError) is still changed; an interrupt
+    during the validation is never swallowed, whether the content changed or not."""
+    monkeypatch.setattr(records, "OVERLAP_HASH_BYTES", 0 if overlap else 1 << 62)
+    cfg, fp, adapters = setup
+    (_, a), (_, b) = adapters[0], adapters[1]
+
+    def boom(exc):
+        def parse(*args, **kwargs):
+            raise exc
+        return parse
+
+    monkeypatch.setattr(records, "parse_adapter", boom(ValueError("unforeseen")))
+    assert _read(b, _sha(a), cfg, fp) == (_sha(b), None)
+    with pytest.raises(ValueError):
+        _read(a, _sha(a), cfg, fp)
+    monkeypatch.setattr(records, "parse_adapter", boom(KeyboardInterrupt()))
+    for path in (a, b):
+        if overlap or path == a:  # hashed first, a changed file is answered before any validation runs
+            with pytest.raises(KeyboardInterrupt):
+                _read(path, _sha(a), cfg, fp)
+
+
+def test_a_forked_child_hashes_with_threads_of_its_own():
+    """The parent's hashing pool does not come over a fork (its threads do not): a hash given to the child's pool runs.
+    (Only the pool: torch's own thread pools do not survive a fork either, so a whole read in a forked child is not
+    something the engine does; its reader processes are spawned.)"""
+    import os
+    import time
+
+    want = content_sha256(b"{}", bytearray(b"x" * 4096))
+    assert records._hash_pool().submit(content_sha256, b"{}", bytearray(b"x" * 4096)).result() == want  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its hash completes, and never return into pytest
+        ok = False
+        try:
+            ok = records._hash_pool().submit(content_sha256, b"{}", bytearray(b"x" * 4096)).result(timeout=20) == want
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's hash did not finish")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -7,24 +7,31 @@ import pytest
 from engine.bench import prefill_ab
 
 
-def test_the_swapped_kernel_serves_the_other_runs_and_only_them(tmp_path):
-    calls = tmp_path / "calls.txt"
+def test_the_swapped_kernel_serves_the_other_runs_and_only_them(tmp_path, monkeypatch):
+    """The fake kernel records the run under way at each call: every call falls in a mixed run of the other version, and
+    every such run (two untimed rounds, one timed) calls it."""
     other = tmp_path / "other_shrink.py"
     other.write_text(
         "from kernels.lora_segments import lora_shrink_ref\n"
-        f"CALLS = {str(calls)!r}\n"
+        "from engine.bench import prefill_ab\n"
+        "CALLS = []\n"
         "def lora_shrink(*args, **kwargs):\n"
-        "    with open(CALLS, 'a') as f:\n"
-        "        f.write('x')\n"
+        "    CALLS.append(prefill_ab.CURRENT)\n"
         "    return lora_shrink_ref(*args, **kwargs)\n"
     )
+    loaded = {}
+    real_load = prefill_ab.load_other
+
+    def load(field, path):
+        fn = real_load(field, path)
+        loaded["calls"] = fn.__globals__["CALLS"]
+        return fn
+
+    monkeypatch.setattr(prefill_ab, "load_other", load)
     out = prefill_ab.run("tiny", 4, 1, ("lora_shrink", other), device="cpu", batch=2, adapters=2, rank=4)
     for key in ("base_this_ms", "mixed_this_ms", "base_other_ms", "mixed_other_ms", "lora_pct_this", "lora_pct_other"):
         assert key in out, key
-    # rounds: 2 untimed + 1 timed, each with one mixed prefill on the other version (its decode steps too): the shrink
-    # runs there once a projection of every layer a step, and in no base-only step
-    n = len(calls.read_text())
-    assert n > 0 and n % 3 == 0, n
+    assert set(loaded["calls"]) == {"mixed-other-0", "mixed-other-1", "mixed-other-2"}, set(loaded["calls"])
 
 
 @pytest.mark.parametrize("swap", ["lora_shrink", "nothing=x.py", "lora_expand=/no/such/file.py"])

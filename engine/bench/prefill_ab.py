@@ -28,6 +28,7 @@ from engine.bench.build import SHAPES, build_bench_engine, model_config
 from engine.device import pick_device, pick_dtype
 
 SWAPPABLE = ("lora_shrink", "lora_expand")
+CURRENT = ""  # the tag of the run under way ("mixed-other-3": kind, version, round), for a kernel under test to read
 
 
 def load_other(field: str, path: Path):
@@ -53,14 +54,17 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
         if swap is not None:
             versions["other"] = dataclasses.replace(state.backend, **{swap[0]: load_other(*swap)})
         samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for rep in range(reps + 2):
-            for kind in ("base", "mixed"):
-                for version, backend in versions.items():
-                    state.backend = backend
-                    timed = _prefill(engine, prompts, keys[kind], f"{kind}-{version}-{rep}", dev)
-                    if rep >= 2:
-                        samples.setdefault((kind, version), []).append(timed)
-        state.backend = versions["this"]
+        order = list(versions.items())
+        try:
+            for rep in range(reps + 2):
+                for kind in ("base", "mixed"):
+                    for version, backend in order if rep % 2 else order[::-1]:  # each version first in turn
+                        state.backend = backend
+                        timed = _prefill(engine, prompts, keys[kind], f"{kind}-{version}-{rep}", dev)
+                        if rep >= 2:
+                            samples.setdefault((kind, version), []).append(timed)
+        finally:
+            state.backend = versions["this"]
     out: dict = {"shape": shape, "prompt": prompt, "batch": batch, "reps": reps, "swap": None if swap is None else [swap[0], str(swap[1])]}
     for (kind, version), v in samples.items():
         out[f"{kind}_{version}_ms"] = round(statistics.median(w for w, _ in v), 3)
@@ -72,6 +76,8 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
 
 def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
     """(wall ms, device ms) of the step that prefills every prompt; the requests are then run out."""
+    global CURRENT
+    CURRENT = tag
     for i, (p, a) in enumerate(zip(prompts, keys)):
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=a,
                                              sampling=SamplingParams(max_new_tokens=2, ignore_eos=True)))  # fmt: skip

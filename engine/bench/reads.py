@@ -26,7 +26,15 @@ from engine.store import content_sha256, read_file
 
 
 def run(shape: str, ranks: list[int], per_rank: int, reps: int) -> dict:
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a reader process's setting (engine.adapter_reader)
+    try:
+        return _run(shape, ranks, per_rank, reps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(shape: str, ranks: list[int], per_rank: int, reps: int) -> dict:
     cfg = model_config(shape)
     shapes = cfg.projection_shapes()
     threshold = records.OVERLAP_HASH_BYTES
@@ -49,8 +57,9 @@ def run(shape: str, ranks: list[int], per_rank: int, reps: int) -> dict:
 
 def _time_reads(paths, shas, cfg, shapes, ranks, reps, arena, times) -> None:
     """Fill `times` (order -> rank -> ms): every read both ways, the layout after the second, the first round uncounted."""
+    orders = (("hash_first", 1 << 62), ("hash_beside", 0))
     for rep in range(reps + 1):  # the first round warms the page cache and the hashing threads, and is not counted
-        for order, limit in (("hash_first", 1 << 62), ("hash_beside", 0)):
+        for order, limit in orders if rep % 2 else orders[::-1]:  # each first in turn
             records.OVERLAP_HASH_BYTES = limit
             for path, sha in zip(paths, shas):
                 t0 = time.perf_counter()
@@ -73,9 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--per-rank", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args(argv)
-    ranks = [int(r) for r in a.ranks.split(",")]
-    if a.per_rank < 1 or a.reps < 1 or not ranks or min(ranks) < 1:
-        p.error("--per-rank, --reps and every rank must be at least 1")
+    try:
+        ranks = [int(r) for r in a.ranks.split(",")]
+    except ValueError:
+        p.error(f"--ranks {a.ranks!r}: use whole numbers separated by commas, e.g. 8,16,32,64")
+    if a.per_rank < 1 or a.reps < 1 or min(ranks) < 1:
+        p.error("--per-rank, --reps and every rank of --ranks must be at least 1")
     out = run(a.shape, ranks, a.per_rank, a.reps)
     print("rank | read, sha256 first ms | read, sha256 beside ms | page layout ms")
     for r in sorted(out["hash_first_ms"]):
