@@ -98,6 +98,24 @@ def test_the_reads_bench_times_both_orders_and_the_layout_for_every_rank():
         assert sorted(out[key]) == [4, 8] and all(v > 0 for v in out[key].values()), (key, out[key])
     bad = CliRunner().invoke(build_app(), ["bench", "reads", "--shape", "llama-70b"])
     assert bad.exit_code != 0 and "--shape" in bad.output
+    for ranks in ("8,x", "", "8,0"):
+        bad = CliRunner().invoke(build_app(), ["bench", "reads", "--shape", "tiny", "--ranks", ranks])
+        assert bad.exit_code != 0 and "--ranks" in bad.output, (ranks, bad.output)
+
+
+def test_the_reads_bench_restores_what_it_changes_when_a_read_fails(monkeypatch):
+    import torch
+
+    from engine.bench.reads import run
+
+    def fail(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    threads, before = torch.get_num_threads(), records.OVERLAP_HASH_BYTES
+    monkeypatch.setattr(records, "read_validated", fail)
+    with pytest.raises(OSError):
+        run("tiny", [4], per_rank=1, reps=1)
+    assert torch.get_num_threads() == threads and records.OVERLAP_HASH_BYTES == before
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["hash_first", "hash_beside"])
