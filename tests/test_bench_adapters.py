@@ -187,3 +187,20 @@ def test_read_defaults_are_what_the_engine_derives_for_the_host(monkeypatch):
     a = parse_args([])
     assert a.read_threads == a.read_processes == READ_THREADS == READ_PROCESSES == auto_readers()
     assert parse_args(["--read-processes", "0", "--read-threads", "3"]).read_processes == 0
+
+
+def test_pass_shape_finds_the_first_full_batch_and_the_prompt_calls_device_time():
+    """From a timeline: the first call whose running requests fill the batch, all device ms, and those of the calls with
+    prompt rows (and how many); a pass that never fills the batch says None."""
+    from engine.bench.adapters import TIMELINE_COLUMNS, pass_shape
+
+    def row(ms, step_us, prompt_rows, running):
+        r = dict.fromkeys(TIMELINE_COLUMNS, 0)
+        r.update(ms=ms, step_us=step_us, prompt_rows=prompt_rows, running=running)
+        return [r[c] for c in TIMELINE_COLUMNS]
+
+    timeline = [row(0.4, 0, 0, 0), row(13.0, 37_500, 1, 1), row(60.7, 2_200, 0, 1), row(92.3, 40_400, 49, 50),
+                row(144.2, 49_800, 14, 64), row(198.3, 20_400, 0, 64)]
+    assert pass_shape(timeline, 64) == {"full_batch_at_ms": 144.2, "device_ms": 150.3, "prompt_calls_device_ms": 127.7, "prompt_calls": 3}
+    assert pass_shape(timeline, 65)["full_batch_at_ms"] is None
+    assert pass_shape([], 4) == {"full_batch_at_ms": None, "device_ms": 0.0, "prompt_calls_device_ms": 0.0, "prompt_calls": 0}

@@ -400,6 +400,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
                                       "placed": c[7], "placing_us": c[8]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
+    for name, passed in (("cold", cold), ("warm", warm)):
+        row.update({f"{name}_{k}": v for k, v in pass_shape(passed["timeline"], batch).items()})
     if row["decode_step_p99_with_load_us"] and row["decode_step_p50_without_us"]:
         row["load_step_ratio"] = round(row["decode_step_p99_with_load_us"] / row["decode_step_p50_without_us"], 3)
     if row["decode_step_device_p99_with_load_us"] and row["decode_step_device_p50_without_us"]:
@@ -415,6 +417,18 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def pass_shape(timeline: list[list], batch: int) -> dict:
+    """Where a pass's device time went, from its timeline (TIMELINE_COLUMNS rows, one a step() call): the ms at which it
+    first ran a full batch (None if never), its device ms in all, and in the calls with prompt rows (what a cold pass's
+    waits for reads and slower prefills add to; engine/PERF.md, session 19)."""
+    col = {c: i for i, c in enumerate(TIMELINE_COLUMNS)}
+    full = next((r[col["ms"]] for r in timeline if r[col["running"]] >= batch), None)
+    device = sum(r[col["step_us"]] for r in timeline) / 1000
+    prefill = sum(r[col["step_us"]] for r in timeline if r[col["prompt_rows"]] > 0) / 1000
+    return {"full_batch_at_ms": full, "device_ms": round(device, 1), "prompt_calls_device_ms": round(prefill, 1),
+            "prompt_calls": sum(1 for r in timeline if r[col["prompt_rows"]] > 0)}
 
 
 class _StallStacks:
@@ -550,6 +564,10 @@ def _print_table(rows: list[dict]) -> None:
             f"{_per(r['cold_placement_host_ms'], r['cold_placements'])}/{_per(r['warm_placement_host_ms'], r['warm_placements'])}",
             r["adapters_of_median_size_in_budget"],
         )))  # fmt: skip
+    print("count | full batch at ms, cold/warm | device ms, cold/warm | in calls with prompt rows, cold/warm (calls)")
+    for r in rows:
+        print(f"{r['count']} | {r['cold_full_batch_at_ms']}/{r['warm_full_batch_at_ms']} | {r['cold_device_ms']}/{r['warm_device_ms']} | "
+              f"{r['cold_prompt_calls_device_ms']}/{r['warm_prompt_calls_device_ms']} ({r['cold_prompt_calls']}/{r['warm_prompt_calls']})")
 
 
 def _per(ms: float, n: int) -> int | None:
