@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import DecodeLora, lora_expand_ref, segments_per_row, slice_starts
-from kernels.utils import SHARED_BYTES, TL_DTYPE
+from kernels.utils import SHARED_BYTES, TL_DTYPE, cdiv, next_power_of_2
 
 MAX_ROWS = 64  # the most rows one launch takes: beyond, the step is no longer a stream of W (cuBLAS's shape)
 _BLOCK_R = 8  # ranks gathered per step of the LoRA loop: [BLOCK_M, 8, BLOCK_N] in registers
@@ -145,7 +145,7 @@ def decode_linear(
             assert offset % block_n == 0, f"slice boundary {offset} is not a multiple of BLOCK_N {block_n}: slices {lora.slices}"
             offset += w
     interpreted = x.device.type == "cpu"
-    _decode_linear_kernel[(triton.cdiv(n, block_n),)](
+    _decode_linear_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, y,
         lora.t if lora else x, pw.pool if lora else x, pw.pages if lora else x, pw.rank if lora else x, pw.scale if lora else x,
         lora.slot if lora else x, starts,
@@ -157,7 +157,7 @@ def decode_linear(
         NUM_SLICES=len(lora.slices) if lora else 1,
         HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_M=max(16, next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=_BLOCK_R,
@@ -188,7 +188,7 @@ def _config(m: int, n: int, k: int, elem: int = 2) -> tuple[int, int, int, int]:
 
 def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:
     """Shared memory of the K loop's pipeline: num_stages x (W tile + x tile), as Triton allocates it for this kernel."""
-    return num_stages * block_k * (block_n + max(16, triton.next_power_of_2(m))) * elem
+    return num_stages * block_k * (block_n + max(16, next_power_of_2(m))) * elem
 
 
 # kernels.bench.roofline._sweep_decode_linear on an H200 (bf16, 32 rows, 32 adapters of rank 16; µs are CUDA-graph replays after

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import SHARED_BYTES, TL_DTYPE
+from kernels.utils import SHARED_BYTES, TL_DTYPE, cdiv, next_power_of_2
 
 MAX_ROWS = 64  # beyond, a step is a GEMM of its own shape (prefill): the caller dequantizes or uses tensor-core FP8
 FP8 = torch.float8_e4m3fn
@@ -107,17 +107,17 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     if m == 0:
         return y
     block_n, block_k, num_warps, num_stages, split_k = _config(m, n, k, x.element_size())
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole K tiles per split
-    split_k = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k  # whole K tiles per split
+    split_k = cdiv(k, k_per_split)
     out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     interpreted = x.device.type == "cpu"
-    _fp8_linear_kernel[(triton.cdiv(n, block_n), split_k)](
+    _fp8_linear_kernel[(cdiv(n, block_n), split_k)](
         x, q.view(torch.uint8), scale, bias if bias is not None else scale, out,
         m, n, k, k_per_split,
         x.stride(0), q.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_M=max(16, next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
@@ -126,7 +126,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         num_stages=num_stages,
     )  # fmt: skip
     if split_k > 1:
-        _reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](out, scale, bias if bias is not None else scale, y, m, n, out.stride(0),
+        _reduce_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](out, scale, bias if bias is not None else scale, y, m, n, out.stride(0),
                                                                HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=_REDUCE_BLOCK)  # fmt: skip
     return y
 
@@ -142,7 +142,7 @@ def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int]
         block_n, block_k, num_warps, num_stages, split_k = _TUNED[(n, k)]
     else:  # what most tuned shapes took: wide panels, short K tiles, the K loop split to about 4 programs an SM
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 3
-        split_k = max(1, min(8, 528 // triton.cdiv(n, block_n), k // (4 * block_k)))
+        split_k = max(1, min(8, 528 // cdiv(n, block_n), k // (4 * block_k)))
     while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
         num_stages -= 1
     return block_n, block_k, num_warps, num_stages, split_k
@@ -167,7 +167,7 @@ _TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
 
 def shared_bytes(m: int, block_n: int, block_k: int, num_stages: int, elem: int) -> int:
     """Shared memory of the K loop's pipeline: num_stages x (an FP8 tile of q + a tile of x)."""
-    return num_stages * block_k * (block_n + max(16, triton.next_power_of_2(m)) * elem)
+    return num_stages * block_k * (block_n + max(16, next_power_of_2(m)) * elem)
 
 
 def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

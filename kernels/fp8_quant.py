@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.utils import next_power_of_2
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
@@ -73,7 +75,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        block_k = min(2048, triton.next_power_of_2(k))
+        block_k = min(2048, next_power_of_2(k))
         _quantize_rows_kernel[(m,)](x, q.view(torch.uint8), scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, FP8_MAX=FP8_MAX,
                                     num_warps=4 if block_k <= 1024 else 8)  # fmt: skip
     return q, scale

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import LoraPages, LoraSegments, slice_starts
-from kernels.utils import BLOCK_R, group_rows
+from kernels.utils import BLOCK_R, cdiv, group_rows
 
 
 @triton.jit
@@ -206,8 +206,8 @@ def lora_expand(
     if n == 0 or segments.num_groups == 0:
         return
     block_m, block_n, num_warps, row_tiles = _config(segments, accumulate)
-    num_ntiles = triton.cdiv(max(widths), block_n)
-    grid = (num_slices * num_ntiles, triton.cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
+    num_ntiles = cdiv(max(widths), block_n)
+    grid = (num_slices * num_ntiles, cdiv(max(segments.max_len, 1), block_m * row_tiles), segments.num_groups)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _expand_kernel[grid](
         t, w.pool, w.pages, y, w.rank, w.scale, segments.slot, start, slice_starts(widths, y.device),

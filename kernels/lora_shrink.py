@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import LoraPages, LoraSegments
-from kernels.utils import BLOCK_R, TL_DTYPE, group_rows
+from kernels.utils import BLOCK_R, TL_DTYPE, cdiv, group_rows, next_power_of_2
 
 _TARGET_PROGRAMS = 512  # about 4 per SM on an H200 (132 SMs), enough to hide each program's load latency
 _PREFILL_TARGET_PROGRAMS, _PREFILL_MAX_SPLIT = 384, 4  # prefill also pays a memset of t (1-3 MB) for a split
@@ -210,9 +210,9 @@ def lora_shrink(
             out.zero_()  # the K splits add into it
     if n == 0 or segments.num_groups == 0:
         return out
-    num_rtiles = triton.cdiv(max_rank, BLOCK_R)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    grid = ((1 if fused else num_slices) * num_rtiles * split_k, triton.cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
+    num_rtiles = cdiv(max_rank, BLOCK_R)
+    k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
+    grid = ((1 if fused else num_slices) * num_rtiles * split_k, cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     interpreted = x.device.type == "cpu"  # the interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
     start = segments.start if segments.start is not None else segments.slot  # placeholder, never read
     _shrink_kernel[grid](
@@ -232,7 +232,7 @@ def lora_shrink(
         DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
         NUM_SLICES=num_slices if fused else 1,  # only the fused tiles read them: one variant per S would be compiled otherwise
         FUSED_SLICES=fused,
-        BLOCK_C=triton.next_power_of_2(num_slices * BLOCK_R) if fused else BLOCK_R,
+        BLOCK_C=next_power_of_2(num_slices * BLOCK_R) if fused else BLOCK_R,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -265,7 +265,7 @@ def _config(segments: LoraSegments, num_slices: int, in_features: int) -> tuple[
             block_m, target, max_split = (64 if in_features >= 4096 else 32), _PREFILL_TARGET_PROGRAMS * 2 // 3, _PREFILL_MAX_SPLIT
             fused = in_features >= 4096 and num_slices >= 3
     # Programs live at rank <= 16: one rank tile per (group, row tile[, slice]).
-    base = max(1, segments.num_groups * triton.cdiv(max(segments.max_len, 1), block_m) * (1 if fused else num_slices))
+    base = max(1, segments.num_groups * cdiv(max(segments.max_len, 1), block_m) * (1 if fused else num_slices))
     split_k = 1
     while base * split_k < target and split_k < max_split and in_features // (2 * split_k) >= _MIN_K_PER_SPLIT:
         split_k *= 2

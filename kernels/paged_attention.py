@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import TL_DTYPE
+from kernels.utils import TL_DTYPE, cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # start of the running max: finite, so a fully masked padding row gives 0, not NaN
@@ -223,7 +223,7 @@ def paged_attention(
     if n == 0:
         return out
     group = heads // kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     block_t, block_n, num_warps, num_stages, early_v = _config(group_pad, max_query_len, head_dim)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     splits = 1 if cu_seqlens_q is not None else (num_splits or decode_splits(batch, kv_heads, block_tables.shape[1] * block_size))
@@ -232,7 +232,7 @@ def paged_attention(
     if splits > 1:
         part_o = torch.empty(splits, n, heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, n, heads, 2, dtype=torch.float32, device=q.device)
-    grid = (splits if splits > 1 else triton.cdiv(max_query_len, block_t), kv_heads, batch)
+    grid = (splits if splits > 1 else cdiv(max_query_len, block_t), kv_heads, batch)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
         part_o, part_ml, scale * _LOG2E,
@@ -247,7 +247,7 @@ def paged_attention(
         BLOCK_T=block_t,
         ROWS=block_t * group_pad,
         BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         HEAD_DIM=head_dim,
         KV_BLOCK=block_size,
         # The interpreter (CPU) multiplies bf16 bit patterns in tl.dot: widen there (see the docstring).
@@ -261,7 +261,7 @@ def paged_attention(
     if splits > 1:
         _combine_splits_kernel[(n * heads,)](
             part_o, part_ml, out, n * heads, out.stride(0), out.stride(1),
-            H=heads, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+            H=heads, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), num_warps=1,
         )  # fmt: skip
     return out
 

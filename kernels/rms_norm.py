@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.utils import next_power_of_2
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -60,7 +62,7 @@ def add_rms_norm(
     out = torch.empty_like(x)
     if n == 0:
         return out
-    block = triton.next_power_of_2(dim)
+    block = next_power_of_2(dim)
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(n,)](
         x, res, weight, out, dim, eps, x.stride(0), res.stride(0), out.stride(0),

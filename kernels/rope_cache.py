@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.utils import next_power_of_2
+
 
 @triton.jit
 def _rope_cache_kernel(
@@ -97,7 +99,7 @@ def rope_and_cache(
         qkv, positions, inv_freq, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), q.stride(1), kv_heads * head_dim, head_dim,
         H=num_heads, KV=kv_heads, HALF=head_dim // 2,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(kv_heads), num_warps=4,
+        BLOCK_H=next_power_of_2(num_heads), BLOCK_KV=next_power_of_2(kv_heads), num_warps=4,
     )  # fmt: skip
     return q
 

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_segments import LoraDelta, with_delta_ref
-from kernels.utils import BLOCK_R, group_rows
+from kernels.utils import BLOCK_R, cdiv, group_rows, next_power_of_2
 
 _BLOCK = 1024
 
@@ -128,8 +128,8 @@ def silu_mul(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tens
     if lora is not None:
         _launch_lora(gate_up, out, lora)
         return out
-    block = min(_BLOCK, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    block = min(_BLOCK, next_power_of_2(inter))
+    _silu_mul_kernel[(n, cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 
@@ -143,8 +143,8 @@ def _launch_lora(gate_up: torch.Tensor, out: torch.Tensor, lora: LoraDelta) -> N
     assert seg.num_rows == n, f"segments cover {seg.num_rows} rows, gate_up has {n}"
     assert w.b_offset(0) == w.b_offset(1), (w.b_offset(0), w.b_offset(1))
     block_m, block_n, num_warps = _config(seg)
-    block_n = min(block_n, triton.next_power_of_2(inter))
-    grid = (triton.cdiv(inter, block_n), triton.cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
+    block_n = min(block_n, next_power_of_2(inter))
+    grid = (cdiv(inter, block_n), cdiv(max(seg.max_len, 1), block_m), seg.num_groups)
     start = seg.start if seg.start is not None else seg.slot  # placeholder, never read
     _silu_mul_lora_kernel[grid](
         gate_up, out, t, w.pool, w.pages, w.rank, w.scale, seg.slot, start, inter, w.b_offset(0),
@@ -166,7 +166,7 @@ def _config(segments) -> tuple[int, int, int]:
     minimum of the delta's product: a 128-row tile over a one-row group would be all padding."""
     if segments.num_rows >= 64 * max(1, segments.num_groups):
         return 128, 64, 8
-    return max(16, min(32, triton.next_power_of_2(max(segments.max_len, 1)))), 256, 8
+    return max(16, min(32, next_power_of_2(max(segments.max_len, 1)))), 256, 8
 
 
 def silu_mul_ref(gate_up: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:  # [N, 2 I] -> [N, I]

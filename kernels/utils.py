@@ -17,6 +17,18 @@ SHARED_BYTES = 232_448
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # a tensor's dtype in a kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints, for launchers' grids: plain Python, where `triton.cdiv` is a constexpr function
+    whose call from the host costs microseconds (kernels.bench.launch_overhead)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0, as `triton.next_power_of_2`), for launchers' block sizes: plain Python,
+    as `cdiv`."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 @triton.jit
 def group_rows(start_ptr, group, HAS_START: tl.constexpr):
     """(first row, end row) of row group `group` (kernels/lora_segments.py): from `start` when the groups are segments,
