@@ -206,25 +206,26 @@ def _sweep_prefill(tokens: int = 512, rep: int = 30, kernels: tuple[str, ...] = 
                     case.expand_bytes / bandwidth * 1e6)  # fmt: skip
 
 
-def _sweep_prefill_shrink(rep: int = 30) -> None:
+def _sweep_prefill_shrink(rep: int = 30, models: tuple[tuple[str, int], ...] = (("llama-1b", 128), ("llama-8b", 512)),
+                          cands: list[tuple] | None = None) -> None:  # fmt: skip
     """The prefill shrink alone at issue 4's prefills (llama-1b: 32 sequences of 128 tokens; llama-8b: of 512; 32 adapters
     of rank 16): per projection, the launcher's config and its time, then the six fastest of a grid (split 1/2/4, 32/64/128
-    rows, 128-column K steps, 4/8 warps, a slice a program or all slices in one) (python -c "from kernels.bench.roofline
+    rows, 128-column K steps, 4/8 warps, a slice a program or all slices in one; or `cands`) (python -c "from kernels.bench.roofline
     import _sweep_prefill_shrink; _sweep_prefill_shrink()")."""
     import itertools
 
     import kernels.lora_shrink as shrink_module
 
     torch.manual_seed(0)
-    for name, tokens in (("llama-1b", 128), ("llama-8b", 512)):
+    for name, tokens in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
             case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
             now_cfg = shrink_module._config(case.segments, len(widths), in_f)
             fused = (False, True) if len(widths) > 1 else (False,)
-            cands = list(itertools.product((1, 2, 4), (32, 64, 128), (128,), (4, 8), (3,), fused))
+            grid = cands if cands is not None else list(itertools.product((1, 2, 4), (32, 64, 128), (128,), (4, 8), (3,), fused))
             times = []
             default = shrink_module._config
-            for cfg in cands:
+            for cfg in grid:
                 shrink_module._config = lambda *_, cfg=cfg: cfg
                 try:
                     times.append((graph_us(lambda: lora_shrink(case.x, case.w, case.segments, out=case.t), rep), cfg))
