@@ -187,6 +187,13 @@ def test_read_defaults_are_what_the_engine_derives_for_the_host(monkeypatch):
     a = parse_args([])
     assert a.read_threads == a.read_processes == READ_THREADS == READ_PROCESSES == auto_readers()
     assert parse_args(["--read-processes", "0", "--read-threads", "3"]).read_processes == 0
+    from typer.testing import CliRunner
+
+    from consumer.cli import build_app
+
+    for flag in ("--read-threads", "--read-processes"):
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", "--shape", "tiny", flag, "-1"])
+        assert out.exit_code != 0 and flag in out.output, out.output
 
 
 def test_pass_shape_finds_the_first_full_batch_and_the_prompt_calls_device_time():

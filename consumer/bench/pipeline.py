@@ -494,10 +494,10 @@ def _load_adapters(pairs: list[tuple[str, Path]], engine) -> None:
 
 def _run_alone(requests: list, engine) -> dict:
     """`requests` through `engine.generate` at once, timed; its steps popped (not the worker's to bill)."""
-    from engine.bench.adapters import _Compiles
+    from engine.bench.instruments import Compiles
 
     engine.pop_step_records()
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         t0 = time.perf_counter()
         out = engine.generate(requests)
         seconds = time.perf_counter() - t0
@@ -527,13 +527,13 @@ def _profile(path: str, engine) -> None:
 
 def _count_compiles(engine) -> int | None:
     """Start counting Triton compiles in the engine's process; the next call stops and returns the count."""
-    from engine.bench.adapters import _Compiles
+    from engine.bench.instruments import Compiles
 
     if _COUNTING:
         counter = _COUNTING.pop()
         counter.__exit__(None, None, None)
         return counter.take()
-    _COUNTING.append(_Compiles().__enter__())
+    _COUNTING.append(Compiles().__enter__())
     return None
 
 

@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,6 +37,7 @@ from safetensors.torch import save_file
 from engine.admission import COALESCE_STEPS, AdmissionHold
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
+from engine.bench.instruments import Compiles, GcPauses, StallStacks
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.engine_process import GIL_SWITCH_S, _freeze_gc
@@ -127,9 +124,9 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     t0 = time.perf_counter()
     # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag, steps, placements, their µs)
     tokens, calls = 0, []
-    paused = _GcPauses()
+    paused = GcPauses()
     gc_ms = 0.0  # the collector's pauses over the pass
-    stalls = _StallStacks()
+    stalls = StallStacks()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
     disk0 = counters["loads_disk"]
@@ -315,7 +312,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
     # A second warm-up pass with an adapter on every request, as the measured passes have: on a machine whose Triton cache
     # was empty, the first alone left about 9 s of compiles in the 5-adapter cold pass (H200, session 9, call 1).
     every = torch.randint(0, n_warm, (requests,), generator=torch.Generator().manual_seed(count + 1)).tolist()
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         _pass(engine, prompts, warm_keys, new, f"w{count}", batch, synced)
         _pass(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"v{count}", batch, synced)
         # A third with requests arriving in waves of odd sizes: cold passes admit requests as their adapters' reads land,
@@ -429,95 +426,6 @@ def pass_shape(timeline: list[list], batch: int) -> dict:
     prefill = sum(r[col["step_us"]] for r in timeline if r[col["prompt_rows"]] > 0) / 1000
     return {"full_batch_at_ms": full, "device_ms": round(device, 1), "prompt_calls_device_ms": round(prefill, 1),
             "prompt_calls": sum(1 for r in timeline if r[col["prompt_rows"]] > 0)}
-
-
-class _StallStacks:
-    """Where an engine.step() call that runs past `after_ms` spends its time: a thread samples the calling thread's stack
-    every 5 ms of such a call (its innermost frames); `top` gives the most frequent stacks with their sample counts."""
-
-    def __init__(self, after_ms: float = 20.0, depth: int = 8):
-        self._after, self._depth = after_ms / 1e3, depth
-        self._ident, self._start = threading.get_ident(), None
-        self.samples: Counter = Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stall-stacks", daemon=True)
-        self._thread.start()
-
-    def begin(self) -> float:
-        self._start = time.perf_counter()
-        return self._start
-
-    def end(self) -> None:
-        self._start = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            start = self._start
-            if start is None or time.perf_counter() - start < self._after:
-                continue
-            frame = sys._current_frames().get(self._ident)
-            if frame is not None:  # the innermost frames only: a whole extract_stack held the GIL ~0.25 ms a sample
-                stack = itertools.islice(traceback.walk_stack(frame), self._depth)
-                self.samples[" <- ".join(f"{Path(f.f_code.co_filename).name}:{line} {f.f_code.co_name}" for f, line in stack)] += 1
-
-    def top(self, n: int = 3) -> list[dict]:
-        """The n most sampled stacks; "ms" counts 5 ms a sample, a floor (a sample comes 5 ms or more after the last)."""
-        return [{"samples": c, "ms": 5 * c, "stack": s} for s, c in self.samples.most_common(n)]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class _GcPauses:
-    """Milliseconds the garbage collector ran since `ms` was last set (gc.callbacks), until `close`."""
-
-    def __init__(self):
-        self.ms, self._t0 = 0.0, 0.0
-        gc.callbacks.append(self._tick)
-
-    def _tick(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.ms += (time.perf_counter() - self._t0) * 1e3
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._tick)
-
-
-class _Compiles:
-    """Counts Triton JIT compiles (kernel variants first met in this process) while entered, through Triton's
-    post-compile hook; counts nothing where this Triton has no such hook (`take` then gives None)."""
-
-    def __init__(self):
-        try:
-            from triton import knobs
-
-            self._runtime = knobs.runtime
-        except (ImportError, AttributeError):
-            self._runtime = None
-        self._n = 0
-
-    def __enter__(self) -> _Compiles:
-        if self._runtime is not None and hasattr(self._runtime, "jit_post_compile_hook"):
-            self._saved = self._runtime.jit_post_compile_hook
-            self._runtime.jit_post_compile_hook = self._hook
-        else:
-            self._runtime = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._runtime is not None:
-            self._runtime.jit_post_compile_hook = self._saved
-
-    def _hook(self, *args, **kwargs) -> None:
-        self._n += 1
-
-    def take(self) -> int | None:
-        """Compiles since the last take."""
-        n, self._n = self._n, 0
-        return n if self._runtime is not None else None
 
 
 def _warm_count(count: int, ranks: list[int], batch: int) -> int:

@@ -34,7 +34,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.api import GenerationRequest, SamplingParams
-from engine.bench.adapters import _Compiles
+from engine.bench.instruments import Compiles
 from engine.bench.build import SHAPES, sync
 from engine.bench.random_model import write_random_adapters, write_random_model
 from engine.config import EngineConfig
@@ -156,7 +156,7 @@ def _measure(config: EngineConfig, source: str, adapters: dict[str, Path], promp
         for key, path in adapters.items():
             engine.load_adapter(key, path)
         keys = list(adapters)
-        with _Compiles() as compiles:
+        with Compiles() as compiles:
             # Twice the batch, new tokens 1 .. new_tokens: the batch shrinks through every size, so every decode graph
             # bucket is captured and every row count's kernel variants compiled before the clock starts.
             warm = _requests(_prompts(2 * batch, len(prompts[0]), vocab, WARM_SEED), keys, lambda i: 1 + i % new_tokens, "warm")

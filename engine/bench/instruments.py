@@ -1,0 +1,102 @@
+"""What the benches watch a pass with, beside its own figures: the stacks of slow engine.step() calls, the garbage
+collector's pauses, and Triton's compiles (engine.bench.adapters, engine.bench.batch_sweep, consumer.bench.pipeline)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+
+class StallStacks:
+    """Where an engine.step() call that runs past `after_ms` spends its time: a thread samples the calling thread's stack
+    every 5 ms of such a call (its innermost frames); `top` gives the most frequent stacks with their sample counts."""
+
+    def __init__(self, after_ms: float = 20.0, depth: int = 8):
+        self._after, self._depth = after_ms / 1e3, depth
+        self._ident, self._start = threading.get_ident(), None
+        self.samples: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-stacks", daemon=True)
+        self._thread.start()
+
+    def begin(self) -> float:
+        self._start = time.perf_counter()
+        return self._start
+
+    def end(self) -> None:
+        self._start = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            start = self._start
+            if start is None or time.perf_counter() - start < self._after:
+                continue
+            frame = sys._current_frames().get(self._ident)
+            if frame is not None:  # the innermost frames only: a whole extract_stack held the GIL ~0.25 ms a sample
+                stack = itertools.islice(traceback.walk_stack(frame), self._depth)
+                self.samples[" <- ".join(f"{Path(f.f_code.co_filename).name}:{line} {f.f_code.co_name}" for f, line in stack)] += 1
+
+    def top(self, n: int = 3) -> list[dict]:
+        """The n most sampled stacks; "ms" counts 5 ms a sample, a floor (a sample comes 5 ms or more after the last)."""
+        return [{"samples": c, "ms": 5 * c, "stack": s} for s, c in self.samples.most_common(n)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class GcPauses:
+    """Milliseconds the garbage collector ran since `ms` was last set (gc.callbacks), until `close`."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
+
+
+class Compiles:
+    """Counts Triton JIT compiles (kernel variants first met in this process) while entered, through Triton's
+    post-compile hook; counts nothing where this Triton has no such hook (`take` then gives None)."""
+
+    def __init__(self):
+        try:
+            from triton import knobs
+
+            self._runtime = knobs.runtime
+        except (ImportError, AttributeError):
+            self._runtime = None
+        self._n = 0
+
+    def __enter__(self) -> Compiles:
+        if self._runtime is not None and hasattr(self._runtime, "jit_post_compile_hook"):
+            self._saved = self._runtime.jit_post_compile_hook
+            self._runtime.jit_post_compile_hook = self._hook
+        else:
+            self._runtime = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_post_compile_hook = self._saved
+
+    def _hook(self, *args, **kwargs) -> None:
+        self._n += 1
+
+    def take(self) -> int | None:
+        """Compiles since the last take."""
+        n, self._n = self._n, 0
+        return n if self._runtime is not None else None
