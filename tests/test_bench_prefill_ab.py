@@ -39,3 +39,16 @@ def test_a_bad_swap_is_refused_naming_the_option(swap, capsys):
     with pytest.raises(SystemExit):
         prefill_ab.main(["--shape", "tiny", "--swap", swap, "--device", "cpu"])
     assert "--swap" in capsys.readouterr().err
+
+
+def test_the_profile_lists_the_lora_launchers_of_the_profiled_prefills(capsys):
+    prefill_ab.run("tiny", 4, 1, device="cpu", batch=2, adapters=2, rank=4, profile=2, top=400)
+    out = capsys.readouterr().out
+    assert "2 mixed prefill steps under cProfile, by tottime" in out and "by cumtime" in out
+    assert "lora_shrink" in out and "engine.py" in out, out[-2000:]
+
+
+def test_a_negative_profile_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        prefill_ab.main(["--shape", "tiny", "--profile", "-1", "--device", "cpu"])
+    assert "--profile" in capsys.readouterr().err

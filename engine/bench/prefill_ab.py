@@ -6,14 +6,18 @@ The bench's engine (engine.bench.build: batch 32, 32 adapters of rank 16 on all 
 of `--prompt` tokens, base-only and with a distinct adapter on each, `--reps` times each after two untimed rounds, the
 versions interleaved. FILE is the kernel's module from another commit (`git show COMMIT:kernels/lora_shrink.py >
 FILE`); its function of the same name stands in for the backend's (engine.backend.KernelBackend: lora_shrink or
-lora_expand) in the "other" runs. Prints the median wall and device ms of each case and LoRA's share per version, then
+lora_expand) in the "other" runs. `--profile K`: K more mixed prefills with this checkout's kernels, under cProfile,
+and the functions that took the host's time (the step's Python, the launches), by own time. Prints the median wall and device ms of each case and LoRA's share per version, then
 one JSON line. Device ms are a CUDA event span, so they include the gaps where the GPU waits for the host's launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
+import pstats
 import importlib.util
 import json
 import statistics
@@ -40,7 +44,7 @@ def load_other(field: str, path: Path):
 
 
 def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None, device: str = "auto", batch: int = 32,
-        adapters: int = 32, rank: int = 16) -> dict:  # fmt: skip
+        adapters: int = 32, rank: int = 16, profile: int = 0, top: int = 30) -> dict:  # fmt: skip
     dev = pick_device(device)
     dtype = pick_dtype("auto", dev)
     cfg = model_config(shape)
@@ -65,6 +69,8 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
                             samples.setdefault((kind, version), []).append(timed)
         finally:
             state.backend = versions["this"]
+        if profile:
+            _profile(engine, prompts, keys["mixed"], dev, profile, top)
     out: dict = {"shape": shape, "prompt": prompt, "batch": batch, "reps": reps, "swap": None if swap is None else [swap[0], str(swap[1])]}
     for (kind, version), v in samples.items():
         out[f"{kind}_{version}_ms"] = round(statistics.median(w for w, _ in v), 3)
@@ -100,6 +106,31 @@ def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
     return wall, device_ms
 
 
+def _profile(engine, prompts, keys, dev, reps: int, top: int) -> None:
+    """`reps` mixed prefill steps under cProfile (the requests' decode steps outside it); prints the top functions."""
+    prof = cProfile.Profile()
+    for rep in range(reps):
+        for i, p in enumerate(prompts):
+            engine.add_request(GenerationRequest(request_id=f"prof-{rep}-{i}", input_ids=tuple(p), adapter_key=keys[i],
+                                                 sampling=SamplingParams(max_new_tokens=2, ignore_eos=True)))  # fmt: skip
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        prof.enable()
+        engine.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        prof.disable()
+        while engine.has_unfinished():
+            engine.step()
+        engine.pop_step_records()
+        engine.pop_load_events()
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(f"--- {reps} mixed prefill steps under cProfile, by {key} ---")
+        print(out.getvalue(), flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m engine.bench.prefill_ab", description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -107,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--swap", default=None, help="FIELD=FILE: the backend's FIELD (lora_shrink or lora_expand) from the module file FILE")
     p.add_argument("--device", default="auto")
+    p.add_argument("--profile", type=int, default=0, help="mixed prefills to run under cProfile after the timed ones")
     a = p.parse_args(argv)
     swap = None
     if a.swap is not None:
@@ -116,7 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
         swap = (field, Path(path))
     if a.prompt < 1 or a.reps < 1:
         p.error("--prompt and --reps must be at least 1")
-    out = run(a.shape, a.prompt, a.reps, swap, a.device)
+    if a.profile < 0:
+        p.error("--profile must be 0 or more")
+    out = run(a.shape, a.prompt, a.reps, swap, a.device, profile=a.profile)
     print("| case | kernels | wall ms (median) | device ms |")
     for kind in ("base", "mixed"):
         for version in ("this", "other"):
