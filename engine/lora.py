@@ -73,6 +73,10 @@ from engine.host_arena import HostArena
 from engine.adapter_pages import HostPages, PageAllocator, copy_runs, page_elems_of, write_pages
 from engine.model import FUSED_PARENT, FUSED_PROJECTIONS, LORA_TARGETS, LlamaForCausalLM, ModelConfig, ModelOps
 from engine.lora_calibration import CONSUMERS, ConsumerCalibration
+
+# Consumer ops whose output the model passes straight to a projection that writes its delta first (SiLU x up into
+# down_proj): their timed section stays open into that projection's (`LoraState._begin`).
+CARRIED = frozenset({"silu_mul"})
 from engine.quant import Fp8Linear
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_segments import DecodeLora, LoraDelta, LoraPages, LoraSegments, segments_per_row
@@ -119,6 +123,7 @@ class LoraState:
         self.consumers: frozenset[str] = frozenset()  # fused projections whose delta their consumer op adds (wrap_ops)
         # (projection output, its delta, the open timing section or None) awaiting that op
         self.pending: tuple[torch.Tensor, LoraDelta, object] | None = None
+        self._carry: tuple[object, float] | None = None  # a consumer op's open section and its credit (`_begin`)
         self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -154,10 +159,12 @@ class LoraState:
 
     def delta_then_base(self, base: nn.Linear, x: torch.Tensor, w: LoraPages) -> torch.Tensor:
         """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
-        with self._section():
-            t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
-            z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
-            self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
+        start, credit = self._begin()
+        t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
+        z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
+        self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
+        if start is not None:
+            self.timer.end(start, credit)
         if isinstance(base, Fp8Linear):  # its own GEMM (engine.quant: FP8 tensor cores, or the dequantized weight)
             return z.add_(base(x))
         z.addmm_(x, base.weight.t())
@@ -171,6 +178,7 @@ class LoraState:
         y = base(x)
         # One timed section from the shrink to the consumer op's end (nothing runs between them), credited with the plain
         # op's time there: two CUDA events a layer rather than four, host time a short prefill's GPU waits for.
+        self._flush_carry()
         start = self.timer.begin() if self.timed else None
         t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
         self.pending = (y, LoraDelta(t=t, weights=w, segments=self.segments), start)
@@ -198,7 +206,11 @@ class LoraState:
             self.pending = None
             out = op(y, *args, lora)
             if start is not None:
-                self.timer.end(start, credit_us=self.calibration.plain_us(name, y.shape[0]))
+                credit = self.calibration.plain_us(name, y.shape[0])
+                if name in CARRIED:  # its output goes straight into the down projection's LoRA: one section for both
+                    self._carry = (start, credit)
+                else:
+                    self.timer.end(start, credit_us=credit)
             return out
 
         return consume
@@ -207,6 +219,7 @@ class LoraState:
         """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
         groups for the triton one; neither for a base-only batch."""
         self.pending = None  # (a forward that raised may leave one behind: nothing of it may reach the next batch)
+        self._flush_carry()
         assert slot_idx is None or (slot_idx.dim() == 1 and slot_idx.dtype == torch.int64), slot_idx
         assert slot_idx is None or not self.backend.triton, "the triton backend takes segments"
         assert segments is None or self.backend.triton, "the torch backend takes slot_idx"
@@ -247,8 +260,26 @@ class LoraState:
                 t = self.backend.lora_shrink(x, w, segments)  # [S, N, R] fp32
             self.backend.lora_expand(y, t, w, segments)
 
+    def _begin(self) -> tuple[object | None, float]:
+        """Open a delta-first projection's timed section: (its start, the credit it carries), (None, 0) while a CUDA graph
+        is captured. A consumer op's section left open (`CARRIED`) goes on into this one, whose launches follow it with
+        nothing between them: at llama-1b a prefill's GPU waits for the host, and each event is host time."""
+        if self._carry is not None:
+            carried, self._carry = self._carry, None
+            return carried
+        return (self.timer.begin() if self.timed else None), 0.0
+
+    def _flush_carry(self) -> None:
+        """Close a carried section here, where no LoRA launch followed it (a forward that raised, a model that does
+        something else after the op): it then spans whatever ran since, as the section would have without the carry."""
+        if self._carry is not None:
+            start, credit = self._carry
+            self._carry = None
+            self.timer.end(start, credit_us=credit)
+
     def _section(self) -> contextlib.AbstractContextManager:
         """A timed section around LoRA ops (engine.timing), or nothing while a CUDA graph is captured."""
+        self._flush_carry()
         return self.timer.section() if self.timed else contextlib.nullcontext()
 
     def _decode_t(self, slice_offset: int, num_slices: int, rows: int) -> torch.Tensor:  # [S, N, R] fp32

@@ -25,13 +25,37 @@ class DeviceTimer:
     """Accumulates the device time of any number of sections; `reset` between steps."""
 
     def __init__(self, device: torch.device):
-        self._cuda = torch.device(device).type == "cuda"
+        device = torch.device(device)
+        self._cuda = device.type == "cuda"
         self._ns = 0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []  # (start, end, credit µs)
+        # A 1b prefill with adapters records 100-130 events and waits for the host's launches: each torch.cuda.Event made
+        # and each `record()` finding the current stream (torch.cuda.current_stream resolves the device in Python) cost
+        # host time the GPU waits for. So events are kept and recorded again from step to step (`reset` hands them back:
+        # by then the step's `elapsed_us` has waited for them), and the current stream object is reused while the
+        # stream id the driver reports for the device stays the same.
+        self._pool: list[torch.cuda.Event] = []
+        self._used = 0
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) if self._cuda else -1
+        self._stream_key: tuple | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     def reset(self) -> None:
         self._ns = 0
         self._events.clear()
+        self._used = 0
+
+    def _record(self) -> torch.cuda.Event:
+        """The next pooled event, recorded on the current stream."""
+        if self._used == len(self._pool):
+            self._pool.append(torch.cuda.Event(enable_timing=True))
+        event = self._pool[self._used]
+        self._used += 1
+        key = torch._C._cuda_getCurrentStream(self._index)  # (stream id, device index, device type)
+        if key != self._stream_key:
+            self._stream_key, self._stream = key, torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        event.record(self._stream)
+        return event
 
     @contextmanager
     def section(self, credit_us: float = 0.0) -> Iterator[None]:
@@ -47,17 +71,13 @@ class DeviceTimer:
     def begin(self) -> object:
         """Open a section that `end` closes: for one that spans calls no single `with` can wrap."""
         if self._cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
+            return self._record()
         return time.perf_counter_ns()
 
     def end(self, start: object, credit_us: float = 0.0) -> None:
         """Close the section `begin` opened (see `section` for the credit)."""
         if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((start, end, credit_us))
+            self._events.append((start, self._record(), credit_us))
         else:
             self._ns += max(0, time.perf_counter_ns() - start - round(credit_us * 1000))
 

@@ -154,6 +154,14 @@ class LoraPages:
         return self.num_layers * self.in_features + self.layer * self.slices[s]
 
     def check(self, device: torch.device) -> None:
+        """Assert the layout the kernels assume, once per view and device: the engine's views are made once and launched
+        with at every prefill (a dozen tensor attributes read per launch was host time a short prefill's GPU waits for)."""
+        if self.__dict__.get("_checked") == device:
+            return
+        self._check(device)
+        object.__setattr__(self, "_checked", device)  # (a frozen dataclass: its fields, not this note, are what is frozen)
+
+    def _check(self, device: torch.device) -> None:
         slots, num_slices, _ = self.pages.shape
         assert self.pool.dim() == 1 and self.pool.stride(0) == 1, (tuple(self.pool.shape), self.pool.stride())
         assert self.pages.dtype == torch.int64 and self.rank.shape == (slots, num_slices) and not self.rank.is_floating_point(), \

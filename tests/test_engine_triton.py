@@ -297,6 +297,44 @@ def test_a_lora_prefill_step_charges_lora_time_through_the_fused_op(engines, mon
         assert prefill.tokens == sum(map(len, prompts)) and 0 < prefill.lora_us <= prefill.total_us, (tag, prefill)
 
 
+def test_a_lora_prefill_times_three_sections_a_layer_silu_and_down_in_one(engines, monkeypatch):
+    """Delta-first prefill: qkv's and o's LoRA are a section each, and the section opened by gate_up's shrink runs on
+    through SiLU x up into the down projection's delta (nothing runs between them), credited once with the plain op's
+    time; so a layer records three sections, not four, and every section opened is closed within the forward."""
+    eng = engines["triton"]
+    timer = eng.runner.lora.timer
+    begun, ended = [], []
+    real_begin, real_end = timer.begin, timer.end
+    monkeypatch.setattr(timer, "begin", lambda: begun.append(real_begin()) or begun[-1])
+    monkeypatch.setattr(timer, "end", lambda start, credit_us=0.0: (ended.append((start, credit_us)), real_end(start, credit_us))[1])
+    monkeypatch.setattr(eng.runner.lora.calibration, "plain_us", lambda op, rows: 7.0)
+    rows = ROWS[:3]
+    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
+    try:
+        eng.runner.forward([BatchItem(("s", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+    finally:
+        for i, (_, a) in enumerate(rows):
+            eng.runner.free(("s", i))
+            if a is not None:
+                eng.adapters.release(eng.adapters.sha_of(a))
+    layers = eng.runner.config.num_layers
+    assert len(begun) == len(ended) == 3 * layers, (len(begun), len(ended))
+    assert [s for s, _ in ended] == begun, "a section closed that was not the last one opened"
+    assert [c for _, c in ended] == [0.0, 0.0, 7.0] * layers
+
+
+def test_a_consumer_section_left_open_is_closed_by_the_next_batch(engines):
+    """A forward that stops between SiLU x up and the down projection leaves its carried section open; setting the next
+    batch closes it (counted up to there), so no section of one step reaches into the next."""
+    state = engines["triton"].runner.lora
+    state.timer.reset()
+    state._carry = (state.timer.begin(), 0.0)
+    state.set_batch()
+    assert state._carry is None and state.timer.elapsed_us() >= 0
+    assert len(state.timer._events) == (1 if state.timer._cuda else 0)
+    state.timer.reset()
+
+
 def test_a_forward_that_raises_leaves_no_pending_delta(engines, monkeypatch):
     """A prefill that fails after gate_up deferred its delta (here SiLU x up raises) leaves nothing pending: the next
     batch runs and agrees with the torch backend, so one failed step cannot wedge the engine."""
@@ -320,3 +358,32 @@ def test_a_forward_that_raises_leaves_no_pending_delta(engines, monkeypatch):
     assert eng.runner.lora.pending is None
     monkeypatch.setattr(eng.runner.model, "ops", ops)
     test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events")
+def test_the_device_timer_records_its_events_again_on_the_current_stream():
+    """DeviceTimer keeps its events from step to step (`reset` hands them back) and records each on the stream current
+    at the time: a section on a side stream times the work of that stream."""
+    from engine.timing import DeviceTimer
+
+    timer = DeviceTimer(torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    pools = []
+    for _ in range(3):
+        timer.reset()
+        with timer.section():
+            x @ x
+        start = timer.begin()
+        x @ x
+        timer.end(start)
+        assert timer.elapsed_us() > 0
+        pools.append([id(e) for e in timer._pool])
+    assert pools[0] == pools[1] == pools[2] and len(pools[0]) == 4
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        timer.reset()
+        with timer.section():
+            for _ in range(20):
+                x @ x
+    side.synchronize()
+    assert timer._stream.stream_id == side.stream_id and timer.elapsed_us() > 0
