@@ -2,7 +2,8 @@
 
 - triton: the kernels of `kernels/` (multi-LoRA shrink/expand at each adapter's true rank with fused
   slices, paged attention, the fused residual-add + RMSNorm, RoPE + KV write and SiLU x up that
-  replace the model's composite ops, and the decode projection with its LoRA delta in one launch), and
+  replace the model's composite ops, the decode projection with its LoRA delta in one launch, and a prefill
+  projection's LoRA delta in one launch), and
   CUDA graphs for decode steps. The default on CUDA.
 - torch: pure-torch references (the multi-LoRA shrink and expand's own, from kernels/lora_segments.py, in the
   kernels' layout and signatures; per-sequence SDPA), no graphs, no triton needed. The default on the CPU, where it
@@ -42,6 +43,8 @@ class KernelBackend:
     interpreted: bool = False  # Triton's CPU interpreter (tests)
     fp8_linear: Callable | None = None  # kernels.fp8_linear.fp8_linear: an FP8 projection's decode rows (engine.quant)
     fp8_quantize_rows: Callable | None = None  # kernels.fp8_quant.quantize_rows: activations to FP8 for prefill (engine.quant)
+    lora_delta: Callable | None = None  # kernels.lora_delta.lora_delta: a delta-first projection's shrink + expand in one launch
+    lora_delta_fits: Callable | None = None  # kernels.lora_delta.fits: (weights, segments) -> bool
 
     @property
     def triton(self) -> bool:
@@ -59,8 +62,9 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         shrink = importlib.import_module("kernels.lora_shrink")
         expand = importlib.import_module("kernels.lora_expand")
         attention = importlib.import_module("kernels.paged_attention")
-        norm, rope, act, linear, fp8, quant = (importlib.import_module(f"kernels.{m}") for m in
-                                               ("rms_norm", "rope_cache", "silu_mul", "decode_linear", "fp8_linear", "fp8_quant"))
+        norm, rope, act, linear, fp8, quant, delta = (importlib.import_module(f"kernels.{m}") for m in
+                                                      ("rms_norm", "rope_cache", "silu_mul", "decode_linear", "fp8_linear",
+                                                       "fp8_quant", "lora_delta"))  # fmt: skip
     except ImportError as e:
         raise EngineError(
             f"engine.kernel_backend={choice!r} needs triton, which failed to import ({e}); install triton or set "
@@ -76,7 +80,7 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         )
     return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
                          rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted, fp8.fp8_linear,
-                         quant.quantize_rows)  # fmt: skip
+                         quant.quantize_rows, delta.lora_delta, delta.fits)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

@@ -31,7 +31,9 @@ Prefill (and any batch whose rows come grouped in segments): the expand writes e
 (`z.addmm_(x, W^T)`) instead of the expand reading and writing y after it. A long prefill's expand is bound by
 its bytes and its GEMM by its FLOPs, so this moves the read of the projection's output from a pass of its own
 into the GEMM's epilogue, where the tensor cores' time covers it (kernels/lora_expand.py). z is rounded to
-the activations' dtype before the GEMM adds into it, as y was before the delta was added to it.
+the activations' dtype before the GEMM adds into it, as y was before the delta was added to it. On the triton backend
+the delta is one launch (kernels/lora_delta.py: the shrink's t stays in registers), not a shrink and an expand: a
+llama-1b prefill's GPU waits for the host's launches.
 
 Where the projection's output goes straight into a fused op that can take the delta (gate_up into SiLU x up,
 kernels/silu_mul.py), the delta is not written at all: the GEMM runs plain (beta = 0), the shrink's t waits beside its
@@ -160,9 +162,13 @@ class LoraState:
     def delta_then_base(self, base: nn.Linear, x: torch.Tensor, w: LoraPages) -> torch.Tensor:
         """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
         start, credit = self._begin()
-        t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
-        z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
-        self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
+        delta = self.backend.lora_delta
+        if delta is not None and self.backend.lora_delta_fits(w, self.segments):
+            z = delta(x, w, self.segments, base.out_features)  # [N, out]: one launch, t in registers (kernels/lora_delta.py)
+        else:
+            t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
+            z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
+            self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
         if start is not None:
             self.timer.end(start, credit)
         if isinstance(base, Fp8Linear):  # its own GEMM (engine.quant: FP8 tensor cores, or the dequantized weight)

@@ -151,6 +151,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.fp8_linear import FP8, fp8_linear
     from kernels.fp8_quant import quantize_rows
+    from kernels.lora_delta import lora_delta
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
     from kernels.lora_shrink import lora_shrink
@@ -190,6 +191,8 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                     for accumulate in (True, False):
                         yield lambda y=y, t=t, b=b, segments=segments, accumulate=accumulate: lora_expand(
                             y, t, b, segments, accumulate=accumulate)
+                    if segments.start is not None:
+                        yield lambda x=x, a=a, segments=segments, out_f=out_f: lora_delta(x, a, segments, out_f)
                 for m in (rows, DECODE_MAX_ROWS):  # its tiles grow with the rows: the most it takes, too
                     x, w = _meta(m, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
                     lora = DecodeLora(t=_meta(len(widths), m, max_rank, dtype=torch.float32), weights=paged(in_f, widths),

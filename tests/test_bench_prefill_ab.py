@@ -52,3 +52,10 @@ def test_a_negative_profile_count_is_refused(capsys):
     with pytest.raises(SystemExit):
         prefill_ab.main(["--shape", "tiny", "--profile", "-1", "--device", "cpu"])
     assert "--profile" in capsys.readouterr().err
+
+
+def test_the_delta_swapped_off_runs_the_two_kernels_in_the_other_runs(monkeypatch):
+    """--swap lora_delta=off: "this" runs take the one-launch delta (the triton backend's), "other" runs the shrink and the
+    expand; here on the torch backend, whose lora_delta is None in both, the runs still complete and report both."""
+    out = prefill_ab.run("tiny", 4, 1, ("lora_delta", prefill_ab.OFF), device="cpu", batch=2, adapters=2, rank=4)
+    assert "lora_pct_this" in out and "lora_pct_other" in out and out["swap"] == ["lora_delta", "off"]

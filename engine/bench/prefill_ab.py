@@ -5,8 +5,9 @@ engine, another version of one: `python -m engine.bench.prefill_ab --shape llama
 The bench's engine (engine.bench.build: batch 32, 32 adapters of rank 16 on all seven projections) prefills 32 prompts
 of `--prompt` tokens, base-only and with a distinct adapter on each, `--reps` times each after two untimed rounds, the
 versions interleaved. FILE is the kernel's module from another commit (`git show COMMIT:kernels/lora_shrink.py >
-FILE`); its function of the same name stands in for the backend's (engine.backend.KernelBackend: lora_shrink or
-lora_expand) in the "other" runs. `--profile K`: K more mixed prefills with this checkout's kernels, under cProfile,
+FILE`); its function of the same name stands in for the backend's (engine.backend.KernelBackend: lora_shrink,
+lora_expand or lora_delta) in the "other" runs. `--swap lora_delta=off`: the other runs take the shrink and the expand
+where this checkout's take the one-launch delta. `--profile K`: K more mixed prefills with this checkout's kernels, under cProfile,
 and the functions that took the host's time (the step's Python, the launches), by own time. Prints the median wall and device ms of each case and LoRA's share per version, then
 one JSON line. Device ms are a CUDA event span, so they include the gaps where the GPU waits for the host's launches.
 """
@@ -31,7 +32,8 @@ from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, build_bench_engine, model_config
 from engine.device import pick_device, pick_dtype
 
-SWAPPABLE = ("lora_shrink", "lora_expand")
+SWAPPABLE = ("lora_shrink", "lora_expand", "lora_delta")
+OFF = Path("off")  # --swap lora_delta=off
 CURRENT = ""  # the tag of the run under way ("mixed-other-3": kind, version, round), for a kernel under test to read
 
 
@@ -56,7 +58,8 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
         state = engine.runner.lora
         versions = {"this": state.backend}
         if swap is not None:
-            versions["other"] = dataclasses.replace(state.backend, **{swap[0]: load_other(*swap)})
+            other = None if swap == ("lora_delta", OFF) else load_other(*swap)
+            versions["other"] = dataclasses.replace(state.backend, **{swap[0]: other})
         samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
         order = list(versions.items())
         try:
@@ -136,16 +139,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--swap", default=None, help="FIELD=FILE: the backend's FIELD (lora_shrink or lora_expand) from the module file FILE")
+    p.add_argument("--swap", default=None, help="FIELD=FILE: the backend's FIELD (lora_shrink, lora_expand or lora_delta) from the module file FILE; lora_delta=off: the two kernels")
     p.add_argument("--device", default="auto")
     p.add_argument("--profile", type=int, default=0, help="mixed prefills to run under cProfile after the timed ones")
     a = p.parse_args(argv)
     swap = None
     if a.swap is not None:
         field, _, path = a.swap.partition("=")
-        if field not in SWAPPABLE or not path or not Path(path).is_file():
-            p.error(f"--swap {a.swap!r}: use FIELD=FILE with FIELD one of {', '.join(SWAPPABLE)} and FILE an existing module file")
-        swap = (field, Path(path))
+        if field == "lora_delta" and path == "off":
+            swap = (field, OFF)
+        elif field not in SWAPPABLE or not path or not Path(path).is_file():
+            p.error(f"--swap {a.swap!r}: use FIELD=FILE with FIELD one of {', '.join(SWAPPABLE)} and FILE an existing module "
+                    "file, or lora_delta=off")
+        else:
+            swap = (field, Path(path))
     if a.prompt < 1 or a.reps < 1:
         p.error("--prompt and --reps must be at least 1")
     if a.profile < 0:

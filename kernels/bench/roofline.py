@@ -239,6 +239,35 @@ def _sweep_prefill_shrink(rep: int = 30, models: tuple[tuple[str, int], ...] = (
                   flush=True)
 
 
+def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...] = (("llama-1b", 128), ("llama-8b", 512)),
+                               cands: list[tuple] | None = None) -> None:  # fmt: skip
+    """The delta-first projections' LoRA (qkv, o, down; gate_up's goes to SiLU x up) at issue 4's prefills, 32 adapters of
+    rank 16: the shrink then the expand writing the delta (two launches, their launchers' configs), against the one-launch
+    delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps) or `cands` (python -c "from
+    kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()")."""
+    import itertools
+
+    import kernels.lora_delta as delta_module
+
+    torch.manual_seed(0)
+    grid = cands if cands is not None else list(itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (256, 512, 1024, 4096), (4, 8)))
+    for name, tokens in models:
+        for proj, (in_f, widths) in MODELS[name].projections().items():
+            if proj == "gate_up":
+                continue
+            case = lora_case(in_f, widths, "prefill", [RANK] * ADAPTERS, prefill_tokens=tokens)
+            z = torch.empty_like(case.y)
+
+            def two() -> None:
+                t = lora_shrink(case.x, case.w, case.segments)
+                lora_expand(z, t, case.w, case.segments, accumulate=False)
+
+            two_us = graph_us(two, rep)
+            print(f"{name} {proj:5} shrink + expand {two_us:.1f} µs", flush=True)
+            best(f"{name} {proj} one-launch delta", delta_module, grid,
+                 lambda: graph_us(lambda: delta_module.lora_delta(case.x, case.w, case.segments, sum(widths)), rep))  # fmt: skip
+
+
 def _sweep_prefill_delta(tokens: int = 512, rep: int = 30, models: tuple[str, ...] = ("llama-8b",)) -> None:
     """Prefill LoRA as the engine runs it, the delta first (engine.lora "Prefill"): per projection of llama-8b and
     -1b at 32 sequences of `tokens` over 32 adapters of rank 16, the base GEMM alone, the GEMM then the expand adding
