@@ -24,6 +24,8 @@ z is rounded once when stored. So z equals the two kernels' to the rounding of s
 
 RANK_TILE is the pages' max rank rounded up to a power of two (at least 16): one K loop for every rank of the slot. A
 max rank above 128 would hold too many registers; the launcher's `fits` refuses it and the engine runs the two kernels.
+`fits` also refuses a batch whose x and z exceed `MAX_BYTES`: there the GPU, not the host, sets the pace, and the two
+kernels are faster on it (figures at `MAX_BYTES`).
 
 Reference: kernels.lora_segments.lora_shrink_ref then lora_expand_ref(accumulate=False), the torch backend's ops.
 """
@@ -40,6 +42,14 @@ from kernels.lora_segments import LoraPages, LoraSegments
 from kernels.utils import TL_DTYPE, cdiv, group_rows, next_power_of_2
 
 MAX_RANK_TILE = 128  # the largest max rank one program holds t for (registers: BLOCK_M x RANK_TILE fp32)
+# The most bytes of x and z (rows x (in + out) elements) a batch may have for this launch. Each program reduces the whole of
+# K serially where the shrink splits it over programs, so on the GPU the one launch is 2-4x slower than the two kernels
+# (H100, 32 adapters of rank 16, kernels.bench.roofline `_sweep_prefill_fused_delta`, session 20: llama-1b at 32 x 128
+# tokens qkv 111.6 µs against 54.4, o 61.5 / 37.8, down 120.7 / 64.8; llama-8b at 32 x 512, qkv 672.0 / 220.4). It pays
+# where the GPU waits for the host anyway: the llama-1b prefill with adapters took 23.4 ms on the device with it against
+# 25.0 with the two kernels (engine.bench.prefill_ab --swap lora_delta=off), the llama-8b one 481.7 against 421.8. The 1b
+# batch's largest projection (down: 4,096 x (8,192 + 2,048) bf16) is 84 MB; the 8b one's smallest 16,384 x 8,192 x 2 B.
+MAX_BYTES = 96 * 2**20
 
 
 @triton.jit
@@ -119,8 +129,11 @@ def _delta_kernel(
 
 
 def fits(weights: LoraPages, segments: LoraSegments) -> bool:
-    """Whether this launch takes the batch: grouped rows (`start`), and a max rank whose t a program can hold."""
-    return segments.start is not None and next_power_of_2(weights.max_rank) <= MAX_RANK_TILE
+    """Whether this launch takes the batch: grouped rows (`start`), a max rank whose t a program can hold, and a batch
+    small enough that launches, not bytes, are what its LoRA costs (`MAX_BYTES`)."""
+    if segments.start is None or next_power_of_2(weights.max_rank) > MAX_RANK_TILE:
+        return False
+    return segments.num_rows * (weights.in_features + sum(weights.slices)) * weights.pool.element_size() <= MAX_BYTES
 
 
 def lora_delta(
@@ -179,8 +192,8 @@ def chunks(widths: tuple[int, ...], chunk: int, device: torch.device) -> torch.T
 
 
 def _config(segments: LoraSegments, in_features: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, chunk columns, num_warps); not yet swept on a GPU (kernels.bench.roofline
-    `_sweep_prefill_fused_delta`): the shrink's prefill tiles (32 rows, 128-column K steps) and the expand's column
-    tiles, a chunk a quarter of llama-1b's q."""
-    block_m = 16 if segments.max_len <= 16 else 32
-    return block_m, 128, 128, 512, 4
+    """(BLOCK_M, BLOCK_N, BLOCK_K, chunk columns, num_warps): the best of `_sweep_prefill_fused_delta`'s grid at llama-1b
+    (32 x 128 tokens, H100, session 20) for all three projections; 16-row tiles where groups are short."""
+    if segments.max_len <= 16:
+        return 16, 128, 128, 1024, 4
+    return 64, 128, 128, 1024, 8

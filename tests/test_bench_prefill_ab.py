@@ -29,7 +29,8 @@ def test_the_swapped_kernel_serves_the_other_runs_and_only_them(tmp_path, monkey
 
     monkeypatch.setattr(prefill_ab, "load_other", load)
     out = prefill_ab.run("tiny", 4, 1, ("lora_shrink", other), device="cpu", batch=2, adapters=2, rank=4)
-    for key in ("base_this_ms", "mixed_this_ms", "base_other_ms", "mixed_other_ms", "lora_pct_this", "lora_pct_other"):
+    for key in ("base_this_ms", "mixed_this_ms", "base_other_ms", "mixed_other_ms", "lora_pct_this", "lora_pct_other",
+                "mixed_this_host_ms", "base_other_host_ms"):
         assert key in out, key
     assert set(loaded["calls"]) == {"mixed-other-0", "mixed-other-1", "mixed-other-2"}, set(loaded["calls"])
 

@@ -75,3 +75,16 @@ def test_it_refuses_a_batch_it_cannot_take():
     a, b, rank, scale = _weights(200, [16], 32, 48, 1, torch.float32, gen, 2)
     wide = _paged(*(v.to(DEVICE) for v in (a, b, rank, scale)), (48,))
     assert not lora_delta_module.fits(wide, grouped)
+
+
+def test_a_batch_past_the_byte_limit_goes_to_the_two_kernels(monkeypatch):
+    """rows x (in + out) elements of x and z above MAX_BYTES: the GPU sets the pace there, and the two kernels are faster."""
+    gen = torch.Generator().manual_seed(2)
+    a, b, rank, scale = _weights(16, [16], 32, 48, 1, torch.float32, gen, 4)
+    w = _paged(*(v.to(DEVICE) for v in (a, b, rank, scale)), (48,))
+    _, grouped = _batch("prefill", "distinct", gen, Size(decode_rows=4, prefill_lens=(3, 2), slots=4))
+    at = 5 * (32 + 48) * 4  # the batch's bytes
+    monkeypatch.setattr(lora_delta_module, "MAX_BYTES", at)
+    assert lora_delta_module.fits(w, grouped)
+    monkeypatch.setattr(lora_delta_module, "MAX_BYTES", at - 1)
+    assert not lora_delta_module.fits(w, grouped)

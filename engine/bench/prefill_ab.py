@@ -60,7 +60,7 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
         if swap is not None:
             other = None if swap == ("lora_delta", OFF) else load_other(*swap)
             versions["other"] = dataclasses.replace(state.backend, **{swap[0]: other})
-        samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         order = list(versions.items())
         try:
             for rep in range(reps + 2):
@@ -76,17 +76,31 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
             _profile(engine, prompts, keys["mixed"], dev, profile, top)
     out: dict = {"shape": shape, "prompt": prompt, "batch": batch, "reps": reps, "swap": None if swap is None else [swap[0], str(swap[1])]}
     for (kind, version), v in samples.items():
-        out[f"{kind}_{version}_ms"] = round(statistics.median(w for w, _ in v), 3)
-        out[f"{kind}_{version}_device_ms"] = round(statistics.median(d for _, d in v), 3)
+        out[f"{kind}_{version}_ms"] = round(statistics.median(w for w, _, _ in v), 3)
+        out[f"{kind}_{version}_device_ms"] = round(statistics.median(d for _, d, _ in v), 3)
+        out[f"{kind}_{version}_host_ms"] = round(statistics.median(h for _, _, h in v), 3)
     for version in versions:
         out[f"lora_pct_{version}"] = round(100 * (out[f"mixed_{version}_device_ms"] / out[f"base_{version}_device_ms"] - 1), 1)
     return out
 
 
-def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
-    """(wall ms, device ms) of the step that prefills every prompt; the requests are then run out."""
+def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float, float]:
+    """(wall ms, device ms, host ms of the forward) of the step that prefills every prompt; the requests are then run out.
+    The forward's host ms is the time its call takes to return, the launches issued and nothing waited for: where it
+    is close to the device ms, the GPU waits for the host."""
     global CURRENT
     CURRENT = tag
+    runner, host = engine.runner, []
+    forward = runner.forward
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            host.append((time.perf_counter() - t0) * 1e3)
+
+    runner.forward = timed
     for i, (p, a) in enumerate(zip(prompts, keys)):
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=a,
                                              sampling=SamplingParams(max_new_tokens=2, ignore_eos=True)))  # fmt: skip
@@ -96,7 +110,10 @@ def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    engine.step()
+    try:
+        engine.step()
+    finally:
+        del runner.forward
     if cuda:
         end.record()
         torch.cuda.synchronize()
@@ -106,7 +123,7 @@ def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float]:
         engine.step()
     engine.pop_step_records()
     engine.pop_load_events()
-    return wall, device_ms
+    return wall, device_ms, sum(host)
 
 
 def _profile(engine, prompts, keys, dev, reps: int, top: int) -> None:
@@ -158,11 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
     if a.profile < 0:
         p.error("--profile must be 0 or more")
     out = run(a.shape, a.prompt, a.reps, swap, a.device, profile=a.profile)
-    print("| case | kernels | wall ms (median) | device ms |")
+    print("| case | kernels | wall ms (median) | device ms | forward's host ms |")
     for kind in ("base", "mixed"):
         for version in ("this", "other"):
             if f"{kind}_{version}_ms" in out:
-                print(f"| {kind} | {version} | {out[f'{kind}_{version}_ms']:.2f} | {out[f'{kind}_{version}_device_ms']:.2f} |")
+                print(f"| {kind} | {version} | {out[f'{kind}_{version}_ms']:.2f} | {out[f'{kind}_{version}_device_ms']:.2f} | "
+                      f"{out[f'{kind}_{version}_host_ms']:.2f} |")
     for version in ("this", "other"):
         if f"lora_pct_{version}" in out:
             print(f"{version}: LoRA +{out[f'lora_pct_{version}']:.1f}% (device)")
