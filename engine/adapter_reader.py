@@ -15,14 +15,13 @@ engine process two copies of them under its GIL. Where no shared extent can be h
 could not hold it), the pages still come over the pipe into a tensor of their own. Errors come back as the AdapterError or OSError
 the in-process read raises; a process found dead is replaced and the read tried once more on the new one (then it fails retriably).
 
-The processes run at a lower CPU priority than the engine's (`READER_NICENESS`). The processes stop with the pool (`close`, or when it is garbage collected): each is sent a stop and joined, then
+The processes stop with the pool (`close`, or when it is garbage collected): each is sent a stop and joined, then
 terminated if it has not stopped within a second.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import threading
 import time
@@ -36,10 +35,6 @@ from engine.api import AdapterError
 from engine.model import LORA_TARGETS
 
 STOP = None  # what a process is sent to end it
-# The processes' CPU priority below the engine's (os.nice): a cold pass's reads keep 8 processes and their hashing threads
-# busy while the engine thread launches a prefill whose GPU waits for it (engine/PERF.md, session 20: the cold pass's
-# prompt steps 10 ms slower on average than the host-warm pass's). Where the cores are all busy, the engine comes first.
-READER_NICENESS = 10
 
 
 def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint: str | None, shapes, num_layers: int, dtype: str,
@@ -47,10 +42,6 @@ def _serve(conn, model, max_adapter_bytes: int, max_lora_rank: int, fingerprint:
     """A reader process's loop: (path, registered sha) in, ("ok", ...) out, or an error; then, told where, the pages
     written into the shared L2 arena (("at", offset) in, ("written", µs) out) or sent as bytes (("pipe",) in)."""
     torch.set_num_threads(1)
-    try:
-        os.nice(READER_NICENESS)
-    except OSError:  # (a sandbox that refuses it: the reads run at the engine's priority)
-        pass
     from engine.adapter_pages import page_elems_of, to_pages, write_pages
     from engine.adapter_records import read_validated
     from engine.host_arena import attach

@@ -151,6 +151,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.fp8_linear import FP8, fp8_linear
     from kernels.fp8_quant import quantize_rows
+    from kernels.lora_delta import fits as delta_fits
     from kernels.lora_delta import lora_delta
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
@@ -166,6 +167,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
         "grouped": segments_from_indices([i // 4 for i in range(rows)], device="meta", pad_to=rows),
         "prefill": segments_from_indices([i // 512 for i in range(rows * 512)], device="meta"),
     }
+    short_prefill = segments_from_indices([i // 128 for i in range(rows * 128)], device="meta")  # llama-1b's issue-4 prefill
     for dtype in dtypes:
         for hidden, heads, kv_heads, head_dim, inter in _MODELS.values():
             q_out, kv_out = heads * head_dim, kv_heads * head_dim
@@ -191,7 +193,9 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                     for accumulate in (True, False):
                         yield lambda y=y, t=t, b=b, segments=segments, accumulate=accumulate: lora_expand(
                             y, t, b, segments, accumulate=accumulate)
-                    if segments.start is not None:
+                for segments in (forms["grouped"], short_prefill):  # what the one-launch delta takes (its byte limit)
+                    if delta_fits(a, segments):
+                        x = _meta(segments.num_rows, in_f, dtype=dtype)
                         yield lambda x=x, a=a, segments=segments, out_f=out_f: lora_delta(x, a, segments, out_f)
                 for m in (rows, DECODE_MAX_ROWS):  # its tiles grow with the rows: the most it takes, too
                     x, w = _meta(m, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
