@@ -20,7 +20,9 @@ chunk, which costs an x tile read from L2 per chunk. Grid: (chunk, row tile, gro
 
 Products as the two kernels': x and A tiles multiplied in their own dtype on the GPU (fp32 sums, exact products), and
 widened to fp32 in the interpreter (triton-lang/triton#11584); t stays fp32, is rounded to TF32 for the B product, and
-z is rounded once when stored. So z equals the two kernels' to the rounding of sums taken in another order.
+z is rounded once when stored. So z equals the two kernels' to the rounding of sums taken in another order. A config may
+instead round t to the activations' dtype once (`round t`, as PEFT's bf16 lora_A output is) and multiply it with B on
+the tensor cores in that dtype; the interpreter multiplies the same rounded values in fp32.
 
 RANK_TILE is the pages' max rank rounded up to a power of two (at least 16): one K loop for every rank of the slot. A
 max rank above 128 would hold too many registers; the launcher's `fits` refuses it and the engine runs the two kernels.
@@ -77,7 +79,9 @@ def _delta_kernel(
     RANK_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # the shrink's: "ieee" for fp32 inputs and in the interpreter
     DOT_DTYPE: tl.constexpr,  # the shrink's tiles: their own dtype on the GPU, fp32 in the interpreter
-    EXPAND_PRECISION: tl.constexpr,  # t @ B: "tf32" for fp16/bf16 on the GPU, "ieee" for fp32
+    EXPAND_PRECISION: tl.constexpr,  # t @ B: "tf32" for fp16/bf16 on the GPU, "ieee" for fp32 and in the interpreter
+    EXPAND_ROUND: tl.constexpr,  # round t to the activations' dtype once, before its product with B (see Products)
+    EXPAND_DTYPE: tl.constexpr,  # the product's operands: the activations' dtype where t is rounded to it (GPU), else fp32
 ):  # fmt: skip
     pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -119,11 +123,13 @@ def _delta_kernel(
         t += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + safe).to(tl.float32)
     b_rows = pool_ptr + pages + b_base_offset + layer * w_s  # [RT]: this layer's B.T row of the slice, column 0
+    if EXPAND_ROUND:
+        t = t.to(z_ptr.dtype.element_ty).to(EXPAND_DTYPE)
     for n in range(c_begin, c_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)  # [BN] column of z
         n_mask = offs_n < c_end
         bt = tl.load(b_rows[:, None] + (offs_n - col0)[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [RT, BN]
-        acc = tl.dot(t, bt.to(tl.float32), input_precision=EXPAND_PRECISION)  # [BM, BN]
+        acc = tl.dot(t, bt.to(EXPAND_DTYPE), input_precision=EXPAND_PRECISION)  # [BM, BN] fp32
         tl.store(z_rows + offs_n[None, :] * stride_zn, (scale * acc).to(z_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
@@ -155,10 +161,11 @@ def lora_delta(
     z = torch.empty(n, out_features, dtype=x.dtype, device=x.device)
     if n == 0 or segments.num_groups == 0:
         return z
-    block_m, block_n, block_k, chunk, num_warps = _config(segments, w.in_features)
+    fp32 = x.dtype == torch.float32
+    block_m, block_n, block_k, chunk, num_warps, round_t = _config(segments, w.in_features)
+    round_t = round_t and not fp32
     table = chunks(w.slices, chunk, x.device)
     interpreted = x.device.type == "cpu"  # the interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
-    fp32 = x.dtype == torch.float32
     grid = (table.shape[0], cdiv(max(segments.max_len, 1), block_m), segments.num_groups)
     _delta_kernel[grid](
         x, w.pool, w.pages, z, w.rank, w.scale, segments.slot, segments.start, table,
@@ -173,7 +180,9 @@ def lora_delta(
         RANK_TILE=max(16, next_power_of_2(max_rank)),
         DOT_PRECISION="ieee" if fp32 or interpreted else "tf32",
         DOT_DTYPE=tl.float32 if interpreted else TL_DTYPE[x.dtype],
-        EXPAND_PRECISION="ieee" if fp32 else "tf32",
+        EXPAND_PRECISION="ieee" if fp32 or interpreted else "tf32",
+        EXPAND_ROUND=round_t,
+        EXPAND_DTYPE=TL_DTYPE[x.dtype] if round_t and not interpreted else tl.float32,
         num_warps=num_warps,
     )  # fmt: skip
     return z
@@ -191,9 +200,9 @@ def chunks(widths: tuple[int, ...], chunk: int, device: torch.device) -> torch.T
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def _config(segments: LoraSegments, in_features: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, chunk columns, num_warps): the best of `_sweep_prefill_fused_delta`'s grid at llama-1b
-    (32 x 128 tokens, H100, session 20) for all three projections; 16-row tiles where groups are short."""
+def _config(segments: LoraSegments, in_features: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, chunk columns, num_warps, round t): the best of `_sweep_prefill_fused_delta`'s grid at
+    llama-1b (32 x 128 tokens, H100, session 20) for all three projections; 16-row tiles where groups are short."""
     if segments.max_len <= 16:
-        return 16, 128, 128, 1024, 4
-    return 64, 128, 128, 1024, 8
+        return 16, 128, 128, 1024, 4, False
+    return 64, 128, 128, 1024, 8, False

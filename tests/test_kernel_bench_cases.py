@@ -85,7 +85,7 @@ def test_sweeps_run_every_call():
     roofline._sweep_prefill_delta(tokens=TOKENS, rep=1, models=("tiny",))
     roofline._sweep_decode_linear(rep=1, models=("tiny",))
     roofline._sweep_prefill_shrink(rep=1, models=(("tiny", TOKENS),), cands=[(2, 16, 16, 4, 3, False), (1, 16, 16, 4, 3, True)])
-    roofline._sweep_prefill_fused_delta(rep=1, models=(("tiny", TOKENS),), cands=[(16, 16, 16, 16, 4), (32, 32, 32, 4096, 4)])
+    roofline._sweep_prefill_fused_delta(rep=1, models=(("tiny", TOKENS),), cands=[(16, 16, 16, 16, 4, False), (32, 32, 32, 4096, 4, True)])
 
 
 def test_probes_run_every_call():

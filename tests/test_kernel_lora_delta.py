@@ -48,11 +48,14 @@ def test_the_delta_matches_float64_at_true_rank_and_zero_elsewhere(dtype, popula
     _run(dtype, popularity, RANKS[ranks], SLICES[slices], gen)
 
 
+@pytest.mark.parametrize("round_t", [False, True], ids=["t_fp32", "t_rounded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
-def test_small_chunks_and_tiles_cut_every_slice_and_mask_their_tails(monkeypatch, dtype):
+def test_small_chunks_and_tiles_cut_every_slice_and_mask_their_tails(monkeypatch, dtype, round_t):
     """Chunks of 24 columns in 16-column tiles: q (64 wide) is three chunks, the last 16 wide; k and v (16) one each; a
-    chunk's second tile is half past its end. 16-row tiles over sequences of 23 and 17 rows, 64-column K steps."""
-    monkeypatch.setattr(lora_delta_module, "_config", lambda seg, in_f: (16, 16, 64, 24, 4))
+    chunk's second tile is half past its end. 16-row tiles over sequences of 23 and 17 rows, 64-column K steps. With t
+    rounded to the activations' dtype before its product with B (a config's choice), the same within the dtype's
+    tolerance."""
+    monkeypatch.setattr(lora_delta_module, "_config", lambda seg, in_f: (16, 16, 64, 24, 4, round_t))
     table = lora_delta_module.chunks(SLICES["qkv"], 24, DEVICE).cpu().tolist()
     assert table == [[0, 0, 24, 0, 64], [0, 24, 48, 0, 64], [0, 48, 64, 0, 64], [1, 64, 80, 64, 16], [2, 80, 96, 80, 16]]
     _run(dtype, "zipf", RANKS["mixed"], SLICES["qkv"], torch.Generator().manual_seed(5))

@@ -243,14 +243,15 @@ def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...
                                cands: list[tuple] | None = None) -> None:  # fmt: skip
     """The delta-first projections' LoRA (qkv, o, down; gate_up's goes to SiLU x up) at issue 4's prefills, 32 adapters of
     rank 16: the shrink then the expand writing the delta (two launches, their launchers' configs), against the one-launch
-    delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps) or `cands` (python -c "from
+    delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps, round t) or `cands` (python -c "from
     kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()")."""
     import itertools
 
     import kernels.lora_delta as delta_module
 
     torch.manual_seed(0)
-    grid = cands if cands is not None else list(itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (256, 512, 1024, 4096), (4, 8)))
+    grid = cands if cands is not None else list(itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (256, 512, 1024, 4096), (4, 8),
+                                                                  (False, True)))
     for name, tokens in models:
         for proj, (in_f, widths) in MODELS[name].projections().items():
             if proj == "gate_up":
