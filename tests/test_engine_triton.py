@@ -297,6 +297,19 @@ def test_a_lora_prefill_step_charges_lora_time_through_the_fused_op(engines, mon
         assert prefill.tokens == sum(map(len, prompts)) and 0 < prefill.lora_us <= prefill.total_us, (tag, prefill)
 
 
+def _prefill_rows(eng: Engine, rows, tag: str) -> torch.Tensor:
+    """One forward of `rows` (prompt, adapter key or None) on the engine's runner, each adapter acquired for it and
+    released after, and the sequences' blocks freed, whether the forward returns or raises."""
+    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
+    try:
+        return eng.runner.forward([BatchItem((tag, i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+    finally:
+        for i, (_, a) in enumerate(rows):
+            eng.runner.free((tag, i))
+            if a is not None:
+                eng.adapters.release(eng.adapters.sha_of(a))
+
+
 def test_a_lora_prefill_times_three_sections_a_layer_silu_and_down_in_one(engines, monkeypatch):
     """Delta-first prefill: qkv's and o's LoRA are a section each, and the section opened by gate_up's shrink runs on
     through SiLU x up into the down projection's delta (nothing runs between them), credited once with the plain op's
@@ -308,15 +321,7 @@ def test_a_lora_prefill_times_three_sections_a_layer_silu_and_down_in_one(engine
     monkeypatch.setattr(timer, "begin", lambda: begun.append(real_begin()) or begun[-1])
     monkeypatch.setattr(timer, "end", lambda start, credit_us=0.0: (ended.append((start, credit_us)), real_end(start, credit_us))[1])
     monkeypatch.setattr(eng.runner.lora.calibration, "plain_us", lambda op, rows: 7.0)
-    rows = ROWS[:3]
-    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
-    try:
-        eng.runner.forward([BatchItem(("s", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
-    finally:
-        for i, (_, a) in enumerate(rows):
-            eng.runner.free(("s", i))
-            if a is not None:
-                eng.adapters.release(eng.adapters.sha_of(a))
+    _prefill_rows(eng, ROWS[:3], "s")
     layers = eng.runner.config.num_layers
     assert len(begun) == len(ended) == 3 * layers, (len(begun), len(ended))
     assert [s for s, _ in ended] == begun, "a section closed that was not the last one opened"
@@ -345,16 +350,8 @@ def test_a_forward_that_raises_leaves_no_pending_delta(engines, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(eng.runner.model, "ops", replace(ops, silu_mul=broken))
-    rows = ROWS[:2]
-    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            eng.runner.forward([BatchItem(("r", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
-    finally:
-        for i, (_, a) in enumerate(rows):
-            eng.runner.free(("r", i))
-            if a is not None:
-                eng.adapters.release(eng.adapters.sha_of(a))
+    with pytest.raises(RuntimeError, match="boom"):
+        _prefill_rows(eng, ROWS[:2], "r")
     assert eng.runner.lora.pending is None
     monkeypatch.setattr(eng.runner.model, "ops", ops)
     test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engines)
