@@ -6,7 +6,8 @@ and a step whose kernels are short waits for that host work (engine/PERF.md, ses
 18.0 ms of a 24.5 ms step). This times what each launcher does before Triton's own launch path (asserts, the config,
 grid and stride arithmetic) at issue 4's 1b prefill (32 sequences of 128 tokens, 32 adapters, max rank 64), on "meta"
 tensors (shapes, no storage: the fused SiLU's output costs no allocation, as a cached CUDA block costs next to none),
-µs a call (median of 5 runs of `--reps` calls); Triton's launch path is not in it.
+µs a call (median of 5 runs of `--reps` calls); Triton's launch path is not in it. Beside the shrink and the delta, the
+one-launch delta (kernels/lora_delta.py) with the engine's `fits` check before it, for the projections that take it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+import kernels.lora_delta as delta_module
 import kernels.lora_expand as expand_module
 import kernels.lora_shrink as shrink_module
 import kernels.silu_mul as silu_module
@@ -50,8 +52,9 @@ def run(reps: int = 2000) -> dict:
     ins = {"qkv": hidden, "gate_up": hidden, "down": inter}
     n = seqs * tokens
     seg = segments_from_indices([s for s in range(seqs) for _ in range(tokens)], device="meta")
-    saved = shrink_module._shrink_kernel, expand_module._expand_kernel, silu_module._silu_mul_lora_kernel
+    saved = shrink_module._shrink_kernel, expand_module._expand_kernel, silu_module._silu_mul_lora_kernel, delta_module._delta_kernel
     shrink_module._shrink_kernel = expand_module._expand_kernel = silu_module._silu_mul_lora_kernel = _NoLaunch()
+    delta_module._delta_kernel = _NoLaunch()
     out = {}
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -70,8 +73,12 @@ def run(reps: int = 2000) -> dict:
                 out["gate_up_silu_delta_us"] = _per_call_us(lambda: silu_module.silu_mul(y, lora), reps)
             else:
                 out[f"{proj}_delta_us"] = _per_call_us(lambda: expand_module.lora_expand(y, t, w, seg, accumulate=False), reps)
+                # the engine's path at this batch: the fits check, then the one launch (kernels/lora_delta.py)
+                out[f"{proj}_one_launch_delta_us"] = _per_call_us(
+                    lambda: delta_module.fits(w, seg) and delta_module.lora_delta(x, w, seg, sum(w_s)), reps)
     finally:
-        shrink_module._shrink_kernel, expand_module._expand_kernel, silu_module._silu_mul_lora_kernel = saved
+        (shrink_module._shrink_kernel, expand_module._expand_kernel, silu_module._silu_mul_lora_kernel,
+         delta_module._delta_kernel) = saved
     return out
 
 
