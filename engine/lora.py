@@ -162,15 +162,17 @@ class LoraState:
     def delta_then_base(self, base: nn.Linear, x: torch.Tensor, w: LoraPages) -> torch.Tensor:
         """base(x) + each row's adapter delta [N, out], as z = delta; z += x W^T (module docstring, "Prefill")."""
         start, credit = self._begin()
-        delta = self.backend.lora_delta
-        if delta is not None and self.backend.lora_delta_fits(w, self.segments):
-            z = delta(x, w, self.segments, base.out_features)  # [N, out]: one launch, t in registers (kernels/lora_delta.py)
-        else:
-            t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
-            z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
-            self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
-        if start is not None:
-            self.timer.end(start, credit)
+        try:
+            delta = self.backend.lora_delta
+            if delta is not None and self.backend.lora_delta_fits(w, self.segments):
+                z = delta(x, w, self.segments, base.out_features)  # [N, out]: one launch, t in registers (kernels/lora_delta.py)
+            else:
+                t = self.backend.lora_shrink(x, w, self.segments)  # [S, N, R] fp32
+                z = torch.empty(x.shape[0], base.out_features, dtype=x.dtype, device=x.device)  # [N, out]
+                self.backend.lora_expand(z, t, w, self.segments, accumulate=False)
+        finally:  # closed on a raise too, as a carried section's shrink and SiLU x up ran
+            if start is not None:
+                self.timer.end(start, credit)
         if isinstance(base, Fp8Linear):  # its own GEMM (engine.quant: FP8 tensor cores, or the dequantized weight)
             return z.add_(base(x))
         z.addmm_(x, base.weight.t())
@@ -269,7 +271,10 @@ class LoraState:
     def _begin(self) -> tuple[object | None, float]:
         """Open a delta-first projection's timed section: (its start, the credit it carries), (None, 0) while a CUDA graph
         is captured. A consumer op's section left open (`CARRIED`) goes on into this one, whose launches follow it with
-        nothing between them: at llama-1b a prefill's GPU waits for the host, and each event is host time."""
+        nothing between them: at llama-1b a prefill's GPU waits for the host, and each event is host time. The credit
+        (the plain op's calibrated time) is then taken from both together, floored at zero once: where the fused op
+        measures below the plain op's calibration, the difference comes off the down projection's delta, where two
+        sections floored it at zero in the first."""
         if self._carry is not None:
             carried, self._carry = self._carry, None
             return carried

@@ -151,6 +151,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     from kernels.decode_linear import DecodeLora, decode_linear
     from kernels.fp8_linear import FP8, fp8_linear
     from kernels.fp8_quant import quantize_rows
+    from kernels.lora_delta import MAX_RANK_TILE
     from kernels.lora_delta import fits as delta_fits
     from kernels.lora_delta import lora_delta
     from kernels.lora_expand import lora_expand
@@ -168,6 +169,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
         "prefill": segments_from_indices([i // 512 for i in range(rows * 512)], device="meta"),
     }
     short_prefill = segments_from_indices([i // 128 for i in range(rows * 128)], device="meta")  # llama-1b's issue-4 prefill
+    short_groups = segments_from_indices([i // 8 for i in range(rows * 8)], device="meta")  # groups of 8 rows: the delta's small tiles
     for dtype in dtypes:
         for hidden, heads, kv_heads, head_dim, inter in _MODELS.values():
             q_out, kv_out = heads * head_dim, kv_heads * head_dim
@@ -193,10 +195,15 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
                     for accumulate in (True, False):
                         yield lambda y=y, t=t, b=b, segments=segments, accumulate=accumulate: lora_expand(
                             y, t, b, segments, accumulate=accumulate)
-                for segments in (forms["grouped"], short_prefill):  # what the one-launch delta takes (its byte limit)
-                    if delta_fits(a, segments):
-                        x = _meta(segments.num_rows, in_f, dtype=dtype)
-                        yield lambda x=x, a=a, segments=segments, out_f=out_f: lora_delta(x, a, segments, out_f)
+                # What the one-launch delta takes (its byte limit), at max rank 64 and at the largest it takes (its rank tile)
+                wide = LoraPages(pool=pool, pages=_meta(adapters, len(widths), MAX_RANK_TILE, dtype=torch.int64),
+                                 rank=_meta(adapters, len(widths), dtype=torch.int32), scale=scale, num_layers=32, layer=3,
+                                 in_features=in_f, slices=widths)  # fmt: skip
+                for segments in (forms["grouped"], short_prefill, short_groups):
+                    for pages_view in (a, wide):
+                        if delta_fits(pages_view, segments):
+                            x = _meta(segments.num_rows, in_f, dtype=dtype)
+                            yield lambda x=x, w=pages_view, segments=segments, out_f=out_f: lora_delta(x, w, segments, out_f)
                 for m in (rows, DECODE_MAX_ROWS):  # its tiles grow with the rows: the most it takes, too
                     x, w = _meta(m, in_f, dtype=dtype), _meta(out_f, in_f, dtype=dtype)
                     lora = DecodeLora(t=_meta(len(widths), m, max_rank, dtype=torch.float32), weights=paged(in_f, widths),

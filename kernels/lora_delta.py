@@ -20,10 +20,12 @@ chunk, which costs an x tile read from L2 per chunk. Grid: (chunk, row tile, gro
 
 Products as the two kernels': x and A tiles multiplied in their own dtype on the GPU (fp32 sums, exact products), and
 widened to fp32 in the interpreter (triton-lang/triton#11584); t stays fp32, is rounded to TF32 for the B product, and
-z is rounded once when stored. So z equals the two kernels' to the rounding of sums taken in another order. A config may
-instead round t to the activations' dtype once (`round t`, as PEFT's bf16 lora_A output is) and multiply it with B on
-the tensor cores in that dtype; the interpreter multiplies the same rounded values in fp32. The launcher's configs do, for
-fp16 and bf16 (fp32 inputs keep t in fp32).
+z is rounded once when stored: then z equals the two kernels' to the rounding of sums taken in another order. A config
+may instead round t to the activations' dtype once (`round t`, as PEFT rounds its bf16 or fp16 lora_A output) and
+multiply it with B on the tensor cores in that dtype; the interpreter multiplies the same rounded values in fp32. The
+launcher's configs do, for fp16 and bf16 (fp32 inputs keep t in fp32): t then carries the dtype's 8 or 11 significant
+bits, not TF32's 11, and an fp16 t beyond 65,504 overflows where PEFT's would too. The decode path and the torch
+backend keep t in fp32.
 
 RANK_TILE is the pages' max rank rounded up to a power of two (at least 16): one K loop for every rank of the slot. A
 max rank above 128 would hold too many registers; the launcher's `fits` refuses it and the engine runs the two kernels.

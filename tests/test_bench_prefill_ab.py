@@ -60,3 +60,22 @@ def test_the_delta_swapped_off_runs_the_two_kernels_in_the_other_runs(monkeypatc
     expand; here on the torch backend, whose lora_delta is None in both, the runs still complete and report both."""
     out = prefill_ab.run("tiny", 4, 1, ("lora_delta", prefill_ab.OFF), device="cpu", batch=2, adapters=2, rank=4)
     assert "lora_pct_this" in out and "lora_pct_other" in out and out["swap"] == ["lora_delta", "off"]
+
+
+def test_the_versions_of_a_swap(tmp_path, capsys):
+    """A shrink swapped: the one-launch delta off in both versions (the kernel under test then runs); a delta from a
+    file: with that file's own `fits`; lora_delta=off: the two kernels in the other version only."""
+    from engine.backend import KernelBackend
+
+    mod = tmp_path / "other.py"
+    mod.write_text("def lora_shrink(*a, **k): pass\ndef lora_delta(*a, **k): pass\ndef fits(w, s): return False\n")
+    backend = KernelBackend("triton", lora_delta=lambda *a: None, lora_delta_fits=lambda w, s: True)
+    v = prefill_ab.backend_versions(backend, ("lora_shrink", mod))
+    assert v["this"].lora_delta is None and v["other"].lora_delta is None
+    assert v["other"].lora_shrink.__name__ == "lora_shrink" and v["other"].lora_shrink is not backend.lora_shrink
+    assert "one-launch delta is off in both" in capsys.readouterr().out
+    v = prefill_ab.backend_versions(backend, ("lora_delta", mod))
+    assert v["this"] is backend and v["other"].lora_delta_fits(None, None) is False
+    v = prefill_ab.backend_versions(backend, ("lora_delta", prefill_ab.OFF))
+    assert v["this"] is backend and v["other"].lora_delta is None
+    assert prefill_ab.backend_versions(backend, None) == {"this": backend}

@@ -91,3 +91,45 @@ def test_a_batch_past_the_byte_limit_goes_to_the_two_kernels(monkeypatch):
     assert lora_delta_module.fits(w, grouped)
     monkeypatch.setattr(lora_delta_module, "MAX_BYTES", at - 1)
     assert not lora_delta_module.fits(w, grouped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_a_later_layer_of_multi_layer_pages(dtype):
+    """Pages hold a rank row of every layer (A's rows, then B's): the launch for layer 2 of 3 reads that layer's A row at
+    layer x in and its B row of slice s at L x in + layer x w_s, for fused slices of different widths."""
+    lora_segments = import_kernels("kernels.lora_segments")[0]
+    gen = torch.Generator().manual_seed(31)
+    layers, layer, in_f, widths, ranks = 3, 2, 40, (64, 16, 16), [[4, 8, 0], [16, 2, 5]]
+    slots, max_rank = len(ranks), 16
+    a = torch.randn(layers, slots, len(widths), max_rank, in_f, generator=gen) / in_f**0.5
+    b = [torch.randn(layers, slots, max_rank, w, generator=gen) for w in widths]
+    scale = torch.tensor([0.5, 2.0])
+    chunks, table = [], torch.zeros(slots, len(widths), max_rank, dtype=torch.int64)
+    offset = 0
+    for i in range(slots):
+        for s, w in enumerate(widths):
+            for k in range(ranks[i][s]):
+                page = torch.cat([a[:, i, s, k].reshape(-1), b[s][:, i, k].reshape(-1)])  # A's row of each layer, then B's
+                table[i, s, k] = offset
+                chunks.append(page)
+                offset += page.numel()
+    pool = torch.cat(chunks + [torch.full((in_f + max(widths),), float("nan"))]).to(dtype)
+    table[table == 0] = offset  # unused entries (and slot 0 slice 0 row 0, re-set below) point at the NaN page
+    table[0, 0, 0] = 0
+    w = lora_segments.LoraPages(pool=pool.to(DEVICE), pages=table.to(DEVICE), rank=torch.tensor(ranks, dtype=torch.int32).to(DEVICE),
+                                scale=scale.to(DEVICE), num_layers=layers, layer=layer, in_features=in_f, slices=widths)  # fmt: skip
+    idx = [1] * 7 + [-1] * 3 + [0] * 20
+    segments = lora_segments.segments_from_indices(idx, device=DEVICE)
+    x = torch.randn(len(idx), in_f, generator=gen).to(dtype)
+    want = torch.zeros(len(idx), sum(widths), dtype=torch.float64)
+    for row, slot in enumerate(idx):
+        col = 0
+        for s, wd in enumerate(widths):
+            r = ranks[slot][s] if slot >= 0 else 0
+            if r:
+                t = x[row].double() @ a[layer, slot, s, :r].to(dtype).double().T
+                want[row, col : col + wd] = float(scale[slot]) * t @ b[s][layer, slot, :r].to(dtype).double()
+            col += wd
+    z = lora_delta(x.to(DEVICE), w, segments, sum(widths))
+    _assert_close(z, want.to(DEVICE), TOL[dtype], f"layer {layer} of {layers} ({dtype})")
+    assert (z[want.to(DEVICE) == 0] == 0).all()

@@ -6,8 +6,9 @@ The bench's engine (engine.bench.build: batch 32, 32 adapters of rank 16 on all 
 of `--prompt` tokens, base-only and with a distinct adapter on each, `--reps` times each after two untimed rounds, the
 versions interleaved. FILE is the kernel's module from another commit (`git show COMMIT:kernels/lora_shrink.py >
 FILE`); its function of the same name stands in for the backend's (engine.backend.KernelBackend: lora_shrink,
-lora_expand or lora_delta) in the "other" runs. `--swap lora_delta=off`: the other runs take the shrink and the expand
-where this checkout's take the one-launch delta. `--profile K`: K more mixed prefills with this checkout's kernels, under cProfile,
+lora_expand or lora_delta, the latter with that file's `fits`) in the "other" runs; swapping the shrink or the expand
+turns the one-launch delta off in both versions, so that the kernel under test runs. `--swap lora_delta=off`: the other
+runs take the shrink and the expand where this checkout's take the one-launch delta. `--profile K`: K more mixed prefills with this checkout's kernels, under cProfile,
 and the functions that took the host's time (the step's Python, the launches), by own time. Prints the median wall and device ms of each case and LoRA's share per version, then
 one JSON line. Device ms are a CUDA event span, so they include the gaps where the GPU waits for the host's launches.
 """
@@ -45,6 +46,26 @@ def load_other(field: str, path: Path):
     return getattr(module, field)
 
 
+def backend_versions(backend, swap: tuple[str, Path] | None) -> dict:
+    """{"this": backend[, "other": the backend with the swapped field]}. A shrink or expand under test runs where the
+    engine takes the two kernels: the one-launch delta, which takes the 1b prefill's qkv, o and down, is off in both
+    versions then. A delta from FILE comes with that file's `fits`, its own limits."""
+    versions = {"this": backend}
+    if swap is None:
+        return versions
+    field, path = swap
+    if field != "lora_delta":
+        print(f"--swap {field}: the one-launch delta is off in both versions, so that every projection runs {field}")
+        versions["this"] = dataclasses.replace(backend, lora_delta=None)
+        other = {field: load_other(field, path)}
+    elif path == OFF:
+        other = {"lora_delta": None}
+    else:
+        other = {"lora_delta": load_other(field, path), "lora_delta_fits": load_other("fits", path)}
+    versions["other"] = dataclasses.replace(versions["this"], **other)
+    return versions
+
+
 def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None, device: str = "auto", batch: int = 32,
         adapters: int = 32, rank: int = 16, profile: int = 0, top: int = 30) -> dict:  # fmt: skip
     dev = pick_device(device)
@@ -56,10 +77,7 @@ def run(shape: str, prompt: int, reps: int, swap: tuple[str, Path] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         engine, _ = build_bench_engine(cfg, shape, [rank] * adapters, None, batch, prompt, 4, dev, dtype, Path(tmp))
         state = engine.runner.lora
-        versions = {"this": state.backend}
-        if swap is not None:
-            other = None if swap == ("lora_delta", OFF) else load_other(*swap)
-            versions["other"] = dataclasses.replace(state.backend, **{swap[0]: other})
+        versions = backend_versions(state.backend, swap)
         samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         order = list(versions.items())
         try:
@@ -100,7 +118,6 @@ def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float, float]:
         finally:
             host.append((time.perf_counter() - t0) * 1e3)
 
-    runner.forward = timed
     for i, (p, a) in enumerate(zip(prompts, keys)):
         engine.add_request(GenerationRequest(request_id=f"{tag}-{i}", input_ids=tuple(p), adapter_key=a,
                                              sampling=SamplingParams(max_new_tokens=2, ignore_eos=True)))  # fmt: skip
@@ -110,6 +127,7 @@ def _prefill(engine, prompts, keys, tag, dev) -> tuple[float, float, float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
+    runner.forward = timed
     try:
         engine.step()
     finally:
