@@ -20,10 +20,12 @@ def test_the_launch_overhead_bench_times_every_launcher_and_restores_the_kernels
     from kernels.bench import launch_overhead as bench
 
     def kernels():  # the modules the bench stubs, whichever import of them is current
-        return bench.shrink_module._shrink_kernel, bench.expand_module._expand_kernel, bench.silu_module._silu_mul_lora_kernel
+        return (bench.shrink_module._shrink_kernel, bench.expand_module._expand_kernel, bench.silu_module._silu_mul_lora_kernel,
+                bench.delta_module._delta_kernel)
 
     before = kernels()
     out = bench.run(reps=3)
-    assert sorted(out) == sorted(["qkv_shrink_us", "qkv_delta_us", "gate_up_shrink_us", "gate_up_silu_delta_us", "down_shrink_us",
-                                  "down_delta_us"]) and all(v > 0 for v in out.values()), out  # fmt: skip
+    assert sorted(out) == sorted(["qkv_shrink_us", "qkv_delta_us", "qkv_one_launch_delta_us", "gate_up_shrink_us",
+                                  "gate_up_silu_delta_us", "down_shrink_us", "down_delta_us", "down_one_launch_delta_us"]) \
+        and all(v > 0 for v in out.values()), out  # fmt: skip
     assert kernels() == before
