@@ -31,6 +31,15 @@ decode_steps 1, and the figure, kept until the hold is measured again, overstate
 places freeing 16 steps on. A hold lasts at most that reckoning allows and, as any hold, at most the bound. A request
 counts by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
 
+Refills. A batch admitted in parts is refilled in parts for as long as requests wait, so a hold that joins the parts
+saves a prompt step at every refill after it, not one: the reckoning weighs PROMPT_STEP_DECODES by the refills the
+waiting requests make (waiting / batch, at least 1). With 1,024 requests waiting behind a batch of 64, places freeing
+16 steps off are waited for (cost at most 16 decode steps, and the bound's 40 ms, against 16 prompt steps saved); with
+one batch's worth waiting, as above. The bound still ends any hold: parts more than `engine.admission_hold_ms` apart
+stay apart. The 2,000-adapter cold pass (engine/PERF.md, session 20) ran either 18-19 prompt steps or 33, the latter
+with every batch of 64 admitted in two prompt steps; how far apart its parts were was not measured, and this weighting
+has not yet run on the device.
+
 The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
 together, and timed from their arrival every hold after the first bound would end at once. A step that admits, or has
 nothing to hold back, ends the hold; so a ready request waits at most the bound (and the step under way when it runs
@@ -70,11 +79,12 @@ class AdmissionHold:
     def clock(self) -> float:
         return self._clock()
 
-    def worth_waiting(self, want: int, steps: int, batch: int) -> bool:
+    def worth_waiting(self, want: int, steps: int, batch: int, refills: int = 1) -> bool:
         """Whether holding `want` free places of `batch` idle for `steps` more steps, until places freeing then are
-        free, keeps the hold under way's cost within a prompt step's (module docstring)."""
+        free, keeps the hold under way's cost within what it saves: a prompt step at each of the `refills` times the
+        waiting requests refill the batch (module docstring, "Refills")."""
         idle = (self._idle + want * steps) / batch
-        return idle + (self._held + steps) * UNCHAINED_STEP <= PROMPT_STEP_DECODES
+        return idle + (self._held + steps) * UNCHAINED_STEP <= PROMPT_STEP_DECODES * max(1, refills)
 
     @staticmethod
     def enough(want: int, soon: int = 0) -> int:

@@ -218,8 +218,9 @@ class StepPlanner:
             # next steps are decodes; one that may stop earlier, by EOS or a stop string, frees its place sooner)
             left_of = [t for seq in samplers if (t := _tokens_left(seq)) <= COALESCE_STEPS]
             ending = len(left_of)
-            # worth waiting for only while the hold costs less than a prompt step (engine.admission)
-            if ending and self.hold.worth_waiting(want, max(left_of), self.config.max_batch_size):
+            # worth waiting for only while the hold costs less than the prompt steps it saves (engine.admission)
+            refills = -(-len(queue) // self.config.max_batch_size)  # the refills the waiting make, each split too (engine.admission)
+            if ending and self.hold.worth_waiting(want, max(left_of), self.config.max_batch_size, refills):
                 # as many as one step's token budget takes then (theirs back in it): a step admits no more
                 fits, left = 0, budget + ending
                 for seq in queue[: free + ending]:

@@ -489,3 +489,28 @@ def test_rounds_asking_admits_none_admit_and_finish_every_request(seed):
     assert set(added) <= set(h.admitted_at) and set(added) <= set(h.finished_at) and len(added) > 8
     assert max(h.holds_per_step) <= 1, h.holds_per_step
     assert h.planner.hold.holds > 0
+
+
+def test_places_too_far_off_for_one_refill_are_waited_for_when_the_queue_makes_several():
+    """A split batch is refilled split for as long as requests wait: 6 places free and 2 freeing 5 steps off are not
+    waited for with one batch's worth waiting (8, batch 8: a hold would cost 5 decode steps against one prompt step's 4),
+    and are with three (24 waiting: 3 refills, 12 decode steps saved); the 8 are then admitted in one prompt step."""
+    h = Harness(batch=8)
+    _parts(h, [2], new=12)
+    for _ in range(6):
+        h.step()  # the 2 have 5 tokens left
+    waiting = [h.add(f"w{h.n}", reading=False, new=12) for _ in range(24)]
+    h.step()
+    assert h.planner.hold.holds == 1 and not any(rid in h.admitted_at for rid in waiting)
+    while not any(rid in h.admitted_at for rid in waiting):
+        h.step()
+    first = min(h.admitted_at[rid] for rid in waiting if rid in h.admitted_at)
+    assert [rid for rid in waiting if h.admitted_at.get(rid) == first] == waiting[:8]
+
+
+def test_the_reckoning_weighs_a_prompt_step_by_the_refills():
+    """worth_waiting: 6 of 8 places idle for 5 steps and 5 unchained rounds cost 3.75 + 1.25 = 5 decode steps: more than
+    one prompt step (4), within two."""
+    hold = AdmissionHold(BOUND_MS, FakeClock())
+    assert not hold.worth_waiting(6, 5, 8) and not hold.worth_waiting(6, 5, 8, refills=1)
+    assert hold.worth_waiting(6, 5, 8, refills=2) and hold.worth_waiting(6, 5, 8, refills=0) is False
