@@ -393,22 +393,25 @@ def test_a_batch_admitted_in_parts_is_replaced_in_one_prompt_step(monkeypatch, c
     assert h.planner.hold.holds == (2 if coalesce else 0)
 
 
+def _two_running(new: int) -> Harness:
+    """A batch of 8 running 2 requests of `new` tokens, 6 steps in: they have new - 7 tokens left, 6 places are free."""
+    h = Harness(batch=8)
+    _parts(h, [2], new=new)
+    for _ in range(6):
+        h.step()
+    return h
+
+
 def test_many_free_places_are_not_held_for_a_few_far_off():
     """8 waiting, 6 places free and 2 more freeing, batch 8: a hold costs 6/8 of a decode step a step for the idle places
     and UNCHAINED_STEP for the unchained round, so places 4 steps off (4 decode steps' worth, PROMPT_STEP_DECODES) are
     waited for and places 5 steps off are not: the 6 are admitted at once and the other 2 come later."""
-    h = Harness(batch=8)
-    _parts(h, [2], new=11)
-    for _ in range(6):
-        h.step()  # the 2 have 4 tokens left
+    h = _two_running(new=11)  # the 2 have 4 tokens left
     for _ in range(8):
         h.add(f"w{h.n}", reading=False, new=11)
     h.step()
     assert h.planner.hold.holds == 1
-    h2 = Harness(batch=8)
-    _parts(h2, [2], new=12)
-    for _ in range(6):
-        h2.step()  # the 2 have 5 tokens left
+    h2 = _two_running(new=12)  # the 2 have 5 tokens left
     waiting = [h2.add(f"w{h2.n}", reading=False, new=12) for _ in range(8)]
     h2.step()
     assert h2.planner.hold.holds == 0 and [rid for rid in waiting if rid in h2.admitted_at] == waiting[:6]
@@ -495,10 +498,7 @@ def test_places_too_far_off_for_one_refill_are_waited_for_when_the_queue_makes_s
     """A split batch is refilled split for as long as requests wait: 6 places free and 2 freeing 5 steps off are not
     waited for with one batch's worth waiting (8, batch 8: a hold would cost 5 decode steps against one prompt step's 4),
     and are with three (24 waiting: 3 refills, 12 decode steps saved); the 8 are then admitted in one prompt step."""
-    h = Harness(batch=8)
-    _parts(h, [2], new=12)
-    for _ in range(6):
-        h.step()  # the 2 have 5 tokens left
+    h = _two_running(new=12)  # the 2 have 5 tokens left
     waiting = [h.add(f"w{h.n}", reading=False, new=12) for _ in range(24)]
     h.step()
     assert h.planner.hold.holds == 1 and not any(rid in h.admitted_at for rid in waiting)
