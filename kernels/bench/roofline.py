@@ -240,14 +240,16 @@ def _sweep_prefill_shrink(rep: int = 30, models: tuple[tuple[str, int], ...] = (
 
 
 def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...] = (("llama-1b", 128), ("llama-8b", 512)),
-                               cands: list[tuple] | None = None) -> None:  # fmt: skip
+                               cands: list[tuple] | None = None, module: str = "kernels.lora_delta") -> None:  # fmt: skip
     """The delta-first projections' LoRA (qkv, o, down; gate_up's goes to SiLU x up) at issue 4's prefills, 32 adapters of
     rank 16: the shrink then the expand writing the delta (two launches, their launchers' configs), against the one-launch
     delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps, round t) or `cands` (python -c "from
-    kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()")."""
+    kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()"); `module`
+    "kernels.lora_delta_split" sweeps the split one (BLOCK_M, BLOCK_N, BLOCK_K, split K, warps, round t)."""
+    import importlib
     import itertools
 
-    import kernels.lora_delta as delta_module
+    delta_module = importlib.import_module(module)
 
     torch.manual_seed(0)
     grid = cands if cands is not None else list(itertools.product((16, 32, 64), (64, 128, 256), (64, 128), (256, 512, 1024, 4096), (4, 8),
