@@ -244,8 +244,8 @@ def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...
     """The delta-first projections' LoRA (qkv, o, down; gate_up's goes to SiLU x up) at issue 4's prefills, 32 adapters of
     rank 16: the shrink then the expand writing the delta (two launches, their launchers' configs), against the one-launch
     delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps, round t) or `cands` (python -c "from
-    kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()"); `module`
-    "kernels.lora_delta_split" sweeps the split one (BLOCK_M, BLOCK_N, BLOCK_K, split K, warps, round t)."""
+    kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()"); `module` names another
+    module with the same launcher (`lora_delta`, `fits`, `_config`) to sweep in its place, with its own `cands`."""
     import importlib
     import itertools
 
