@@ -30,8 +30,7 @@ backend keep t in fp32.
 RANK_TILE is the pages' max rank rounded up to a power of two (at least 16): one K loop for every rank of the slot. A
 max rank above 128 would hold too many registers; the launcher's `fits` refuses it and the engine runs the two kernels.
 `fits` also refuses a batch whose x and z exceed `MAX_BYTES`: there the GPU, not the host, sets the pace, and the two
-kernels are faster on it (figures at `MAX_BYTES`); and a projection whose K exceeds `MAX_IN_FEATURES` (llama-1b's down),
-where the serial K loop costs more GPU time than the saved launches cost the host.
+kernels are faster on it (figures at `MAX_BYTES`).
 
 Reference: kernels.lora_segments.lora_shrink_ref then lora_expand_ref(accumulate=False), the torch backend's ops.
 """
@@ -56,10 +55,6 @@ MAX_RANK_TILE = 128  # the largest max rank one program holds t for (registers: 
 # 25.0 with the two kernels (engine.bench.prefill_ab --swap lora_delta=off), the llama-8b one 481.7 against 421.8. The 1b
 # batch's largest projection (down: 4,096 x (8,192 + 2,048) bf16) is 84 MB; the 8b one's smallest 16,384 x 8,192 x 2 B.
 MAX_BYTES = 96 * 2**20
-# The longest K a program reduces serially here. At llama-1b's down (K = 8,192) the one launch took 101.6 µs against 65.7 for
-# the two kernels on an H100, where qkv and o (K = 2,048) lose 20 and 5 µs (kernels.bench.roofline `_sweep_prefill_fused_delta`,
-# session 21): down goes to the two kernels, whose 16 extra launches a step cost the host less than the GPU time they save.
-MAX_IN_FEATURES = 4096
 
 
 @triton.jit
@@ -143,10 +138,9 @@ def _delta_kernel(
 
 
 def fits(weights: LoraPages, segments: LoraSegments) -> bool:
-    """Whether this launch takes the batch: grouped rows (`start`), a max rank whose t a program can hold, a K short
-    enough to reduce serially (`MAX_IN_FEATURES`), and a batch small enough that launches, not bytes, are what its LoRA
-    costs (`MAX_BYTES`)."""
-    if segments.start is None or next_power_of_2(weights.max_rank) > MAX_RANK_TILE or weights.in_features > MAX_IN_FEATURES:
+    """Whether this launch takes the batch: grouped rows (`start`), a max rank whose t a program can hold, and a batch
+    small enough that launches, not bytes, are what its LoRA costs (`MAX_BYTES`)."""
+    if segments.start is None or next_power_of_2(weights.max_rank) > MAX_RANK_TILE:
         return False
     return segments.num_rows * (weights.in_features + sum(weights.slices)) * weights.pool.element_size() <= MAX_BYTES
 

@@ -80,18 +80,6 @@ def test_it_refuses_a_batch_it_cannot_take():
     assert not lora_delta_module.fits(wide, grouped)
 
 
-def test_a_long_k_goes_to_the_two_kernels(monkeypatch):
-    """in_features above MAX_IN_FEATURES (llama-1b's down): the serial K loop costs more than the launches it saves."""
-    gen = torch.Generator().manual_seed(3)
-    a, b, rank, scale = _weights(16, [16], 32, 48, 1, torch.float32, gen, 4)
-    w = _paged(*(v.to(DEVICE) for v in (a, b, rank, scale)), (48,))
-    _, grouped = _batch("prefill", "distinct", gen, Size(decode_rows=4, prefill_lens=(3, 2), slots=4))
-    monkeypatch.setattr(lora_delta_module, "MAX_IN_FEATURES", 32)
-    assert lora_delta_module.fits(w, grouped)
-    monkeypatch.setattr(lora_delta_module, "MAX_IN_FEATURES", 31)
-    assert not lora_delta_module.fits(w, grouped)
-
-
 def test_a_batch_past_the_byte_limit_goes_to_the_two_kernels(monkeypatch):
     """rows x (in + out) elements of x and z above MAX_BYTES: the GPU sets the pace there, and the two kernels are faster."""
     gen = torch.Generator().manual_seed(2)
