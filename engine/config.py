@@ -42,6 +42,12 @@ class EngineConfig(BaseModel):
         "early (EOS, stop string) may have computed up to 2 x decode_steps - 1 tokens it does not keep (the rest of its "
         "round and the next, launched before it was read)",
     )  # fmt: skip
+    gc_in_rounds: bool = Field(
+        True,
+        description="run Python's garbage collector's passes while a decode round is in flight, once half the young "
+        "generation's threshold is pending, so that a pass rarely falls where the GPU waits for the host "
+        "(engine.collector); thresholds, gc.freeze and a disabled collector are left as they are",
+    )
 
     gpu_memory_fraction: float = Field(
         0.90, gt=0, le=1,

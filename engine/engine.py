@@ -54,6 +54,7 @@ from engine.adapter_pool import AdapterPool
 from engine.api import AdapterError, AdapterInfo, EngineError, GenerationRequest, GenerationResult
 from engine.booking import Outcome, StepBook
 from engine.checkpoint import base_fingerprint, load_model, read_eos_ids
+from engine.collector import CollectorWindow
 from engine.config import EngineConfig
 from engine.device import build_runner, pick_device, pick_dtype
 from engine.isolation import forward_isolated, sample_isolated
@@ -132,6 +133,8 @@ class Engine:
         self._ran = False  # whether the last step ran a forward
         self._step_timer = DeviceTimer(self.device)
         self._inflight: Round | None = None  # a decode round launched and not yet read back (engine.rounds)
+        # the garbage collector's passes, run while a round is in flight (engine.collector)
+        self.collector = CollectorWindow() if config.gc_in_rounds else None
 
     @property
     def step_records(self) -> list[StepRecord]:
@@ -225,6 +228,7 @@ class Engine:
             try:
                 if self._inflight is not None:
                     self._load_ahead(self._inflight.steps, rnd.steps)  # overlapped with the round just launched
+                self._collect()  # the GPU still runs `rnd` (and the round just launched)
             finally:
                 book_round(rnd, self._book)  # (booked whatever the load-ahead did)
             self._ran = True
@@ -356,6 +360,7 @@ class Engine:
                 self.runner.begin_step()
             else:
                 self._load_ahead(steps)  # overlapped with the round (which is in flight whatever this does)
+                self._collect()
                 return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
         self._load_ahead(1)  # between launching the forward and reading its results: on CUDA, overlapped with it
@@ -403,6 +408,16 @@ class Engine:
         if held:
             self.planner.note_held()  # the step the planner held back admissions for runs: its hold counted once
         return launched
+
+    def _collect(self) -> None:
+        """The collector's next pass, if one is due soon, while the GPU runs a round (engine.collector); a pass that
+        raises (a finalizer's error) is logged, never the step's."""
+        if self.collector is None:
+            return
+        try:
+            self.collector()
+        except Exception:
+            log.exception("a garbage-collector pass between rounds raised")
 
     def _admissible(self) -> bool:
         """Whether a waiting request might be admitted by the next schedule: some wait and the batch has room. With the

@@ -215,6 +215,51 @@ def _eager(engine, monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "can_chain", lambda items, steps: False)
 
 
+def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch, caplog):
+    """engine.collector's window is called after a round is launched and before the round in flight is read back
+    (every window is followed by a booking, and some by the next round's launch first); with the window due at every
+    call it collects, the requests get the tokens they get without it, and a window that raises is logged, not the
+    step's."""
+    import engine.engine as engine_module
+    from engine.collector import CollectorWindow
+
+    engine = short_engine
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
+    reqs = _chain_requests(5, 8)
+    monkeypatch.setattr(engine, "collector", None)
+    want = engine.generate(reqs)
+    events: list[str] = []
+    window = CollectorWindow(share=1e-9)  # due whenever anything is pending
+
+    def collect():
+        events.append("collect")
+        return window()
+
+    book = engine_module.book_round
+
+    def booked(rnd, fn):
+        events.append("book")
+        return book(rnd, fn)
+
+    monkeypatch.setattr(engine, "collector", collect)
+    monkeypatch.setattr(engine_module, "book_round", booked)
+    got = engine.generate([dataclasses.replace(r, request_id=r.request_id + "-gc") for r in reqs])
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert events.count("collect") >= 2 and sum(window.passes) >= 1, (events, window.passes)
+    for i, e in enumerate(events):  # no window after its round's booking: each is followed by a booking
+        if e == "collect":
+            assert "book" in events[i + 1:], events
+
+    def broken():
+        raise RuntimeError("a finalizer failed")
+
+    monkeypatch.setattr(engine, "collector", broken)
+    with caplog.at_level("ERROR", logger=engine_module.log.name):
+        again = engine.generate([dataclasses.replace(r, request_id=r.request_id + "-x") for r in reqs])
+    assert [r.output_ids for r in again] == [r.output_ids for r in want]
+    assert "garbage-collector pass between rounds raised" in caplog.text
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_decode_chains_generate_what_single_steps_do(short_engine, monkeypatch, decode_steps):
     engine = short_engine

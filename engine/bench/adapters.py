@@ -228,22 +228,24 @@ def _pct(values: list[float], q: float) -> float | None:
 def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: int, *, prompt: int = 128, new: int = 64,
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
-        timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True) -> list[dict]:  # fmt: skip
+        timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True,
+        gc_in_rounds: bool = True) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
     timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
     thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process). `synced`
-    False: the device is not synchronised after each engine.step() call (`_pass`)."""
+    False: the device is not synchronised after each engine.step() call (`_pass`). `gc_in_rounds`: the engine's
+    engine.gc_in_rounds (the garbage collector's passes run while a decode round is in flight)."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(gil_switch_s)
     try:
         return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline,
-                    synced)  # fmt: skip
+                    synced, gc_in_rounds)  # fmt: skip
     finally:
         sys.setswitchinterval(previous)
 
 
 def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
-         timeline, synced) -> list[dict]:  # fmt: skip
+         timeline, synced, gc_in_rounds=True) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -263,7 +265,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
                              gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes,
-                             synced=synced)  # fmt: skip
+                             synced=synced, gc_in_rounds=gc_in_rounds)  # fmt: skip
             passes = row.pop("timeline")
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
@@ -280,7 +282,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
 
 
 def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes, synced=True) -> dict:  # fmt: skip
+               read_processes, synced=True, gc_in_rounds=True) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -289,7 +291,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_loras=count + len(warm_paths), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
         warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
-        adapter_read_processes=read_processes,
+        adapter_read_processes=read_processes, gc_in_rounds=gc_in_rounds,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -377,6 +379,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "resident_after": pool.stats()["lora_slots_used"],
         # Triton kernels compiled in each (a pass that compiles measures the compiler; the warm-up is there to take them)
         "compiles_warmup": warmup_compiles, "compiles_cold": cold_compiles, "compiles_warm": warm_compiles,
+        # the collector's passes the engine ran between rounds (engine.collector), per generation, over the warm-up and both passes
+        "gc_in_rounds": gc_in_rounds, "collector_passes": list(engine.collector.passes) if engine.collector else None,
         # where each pass's time went: decode-only steps (and their mean rows) against steps with prompt tokens
         "cold_s": round(cold["seconds"], 3), "warm_s": round(warm["seconds"], 3),
         "warm_decode_s": warm["decode_s"], "warm_mixed_s": warm["mixed_s"], "warm_decode_rows_mean": warm["decode_rows_mean"],
@@ -501,6 +505,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gil-switch-ms", type=float, default=GIL_SWITCH_S * 1000,
                    help="sys.setswitchinterval for the run, in ms: how long the read-ahead threads wait before the engine "
                    "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
+    p.add_argument("--gc-in-rounds", choices=("on", "off"), default="on",
+                   help="engine.gc_in_rounds: the garbage collector's passes run while a decode round is in flight (default on)")
     p.add_argument("--pipelined", action="store_true",
                    help="do not synchronise the device after each engine.step() call: a call's wall time is then the interval "
                    "between call returns, as a serving loop sees it, its host work overlapped with the round in flight")  # fmt: skip
@@ -514,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
-        read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined)  # fmt: skip
+        read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined,
+        gc_in_rounds=a.gc_in_rounds == "on")  # fmt: skip
 
 
 if __name__ == "__main__":
