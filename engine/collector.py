@@ -1,55 +1,72 @@
 """The cyclic garbage collector's passes, run while the GPU has a decode round in flight.
 
-CPython collects when allocations cross its thresholds (700 net container allocations for the young generation; a
-generation-1 pass every 10 of those, a full pass every 10 of these), wherever that happens to be. In the step loop a
-pass that falls on the host's critical path (launching a round, booking one) stalls the GPU behind it: issue 19's
-2,000-adapter passes on an H100 had their slowest decode step with a load at 1.30x the median step, where the steps'
-own device time was 1.03x, and the whole difference was one collection of 5.5-5.7 ms inside a call of 8 steps
-(engine/PERF.md, session 21). Between launching a round and reading the one before it back, the host only waits for the
-GPU: a pass there costs nothing but host time the step loop does not need.
+CPython collects when its young generation's count (net container allocations) passes its threshold (700), wherever
+that happens to be: a young pass, or a generation-1 pass once more than 10 young passes have run since the last one, or
+a full pass once more than 10 generation-1 passes have, if the oldest generation grew by a quarter since its last full
+pass. In the step loop a pass that falls on the host's critical path (launching a round, booking one) stalls the GPU
+behind it: issue 19's 2,000-adapter passes on an H100 had their slowest decode call with a load at 1.29-1.30x the
+median step where the steps' own device time was 1.03x, and the difference was one collection of 5.5-5.7 ms inside a
+call of 8 steps (engine/PERF.md, session 21).
 
-`CollectorWindow` is called at that point (engine.Engine.step, decode rounds in flight). Once the young generation
-has half its threshold of allocations pending, it runs now the pass the automatic collector would choose were it to
-fire: the oldest generation whose count (young passes since the last generation-1 pass, generation-1 passes since the
-last full one) is past its threshold. The counts restart after each, so the automatic collector, which fires only at
-the young threshold, rarely fires elsewhere. It takes nothing over: thresholds, `gc.freeze` and
-a disabled collector are left as they are (with the collector disabled, or a threshold of 0, the window does nothing).
+`CollectorWindow` is called once a round is launched and before the host reads a round back (engine.Engine.step, and
+`_run` after it launches a round): the GPU has work queued then, and the host would otherwise wait for it sooner. It
+runs a pass there when the automatic collector would otherwise fire before the next call: when the young count plus
+the most it has risen between two calls lately (`rise`, decaying) passes the threshold. The automatic collector then
+rarely fires elsewhere, and the window collects about as often as it would (a pass a little early, never more than one
+a call). The generation is the one CPython's trigger would choose (the oldest whose count is past its threshold),
+except the full pass: CPython also checks that the oldest generation grew by a quarter, which Python does not expose
+(after `gc.freeze`, whose objects count as its size, it skips full passes for long), so the window takes generation 1
+instead and a full pass only once FULL_AFTER times generation 2's threshold of generation-1 passes have run since the
+last one: cyclic garbage that reached the oldest generation is freed late, not never.
 
-The full pass is taken where its count comes due, without CPython's check that the objects that survived into the oldest
-generation since the last full pass are at least a quarter of it (a check Python does not expose): on the engine's
-passes that check held at every full pass the automatic collector came to (a CPU probe of the adapters bench: 6 full
-passes to 61 generation-1 passes), so the window collects about as often, in time the GPU is busy anyway.
+Not hidden everywhere: the call's other host work (placing adapters) runs in the same gap, and a pass that outlasts the
+GPU's queued work delays the step. Session 21's A/B (an earlier version that collected at half the threshold and took
+full passes when due) left the p99 of the slowest decode calls as it was and raised host-warm throughput by 1-2 points.
+
+Left alone: thresholds, `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
+whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
+the window does nothing and the automatic collector runs as it does.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
+import sysconfig
 import time
 
-SHARE = 0.5  # of the young generation's threshold pending before the window collects
+FULL_AFTER = 10  # a full pass once this many times the third threshold of generation-1 passes have run since the last
+DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
+GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 class CollectorWindow:
-    """Runs the collector's next pass when called, where it comes due soon (module docstring); counts what it did."""
+    """Runs the collector's next pass when called, where the automatic collector would fire before the next call
+    (module docstring); counts what it did."""
 
-    def __init__(self, share: float = SHARE):
-        assert 0.0 < share <= 1.0, share
-        self.share = share
+    def __init__(self, rise: float | None = None):
+        self.rise = rise  # the young count's recent largest rise between calls; None: half the threshold until measured
+        self._last = 0  # the young count when the last call returned
         self.passes = [0, 0, 0]  # passes run here, per generation
         self.ns = 0  # their time
 
     def __call__(self) -> int | None:
-        """Collect now if a pass is due soon; the generation collected, or None."""
-        if not gc.isenabled():
+        """Collect now if the automatic collector would fire before the next call; the generation collected, or None."""
+        if not GENERATIONAL or not gc.isenabled():
             return None
         t0, t1, t2 = gc.get_threshold()
         c0, c1, c2 = gc.get_count()
-        if t0 <= 0 or c0 < t0 * self.share:
+        if t0 <= 0:
             return None
-        # CPython's choice when its trigger fires: the oldest generation whose count is past its threshold
-        generation = 2 if c2 > t2 else 1 if c1 > t1 else 0
+        rise = c0 - self._last
+        self.rise = max(rise, (t0 / 2 if self.rise is None else self.rise) * DECAY)
+        self._last = c0
+        if c0 + self.rise <= t0:
+            return None
+        generation = 2 if c2 > t2 * FULL_AFTER else 1 if c1 > t1 else 0
         start = time.perf_counter_ns()
         gc.collect(generation)
         self.ns += time.perf_counter_ns() - start
         self.passes[generation] += 1
+        self._last = gc.get_count()[0]
         return generation

@@ -44,8 +44,8 @@ class EngineConfig(BaseModel):
     )  # fmt: skip
     gc_in_rounds: bool = Field(
         True,
-        description="run Python's garbage collector's passes while a decode round is in flight, once half the young "
-        "generation's threshold is pending, so that a pass rarely falls where the GPU waits for the host "
+        description="run Python's garbage collector's passes while a decode round is in flight, where the automatic "
+        "collector would otherwise fire before the next step, so that a pass rarely falls where the GPU waits for the host "
         "(engine.collector); thresholds, gc.freeze and a disabled collector are left as they are",
     )
 

@@ -228,7 +228,7 @@ class Engine:
             try:
                 if self._inflight is not None:
                     self._load_ahead(self._inflight.steps, rnd.steps)  # overlapped with the round just launched
-                self._collect()  # the GPU still runs `rnd` (and the round just launched)
+                    self._collect()  # the GPU has `rnd` and the round just launched queued
             finally:
                 book_round(rnd, self._book)  # (booked whatever the load-ahead did)
             self._ran = True
@@ -410,8 +410,9 @@ class Engine:
         return launched
 
     def _collect(self) -> None:
-        """The collector's next pass, if one is due soon, while the GPU runs a round (engine.collector); a pass that
-        raises (a finalizer's error) is logged, never the step's."""
+        """The collector's next pass, if the automatic one would fire before the next call, while the GPU has a round
+        queued (engine.collector). A guard only: CPython reports finalizers' errors through sys.unraisablehook, and
+        anything else the window raised is logged, never the step's."""
         if self.collector is None:
             return
         try:

@@ -177,6 +177,25 @@ def test_the_pipelined_option_reaches_the_run(monkeypatch):
     assert got == [False, True, False, True]
 
 
+def test_the_gc_in_rounds_option_reaches_the_run(monkeypatch):
+    """--gc-in-rounds off (the module) and --no-gc-in-rounds (the CLI) turn engine.gc_in_rounds off; by default on."""
+    from typer.testing import CliRunner
+
+    import engine.bench.adapters as bench
+    from consumer.cli import build_app
+
+    got = []
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: got.append(kw["gc_in_rounds"]))
+    bench.main(["--gc-in-rounds", "off"])
+    bench.main([])
+    for args in (["--no-gc-in-rounds"], []):
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", *args])
+        assert out.exit_code == 0, out.output
+    assert got == [False, True, False, True]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--gc-in-rounds", "maybe"])
+
+
 def test_read_defaults_are_what_the_engine_derives_for_the_host(monkeypatch):
     """Without --read-threads/--read-processes the bench reads as a service on this host would: half its cores, at least
     one, at most AUTO_READERS (engine.sizing), so the issue's command line measures the derived defaults."""

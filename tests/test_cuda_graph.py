@@ -216,10 +216,10 @@ def _eager(engine, monkeypatch) -> None:
 
 
 def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch, caplog):
-    """engine.collector's window is called after a round is launched and before the round in flight is read back
-    (every window is followed by a booking, and some by the next round's launch first); with the window due at every
-    call it collects, the requests get the tokens they get without it, and a window that raises is logged, not the
-    step's."""
+    """engine.collector's window is called right after a round is launched (in `_run`, or in step() after the next
+    round's launch) and before the round in flight is read back; never where no round was launched. With the window
+    due at every call it collects, the requests get the tokens they get without it, and a window that raises is
+    logged, not the step's."""
     import engine.engine as engine_module
     from engine.collector import CollectorWindow
 
@@ -229,29 +229,37 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
     monkeypatch.setattr(engine, "collector", None)
     want = engine.generate(reqs)
     events: list[str] = []
-    window = CollectorWindow(share=1e-9)  # due whenever anything is pending
+    window = CollectorWindow(rise=10**9)  # due whenever the collector is on
 
     def collect():
         events.append("collect")
         return window()
 
-    book = engine_module.book_round
+    book, launch = engine_module.book_round, engine._launch_round
 
     def booked(rnd, fn):
         events.append("book")
         return book(rnd, fn)
 
+    def launched(*a, **kw):
+        rnd = launch(*a, **kw)
+        events.append("launch")
+        return rnd
+
     monkeypatch.setattr(engine, "collector", collect)
     monkeypatch.setattr(engine_module, "book_round", booked)
+    monkeypatch.setattr(engine, "_launch_round", launched)
     got = engine.generate([dataclasses.replace(r, request_id=r.request_id + "-gc") for r in reqs])
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert events.count("collect") >= 2 and sum(window.passes) >= 1, (events, window.passes)
-    for i, e in enumerate(events):  # no window after its round's booking: each is followed by a booking
+    for i, e in enumerate(events):
         if e == "collect":
-            assert "book" in events[i + 1:], events
+            assert i > 0 and events[i - 1] == "launch", events  # right after a launch: the GPU has work queued
+            assert "book" in events[i + 1:], events  # and before the round in flight is read back
+    assert events.count("collect") == events.count("launch"), events  # one window a launch, none without one
 
     def broken():
-        raise RuntimeError("a finalizer failed")
+        raise RuntimeError("a window failed")
 
     monkeypatch.setattr(engine, "collector", broken)
     with caplog.at_level("ERROR", logger=engine_module.log.name):

@@ -135,6 +135,8 @@ def bench_adapters(
                                                  "in ms (default: the engine process's; Python's own is 5)")] = 50.0,
     pipelined: Annotated[bool, typer.Option(help="do not synchronise the device after each engine.step() call: a call's wall "
                                             "time is the interval between call returns, as a serving loop sees it")] = False,
+    gc_in_rounds: Annotated[bool, typer.Option(help="engine.gc_in_rounds: the garbage collector's passes run while a decode "
+                                               "round is in flight (--no-gc-in-rounds for an A/B)")] = True,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
     from engine.bench.adapters import READ_PROCESSES, READ_THREADS, run
@@ -146,7 +148,8 @@ def bench_adapters(
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
-        read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined)  # fmt: skip
+        read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined,
+        gc_in_rounds=gc_in_rounds)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -245,7 +245,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
 
 
 def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
-         timeline, synced, gc_in_rounds=True) -> list[dict]:  # fmt: skip
+         timeline, synced, gc_in_rounds) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -380,7 +380,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # Triton kernels compiled in each (a pass that compiles measures the compiler; the warm-up is there to take them)
         "compiles_warmup": warmup_compiles, "compiles_cold": cold_compiles, "compiles_warm": warm_compiles,
         # the collector's passes the engine ran between rounds (engine.collector), per generation, over the warm-up and both passes
-        "gc_in_rounds": gc_in_rounds, "collector_passes": list(engine.collector.passes) if engine.collector else None,
+        "gc_in_rounds": gc_in_rounds, "collector_passes": list(engine.collector.passes) if engine.collector is not None else None,
+        "collector_ms": round(engine.collector.ns / 1e6, 1) if engine.collector is not None else None,
         # where each pass's time went: decode-only steps (and their mean rows) against steps with prompt tokens
         "cold_s": round(cold["seconds"], 3), "warm_s": round(warm["seconds"], 3),
         "warm_decode_s": warm["decode_s"], "warm_mixed_s": warm["mixed_s"], "warm_decode_rows_mean": warm["decode_rows_mean"],

@@ -245,7 +245,8 @@ def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...
     rank 16: the shrink then the expand writing the delta (two launches, their launchers' configs), against the one-launch
     delta (kernels/lora_delta.py) over a grid of (BLOCK_M, BLOCK_N, BLOCK_K, chunk, warps, round t) or `cands` (python -c "from
     kernels.bench.roofline import _sweep_prefill_fused_delta; _sweep_prefill_fused_delta()"); `module` names another
-    module with the same launcher (`lora_delta`, `fits`, `_config`) to sweep in its place, with its own `cands`."""
+    module with the same launcher (`lora_delta` and `_config`) to sweep in its place, with its own `cands` (session 21's
+    split-K delta, kernels/lora_delta_split.py, is in commit 1a00c65)."""
     import importlib
     import itertools
 
@@ -267,7 +268,7 @@ def _sweep_prefill_fused_delta(rep: int = 30, models: tuple[tuple[str, int], ...
 
             two_us = graph_us(two, rep)
             print(f"{name} {proj:5} shrink + expand {two_us:.1f} µs", flush=True)
-            best(f"{name} {proj} one-launch delta", delta_module, grid,
+            best(f"{name} {proj} {module}", delta_module, grid,
                  lambda: graph_us(lambda: delta_module.lora_delta(case.x, case.w, case.segments, sum(widths)), rep))  # fmt: skip
 
 
