@@ -21,11 +21,17 @@ def test_adapters_written_are_distinct(tmp_path):
 
 
 @pytest.mark.parametrize("synced", [True, False])
-def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, synced):
-    """Synchronised after each step() call or not (`--pipelined`: steps popped as the engine process pops them)."""
-    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, synced=synced)
+def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, capsys, synced):
+    """Synchronised after each step() call or not (`--pipelined`: steps popped as the engine process pops them); the
+    collector's window on in one, off in the other, as its rows and the last table say."""
+    rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, synced=synced,
+               gc_in_rounds=synced)  # fmt: skip
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
     assert all(r["synced_calls"] == synced for r in rows)
+    assert all(r["gc_in_rounds"] == synced and (r["collector_passes"] is not None) == synced for r in rows)
+    last = capsys.readouterr().out.splitlines()[-3:]
+    assert last[0].startswith("count | slowest decode call with a load"), last
+    assert all(line.endswith("(0.0)" if synced else "| off") for line in last[1:]), last  # the CPU runs no decode rounds
     for r in rows:
         assert r["loads_warm"]["disk"] == 0, r  # L2 holds every adapter after the cold pass
         assert 0 < r["loads_cold"]["disk"] <= r["count"], r

@@ -481,6 +481,14 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['count']} | {r['cold_full_batch_at_ms']}/{r['warm_full_batch_at_ms']} | {r['cold_device_ms']}/{r['warm_device_ms']} | "
               f"{r['cold_prompt_calls_device_ms']}/{r['warm_prompt_calls_device_ms']} ({r['cold_prompt_calls']}/{r['warm_prompt_calls']})")
+    print("count | slowest decode call with a load: wall / measured µs a step, steps, pass, placements (host µs), collector "
+          "ms | collector passes gen 0/1/2 (ms)")  # fmt: skip
+    for r in rows:
+        slow = r["slowest_decode_with_load"][0] if r["slowest_decode_with_load"] else None
+        worst = "-" if slow is None else (f"{slow['wall_us']} / {slow['measured_us']}, {slow['steps']}, {slow['pass']}, "
+                                          f"{slow['placed']} ({slow['placing_us']}), {slow['gc_ms']}")  # fmt: skip
+        window = "off" if r["collector_passes"] is None else f"{'/'.join(map(str, r['collector_passes']))} ({r['collector_ms']})"
+        print(f"{r['count']} | {worst} | {window}")
 
 
 def _per(ms: float, n: int) -> int | None:
