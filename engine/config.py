@@ -49,6 +49,14 @@ class EngineConfig(BaseModel):
         "(engine.collector); thresholds, gc.freeze and a disabled collector are left as they are",
     )
 
+    load_ahead_share: float | None = Field(
+        0.5, gt=0, le=100,
+        description="the host time a step may spend placing the adapters of queued requests in GPU memory ahead of their "
+        "admission, as a share of the device time of the work it just launched (a decode round's steps at their last "
+        "measured time, or a prompt step's tokens at the measured cost of a prompt token): past it the rest are placed by "
+        "later steps, or at admission, so that the GPU does not wait for the host's placements; None: no bound",
+    )  # fmt: skip
+
     gpu_memory_fraction: float = Field(
         0.90, gt=0, le=1,
         description="share of the GPU's memory the engine may take; on CUDA the fields below that the configuration does "

@@ -135,6 +135,7 @@ class Engine:
         self._inflight: Round | None = None  # a decode round launched and not yet read back (engine.rounds)
         # the garbage collector's passes, run while a round is in flight (engine.collector)
         self.collector = CollectorWindow() if config.gc_in_rounds else None
+        self._decode_us = 0.0  # the last decode step's measured µs (0 until one ran): what a round in flight covers
 
     @property
     def step_records(self) -> list[StepRecord]:
@@ -226,8 +227,8 @@ class Engine:
             except Exception:  # the next step schedules afresh, eagerly
                 log.exception("launching the next decode round raised; stepping afresh")
             try:
-                if self._inflight is not None:
-                    self._load_ahead(self._inflight.steps, rnd.steps)  # overlapped with the round just launched
+                if self._inflight is not None:  # overlapped with the round just launched
+                    self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
                     self._collect()  # the GPU has `rnd` and the round just launched queued
             finally:
                 book_round(rnd, self._book)  # (booked whatever the load-ahead did)
@@ -325,6 +326,7 @@ class Engine:
             "prompt_tokens": self.book.prompt_tokens,
             "preemptions": planner.preemptions,
             "admission_holds": planner.hold.holds,  # steps that held back admissions for store reads (engine.admission)
+            "load_ahead_cuts": planner.load_ahead_cuts,  # load-aheads that left placements to later steps (engine.load_ahead_share)
             "kv_pool_total_blocks": blocks.num_blocks,
             "kv_pool_used_blocks": blocks.num_used,
             "kv_pool_cached_blocks": blocks.num_cached,
@@ -359,11 +361,13 @@ class Engine:
                 self._step_timer.reset()
                 self.runner.begin_step()
             else:
-                self._load_ahead(steps)  # overlapped with the round (which is in flight whatever this does)
+                self._load_ahead(steps, covers_us=self._decode_us * steps)  # overlapped with the round (in flight whatever this does)
                 self._collect()
                 return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
-        self._load_ahead(1)  # between launching the forward and reading its results: on CUDA, overlapped with it
+        # between launching the forward and reading its results: on CUDA, overlapped with it
+        prompt = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)  # (a decode item computes one token)
+        self._load_ahead(1, covers_us=prompt * (self.book.prefill_cost.value or 0.0) if prompt else self._decode_us)
         samplers = [i for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
             chosen, sample_errors = self._sample(logits, [plan.items[i].seq for i in samplers])
@@ -380,6 +384,8 @@ class Engine:
     def _book(self, rows: list[tuple[Sequence, int, bool]], total_us: int, lora_us: int, end_us: int, outcomes: list[Outcome],
               failed: dict[int, EngineError] | None = None) -> None:  # fmt: skip
         """Book a measured step, eager or of a decode round (engine.booking `StepBook.book`)."""
+        if all(n == 1 for _, n, _ in rows) and not failed:
+            self._decode_us = total_us
         self.book.book(rows, total_us, lora_us, end_us, outcomes, self.eos_ids, failed)
 
     def _forward(self, items: list[BatchItem]) -> torch.Tensor:
@@ -432,7 +438,7 @@ class Engine:
         if rnd is not None:
             book_round(rnd, self._book)
 
-    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0) -> None:
+    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0, covers_us: float = 0.0) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
         warm pool's (after admission, so that what requests need now is loaded for them, and charged to them).
 
@@ -440,12 +446,19 @@ class Engine:
         places, and the running requests that reach their max_new_tokens within the `in_flight` steps launched (of which
         `finished_before` were launched before) and the LOOKAHEAD_ROUNDS rounds after; the others are only read ahead
         from the store (engine.planner `prefetch`). A request that ends early (EOS, a stop string) was not counted: its
-        successor's adapter is placed at its admission."""
+        successor's adapter is placed at its admission.
+
+        `covers_us`: the device time of the work just launched, which this host work overlaps. Placements stop once they
+        took `engine.load_ahead_share` of it (a placement is host work: its eviction choice, page tables and the copies'
+        launches, 100-600 µs each on an H100's host), so that the GPU does not wait for them; the requests left are
+        placed by the next step's walk, or at their admission. 0 (nothing measured yet, or nothing launched): no bound."""
         running = self.planner.running
         horizon = finished_before + in_flight + LOOKAHEAD_ROUNDS * self.config.decode_steps
         ending = sum(tokens_left(s) <= horizon for s in running)
         places = self.config.max_batch_size - len(running) + ending
-        self.planner.prefetch((s.lora_slot for s in running if s.lora_slot >= 0), places)
+        share = self.config.load_ahead_share
+        deadline = time.perf_counter_ns() + int(share * covers_us * 1000) if share is not None and covers_us > 0 else None
+        self.planner.prefetch((s.lora_slot for s in running if s.lora_slot >= 0), places, deadline)
         self.adapters.warm()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, EngineError]]:

@@ -87,6 +87,7 @@ class StepPlanner:
         self.running: list[Sequence] = []
         self.watermark = max(1, blocks.num_blocks // 100)
         self.preemptions = 0
+        self.load_ahead_cuts = 0  # `prefetch` walks that stopped placing at their deadline (engine.load_ahead_share)
         self.prompt_tokens_looked_up = 0  # prompt tokens of first admissions
         self.prompt_tokens_hit = 0  # of those, found in the prefix cache
         self.hold = AdmissionHold(config.admission_hold_ms, clock)
@@ -142,7 +143,7 @@ class StepPlanner:
                     budget -= len(verdict.tokens)
         return plan
 
-    def prefetch(self, busy_slots: Iterable[int], places: int) -> None:
+    def prefetch(self, busy_slots: Iterable[int], places: int, deadline_ns: int | None = None) -> None:
         """Load ahead for the waiting requests next in line, in admission order: the adapters of the first `places` of
         them (those the next schedule can admit, as the engine counts them) go into L1 now, until L1 has no room left
         that is not held for a request before them (each one placed is kept from eviction for the rest of the walk, so
@@ -152,7 +153,11 @@ class StepPlanner:
         Placing more than the next admissions need cost the GPU its work: at 2,000 adapters on an H200 (issue 19),
         the step that admitted a batch of 64 also placed the next 64 adapters, about 30 ms of host time against a
         20 ms prefill, so the GPU waited; the decode rounds that follow have the time. Walking on placing past the
-        first refusal only repeats it (each request scanned every slot for victims: about 0.7 s of a 4.6 s pass)."""
+        first refusal only repeats it (each request scanned every slot for victims: about 0.7 s of a 4.6 s pass).
+
+        `deadline_ns` (time.perf_counter_ns): no placement starts past it; the walk goes on reading ahead, and the
+        requests left unplaced are placed by a later walk or at their admission (`load_ahead_cuts` counts the walks it
+        ended)."""
         exclude = set(busy_slots)
         placing = True
         # The walk covers the next admissions and READ_AHEAD_BATCHES batches after them: it runs once a round, and over
@@ -163,6 +168,9 @@ class StepPlanner:
             for i, seq in enumerate(self.waiting[:walk]):
                 if seq.adapter_key is None or seq.lora_slot >= 0 or self.pool.failed(seq.adapter_key) is not None:
                     continue
+                if placing and i < places and deadline_ns is not None and time.perf_counter_ns() >= deadline_ns:
+                    placing = False
+                    self.load_ahead_cuts += 1
                 if not placing or i >= places:
                     if self.pool.read_ahead(seq.adapter_key) is None:
                         break  # no room for another read (or no token): none after it would start either

@@ -25,8 +25,9 @@ def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, capsys, synced):
     """Synchronised after each step() call or not (`--pipelined`: steps popped as the engine process pops them); the
     collector's window on in one, off in the other, as its rows and the last table say."""
     rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, synced=synced,
-               gc_in_rounds=synced)  # fmt: skip
+               gc_in_rounds=synced, load_ahead_share=0.5 if synced else None)  # fmt: skip
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
+    assert all(r["load_ahead_share"] == (0.5 if synced else None) and r["cold_load_ahead_cuts"] >= 0 for r in rows)
     assert all(r["synced_calls"] == synced for r in rows)
     assert all(r["gc_in_rounds"] == synced and (r["collector_passes"] is not None) == synced for r in rows)
     last = capsys.readouterr().out.splitlines()[-3:]
@@ -200,6 +201,28 @@ def test_the_gc_in_rounds_option_reaches_the_run(monkeypatch):
     assert got == [False, True, False, True]
     with pytest.raises(SystemExit):
         bench.parse_args(["--gc-in-rounds", "maybe"])
+
+
+def test_the_load_ahead_share_option_reaches_the_run(monkeypatch):
+    """--load-ahead-share (the module and the CLI) sets engine.load_ahead_share, none unbounds it, and a share out of
+    range or not a number is refused naming the option."""
+    from typer.testing import CliRunner
+
+    import engine.bench.adapters as bench
+    from consumer.cli import build_app
+
+    got = []
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: got.append(kw["load_ahead_share"]))
+    for args in (["--load-ahead-share", "0.25"], ["--load-ahead-share", "none"], []):
+        bench.main(args)
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", *args])
+        assert out.exit_code == 0, out.output
+    assert got == [0.25, 0.25, None, None, 0.5, 0.5]
+    for bad in ("0", "-1", "101", "half"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--load-ahead-share", bad])
+        out = CliRunner().invoke(build_app(), ["bench", "adapters", "--load-ahead-share", bad])
+        assert out.exit_code != 0 and "--load-ahead-share" in out.output, out.output
 
 
 def test_read_defaults_are_what_the_engine_derives_for_the_host(monkeypatch):

@@ -28,6 +28,8 @@ def test_show_round_trips(tmp_path):
         ("[kafka]\nbootstrap = 'x'\n", "kafka.bootstrap"),
         ("[engine]\ndevice = 'tpu'\n", "engine.device"),
         ("[engine]\nadmission_hold_ms = -1\n", "engine.admission_hold_ms"),
+        ("[engine]\nload_ahead_share = 0\n", "engine.load_ahead_share"),
+        ("[engine]\nload_ahead_share = 'half'\n", "engine.load_ahead_share"),
         ("[worker]\nmax_batch_size = 64\n[engine]\nmax_batch_size = 8\n", "lower the first or raise the second"),
         ("[ledger]\ngpu_price_per_hour = -1\n", "ledger.gpu_price_per_hour"),
         ("[kafka]\nsession_timeout_ms = 3000\nheartbeat_interval_ms = 3000\n", "kafka.heartbeat_interval_ms = 3000 is not under"),

@@ -137,19 +137,25 @@ def bench_adapters(
                                             "time is the interval between call returns, as a serving loop sees it")] = False,
     gc_in_rounds: Annotated[bool, typer.Option(help="engine.gc_in_rounds: the garbage collector's passes run while a decode "
                                                "round is in flight (--no-gc-in-rounds for an A/B)")] = True,
+    load_ahead_share: Annotated[str, typer.Option(help="engine.load_ahead_share: placements ahead of admission stop at this share "
+                                                  "of the launched work's device time; none: unbounded")] = "0.5",
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
-    from engine.bench.adapters import READ_PROCESSES, READ_THREADS, run
+    from engine.bench.adapters import READ_PROCESSES, READ_THREADS, parse_share, run
 
     read_threads = READ_THREADS if read_threads is None else read_threads
     read_processes = READ_PROCESSES if read_processes is None else read_processes
     if read_threads < 0 or read_processes < 0:
         raise typer.BadParameter(f"--read-threads {read_threads} / --read-processes {read_processes}: use 0 or more")
+    try:
+        share = parse_share(load_ahead_share)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
         read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined,
-        gc_in_rounds=gc_in_rounds)  # fmt: skip
+        gc_in_rounds=gc_in_rounds, load_ahead_share=share)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -129,6 +129,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     stalls = StallStacks()
     decode_rows = decode_steps = prompt_steps = 0
     holds = engine.planner.hold.holds
+    cuts = engine.planner.load_ahead_cuts
     disk0 = counters["loads_disk"]
     placed0, placed_ns0 = engine.adapters.placements, engine.adapters.placement_ns
     # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
@@ -179,7 +180,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "events": events, "calls": calls,
             "decode_rows_mean": round(decode_rows / decode_steps, 1) if decode_steps else None,
             "decode_s": round(spent[True], 3), "mixed_s": round(spent[False], 3), "prompt_steps": prompt_steps,
-            "admission_holds": engine.planner.hold.holds - holds,
+            "admission_holds": engine.planner.hold.holds - holds, "load_ahead_cuts": engine.planner.load_ahead_cuts - cuts,
             "placements": engine.adapters.placements - placed0, "placement_host_ms": round((engine.adapters.placement_ns - placed_ns0) / 1e6, 1), "stall_stacks": stalls.top(), "timeline": timeline, "reads": timeline_reads, "gc_ms": round(gc_ms, 1)}  # fmt: skip
 
 
@@ -229,23 +230,24 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
         timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True,
-        gc_in_rounds: bool = True) -> list[dict]:  # fmt: skip
+        gc_in_rounds: bool = True, load_ahead_share: float | None = 0.5) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
     timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
     thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process). `synced`
     False: the device is not synchronised after each engine.step() call (`_pass`). `gc_in_rounds`: the engine's
-    engine.gc_in_rounds (the garbage collector's passes run while a decode round is in flight)."""
+    engine.gc_in_rounds (the garbage collector's passes run while a decode round is in flight). `load_ahead_share`: the
+    engine's engine.load_ahead_share (None: placements ahead of admission unbounded)."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(gil_switch_s)
     try:
         return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline,
-                    synced, gc_in_rounds)  # fmt: skip
+                    synced, gc_in_rounds, load_ahead_share)  # fmt: skip
     finally:
         sys.setswitchinterval(previous)
 
 
 def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
-         timeline, synced, gc_in_rounds) -> list[dict]:  # fmt: skip
+         timeline, synced, gc_in_rounds, load_ahead_share) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -265,7 +267,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
                              gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes,
-                             synced=synced, gc_in_rounds=gc_in_rounds)  # fmt: skip
+                             synced=synced, gc_in_rounds=gc_in_rounds, load_ahead_share=load_ahead_share)  # fmt: skip
             passes = row.pop("timeline")
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
@@ -282,7 +284,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
 
 
 def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes, synced=True, gc_in_rounds=True) -> dict:  # fmt: skip
+               read_processes, synced=True, gc_in_rounds=True, load_ahead_share=0.5) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -291,7 +293,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_loras=count + len(warm_paths), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
         warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
-        adapter_read_processes=read_processes, gc_in_rounds=gc_in_rounds,
+        adapter_read_processes=read_processes, gc_in_rounds=gc_in_rounds, load_ahead_share=load_ahead_share,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -390,6 +392,9 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # while reads landed (engine.admission)
         "cold_prompt_steps": cold["prompt_steps"], "warm_prompt_steps": warm["prompt_steps"],
         "cold_admission_holds": cold["admission_holds"], "warm_admission_holds": warm["admission_holds"],
+        # load-aheads that left placements to later steps, their host time past engine.load_ahead_share of the work launched
+        "load_ahead_share": engine.config.load_ahead_share,
+        "cold_load_ahead_cuts": cold["load_ahead_cuts"], "warm_load_ahead_cuts": warm["load_ahead_cuts"],
         "cold_gc_ms": cold["gc_ms"], "warm_gc_ms": warm["gc_ms"],  # the collector's pauses in each pass
         # L1 placements for requests and their host time on the engine thread (eviction choice, pages, the copies' launches)
         "cold_placements": cold["placements"], "cold_placement_host_ms": cold["placement_host_ms"],
@@ -496,6 +501,19 @@ def _per(ms: float, n: int) -> int | None:
     return round(ms * 1000 / n) if n else None
 
 
+def parse_share(raw: str) -> float | None:
+    """--load-ahead-share's value: a share above 0, at most 100, or None for "none"; ValueError naming the fix."""
+    if raw.strip().lower() == "none":
+        return None
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 100:
+        raise ValueError(f"--load-ahead-share {raw}: use a share above 0, at most 100 (0.5: half the launched work's time), or none")
+    return share
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine.bench.adapters", description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -516,10 +534,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
     p.add_argument("--gc-in-rounds", choices=("on", "off"), default="on",
                    help="engine.gc_in_rounds: the garbage collector's passes run while a decode round is in flight (default on)")
+    p.add_argument("--load-ahead-share", default="0.5", metavar="SHARE|none",
+                   help="engine.load_ahead_share: placements ahead of admission stop at this share of the launched work's "
+                   "device time; none: unbounded (default 0.5)")
     p.add_argument("--pipelined", action="store_true",
                    help="do not synchronise the device after each engine.step() call: a call's wall time is then the interval "
                    "between call returns, as a serving loop sees it, its host work overlapped with the round in flight")  # fmt: skip
     a = p.parse_args(argv)
+    try:
+        a.load_ahead_share = parse_share(a.load_ahead_share)
+    except ValueError as e:
+        p.error(str(e))
     if not 0 < a.gil_switch_ms <= 1000:
         p.error(f"--gil-switch-ms {a.gil_switch_ms}: use a number of ms above 0, at most 1000")
     return a
@@ -530,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
         read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined,
-        gc_in_rounds=a.gc_in_rounds == "on")  # fmt: skip
+        gc_in_rounds=a.gc_in_rounds == "on", load_ahead_share=a.load_ahead_share)  # fmt: skip
 
 
 if __name__ == "__main__":

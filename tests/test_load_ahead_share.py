@@ -1,0 +1,97 @@
+"""Placements ahead of admission bounded by the work they overlap (engine.load_ahead_share): a load-ahead walk stops
+placing at its deadline and only reads ahead after it; the requests it left are placed by a later walk or at their
+admission, with the tokens of an unbounded engine."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import engine.planner as planner_module
+from engine.engine import Engine
+from tests.test_serving_helpers import NO_WARM, config, many_adapters, req  # noqa: F401 (a fixture)
+
+
+def _engine(demo_set, many_adapters, n: int, **kw) -> Engine:
+    eng = Engine(config(demo_set, max_batch_size=2, max_loras=12, adapter_loads_per_s=1e9, adapter_load_burst=10**6, **NO_WARM, **kw))
+    for i in range(n):
+        eng.register_adapter(f"k{i}", many_adapters[i])
+    return eng
+
+
+def test_a_walk_past_its_deadline_places_nothing_and_counts_a_cut(demo_set, many_adapters):
+    eng = _engine(demo_set, many_adapters, 6)
+    for i in range(6):
+        eng.add_request(req(f"r{i}", adapter_key=f"k{i}"))
+    eng.planner.prefetch((), 4, deadline_ns=0)  # long past
+    assert eng.resident_adapters() == [] and eng.planner.load_ahead_cuts == 1
+    eng.planner.prefetch((), 4, deadline_ns=None)
+    assert sorted(eng.resident_adapters()) == ["k0", "k1", "k2", "k3"] and eng.planner.load_ahead_cuts == 1
+
+
+def test_the_deadline_ends_placing_mid_walk_in_admission_order(demo_set, many_adapters, monkeypatch):
+    """Each placement takes 1 µs of a fake clock; a deadline 2.5 µs on places the first three in line and no more, and
+    the walk does not skip ahead to a later request once it stopped."""
+    eng = _engine(demo_set, many_adapters, 6)
+    for i in range(6):
+        eng.add_request(req(f"r{i}", adapter_key=f"k{i}"))
+    now = itertools.count(0, 0)
+    clock = [0]
+    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: clock[0] + next(now))
+    place = eng.adapters.prefetch
+
+    def slow(key, exclude):
+        clock[0] += 1000
+        return place(key, exclude)
+
+    monkeypatch.setattr(eng.adapters, "prefetch", slow)
+    eng.planner.prefetch((), 6, deadline_ns=2500)
+    assert sorted(eng.resident_adapters()) == ["k0", "k1", "k2"] and eng.planner.load_ahead_cuts == 1
+
+
+@pytest.mark.parametrize(("share", "covers_us", "bounded"), [(0.5, 2000.0, True), (None, 2000.0, False), (0.5, 0.0, False)])
+def test_the_engine_gives_the_walk_its_share_of_the_launched_work(demo_set, many_adapters, monkeypatch, share, covers_us, bounded):
+    """The deadline is the share of the launched work's device µs from now; none without a share or a measured step."""
+    eng = _engine(demo_set, many_adapters, 1, load_ahead_share=share)
+    got = []
+    monkeypatch.setattr(eng.planner, "prefetch", lambda busy, places, deadline_ns=None: got.append(deadline_ns))
+    before = planner_module.time.perf_counter_ns()
+    eng._load_ahead(1, covers_us=covers_us)
+    after = planner_module.time.perf_counter_ns()
+    if not bounded:
+        assert got == [None]
+    else:
+        assert before + 1_000_000 <= got[0] <= after + 1_000_000, (got, before, after)
+
+
+def test_decode_steps_set_what_a_round_covers(demo_set, many_adapters):
+    """The last decode step's measured µs is what the next round's walk is bounded by; a prompt step leaves it."""
+    eng = _engine(demo_set, many_adapters, 1)
+    assert eng._decode_us == 0
+    eng.add_request(req("a", adapter_key="k0", max_new_tokens=3))
+    eng.step()  # the prompt step
+    assert eng._decode_us == 0
+    while eng.has_unfinished():
+        eng.step()
+    assert eng._decode_us > 0
+
+
+def test_a_tiny_share_defers_placements_to_admission_and_changes_no_token(demo_set, many_adapters):
+    """12 requests over 10 adapters, 2 at a time: with a share so small that every bounded walk stops before its first
+    placement, each adapter is placed at its request's admission instead; every request gives the tokens it gives
+    with no bound, and every one was charged its load."""
+    reqs = [req(f"r{i}", adapter_key=f"k{i % 10}", max_new_tokens=4) for i in range(12)]
+
+    def run(share):
+        eng = _engine(demo_set, many_adapters, 10, load_ahead_share=share)
+        out = {r.request_id: r for r in eng.generate(reqs)}
+        return eng, out
+
+    bounded, got = run(1e-9)
+    free, want = run(None)
+    assert bounded.stats()["load_ahead_cuts"] > 0 and free.stats()["load_ahead_cuts"] == 0
+    assert all(r.ok for r in got.values()) and len(got) == 12
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
+    first = {f"r{i}" for i in range(10)}
+    assert all(got[k].timings.adapter_load_us > 0 for k in first)
