@@ -401,11 +401,14 @@ def test_a_load_ahead_that_raises_loses_no_launched_step(short_engine, monkeypat
     load_ahead = engine._load_ahead
     failures = []
 
-    def flaky(in_flight=0, finished_before=0):
+    covers = []
+
+    def flaky(in_flight=0, finished_before=0, covers_us=0.0):
+        covers.append((in_flight, covers_us))
         if in_flight and len(failures) < 2:
             failures.append(engine._inflight is not None)
             raise RuntimeError("load-ahead failed")
-        return load_ahead(in_flight, finished_before)
+        return load_ahead(in_flight, finished_before, covers_us)
 
     monkeypatch.setattr(engine, "_load_ahead", flaky)
     raised = 0
@@ -415,6 +418,8 @@ def test_a_load_ahead_that_raises_loses_no_launched_step(short_engine, monkeypat
         except RuntimeError:
             raised += 1
     assert raised == 2 and failures == [True, True]  # each time with the launched round kept in flight
+    # a round's walk is bounded by its steps at the last decode step's measured µs (engine.load_ahead_share)
+    assert any(n > 1 and c > 0 for n, c in covers) and all(c >= 0 for _, c in covers), covers
     assert sorted(r.request_id for r in results) == ["l0", "l1", "l2"]
     assert all(r.ok and len(r.output_ids) == 7 for r in results), [(r.request_id, r.error) for r in results]
     records = engine.pop_step_records()
