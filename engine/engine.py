@@ -11,7 +11,8 @@ Device, dtype and compute backend (engine.device), chosen once at start and logg
 decode steps replayed as CUDA graphs (engine.cuda_graphs); the torch reference ops on the CPU.
 
 Decode rounds (CUDA graphs only, engine.rounds): when every running request decodes and none wants logprobs, a step
-launches graph replays back to back (several when nothing waits, one while a waiting request could be admitted), and
+launches graph replays back to back (several when nothing waits, one while a waiting request could be admitted, or
+as many as the host's last cycle took while the planner holds admissions back: `_held_steps`), and
 the next step() launches the following round before it reads the last one back, so that host work overlaps the GPU;
 results thus come back one step() call later.
 
@@ -43,6 +44,7 @@ loop in its own thread for asyncio callers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -136,6 +138,10 @@ class Engine:
         # the garbage collector's passes, run while a round is in flight (engine.collector)
         self.collector = CollectorWindow() if config.gc_in_rounds else None
         self._decode_us = 0.0  # the last decode step's measured µs (0 until one ran): what a round in flight covers
+        # A chained round's host cycle (`_held_steps`): when the last round was launched (None: not by a chain of rounds),
+        # and the ns the host has waited for rounds' ends since
+        self._launched_ns: int | None = None
+        self._waited_ns = 0
 
     @property
     def step_records(self) -> list[StepRecord]:
@@ -228,12 +234,14 @@ class Engine:
                 log.exception("launching the next decode round raised; stepping afresh")
             try:
                 if self._inflight is not None:  # overlapped with the round just launched
-                    self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
-                    self._collect()  # the GPU has `rnd` and the round just launched queued
+                    with self._gc_deferred():  # the window collects what the load-ahead allocated
+                        self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
+                        self._collect()  # the GPU has `rnd` and the round just launched queued
             finally:
-                book_round(rnd, self._book)  # (booked whatever the load-ahead did)
+                self._waited_ns += book_round(rnd, self._book)  # (booked whatever the load-ahead did)
             self._ran = True
             return self._pop_done()
+        self._launched_ns = None  # rounds, if any, ended: the next one's host cycle is not a chained one's
         plan = self.planner.schedule()
         now = monotonic_us()
         for seq, error in plan.failed:
@@ -361,8 +369,9 @@ class Engine:
                 self._step_timer.reset()
                 self.runner.begin_step()
             else:
-                self._load_ahead(steps, covers_us=self._decode_us * steps)  # overlapped with the round (in flight whatever this does)
-                self._collect()
+                with self._gc_deferred():  # overlapped with the round (in flight whatever this does)
+                    self._load_ahead(steps, covers_us=self._decode_us * steps)
+                    self._collect()
                 return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
         # between launching the forward and reading its results: on CUDA, overlapped with it
@@ -396,24 +405,42 @@ class Engine:
     def _launch_round(self, seqs: list[Sequence], items: list[BatchItem], steps: int, first_ids: torch.Tensor | None = None) -> Round:
         """Launch a decode round (engine.rounds `launch_round`); the caller then starts the adapter loads no request of it
         waits for (`_load_ahead`), once the round is kept, so that a load-ahead that raises loses no launched step."""
-        return launch_round(self.runner, seqs, items, steps, first_ids)
+        launched = launch_round(self.runner, seqs, items, steps, first_ids)
+        self._launched_ns, self._waited_ns = time.perf_counter_ns(), 0
+        return launched
 
     def _next_round(self, rnd: Round) -> Round | None:
         """The round after `rnd`, launched before `rnd` is read back, so that the host's reading and bookkeeping of
         `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when a waiting request could
         be admitted, or engine.rounds `plan_next_round` finds none. While requests wait with room for them but the
         planner would admit none (each awaits a store read, or the admission hold holds them back: engine.planner
-        `admits_none`), the round is of one step, so that the next step() asks again."""
+        `admits_none`), the round is short (`_held_steps`), so that the next step() asks again."""
         held = self._admissible()
         if held and not self.planner.admits_none():
             return None
-        if (planned := plan_next_round(rnd, self.runner, 1 if held else self.config.decode_steps)) is None:
+        if (planned := plan_next_round(rnd, self.runner, self._held_steps() if held else self.config.decode_steps)) is None:
             return None
         items, steps = planned
         launched = self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
         if held:
             self.planner.note_held()  # the step the planner held back admissions for runs: its hold counted once
         return launched
+
+    def _held_steps(self) -> int:
+        """The steps of a round launched while admissions are held (`_next_round`): one, or as many as the host's last
+        cycle of a chained round took at the last decode step's measured time, rounded (at most `decode_steps`). The host asks the
+        planner once a cycle, so where its work (reads landing beside it, placements, booking) outlasts one step, a round
+        of one step leaves the GPU idle for the rest and asks no sooner than a longer round would (issue 19's cold
+        pass on an H100: one-step calls of 4.5 ms wall against 2.25 ms on the device, engine/PERF.md, session 22)."""
+        if self._launched_ns is None or self._decode_us <= 0:
+            return 1
+        host_ns = time.perf_counter_ns() - self._launched_ns - self._waited_ns
+        return max(1, min(self.config.decode_steps, round(host_ns / (self._decode_us * 1000))))
+
+    def _gc_deferred(self) -> contextlib.AbstractContextManager:
+        """The automatic collector held off for a burst of host work and the window's call after it, which collects
+        what it left (engine.collector `deferred`); nothing without the window."""
+        return self.collector.deferred() if self.collector is not None else contextlib.nullcontext()
 
     def _collect(self) -> None:
         """The collector's next pass, if the automatic one would fire before the next call, while the GPU has a round
@@ -435,6 +462,7 @@ class Engine:
     def _drain(self) -> None:
         """Read back and book the round in flight, if any, launching nothing after it."""
         rnd, self._inflight = self._inflight, None
+        self._launched_ns = None
         if rnd is not None:
             book_round(rnd, self._book)
 

@@ -7,9 +7,10 @@ one back and books it (`book_round`), so that host work overlaps the GPU instead
 -> 1.34 ms per decode step, engine/PERF.md; a round of one step costs what a step of a longer one does, 1.00-1.01x on
 the H100 in session 18). Results thus come back one step() call later. While a waiting request could be admitted, a
 round is of one step (so is every round with `decode_steps` 1), and the next is launched only while the planner would
-admit none of them (their adapters' store reads, the admission hold: engine.planner `admits_none`); a waiting
-request that could be admitted, a request reaching its max_new_tokens, or one found finished ends the run of rounds,
-and the next step() schedules afresh (engine.engine).
+admit none of them (their adapters' store reads, the admission hold: engine.planner `admits_none`), of as many steps
+as the host's last cycle took (engine.engine `_held_steps`); a waiting request that could be admitted, a request
+reaching its max_new_tokens, or one found finished ends the run of rounds, and the next step() schedules afresh
+(engine.engine).
 
 A sequence that finishes at step j of a round (EOS, stop string) still has a row in the steps after j, and
 in the round launched before it was read: those rows' time is charged to it, as the lookahead computed it on
@@ -18,6 +19,7 @@ its behalf, and their tokens are dropped. So has one that fails at step j (unusa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -120,12 +122,15 @@ def tokens_left(seq: Sequence) -> int:
     return seq.request.sampling.max_new_tokens - len(seq.output_ids)
 
 
-def book_round(rnd: Round, book: Callable[..., None]) -> None:
+def book_round(rnd: Round, book: Callable[..., None]) -> int:
     """Read a round's tokens back (the one wait) and book each of its steps as a step of its own, one StepRecord each
     (`book`: the engine's, engine.booking `StepBook.book`). A row computed past its sequence's end is charged to it
-    and its token dropped; a row read back as -1 (unusable logits) fails its request."""
+    and its token dropped; a row read back as -1 (unusable logits) fails its request. Returns the ns the host waited
+    for the round's end."""
+    waited = time.perf_counter_ns()
     if rnd.done is not None:
         rnd.done.synchronize()
+    waited = time.perf_counter_ns() - waited
     tokens = rnd.tokens.tolist()  # [steps, M]
     end_us = monotonic_us()
     rows = [(s, 1, s.lora_slot >= 0) for s in rnd.seqs]  # (taken once: a request failing mid-round releases its slot)
@@ -133,3 +138,4 @@ def book_round(rnd: Round, book: Callable[..., None]) -> None:
         total_us = rnd.timers[j].elapsed_us()
         outcomes = [unusable_logits() if token < 0 else token for token in tokens[j]]
         book(rows, total_us, min(rnd.lora_us, total_us), end_us, outcomes)
+    return waited

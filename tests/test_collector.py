@@ -151,3 +151,41 @@ def test_a_step_loop_calling_it_leaves_the_automatic_collector_nothing(threshold
     assert outside == [], f"automatic passes outside the window: {outside}"
     assert window.passes[0] > 0 and window.passes[1] > 0, window.passes
     assert automatic <= total <= 1.5 * automatic + 1, (total, automatic)
+
+
+def test_a_burst_deferred_is_collected_by_the_window_not_the_automatic_collector(thresholds):
+    """A burst of several thresholds' worth of allocations inside `deferred` starts no pass; the window called last in it
+    collects it, once, before the collector is on again; a collector disabled before stays disabled, and an exception
+    turns it on again."""
+    thresholds(700, 10, 10)
+    window = CollectorWindow(rise=0)
+    starts = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            starts.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with window.deferred():
+            assert not gc.isenabled()
+            keep = _allocate(5_000)
+            assert starts == [] and gc.get_count()[0] >= 5_000, starts
+            assert window() == 0 and starts == [0]  # the window's own pass, the collector still held off
+        assert gc.isenabled() and gc.get_count()[0] < 700
+        more = _allocate(100)
+        assert starts == [0], starts  # nothing left past the threshold for the automatic collector
+        with window.deferred():
+            pass  # a window not called: the collector is on again all the same
+        assert gc.isenabled()
+        gc.disable()
+        with window.deferred():
+            pass
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(RuntimeError), window.deferred():
+            raise RuntimeError("a load-ahead that raises")
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(seen)
+    del keep, more

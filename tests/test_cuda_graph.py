@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 
 import dataclasses
+import gc
 import sys
 
 import pytest
@@ -229,11 +230,18 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
     monkeypatch.setattr(engine, "collector", None)
     want = engine.generate(reqs)
     events: list[str] = []
-    window = CollectorWindow(rise=10**9)  # due whenever the collector is on
 
-    def collect():
-        events.append("collect")
-        return window()
+    class Recorded(CollectorWindow):
+        def __call__(self):
+            events.append("collect")
+            return super().__call__()
+
+    window = Recorded(rise=10**9)  # due whenever the collector is on
+    load_ahead, enabled = engine._load_ahead, []
+
+    def watched(*a, **kw):  # the automatic collector held off during a round's load-ahead (the window collects after)
+        enabled.append((a[0] if a else kw.get("in_flight", 0), gc.isenabled()))
+        return load_ahead(*a, **kw)
 
     book, launch = engine_module.book_round, engine._launch_round
 
@@ -246,11 +254,14 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
         events.append("launch")
         return rnd
 
-    monkeypatch.setattr(engine, "collector", collect)
+    monkeypatch.setattr(engine, "collector", window)
     monkeypatch.setattr(engine_module, "book_round", booked)
     monkeypatch.setattr(engine, "_launch_round", launched)
+    monkeypatch.setattr(engine, "_load_ahead", watched)
     got = engine.generate([dataclasses.replace(r, request_id=r.request_id + "-gc") for r in reqs])
+    assert gc.isenabled()
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert any(n > 1 for n, _ in enabled) and all(not on for n, on in enabled if n > 1), enabled  # (eager steps: 1 in flight)
     assert events.count("collect") >= 2 and sum(window.passes) >= 1, (events, window.passes)
     for i, e in enumerate(events):
         if e == "collect":
@@ -258,10 +269,11 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
             assert "book" in events[i + 1:], events  # and before the round in flight is read back
     assert events.count("collect") == events.count("launch"), events  # one window a launch, none without one
 
-    def broken():
-        raise RuntimeError("a window failed")
+    class Broken(CollectorWindow):
+        def __call__(self):
+            raise RuntimeError("a window failed")
 
-    monkeypatch.setattr(engine, "collector", broken)
+    monkeypatch.setattr(engine, "collector", Broken())
     with caplog.at_level("ERROR", logger=engine_module.log.name):
         again = engine.generate([dataclasses.replace(r, request_id=r.request_id + "-x") for r in reqs])
     assert [r.output_ids for r in again] == [r.output_ids for r in want]
@@ -340,12 +352,15 @@ def test_decode_rounds_run_with_a_full_batch_while_requests_wait(short_engine, m
     assert any(w > 0 for w in waiting_at_launch), waiting_at_launch  # rounds ran while requests waited
 
 
-def test_rounds_of_one_step_run_while_the_planner_would_admit_nobody(short_engine, monkeypatch):
+@pytest.mark.parametrize("held_steps", [1, 3])
+def test_short_rounds_run_while_the_planner_would_admit_nobody(short_engine, monkeypatch, held_steps):
     """Requests waiting with room for them, held back (as the admission hold does while their adapters' store reads land):
-    the running batch's steps are rounds of one step, each launched from the last one's tokens on the device before it
-    is read back (engine.planner `admits_none` asked instead of a schedule), never longer ones; once the hold lifts the
-    waiting requests are admitted at the next schedule, and every request gets its tokens, every measured µs charged."""
+    the running batch's steps are short rounds, each launched from the last one's tokens on the device before it is read
+    back (engine.planner `admits_none` asked instead of a schedule): of one step after a schedule, then of what
+    `_held_steps` says (the host's cycle in steps), never longer; once the hold lifts the waiting requests are admitted
+    at the next schedule, and every request gets its tokens, every measured µs charged."""
     engine = short_engine
+    monkeypatch.setattr(engine, "_held_steps", lambda: held_steps)
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 4}))
     engine.pop_step_records()
     first = [GenerationRequest(request_id=f"h{i}", input_ids=(6 + i, 9), adapter_key=[None, *ADAPTERS][i % 5],
@@ -373,7 +388,8 @@ def test_rounds_of_one_step_run_while_the_planner_would_admit_nobody(short_engin
     results = []
     for _ in range(3):
         results += engine.step()
-    assert calls and all(steps == 1 and waiting == 3 for steps, _, waiting in calls), calls
+    assert calls and all(waiting == 3 for _, _, waiting in calls), calls
+    assert all(steps == (held_steps if fed else 1) for steps, fed, _ in calls), calls  # (7 tokens left: 1 + 3 + 3)
     assert sum(fed for _, fed, _ in calls) >= 2 and len(asked) >= 2, (calls, asked)
     held["on"] = False
     while engine.has_unfinished():

@@ -95,3 +95,16 @@ def test_a_tiny_share_defers_placements_to_admission_and_changes_no_token(demo_s
     assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
     first = {f"r{i}" for i in range(10)}
     assert all(got[k].timings.adapter_load_us > 0 for k in first)
+
+
+@pytest.mark.parametrize(("host_ms", "waited_ms", "decode_us", "want"),
+                         [(5.0, 0.5, 1500.0, 3), (5.0, 4.0, 1500.0, 1), (0.2, 0.0, 1500.0, 1), (100.0, 0.0, 1500.0, 8),
+                          (5.0, 0.0, 0.0, 1)])  # fmt: skip
+def test_a_held_round_is_as_long_as_the_hosts_last_cycle(demo_set, many_adapters, host_ms, waited_ms, decode_us, want):
+    """The host's cycle since the last chained launch, less its waits for rounds' ends, in decode steps at the last one's
+    measured µs, rounded: at least 1, at most decode_steps (8); 1 before a decode step was measured or outside a chain."""
+    eng = _engine(demo_set, many_adapters, 1, decode_steps=8)
+    assert eng._held_steps() == 1  # no chained launch yet
+    eng._launched_ns = planner_module.time.perf_counter_ns() - int(host_ms * 1e6)
+    eng._waited_ns, eng._decode_us = int(waited_ms * 1e6), decode_us
+    assert eng._held_steps() == want

@@ -122,7 +122,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     counters = engine.adapters.counters
     sync(engine.device)
     t0 = time.perf_counter()
-    # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag, steps, placements, their µs)
+    # (µs per step, a load in the call, a decode-only call, measured µs per step, GC ms, tag, steps, placements, their µs,
+    # the longest collection in it as (ms, generation))
     tokens, calls = 0, []
     paused = GcPauses()
     gc_ms = 0.0  # the collector's pauses over the pass
@@ -141,7 +142,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
         while engine.has_unfinished():
             loads = counters["loads_disk"] + counters["loads_host"]
             gc_ms += paused.ms
-            paused.ms = 0.0
+            paused.ms, paused.longest = 0.0, None
             placed, placed_ns = engine.adapters.placements, engine.adapters.placement_ns
             c0 = stalls.begin()
             results = engine.step()
@@ -166,7 +167,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                     decode_steps += len(records)
                 calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode,
                               sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag, len(records),
-                              engine.adapters.placements - placed, timeline[-1][-1]))
+                              engine.adapters.placements - placed, timeline[-1][-1], paused.longest or (0.0, -1)))
     finally:
         gc_ms += paused.ms
         paused.close()
@@ -404,7 +405,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
         "timeline": {"cold": cold["timeline"], "warm": warm["timeline"], "cold_reads": cold["reads"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5], "steps": c[6],
-                                      "placed": c[7], "placing_us": c[8]}
+                                      "placed": c[7], "placing_us": c[8], "gc_longest_ms_gen": list(c[9])}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
     for name, passed in (("cold", cold), ("warm", warm)):

@@ -52,17 +52,22 @@ class StallStacks:
 
 
 class GcPauses:
-    """Milliseconds the garbage collector ran since `ms` was last set (gc.callbacks), until `close`."""
+    """Milliseconds the garbage collector ran since `ms` was last set (gc.callbacks), until `close`; `longest` the
+    longest pass since it was last set, as (ms, generation)."""
 
     def __init__(self):
         self.ms, self._t0 = 0.0, 0.0
+        self.longest: tuple[float, int] | None = None
         gc.callbacks.append(self._tick)
 
     def _tick(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.ms += (time.perf_counter() - self._t0) * 1e3
+            ms = (time.perf_counter() - self._t0) * 1e3
+            self.ms += ms
+            if self.longest is None or ms > self.longest[0]:
+                self.longest = (round(ms, 2), info.get("generation", -1))
 
     def close(self) -> None:
         gc.callbacks.remove(self._tick)
