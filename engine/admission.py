@@ -23,10 +23,11 @@ admissions while running requests that reach their max_new_tokens within COALESC
 for the waiting requests, when waiting for them is cheaper than a prompt step. What a hold costs, counted over the
 whole hold (the steps already held and those until the last of those requests finishes), in whole-batch decode steps:
 the free places idle meanwhile (place-steps over the batch), and UNCHAINED_STEP a held step, since a step that leaves
-places free for waiting requests runs as a round of one step, not chained with the next (engine.rounds; PERF.md,
+places free for waiting requests runs in a short round, not chained with the next (engine.rounds; PERF.md,
 issue 21's suite: 2.92 against 2.16 ms a step at llama-1b, when such a step ran eagerly; since session 18 a held step
-is a round of one step launched before the last is read back, 1.00-1.01x a chained step on the H100 with
-decode_steps 1, and the figure, kept until the hold is measured again, overstates it). It must stay within PROMPT_STEP_DECODES: 4 free places of
+is a round launched before the last is read back, of one step (1.00-1.01x a chained step on the H100 with
+decode_steps 1) or, since session 22, of as many as the host's last cycle took; the figure, kept until the hold is
+measured again, overstates it, and a held round of several steps counts once). It must stay within PROMPT_STEP_DECODES: 4 free places of
 64 for 7 steps are held (0.4 + 1.75); 60 for 7 steps are not, they are admitted and the other 4 come later; nor are
 places freeing 16 steps on. A hold lasts at most that reckoning allows and, as any hold, at most the bound. A request
 counts by its max_new_tokens: one that stops earlier (EOS, a stop string) only frees its place sooner.
@@ -93,25 +94,30 @@ class AdmissionHold:
         `want` while none are freeing; else every place, those freeing included (which no step can admit before then)."""
         return want + soon if soon > 0 else math.ceil(ADMIT_FRACTION * want)
 
+    def remaining_s(self, now: float) -> float | None:
+        """The time left to the hold under way before its bound ends it, None when none is under way."""
+        return None if self._since is None else max(0.0, self.bound_s - (now - self._since))
+
     def would_hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None) -> bool:
         """What `hold` would answer at `now` (the clock's time by default), changing nothing."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             return self._since is None or (self._clock() if now is None else now) - self._since < self.bound_s
         return False
 
-    def hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None) -> bool:
+    def hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None, steps: int = 1) -> bool:
         """Whether this step holds back its admissions: `running`, the batch has work in it; `ready`, waiting requests
         whose adapters need no store read (counted up to `enough(want, soon)`); `want`, the places the waiting could
         fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when `worth_waiting` says so
-        (the caller's reckoning; module docstring); `now`, the step's time (the clock's by default)."""
+        (the caller's reckoning; module docstring); `now`, the step's time (the clock's by default); `steps`, the decode
+        steps it holds them back for (a held round's)."""
         if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             now = self._clock() if now is None else now
             if self._since is None:
                 self._since = now
             if now - self._since < self.bound_s:
-                self.holds += 1
+                self.holds += steps
                 if soon > 0:
-                    self._idle += want
+                    self._idle += want * steps
                     self._held += 1
                 return True
         self._since = None

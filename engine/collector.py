@@ -22,8 +22,9 @@ last one: cyclic garbage that reached the oldest generation is freed late, not n
 Bursts. A call whose host work allocates more than the threshold (a load-ahead placing 40-60 adapters) started the
 automatic collector inside it whatever the window had done, and there CPython's own choice could be a full pass: in
 session 22's calls on an H100 the slowest decode calls with a load held one pass of 5.7-6.3 ms each (the window's own
-averaged 0.17 ms), in calls whose host work already filled the round. The engine runs the load-ahead and then the
-window inside `deferred`, so that such a burst is collected by the window's choice of generation.
+averaged 0.17 ms), in calls whose host work already filled the round. The engine runs a round's load-ahead and then
+the window inside `deferred` (the window also when the load-ahead raised), so that such a burst is collected by the
+window's choice of generation. A prompt step's load-ahead runs as before, with no window after it.
 
 Not hidden everywhere: the call's other host work (placing adapters) runs in the same gap, and a pass that outlasts the
 GPU's queued work delays the step. Session 21's A/B (an earlier version that collected at half the threshold and took

@@ -54,7 +54,8 @@ class EngineConfig(BaseModel):
         description="the host time a step may spend placing the adapters of queued requests in GPU memory ahead of their "
         "admission, as a share of the device time of the work it just launched (a decode round's steps at their last "
         "measured time, or a prompt step's tokens at the measured cost of a prompt token): past it the rest are placed by "
-        "later steps, or at admission, so that the GPU does not wait for the host's placements; None: no bound",
+        "later steps, or at admission, so that the GPU does not wait for the host's placements; None (the Python API; in "
+        "a TOML file, a large share such as 100): no bound",
     )  # fmt: skip
 
     gpu_memory_fraction: float = Field(

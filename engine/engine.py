@@ -137,11 +137,13 @@ class Engine:
         self._inflight: Round | None = None  # a decode round launched and not yet read back (engine.rounds)
         # the garbage collector's passes, run while a round is in flight (engine.collector)
         self.collector = CollectorWindow() if config.gc_in_rounds else None
-        self._decode_us = 0.0  # the last decode step's measured µs (0 until one ran): what a round in flight covers
+        self._decode_us = 0.0  # the last decode round's last step's measured µs (0 until one ran): what a round covers
+        self._eager_us = 0  # the last eager step's measured µs: what the next one's load-ahead covers, lacking a better guess
         # A chained round's host cycle (`_held_steps`): when the last round was launched (None: not by a chain of rounds),
         # and the ns the host has waited for rounds' ends since
         self._launched_ns: int | None = None
         self._waited_ns = 0
+        self._cycle_ns: int | None = None  # the host's last chained cycle, in ns
 
     @property
     def step_records(self) -> list[StepRecord]:
@@ -234,14 +236,17 @@ class Engine:
                 log.exception("launching the next decode round raised; stepping afresh")
             try:
                 if self._inflight is not None:  # overlapped with the round just launched
-                    with self._gc_deferred():  # the window collects what the load-ahead allocated
-                        self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
-                        self._collect()  # the GPU has `rnd` and the round just launched queued
+                    with self._gc_deferred():  # the window collects what the load-ahead allocated, also if it raised
+                        try:
+                            self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
+                        finally:
+                            self._collect()  # the GPU has `rnd` and the round just launched queued
             finally:
                 self._waited_ns += book_round(rnd, self._book)  # (booked whatever the load-ahead did)
+                self._decode_us = rnd.timers[-1].elapsed_us()  # a whole-batch decode step's: what the next round covers
             self._ran = True
             return self._pop_done()
-        self._launched_ns = None  # rounds, if any, ended: the next one's host cycle is not a chained one's
+        self._launched_ns = self._cycle_ns = None  # rounds, if any, ended: the next one's host cycle is not a chained one's
         plan = self.planner.schedule()
         now = monotonic_us()
         for seq, error in plan.failed:
@@ -370,18 +375,21 @@ class Engine:
                 self.runner.begin_step()
             else:
                 with self._gc_deferred():  # overlapped with the round (in flight whatever this does)
-                    self._load_ahead(steps, covers_us=self._decode_us * steps)
-                    self._collect()
+                    try:
+                        self._load_ahead(steps, covers_us=self._decode_us * steps)
+                    finally:
+                        self._collect()
                 return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
-        # between launching the forward and reading its results: on CUDA, overlapped with it
+        # between launching the forward and reading its results: on CUDA, overlapped with it; it covers its prompt tokens
+        # at the fitted cost of one, or what the last eager step took
         prompt = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)  # (a decode item computes one token)
-        self._load_ahead(1, covers_us=prompt * (self.book.prefill_cost.value or 0.0) if prompt else self._decode_us)
+        self._load_ahead(1, covers_us=(prompt * self.book.prefill_cost.value if prompt and self.book.prefill_cost.value else self._eager_us))
         samplers = [i for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
             chosen, sample_errors = self._sample(logits, [plan.items[i].seq for i in samplers])
         end_us = monotonic_us()
-        total_us = self._step_timer.elapsed_us()
+        total_us = self._eager_us = self._step_timer.elapsed_us()
         # Event rounding may overshoot by 1 us; a graph's calibrated share may exceed a faster step's total.
         lora_us = min(self.runner.lora_us(), total_us)
         outcomes: list[Outcome] = [None] * len(plan.items)
@@ -393,8 +401,6 @@ class Engine:
     def _book(self, rows: list[tuple[Sequence, int, bool]], total_us: int, lora_us: int, end_us: int, outcomes: list[Outcome],
               failed: dict[int, EngineError] | None = None) -> None:  # fmt: skip
         """Book a measured step, eager or of a decode round (engine.booking `StepBook.book`)."""
-        if all(n == 1 for _, n, _ in rows) and not failed:
-            self._decode_us = total_us
         self.book.book(rows, total_us, lora_us, end_us, outcomes, self.eos_ids, failed)
 
     def _forward(self, items: list[BatchItem]) -> torch.Tensor:
@@ -414,7 +420,8 @@ class Engine:
         `rnd` overlap the GPU's next steps; None (and the next step() schedules afresh) when a waiting request could
         be admitted, or engine.rounds `plan_next_round` finds none. While requests wait with room for them but the
         planner would admit none (each awaits a store read, or the admission hold holds them back: engine.planner
-        `admits_none`), the round is short (`_held_steps`), so that the next step() asks again."""
+        `admits_none`), the round is of `_held_steps` (one, or as many as the host's last cycle took), so that the next
+        step() asks again about as soon as it could anyway."""
         held = self._admissible()
         if held and not self.planner.admits_none():
             return None
@@ -423,7 +430,7 @@ class Engine:
         items, steps = planned
         launched = self._launch_round(rnd.seqs, items, steps, first_ids=rnd.last_ids)
         if held:
-            self.planner.note_held()  # the step the planner held back admissions for runs: its hold counted once
+            self.planner.note_held(steps)  # the round the planner held back admissions for runs: its hold counted once
         return launched
 
     def _held_steps(self) -> int:
@@ -434,8 +441,15 @@ class Engine:
         pass on an H100: one-step calls of 4.5 ms wall against 2.25 ms on the device, engine/PERF.md, session 22)."""
         if self._launched_ns is None or self._decode_us <= 0:
             return 1
-        host_ns = time.perf_counter_ns() - self._launched_ns - self._waited_ns
-        return max(1, min(self.config.decode_steps, round(host_ns / (self._decode_us * 1000))))
+        now = time.perf_counter_ns()
+        cycle_ns = now - self._launched_ns - self._waited_ns
+        # the shorter of the last two cycles: one long cycle (a burst of arrivals, a traceback logged) is not a trend
+        host_ns, self._cycle_ns = min(cycle_ns, self._cycle_ns or cycle_ns), cycle_ns
+        steps = round(host_ns / (self._decode_us * 1000))
+        left_s = self.planner.hold.remaining_s(self.planner.hold.clock())
+        if left_s is not None:  # a hold under way ends at its bound: no round runs on past it by a step
+            steps = min(steps, int(left_s * 1e6 // self._decode_us) + 1)
+        return max(1, min(self.config.decode_steps, steps))
 
     def _gc_deferred(self) -> contextlib.AbstractContextManager:
         """The automatic collector held off for a burst of host work and the window's call after it, which collects
@@ -462,7 +476,7 @@ class Engine:
     def _drain(self) -> None:
         """Read back and book the round in flight, if any, launching nothing after it."""
         rnd, self._inflight = self._inflight, None
-        self._launched_ns = None
+        self._launched_ns = self._cycle_ns = None
         if rnd is not None:
             book_round(rnd, self._book)
 

@@ -185,7 +185,8 @@ class StepPlanner:
         """Whether the next schedule, every running request decoding, would admit none of the waiting ones, by what it
         can tell before trying: none could take a place (the batch is full, or the token budget is spent), none is ready
         (each awaits a store read), or the admission hold holds them back (engine.admission). Changes nothing: the
-        engine runs a decode round of one step instead of that schedule, and `note_held` then counts its hold."""
+        engine runs a short decode round instead of that schedule (engine.engine `_held_steps`), and `note_held` then
+        counts its hold."""
         self._asked = None
         budget = self.config.max_num_batched_tokens - len(self.running)
         free = self.config.max_batch_size - len(self.running)
@@ -198,13 +199,13 @@ class StepPlanner:
         self._asked = (bool(self.running), ready, want, soon, now)
         return True
 
-    def note_held(self) -> None:
-        """The step that `admits_none` answered for runs (the engine launched its round): its hold counted, or a hold
-        ended when none was ready, as the schedule that step replaces would (at the time `admits_none` asked)."""
+    def note_held(self, steps: int = 1) -> None:
+        """The round of `steps` that `admits_none` answered for runs (the engine launched it): its hold counted, or a
+        hold ended when none was ready, as the schedule that round replaces would (at the time `admits_none` asked)."""
         if self._asked is not None:
             running, ready, want, soon, now = self._asked
             self._asked = None
-            self.hold.hold(running, ready, want, soon, now=now)
+            self.hold.hold(running, ready, want, soon, now=now, steps=steps)
 
     # ---- internals
 

@@ -524,3 +524,27 @@ def test_capturing_every_bucket_up_front_changes_no_token(short_engine):
     upfront = short_engine.generate(reqs)
     assert all(r.ok for r in lazily + upfront)
     assert [r.output_ids for r in upfront] == [r.output_ids for r in lazily]
+
+
+def test_a_chained_cycle_is_timed_from_its_launch_less_the_wait_for_its_round(short_engine, monkeypatch):
+    """What `_held_steps` reads: each round's launch marks the cycle's start and clears the waits, step() adds the wait
+    book_round reports for the round it reads back after launching the next, and the last decode step's measured µs is
+    the round's; a drain or a fresh schedule ends the chain (no cycle to time)."""
+    import engine.engine as engine_module
+
+    engine = short_engine
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": 2}))
+    book = engine_module.book_round
+    monkeypatch.setattr(engine_module, "book_round", lambda rnd, fn: book(rnd, fn) * 0 + 123_456)
+    for r in _chain_requests(2, 9):
+        engine.add_request(r)
+    engine.step()  # the prompts
+    engine.step()  # a schedule: the first round launched, nothing read back
+    assert engine._launched_ns is not None and engine._waited_ns == 0
+    launched = engine._launched_ns
+    engine.step()  # the next round launched, the first read back
+    assert engine._launched_ns > launched and engine._waited_ns == 123_456 and engine._decode_us > 0
+    engine.pop_step_records()  # drains the round in flight
+    assert engine._launched_ns is None
+    while engine.has_unfinished():
+        engine.step()

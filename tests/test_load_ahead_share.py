@@ -4,13 +4,11 @@ admission, with the tokens of an unbounded engine."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 import engine.planner as planner_module
 from engine.engine import Engine
-from tests.test_serving_helpers import NO_WARM, config, many_adapters, req  # noqa: F401 (a fixture)
+from tests.test_serving_helpers import NO_WARM, FakeClock, config, many_adapters, req  # noqa: F401 (a fixture)
 
 
 def _engine(demo_set, many_adapters, n: int, **kw) -> Engine:
@@ -36,9 +34,8 @@ def test_the_deadline_ends_placing_mid_walk_in_admission_order(demo_set, many_ad
     eng = _engine(demo_set, many_adapters, 6)
     for i in range(6):
         eng.add_request(req(f"r{i}", adapter_key=f"k{i}"))
-    now = itertools.count(0, 0)
     clock = [0]
-    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: clock[0] + next(now))
+    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: clock[0])
     place = eng.adapters.prefetch
 
     def slow(key, exclude):
@@ -65,18 +62,6 @@ def test_the_engine_gives_the_walk_its_share_of_the_launched_work(demo_set, many
         assert before + 1_000_000 <= got[0] <= after + 1_000_000, (got, before, after)
 
 
-def test_decode_steps_set_what_a_round_covers(demo_set, many_adapters):
-    """The last decode step's measured µs is what the next round's walk is bounded by; a prompt step leaves it."""
-    eng = _engine(demo_set, many_adapters, 1)
-    assert eng._decode_us == 0
-    eng.add_request(req("a", adapter_key="k0", max_new_tokens=3))
-    eng.step()  # the prompt step
-    assert eng._decode_us == 0
-    while eng.has_unfinished():
-        eng.step()
-    assert eng._decode_us > 0
-
-
 def test_a_tiny_share_defers_placements_to_admission_and_changes_no_token(demo_set, many_adapters):
     """12 requests over 10 adapters, 2 at a time: with a share so small that every bounded walk stops before its first
     placement, each adapter is placed at its request's admission instead; every request gives the tokens it gives
@@ -85,12 +70,16 @@ def test_a_tiny_share_defers_placements_to_admission_and_changes_no_token(demo_s
 
     def run(share):
         eng = _engine(demo_set, many_adapters, 10, load_ahead_share=share)
+        place, ahead = eng.adapters.prefetch, []
+        eng.adapters.prefetch = lambda key, exclude: ahead.append(r := place(key, exclude)) or r
         out = {r.request_id: r for r in eng.generate(reqs)}
-        return eng, out
+        return eng, out, sum(isinstance(r, int) for r in ahead)
 
-    bounded, got = run(1e-9)
-    free, want = run(None)
+    bounded, got, placed_bounded = run(1e-9)
+    free, want, placed_free = run(None)
     assert bounded.stats()["load_ahead_cuts"] > 0 and free.stats()["load_ahead_cuts"] == 0
+    # placed ahead only before a prompt step's cost was fitted (no bound yet), the rest at their admission
+    assert placed_bounded < placed_free, (placed_bounded, placed_free)
     assert all(r.ok for r in got.values()) and len(got) == 12
     assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
     first = {f"r{i}" for i in range(10)}
@@ -100,11 +89,34 @@ def test_a_tiny_share_defers_placements_to_admission_and_changes_no_token(demo_s
 @pytest.mark.parametrize(("host_ms", "waited_ms", "decode_us", "want"),
                          [(5.0, 0.5, 1500.0, 3), (5.0, 4.0, 1500.0, 1), (0.2, 0.0, 1500.0, 1), (100.0, 0.0, 1500.0, 8),
                           (5.0, 0.0, 0.0, 1)])  # fmt: skip
-def test_a_held_round_is_as_long_as_the_hosts_last_cycle(demo_set, many_adapters, host_ms, waited_ms, decode_us, want):
+def test_a_held_round_is_as_long_as_the_hosts_last_cycle(demo_set, many_adapters, monkeypatch, host_ms, waited_ms, decode_us, want):
     """The host's cycle since the last chained launch, less its waits for rounds' ends, in decode steps at the last one's
     measured µs, rounded: at least 1, at most decode_steps (8); 1 before a decode step was measured or outside a chain."""
     eng = _engine(demo_set, many_adapters, 1, decode_steps=8)
     assert eng._held_steps() == 1  # no chained launch yet
-    eng._launched_ns = planner_module.time.perf_counter_ns() - int(host_ms * 1e6)
+    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: 10**12)
+    eng._launched_ns = 10**12 - int(host_ms * 1e6)
     eng._waited_ns, eng._decode_us = int(waited_ms * 1e6), decode_us
     assert eng._held_steps() == want
+
+
+def test_a_held_round_takes_the_shorter_of_two_cycles_and_ends_by_the_holds_bound(demo_set, many_adapters, monkeypatch):
+    """One long cycle after a short one does not lengthen the round (the shorter of the last two counts); and a hold
+    under way whose bound ends within 2 steps cuts a round the host's cycle would make 6 steps long to 2 (the step in
+    which the bound runs out, and the one under way)."""
+    clock = FakeClock(100.0)
+    eng = Engine(config(demo_set, max_batch_size=2, decode_steps=8, admission_hold_ms=40, **NO_WARM), clock=clock)
+    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: 10**12)
+    eng._decode_us = 1000.0
+
+    def cycle(ms: float) -> int:
+        eng._launched_ns, eng._waited_ns = 10**12 - int(ms * 1e6), 0
+        return eng._held_steps()
+
+    assert cycle(2.0) == 2 and cycle(6.0) == 2 and cycle(6.0) == 6 and cycle(3.0) == 3 and cycle(6.0) == 3
+    assert cycle(6.0) == 6
+    assert eng.planner.hold.hold(True, 1, 4)  # a hold begins now: its bound 40 ms on
+    clock.t += 0.0385  # 1.5 ms left
+    assert cycle(6.0) == 2
+    clock.t += 1.0  # past the bound: a step under way at most
+    assert cycle(6.0) == 1
