@@ -28,6 +28,8 @@ def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, capsys, synced):
                gc_in_rounds=synced, load_ahead_share=0.5 if synced else None)  # fmt: skip
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
     assert all(r["load_ahead_share"] == (0.5 if synced else None) and r["cold_load_ahead_cuts"] >= 0 for r in rows)
+    for r in rows:  # every decode call counted once by its steps (the CPU steps eagerly: one each)
+        assert set(r["cold_decode_calls_by_steps"]) == {1} and sum(r["cold_decode_calls_by_steps"].values()) > 0, r
     assert all(r["synced_calls"] == synced for r in rows)
     assert all(r["gc_in_rounds"] == synced and (r["collector_passes"] is not None) == synced for r in rows)
     last = capsys.readouterr().out.splitlines()[-3:]

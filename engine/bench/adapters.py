@@ -22,6 +22,7 @@ rank, and each adapter's own index written into three entries of B.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import math
@@ -396,6 +397,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # load-aheads that left placements to later steps, their host time past engine.load_ahead_share of the work launched
         "load_ahead_share": engine.config.load_ahead_share,
         "cold_load_ahead_cuts": cold["load_ahead_cuts"], "warm_load_ahead_cuts": warm["load_ahead_cuts"],
+        # decode calls by the steps they booked (a held round is as long as the host's cycle: engine.engine `_held_steps`)
+        "cold_decode_calls_by_steps": _by_steps(cold["calls"]), "warm_decode_calls_by_steps": _by_steps(warm["calls"]),
         "cold_gc_ms": cold["gc_ms"], "warm_gc_ms": warm["gc_ms"],  # the collector's pauses in each pass
         # L1 placements for requests and their host time on the engine thread (eviction choice, pages, the copies' launches)
         "cold_placements": cold["placements"], "cold_placement_host_ms": cold["placement_host_ms"],
@@ -495,6 +498,11 @@ def _print_table(rows: list[dict]) -> None:
                                           f"{slow['placed']} ({slow['placing_us']}), {slow['gc_ms']}")  # fmt: skip
         window = "off" if r["collector_passes"] is None else f"{'/'.join(map(str, r['collector_passes']))} ({r['collector_ms']})"
         print(f"{r['count']} | {worst} | {window}")
+
+
+def _by_steps(calls: list[tuple]) -> dict[int, int]:
+    """How many of a pass's decode calls booked each number of steps, fewest first."""
+    return dict(sorted(collections.Counter(c[6] for c in calls if c[2]).items()))
 
 
 def _per(ms: float, n: int) -> int | None:
