@@ -32,7 +32,9 @@ full passes when due) left the p99 of the slowest decode calls as it was and rai
 
 Left alone: thresholds, `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
-the window does nothing and the automatic collector runs as it does.
+the window does nothing and the automatic collector runs as it does. Not handled: another thread that disables the
+collector while `deferred` has it off finds it on again when the body ends (the step loop's process runs no such
+thread).
 """
 
 from __future__ import annotations
