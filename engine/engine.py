@@ -235,12 +235,8 @@ class Engine:
             except Exception:  # the next step schedules afresh, eagerly
                 log.exception("launching the next decode round raised; stepping afresh")
             try:
-                if self._inflight is not None:  # overlapped with the round just launched
-                    with self._gc_deferred():  # the window collects what the load-ahead allocated, also if it raised
-                        try:
-                            self._load_ahead(self._inflight.steps, rnd.steps, self._decode_us * self._inflight.steps)
-                        finally:
-                            self._collect()  # the GPU has `rnd` and the round just launched queued
+                if self._inflight is not None:  # the GPU has `rnd` and the round just launched queued
+                    self._under_round(self._inflight.steps, rnd.steps)
             finally:
                 self._waited_ns += book_round(rnd, self._book)  # (booked whatever the load-ahead did)
                 self._decode_us = rnd.timers[-1].elapsed_us()  # a whole-batch decode step's: what the next round covers
@@ -374,17 +370,14 @@ class Engine:
                 self._step_timer.reset()
                 self.runner.begin_step()
             else:
-                with self._gc_deferred():  # overlapped with the round (in flight whatever this does)
-                    try:
-                        self._load_ahead(steps, covers_us=self._decode_us * steps)
-                    finally:
-                        self._collect()
+                self._under_round(steps)  # (the round is in flight whatever this does)
                 return
         logits, failed = forward_isolated(self._forward, items)  # [M', V] for the sampling items that ran
         # between launching the forward and reading its results: on CUDA, overlapped with it; it covers its prompt tokens
         # at the fitted cost of one, or what the last eager step took
         prompt = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)  # (a decode item computes one token)
-        self._load_ahead(1, covers_us=(prompt * self.book.prefill_cost.value if prompt and self.book.prefill_cost.value else self._eager_us))
+        per_token = self.book.prefill_cost.value
+        self._load_ahead(1, covers_us=prompt * per_token if prompt and per_token else self._eager_us)
         samplers = [i for i, it in enumerate(plan.items) if it.samples and i not in failed]
         with self._step_timer.section():
             chosen, sample_errors = self._sample(logits, [plan.items[i].seq for i in samplers])
@@ -435,8 +428,8 @@ class Engine:
 
     def _held_steps(self) -> int:
         """The steps of a round launched while admissions are held (`_next_round`): one, or as many as the host's last
-        cycle of a chained round took at the last decode step's measured time, rounded (at most `decode_steps`). The host asks the
-        planner once a cycle, so where its work (reads landing beside it, placements, booking) outlasts one step, a round
+        cycle of a chained round took at the last decode step's measured time, rounded (at most `decode_steps`). The
+        host asks the planner once a cycle, so where its work (reads landing beside it, placements, booking) outlasts one step, a round
         of one step leaves the GPU idle for the rest and asks no sooner than a longer round would (issue 19's cold
         pass on an H100: one-step calls of 4.5 ms wall against 2.25 ms on the device, engine/PERF.md, session 22)."""
         if self._launched_ns is None or self._decode_us <= 0:
@@ -451,10 +444,17 @@ class Engine:
             steps = min(steps, int(left_s * 1e6 // self._decode_us) + 1)
         return max(1, min(self.config.decode_steps, steps))
 
-    def _gc_deferred(self) -> contextlib.AbstractContextManager:
-        """The automatic collector held off for a burst of host work and the window's call after it, which collects
-        what it left (engine.collector `deferred`); nothing without the window."""
-        return self.collector.deferred() if self.collector is not None else contextlib.nullcontext()
+    def _under_round(self, in_flight: int, finished_before: int = 0) -> None:
+        """The host work overlapped with a round of `in_flight` steps just launched: the load-ahead, bounded by the
+        round's steps at the last decode step's measured µs, then the collector's window, which runs also when the
+        load-ahead raised; the automatic collector held off across both, so that the window collects what the
+        load-ahead allocated (engine.collector `deferred`)."""
+        deferred = self.collector.deferred() if self.collector is not None else contextlib.nullcontext()
+        with deferred:
+            try:
+                self._load_ahead(in_flight, finished_before, self._decode_us * in_flight)
+            finally:
+                self._collect()
 
     def _collect(self) -> None:
         """The collector's next pass, if the automatic one would fire before the next call, while the GPU has a round
