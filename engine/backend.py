@@ -45,6 +45,7 @@ class KernelBackend:
     fp8_quantize_rows: Callable | None = None  # kernels.fp8_quant.quantize_rows: activations to FP8 for prefill (engine.quant)
     lora_delta: Callable | None = None  # kernels.lora_delta.lora_delta: a delta-first projection's shrink + expand in one launch
     lora_delta_fits: Callable | None = None  # kernels.lora_delta.fits: (weights, segments) -> bool
+    decode_rope_attention: Callable | None = None  # kernels.paged_attention.decode_rope_attention
 
     @property
     def triton(self) -> bool:
@@ -80,7 +81,7 @@ def pick_backend(choice: str, device: torch.device) -> KernelBackend:
         )
     return KernelBackend("triton", shrink.lora_shrink, expand.lora_expand, attention.paged_attention, norm.add_rms_norm,
                          rope.rope_and_cache, act.silu_mul, linear.decode_linear, linear.fits, interpreted, fp8.fp8_linear,
-                         quant.quantize_rows, delta.lora_delta, delta.fits)  # fmt: skip
+                         quant.quantize_rows, delta.lora_delta, delta.fits, attention.decode_rope_attention)  # fmt: skip
 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:

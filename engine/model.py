@@ -188,12 +188,15 @@ class ModelOps:
     The runner swaps in the kernels of `kernels/` when the engine runs the triton backend (engine.backend):
     residual add + RMSNorm in one launch (kernels/rms_norm.py), RoPE of q and k + the KV-cache write in one
     (kernels/rope_cache.py), SiLU x up in one (kernels/silu_mul.py). At llama-1b, batch 32, that is ~110 fewer
-    launches of a ~270-launch decode step. Each kernel's torch reference sits beside it; the composite
+    launches of a ~270-launch decode step. A decode step (one new token a sequence, the triton attention) also folds
+    RoPE and the KV write into the attention launch (kernels/paged_attention.py `decode_rope_attention`). Each kernel's torch reference sits beside it; the composite
     ops here are the model as it always ran, so the CPU path and HF parity are unchanged."""
 
     add_rms_norm: Callable | None = None  # kernels.rms_norm.add_rms_norm
     rope_and_cache: Callable | None = None  # kernels.rope_cache.rope_and_cache
     silu_mul: Callable | None = None  # kernels.silu_mul.silu_mul
+    # kernels.paged_attention.decode_rope_attention: a decode step's RoPE, KV write and attention in one launch a layer
+    decode_rope_attention: Callable | None = None
 
 
 class RMSNorm(nn.Module):
@@ -228,6 +231,10 @@ class Attention(nn.Module):
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [N, (H + 2 KV) * D]
         k_pool, v_pool = attn.kv_cache.k[self.layer_idx], attn.kv_cache.v[self.layer_idx]  # [blocks, bs, KV, D]
+        if ops.decode_rope_attention is not None and attn.kernel is not None and attn.cu_seqlens_q is None:
+            out = ops.decode_rope_attention(qkv, rope.positions, rope.inv_freq, k_pool, v_pool, attn.slot_mapping,
+                                            attn.block_table, attn.seq_lens, h)  # fmt: skip
+            return self.o_proj(out.view(n, h * d))  # [N, hidden]
         if ops.rope_and_cache is not None:
             q = ops.rope_and_cache(qkv, rope.positions, rope.inv_freq, k_pool, v_pool, attn.slot_mapping, h)  # [N, H, D]
         else:

@@ -254,6 +254,7 @@ def _logit_rows(items: list[BatchItem], query_lens: list[int]) -> list[int]:
 
 def model_ops(backend: KernelBackend, head_dim: int) -> ModelOps:
     """The fused kernels of the triton backend as the model's ops; RoPE + KV write stays composite for head sizes
-    that are not a power of two (the kernel loads whole halves of a head)."""
+    that are not a power of two (the kernels load whole halves of a head), and so does a decode step's attention."""
     pow2 = head_dim & (head_dim - 1) == 0
-    return ModelOps(add_rms_norm=backend.add_rms_norm, rope_and_cache=backend.rope_and_cache if pow2 else None, silu_mul=backend.silu_mul)
+    return ModelOps(add_rms_norm=backend.add_rms_norm, rope_and_cache=backend.rope_and_cache if pow2 else None, silu_mul=backend.silu_mul,
+                    decode_rope_attention=backend.decode_rope_attention if pow2 else None)  # fmt: skip

@@ -157,7 +157,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
     from kernels.lora_expand import lora_expand
     from kernels.lora_segments import LoraDelta, LoraPages, segments_from_indices, segments_per_row
     from kernels.lora_shrink import lora_shrink
-    from kernels.paged_attention import paged_attention
+    from kernels.paged_attention import decode_rope_attention, paged_attention
     from kernels.rms_norm import add_rms_norm
     from kernels.rope_cache import rope_and_cache
     from kernels.silu_mul import silu_mul
@@ -218,15 +218,17 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
             tables = _meta(rows, blocks, dtype=torch.int32)
             seq_lens = _meta(rows, dtype=torch.int32)
             q_decode = _meta(rows, heads, head_dim, dtype=dtype)
+            qkv = _meta(rows, q_out + 2 * kv_out, dtype=dtype)
+            pos = _meta(rows, dtype=torch.int64)
             for splits in (1, 4):
                 yield lambda q=q_decode, kc=k_cache, s=splits: paged_attention(q, kc, kc, tables, seq_lens, num_splits=s)
+                yield lambda qkv=qkv, kc=k_cache, s=splits, heads=heads, hd=head_dim: decode_rope_attention(
+                    qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, tables, seq_lens, heads, num_splits=s)
             q_prefill = _meta(rows * 128, heads, head_dim, dtype=dtype)
             cu = _meta(rows + 1, dtype=torch.int32)
             yield lambda q=q_prefill, kc=k_cache: paged_attention(q, kc, kc, tables, seq_lens, cu_seqlens_q=cu, max_query_len=128)
             h = _meta(rows, hidden, dtype=dtype)
             yield lambda h=h: (add_rms_norm(h, _meta(hidden, dtype=dtype), 1e-5), add_rms_norm(h, _meta(hidden, dtype=dtype), 1e-5, h))
-            qkv = _meta(rows, q_out + 2 * kv_out, dtype=dtype)
-            pos = _meta(rows, dtype=torch.int64)
             yield lambda qkv=qkv, kc=k_cache, heads=heads, hd=head_dim: rope_and_cache(
                 qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, heads)
             yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)

@@ -7,7 +7,16 @@ sequence's keys and values gathered through its block table and G = heads / kv_h
 Decode is the case query_len_b = 1 for all b (cu_seqlens_q None); a prefill chunk attends causally to its
 cached prefix and to itself. The maths are the same, so one kernel and one launcher serve both, and a
 batch that mixes prefill chunks and decode tokens (chunked prefill) is one launch. The new tokens' K/V
-must already be in the cache (the engine writes them first, as engine/attention.py does today).
+must already be in the cache (kernels/rope_cache.py writes them first), except in a decode step's fused form below.
+
+RoPE and the KV write (`decode_rope_attention`): a decode step can start from the fused projection's rows
+qkv [B, (H + 2 KV) * D] instead, as kernels/rope_cache.py and then this kernel would (that kernel's Semantics: the
+rotation in fp32, q and k rounded once to their dtypes). Each program rotates its G query heads and its KV
+head's new key in registers, attends over the cached keys before the new token's position, then adds the new key's
+term to the online softmax from registers; the program whose key range holds that position (the only one, or the
+last non-empty split) also writes the new k and v into the cache for later steps. No program of the launch reads
+that slot, so nothing orders the write against the reads. One launch a layer instead of two (16 a step at llama-1b,
+32 at -8b), and q never goes through memory. Prefill chunks keep the two kernels: their new keys are many.
 
 Cache layout: the engine's `[num_blocks, block_size, kv_heads, head_dim]` per layer, kept as it is: one
 token of one KV head is head_dim contiguous elements (128 B for bf16 at head_dim 64, 256 B at 128),
@@ -65,6 +74,9 @@ def _paged_attention_kernel(
     cu_q_ptr,  # [B + 1] int32: first query row of each sequence, then N; unused when HAS_CU_Q is False
     part_o_ptr,  # [NUM_SPLITS, N, H, D] fp32 unnormalised partial outputs (decode with NUM_SPLITS > 1)
     part_ml_ptr,  # [NUM_SPLITS, N, H, 2] fp32 running max and sum of each partial
+    pos_ptr,  # [N] int: each new token's position (ROPE only)
+    inv_freq_ptr,  # [D / 2] fp32 (ROPE only)
+    new_slot_ptr,  # [N] int: each new token's flat cache slot (ROPE only)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -84,6 +96,9 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # decode only: key ranges per sequence, each its own program (Flash-Decoding)
     EARLY_V: tl.constexpr,  # issue a tile's V load beside its K load, before the softmax (see Decode latency)
+    ROPE: tl.constexpr,  # decode from the fused projection: q_ptr is qkv [N, (H + 2 KV) D] (see RoPE and the KV write)
+    NUM_HEADS: tl.constexpr,  # H: where k and v start in a qkv row (ROPE only)
+    NUM_KV: tl.constexpr,  # KV (ROPE only)
 ):
     pid_t = tl.program_id(0)  # query-token tile of the sequence; with NUM_SPLITS > 1 (decode), the key split
     kv_head = tl.program_id(1)
@@ -112,6 +127,18 @@ def _paged_attention_kernel(
 
     q_rows = (q_begin + tok).to(tl.int64) * stride_qt + head * stride_qh  # [M]
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:  # q rotated here, rounded to its dtype as the separate kernel stores it; the new k and v kept in registers
+        half = HEAD_DIM // 2
+        angle = tl.load(pos_ptr + seq).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % half)  # [D]: j = d mod D/2
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half: x2 for the first half, x1 for the second
+        sign = tl.where(offs_d < half, -1.0, 1.0)
+        q_par = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_par * sin[None, :]).to(q_ptr.dtype.element_ty)
+        kv_row = q_ptr + seq.to(tl.int64) * stride_qt + (NUM_HEADS + kv_head) * HEAD_DIM  # this KV head's k in the qkv row
+        k_new = tl.load(kv_row + offs_d).to(tl.float32) * cos + sign * tl.load(kv_row + partner).to(tl.float32) * sin
+        k_new = k_new.to(k_ptr.dtype.element_ty)  # [D], as the cache holds it
+        v_new = tl.load(kv_row + NUM_KV * HEAD_DIM + offs_d)  # [D]
     q = q.to(DOT_DTYPE)  # [M, D]
 
     m_i = tl.full((ROWS,), _NEG_BIG, dtype=tl.float32)  # running max, base-2 units
@@ -126,9 +153,12 @@ def _paged_attention_kernel(
         kv_begin = pid_t * chunk
         kv_end = tl.minimum(kv_end, kv_begin + chunk)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
-    for n0 in range(kv_begin, kv_end, BLOCK_N):
+    loop_end = kv_end
+    if ROPE:  # the new token's key (at position `context`) comes from registers, after the cached ones
+        loop_end = tl.minimum(kv_end, context)
+    for n0 in range(kv_begin, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] key positions
-        n_ok = offs_n < kv_end
+        n_ok = offs_n < loop_end
         block = tl.load(table_row + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)  # [BN]
         k_rows = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh  # [BN]
         kt = tl.load(k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -147,6 +177,22 @@ def _paged_attention_kernel(
             vt = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [M, D]
         m_i = m_new
+
+    if ROPE:
+        if (kv_begin <= context) & (context < kv_end):  # the one program (of the splits) whose keys hold the new token
+            # Into the cache for the steps after this one; nothing in this launch reads that slot (every program's
+            # loop stops before `context`), so no ordering between programs is needed.
+            slot = tl.load(new_slot_ptr + seq).to(tl.int64)
+            cache_at = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + kv_head * stride_kh
+            tl.store(k_ptr + cache_at + offs_d * stride_kd, k_new)
+            tl.store(v_ptr + (slot // KV_BLOCK) * stride_vb + (slot % KV_BLOCK) * stride_vs + kv_head * stride_vh + offs_d * stride_vd, v_new)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale  # [M] exact products, fp32 sum
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new).to(DOT_DTYPE).to(tl.float32)  # rounded as the tiles' P is for their dot
+            l_i = l_i * alpha + tl.exp2(s_new - m_new)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
 
     if NUM_SPLITS > 1:  # the partial as it is; _combine_splits_kernel merges the splits
         part_rows = ((pid_t * tl.num_programs(2) + q_begin + tok).to(tl.int64) * GROUP * tl.num_programs(1) + head)  # [M]
@@ -222,6 +268,49 @@ def paged_attention(
     assert out.shape == q.shape and out.dtype == q.dtype, (tuple(out.shape), out.dtype)
     if n == 0:
         return out
+    _launch(q, None, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, softmax_scale, out, num_splits)
+    return out
+
+
+def decode_rope_attention(
+    qkv: torch.Tensor,  # [B, (H + 2 KV) * D] the fused projection's rows [q | k | v], one new token per sequence
+    positions: torch.Tensor,  # [B] int: each token's position
+    inv_freq: torch.Tensor,  # [D / 2] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D] one layer's keys, this step's not yet written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    slot_mapping: torch.Tensor,  # [B] int: flat cache slot of each new token
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: tokens of each sequence in the cache, this step's included
+    num_heads: int,
+    *,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,  # [B, H, D]
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    """A decode step's RoPE, KV write and attention in one launch (see RoPE and the KV write): what
+    kernels.rope_cache.rope_and_cache and then `paged_attention` compute, the caches written the same."""
+    b = qkv.shape[0]
+    _, _, kv_heads, head_dim = k_cache.shape
+    assert qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim and qkv.stride(1) == 1, (tuple(qkv.shape), num_heads, kv_heads)
+    assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: RoPE here takes powers of two"
+    assert positions.shape == slot_mapping.shape == (b,) and inv_freq.shape == (head_dim // 2,), (positions.shape, inv_freq.shape)
+    assert inv_freq.dtype == torch.float32 and not positions.is_floating_point() and not slot_mapping.is_floating_point()
+    if out is None:
+        out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _launch(qkv.view(b, num_heads + 2 * kv_heads, head_dim), (positions, inv_freq, slot_mapping, num_heads), k_cache, v_cache,
+            block_tables, seq_lens, None, 1, softmax_scale, out, num_splits)  # fmt: skip
+    return out
+
+
+def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, softmax_scale, out, num_splits) -> None:
+    """The attention launch (and the splits' combine) into `out`; `rope` (positions, inv_freq, slot_mapping, heads):
+    q is the qkv rows [N, H + 2 KV, D] of a decode step."""
+    n, _, head_dim = q.shape
+    heads = out.shape[1]
+    _, block_size, kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    if n == 0:
+        return
     group = heads // kv_heads
     group_pad = next_power_of_2(group)
     block_t, block_n, num_warps, num_stages, early_v = _config(group_pad, max_query_len, head_dim)
@@ -235,7 +324,7 @@ def paged_attention(
     grid = (splits if splits > 1 else cdiv(max_query_len, block_t), kv_heads, batch)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        part_o, part_ml, scale * _LOG2E,
+        part_o, part_ml, *(rope[:3] if rope else (seq_lens, seq_lens, seq_lens)), scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -255,6 +344,9 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32; widened halves are exact in TF32
         NUM_SPLITS=splits,
         EARLY_V=early_v,
+        ROPE=rope is not None,
+        NUM_HEADS=heads,
+        NUM_KV=kv_heads,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -263,7 +355,6 @@ def paged_attention(
             part_o, part_ml, out, n * heads, out.stride(0), out.stride(1),
             H=heads, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), num_warps=1,
         )  # fmt: skip
-    return out
 
 
 def decode_splits(batch: int, kv_heads: int, max_context: int, min_keys: int = 128) -> int:

@@ -185,3 +185,101 @@ def test_real_head_shapes_on_cuda(dtype, heads, batch):
     """The same check at llama-1b/-8b head shapes, context up to 1024."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), heads, batch)).encode()))
     _run(dtype, REAL_HEADS[heads], REAL_BATCHES[batch], 16, gen)
+
+
+# ---- a decode step's RoPE, KV write and attention in one launch (decode_rope_attention)
+
+(rope_cache_module,) = import_kernels("kernels.rope_cache")
+decode_rope_attention = paged_attention_module.decode_rope_attention
+ROPE_HEADS = {"gqa4": (8, 2, 32), "gqa3": (6, 2, 32), "mha": (4, 4, 16)}  # head_dim a power of two: RoPE's halves
+ROPE_CONTEXTS = [0, 3, 15, 16, 17, 90]  # cached tokens before each sequence's new one
+
+
+def _rope64(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:  # [B, heads, D] float64
+    angle = pos.double()[:, None] * inv_freq.double()[None, :]  # [B, D/2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _rope_step(dtype, shape, contexts, block_size, gen):
+    """A decode step as the engine runs it: each sequence's cached keys in shuffled blocks, its new token's slot and every
+    slot nobody owns NaN, the fused projection's rows qkv, and the float64 attention of the rotated q over the cached keys
+    and the rotated new key."""
+    heads, kv_heads, head_dim = shape
+    seqs = [(1, c) for c in contexts]
+    _, k_cache, v_cache, table, seq_lens, _, dense = _paged_batch(shape, block_size, seqs, dtype, gen)
+    slots = torch.tensor([int(table[b, c // block_size]) * block_size + c % block_size for b, c in enumerate(contexts)])
+    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")  # the new tokens' slots: written by the launch, never read
+    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    qkv = (torch.randn(len(contexts), (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(dtype)
+    pos = torch.tensor(contexts, dtype=torch.int64)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    parts = qkv.view(len(contexts), heads + 2 * kv_heads, head_dim)
+    q64 = _rope64(parts[:, :heads], pos, inv_freq)
+    k_new = _rope64(parts[:, heads : heads + kv_heads], pos, inv_freq).to(dtype)  # [B, KV, D] as the cache must hold it
+    v_new = parts[:, heads + kv_heads :]
+    for b, (k, v) in enumerate(dense):
+        k[-1], v[-1] = k_new[b], v_new[b]
+    want = _want(q64, seqs, dense, heads, kv_heads)
+    return qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, want, k_new, v_new
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("dtype", "heads", "block_size"),
+    list(itertools.product([torch.float32, torch.float16, torch.bfloat16], ROPE_HEADS, [4, 16])),
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_decode_rope_attention_matches_float64(dtype, heads, block_size, splits):
+    """Each row equals float64 attention of its rotated query over the cached keys and its own rotated key; the new
+    k and v land in their slots (rotated, rounded to the dtype), the cache's other slots are untouched, and the slot
+    being written is never read (it starts NaN), also with the keys split over programs."""
+    shape = ROPE_HEADS[heads]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("rope", str(dtype), heads, block_size, splits)).encode()))
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, want, k_new, v_new = _rope_step(
+        dtype, shape, ROPE_CONTEXTS, block_size, gen)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens = (
+        t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens))
+    out = torch.full((len(ROPE_CONTEXTS), shape[0], shape[2]), float("nan"), dtype=dtype, device=DEVICE)
+    decode_rope_attention(qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, shape[0], out=out, num_splits=splits)
+    _check(out, want, TOL[dtype], f"decode_rope_attention {dtype}, {splits} splits")
+    flat_k, flat_v = k_cache.cpu().view(-1, *k_cache.shape[2:]), v_cache.cpu().view(-1, *v_cache.shape[2:])
+    torch.testing.assert_close(flat_k[slots.cpu()], k_new, rtol=TOL[dtype], atol=TOL[dtype], msg="the new keys' slots")
+    torch.testing.assert_close(flat_v[slots.cpu()], v_new, rtol=0, atol=0, msg="the new values' slots: v as it came")
+    others = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    others[slots.cpu()] = False
+    for got, was in ((flat_k, before_k), (flat_v, before_v)):
+        torch.testing.assert_close(got[others], was.view(-1, *was.shape[2:])[others], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_decode_rope_attention_equals_the_two_kernels(dtype):
+    """One launch gives what kernels/rope_cache.py and then paged_attention give (the engine's prefill path and its
+    decode path before): the same cache bit for bit, and the same rows (bf16: exactly; fp32: to its rounding)."""
+    shape = ROPE_HEADS["gqa4"]
+    gen = torch.Generator().manual_seed(21)
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, *_ = _rope_step(dtype, shape, ROPE_CONTEXTS, 4, gen)
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens = (
+        t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens))
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    q = rope_cache_module.rope_and_cache(qkv, pos, inv_freq, k_cache, v_cache, slots, shape[0])
+    want = paged_attention(q, k_cache, v_cache, table, seq_lens)
+    got = decode_rope_attention(qkv, pos, inv_freq, k2, v2, slots, table, seq_lens, shape[0])
+    torch.testing.assert_close(k2, k_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v2, v_cache, rtol=0, atol=0, equal_nan=True)
+    exact = dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+
+
+def test_decode_rope_attention_refuses_what_it_cannot_rotate():
+    """A head size that is not a power of two, or qkv rows of the wrong width, is an assertion naming the shapes."""
+    gen = torch.Generator().manual_seed(22)
+    _, k_cache, v_cache, table, seq_lens, _, _ = _paged_batch((4, 2, 24), 4, [(1, 3)], torch.float32, gen)
+    args = (torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(12), k_cache, v_cache, torch.zeros(1, dtype=torch.int64),
+            table, seq_lens, 4)  # fmt: skip
+    with pytest.raises(AssertionError):
+        decode_rope_attention(torch.zeros(1, 8 * 24), *args[1:])
+    with pytest.raises(AssertionError):
+        decode_rope_attention(torch.zeros(1, 7 * 24), *args[1:])
