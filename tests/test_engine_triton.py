@@ -96,6 +96,41 @@ def test_backends_agree_on_prefill_chunked_prefill_and_decode_in_one_batch(engin
         _release(engines, ROWS, "x")
 
 
+def test_decode_steps_rotate_inside_their_attention_launch(engines, monkeypatch):
+    """A decode step (one new token a sequence) runs RoPE, the KV write and attention in one launch a layer
+    (kernels.paged_attention `decode_rope_attention`); a step with prompt tokens, chunked with decode rows or not,
+    keeps RoPE + KV write and then attention. Both agree with the torch backend (the test above runs the same rows)."""
+    eng = engines["triton"]
+    ops = eng.runner.model.ops
+    calls: dict[str, int] = {"fused": 0, "rope": 0}
+
+    def counted(name, fn):
+        def call(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return call
+
+    monkeypatch.setattr(eng.runner.model, "ops", replace(ops, decode_rope_attention=counted("fused", ops.decode_rope_attention),
+                                                         rope_and_cache=counted("rope", ops.rope_and_cache)))  # fmt: skip
+    layers = eng.runner.config.num_layers
+    rows = ROWS[:3]
+    slot = [-1 if a is None else eng.adapters.acquire(a)[0] for _, a in rows]
+    try:
+        eng.runner.forward([BatchItem(("r", i), tuple(p[:-1]), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+        assert calls == {"fused": 0, "rope": layers}, calls
+        eng.runner.forward([BatchItem(("r", i), (p[-1],), len(p) - 1, slot[i]) for i, (p, _) in enumerate(rows)])
+        assert calls == {"fused": layers, "rope": layers}, "a decode step must take the one launch a layer"
+        eng.runner.forward([BatchItem(("r", 0), (5,), len(rows[0][0]), slot[0]), BatchItem(("r", 9), (7, 8, 9), 0, -1)])
+        assert calls == {"fused": layers, "rope": 2 * layers}, "a step with prompt tokens keeps the two kernels"
+    finally:
+        for i, (_, a) in enumerate(rows):
+            eng.runner.free(("r", i))
+            if a is not None:
+                eng.adapters.release(eng.adapters.sha_of(a))
+        eng.runner.free(("r", 9))
+
+
 def test_decode_shrinks_split_k_into_one_zeroed_buffer(engines, monkeypatch):
     """Decode rows' shrinks add their K splits into views of one buffer zeroed once per forward (engine.lora
     `decode_t`): forced to split here (the demo's in_features would not), a decode step still matches torch."""
