@@ -295,16 +295,22 @@ def decode_rope_attention(
     assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: RoPE here takes powers of two"
     assert positions.shape == slot_mapping.shape == (b,) and inv_freq.shape == (head_dim // 2,), (positions.shape, inv_freq.shape)
     assert inv_freq.dtype == torch.float32 and not positions.is_floating_point() and not slot_mapping.is_floating_point()
+    assert v_cache.shape == k_cache.shape and num_heads % kv_heads == 0, (tuple(k_cache.shape), tuple(v_cache.shape), num_heads)
+    assert qkv.dtype == k_cache.dtype == v_cache.dtype and qkv.dtype in (torch.float32, torch.float16, torch.bfloat16), (qkv.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b == seq_lens.shape[0], (tuple(block_tables.shape), tuple(seq_lens.shape), b)
+    assert not block_tables.is_floating_point() and not seq_lens.is_floating_point(), (block_tables.dtype, seq_lens.dtype)
+    assert qkv.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device == positions.device
     if out is None:
         out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _launch(qkv.view(b, num_heads + 2 * kv_heads, head_dim), (positions, inv_freq, slot_mapping, num_heads), k_cache, v_cache,
+    assert out.shape == (b, num_heads, head_dim) and out.dtype == qkv.dtype, (tuple(out.shape), out.dtype)
+    _launch(qkv.view(b, num_heads + 2 * kv_heads, head_dim), (positions, inv_freq, slot_mapping), k_cache, v_cache,
             block_tables, seq_lens, None, 1, softmax_scale, out, num_splits)  # fmt: skip
     return out
 
 
 def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, softmax_scale, out, num_splits) -> None:
-    """The attention launch (and the splits' combine) into `out`; `rope` (positions, inv_freq, slot_mapping, heads):
-    q is the qkv rows [N, H + 2 KV, D] of a decode step."""
+    """The attention launch (and the splits' combine) into `out`; with `rope` (positions, inv_freq, slot_mapping), q is
+    the qkv rows [N, H + 2 KV, D] of a decode step (`decode_rope_attention`)."""
     n, _, head_dim = q.shape
     heads = out.shape[1]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -324,7 +330,7 @@ def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
     grid = (splits if splits > 1 else cdiv(max_query_len, block_t), kv_heads, batch)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        part_o, part_ml, *(rope[:3] if rope else (seq_lens, seq_lens, seq_lens)), scale * _LOG2E,
+        part_o, part_ml, *(rope or (seq_lens, seq_lens, seq_lens)), scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
