@@ -222,8 +222,8 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
             pos = _meta(rows, dtype=torch.int64)
             for splits in (1, 4):
                 yield lambda q=q_decode, kc=k_cache, s=splits: paged_attention(q, kc, kc, tables, seq_lens, num_splits=s)
-                yield lambda qkv=qkv, kc=k_cache, s=splits, heads=heads, hd=head_dim: decode_rope_attention(
-                    qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, tables, seq_lens, heads, num_splits=s)
+                yield lambda qkv=qkv, kc=k_cache, s=splits, heads=heads, hd=head_dim: decode_rope_attention(  # the engine's int64 metadata
+                    qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, tables.long(), seq_lens.long(), heads, num_splits=s)
             q_prefill = _meta(rows * 128, heads, head_dim, dtype=dtype)
             cu = _meta(rows + 1, dtype=torch.int32)
             yield lambda q=q_prefill, kc=k_cache: paged_attention(q, kc, kc, tables, seq_lens, cu_seqlens_q=cu, max_query_len=128)

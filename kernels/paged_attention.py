@@ -299,10 +299,12 @@ def decode_rope_attention(
     assert qkv.dtype == k_cache.dtype == v_cache.dtype and qkv.dtype in (torch.float32, torch.float16, torch.bfloat16), (qkv.dtype, k_cache.dtype)
     assert block_tables.dim() == 2 and block_tables.shape[0] == b == seq_lens.shape[0], (tuple(block_tables.shape), tuple(seq_lens.shape), b)
     assert not block_tables.is_floating_point() and not seq_lens.is_floating_point(), (block_tables.dtype, seq_lens.dtype)
-    assert qkv.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device == positions.device
+    assert qkv.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device == positions.device \
+        == slot_mapping.device == inv_freq.device, "every tensor on one device"
+    assert positions.is_contiguous() and slot_mapping.is_contiguous() and seq_lens.is_contiguous(), "read as flat arrays"
     if out is None:
         out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    assert out.shape == (b, num_heads, head_dim) and out.dtype == qkv.dtype, (tuple(out.shape), out.dtype)
+    assert out.shape == (b, num_heads, head_dim) and out.dtype == qkv.dtype and out.device == qkv.device, (tuple(out.shape), out.dtype)
     _launch(qkv.view(b, num_heads + 2 * kv_heads, head_dim), (positions, inv_freq, slot_mapping), k_cache, v_cache,
             block_tables, seq_lens, None, 1, softmax_scale, out, num_splits)  # fmt: skip
     return out

@@ -254,6 +254,36 @@ def test_decode_rope_attention_matches_float64(dtype, heads, block_size, splits)
         torch.testing.assert_close(got[others], was.view(-1, *was.shape[2:])[others], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
+def test_decode_rope_attention_over_keys_split_past_one_tile(dtype, splits):
+    """Contexts around a 128-key tile and past it, so that with key splits the new token's position falls in a later
+    split than the first (alone in it at 256 with 2 splits), and the cached keys span several splits and tiles."""
+    shape = ROPE_HEADS["gqa4"]
+    contexts = [127, 128, 129, 255, 256, 300, 511, 0]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("rope-split", str(dtype), splits)).encode()))
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, want, k_new, v_new = _rope_step(dtype, shape, contexts, 16, gen)
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens = (
+        t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens))
+    out = torch.full((len(contexts), shape[0], shape[2]), float("nan"), dtype=dtype, device=DEVICE)
+    decode_rope_attention(qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, shape[0], out=out, num_splits=splits)
+    _check(out, want, TOL[dtype], f"decode_rope_attention {dtype}, {splits} splits, long contexts")
+    torch.testing.assert_close(k_cache.cpu().view(-1, *k_cache.shape[2:])[slots.cpu()], k_new, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(v_cache.cpu().view(-1, *v_cache.shape[2:])[slots.cpu()], v_new, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real head shapes need CUDA (the interpreter would take hours)")
+@pytest.mark.parametrize(("dtype", "heads"), list(itertools.product([torch.float32, torch.bfloat16], REAL_HEADS)),
+                         ids=lambda v: str(v).replace("torch.", ""))  # fmt: skip
+def test_decode_rope_attention_at_real_head_shapes_on_cuda(dtype, heads):
+    """llama-1b and -8b heads (32 over 8, head_dim 64 and 128), 32 sequences up to 1,023 cached keys, block 16."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("rope-real", str(dtype), heads)).encode()))
+    contexts = [c for c, _ in zip(itertools.cycle((0, 15, 16, 127, 500, 1023, 64, 300)), range(32))]
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, want, _, _ = _rope_step(dtype, REAL_HEADS[heads], contexts, 16, gen)
+    args = (t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens))
+    _check(decode_rope_attention(*args, REAL_HEADS[heads][0]), want, TOL[dtype], f"decode_rope_attention {dtype} {heads}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v).replace("torch.", ""))
 def test_decode_rope_attention_equals_the_two_kernels(dtype):
     """One launch gives what kernels/rope_cache.py and then paged_attention give (the engine's prefill path and its
