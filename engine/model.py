@@ -189,8 +189,9 @@ class ModelOps:
     residual add + RMSNorm in one launch (kernels/rms_norm.py), RoPE of q and k + the KV-cache write in one
     (kernels/rope_cache.py), SiLU x up in one (kernels/silu_mul.py). At llama-1b, batch 32, that is ~110 fewer
     launches of a ~270-launch decode step. A decode step (one new token a sequence, the triton attention) also folds
-    RoPE and the KV write into the attention launch (kernels/paged_attention.py `decode_rope_attention`). Each kernel's torch reference sits beside it; the composite
-    ops here are the model as it always ran, so the CPU path and HF parity are unchanged."""
+    RoPE and the KV write into the attention launch (kernels/paged_attention.py `decode_rope_attention`). Each kernel's
+    torch reference sits beside it; the composite ops here are the model as it always ran, so the CPU path and HF
+    parity are unchanged."""
 
     add_rms_norm: Callable | None = None  # kernels.rms_norm.add_rms_norm
     rope_and_cache: Callable | None = None  # kernels.rope_cache.rope_and_cache

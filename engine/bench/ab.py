@@ -96,11 +96,10 @@ def print_tables(records: list[dict], keys: list[str], label: str | None, summar
         for row in rec["rows"]:
             print(" | ".join(str(v) for v in (rec["tree"], rec["run"], rec["rc"], rec["seconds"], row.get(label, "-") if label else "-",
                                                *(row.get(k, "-") for k in keys))))  # fmt: skip
-    if len(trees) > 1:
-        print(f"row/key | median {trees[0]} | median {trees[1]} | {trees[0]} / {trees[1]}")
-        for name, s in summary.items():
-            m = s["medians"]
-            print(f"{name} | {m[trees[0]]} | {m[trees[1]]} | {s['ratio']}")
+    print(f"row/key | median {trees[0]} | median {trees[1]} | {trees[0]} / {trees[1]}")  # (parse_args: two trees or more)
+    for name, s in summary.items():
+        m = s["medians"]
+        print(f"{name} | {m[trees[0]]} | {m[trees[1]]} | {s['ratio']}")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
