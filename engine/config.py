@@ -27,6 +27,12 @@ class EngineConfig(BaseModel):
         description="LoRA and attention ops: triton kernels (auto on cuda) or the pure-torch references (auto on cpu); "
         "triton on cpu runs only under TRITON_INTERPRET=1 (tests)",
     )
+    decode_lora_in_ops: list[Literal["qkv_proj", "gate_up_proj"]] = Field(
+        ["qkv_proj", "gate_up_proj"],
+        description="triton backend, decode steps: the projections whose adapters' delta is added by the op that reads "
+        "their output (qkv_proj: RoPE + attention, gate_up_proj: SiLU x up) instead of a launch of its own a layer; the "
+        "others keep their own (engine.lora, \"Decode\")",
+    )
     cuda_graph_max_batch: int = Field(
         256, ge=0, le=4096,
         description="decode steps of up to this many requests (and max_batch_size) replay a CUDA graph captured once per "

@@ -57,6 +57,7 @@ def build_runner(model: LlamaForCausalLM, config: EngineConfig, tenant_quota_blo
         graph_sizes=graphs,
         max_blocks_per_seq=config.blocks_per_sequence,
         max_chain=config.decode_steps,
+        decode_lora_in_ops=tuple(config.decode_lora_in_ops),
     )
     if backend.triton:
         what = "Triton kernels (multi-LoRA shrink/expand, paged attention)" + (" in the interpreter" if backend.interpreted else "")

@@ -51,9 +51,14 @@ runner's `prepare`) and interpolated between the two around the step's rows; the
 less that, never below zero.
 
 Decode (one row per group, as CUDA-graph steps run): at 32 rows the GEMM is bound by its bytes too, so
-writing the delta first saves nothing. Where kernels/decode_linear.py is faster than cuBLAS
-(llama-8b's o and down projections on an H200), the GEMM and the rows' deltas are one launch after the
-shrink (`one_launch`); elsewhere y = base(x), then the expand adds into y.
+writing the delta first saves nothing, and each LoRA launch costs its latency more than its bytes. So the
+projections whose output goes straight into a fused op that reads those columns anyway leave their delta to it,
+as gate_up does in prefill: qkv's to RoPE + the KV write + attention (kernels/paged_attention.py
+`decode_rope_attention`, its "LoRA"), gate_up's to SiLU x up, each after the projection's own shrink
+(`base_then_decode_pending`; `engine.decode_lora_in_ops` chooses which). Two launches a layer fewer than an expand
+each. Where kernels/decode_linear.py is faster than cuBLAS (llama-8b's o and down projections on an H200), the
+GEMM and the rows' deltas are one launch after the shrink (`one_launch`); elsewhere y = base(x), then the expand
+adds into y. Outside a graph the timed section of a deferred delta holds its shrink alone, as decode_linear's does.
 
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
 LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a
@@ -79,6 +84,10 @@ from engine.lora_calibration import CONSUMERS, ConsumerCalibration
 # Consumer ops whose output the model passes straight to a projection that writes its delta first (SiLU x up into
 # down_proj): their timed section stays open into that projection's (`LoraState._begin`).
 CARRIED = frozenset({"silu_mul"})
+# Decode rows (one group each): fused projection -> the model op its output goes straight into, which adds the
+# projection's delta itself (module docstring, "Decode"), where the engine asks for it (engine.decode_lora_in_ops).
+DECODE_CONSUMERS = {"qkv_proj": "decode_rope_attention", "gate_up_proj": "silu_mul"}
+DECODE_CONSUMERS_ALL = tuple(DECODE_CONSUMERS)
 from engine.quant import Fp8Linear
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_segments import DecodeLora, LoraDelta, LoraPages, LoraSegments, segments_per_row
@@ -123,6 +132,7 @@ class LoraState:
         self.total_slices = 0  # slices of all wrapped projections, set by apply_lora
         self.timed = True  # False while a CUDA graph is captured: no timing events inside a graph
         self.consumers: frozenset[str] = frozenset()  # fused projections whose delta their consumer op adds (wrap_ops)
+        self.decode_consumers: frozenset[str] = frozenset()  # the same for decode rows (wrap_ops)
         # (projection output, its delta, the open timing section or None) awaiting that op
         self.pending: tuple[torch.Tensor, LoraDelta, object] | None = None
         self._carry: tuple[object, float] | None = None  # a consumer op's open section and its credit (`_begin`)
@@ -192,16 +202,20 @@ class LoraState:
         self.pending = (y, LoraDelta(t=t, weights=w, segments=self.segments), start)
         return y
 
-    def wrap_ops(self, ops: ModelOps, cfg: ModelConfig) -> ModelOps:
+    def wrap_ops(self, ops: ModelOps, cfg: ModelConfig, decode_in_ops: Iterable[str] = DECODE_CONSUMERS_ALL) -> ModelOps:
         """The model's fused ops, those that consume a projection's output taking its pending delta (module docstring,
-        "Prefill"); the projections whose consumer is fused defer their delta to it from now on."""
-        wrapped, consumers = {}, set()
-        for projection, name in CONSUMERS.items():
-            op = getattr(ops, name)
-            if op is not None:
-                wrapped[name] = self._consumer(name, op)
-                consumers.add(projection)
-        self.consumers = frozenset(consumers)
+        "Prefill" and "Decode"); the projections whose consumer is fused defer their delta to it from now on, in decode
+        steps those of `decode_in_ops` (keys of DECODE_CONSUMERS)."""
+        wrapped, consumers, decode = {}, set(), set()
+        for table, chosen, into in ((CONSUMERS, CONSUMERS, consumers), (DECODE_CONSUMERS, set(decode_in_ops), decode)):
+            for projection, name in table.items():
+                op = getattr(ops, name)
+                if op is not None and projection in chosen:
+                    wrapped.setdefault(name, self._consumer(name, op))
+                    into.add(projection)
+        unknown = set(decode_in_ops) - set(DECODE_CONSUMERS)
+        assert not unknown, f"decode_lora_in_ops: {sorted(unknown)} are not among {DECODE_CONSUMERS_ALL}"
+        self.consumers, self.decode_consumers = frozenset(consumers), frozenset(decode)
         self.calibration = ConsumerCalibration(ops, cfg, self.dtype, self.device)
         return replace(ops, **wrapped)
 
@@ -212,7 +226,7 @@ class LoraState:
             pending_y, lora, start = self.pending
             assert pending_y is y, f"{name} was given another tensor than the projection output whose LoRA delta is pending"
             self.pending = None
-            out = op(y, *args, lora)
+            out = op(y, *args, lora=lora)
             if start is not None:
                 credit = self.calibration.plain_us(name, y.shape[0])
                 if name in CARRIED:  # its output goes straight into the down projection's LoRA: one section for both
@@ -222,6 +236,22 @@ class LoraState:
             return out
 
         return consume
+
+    def defers_decode(self, name: str) -> bool:
+        """Whether projection `name` of this forward leaves its delta to its consumer op: decode rows (module
+        docstring, "Decode"), adapters among them, and an op that takes it."""
+        return self.segments is not None and self.segments.start is None and name in self.decode_consumers
+
+    def base_then_decode_pending(self, base: nn.Module, x: torch.Tensor, w: LoraPages, slice_offset: int) -> torch.Tensor:
+        """base(x) [N, out] of decode rows, the shrink's t (the forward's zeroed buffer) pending beside it for the op that
+        consumes it. The timed section holds the shrink alone: a graph's LoRA share is calibrated (engine.cuda_graphs)."""
+        assert self.pending is None, "a LoRA delta is still pending: its consumer op did not run"
+        y = base(x)
+        t = self._decode_t(slice_offset, len(w.slices), x.shape[0])
+        with self._section():
+            self.backend.lora_shrink(x, w, self.segments, out=t, out_zeroed=True)
+        self.pending = (y, LoraDelta(t=t, weights=w, segments=self.segments), None)
+        return y
 
     def set_batch(self, slot_idx: torch.Tensor | None = None, segments: LoraSegments | None = None) -> None:
         """The next forward's adapter rows: the per-token slot [N] int64 (-1: none) for the torch backend, the row
@@ -390,6 +420,8 @@ class LoraLinear(nn.Module):
             if self.name in self.state.consumers:
                 return self.state.base_then_pending(self.base, x, w)
             return self.state.delta_then_base(self.base, x, w)
+        if self.state.defers_decode(self.name):
+            return self.state.base_then_decode_pending(self.base, x, w, self.slice_offset)
         if not isinstance(self.base, Fp8Linear) and self.state.one_launch(x.shape[0], w.slices, self.base.in_features):
             return self.state.decode_linear(self.base, x, w, self.slice_offset)
         y = self.base(x)  # [N, out]

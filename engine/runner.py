@@ -24,7 +24,7 @@ from engine.backend import KernelBackend
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.lora import apply_lora
+from engine.lora import DECODE_CONSUMERS_ALL, apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
 from engine.quant import Fp8Linear, fp8_compute, scaled_linear
 from kernels.lora_segments import segments_from_indices, segments_per_row
@@ -58,9 +58,11 @@ class ModelRunner:
         max_blocks_per_seq: int = 0,
         capture_graphs: bool | None = None,
         max_chain: int = 1,
+        decode_lora_in_ops: tuple[str, ...] = DECODE_CONSUMERS_ALL,
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
-        `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests)."""
+        `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).
+        `decode_lora_in_ops`: the projections whose decode delta their consumer op adds (engine.lora, "Decode")."""
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.backend = backend or KernelBackend("torch")
@@ -68,7 +70,7 @@ class ModelRunner:
         self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend, adapter_gpu_bytes)
         if self.backend.triton:
-            self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config)
+            self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config, decode_lora_in_ops)
             if fp8_compute(self.device):
                 for module in self.model.modules():  # FP8 projections (engine.quant): decode rows read their FP8 bytes
                     if isinstance(module, Fp8Linear):

@@ -222,8 +222,12 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
             pos = _meta(rows, dtype=torch.int64)
             for splits in (1, 4):
                 yield lambda q=q_decode, kc=k_cache, s=splits: paged_attention(q, kc, kc, tables, seq_lens, num_splits=s)
-                yield lambda qkv=qkv, kc=k_cache, s=splits, heads=heads, hd=head_dim: decode_rope_attention(  # the engine's int64 metadata
-                    qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, tables.long(), seq_lens.long(), heads, num_splits=s)
+                qkv_lora = LoraDelta(t=_meta(3, rows, max_rank, dtype=torch.float32), weights=paged(hidden, projections["qkv"][1]),
+                                     segments=forms["decode"])  # fmt: skip
+                for lora in (None, qkv_lora):  # decode steps with adapters add qkv's delta here (engine.lora, "Decode")
+                    yield lambda qkv=qkv, kc=k_cache, s=splits, heads=heads, hd=head_dim, lora=lora: decode_rope_attention(
+                        qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, tables.long(), seq_lens.long(), heads,
+                        num_splits=s, lora=lora)  # the engine's int64 metadata  # fmt: skip
             q_prefill = _meta(rows * 128, heads, head_dim, dtype=dtype)
             cu = _meta(rows + 1, dtype=torch.int32)
             yield lambda q=q_prefill, kc=k_cache: paged_attention(q, kc, kc, tables, seq_lens, cu_seqlens_q=cu, max_query_len=128)
@@ -232,7 +236,7 @@ def issue_calls(dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())) -> Ite
             yield lambda qkv=qkv, kc=k_cache, heads=heads, hd=head_dim: rope_and_cache(
                 qkv, pos, _meta(hd // 2, dtype=torch.float32), kc, kc, pos, heads)
             yield lambda g=_meta(rows, 2 * inter, dtype=dtype): silu_mul(g)
-            for segments in (forms["grouped"], forms["prefill"]):  # the forms whose steps add gate_up's LoraDelta in silu_mul
+            for segments in (forms["decode"], forms["grouped"], forms["prefill"]):  # the forms whose steps add gate_up's LoraDelta in silu_mul
                 n, widths = segments.num_rows, (inter, inter)
                 lora = LoraDelta(t=_meta(2, n, max_rank, dtype=torch.float32), weights=paged(hidden, widths), segments=segments)
                 yield lambda g=_meta(n, 2 * inter, dtype=dtype), lora=lora: silu_mul(g, lora)

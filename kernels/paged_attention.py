@@ -18,6 +18,13 @@ last non-empty split) also writes the new k and v into the cache for later steps
 that slot, so nothing orders the write against the reads. One launch a layer instead of two (16 a step at llama-1b,
 32 at -8b), and q never goes through memory. Prefill chunks keep the two kernels: their new keys are many.
 
+LoRA (`decode_rope_attention(..., lora=LoraDelta)`): with adapters, qkv arrives without its delta, and each program
+adds the delta of the columns it reads first: for its G query heads (and the rotate-half partners of their columns),
+its KV head's k (and partners) and v, scale * t[s, b, :r_s] @ B_s[slot_b, :r_s, cols] through the slot's page tables
+(kernels.lora_segments.LoraPages), in fp32, each sum rounded once to the dtype as kernels.lora_expand rounds qkv; then
+RoPE and the rest as above. A decode step then has no expand launch for qkv (engine.lora, "Decode"): a program reads
+(G + 2) x D of B's columns per rank, e.g. 12 KB at llama-1b rank 16, where the expand was one more launch a layer.
+
 Cache layout: the engine's `[num_blocks, block_size, kv_heads, head_dim]` per layer, kept as it is: one
 token of one KV head is head_dim contiguous elements (128 B for bf16 at head_dim 64, 256 B at 128),
 whole cache lines, so reading one head's keys token by token coalesces as well as a head-major
@@ -57,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_segments import LoraDelta
 from kernels.utils import TL_DTYPE, cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -77,12 +85,22 @@ def _paged_attention_kernel(
     pos_ptr,  # [N] int: each new token's position (ROPE only)
     inv_freq_ptr,  # [D / 2] fp32 (ROPE only)
     new_slot_ptr,  # [N] int: each new token's flat cache slot (ROPE only)
+    lora_t_ptr,  # [3, N, R] fp32: the qkv shrink's t (LORA only; kernels.lora_segments.LoraDelta)
+    lora_pool_ptr,  # [E] the adapters' pages (LORA only; kernels.lora_segments.LoraPages)
+    lora_page_ptr,  # [slots, 3, R] int64: q's, k's and v's page tables
+    lora_rank_ptr,  # [slots, 3]
+    lora_scale_ptr,  # [slots] fp32
+    lora_slot_ptr,  # [N] int: each row's slot, -1 for none
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_table,
+    stride_lti, stride_ltm,
+    stride_lps, stride_lpi, stride_lpr,
+    stride_lrs, stride_lri,
+    b_off_q, b_off_k, b_off_v,  # each slice's B row of this layer inside a page
     HAS_CU_Q: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
@@ -99,6 +117,8 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr,  # decode from the fused projection: q_ptr is qkv [N, (H + 2 KV) D] (see RoPE and the KV write)
     NUM_HEADS: tl.constexpr,  # H: where k and v start in a qkv row (ROPE only)
     NUM_KV: tl.constexpr,  # KV (ROPE only)
+    LORA: tl.constexpr,  # ROPE only: add the rows' qkv LoRA delta first (see LoRA)
+    LORA_R: tl.constexpr,  # ranks gathered per step of the delta's loop
 ):
     pid_t = tl.program_id(0)  # query-token tile of the sequence; with NUM_SPLITS > 1 (decode), the key split
     kv_head = tl.program_id(1)
@@ -134,11 +154,25 @@ def _paged_attention_kernel(
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half: x2 for the first half, x1 for the second
         sign = tl.where(offs_d < half, -1.0, 1.0)
         q_par = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_par * sin[None, :]).to(q_ptr.dtype.element_ty)
         kv_row = q_ptr + seq.to(tl.int64) * stride_qt + (NUM_HEADS + kv_head) * HEAD_DIM  # this KV head's k in the qkv row
-        k_new = tl.load(kv_row + offs_d).to(tl.float32) * cos + sign * tl.load(kv_row + partner).to(tl.float32) * sin
-        k_new = k_new.to(k_ptr.dtype.element_ty)  # [D], as the cache holds it
+        k_raw = tl.load(kv_row + offs_d)
+        k_par = tl.load(kv_row + partner)
         v_new = tl.load(kv_row + NUM_KV * HEAD_DIM + offs_d)  # [D]
+        if LORA:  # q, k and v (and the halves they rotate with) plus the row's delta, each rounded once (see LoRA)
+            dq, dq_par, dk, dk_par, dv = _qkv_delta(
+                lora_t_ptr + seq.to(tl.int64) * stride_ltm, lora_pool_ptr, lora_page_ptr, lora_rank_ptr, lora_scale_ptr,
+                tl.load(lora_slot_ptr + seq), kv_head, stride_lti, stride_lps, stride_lpi, stride_lpr, stride_lrs,
+                stride_lri, b_off_q, b_off_k, b_off_v, GROUP, GROUP_PAD, HEAD_DIM, LORA_R)  # fmt: skip
+            q = _with_rows(q, dq, BLOCK_T, GROUP_PAD, HEAD_DIM)
+            q_par = _with_rows(q_par, dq_par, BLOCK_T, GROUP_PAD, HEAD_DIM)
+            q = q.to(q_ptr.dtype.element_ty)
+            q_par = q_par.to(q_ptr.dtype.element_ty).to(tl.float32)
+            k_raw = (k_raw.to(tl.float32) + dk).to(q_ptr.dtype.element_ty)
+            k_par = (k_par.to(tl.float32) + dk_par).to(q_ptr.dtype.element_ty)
+            v_new = (v_new.to(tl.float32) + dv).to(q_ptr.dtype.element_ty)
+        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_par * sin[None, :]).to(q_ptr.dtype.element_ty)
+        k_new = k_raw.to(tl.float32) * cos + sign * k_par.to(tl.float32) * sin
+        k_new = k_new.to(k_ptr.dtype.element_ty)  # [D], as the cache holds it
     q = q.to(DOT_DTYPE)  # [M, D]
 
     m_i = tl.full((ROWS,), _NEG_BIG, dtype=tl.float32)  # running max, base-2 units
@@ -209,6 +243,64 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
     )
 
+
+
+@triton.jit
+def _qkv_delta(t_row, pool_ptr, page_ptr, rank_ptr, scale_ptr, slot, kv_head, stride_ti, stride_ps, stride_pi, stride_pr,
+               stride_rs, stride_ri, b_off_q, b_off_k, b_off_v, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+               HEAD_DIM: tl.constexpr, LORA_R: tl.constexpr):
+    """scale * t[s, row, :r_s] @ B_s[slot, :r_s, cols] in fp32 for one program's columns: its G query heads (flat
+    [GROUP_PAD * D], head-major, padding heads 0) and their rotate-half partners, its KV head's k and partner, and v.
+    Zeros for slot -1 and for slices the adapter does not target (rank 0). t_row: t[0, row] (ranks contiguous)."""
+    safe = tl.maximum(slot, 0).to(tl.int64)
+    rank_q = tl.where(slot >= 0, tl.load(rank_ptr + safe * stride_rs), 0)
+    rank_k = tl.where(slot >= 0, tl.load(rank_ptr + safe * stride_rs + stride_ri), 0)
+    rank_v = tl.where(slot >= 0, tl.load(rank_ptr + safe * stride_rs + 2 * stride_ri), 0)
+    scale = tl.load(scale_ptr + safe).to(tl.float32)
+    half = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, GROUP_PAD * HEAD_DIM)  # (head in group, d), head-major
+    c_d = offs_c % HEAD_DIM
+    c_ok = offs_c // HEAD_DIM < GROUP
+    q_col = kv_head * GROUP * HEAD_DIM + offs_c  # column in the q slice
+    q_par_col = q_col - c_d + tl.where(c_d < half, c_d + half, c_d - half)
+    k_col = kv_head * HEAD_DIM + offs_d  # column in the k and v slices
+    k_par_col = kv_head * HEAD_DIM + tl.where(offs_d < half, offs_d + half, offs_d - half)
+    pages = page_ptr + safe * stride_ps
+    dq = tl.zeros((GROUP_PAD * HEAD_DIM,), dtype=tl.float32)
+    dq_par = tl.zeros((GROUP_PAD * HEAD_DIM,), dtype=tl.float32)
+    dk = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    dk_par = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    dv = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    for r0 in range(0, tl.maximum(rank_q, tl.maximum(rank_k, rank_v)), LORA_R):
+        offs_r = r0 + tl.arange(0, LORA_R)  # [LR]
+        in_q, in_k, in_v = offs_r < rank_q, offs_r < rank_k, offs_r < rank_v
+        t_q = tl.load(t_row + offs_r, mask=in_q, other=0.0)
+        t_k = tl.load(t_row + stride_ti + offs_r, mask=in_k, other=0.0)
+        t_v = tl.load(t_row + 2 * stride_ti + offs_r, mask=in_v, other=0.0)
+        p_q = tl.load(pages + offs_r * stride_pr, mask=in_q, other=0) + b_off_q  # [LR] each rank row's B of this layer
+        p_k = tl.load(pages + stride_pi + offs_r * stride_pr, mask=in_k, other=0) + b_off_k
+        p_v = tl.load(pages + 2 * stride_pi + offs_r * stride_pr, mask=in_v, other=0) + b_off_v
+        m_q = in_q[:, None] & c_ok[None, :]
+        b_q = tl.load(pool_ptr + p_q[:, None] + q_col[None, :], mask=m_q, other=0.0).to(tl.float32)  # [LR, G_PAD * D]
+        b_q_par = tl.load(pool_ptr + p_q[:, None] + q_par_col[None, :], mask=m_q, other=0.0).to(tl.float32)
+        b_k = tl.load(pool_ptr + p_k[:, None] + k_col[None, :], mask=in_k[:, None], other=0.0).to(tl.float32)  # [LR, D]
+        b_k_par = tl.load(pool_ptr + p_k[:, None] + k_par_col[None, :], mask=in_k[:, None], other=0.0).to(tl.float32)
+        b_v = tl.load(pool_ptr + p_v[:, None] + k_col[None, :], mask=in_v[:, None], other=0.0).to(tl.float32)
+        dq += tl.sum(t_q[:, None] * b_q, axis=0)
+        dq_par += tl.sum(t_q[:, None] * b_q_par, axis=0)
+        dk += tl.sum(t_k[:, None] * b_k, axis=0)
+        dk_par += tl.sum(t_k[:, None] * b_k_par, axis=0)
+        dv += tl.sum(t_v[:, None] * b_v, axis=0)
+    return dq * scale, dq_par * scale, dk * scale, dk_par * scale, dv * scale
+
+
+@triton.jit
+def _with_rows(q, delta, BLOCK_T: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """q [BLOCK_T * GROUP_PAD, D] (row = token slot * GROUP_PAD + head) in fp32 plus the heads' delta [GROUP_PAD * D] on
+    every token slot's rows (decode has one live slot; the others are masked where they are stored)."""
+    d3 = tl.broadcast_to(tl.reshape(delta, (1, GROUP_PAD, HEAD_DIM)), (BLOCK_T, GROUP_PAD, HEAD_DIM))
+    return q.to(tl.float32) + tl.reshape(d3, (BLOCK_T * GROUP_PAD, HEAD_DIM))
 
 
 @triton.jit
@@ -286,9 +378,11 @@ def decode_rope_attention(
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,  # [B, H, D]
     num_splits: int | None = None,
+    lora: LoraDelta | None = None,  # the qkv projection's LoRA delta, not yet added to qkv (see LoRA)
 ) -> torch.Tensor:  # [B, H, D]
     """A decode step's RoPE, KV write and attention in one launch (see RoPE and the KV write): what
-    kernels.rope_cache.rope_and_cache and then `paged_attention` compute, the caches written the same."""
+    kernels.rope_cache.rope_and_cache and then `paged_attention` compute, the caches written the same; with `lora`, what
+    kernels.lora_expand adding the delta into qkv and then those two compute."""
     b = qkv.shape[0]
     _, _, kv_heads, head_dim = k_cache.shape
     assert qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim and qkv.stride(1) == 1, (tuple(qkv.shape), num_heads, kv_heads)
@@ -305,14 +399,28 @@ def decode_rope_attention(
     if out is None:
         out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     assert out.shape == (b, num_heads, head_dim) and out.dtype == qkv.dtype and out.device == qkv.device, (tuple(out.shape), out.dtype)
+    if lora is not None:
+        _check_lora(lora, b, num_heads, kv_heads, head_dim, qkv)
     _launch(qkv.view(b, num_heads + 2 * kv_heads, head_dim), (positions, inv_freq, slot_mapping), k_cache, v_cache,
-            block_tables, seq_lens, None, 1, softmax_scale, out, num_splits)  # fmt: skip
+            block_tables, seq_lens, None, 1, softmax_scale, out, num_splits, lora)  # fmt: skip
     return out
 
 
-def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, softmax_scale, out, num_splits) -> None:
+def _check_lora(lora: LoraDelta, b: int, num_heads: int, kv_heads: int, head_dim: int, qkv: torch.Tensor) -> None:
+    w, t, seg = lora.weights, lora.t, lora.segments
+    assert seg.start is None and seg.num_rows == b, f"the qkv delta's rows must be decode rows, one group each ({seg.num_rows} of {b})"
+    assert tuple(w.slices) == (num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), \
+        f"qkv's LoRA slices {w.slices} are not q, k, v of {num_heads}, {kv_heads}, {kv_heads} heads of {head_dim}"  # fmt: skip
+    assert t.shape == (3, b, w.max_rank) and t.dtype == torch.float32 and t.stride(2) == 1, (tuple(t.shape), t.dtype, t.stride())
+    assert w.pool.dtype == qkv.dtype and seg.slot.shape == (b,) and t.device == seg.slot.device == qkv.device, \
+        (w.pool.dtype, qkv.dtype, tuple(seg.slot.shape), t.device, seg.slot.device)  # fmt: skip
+    w.check(qkv.device)
+
+
+def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_query_len, softmax_scale, out, num_splits,
+            lora=None) -> None:  # fmt: skip
     """The attention launch (and the splits' combine) into `out`; with `rope` (positions, inv_freq, slot_mapping), q is
-    the qkv rows [N, H + 2 KV, D] of a decode step (`decode_rope_attention`)."""
+    the qkv rows [N, H + 2 KV, D] of a decode step (`decode_rope_attention`), and `lora` its delta (LoraDelta) or None."""
     n, _, head_dim = q.shape
     heads = out.shape[1]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -330,14 +438,21 @@ def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         part_o = torch.empty(splits, n, heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, n, heads, 2, dtype=torch.float32, device=q.device)
     grid = (splits if splits > 1 else cdiv(max_query_len, block_t), kv_heads, batch)
+    if lora is not None:
+        w, t = lora.weights, lora.t
+        lora_args = (t, w.pool, w.pages, w.rank, w.scale, lora.segments.slot)
+        lora_strides = (t.stride(0), t.stride(1), *w.pages.stride(), *w.rank.stride(), w.b_offset(0), w.b_offset(1), w.b_offset(2))
+    else:
+        lora_args, lora_strides = (seq_lens,) * 6, (0,) * 10  # placeholders, never read
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        part_o, part_ml, *(rope or (seq_lens, seq_lens, seq_lens)), scale * _LOG2E,
+        part_o, part_ml, *(rope or (seq_lens, seq_lens, seq_lens)), *lora_args, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         block_tables.stride(0),
+        *lora_strides,
         HAS_CU_Q=cu_seqlens_q is not None,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -355,6 +470,8 @@ def _launch(q, rope, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max
         ROPE=rope is not None,
         NUM_HEADS=heads,
         NUM_KV=kv_heads,
+        LORA=lora is not None,
+        LORA_R=max(1, min(16, 2048 // (group_pad * head_dim))),  # [LR, G_PAD * D] B tiles of at most 2k elements
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -230,8 +230,8 @@ def test_backends_agree_with_a_biased_qkv(tmp_path):
 
 def test_prefill_delta_of_gate_up_goes_to_silu_mul(engines, monkeypatch):
     """A LoRA prefill's gate_up leaves its delta pending for SiLU x up (engine.lora, "Prefill"), consumed within its
-    layer; a decode step defers nothing; the logits still agree with the torch backend's (the first test of this
-    file, same rows)."""
+    layer; a decode step takes the decode form instead (the test below); the logits still agree with the torch backend's
+    (the first test of this file, same rows)."""
     runner = engines["triton"].runner
     state = runner.lora
     assert state.consumers == {"gate_up_proj"}, state.consumers
@@ -251,12 +251,54 @@ def test_prefill_delta_of_gate_up_goes_to_silu_mul(engines, monkeypatch):
         assert deferred == [2 * cfg.intermediate_size] * cfg.num_layers and state.pending is None
         deferred.clear()
         runner.forward([BatchItem(("d", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)])
-        assert deferred == [], "a decode step's rows are their own groups: nothing is deferred"
+        assert deferred == [], "a decode step's rows are their own groups: not the prefill's pending form"
     finally:
         for i, (_, a) in enumerate(rows):
             runner.free(("d", i))
             if a is not None:
                 engines["triton"].adapters.release(engines["triton"].adapters.sha_of(a))
+
+
+def test_decode_deltas_of_qkv_and_gate_up_go_to_their_ops(engines, monkeypatch):
+    """A decode step with adapters leaves qkv's and gate_up's deltas to RoPE + attention and to SiLU x up (engine.lora,
+    "Decode"), each consumed by the next op; o and down keep their own expand. A step without adapters defers nothing,
+    and an engine told to defer nothing (engine.decode_lora_in_ops = []) gives the same logits."""
+    runner = engines["triton"].runner
+    state = runner.lora
+    assert state.decode_consumers == {"qkv_proj", "gate_up_proj"}, state.decode_consumers
+    deferred, real = [], state.base_then_decode_pending
+
+    def spy(base, x, w, slice_offset):
+        assert state.pending is None, "the previous pending delta was not consumed"
+        deferred.append(w.slices)
+        return real(base, x, w, slice_offset)
+
+    monkeypatch.setattr(state, "base_then_decode_pending", spy)
+    rows = ROWS[:4]
+    slot = [-1 if a is None else engines["triton"].adapters.acquire(a)[0] for _, a in rows]
+    cfg = runner.config
+    try:
+        runner.forward([BatchItem(("e", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+        assert deferred == []
+        step = [BatchItem(("e", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)]
+        fused = runner.forward(step)
+        qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        assert deferred == [qkv, (cfg.intermediate_size,) * 2] * cfg.num_layers and state.pending is None, deferred
+        deferred.clear()
+        runner.forward([BatchItem(("e", 9), (5,), 0, -1)])
+        runner.forward([BatchItem(("e", 9), (6,), 1, -1)])
+        assert deferred == [], "a step without adapters has no delta to defer"
+        monkeypatch.setattr(state, "decode_consumers", frozenset())
+        plain = runner.forward(step)  # the same step again: its K/V slots are rewritten with the same values
+        assert deferred == []
+        err = _rel_err(fused, plain)
+        assert err < TOL, f"decode deltas in their ops against their own launches: logits differ by {err:.2e}"
+    finally:
+        for i, (_, a) in enumerate(rows):
+            runner.free(("e", i))
+            if a is not None:
+                engines["triton"].adapters.release(engines["triton"].adapters.sha_of(a))
+        runner.free(("e", 9))
 
 
 def test_a_pending_delta_reaching_another_tensor_is_refused(engines):

@@ -306,6 +306,80 @@ def test_decode_rope_attention_equals_the_two_kernels(dtype):
     _check(got, want.double().cpu(), {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype], f"one launch against the two, {dtype}")
 
 
+# (q, k, v) ranks of each adapter slot: q alone, all three at one rank, k and v alone at mixed ranks past one rank step
+LORA_RANKS = [(5, 0, 0), (16, 16, 16), (0, 9, 20), (3, 1, 7)]
+
+
+def _qkv_delta(shape, rows, dtype, gen):
+    """A qkv projection's LoRA delta for `rows` decode rows: paged adapters of LORA_RANKS (the tables' unused entries on a
+    NaN page), the shrink's t, and each row's slot cycling over the slots and -1 (no adapter)."""
+    lora_segments = import_kernels("kernels.lora_segments")[0]
+    heads, kv_heads, head_dim = shape
+    widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    slots, max_rank, d_in = len(LORA_RANKS), 24, 16
+    a = torch.randn(slots, 3, max_rank, d_in, generator=gen).to(dtype)
+    b = (torch.randn(slots, max_rank, sum(widths), generator=gen) / 4).to(dtype)  # deltas about the size of qkv
+    w = lora_segments.pack_pages(a, b, torch.tensor(LORA_RANKS), torch.tensor([2.0, 1.0, 4.0, 4.0]), widths, generator=gen,
+                                 fill=float("nan"))  # fmt: skip
+    slot = torch.tensor([(i % (slots + 1)) - 1 for i in range(rows)])  # -1, 0, 1, 2, 3, -1, ...
+    t = torch.randn(3, rows, max_rank, generator=gen)
+    moved = lambda x: x.to(DEVICE)  # noqa: E731
+    w = lora_segments.LoraPages(pool=moved(w.pool), pages=moved(w.pages), rank=moved(w.rank), scale=moved(w.scale), num_layers=1,
+                                layer=0, in_features=d_in, slices=widths)  # fmt: skip
+    return lora_segments.LoraDelta(t=moved(t), weights=w, segments=lora_segments.segments_per_row(moved(slot))), lora_segments
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize(("dtype", "heads"), list(itertools.product([torch.float32, torch.bfloat16], ["gqa4", "gqa3", "mha"])),
+                         ids=lambda v: str(v).replace("torch.", ""))  # fmt: skip
+def test_decode_rope_attention_adds_the_qkv_lora_delta_first(dtype, heads, splits):
+    """With the qkv projection's LoRA delta, one launch gives what the expand adding it into qkv and then the launch
+    without it give: every row's attention, and the new k and v in the cache, to the dtype's rounding (the delta's
+    sums are taken in another order); rows without an adapter exactly as without the delta. The delta moves the rows
+    by far more than the tolerance, and pages past each slice's rank are NaN, never read."""
+    shape = ROPE_HEADS[heads]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("rope-lora", str(dtype), heads, splits)).encode()))
+    contexts = [0, 3, 15, 16, 17, 90, 40, 1, 33, 64]
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, *_ = _rope_step(dtype, shape, contexts, 4, gen)
+    qkv = qkv / 2  # (exact) logits of a gentler softmax: the interpreter rounds bf16 toward zero, and a peaked one magnifies that
+    delta, lora_segments = _qkv_delta(shape, len(contexts), dtype, gen)
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens = (
+        t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens))
+    added = lora_segments.with_delta_ref(qkv, delta)  # what the expand writes into qkv
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = decode_rope_attention(added, pos, inv_freq, k_want, v_want, slots, table, seq_lens, shape[0], num_splits=splits)
+    got = decode_rope_attention(qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, shape[0], num_splits=splits,
+                                lora=delta)  # fmt: skip
+    plain = decode_rope_attention(qkv, pos, inv_freq, k_cache.clone(), v_cache.clone(), slots, table, seq_lens, shape[0],
+                                  num_splits=splits)  # fmt: skip
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]  # bf16: a rounding of q, k and v more than the two kernels
+    _check(got, want.double().cpu(), tol, f"qkv delta in the launch, {dtype}, {splits} splits")
+    bare = delta.segments.slot.cpu() < 0
+    assert torch.equal(got[bare.to(DEVICE)], plain[bare.to(DEVICE)]), "rows without an adapter changed"
+    moved = ((plain - want).abs().amax(dim=(1, 2)) / want.abs().amax()).cpu()
+    assert bool((moved[~bare] > tol).all()), f"the delta must move every adapter row past the tolerance: {moved}"
+    new_k = k_cache.view(-1, *k_cache.shape[2:])[slots]
+    torch.testing.assert_close(new_k, k_want.view(-1, *k_cache.shape[2:])[slots], rtol=tol, atol=tol * float(new_k.abs().max()))
+    new_v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    torch.testing.assert_close(new_v, v_want.view(-1, *v_cache.shape[2:])[slots], rtol=tol, atol=tol * float(new_v.abs().max()))
+
+
+def test_decode_rope_attention_refuses_a_delta_of_other_rows_or_slices():
+    """A delta that is not per decode row, or whose slices are not q, k and v of these heads, is an assertion."""
+    shape = ROPE_HEADS["gqa4"]
+    gen = torch.Generator().manual_seed(23)
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, *_ = _rope_step(torch.float32, shape, [3, 5], 4, gen)
+    args = [t.to(DEVICE) for t in (qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens)]
+    delta, lora_segments = _qkv_delta(shape, 2, torch.float32, gen)
+    grouped = lora_segments.LoraSegments(slot=delta.segments.slot, start=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+                                         max_len=1, num_rows=2)  # fmt: skip
+    with pytest.raises(AssertionError, match="decode rows"):
+        decode_rope_attention(*args, shape[0], lora=lora_segments.LoraDelta(t=delta.t, weights=delta.weights, segments=grouped))
+    narrow = ROPE_HEADS["mha"]
+    with pytest.raises(AssertionError, match="slices"):
+        decode_rope_attention(*args, shape[0], lora=_qkv_delta(narrow, 2, torch.float32, gen)[0])
+
+
 def test_decode_rope_attention_refuses_what_it_cannot_rotate():
     """A head size that is not a power of two, or qkv rows of the wrong width, is an assertion naming the shapes."""
     gen = torch.Generator().manual_seed(22)
