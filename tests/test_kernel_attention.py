@@ -364,6 +364,24 @@ def test_decode_rope_attention_adds_the_qkv_lora_delta_first(dtype, heads, split
     torch.testing.assert_close(new_v, v_want.view(-1, *v_cache.shape[2:])[slots], rtol=tol, atol=tol * float(new_v.abs().max()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real head shapes need CUDA (the interpreter would take hours)")
+@pytest.mark.parametrize(("dtype", "heads"), list(itertools.product([torch.float32, torch.bfloat16], REAL_HEADS)),
+                         ids=lambda v: str(v).replace("torch.", ""))  # fmt: skip
+def test_decode_rope_attention_adds_the_qkv_lora_delta_at_real_head_shapes_on_cuda(dtype, heads):
+    """llama-1b and -8b heads, 32 sequences up to 1,023 cached keys: the qkv delta in the launch against the expand
+    (the torch reference) then the launch without it."""
+    shape = REAL_HEADS[heads]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("rope-lora-real", str(dtype), heads)).encode()))
+    contexts = [c for c, _ in zip(itertools.cycle((0, 15, 16, 127, 500, 1023, 64, 300)), range(32))]
+    qkv, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens, *_ = _rope_step(dtype, shape, contexts, 16, gen)
+    delta, lora_segments = _qkv_delta(shape, len(contexts), dtype, gen)
+    args = [t.to(DEVICE) for t in (qkv / 2, pos, inv_freq, k_cache, v_cache, slots, table, seq_lens)]
+    added = lora_segments.with_delta_ref(args[0], delta)
+    want = decode_rope_attention(added, *args[1:3], args[3].clone(), args[4].clone(), *args[5:], shape[0])
+    got = decode_rope_attention(*args, shape[0], lora=delta)
+    _check(got, want.double().cpu(), {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype], f"qkv delta in the launch, {heads}")
+
+
 def test_decode_rope_attention_refuses_a_delta_of_other_rows_or_slices():
     """A delta that is not per decode row, or whose slices are not q, k and v of these heads, is an assertion."""
     shape = ROPE_HEADS["gqa4"]
