@@ -355,7 +355,12 @@ def test_decode_rope_attention_adds_the_qkv_lora_delta_first(dtype, heads, split
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]  # bf16: a rounding of q, k and v more than the two kernels
     _check(got, want.double().cpu(), tol, f"qkv delta in the launch, {dtype}, {splits} splits")
     bare = delta.segments.slot.cpu() < 0
-    assert torch.equal(got[bare.to(DEVICE)], plain[bare.to(DEVICE)]), "rows without an adapter changed"
+    # rows without an adapter as without the delta: bit for bit in the interpreter; compiled, the two variants may
+    # contract the rotation's products into FMAs differently (as the two kernels do against the one launch)
+    _check(got[bare.to(DEVICE)], plain[bare.to(DEVICE)].double().cpu(), {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype],
+           "rows without an adapter")  # fmt: skip
+    if DEVICE.type == "cpu":
+        assert torch.equal(got[bare], plain[bare]), "rows without an adapter changed"
     moved = ((plain - want).abs().amax(dim=(1, 2)) / want.abs().amax()).cpu()
     assert bool((moved[~bare] > tol).all()), f"the delta must move every adapter row past the tolerance: {moved}"
     new_k = k_cache.view(-1, *k_cache.shape[2:])[slots]
