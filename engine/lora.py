@@ -55,8 +55,8 @@ writing the delta first saves nothing, and each LoRA launch costs its latency mo
 projections whose output goes straight into a fused op that reads those columns anyway leave their delta to it,
 as gate_up does in prefill: qkv's to RoPE + the KV write + attention (kernels/paged_attention.py
 `decode_rope_attention`, its "LoRA"), gate_up's to SiLU x up, each after the projection's own shrink
-(`base_then_decode_pending`; `engine.decode_lora_in_ops` chooses which). Two launches a layer fewer than an expand
-each. Where kernels/decode_linear.py is faster than cuBLAS (llama-8b's o and down projections on an H200), the
+(`base_then_decode_pending`), where `engine.decode_lora_in_ops` asks for it: two launches a layer fewer than an
+expand each, but on an H100 the two together made the step 6% slower (engine/PERF.md, session 24), so none by default. Where kernels/decode_linear.py is faster than cuBLAS (llama-8b's o and down projections on an H200), the
 GEMM and the rows' deltas are one launch after the shrink (`one_launch`); elsewhere y = base(x), then the expand
 adds into y. Outside a graph the timed section of a deferred delta holds its shrink alone, as decode_linear's does.
 
@@ -87,7 +87,6 @@ CARRIED = frozenset({"silu_mul"})
 # Decode rows (one group each): fused projection -> the model op its output goes straight into, which adds the
 # projection's delta itself (module docstring, "Decode"), where the engine asks for it (engine.decode_lora_in_ops).
 DECODE_CONSUMERS = {"qkv_proj": "decode_rope_attention", "gate_up_proj": "silu_mul"}
-DECODE_CONSUMERS_ALL = tuple(DECODE_CONSUMERS)
 from engine.quant import Fp8Linear
 from engine.timing import DeviceTimer, Stopwatch
 from kernels.lora_segments import DecodeLora, LoraDelta, LoraPages, LoraSegments, segments_per_row
@@ -202,7 +201,7 @@ class LoraState:
         self.pending = (y, LoraDelta(t=t, weights=w, segments=self.segments), start)
         return y
 
-    def wrap_ops(self, ops: ModelOps, cfg: ModelConfig, decode_in_ops: Iterable[str] = DECODE_CONSUMERS_ALL) -> ModelOps:
+    def wrap_ops(self, ops: ModelOps, cfg: ModelConfig, decode_in_ops: Iterable[str] = ()) -> ModelOps:
         """The model's fused ops, those that consume a projection's output taking its pending delta (module docstring,
         "Prefill" and "Decode"); the projections whose consumer is fused defer their delta to it from now on, in decode
         steps those of `decode_in_ops` (keys of DECODE_CONSUMERS)."""
@@ -214,7 +213,7 @@ class LoraState:
                     wrapped.setdefault(name, self._consumer(name, op))
                     into.add(projection)
         unknown = set(decode_in_ops) - set(DECODE_CONSUMERS)
-        assert not unknown, f"decode_lora_in_ops: {sorted(unknown)} are not among {DECODE_CONSUMERS_ALL}"
+        assert not unknown, f"decode_lora_in_ops: {sorted(unknown)} are not among {tuple(DECODE_CONSUMERS)}"
         self.consumers, self.decode_consumers = frozenset(consumers), frozenset(decode)
         self.calibration = ConsumerCalibration(ops, cfg, self.dtype, self.device)
         return replace(ops, **wrapped)

@@ -24,7 +24,7 @@ from engine.backend import KernelBackend
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.lora import DECODE_CONSUMERS_ALL, apply_lora
+from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
 from engine.quant import Fp8Linear, fp8_compute, scaled_linear
 from kernels.lora_segments import segments_from_indices, segments_per_row
@@ -58,7 +58,7 @@ class ModelRunner:
         max_blocks_per_seq: int = 0,
         capture_graphs: bool | None = None,
         max_chain: int = 1,
-        decode_lora_in_ops: tuple[str, ...] = DECODE_CONSUMERS_ALL,
+        decode_lora_in_ops: tuple[str, ...] = (),
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
         `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).

@@ -259,13 +259,17 @@ def test_prefill_delta_of_gate_up_goes_to_silu_mul(engines, monkeypatch):
                 engines["triton"].adapters.release(engines["triton"].adapters.sha_of(a))
 
 
-def test_decode_deltas_of_qkv_and_gate_up_go_to_their_ops(engines, monkeypatch):
-    """A decode step with adapters leaves qkv's and gate_up's deltas to RoPE + attention and to SiLU x up (engine.lora,
-    "Decode"), each consumed by the next op; o and down keep their own expand. A step without adapters defers nothing,
-    and an engine told to defer nothing (engine.decode_lora_in_ops = []) gives the same logits."""
-    runner = engines["triton"].runner
+@pytest.mark.parametrize("in_ops", [["qkv_proj"], ["gate_up_proj"], ["qkv_proj", "gate_up_proj"]], ids="+".join)
+def test_decode_deltas_go_to_their_ops_where_asked(demo, engines, monkeypatch, in_ops):
+    """With engine.decode_lora_in_ops, a decode step with adapters leaves those projections' deltas to RoPE + attention
+    (qkv) and to SiLU x up (gate_up) (engine.lora, "Decode"), each consumed by the next op, the others keep their own
+    expand; a step without adapters defers nothing; the logits equal, to fp32 error, those of the engine that defers
+    nothing (the default)."""
+    assert engines["triton"].runner.lora.decode_consumers == frozenset(), "none by default"
+    eng = Engine(_config(demo, "triton", decode_lora_in_ops=in_ops))
+    runner = eng.runner
     state = runner.lora
-    assert state.decode_consumers == {"qkv_proj", "gate_up_proj"}, state.decode_consumers
+    assert state.decode_consumers == set(in_ops), state.decode_consumers
     deferred, real = [], state.base_then_decode_pending
 
     def spy(base, x, w, slice_offset):
@@ -275,30 +279,35 @@ def test_decode_deltas_of_qkv_and_gate_up_go_to_their_ops(engines, monkeypatch):
 
     monkeypatch.setattr(state, "base_then_decode_pending", spy)
     rows = ROWS[:4]
-    slot = [-1 if a is None else engines["triton"].adapters.acquire(a)[0] for _, a in rows]
     cfg = runner.config
-    try:
-        runner.forward([BatchItem(("e", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
-        assert deferred == []
-        step = [BatchItem(("e", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)]
-        fused = runner.forward(step)
-        qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-        assert deferred == [qkv, (cfg.intermediate_size,) * 2] * cfg.num_layers and state.pending is None, deferred
-        deferred.clear()
-        runner.forward([BatchItem(("e", 9), (5,), 0, -1)])
-        runner.forward([BatchItem(("e", 9), (6,), 1, -1)])
-        assert deferred == [], "a step without adapters has no delta to defer"
-        monkeypatch.setattr(state, "decode_consumers", frozenset())
-        plain = runner.forward(step)  # the same step again: its K/V slots are rewritten with the same values
-        assert deferred == []
-        err = _rel_err(fused, plain)
-        assert err < TOL, f"decode deltas in their ops against their own launches: logits differ by {err:.2e}"
-    finally:
-        for i, (_, a) in enumerate(rows):
-            runner.free(("e", i))
-            if a is not None:
-                engines["triton"].adapters.release(engines["triton"].adapters.sha_of(a))
-        runner.free(("e", 9))
+    widths = {"qkv_proj": (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim),
+              "gate_up_proj": (cfg.intermediate_size,) * 2}  # fmt: skip
+    for a in {a for _, a in rows if a}:
+        eng.load_adapter(a, demo["adapters"][a])
+    logits = {}
+    for name, e in (("fused", eng), ("plain", engines["triton"])):  # the module's engine has them loaded
+        slot = [-1 if a is None else e.adapters.acquire(a)[0] for _, a in rows]
+        try:
+            e.runner.forward([BatchItem(("e", i), tuple(p), 0, slot[i]) for i, (p, _) in enumerate(rows)])
+            logits[name] = e.runner.forward([BatchItem(("e", i), (3,), len(p), slot[i]) for i, (p, _) in enumerate(rows)])
+            e.runner.forward([BatchItem(("e", 9), (5,), 0, -1)])
+            e.runner.forward([BatchItem(("e", 9), (6,), 1, -1)])
+        finally:
+            for i, (_, a) in enumerate(rows):
+                e.runner.free(("e", i))
+                if a is not None:
+                    e.adapters.release(e.adapters.sha_of(a))
+            e.runner.free(("e", 9))
+    want = [widths[p] for p in ("qkv_proj", "gate_up_proj") if p in in_ops] * cfg.num_layers
+    assert deferred == want and state.pending is None, f"deferred {deferred}, want one decode step's {want}"
+    err = _rel_err(logits["fused"], logits["plain"])
+    assert err < TOL, f"decode deltas in their ops against their own launches: logits differ by {err:.2e}"
+
+
+def test_decode_lora_in_ops_names_what_it_takes(demo):
+    """A projection the option does not know is refused by the config, naming the field."""
+    with pytest.raises(ValueError, match="decode_lora_in_ops"):
+        _config(demo, "triton", decode_lora_in_ops=["o_proj"])
 
 
 def test_a_pending_delta_reaching_another_tensor_is_refused(engines):

@@ -33,6 +33,25 @@ def test_bench_table_and_no_peer(capsys):
     text = capsys.readouterr().out
     assert "ours mixed" in text and text.strip().splitlines()[-1].startswith("{")
     assert out["peer_mixed_tok_s"] is None
+    assert out["decode_lora_in_ops"] == []
+
+
+def test_the_bench_passes_decode_lora_in_ops_to_its_engine(monkeypatch):
+    """bench_engine's `decode_lora_in_ops` (the A/B of engine.decode_lora_in_ops) reaches the engine's config, and the row
+    says which it ran."""
+    import engine.bench.build as build
+
+    seen, real = [], build.Engine.from_model
+
+    def spy(config, *args, **kw):
+        seen.append(config.decode_lora_in_ops)
+        return real(config, *args, **kw)
+
+    monkeypatch.setattr(build.Engine, "from_model", spy)
+    out = bench_engine(shape="tiny", adapters=2, rank=4, batch=2, prompt=4, new=2, device="cpu", json_only=True,
+                       decode_lora_in_ops=("qkv_proj", "gate_up_proj"))  # fmt: skip
+    assert seen and all(s == ["qkv_proj", "gate_up_proj"] for s in seen), seen
+    assert out["decode_lora_in_ops"] == ["qkv_proj", "gate_up_proj"]
 
 
 def test_the_bench_runs_an_fp8_base_and_counts_its_bytes_in_the_roofline():
