@@ -293,10 +293,7 @@ def test_decode_deltas_go_to_their_ops_where_asked(demo, engines, monkeypatch, i
             e.runner.forward([BatchItem(("e", 9), (5,), 0, -1)])
             e.runner.forward([BatchItem(("e", 9), (6,), 1, -1)])
         finally:
-            for i, (_, a) in enumerate(rows):
-                e.runner.free(("e", i))
-                if a is not None:
-                    e.adapters.release(e.adapters.sha_of(a))
+            _release({name: e}, rows, "e")
             e.runner.free(("e", 9))
     want = [widths[p] for p in ("qkv_proj", "gate_up_proj") if p in in_ops] * cfg.num_layers
     assert deferred == want and state.pending is None, f"deferred {deferred}, want one decode step's {want}"
