@@ -169,7 +169,8 @@ class Deliverer:
         r = o.result
         assert r is not None
         error = ErrorInfo(code=code, message=why)
-        o.result = r.model_copy(update={"status": "failed", "text": "", "output_ids": [], "logprobs": None, "error": error})
+        o.result = r.model_copy(update={"status": "failed", "text": "", "output_ids": [], "logprobs": None, "finish_reason": None,
+                                        "error": error})  # fmt: skip
         o.replaced = True
         o.body = None  # made again from the small result
         o.dlq = dlq_record(body, error, topic=self.k.results_topic, partition=o.tp.partition, offset=o.offset,

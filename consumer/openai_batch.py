@@ -187,10 +187,18 @@ def _messages(messages: object) -> object:
             m["role"] = "system"
         content = m.get("content")
         if isinstance(content, list):
-            kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
-            if kinds - {"text"}:
-                raise ValueError(f"body.messages.{i}.content: parts of type {sorted(map(str, kinds - {'text'}))}; only text parts are supported")
-            m["content"] = "".join(p.get("text", "") for p in content)
+            texts = []
+            for j, p in enumerate(content):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                if kind != "text":
+                    raise ValueError(f"body.messages.{i}.content.{j}: a part of type {str(kind)[:40]!r}; only text parts "
+                                     f'({{"type": "text", "text": "..."}}) are supported')
+                text = p.get("text", "")
+                if not isinstance(text, str):
+                    raise ValueError(f"body.messages.{i}.content.{j}.text: {type(text).__name__}, not a string; send the part's "
+                                     f"text as a JSON string")
+                texts.append(text)
+            m["content"] = "".join(texts)
         out.append(m)
     return out
 

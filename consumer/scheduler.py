@@ -62,6 +62,14 @@ class TokenBucket:
         # A request larger than the whole bucket may still pass when the bucket is full, else it never could.
         return self.level >= min(amount, self.per_minute)
 
+    def can_take_after(self, ahead: float, amount: float, now: float) -> bool:
+        """Whether `amount` could be taken now after `ahead` units queued before it were taken first: the cap of a
+        lone request larger than the bucket (`can_take`) is for the last one, not for what waits ahead of it."""
+        if not self.per_minute:
+            return True
+        self._refill(now)
+        return self.level - ahead >= min(amount, self.per_minute)
+
     def take(self, amount: float, now: float) -> None:
         if self.per_minute:
             self._refill(now)
@@ -125,7 +133,7 @@ class Scheduler:
         reqs, toks = self._bucket(tenant_id)
         now = self._clock()
         queued = [p for t in self._tiers.values() for p in t.queues.get(tenant_id, ())]
-        return not (reqs.can_take(len(queued) + 1, now) and toks.can_take(sum(p.tokens for p in queued) + tokens, now))
+        return not (reqs.can_take_after(len(queued), 1, now) and toks.can_take_after(sum(p.tokens for p in queued), tokens, now))
 
     # ------------------------------------------------------------------ queueing
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 CONTRACT_VERSION = 1
@@ -28,10 +28,34 @@ TenantId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern
 AdapterRef = Annotated[str, StringConstraints(min_length=1, max_length=160, pattern=r"^[A-Za-z0-9_.\-/]+(@[0-9]+)?$")]
 
 
+def _whole_text(value: str) -> str:
+    """Text that UTF-8 can carry: JSON's \\ud800-\\udfff escapes give a lone half of a UTF-16 pair, which no tokenizer,
+    result or ledger row can hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "lone_surrogate", "holds a lone UTF-16 surrogate (\\u{code}) at character {at}, which is not text; "
+            "send the whole character (both halves of its escape pair) or leave it out", {"code": f"{ord(value[e.start]):04x}", "at": e.start},
+        ) from None
+    return value
+
+
+def _exactly_one(value: object) -> object:
+    """The contract's version as a JSON integer: 1 is 1; true and 1.0 are not (a strict Literal lets them through)."""
+    if type(value) is not int:
+        raise PydanticCustomError("literal_error", "Input should be the integer 1, got {got}", {"got": repr(value)[:40]})
+    return value
+
+
+Text = Annotated[str, AfterValidator(_whole_text)]
+Version = Annotated[Literal[1], BeforeValidator(_exactly_one)]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Text
 
 
 class Job(BaseModel):
@@ -39,7 +63,7 @@ class Job(BaseModel):
     # naming the field), so what a producer meant is never guessed.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[1] = CONTRACT_VERSION
+    v: Version = CONTRACT_VERSION
     request_id: Ident
     tenant_id: TenantId
     batch_id: Ident | None = None
@@ -49,7 +73,7 @@ class Job(BaseModel):
                                            description="name or name@version; absent: route it")
     user_id: Ident | None = None
     session_id: Ident | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     input_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None
     max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS)
@@ -78,17 +102,16 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> "Job":
+        # Raised with the field they are about in their context (`_describe` names it in the failed result).
         given = [k for k in ("prompt", "messages", "input_ids") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(
-                f"give exactly one of prompt, messages or input_ids (got {', '.join(given) or 'none'})"
+            raise PydanticCustomError(
+                "input_count", "give exactly one of prompt, messages or input_ids (got {got})",
+                {"got": ", ".join(given) or "none", "field": given[1] if given else "prompt"},
             )
-        if self.prompt is not None and not self.prompt:
-            raise ValueError("prompt is empty; send at least one character")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty; send at least one message")
-        if self.input_ids is not None and not self.input_ids:
-            raise ValueError("input_ids is empty; send at least one token id")
+        empty = {"prompt": "at least one character", "messages": "at least one message", "input_ids": "at least one token id"}
+        if not getattr(self, given[0]):
+            raise PydanticCustomError("empty_input", "is empty; send {what}", {"field": given[0], "what": empty[given[0]]})
         return self
 
 
@@ -208,12 +231,14 @@ def _allowed(name: str) -> str | None:
     return f"{lo}..{hi}"
 
 
+# Errors whose own message already says what to send
+_SAYS_THE_FIX = frozenset({"lone_surrogate", "empty_input", "input_count"})
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
                            "int_parsing", "int_type", "float_parsing", "float_type", "int_from_float"})
 
 
 def _describe(e: dict, total: int) -> ErrorInfo:
-    field = ".".join(str(p) for p in e["loc"]) or ("adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
+    field = ".".join(str(p) for p in e["loc"]) or (e.get("ctx") or {}).get("field") or ("adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
     msg = e["msg"].removeprefix("Value error, ")
     allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
     if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:
@@ -223,9 +248,11 @@ def _describe(e: dict, total: int) -> ErrorInfo:
         "extra_forbidden": f"remove `{field}`; the README's \"Job and result contract\" lists the known fields",
         "adapter_ref_conflict": "send adapter_ref alone",
     }.get(e["type"], f"send a value in {allowed}" if allowed else "fix the value and send the job again")
+    if e["type"] in _SAYS_THE_FIX:
+        hint = ""
     where = f"{field}: " if field else ""
     more = f" (+{total - 1} more)" if total > 1 else ""
-    return ErrorInfo(code="invalid_job", field=field, message=f"{where}{msg}; {hint}{more}")
+    return ErrorInfo(code="invalid_job", field=field, message=f"{where}{msg}{'; ' + hint if hint else ''}{more}")
 
 
 _ECHOABLE = re.compile(r"[A-Za-z0-9_.:@/\-]{1,256}")

@@ -57,15 +57,16 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
     """
     out = Prepared()
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
         raise SubmitError(f"cannot read {path}: {e}") from e
     first_line: dict[str, int] = {}  # request_id -> the line that used it first
-    for n, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+    for n, raw in enumerate(lines, start=1):
         request, names = None, {}  # names: job field -> the OpenAI line's field, for errors
         try:
+            text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM a Windows editor put first is no content
+            if not text.strip():
+                continue
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError("expected a JSON object per line")
@@ -91,11 +92,15 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
             out.jobs.append(job)
             if request is not None:
                 out.openai[job.request_id] = request
+        except UnicodeDecodeError as e:
+            out.errors.append(f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8")
         except json.JSONDecodeError as e:
             out.errors.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
+        except RecursionError:
+            out.errors.append(f"line {n}: the JSON nests too deeply; send a flat job object (the README's \"Job and result contract\")")
         except ValidationError as e:
             first = e.errors()[0]
-            where = body_field(".".join(str(p) for p in first["loc"]), names)
+            where = body_field(".".join(str(p) for p in first["loc"]) or str((first.get("ctx") or {}).get("field") or ""), names)
             more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
             out.errors.append(f"line {n}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}{more}")
         except ValueError as e:

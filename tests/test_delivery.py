@@ -74,7 +74,7 @@ class CountingProducer:
 
 def _outcome(i: int, text: str = "hello", tenant: str = "acme") -> Outcome:
     rid = f"r{i}"
-    result = Result(request_id=rid, tenant_id=tenant, status="succeeded", text=text)
+    result = Result(request_id=rid, tenant_id=tenant, status="succeeded", text=text, finish_reason="length")
     usage = UsageRecord(tenant_id=tenant, request_id=rid, status="succeeded", created_at=NOW, base_us=1000 + i,
                         output_tokens=2)
     return Outcome(TopicPartition("jobs", 0), i, result=result, usage=usage, epoch=1)
@@ -146,6 +146,7 @@ async def test_oversized_result_is_answered_small_and_dead_lettered(rig):
     results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 2)
     big = next(r for r in results if r.request_id == "r0")
     assert big.status == "failed" and big.error.code == "result_too_large" and "max_message_bytes" in big.error.message
+    assert big.finish_reason is None and big.text == "", "a failed result has no finish reason (the contract)"
     dlq = await read_all(s, s.kafka.dlq_topic, DlqRecord, lambda got: len(got) >= 1)
     assert dlq[0].error.code == "result_too_large" and dlq[0].raw_bytes > 50_000 and dlq[0].raw_truncated
     row = svc.ledger.usage_for("acme", "r0")

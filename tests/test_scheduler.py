@@ -81,6 +81,25 @@ def test_quota_makes_jobs_wait_and_reports_when():
     assert len(s.pop_batch()) == 1
 
 
+def test_over_quota_counts_the_jobs_queued_ahead():
+    """A tenant of 1 request a minute with one job queued: a second would wait behind it, so on_quota="fail" must fail
+    it, though the bucket is full (the cap that lets a lone oversized request through is for the last job alone).
+    Tokens alike: 100 a minute, 80 queued, a job of 30 would wait; a lone job of 500 passes a full bucket."""
+    clock = Clock()
+    s = Scheduler(8, 10_000, 8, clock=clock)
+    s.set_policy("a", TenantPolicy(requests_per_minute=1))
+    assert not s.over_quota("a", 10)
+    s.push(item("a"))
+    assert s.over_quota("a", 10)
+    s.set_policy("b", TenantPolicy(tokens_per_minute=100))
+    assert not s.over_quota("b", 500)
+    s.push(item("b", tokens=80))
+    assert not s.over_quota("b", 20)
+    assert s.over_quota("b", 30)
+    b = TokenBucket(10, now=0.0)
+    assert b.can_take_after(9, 1, 0.0) and not b.can_take_after(10, 1, 0.0) and b.can_take_after(0, 50, 0.0)
+
+
 def test_affinity_prefers_resident_adapters_within_slack_and_bounded_wait():
     clock = Clock()
     s = Scheduler(1, 1000, 1, affinity_slack=100, max_defer_ms=50, clock=clock)

@@ -50,6 +50,17 @@ def test_bad_lines_are_reported_with_their_number(tmp_path):
     assert "--tenant" in out.errors[2]
 
 
+def test_a_line_that_is_not_utf8_is_named_and_the_rest_goes_on(tmp_path):
+    """One line of other bytes (Latin-1 here) is a bad line with its number, not the whole file refused; a UTF-8 BOM
+    before the first line is no content; a lone surrogate in a prompt is named by its field."""
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "first"}\n{"prompt": "caf\xe9"}\n{"prompt": "ok"}\n{"prompt": "x\\ud800"}\n')
+    out = prepare(p, "acme", "b")
+    assert [j.prompt for j in out.jobs] == ["first", "ok"]
+    assert out.errors[0] == "line 2: not UTF-8 (byte 0xe9 at column 16); save the file as UTF-8", out.errors
+    assert out.errors[1].startswith("line 4: prompt: holds a lone UTF-16 surrogate (\\ud800)"), out.errors
+
+
 def test_duplicate_request_ids_are_refused(tmp_path):
     p = _write(tmp_path, [{"prompt": "a", "request_id": "same"}, {"prompt": "b", "request_id": "same"}])
     out = prepare(p, "acme", "b")
