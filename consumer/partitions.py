@@ -3,8 +3,11 @@ and their lag reported."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+
+from aiokafka.errors import KafkaError
 
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
@@ -36,18 +39,32 @@ class Partitions:
         """Reset the marks of a partition whose log now ends below them (truncated, recreated, a memory-only
         broker restarted): the partition starts a new epoch and is read again from the beginning, as
         `auto_offset_reset = earliest` does. The log end is the high watermark of the latest fetch response
-        (the embedded broker's ListOffsets answers the last batch's base offset + 1, not the log end)."""
+        (the embedded broker's ListOffsets answers the last batch's base offset + 1, not the log end).
+
+        A partition this worker has fetched nothing from is checked at the consumer's position: a committed offset
+        past the log's end (a worker's last commit of the old log, made into the restarted broker as it rejoined, or
+        read by a worker started after) answers every fetch with no records and no error, so the jobs of the new log
+        would never be read."""
         self.checked_at = time.monotonic()
         for tp in list(self.consumer.assignment()):
             mark, end = self.offsets.mark(tp), self.consumer.highwater(tp)
-            if end is None or mark is None or end >= mark:
+            if end is None:
+                continue
+            what = "this worker fetched"
+            if mark is None:
+                try:
+                    mark = await asyncio.wait_for(self.consumer.position(tp), 1.0)
+                except (KafkaError, TimeoutError):  # not known yet (being reset, revoked meanwhile): the next check
+                    continue
+                what = "the group's committed offset it was to read from"
+            if end >= mark:
                 continue
             self.offsets.reset(tp)
             self.metrics.log_resets.inc()
             await self.consumer.seek_to_beginning(tp)
-            log.warning("the log of %s:%s ends at %s, below the %s this worker fetched: it was reset (a broker restart, "
-                        "a recreated topic); its marks are dropped and it is read again from the beginning",
-                        tp.topic, tp.partition, end, mark)
+            log.warning("the log of %s:%s ends at %s, below the %s %s: it was reset (a broker restart, a recreated "
+                        "topic); its marks are dropped and it is read again from the beginning",
+                        tp.topic, tp.partition, end, mark, what)
 
     def report_lag(self) -> None:
         for tp in self.consumer.assignment():

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import OffsetAndMetadata
 
 from billing import db
 from consumer.broker import EmbeddedBroker, ensure_topics, free_port
@@ -129,3 +131,46 @@ async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo
     assert not end.problems(), end.problems()
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
     assert not col.dlq, [d.error for d, _ in col.dlq]
+
+
+async def test_a_committed_offset_past_the_logs_end_is_read_from_the_beginning(tally, tmp_path, demo_set, pg_database):
+    """The group's committed offsets lie past the jobs log's end, as when a worker rejoining a restarted memory-only
+    broker commits its marks of the old log into the new one (seen in an operator's drill: every fetch then answered
+    nothing, with no error, and the new jobs were never read, by that worker or a restarted one). A worker starting on
+    such a group reads each partition from its beginning: every job is answered once, one ledger row each."""
+    broker = EmbeddedBroker(free_port(), log_path=tmp_path / "tansu.log")
+    await asyncio.to_thread(broker.start, [], 1)
+    try:
+        with fresh_pg_schema(pg_database) as url:
+            db.upgrade(url, script_location=SCRIPT_LOCATION)
+            s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
+            k = s.kafka
+            svc = open_services(s)
+            register_two_tenants(svc, demo_set)
+            await ensure_topics(k.bootstrap_servers, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
+            # Committed for the group without joining it (partitions assigned by hand), as an old member's last commit
+            old = AIOKafkaConsumer(bootstrap_servers=k.bootstrap_servers, group_id=k.group_id, enable_auto_commit=False)
+            await old.start()
+            try:
+                parts = [TopicPartition(k.jobs_topic, p) for p in range(k.partitions)]
+                old.assign(parts)
+                await old.commit({tp: OffsetAndMetadata(1313, "") for tp in parts})
+                assert all([await old.committed(tp) == 1313 for tp in parts])
+            finally:
+                await old.stop()
+            try:
+                async with live_worker(s, svc) as lw, Collector(s) as col:
+                    sent = await produce(s, [job_message(j) for j in _jobs("past-end", 8)])
+                    await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+                    await col.settle(0.5)
+                    end = await close_scenario(tally, sent, col, svc.db, lw)
+                    resets = lw.worker.metrics.log_resets._value.get()
+            finally:
+                svc.close()
+    finally:
+        broker.stop()
+    tally.cases = len(sent)
+    missing = [m.describe() for m in sent if not end.acct.results.get(m.identity)]
+    assert not missing, f"{len(missing)} of {len(sent)} jobs behind a committed offset past the log's end were never read"
+    assert not end.problems(), end.problems()
+    assert resets >= 1, "the reset is counted (lorabatch_log_resets_total)"
