@@ -43,8 +43,8 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
             raise Stopped(f"stopped while waiting for {what}")
         tries += 1
         try:
-            value = await attempt()
-        except asyncio.CancelledError:
+            value = await _unless_stopped(attempt(), stopping, what)
+        except (asyncio.CancelledError, Stopped):
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the dependency is waited out, and said
             waited = time.monotonic() - started
@@ -67,6 +67,34 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
         return value
 
 
+STOP_GRACE_S = 10.0  # an attempt cancelled by a stop gets this long to clean up (a client's stop) before it is left
+SLOW_ATTEMPT_S = 30.0  # an attempt running this long is said in the log, and again each time as long again
+
+
+async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None, what: str) -> T:
+    """The attempt's value; Stopped, the attempt cancelled, when `stopping` is set while it runs. A Kafka consumer's
+    start joins its group and can hang there (a coordinator waiting on a member that is gone), so a SIGTERM must
+    end the attempt itself, not only the wait between attempts."""
+    if stopping is None:
+        return await attempt
+    task = asyncio.ensure_future(attempt)
+    stop = asyncio.ensure_future(stopping.wait())
+    started = time.monotonic()
+    try:
+        while not (await asyncio.wait({task, stop}, timeout=SLOW_ATTEMPT_S, return_when=asyncio.FIRST_COMPLETED))[0]:
+            log.warning("still waiting for %s: its attempt has run %.0f s (a Kafka consumer joining its group waits for the "
+                        "group's members; one that died holds it until its session times out); SIGTERM stops the wait",
+                        what, time.monotonic() - started)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=STOP_GRACE_S)
+    if task.cancelled():
+        raise Stopped(f"stopped while waiting for {what}")
+    return task.result()
+
+
 def _brief(e: BaseException) -> str:
     """The error in one short line: its type and the first line of its message."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -80,8 +108,8 @@ async def connect(make: Callable[[], T], settings: Settings, stopping: asyncio.E
         try:
             await client.start()
         except BaseException:
-            with contextlib.suppress(Exception):
-                await client.stop()
+            with contextlib.suppress(Exception):  # a stop that would leave a hung group join is itself bounded
+                await asyncio.wait_for(client.stop(), STOP_GRACE_S / 2)
             raise
         return client
 

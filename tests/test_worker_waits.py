@@ -64,6 +64,32 @@ async def test_a_stop_ends_the_wait_and_cancellation_is_not_swallowed():
         await task
 
 
+async def test_a_stop_ends_an_attempt_that_hangs_and_a_long_one_is_said(monkeypatch, caplog):
+    """An attempt that never returns (a Kafka consumer's start stuck joining a group whose dead static member holds
+    it: an operator's drill saw a replacement worker ignore SIGTERM there) is cancelled by the stop, which raises
+    Stopped; while it runs, each SLOW_ATTEMPT_S is a log line saying what is waited for."""
+    import consumer.waits as waits
+
+    monkeypatch.setattr(waits, "SLOW_ATTEMPT_S", 0.05)
+    caplog.set_level(logging.WARNING, logger="lorabatch.worker")
+    stopping, cleaned = asyncio.Event(), []
+
+    async def hangs():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.append(1)
+
+    task = asyncio.create_task(wait_for("the group", hangs, stopping=stopping))
+    await asyncio.sleep(0.2)
+    stopping.set()
+    with pytest.raises(Stopped, match="the group"):
+        await asyncio.wait_for(task, 5)
+    assert cleaned == [1], "the attempt was cancelled, its cleanup ran"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting for the group")]
+    assert len(said) >= 2 and "SIGTERM stops the wait" in said[0], said
+
+
 async def test_give_up_raises_the_last_error():
     attempt, calls = _flaky(10**9, OSError("no route"))
     with pytest.raises(OSError, match="no route"):
