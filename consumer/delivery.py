@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ log = logging.getLogger("lorabatch.worker")
 
 _ENVELOPE_BYTES = 1024  # key, headers and record overhead kept free under kafka.max_message_bytes
 _BACKOFF_MAX_S = 5.0
+ADOPT_EVERY_S = 60.0  # how often the flusher looks for other workers' spool files beside its own (`flush_others`)
 
 
 @dataclass
@@ -311,11 +313,67 @@ class Deliverer:
         self.metrics.ledger_schema_ok.set(1)
 
     async def flush_spool(self) -> None:
-        """Write spooled records to the ledger, oldest first, while it takes them; forever, as a task."""
+        """Write spooled records to the ledger, oldest first, while it takes them; forever, as a task. Every
+        ADOPT_EVERY_S, and at the first pass, the other spool files beside this one too (`flush_others`)."""
         delay = self.flush_s
+        adopted_at = -math.inf
         while True:
             await asyncio.sleep(delay)
             delay = await self.flush_once()
+            if self.ledger_down is None and time.monotonic() - adopted_at >= ADOPT_EVERY_S:
+                adopted_at = time.monotonic()
+                await self.flush_others()
+
+    async def flush_others(self, chunk: int = 500) -> int:
+        """Flush the spool files of other workers in this spool's folder (a worker killed while the ledger was down,
+        restarted under another --worker-id, would leave its records there unbilled for good): each record is written
+        once whoever flushes it (the ledger's keys), so a file whose worker is alive and flushing it too loses and
+        doubles nothing. Files that are not spools, or whose records are for another ledger (Spool.existing), are left
+        alone. Returns how many records went to the ledger."""
+        mine = self.spool.path.resolve()
+        moved = 0
+        for path in sorted(self.spool.path.parent.glob("*.sqlite")):
+            if path.resolve() == mine:
+                continue
+            other = await asyncio.to_thread(Spool.existing, path, self.spool.max_records, self.spool.ledger)
+            if other is None:
+                continue
+            try:
+                left = await asyncio.to_thread(len, other)
+                if not left:
+                    continue
+                written = await self._flush_into_ledger(other, chunk)
+                moved += written
+                if written:
+                    log.warning("flushed %d ledger records another worker left in its spool %s (%d left there)",
+                                written, path, await asyncio.to_thread(len, other))
+            except Exception:  # noqa: BLE001 - another worker's file: never this worker's failure
+                log.exception("flushing the spool %s of another worker failed; the next pass retries", path)
+            finally:
+                await asyncio.to_thread(other.close)
+        return moved
+
+    async def _flush_into_ledger(self, spool: Spool, chunk: int) -> int:
+        """Another spool's records to the ledger, oldest first, while it takes them (as `flush_once` does this
+        worker's own, without its ledger-state bookkeeping); returns how many were written."""
+        written = 0
+        while True:
+            kind, ids, records = await asyncio.to_thread(spool.oldest, chunk)
+            if not ids:
+                return written
+            try:
+                await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+            except LedgerRecordError:
+                for i, r in zip(ids, records):
+                    try:
+                        await asyncio.to_thread(_writer(self.ledger, r), [r])
+                    except LedgerRecordError as e:
+                        await self._refused(r, e)
+                    await asyncio.to_thread(spool.remove, [i])
+                    written += 1
+                continue
+            await asyncio.to_thread(spool.remove, ids)
+            written += len(ids)
 
     async def flush_once(self, chunk: int = 500) -> float:
         """One pass over the spool; return how long to wait before the next."""

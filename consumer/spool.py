@@ -42,9 +42,12 @@ def _decode(kind: str, body: str):
 class Spool:
     """A bounded, durable FIFO of ledger records in one SQLite file (thread-safe; calls are short)."""
 
-    def __init__(self, path: str | Path, max_records: int):
+    def __init__(self, path: str | Path, max_records: int, ledger: str = ""):
+        """`ledger`: which ledger the records are for (a URL without its password), kept in the file, so that another
+        worker flushes them only into the same one (`existing`); "" for none."""
         assert max_records >= 1, max_records
         self.path = Path(path)
+        self.ledger = ledger
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
         self._lock = threading.Lock()
@@ -55,6 +58,30 @@ class Spool:
             "CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, "
             "tenant_id TEXT, request_id TEXT, body TEXT NOT NULL)")
         self._db.execute("CREATE INDEX IF NOT EXISTS spool_key ON spool (tenant_id, request_id)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        if ledger:
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('ledger', ?)", (ledger,))
+
+    @classmethod
+    def existing(cls, path: str | Path, max_records: int, ledger: str) -> Spool | None:
+        """Another worker's spool file at `path`, opened to flush it into `ledger`; None if the file is not a spool
+        (its tables are not exactly a spool's: nothing is created in a database that is something else) or holds the
+        records of another ledger (or says of none)."""
+        try:
+            probe = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True, timeout=5)
+            try:
+                tables = {r[0] for r in probe.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                columns = [r[1] for r in probe.execute("PRAGMA table_info(spool)")] if "spool" in tables else []
+                owner = probe.execute("SELECT value FROM meta WHERE key = 'ledger'").fetchone() if "meta" in tables else None
+            finally:
+                probe.close()
+        except sqlite3.Error:
+            return None
+        if tables - {"spool", "sqlite_sequence", "meta"} or columns != ["id", "kind", "tenant_id", "request_id", "body"]:
+            return None
+        if not ledger or owner is None or owner[0] != ledger:
+            return None
+        return cls(path, max_records)
 
     def __len__(self) -> int:
         # Counted, not remembered: workers on one host may share the file (each flushes what it finds;

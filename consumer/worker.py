@@ -33,6 +33,7 @@ from aiokafka.errors import KafkaError
 from consumer.breaker import BreakerBoard
 from consumer.config import ConfigError, Settings, check_worker_fits
 from consumer.delivery import Deliverer, Outcome
+from consumer.services import shown_url
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
 from consumer.kafka import make_consumer, make_producer
@@ -129,7 +130,9 @@ class Worker:
         self.engine_clock = EngineClock()
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
-        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records)
+        # Stamped with its ledger, so a worker beside it flushes what it leaves only into that ledger (Deliverer.flush_others).
+        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records,
+                           ledger=shown_url(settings.ledger.url))
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         snapshot = registry.snapshot()

@@ -128,6 +128,39 @@ async def test_ledger_outage_spools_and_publishes_once(rig, error):
     assert svc.ledger.count_usage() == 6 and len(_results(counting)) == 6
 
 
+async def test_another_workers_spool_beside_this_one_is_flushed(rig, tmp_path):
+    """A worker killed while the ledger was down and restarted under another --worker-id left its records in its own
+    spool file (an operator's drill: 600 requests unbilled for good): the flusher writes the spools beside its own,
+    once each however often it runs, and leaves files that are not spools as they are."""
+    import sqlite3
+
+    s, svc, d, counting, ledger, offsets, spool = rig
+    d.spool.ledger = "postgresql://ledger-a"
+    dead = Spool(tmp_path / "w-dead.sqlite", max_records=100, ledger="postgresql://ledger-a")
+    dead.put([_outcome(i).usage for i in range(3)])
+    dead.close()
+    elsewhere = Spool(tmp_path / "w-staging.sqlite", max_records=100, ledger="postgresql://ledger-b")  # another ledger's
+    elsewhere.put([_outcome(7).usage])
+    elsewhere.close()
+    other = sqlite3.connect(tmp_path / "notes.sqlite")
+    other.execute("CREATE TABLE notes (x TEXT)")
+    other.commit()
+    other.close()
+    (tmp_path / "junk.sqlite").write_bytes(b"not a database at all")
+    assert await d.flush_others() == 3
+    assert svc.ledger.count_usage() == 3 and svc.ledger.usage_for("acme", "r2").base_us == 1002
+    again = Spool(tmp_path / "w-dead.sqlite", max_records=100)
+    assert len(again) == 0
+    again.close()
+    assert await d.flush_others() == 0 and svc.ledger.count_usage() == 3
+    tables = {r[0] for r in sqlite3.connect(tmp_path / "notes.sqlite").execute("SELECT name FROM sqlite_master")}
+    assert tables == {"notes"}, "a database that is not a spool is not touched"
+    assert (tmp_path / "junk.sqlite").read_bytes() == b"not a database at all"
+    staging = Spool(tmp_path / "w-staging.sqlite", max_records=100)
+    assert len(staging) == 1, "records for another ledger stay where they are"
+    staging.close()
+
+
 async def test_a_refused_record_goes_to_the_dlq_and_the_rest_are_written(rig):
     """One malformed record does not hold its batch: it is dead-lettered with the reason, the others land."""
     s, svc, d, counting, ledger, offsets, spool = rig
