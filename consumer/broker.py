@@ -148,6 +148,8 @@ class BrokerDaemon:
             os.kill(pid, 0)
         except ProcessLookupError:
             return None
+        if _zombie(pid):  # killed (kill -9) and not yet reaped: it serves nothing
+            return None
         return pid
 
     def start(self, topics: list[str], partitions: int, timeout_s: float) -> int:
@@ -195,3 +197,12 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process `pid` has exited and waits to be reaped (Linux /proc; elsewhere taken as alive)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]

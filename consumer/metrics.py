@@ -71,4 +71,11 @@ class WorkerMetrics:
         self.ledger_schema_ok.set(1)
 
     def serve(self, port: int) -> None:
-        start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        """Serve /metrics on `port`; a port that cannot be had is a ConfigError naming it and the key that sets it."""
+        try:
+            start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        except OSError as e:
+            from consumer.config import ConfigError
+
+            raise ConfigError(f"cannot serve metrics on port {port} ({e.strerror or e}); set worker.metrics_port (or "
+                              f"--metrics-port) to a free port, or 0 for none") from e

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,18 @@ def test_wrong_model_dir(tmp_path):
     line = _one_error_line(_lorabatch(tmp_path, "generate", "--jobs", str(path), "--model", str(tmp_path / "no-model")))
     assert "no-model" in line and "is missing" in line and "set engine.model_dir (or --model)" in line
     assert "`lorabatch make-demo-model DIR`" in line
+
+
+def test_db_upgrade_takes_its_revision_as_the_readme_writes_it(tmp_path):
+    """`lorabatch db upgrade|downgrade REV` (the README's table): the revision positional for both, `--revision` still
+    read; two revisions that differ are refused."""
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "0001", "-c", cfg).returncode == 0
+    assert _lorabatch(tmp_path, "db", "upgrade", "head", "-c", cfg).returncode == 0
+    assert _lorabatch(tmp_path, "db", "downgrade", "0001", "-c", cfg).returncode == 0
+    assert _lorabatch(tmp_path, "db", "upgrade", "--revision", "head", "-c", cfg).returncode == 0
+    both = _lorabatch(tmp_path, "db", "upgrade", "0002", "--revision", "head", "-c", cfg)
+    assert both.returncode == 2 and "differ" in both.stderr, both.stderr
 
 
 def test_worker_with_a_wrong_model_dir(tmp_path):
@@ -183,3 +196,43 @@ def test_no_user_visible_text_names_the_design_notes():
     assert named == []
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert "## Job and result contract" in readme
+
+
+def test_a_metrics_port_in_use_names_the_port_and_the_key():
+    """A metrics port another process holds: the error names the port and worker.metrics_port, not "check the path"."""
+    from consumer.config import ConfigError
+    from consumer.metrics import WorkerMetrics
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port}.*worker.metrics_port"):
+            WorkerMetrics().serve(port)
+
+
+def test_a_broker_killed_and_not_yet_reaped_is_not_running(tmp_path):
+    """`lorabatch broker start` right after a kill -9: the dead process, not yet reaped by its parent, holds its pid;
+    it is not taken for a running broker (an operator's drill got a misleading bootstrap error, then a second try
+    worked)."""
+    from consumer.broker import BrokerDaemon
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):  # exited, not waited for: a zombie
+        if Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    daemon = BrokerDaemon(tmp_path / "state", "127.0.0.1", 1)
+    daemon.state_dir.mkdir(parents=True, exist_ok=True)
+    daemon.pid_file.write_text(str(child.pid))
+    try:
+        assert daemon.pid() is None
+    finally:
+        child.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        daemon.pid_file.write_text(str(live.pid))
+        assert daemon.pid() == live.pid
+    finally:
+        live.kill()
+        live.wait()

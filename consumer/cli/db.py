@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from consumer.cli.common import ConfigOpt, settings_from
 
 
-def upgrade(config: ConfigOpt = None, revision: str = "head") -> None:
+def upgrade(
+    revision: Annotated[str, typer.Argument(help="the revision to migrate to (default: head, the newest)")] = "head",
+    config: ConfigOpt = None,
+    revision_opt: Annotated[str | None, typer.Option("--revision", help="the same as REVISION (older spelling)")] = None,
+) -> None:
     """Migrate the ledger database to REVISION (default: the newest)."""
+    if revision_opt is not None:
+        if revision not in ("head", revision_opt):
+            raise typer.BadParameter(f"REVISION {revision!r} and --revision {revision_opt!r} differ; give one")
+        revision = revision_opt
     from billing.db import upgrade as migrate_up
     from migrations import SCRIPT_LOCATION
 
