@@ -355,50 +355,43 @@ class Deliverer:
 
     async def _flush_into_ledger(self, spool: Spool, chunk: int) -> int:
         """Another spool's records to the ledger, oldest first, while it takes them (as `flush_once` does this
-        worker's own, without its ledger-state bookkeeping); returns how many were written."""
+        worker's own, without its ledger-state bookkeeping); returns how many were written. A ledger failure raises."""
         written = 0
         while True:
-            kind, ids, records = await asyncio.to_thread(spool.oldest, chunk)
+            _, ids, records = await asyncio.to_thread(spool.oldest, chunk)
             if not ids:
                 return written
-            try:
-                await asyncio.to_thread(_writer(self.ledger, records[0]), records)
-            except LedgerRecordError:
-                for i, r in zip(ids, records):
-                    try:
-                        await asyncio.to_thread(_writer(self.ledger, r), [r])
-                    except LedgerRecordError as e:
-                        await self._refused(r, e)
-                    await asyncio.to_thread(spool.remove, [i])
-                    written += 1
-                continue
-            await asyncio.to_thread(spool.remove, ids)
-            written += len(ids)
+            written += await self._write_run(spool, ids, records)
+
+    async def _write_run(self, spool: Spool, ids: list[int], records: list) -> int:
+        """One run of spooled records of one kind to the ledger, then out of `spool`: in one write, or record by record
+        where the ledger refuses one (it goes to the DLQ, `_refused`); returns how many left the spool. A failure of
+        the ledger itself (down, behind its schema) raises, with what was written already gone from the spool."""
+        try:
+            await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+        except LedgerRecordError:
+            for i, r in zip(ids, records):
+                try:
+                    await asyncio.to_thread(_writer(self.ledger, r), [r])
+                except LedgerRecordError as e:
+                    await self._refused(r, e)
+                await asyncio.to_thread(spool.remove, [i])
+            return len(ids)
+        await asyncio.to_thread(spool.remove, ids)
+        return len(ids)
 
     async def flush_once(self, chunk: int = 500) -> float:
         """One pass over the spool; return how long to wait before the next."""
         while len(self.spool):
-            kind, ids, records = await asyncio.to_thread(self.spool.oldest, chunk)
+            _, ids, records = await asyncio.to_thread(self.spool.oldest, chunk)
             if not ids:
                 break
             try:
-                await asyncio.to_thread(_writer(self.ledger, records[0]), records)
-            except LedgerRecordError:
-                for i, r in zip(ids, records):
-                    try:
-                        await asyncio.to_thread(_writer(self.ledger, r), [r])
-                    except LedgerRecordError as e:
-                        await self._refused(r, e)
-                    except (LedgerError, Exception) as e:  # noqa: BLE001
-                        self._down(e)
-                        return min(_BACKOFF_MAX_S, self.flush_s * 2)
-                    await asyncio.to_thread(self.spool.remove, [i])
+                await self._write_run(self.spool, ids, records)
             except Exception as e:  # noqa: BLE001 - down, behind its schema, or unmapped: keep and retry
                 self._down(e)
                 self.metrics.retries.labels("ledger").inc()
                 return min(_BACKOFF_MAX_S, self.flush_s * 2)
-            else:
-                await asyncio.to_thread(self.spool.remove, ids)
             self.metrics.spool_records.set(len(self.spool))
         if self.ledger_down is not None and not len(self.spool):
             self._up()

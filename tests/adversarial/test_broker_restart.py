@@ -6,6 +6,7 @@ new log from its start, not skip what lies below its old marks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -31,6 +32,26 @@ def _copies(acct) -> dict:
 def _jobs(tag: str, n: int) -> list[dict]:
     return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"{tag} job {i}", "max_new_tokens": 2}
             for i in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def _one_broker(tmp_path, demo_set, pg_database):
+    """A fresh broker, a migrated ledger schema of the test's own and the services on them, two tenants registered:
+    (settings, services); all closed after."""
+    broker = EmbeddedBroker(free_port(), log_path=tmp_path / "tansu.log")
+    await asyncio.to_thread(broker.start, [], 1)
+    try:
+        with fresh_pg_schema(pg_database) as url:
+            db.upgrade(url, script_location=SCRIPT_LOCATION)
+            s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
+            svc = open_services(s)
+            try:
+                register_two_tenants(svc, demo_set)
+                yield s, svc
+            finally:
+                svc.close()
+    finally:
+        broker.stop()
 
 
 async def test_broker_restarted_empty_on_the_same_port(tally, tmp_path, demo_set, pg_database):
@@ -93,38 +114,26 @@ async def test_jobs_topic_recreated_under_a_running_worker(tally, tmp_path, demo
     """The jobs topic is deleted and created again (an empty log, offsets from 0) on a broker that stays
     up, so the worker's group survives: every job produced to the new log is answered once, though its
     offsets are all below the worker's marks for the old log; one ledger row each, busy == attributed."""
-    broker = EmbeddedBroker(free_port(), log_path=tmp_path / "tansu.log")
-    await asyncio.to_thread(broker.start, [], 1)
-    try:
-        with fresh_pg_schema(pg_database) as url:
-            db.upgrade(url, script_location=SCRIPT_LOCATION)
-            s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
-            k = s.kafka
-            svc = open_services(s)
-            register_two_tenants(svc, demo_set)
-            try:
-                async with live_worker(s, svc) as lw, Collector(s) as col:
-                    sent1 = await produce(s, [job_message(j) for j in _jobs("old-log", 24)])
-                    await col.until(lambda c: c.answered(sent1) or not lw.alive(), 60)
-                    await wait_conserved(svc.db, lw.worker_id)
-                    await asyncio.sleep(0.5)  # its offsets committed
+    async with _one_broker(tmp_path, demo_set, pg_database) as (s, svc):
+        k = s.kafka
+        async with live_worker(s, svc) as lw, Collector(s) as col:
+            sent1 = await produce(s, [job_message(j) for j in _jobs("old-log", 24)])
+            await col.until(lambda c: c.answered(sent1) or not lw.alive(), 60)
+            await wait_conserved(svc.db, lw.worker_id)
+            await asyncio.sleep(0.5)  # its offsets committed
 
-                    admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap_servers, request_timeout_ms=5000)
-                    await admin.start()
-                    try:
-                        await admin.delete_topics([k.jobs_topic])
-                    finally:
-                        await admin.close()
-                    await asyncio.sleep(1.0)
-                    await ensure_topics(k.bootstrap_servers, [k.jobs_topic], k.partitions)
-                    sent2 = await produce(s, [job_message(j) for j in _jobs("new-log", 8)])
-                    await col.until(lambda c: c.answered(sent1 + sent2) or not lw.alive(), 90)
-                    await col.settle(1.0)
-                    end = await close_scenario(tally, sent1 + sent2, col, svc.db, lw)
+            admin = AIOKafkaAdminClient(bootstrap_servers=k.bootstrap_servers, request_timeout_ms=5000)
+            await admin.start()
+            try:
+                await admin.delete_topics([k.jobs_topic])
             finally:
-                svc.close()
-    finally:
-        broker.stop()
+                await admin.close()
+            await asyncio.sleep(1.0)
+            await ensure_topics(k.bootstrap_servers, [k.jobs_topic], k.partitions)
+            sent2 = await produce(s, [job_message(j) for j in _jobs("new-log", 8)])
+            await col.until(lambda c: c.answered(sent1 + sent2) or not lw.alive(), 90)
+            await col.settle(1.0)
+            end = await close_scenario(tally, sent1 + sent2, col, svc.db, lw)
     acct = end.acct
     new = [m.describe() for m in sent2 if not acct.results.get(m.identity)]
     assert not new, f"{len(new)} of {len(sent2)} jobs on the recreated topic were never answered: {new}"
@@ -138,37 +147,25 @@ async def test_a_committed_offset_past_the_logs_end_is_read_from_the_beginning(t
     broker commits its marks of the old log into the new one (seen in an operator's drill: every fetch then answered
     nothing, with no error, and the new jobs were never read, by that worker or a restarted one). A worker starting on
     such a group reads each partition from its beginning: every job is answered once, one ledger row each."""
-    broker = EmbeddedBroker(free_port(), log_path=tmp_path / "tansu.log")
-    await asyncio.to_thread(broker.start, [], 1)
-    try:
-        with fresh_pg_schema(pg_database) as url:
-            db.upgrade(url, script_location=SCRIPT_LOCATION)
-            s = await adversarial_settings(broker, tmp_path, url, demo_set["model"])
-            k = s.kafka
-            svc = open_services(s)
-            register_two_tenants(svc, demo_set)
-            await ensure_topics(k.bootstrap_servers, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
-            # Committed for the group without joining it (partitions assigned by hand), as an old member's last commit
-            old = AIOKafkaConsumer(bootstrap_servers=k.bootstrap_servers, group_id=k.group_id, enable_auto_commit=False)
-            await old.start()
-            try:
-                parts = [TopicPartition(k.jobs_topic, p) for p in range(k.partitions)]
-                old.assign(parts)
-                await old.commit({tp: OffsetAndMetadata(1313, "") for tp in parts})
-                assert all([await old.committed(tp) == 1313 for tp in parts])
-            finally:
-                await old.stop()
-            try:
-                async with live_worker(s, svc) as lw, Collector(s) as col:
-                    sent = await produce(s, [job_message(j) for j in _jobs("past-end", 8)])
-                    await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
-                    await col.settle(0.5)
-                    end = await close_scenario(tally, sent, col, svc.db, lw)
-                    resets = lw.worker.metrics.log_resets._value.get()
-            finally:
-                svc.close()
-    finally:
-        broker.stop()
+    async with _one_broker(tmp_path, demo_set, pg_database) as (s, svc):
+        k = s.kafka
+        await ensure_topics(k.bootstrap_servers, [k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
+        # Committed for the group without joining it (partitions assigned by hand), as an old member's last commit
+        old = AIOKafkaConsumer(bootstrap_servers=k.bootstrap_servers, group_id=k.group_id, enable_auto_commit=False)
+        await old.start()
+        try:
+            parts = [TopicPartition(k.jobs_topic, p) for p in range(k.partitions)]
+            old.assign(parts)
+            await old.commit({tp: OffsetAndMetadata(1313, "") for tp in parts})
+            assert all([await old.committed(tp) == 1313 for tp in parts])
+        finally:
+            await old.stop()
+        async with live_worker(s, svc) as lw, Collector(s) as col:
+            sent = await produce(s, [job_message(j) for j in _jobs("past-end", 8)])
+            await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+            await col.settle(0.5)
+            end = await close_scenario(tally, sent, col, svc.db, lw)
+            resets = lw.worker.metrics.log_resets._value.get()
     tally.cases = len(sent)
     missing = [m.describe() for m in sent if not end.acct.results.get(m.identity)]
     assert not missing, f"{len(missing)} of {len(sent)} jobs behind a committed offset past the log's end were never read"
