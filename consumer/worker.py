@@ -135,6 +135,7 @@ class Worker:
                            ledger=shown_url(settings.ledger.url))
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._registry_failing: list[float] | None = None  # [since, last logged] while registry refreshes fail
         snapshot = registry.snapshot()
         self.intake = Intake(settings, self.metrics, self.worker_id, self.scheduler, self.router, self.spool, ledger,
                              self._work_event, snapshot)
@@ -329,11 +330,22 @@ class Worker:
 
     def _refresh_registry(self) -> None:
         if time.monotonic() - self._snapshot_at >= self.s.worker.registry_refresh_s:
+            now = time.monotonic()
             try:
                 self._apply_snapshot(self.registry.snapshot())
-            except Exception:  # the database is away: keep routing on the last snapshot
-                self._snapshot_at = time.monotonic()
-                log.exception("registry refresh failed; routing on the previous snapshot")
+            except Exception as e:  # the database is away: keep routing on the last snapshot
+                self._snapshot_at = now
+                if self._registry_failing is None:  # the first failure of a streak with its traceback, then a line a minute
+                    self._registry_failing = [now, now]
+                    log.exception("registry refresh failed; routing on the previous snapshot")
+                elif now - self._registry_failing[1] >= 60:
+                    self._registry_failing[1] = now
+                    log.warning("registry refresh still failing after %.0f s (%s: %s); routing on the previous snapshot",
+                                now - self._registry_failing[0], type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            else:
+                if self._registry_failing is not None:
+                    log.warning("registry refresh works again after %.0f s", now - self._registry_failing[0])
+                    self._registry_failing = None
 
     # ---------------------------------------------------------------- dispatch
 
