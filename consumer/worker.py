@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -142,6 +143,7 @@ class Worker:
         self._apply_snapshot(snapshot)
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
         self._cache_errors_seen = 0
+        self._cache_warned_at = -math.inf  # the last log line about route cache errors (monotonic)
         self._revoked: set[TopicPartition] = set()  # of the latest rebalance
         self.consumer = None
         self._left = False  # the consumer was stopped (`_leave`)
@@ -581,6 +583,10 @@ class Worker:
         errors = getattr(self.router.cache, "errors", 0)
         if errors > self._cache_errors_seen:
             m.route_cache_errors.inc(errors - self._cache_errors_seen)
+            if time.monotonic() - self._cache_warned_at >= 60:  # a line a minute at most while the cache fails
+                self._cache_warned_at = time.monotonic()
+                log.warning("the route cache (Redis) failed %d times since the last look (%d in all); routing goes on by "
+                            "the tenants' rules and defaults (lora_route_cache_errors_total)", errors - self._cache_errors_seen, errors)
             self._cache_errors_seen = errors
         self.partitions.report_lag()
 

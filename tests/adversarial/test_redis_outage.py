@@ -4,6 +4,7 @@ while jobs flow, and frozen (SIGSTOP: connections open, no answers) in a second 
 
 from __future__ import annotations
 
+import logging
 import signal
 
 import pytest
@@ -23,7 +24,9 @@ def _wave(tag: str, n: int) -> list[dict]:
              "session_id": f"s{i % 4}", "prompt": f"{tag} hello {i}", "max_new_tokens": 3} for i in range(n)]
 
 
-async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, outage, recover) -> None:
+async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, outage, recover, caplog=None) -> None:
+    if caplog is not None:
+        caplog.set_level(logging.WARNING, logger="lorabatch.worker")
     with fresh_pg_schema(pg_database) as url:
         db.upgrade(url, script_location=SCRIPT_LOCATION)
         s = await adversarial_settings(broker, tmp_path, url, demo_set["model"], **{
@@ -52,13 +55,16 @@ async def _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, out
     assert not failed, failed
     during_routes = [acct.results[m.identity][0].route for m in during]
     assert all("cache unavailable" in r for r in during_routes), f"routing during the outage must say so: {during_routes}"
+    if caplog is not None:  # and the worker's log says it (an operator found only the metric)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the route cache (Redis) failed")]
+        assert said, "no log line while Redis was away"
 
 
-async def test_redis_stopped_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server):
+async def test_redis_stopped_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server, caplog):
     """Redis (routing.cache = "redis") is stopped while jobs flow and started again (empty): every job is
-    answered once and succeeds, routing during the outage falls back and says "cache unavailable", the
-    worker stays alive, one ledger row each, busy == attributed."""
-    await _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, redis_server.stop, redis_server.start)
+    answered once and succeeds, routing during the outage falls back and says "cache unavailable" (and the log
+    says Redis failed), the worker stays alive, one ledger row each, busy == attributed."""
+    await _run(tally, broker, tmp_path, demo_set, pg_database, redis_server, redis_server.stop, redis_server.start, caplog)
 
 
 async def test_redis_frozen_mid_run(tally, broker, tmp_path, demo_set, pg_database, redis_server):
