@@ -81,16 +81,17 @@ async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None,
     stop = asyncio.ensure_future(stopping.wait())
     started = time.monotonic()
     try:
+        why = (" (a Kafka consumer joining its group waits for the group's members; one that died holds it until its "
+               "session times out)") if "Kafka" in what else ""
         while not (await asyncio.wait({task, stop}, timeout=SLOW_ATTEMPT_S, return_when=asyncio.FIRST_COMPLETED))[0]:
-            log.warning("still waiting for %s: its attempt has run %.0f s (a Kafka consumer joining its group waits for the "
-                        "group's members; one that died holds it until its session times out); SIGTERM stops the wait",
-                        what, time.monotonic() - started)
+            log.warning("still waiting for %s: its attempt has run %.0f s%s; SIGTERM stops the wait", what,
+                        time.monotonic() - started, why)
     finally:
         stop.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=STOP_GRACE_S)
-    if task.cancelled():
+    if task.cancelled() or not task.done():  # (not done: it ignored the cancel for the whole grace, and is left)
         raise Stopped(f"stopped while waiting for {what}")
     return task.result()
 
