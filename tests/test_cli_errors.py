@@ -88,7 +88,8 @@ def test_db_upgrade_takes_its_revision_as_the_readme_writes_it(tmp_path):
     cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n')
     assert _lorabatch(tmp_path, "db", "upgrade", "0001", "-c", cfg).returncode == 0
     assert _lorabatch(tmp_path, "db", "upgrade", "head", "-c", cfg).returncode == 0
-    assert _lorabatch(tmp_path, "db", "downgrade", "0001", "-c", cfg).returncode == 0
+    down = _lorabatch(tmp_path, "db", "downgrade", "0001", "-c", cfg)
+    assert down.returncode == 0 and "dropped with their data" in down.stderr, down.stderr
     assert _lorabatch(tmp_path, "db", "upgrade", "--revision", "head", "-c", cfg).returncode == 0
     both = _lorabatch(tmp_path, "db", "upgrade", "0002", "--revision", "head", "-c", cfg)
     assert both.returncode == 2 and "differ" in both.stderr, both.stderr
@@ -196,6 +197,23 @@ def test_no_user_visible_text_names_the_design_notes():
     assert named == []
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert "## Job and result contract" in readme
+
+
+@pytest.mark.postgres
+def test_db_commands_do_not_print_the_ledger_password(tmp_path, pg_database):
+    """What `db upgrade` and `db downgrade` print names the ledger with its password masked (they printed the URL
+    whole). The machine's PostgreSQL trusts local connections, so any password reaches a schema of the test's own."""
+    from sqlalchemy.engine import make_url
+
+    from tests.db_fixtures import fresh_pg_schema
+
+    with fresh_pg_schema(pg_database) as url:
+        secret = make_url(url).set(password="hunter2-secret").render_as_string(hide_password=False)
+        cfg = _config(tmp_path, f"[ledger]\nurl = '{secret}'\n")
+        for args in (("upgrade",), ("downgrade", "0001")):
+            out = _lorabatch(tmp_path, "db", *args, "-c", cfg)
+            assert out.returncode == 0, out.stderr
+            assert "hunter2-secret" not in out.stdout + out.stderr and "***" in out.stdout, (out.stdout, out.stderr)
 
 
 def test_a_metrics_port_in_use_names_the_port_and_the_key():

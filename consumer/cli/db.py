@@ -22,19 +22,25 @@ def upgrade(
     from billing.db import upgrade as migrate_up
     from migrations import SCRIPT_LOCATION
 
+    from consumer.services import shown_url
+
     s = settings_from(config)
     migrate_up(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
-    typer.echo(f"ledger at {s.ledger.url}: upgraded to {revision}")
+    typer.echo(f"ledger at {shown_url(s.ledger.url)}: upgraded to {revision}")
 
 
 def downgrade(revision: str, config: ConfigOpt = None) -> None:
-    """Migrate the ledger database down to REVISION ("base" drops every table)."""
+    """Migrate the ledger database down to REVISION ("base" drops every table). What the later revisions added, columns
+    and tables, goes with the data in them; an upgrade adds them back empty."""
     from billing.db import downgrade as migrate_down
+    from consumer.services import shown_url
     from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
+    typer.echo(f"downgrading the ledger at {shown_url(s.ledger.url)} to {revision}: the columns and tables of the later "
+               "revisions are dropped with their data (an upgrade adds them back empty)", err=True)
     migrate_down(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
-    typer.echo(f"ledger at {s.ledger.url}: downgraded to {revision}")
+    typer.echo(f"ledger at {shown_url(s.ledger.url)}: downgraded to {revision}")
 
 
 def register(app: typer.Typer) -> None:
