@@ -25,6 +25,7 @@ from consumer.answers import Copy, Key, key_of, stored_result
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import Routed
+from consumer.logs import Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.outcomes import failed_before_engine
 from consumer.registry import RegistrySnapshot
@@ -57,7 +58,7 @@ class Intake:
         self.running: dict[Key, list[Copy]] = {}  # keys queued or in the engine here, with their waiting copies
         self.answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
-        self._lookup_warned_at = 0.0
+        self._lookup_throttle = Throttle(30.0)  # a line about stored answers the ledger cannot give, every 30 s at most
 
     def use(self, snapshot: RegistrySnapshot) -> None:
         """Route by this registry snapshot from now on."""
@@ -170,8 +171,7 @@ class Intake:
         except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
             # Answers written by this worker are in memory or the spool; another worker's, written while the
             # ledger is away, cannot be seen: such a copy runs again and is billed once (the ledger's key).
-            if time.monotonic() - self._lookup_warned_at > 30:
-                self._lookup_warned_at = time.monotonic()
+            if self._lookup_throttle.due():
                 log.warning("cannot ask the ledger for stored answers (%s); going by this worker's own", e)
         return found
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is written as a field.
@@ -82,3 +84,49 @@ def command_logging(debug: bool = False) -> None:
         handler.addFilter(_Ours())
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+class Throttle:
+    """At most one log line every `every_s` about a condition that repeats (a dependency away): `due()` says whether
+    this one may be written, and if so starts the next interval."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic):
+        self.every_s = every_s
+        self._clock = clock
+        self._last = -float("inf")
+
+    def due(self) -> bool:
+        now = self._clock()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
+
+
+class Outage:
+    """A dependency's failures as one streak in the log: the first with its traceback, then a line every `every_s`
+    while they go on, and one when it works again (not a traceback at every try)."""
+
+    def __init__(self, what: str, logger: logging.Logger, consequence: str, every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.what, self.log, self.consequence = what, logger, consequence
+        self._clock = clock
+        self._throttle = Throttle(every_s, clock)
+        self.since: float | None = None  # when the streak began (the clock's time); None while it works
+
+    def failed(self, e: BaseException) -> None:
+        now = self._clock()
+        if self.since is None:
+            self.since = now
+            self._throttle.due()
+            self.log.error("%s failed; %s", self.what, self.consequence, exc_info=e)
+        elif self._throttle.due():
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            self.log.warning("%s still failing after %.0f s (%s: %s); %s", self.what, now - self.since, type(e).__name__,
+                             first, self.consequence)
+
+    def ok(self) -> None:
+        if self.since is not None:
+            self.log.warning("%s works again after %.0f s", self.what, self._clock() - self.since)
+            self.since = None
+

@@ -237,8 +237,14 @@ _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "l
                            "int_parsing", "int_type", "float_parsing", "float_type", "int_from_float"})
 
 
+def error_field(e: dict) -> str | None:
+    """The job field a validation error is about: its location, or for the job's own checks the field they name."""
+    return ".".join(str(p) for p in e["loc"]) or (e.get("ctx") or {}).get("field") or (
+        "adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
+
+
 def _describe(e: dict, total: int) -> ErrorInfo:
-    field = ".".join(str(p) for p in e["loc"]) or (e.get("ctx") or {}).get("field") or ("adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
+    field = error_field(e)
     msg = e["msg"].removeprefix("Value error, ")
     allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
     if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:

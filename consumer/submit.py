@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result
+from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result, error_field
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
@@ -100,7 +100,7 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
             out.errors.append(f"line {n}: the JSON nests too deeply; send a flat job object (the README's \"Job and result contract\")")
         except ValidationError as e:
             first = e.errors()[0]
-            where = body_field(".".join(str(p) for p in first["loc"]) or str((first.get("ctx") or {}).get("field") or ""), names)
+            where = body_field(error_field(first) or "", names)
             more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
             out.errors.append(f"line {n}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}{more}")
         except ValueError as e:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import sys
@@ -34,10 +33,10 @@ from aiokafka.errors import KafkaError
 from consumer.breaker import BreakerBoard
 from consumer.config import ConfigError, Settings, check_worker_fits
 from consumer.delivery import Deliverer, Outcome
-from consumer.services import shown_url
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
 from consumer.kafka import make_consumer, make_producer
+from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.outcomes import failed_before_engine
@@ -47,6 +46,7 @@ from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
 from consumer.routing import Router
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
 from consumer.schemas import ErrorInfo
+from consumer.services import shown_url
 from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
@@ -136,14 +136,15 @@ class Worker:
                            ledger=shown_url(settings.ledger.url))
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._registry_failing: list[float] | None = None  # [since, last logged] while registry refreshes fail
+        self._registry_outage = Outage("registry refresh", log, "routing on the previous snapshot")
         snapshot = registry.snapshot()
         self.intake = Intake(settings, self.metrics, self.worker_id, self.scheduler, self.router, self.spool, ledger,
                              self._work_event, snapshot)
         self._apply_snapshot(snapshot)
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
         self._cache_errors_seen = 0
-        self._cache_warned_at = -math.inf  # the last log line about route cache errors (monotonic)
+        self._cache_errors_said = 0  # the count at the last log line about them
+        self._cache_errors_throttle = Throttle(60.0)
         self._revoked: set[TopicPartition] = set()  # of the latest rebalance
         self.consumer = None
         self._left = False  # the consumer was stopped (`_leave`)
@@ -332,22 +333,13 @@ class Worker:
 
     def _refresh_registry(self) -> None:
         if time.monotonic() - self._snapshot_at >= self.s.worker.registry_refresh_s:
-            now = time.monotonic()
             try:
                 self._apply_snapshot(self.registry.snapshot())
             except Exception as e:  # the database is away: keep routing on the last snapshot
-                self._snapshot_at = now
-                if self._registry_failing is None:  # the first failure of a streak with its traceback, then a line a minute
-                    self._registry_failing = [now, now]
-                    log.exception("registry refresh failed; routing on the previous snapshot")
-                elif now - self._registry_failing[1] >= 60:
-                    self._registry_failing[1] = now
-                    log.warning("registry refresh still failing after %.0f s (%s: %s); routing on the previous snapshot",
-                                now - self._registry_failing[0], type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                self._snapshot_at = time.monotonic()
+                self._registry_outage.failed(e)
             else:
-                if self._registry_failing is not None:
-                    log.warning("registry refresh works again after %.0f s", now - self._registry_failing[0])
-                    self._registry_failing = None
+                self._registry_outage.ok()
 
     # ---------------------------------------------------------------- dispatch
 
@@ -583,10 +575,10 @@ class Worker:
         errors = getattr(self.router.cache, "errors", 0)
         if errors > self._cache_errors_seen:
             m.route_cache_errors.inc(errors - self._cache_errors_seen)
-            if time.monotonic() - self._cache_warned_at >= 60:  # a line a minute at most while the cache fails
-                self._cache_warned_at = time.monotonic()
-                log.warning("the route cache (Redis) failed %d times since the last look (%d in all); routing goes on by "
-                            "the tenants' rules and defaults (lora_route_cache_errors_total)", errors - self._cache_errors_seen, errors)
+            if self._cache_errors_throttle.due():  # a line a minute at most while the cache fails
+                log.warning("the route cache (Redis) failed %d times since the last line (%d in all); routing goes on by "
+                            "the tenants' rules and defaults (lora_route_cache_errors_total)", errors - self._cache_errors_said, errors)
+                self._cache_errors_said = errors
             self._cache_errors_seen = errors
         self.partitions.report_lag()
 

@@ -235,16 +235,16 @@ async def test_redis_is_waited_for_at_start_then_routing_goes_on_without_it(tmp_
         server.stop()
 
 
-def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute(monkeypatch, caplog):
-    """The ledger database away: the registry refresh (every worker.registry_refresh_s) logs its first failure with the
-    traceback, then one line a minute while it keeps failing, and one when it works again (an operator saw a full
-    traceback every 5 s during an outage)."""
+def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute(caplog):
+    """The ledger database away: the worker's registry refresh (every worker.registry_refresh_s) logs its first failure
+    with the traceback, then one line a minute while it keeps failing, and one when it works again (an operator saw a
+    full traceback every 5 s during an outage). consumer.logs.Outage keeps the streak; the clock is the test's."""
     from types import SimpleNamespace
 
-    import consumer.worker as worker_module
+    from consumer.logs import Outage, Throttle
+    from consumer.worker import Worker
 
     clock = [1000.0]
-    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
     caplog.set_level(logging.INFO, logger="lorabatch.worker")
     failing = [True]
 
@@ -254,15 +254,22 @@ def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute
         return "snap"
 
     applied = []
-    stub = SimpleNamespace(s=SimpleNamespace(worker=SimpleNamespace(registry_refresh_s=5.0)), _snapshot_at=0.0,
-                           _registry_failing=None, registry=SimpleNamespace(snapshot=snapshot), _apply_snapshot=applied.append)
+    outage = Outage("registry refresh", logging.getLogger("lorabatch.worker"), "routing on the previous snapshot",
+                    clock=lambda: clock[0])  # fmt: skip
+    stub = SimpleNamespace(s=SimpleNamespace(worker=SimpleNamespace(registry_refresh_s=0.0)), _snapshot_at=0.0,
+                           _registry_outage=outage, registry=SimpleNamespace(snapshot=snapshot), _apply_snapshot=applied.append)
     for _ in range(24):  # two minutes of refreshes every 5 s
-        worker_module.Worker._refresh_registry(stub)
+        Worker._refresh_registry(stub)
         clock[0] += 5.0
     failing[0] = False
-    worker_module.Worker._refresh_registry(stub)
+    Worker._refresh_registry(stub)
     msgs = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
     assert msgs[0] == ("ERROR", "registry refresh failed; routing on the previous snapshot", True)
     still = [m for m in msgs if m[1].startswith("registry refresh still failing")]
-    assert len(still) == 1 and "ConnectionRefusedError: connection refused" in still[0][1] and not still[0][2], msgs
-    assert msgs[-1][1] == "registry refresh works again after 120 s" and applied == ["snap"], msgs
+    assert [m[1] for m in still] == ["registry refresh still failing after 60 s (ConnectionRefusedError: connection refused); "
+                                     "routing on the previous snapshot"] and not still[0][2], msgs
+    assert msgs[-1][1] == "registry refresh works again after 120 s" and applied == ["snap"] and len(msgs) == 3, msgs
+    t = Throttle(30.0, clock=lambda: clock[0])
+    assert t.due() and not t.due()
+    clock[0] += 30.0
+    assert t.due()

@@ -20,9 +20,8 @@ def upgrade(
             raise typer.BadParameter(f"REVISION {revision!r} and --revision {revision_opt!r} differ; give one")
         revision = revision_opt
     from billing.db import upgrade as migrate_up
-    from migrations import SCRIPT_LOCATION
-
     from consumer.services import shown_url
+    from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
     migrate_up(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
