@@ -168,7 +168,7 @@ def run(shape: str, count: int, ranks: list[int], targets: tuple[str, ...], walk
                      cfg=cfg, gpu_bytes=None)  # fmt: skip
     elem = torch.empty(0, dtype=dtype).element_size()
     need = sum(r * sum(lora.page_elems[LORA_TARGETS.index(m)] for m in targets) for r in (ranks[i % len(ranks)] for i in range(count)))
-    arena = HostArena(need * elem * 2, dtype, lora.copy_stream, shared=shared)
+    arena = HostArena(need * elem * 5 // 4, dtype, lora.copy_stream, shared=shared)
     lora.arena = arena
     hosts = _hosts(lora, arena, count, ranks, targets)
     row: dict = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "adapters": count,
