@@ -36,7 +36,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
-from engine.adapter_pages import HostPages
 from engine.adapter_reader import ReaderPool
 from engine.adapter_records import Content, LoadEvent, Meta, ReadAhead, Record, read_adapter
 from engine.adapter_residency import L1Placement
@@ -84,8 +83,6 @@ class AdapterPool(L1Placement):
         # Placements for requests (L1 room made, pages written) and the host time they took: what a step's placement walk
         # adds to the engine thread (the copies themselves run on the side stream)
         self.placements = self.placement_ns = 0
-        # The writes of the walk under way (slot, host copy, pages, its load event), issued as it ends (`_flush_writes`)
-        self._writes: list[tuple[int, HostPages, list[list[int]], LoadEvent]] = []
         self.l1_changes = 0  # counts changes of which keys are in L1 (`resident_keys`), so readers rebuild only on change
         self._l2: OrderedDict[str, int] = OrderedDict()  # sha -> bytes held in L2, least recently used first
         self._l2_bytes = 0
@@ -466,11 +463,7 @@ class AdapterPool(L1Placement):
             self.counters["loads_host"] += 1
         event.dest = "gpu"
         assert content.pages is not None, content.sha
-        pages = [offsets for _, offsets in content.pages]
-        if self._walking:
-            self._writes.append((slot, content.host, pages, event))  # issued with the walk's others as it ends
-        else:
-            event.copy = self._lora.write(slot, content.host, pages)
+        event.copy = self._lora.write(slot, content.host, [offsets for _, offsets in content.pages])
         self._slots[slot] = content.sha
         self.l1_changes += 1
         content.slot = slot
@@ -480,21 +473,6 @@ class AdapterPool(L1Placement):
         if content.sha in self._l2:
             self._l2.move_to_end(content.sha)
         return event
-
-    def _flush_writes(self) -> None:
-        """Issue the pages' writes of the walk that just ended (engine.adapter_residency `placing`), in the order it
-        placed them, in one `LoraState.write_many`: a placement's table rows and events are shared with the walk's others
-        (issue 19: a dozen placements in one call cost the step's host 0.7-0.8 ms each, one write at a time). Nothing
-        reads a slot before the step's `wait_ready`, which follows the walk; each write holds its host copy alive until
-        its DMAs are queued."""
-        if not self._writes:
-            return
-        writes, self._writes = self._writes, []
-        t0 = time.perf_counter_ns()
-        watches = self._lora.write_many([(slot, host, pages) for slot, host, pages, _ in writes])
-        for (_, _, _, event), watch in zip(writes, watches):
-            event.copy = watch
-        self.placement_ns += time.perf_counter_ns() - t0
 
     def _link(self, rec: Record, content: Content) -> None:
         rec.sha = content.sha

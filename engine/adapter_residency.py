@@ -55,8 +55,7 @@ class L1Placement:
     @contextmanager
     def placing(self) -> Iterator[None]:
         """One walk of placements (a step's admissions, a load-ahead walk): the ranking of eviction candidates is not
-        renewed inside it, so that every placement of the walk sees scores of one time, and its pages' writes are
-        issued together as it ends (`_flush_writes`), even when an exception cuts it short. Walks nest (the outer one
+        renewed inside it, so that every placement of the walk sees scores of one time. Walks nest (the outer one
         counts); one cut short by an exception drops the ranking."""
         if self._walking:
             yield
@@ -71,7 +70,6 @@ class L1Placement:
             raise
         finally:
             self._walking = False
-            self._flush_writes()
 
     def _victims(self, exclude: Collection[int], need: dict[int, int]) -> list[str] | None:
         """The unpinned adapters to evict, lowest keep score first, so that a slot and `need` pages are free; None if

@@ -386,50 +386,6 @@ class LoraState:
         self._ready[slot] = watch.stop().end_event
         return watch
 
-    def write_many(self, writes: list[tuple[int, HostPages, list[list[int]]]]) -> list[Stopwatch]:
-        """`write` of several adapters, (slot, host copy, pages) each, for less host time than one `write` each: the
-        table rows of consecutive slots go in one copy per table, and the writes' stopwatches share their events (each
-        write's end is the next one's start), so a placement costs its pages' DMAs and one event. Returns each write's
-        stopwatch, in order."""
-        if self.copy_stream is None or len(writes) < 2:
-            return [self.write(slot, host, pages) for slot, host, pages in writes]
-        for slot, host, pages in writes:
-            assert 0 <= slot < self.max_loras, slot
-            assert host.rank <= self.max_lora_rank, (host.rank, self.max_lora_rank)
-            assert [len(p) for p in pages] == [host.rank] * len(host.modules), ([len(p) for p in pages], host.rank)
-            table, ranks = self._pages_np[slot], self._rank_np[slot]
-            table.fill(0)
-            ranks.fill(0)
-            for m, offsets in zip(host.modules, pages):
-                table[m, : host.rank] = offsets
-                ranks[m] = host.rank
-            self._scale_np[slot] = host.scaling
-        slots = sorted({slot for slot, _, _ in writes})
-        spans: list[list[int]] = []  # [first, last + 1] of each run of consecutive slots
-        for slot in slots:
-            if spans and spans[-1][1] == slot:
-                spans[-1][1] += 1
-            else:
-                spans.append([slot, slot + 1])
-        pool = self.pool
-        watches: list[Stopwatch] = []
-        with torch.cuda.stream(self.copy_stream):
-            for a, b in spans:
-                self.pages[a:b].copy_(self._pages_host[a:b], non_blocking=True)
-                self.rank[a:b].copy_(self._rank_host[a:b], non_blocking=True)
-                self.scale[a:b].copy_(self._scale_host[a:b], non_blocking=True)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.copy_stream)
-            for slot, host, pages in writes:
-                data = host.data
-                for src, dest, n in copy_runs(host, pages):
-                    pool[dest : dest + n].copy_(data[src : src + n], non_blocking=True)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(self.copy_stream)
-                watches.append(Stopwatch.between(start, end))
-                self._ready[slot] = start = end  # its table rows went first, before every page of the walk
-        return watches
-
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Make the compute stream wait for the pending writes of `slots` (no-op on CPU)."""
         if self.copy_stream is None or not self._ready:

@@ -107,14 +107,6 @@ class Stopwatch:
             start.record(self._stream)
             self._events = (start, torch.cuda.Event(enable_timing=True))
 
-    @classmethod
-    def between(cls, start: torch.cuda.Event, end: torch.cuda.Event) -> Stopwatch:
-        """The time between two events already recorded on one stream (consecutive pieces of work sharing their ends:
-        one event a piece, the previous piece's end its start)."""
-        watch = cls.__new__(cls)
-        watch._stream, watch._t0, watch._ns, watch._events = None, 0, None, (start, end)
-        return watch
-
     def stop(self) -> Stopwatch:
         if self._events is not None:
             self._events[1].record(self._stream)

@@ -11,7 +11,6 @@ import shutil
 from collections import Counter, defaultdict
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from engine.adapter_policy import (
@@ -22,7 +21,6 @@ from engine.adapter_policy import (
     choose_victim,
     keep_score,
 )
-from engine.adapter_pages import copy_runs
 from engine.adapters import FINGERPRINT_KEY
 from engine.engine import Engine
 from engine.store import content_sha256
@@ -299,41 +297,6 @@ def test_a_walk_that_raises_leaves_no_ranking_behind(demo_set, many_adapters):
     assert isinstance(pool.prefetch("k3", ()), int)
     assert len(eng.resident_adapters()) == 2 and "k3" in eng.resident_adapters()
     assert pool._ranked_at == 20.0
-
-
-def _written(pool) -> None:
-    """Every resident adapter's pages in the device pool are its L2 copy's, and its slot's table rows point at them."""
-    lora = pool._lora
-    for content in pool._contents.values():
-        if content.slot is None:
-            continue
-        host, pages = content.host, [offsets for _, offsets in content.pages]
-        for src, dest, n in copy_runs(host, pages):
-            assert torch.equal(lora.pool[dest : dest + n].cpu(), host.data[src : src + n]), (content.sha, dest)
-        for m, offsets in zip(host.modules, pages):
-            assert lora.pages[content.slot, m, : host.rank].tolist() == offsets
-            assert int(lora.rank[content.slot, m]) == host.rank
-
-
-@pytest.mark.parametrize("raises", [False, True])
-def test_a_walk_writes_its_placements_as_it_ends(demo_set, many_adapters, raises):
-    """A placement walk's page writes wait for its end and go out together, in placement order (LoraState.write_many):
-    inside it no load has its copy yet; after it, also when an exception cut it short, every resident adapter's pages
-    and table rows are its own, including one placed over the pages and slot of an adapter evicted in the same walk."""
-    eng = Engine(config(demo_set, max_loras=2, host_cache_bytes=1 << 30, adapter_loads_per_s=1e6, adapter_load_burst=1000, **NO_WARM))
-    pool = eng.adapters
-    for i in range(4):
-        eng.register_adapter(f"k{i}", many_adapters[i])
-    with contextlib.suppress(RuntimeError), pool.placing():
-        for key in ("k0", "k1", "k2", "k3"):  # k2 and k3 evict k0 and k1, placed in this walk
-            assert isinstance(pool.prefetch(key, ()), int)
-        assert len(pool._writes) == 4 and all(event.copy is None for *_, event in pool._writes)
-        if raises:
-            raise RuntimeError("admission failed")
-    assert pool._writes == [] and sorted(eng.resident_adapters()) == ["k2", "k3"]
-    assert pool.placements == 4
-    _written(pool)
-    assert all(e.copy is not None and e.load_us() >= 0 for e in pool._events if e.dest == "gpu")
 
 
 def test_the_kept_ranking_is_a_fresh_ranking_at_its_time(demo_set, many_adapters):

@@ -1,11 +1,14 @@
 """What one L1 placement's write costs the engine thread (issue 19): `python -m engine.bench.placements --shape llama-1b`.
 
 `LoraState.write` (engine.lora) of N adapters' L2 copies (ranks cycled over `--ranks`, on `--targets`, random bytes in
-an L2 host arena as the adapter pool makes it: plain pinned, or the shared segment that reader processes write into),
-timed on the host per write: with the GPU idle, and with the compute stream busy (a queue of matmuls ahead of the
-writes, as a pipelined round leaves it). Each write is also taken apart, the same torch calls timed one by one: filling
-the tables' host rows, their three copies, the stopwatch's events, the pages' DMAs. Then the same placements written
-in walks of `--walk` (`LoraState.write_many`). Prints a table, then one JSON line.
+an L2 host arena as the adapter pool makes it: plain pinned, or with `--shared` the shared segment that reader
+processes write into), timed on the host per write: with the GPU idle, and with the compute stream busy (a queue of
+matmuls ahead of the writes, as a pipelined round leaves it). Each write is also taken apart, the same torch calls
+timed one by one: filling the tables' host rows, their three copies, the stopwatch's events, the pages' DMAs. Prints a
+table, then one JSON line.
+
+On an H100 (session 25): 88 µs a write at the median, of which the three table-row copies 37, the rows 20, the
+stopwatch 13 and the DMAs 18 (two a load); the same idle or busy, plain or shared arena.
 """
 
 from __future__ import annotations
@@ -83,21 +86,6 @@ def _whole(lora, hosts, dev, busy_ms) -> list[float]:
     return us
 
 
-def _walks(lora, hosts, dev, busy_ms, walk: int) -> list[float]:
-    """µs of host time per placement, written `walk` at a time by `write_many`."""
-    _busy(dev, busy_ms)
-    placed, us = [], []
-    for i in range(0, len(hosts), walk):
-        group = [(i + k, host, _pages(lora, host)) for k, host in enumerate(hosts[i : i + walk])]
-        t0 = time.perf_counter_ns()
-        lora.write_many(group)
-        us.extend([(time.perf_counter_ns() - t0) / 1e3 / len(group)] * len(group))
-        placed.extend((host, pages) for _, host, pages in group)
-    _sync(dev)
-    _free_all(lora, placed)
-    return us
-
-
 def _parts(lora, hosts, dev, busy_ms) -> dict[str, list[float]]:
     """The torch calls of one write timed one by one (µs each): its parts' host time."""
     _busy(dev, busy_ms)
@@ -159,7 +147,7 @@ def _stats(us: list[float]) -> dict:
             "mean": round(statistics.fmean(s), 1)}  # fmt: skip
 
 
-def run(shape: str, count: int, ranks: list[int], targets: tuple[str, ...], walk: int, busy_ms: float, repeats: int,
+def run(shape: str, count: int, ranks: list[int], targets: tuple[str, ...], busy_ms: float, repeats: int,
         device: str | None, shared: bool) -> dict:  # fmt: skip
     dev = pick_device(device or "auto")
     dtype = pick_dtype("auto", dev)
@@ -172,18 +160,16 @@ def run(shape: str, count: int, ranks: list[int], targets: tuple[str, ...], walk
     lora.arena = arena
     hosts = _hosts(lora, arena, count, ranks, targets)
     row: dict = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "adapters": count,
-                 "ranks": ranks, "targets": list(targets), "walk": walk, "busy_ms": busy_ms, "shared_arena": arena.name is not None,
+                 "ranks": ranks, "targets": list(targets), "busy_ms": busy_ms, "shared_arena": arena.name is not None,
                  "mean_bytes": round(statistics.fmean(h.nbytes for h in hosts))}  # fmt: skip
     _whole(lora, hosts, dev, 0)  # warm-up: first calls, events, the allocator's chunks
     for cond, ms in (("idle", 0.0), ("busy", busy_ms)):
-        whole, walks, parts = [], [], {}
+        whole, parts = [], {}
         for _ in range(repeats):
             whole += _whole(lora, hosts, dev, ms)
-            walks += _walks(lora, hosts, dev, ms, walk)
             for k, v in _parts(lora, hosts, dev, ms).items():
                 parts.setdefault(k, []).extend(v)
         row[f"{cond}_write_us"] = _stats(whole)
-        row[f"{cond}_write_many_us"] = _stats(walks)
         row[f"{cond}_parts_us"] = {k: _stats(v) for k, v in parts.items()}
     return row
 
@@ -191,10 +177,10 @@ def run(shape: str, count: int, ranks: list[int], targets: tuple[str, ...], walk
 def _print(row: dict) -> None:
     print(f"{row['shape']} on {row['device']}: {row['adapters']} adapters of ranks {row['ranks']} on {row['targets']}, "
           f"{row['mean_bytes'] / 1e6:.2f} MB mean; arena shared: {row['shared_arena']}")  # fmt: skip
-    print("GPU | write p50/p90/max us | write_many (walks of %d) p50/p90 | rows | table copies | stopwatch | DMAs (count p50)" % row["walk"])
+    print("GPU | write p50/p90/max us | rows | table copies | stopwatch | DMAs (count p50)")
     for cond in ("idle", "busy"):
-        w, m, p = row[f"{cond}_write_us"], row[f"{cond}_write_many_us"], row[f"{cond}_parts_us"]
-        print(f"{cond} | {w['p50']}/{w['p90']}/{w['max']} | {m['p50']}/{m['p90']} | {p['rows']['p50']} | {p['table_copies']['p50']} | "
+        w, p = row[f"{cond}_write_us"], row[f"{cond}_parts_us"]
+        print(f"{cond} | {w['p50']}/{w['p90']}/{w['max']} | {p['rows']['p50']} | {p['table_copies']['p50']} | "
               f"{p['stopwatch']['p50']} | {p['dmas']['p50']} ({p['dma_count']['p50']})")  # fmt: skip
 
 
@@ -204,15 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--adapters", type=int, default=256)
     p.add_argument("--ranks", default="8,16,32,64")
     p.add_argument("--targets", default="q_proj,v_proj")
-    p.add_argument("--walk", type=int, default=12, help="placements per write_many call")
     p.add_argument("--busy-ms", type=float, default=30.0, help="work queued on the compute stream before the busy writes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shared", action="store_true", help="the L2 arena as a shared segment (reader processes' layout)")
     p.add_argument("--device", default=None)
     a = p.parse_args(argv)
-    if a.adapters < 1 or a.walk < 1 or a.repeats < 1 or a.busy_ms < 0:
-        p.error("--adapters, --walk and --repeats take a count of 1 or more, --busy-ms a time of 0 or more")
-    row = run(a.shape, a.adapters, [int(r) for r in a.ranks.split(",")], tuple(a.targets.split(",")), a.walk, a.busy_ms,
+    if a.adapters < 1 or a.repeats < 1 or a.busy_ms < 0:
+        p.error("--adapters and --repeats take a count of 1 or more, --busy-ms a time of 0 or more")
+    row = run(a.shape, a.adapters, [int(r) for r in a.ranks.split(",")], tuple(a.targets.split(",")), a.busy_ms,
               a.repeats, a.device, a.shared)  # fmt: skip
     _print(row)
     print(json.dumps(row))
