@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_FLAG_FACTOR = Decimal(10**6)  # beyond, no tenant could be flagged, and the report's products overflow
 
 
 class LedgerConfig(BaseModel):
@@ -15,5 +17,19 @@ class LedgerConfig(BaseModel):
     currency: str = Field("USD", min_length=3, max_length=3)
     gpu_kind: str = Field("default", min_length=1, max_length=64, description="price-list key of the GPU this deployment runs on")
     finance_flag_factor: Decimal = Field(
-        Decimal("1.5"), gt=0, description="the finance report flags a tenant whose share of GPU time exceeds its share of revenue by this factor"
-    )
+        Decimal("1.5"), gt=0, le=MAX_FLAG_FACTOR,
+        description="the finance report flags a tenant whose share of GPU time exceeds its share of revenue by this factor",
+    )  # fmt: skip
+
+    @field_validator("gpu_price_per_hour")
+    @classmethod
+    def _storable_price(cls, value: Decimal) -> Decimal:
+        """The fallback price is frozen into closed invoices' lines as `prices set-gpu`'s are: the same rules, here, so
+        that a config with a price the ledger cannot store is refused at load, not by the first close."""
+        from billing.errors import PriceError
+        from billing.prices import check_price
+
+        try:
+            return check_price("ledger.gpu_price_per_hour", value)
+        except PriceError as e:
+            raise ValueError(str(e)) from None

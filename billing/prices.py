@@ -49,7 +49,9 @@ def _midnight(day: date) -> datetime:
     return datetime.combine(day, time(0), tzinfo=timezone.utc)
 
 
-def _check_price(what: str, value: Decimal) -> Decimal:
+def check_price(what: str, value: Decimal) -> Decimal:
+    """`value` if it can be stored and billed as a price (finite, 0 or more, at most 9 decimals, under 10^9); else
+    PriceError naming `what` and the fix."""
     if not isinstance(value, Decimal) or not value.is_finite():
         raise PriceError(f"{what}={value!r} is not a price; pass a decimal number such as 2.50")
     if value < 0:
@@ -69,7 +71,7 @@ def _check_name(what: str, value: str, limit: int) -> str:
 
 def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date) -> GpuPriceEntry:
     """Make `price_per_hour` the price of one hour of `gpu_kind` from midnight UTC of `effective_from` on."""
-    entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), _check_price("price_per_hour", price_per_hour))
+    entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), check_price("price_per_hour", price_per_hour))
     statement = dialect_insert(engine.dialect.name)(GpuPrice).values(
         gpu_kind=entry.gpu_kind, effective_from=entry.effective_from, price_per_hour=entry.price_per_hour
     )
@@ -85,7 +87,7 @@ def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, outpu
     """Make these the prices per million input and output tokens of `tier` from midnight UTC of `effective_from` on."""
     entry = TokenPriceEntry(
         _check_name("tier", tier, 32), _midnight(effective_from),
-        _check_price("input_per_million", input_per_million), _check_price("output_per_million", output_per_million),
+        check_price("input_per_million", input_per_million), check_price("output_per_million", output_per_million),
     )
     statement = dialect_insert(engine.dialect.name)(TokenPrice).values(
         tier=entry.tier, effective_from=entry.effective_from,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from engine.adapter_import import AdapterChecks
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+TIER_CHARS = 32  # tenants.tier and token_prices.tier are String(32)
 
 
 class RegistryError(Exception):
@@ -136,6 +137,9 @@ class Registry:
             raise RegistryError(f"tenant id {tenant_id!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'")
         if weight < 1:
             raise RegistryError(f"weight must be at least 1, got {weight}")
+        if not isinstance(tier, str) or not tier.strip() or tier != tier.strip() or len(tier) > TIER_CHARS:
+            raise RegistryError(f"tier {tier!r} is invalid; use 1-{TIER_CHARS} characters without surrounding spaces "
+                                "(the name `lorabatch prices set-tokens TIER` prices)")  # fmt: skip
         with self.sessions.begin() as s:
             if s.get(Tenant, tenant_id) is not None:
                 raise RegistryError(f"tenant {tenant_id!r} exists already; `lorabatch tenants list` shows it")

@@ -80,10 +80,40 @@ def test_invoice_errors_say_what_to_do(cli: tuple[CliRunner, Path]) -> None:
         (["invoice", "--close-period", "9999-12"], "period 9999-12 cannot be billed"),
         (["report", "finance", "--period", "2062-10"], "period 2062-10 cannot be billed"),
         (["report", "reconcile", "--period", "0000-01"], "period 0000-01 cannot be billed"),
+        (["report", "finance", "--period", "2025-10", "--flag-factor", "1e999999"], "at most 1000000"),
+        (["report", "finance", "--period", "2025-10", "--flag-factor", "0"], "above 0"),
+        (["tenants", "add", "blank", "--tier", ""], "tier '' is invalid"),
+        (["tenants", "add", "spaced", "--tier", " gold"], "without surrounding spaces"),
+        (["tenants", "add", "long", "--tier", "t" * 33], "1-32 characters"),
     ]:
         result = runner.invoke(app, [*args, "--config", str(config)])
         assert result.exit_code == 2, (args, result.output)
         assert hint in " ".join(result.output.split()), (args, result.output)
+
+
+def test_closing_a_month_is_refused_for_one_tenant(cli: tuple[CliRunner, Path]) -> None:
+    """`--close-period` closes every tenant's invoice: with `--tenant` it is refused (exit 2, the command that closes
+    one tenant's named) and nothing is frozen; without, it counts every invoice it froze."""
+    runner, config = cli
+    run(cli, "tenants", "add", "acme")
+    run(cli, "tenants", "add", "globex")
+    for tenant in ("acme", "nobody"):
+        result = runner.invoke(app, ["invoice", "--tenant", tenant, "--close-period", "2025-10", "--config", str(config)])
+        assert result.exit_code == 2 and f"--tenant {tenant} --period 2025-10 --close" in " ".join(result.output.split())
+    assert json.loads(run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--format", "json"))["status"] == "draft"
+    result = runner.invoke(app, ["invoice", "--close-period", "2025-10", "--format", "json", "--config", str(config)])
+    assert result.exit_code == 0 and "closed: 1 invoices frozen" in result.stderr  # acme's: globex used nothing
+
+
+def test_a_config_price_the_ledger_cannot_store_is_refused_at_load(cli: tuple[CliRunner, Path]) -> None:
+    """ledger.gpu_price_per_hour follows `prices set-gpu`'s rules: refused when the config loads (exit 2, one line
+    naming the key), not by the first close's insert."""
+    runner, config = cli
+    text = config.read_text()
+    for price, hint in [("2.1234567891", "more than 9 decimal places"), ("1e10", "too large"), ("-1", "greater than or equal to 0")]:
+        config.write_text(text.replace('gpu_kind = "h100"', f'gpu_kind = "h100"\ngpu_price_per_hour = "{price}"'))
+        result = runner.invoke(app, ["invoice", "--tenant", "acme", "--period", "2025-10", "--close", "--config", str(config)])
+        assert result.exit_code == 2 and "gpu_price_per_hour" in result.output and hint in result.output, (price, result.output)
 
 
 def test_reports_to_files(cli: tuple[CliRunner, Path], tmp_path: Path) -> None:

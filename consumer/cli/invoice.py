@@ -35,6 +35,10 @@ def invoice(
         fail("pass --tenant T [--period YYYY-MM, default this month] (add --close to close it), or --close-period YYYY-MM")
     if close_period is not None and (close or period is not None):
         fail("--close-period closes a whole month by itself; leave out --period and --close")
+    if close_period is not None and tenant is not None:
+        # Refused, not filtered: closing is for good, and it would freeze every tenant's invoice while showing one.
+        fail(f"--close-period closes every tenant's invoice of {close_period}; to close only {tenant!r}'s, pass "
+             f"--tenant {tenant} --period {close_period} --close")  # fmt: skip
     if close and period is None:
         fail("--close freezes an invoice for good: name its month with --period YYYY-MM")
     period = period or current_month()
@@ -43,7 +47,6 @@ def invoice(
     try:
         if close_period is not None:
             invoices = close_month(svc.db, s.ledger, close_period)
-            invoices = [i for i in invoices if tenant is None or i.tenant == tenant]
         elif close:
             invoices = [close_invoice(svc.db, s.ledger, tenant, period)]  # type: ignore[arg-type]
         else:

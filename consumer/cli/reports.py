@@ -24,6 +24,7 @@ def write_out(text: str, output: Path | None) -> None:
 
 def run_report(kind: str, period: str | None, fmt: str, output: Path | None, config: Path | None, flag_factor: str | None = None) -> None:
     """Build the `kind` report of `period` (this UTC month when None) and write it in `fmt`."""
+    from billing.config import MAX_FLAG_FACTOR
     from billing.errors import LedgerError
     from billing.finance import finance_report
     from billing.reconcile import reconcile_report
@@ -37,8 +38,8 @@ def run_report(kind: str, period: str | None, fmt: str, output: Path | None, con
     factor = None
     if flag_factor is not None:
         factor = parse_decimal("--flag-factor", flag_factor)
-        if factor <= 0:
-            fail(f"--flag-factor {flag_factor}: pass a factor above 0, e.g. 1.5")
+        if not 0 < factor <= MAX_FLAG_FACTOR:
+            fail(f"--flag-factor {flag_factor}: pass a factor above 0 and at most {MAX_FLAG_FACTOR}, e.g. 1.5")
     svc = open_services(s)
     try:
         if kind == "finance":
