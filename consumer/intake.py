@@ -62,6 +62,10 @@ class Intake:
 
     def use(self, snapshot: RegistrySnapshot) -> None:
         """Route by this registry snapshot from now on."""
+        old = getattr(self, "classifier", None)
+        if isinstance(old, RuleClassifier) and old.rules == snapshot.rules:
+            self.snapshot = snapshot  # the same rules: the classifier stays, with the slow rules it skips
+            return
         self.snapshot = snapshot
         self.classifier = RuleClassifier(snapshot.rules)
 
@@ -127,14 +131,15 @@ class Intake:
             routes = await self.router.route_batch(self.snapshot, self.classifier, [j for *_, j in jobs])
         except Exception as e:  # noqa: BLE001 - routing must not lose the batch: each job fails on its own
             log.exception("routing %d jobs failed", len(jobs))
-            routes = [RouteError(ErrorInfo(code="routing_failed", retriable=True,
-                                           message=f"routing failed ({type(e).__name__}); it was logged")) for _ in jobs]
+            routes = [RouteError("routing_failed", f"routing failed ({type(e).__name__}); it was logged, and the same "
+                                 "request_id may be sent again", retriable=True) for _ in jobs]  # fmt: skip
         # The engine counts a request's queue time from this arrival (consumer.stages' `queue` stage starts here too).
         queued_ns = time.monotonic_ns()
         mono_us = queued_ns // 1000
         for (tp, offset, epoch, job), route in zip(jobs, routes):
             if isinstance(route, RouteError):
-                self.fail(tp, offset, epoch, job, route.info, now, route.info.code)
+                # A failure of ours (routing_failed) is not an answer to keep: nothing ran, and a resend may route.
+                self.fail(tp, offset, epoch, job, route.info, now, route.info.code, keep=route.info.code != "routing_failed")
                 continue
             self.metrics.route_decisions.labels(route.reason).inc()
             self.metrics.route_decision.observe(route.routing_us / 1e6)

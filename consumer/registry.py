@@ -115,12 +115,18 @@ class RegistrySnapshot:
     rules: tuple[RouteRule, ...] = ()
 
     def versions(self, tenant_id: str, name: str) -> tuple[AdapterView, ...]:
-        """The tenant's own adapter of that name, else a public one of another tenant."""
+        """The tenant's own adapter of that name (every version), else another tenant's public one: its public versions
+        only (a version registered private stays its owner's, also where a later one is public), and none where the name
+        is public under several tenants (`public_owners`)."""
         own = self.adapters.get((tenant_id, name))
         if own:
             return own
-        public = [vs for (owner, n), vs in self.adapters.items() if n == name and vs[-1].is_public]
+        public = [shown for (owner, n), vs in self.adapters.items() if n == name and (shown := tuple(v for v in vs if v.is_public))]
         return public[0] if len(public) == 1 else ()
+
+    def public_owners(self, tenant_id: str, name: str) -> set[str]:
+        """The other tenants with a public version of adapter `name`."""
+        return {owner for (owner, n), vs in self.adapters.items() if n == name and owner != tenant_id and any(v.is_public for v in vs)}
 
     def owned_elsewhere(self, tenant_id: str, name: str) -> bool:
         return any(n == name and owner != tenant_id for owner, n in self.adapters)

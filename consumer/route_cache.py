@@ -7,6 +7,11 @@ expire entries after a TTL. Lookups for a whole fetched batch go in one round tr
 Redis being away must never stop routing: every Redis error marks the cache unavailable for a short
 backoff (so a dead server costs one timeout, not one per job), lookups answer "unavailable" and the
 router goes on to its rules and defaults; the next lookup after the backoff tries again.
+
+What Redis holds is not trusted either (another client may write there): a value that is not UTF-8, or
+too long to be an adapter reference, is a miss; a key of ours holding another type (an index that is
+not a sorted set) is deleted and rewritten, not taken for Redis being down, which would turn the cache
+off for every tenant at each write.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
+
+MAX_VALUE_CHARS = 256  # longer values are not adapter references (a name and a version are at most 170)
 
 
 @dataclass(frozen=True)
@@ -88,8 +95,9 @@ class RedisRouteCache:
 
     def __init__(self, url: str, max_entries: int, ttl_s: float, *, prefix: str = "lorabatch:route",
                  timeout_s: float = 0.05, backoff_s: float = 1.0, clock=time.monotonic):
+        # Bytes, decoded here: a value that is not UTF-8 is a miss, where the client's decoding raised for the batch
         self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              decode_responses=True, retry_on_timeout=False)
+                                              decode_responses=False, retry_on_timeout=False)
         self.max_entries = max_entries
         self.ttl_ms = int(ttl_s * 1000)
         self.prefix = prefix
@@ -97,6 +105,7 @@ class RedisRouteCache:
         self._clock = clock
         self._down_until = 0.0
         self.errors = 0
+        self.bad_entries = 0  # values that were no adapter reference, and keys of ours of the wrong type, since start
 
     @property
     def available(self) -> bool:
@@ -116,7 +125,19 @@ class RedisRouteCache:
         except (RedisError, OSError):
             self._failed()
             return None
-        return {k: v for k, v in zip(keys, values) if v is not None}
+        found = {}
+        for k, v in zip(keys, values):
+            if v is None:
+                continue
+            try:
+                text = v.decode("utf-8") if len(v) <= MAX_VALUE_CHARS else None
+            except UnicodeDecodeError:
+                text = None
+            if text is None:
+                self.bad_entries += 1
+                continue
+            found[k] = text
+        return found
 
     async def set_many(self, items: dict[CacheKey, str]) -> bool:
         if not items:
@@ -137,12 +158,23 @@ class RedisRouteCache:
                 for index in indexes:  # ... then 2 per index: drop expired members, count the rest
                     pipe.zremrangebyscore(index, "-inf", now_ms - self.ttl_ms)
                     pipe.zcard(index)
-                replies = await pipe.execute()
+                replies = await pipe.execute(raise_on_error=False)
+            failed = [r for r in replies if isinstance(r, Exception)]
+            if any(not isinstance(r, ResponseError) for r in failed):
+                raise failed[0]  # the connection, not the data: Redis is away
+            index_replies = [replies[3 * i + 1 : 3 * i + 3] for i in range(len(items))]
+            wrong = {index for (k, _), answer in zip(items.items(), index_replies) if any(isinstance(r, ResponseError) for r in answer)
+                     for index in [f"{self.prefix}:index:{k.level}:{k.tenant_id}"]}  # fmt: skip
             cards = replies[3 * len(items) + 1 :: 2]
             for index, card in zip(indexes, cards):
-                if card > self.max_entries:  # the least recently written keys go
+                if index in wrong or isinstance(card, Exception):
+                    wrong.add(index)
+                elif card > self.max_entries:  # the least recently written keys go
                     evicted = await self.client.zpopmin(index, card - self.max_entries)
                     await self.client.delete(*[member for member, _score in evicted])
+            if wrong:  # not our sorted set (another client wrote there): gone, so the next write makes it afresh
+                self.bad_entries += len(wrong)
+                await self.client.delete(*wrong)
         except (RedisError, OSError):
             self._failed()
             return False

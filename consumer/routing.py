@@ -13,6 +13,8 @@ its own resolution time plus an equal share of that round trip.
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +25,13 @@ from consumer.route_cache import CacheKey, RouteCache
 from consumer.rules import Classifier
 from consumer.schemas import ErrorInfo, Job
 
+log = logging.getLogger(__name__)
+
 # Reasons are a closed set, so they can label metrics.
 REASONS = ("explicit", "l1_user", "l2_session", "l3_rule", "tenant_default", "base_fallback")
+# An adapter reference: a name, then optionally @ and a version (a whole number of at most 9 digits). Jobs are checked by
+# their schema; this checks what comes from elsewhere too (the route caches, rules written before `routes add` checked).
+REF_RE = re.compile(r"([^@\s]{1,160})(?:@([0-9]{1,9}))?")
 
 
 class RouteError(Exception):
@@ -62,9 +69,21 @@ def pick_version(versions: Sequence[AdapterView], request_id: str) -> AdapterVie
 
 def resolve_ref(snapshot: RegistrySnapshot, tenant_id: str, ref: str, request_id: str) -> AdapterView:
     """`name` or `name@version` among the tenant's own and public adapters; RouteError otherwise."""
-    name, _, version = ref.partition("@")
+    parsed = REF_RE.fullmatch(ref) if isinstance(ref, str) else None
+    if parsed is None:
+        raise RouteError("unknown_adapter", f"adapter reference {str(ref)[:80]!r} is not `name` or `name@version` (a version is "
+                         "a whole number of at most 9 digits); fix `adapter_ref`", "adapter_ref")  # fmt: skip
+    name, version = parsed.group(1), parsed.group(2)
     versions = snapshot.versions(tenant_id, name)
     if not versions:
+        owners = snapshot.public_owners(tenant_id, name)
+        if len(owners) > 1:
+            raise RouteError(
+                "adapter_forbidden",
+                f"adapter {name!r} is public under several tenants ({', '.join(sorted(owners))}), so the name does not say "
+                f"which; register an adapter of that name for tenant {tenant_id!r}, or ask its owners to rename theirs",
+                "adapter_ref",
+            )
         if snapshot.owned_elsewhere(tenant_id, name):
             raise RouteError(
                 "adapter_forbidden",
@@ -127,6 +146,11 @@ class Router:
             except RouteError as e:
                 out.append(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - a bug on our side fails this job alone, never its batch or the worker
+                log.exception("routing request %r of tenant %r failed", job.request_id, job.tenant_id)
+                out.append(RouteError("routing_failed", f"routing this job failed ({type(e).__name__}); it was logged, "
+                                      "and the same request_id may be sent again", retriable=True))  # fmt: skip
+                continue
             spent = (time.perf_counter_ns() - t1) // 1000
             if job.adapter_ref is None and (job.user_id or job.session_id):
                 spent += share_us * ((job.user_id is not None) + (job.session_id is not None))
@@ -150,10 +174,14 @@ class Router:
                 if ref is None:
                     continue
                 try:
-                    view, reason = resolve_ref(snapshot, tenant, ref, job.request_id), why
-                    break
+                    view = resolve_ref(snapshot, tenant, ref, job.request_id)
                 except RouteError:
-                    continue  # a stale entry (adapter removed or made private): fall through
+                    continue  # a stale entry (adapter removed or made private, or not a reference): fall through
+                if view.traffic_weight == 0 and any(v.traffic_weight > 0 for v in snapshot.versions(tenant, view.name)):
+                    view = None  # a version since taken out of traffic (`adapters traffic`, a rollback): stale too
+                    continue
+                reason = why
+                break
             if view is None and (text := job_text(job)) is not None:
                 rule = classifier.classify(tenant, text)
                 if rule is not None:

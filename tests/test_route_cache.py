@@ -51,3 +51,43 @@ async def test_redis_down_answers_unavailable_then_recovers(redis_server):
         assert await cache.set_many({k: "y@1"}) and await cache.get_many([k]) == {k: "y@1"}
     finally:
         await cache.close()
+
+
+async def test_values_that_are_no_reference_are_misses(redis_server):
+    """Bytes that are not UTF-8, or a value too long to be an adapter reference, read as a miss (the client's own
+    decoding raised for the whole batch); the counter says how many."""
+    import redis as sync_redis
+
+    cache = RedisRouteCache(redis_server.url, max_entries=10, ttl_s=60, prefix="bad")
+    r = sync_redis.Redis.from_url(redis_server.url)
+    try:
+        r.set("bad:l1:acme:u1", b"\xff\xfe")
+        r.set("bad:l1:acme:u2", "x" * 1000)
+        r.set("bad:l1:acme:u3", "fine@1")
+        keys = [CacheKey("l1", "acme", f"u{i}") for i in (1, 2, 3)]
+        assert await cache.get_many(keys) == {keys[2]: "fine@1"}
+        assert cache.bad_entries == 2 and cache.errors == 0
+    finally:
+        r.close()
+        await cache.close()
+
+
+async def test_an_index_of_another_type_is_rewritten_not_taken_for_redis_down(redis_server):
+    """A tenant's index key holding a string (WRONGTYPE for its sorted-set commands) marked the whole cache down at every
+    write, for every tenant. Now the write lands, the bad key is deleted and the next write makes the index afresh."""
+    import redis as sync_redis
+
+    cache = RedisRouteCache(redis_server.url, max_entries=2, ttl_s=60, prefix="wt")
+    r = sync_redis.Redis.from_url(redis_server.url)
+    try:
+        r.set("wt:index:l1:acme", "not a sorted set")
+        k = CacheKey("l1", "acme", "u1")
+        assert await cache.set_many({k: "a@1", CacheKey("l1", "globex", "u1"): "b@1"}) is True
+        assert cache.errors == 0 and cache.bad_entries == 1 and cache.available
+        assert await cache.get_many([k]) == {k: "a@1"}
+        for i in range(4):
+            assert await cache.set_many({CacheKey("l1", "acme", f"v{i}"): f"a@{i}"})
+        assert r.type("wt:index:l1:acme") == b"zset" and r.zcard("wt:index:l1:acme") == 2  # trimmed again
+    finally:
+        r.close()
+        await cache.close()

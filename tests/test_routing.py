@@ -186,3 +186,96 @@ def test_reason_labels():
 
 def test_event_loop_not_needed_for_snapshot():
     assert asyncio.iscoroutinefunction(Router.route_batch)
+
+
+def _snapshot_with(adapters_extra: dict) -> RegistrySnapshot:
+    snap = snapshot()
+    return RegistrySnapshot(snap.tenants, {**snap.adapters, **adapters_extra}, snap.defaults, snap.rules)
+
+
+@pytest.mark.parametrize("value", ["support@x", "support@" + "9" * 5000, "@", "", "support@1@2", "support@1.0", " support"])
+async def test_cached_values_that_are_no_reference_fall_through(value):
+    """What another client left under a cache key is never trusted: a value that is not `name` or `name@version` is a
+    miss (it raised out of the router, failing the batch and then the worker)."""
+    cache = LruRouteCache(100, 60)
+    await cache.set_many({CacheKey("l1", "acme", "u1"): value, CacheKey("l2", "acme", "s1"): value})
+    r = await route_one(Router(cache), snapshot(), job(user_id="u1", session_id="s1"))
+    assert isinstance(r, Route) and (r.reason, r.view.adapter) == ("tenant_default", "support@2")
+
+
+async def test_a_stored_rule_with_no_reference_is_skipped():
+    """A rule stored before `routes add` checked its adapter reference falls through to the next decision."""
+    snap = snapshot()
+    snap = RegistrySnapshot(snap.tenants, snap.adapters, snap.defaults, (RouteRule(9, "acme", "keyword", "refund", "legal@x", 0),))
+    r = await route_one(Router(LruRouteCache(10, 60)), snap, job(prompt="a refund please"))
+    assert (r.reason, r.view.adapter) == ("tenant_default", "support@2")
+
+
+async def test_a_bug_while_deciding_fails_that_job_alone(monkeypatch):
+    """An unexpected error deciding one job fails it (routing_failed, retriable) and routes the batch's others."""
+    real = Router._decide
+
+    def flaky(self, snapshot, classifier, j, *rest):
+        if j.request_id == "bad":
+            raise ValueError("boom")
+        return real(self, snapshot, classifier, j, *rest)
+
+    monkeypatch.setattr(Router, "_decide", flaky)
+    snap = snapshot()
+    out = await Router(LruRouteCache(10, 60)).route_batch(snap, RuleClassifier(snap.rules), [job(request_id="bad"), job(request_id="ok")])
+    assert isinstance(out[0], RouteError) and (out[0].info.code, out[0].info.retriable) == ("routing_failed", True)
+    assert isinstance(out[1], Route) and out[1].reason == "tenant_default"
+
+
+async def test_another_tenants_private_versions_are_never_served():
+    """Only a public version of another tenant's adapter serves: a private v1 beside a public v2 (even with most of the
+    traffic weight) is refused by version and never picked for the unversioned name."""
+    snap = _snapshot_with({("globex", "legalx"): (_a("globex", "legalx", 1, weight=90), _a("globex", "legalx", 2, public=True, weight=10))})
+    router = Router(LruRouteCache(10, 60))
+    refused = await route_one(router, snap, job(adapter="legalx@1"))
+    assert isinstance(refused, RouteError) and refused.info.code == "unknown_adapter" and "versions: 2" in refused.info.message
+    for i in range(20):
+        r = await route_one(router, snap, job(request_id=f"r{i}", adapter="legalx"))
+        assert r.view.adapter == "legalx@2"
+    own = await route_one(router, snap, job(tenant_id="globex", adapter="legalx@1"))
+    assert own.view.adapter == "legalx@1"  # the owner uses every version
+
+
+async def test_a_name_public_under_two_tenants_is_refused_as_ambiguous():
+    snap = _snapshot_with({("hooli", "shared"): (_a("hooli", "shared", public=True),)})
+    r = await route_one(Router(LruRouteCache(10, 60)), snap, job(adapter="shared"))
+    assert isinstance(r, RouteError) and r.info.code == "adapter_forbidden" and "public under several tenants (globex, hooli)" in r.info.message
+
+
+async def test_a_version_taken_out_of_traffic_is_stale_in_the_caches():
+    """A rollback (`adapters traffic`: the version's weight to 0) reaches users and sessions already routed to it: their
+    cached version is passed over while another version is live; a job naming it explicitly still gets it."""
+    cache = LruRouteCache(100, 60)
+    await cache.set_many({CacheKey("l2", "acme", "s1"): "support@1"})  # support@1 has weight 0, support@2 100
+    router = Router(cache)
+    r = await route_one(router, snapshot(), job(session_id="s1"))
+    assert (r.reason, r.view.adapter) == ("tenant_default", "support@2")
+    assert (await cache.get_many([CacheKey("l2", "acme", "s1")])) == {CacheKey("l2", "acme", "s1"): "support@2"}
+    r = await route_one(router, snapshot(), job(adapter="support@1"))
+    assert (r.reason, r.view.adapter) == ("explicit", "support@1")
+
+
+def test_a_backtracking_regex_rule_is_cut_off_and_skipped(caplog):
+    """`(a|aa)+$` over a run of a's backtracks exponentially: its match stops at MATCH_TIMEOUT_S, the rule matches
+    nothing and is skipped from then on (a warning names it and the command that removes it); the tenant's other rules
+    still match."""
+    rules = (RouteRule(7, "acme", "regex", "(a|aa)+$", "legal", 0), RouteRule(8, "acme", "keyword", "help", "billing", 1))
+    classifier = RuleClassifier(rules)
+    text = "a" * 60 + "! help"
+    assert classifier.classify("acme", text).id == 8
+    assert classifier.slow == {7}
+    assert classifier.classify("acme", text).id == 8  # skipped now, not tried again
+    said = [r.getMessage() for r in caplog.records if "routing rule 7" in r.getMessage()]
+    assert len(said) == 1 and "lorabatch routes remove 7" in said[0]
+
+
+def test_a_stored_rule_that_does_not_compile_is_skipped(caplog):
+    """A classifier over stored rules skips one that does not compile (it stopped the worker from starting)."""
+    classifier = RuleClassifier((RouteRule(5, "acme", "regex", "([", "legal", 0), RouteRule(6, "acme", "keyword", "help", "billing", 1)))
+    assert classifier.classify("acme", "help me").id == 6
+    assert any("routing rule 5" in r.getMessage() for r in caplog.records)
