@@ -11,8 +11,9 @@ The command line's --tenant, --public and --canary apply to every adapter a mani
 
 Steps: (1) collect the items; a source that cannot be read or names nothing ends the call (BulkError) before anything is
 written; (2) refuse, item by item, what needs no file: a bad name, an unknown tenant, a bad canary, one tenant and name
-twice in the call, two defaults for one tenant; (3) check and store the rest in parallel (engine.adapter_import: a
-failing folder leaves nothing in the store); (4) register what was stored, `batch` adapters a transaction
+twice in the call, two defaults for one tenant, a name made public that another tenant has public (or that several make
+public in the call); (3) check and store the rest in parallel (engine.adapter_import: a failing folder leaves nothing in
+the store); (4) register what was stored, `batch` adapters a transaction
 (Registry.register): a new name or new content is registered, the same content under the same name is unchanged.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import reprlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,13 +31,16 @@ from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError
 
-from consumer.registry import AdapterView, Registration, Registry, RegistryError, canary_problem, name_problem
+from consumer.registry import (AdapterView, Registration, Registry, RegistryError, canary_problem, name_problem,
+                               public_name_problem)
 from engine.adapter_import import AdapterChecks, Imported, import_adapters
 from engine.api import AdapterError
 
 BATCH = 500  # adapters a transaction: 2,000 in 4 (a statement's bind parameters stay far under SQLite's 32,766)
 MANIFEST_KEYS = ("name", "path", "tenant", "default", "public", "canary")
 _MANIFEST_EXAMPLE = '{"name": "support", "path": "adapters/support", "default": true}'
+_SHOWN = reprlib.Repr()  # a wrong value as reports show it: a line's nested or long value is cut, not printed whole
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 80, 80
 
 
 class BulkError(Exception):
@@ -137,9 +142,13 @@ def _manifest_line(line: str, where: str, base: Path, flags: Flags) -> Entry:
         return Failure(where, f"{what}; write one JSON object a line, e.g. {_MANIFEST_EXAMPLE}")
 
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         return bad(f"not JSON ({e.msg} at column {e.colno})")
+    except _DuplicateKey as e:  # json keeps the last silently: which one was meant is not for us to guess
+        return bad(f"key {e.key!r} is given twice; give each key once")
+    except RecursionError:  # the decoder nests a call per array or object: thousands deep exhaust the stack
+        return bad("nested too deeply to read (arrays or objects within each other thousands deep)")
     if not isinstance(obj, dict):
         return bad(f"a JSON {type(obj).__name__}, not an object")
     unknown = sorted(set(obj) - set(MANIFEST_KEYS))
@@ -147,15 +156,33 @@ def _manifest_line(line: str, where: str, base: Path, flags: Flags) -> Entry:
         return bad(f"unknown key {', '.join(map(repr, unknown))} (a line holds {', '.join(MANIFEST_KEYS)})")
     for key in ("name", "path"):
         if not isinstance(obj.get(key), str) or not obj[key]:
-            return bad(f"{key!r} must be a non-empty string, found {obj.get(key)!r}")
+            return bad(f"{key!r} must be a non-empty string, found {_SHOWN.repr(obj.get(key))}")
     for key in ("default", "public"):
         if key in obj and not isinstance(obj[key], bool):
-            return bad(f"{key!r} must be true or false, found {obj[key]!r}")
+            return bad(f"{key!r} must be true or false, found {_SHOWN.repr(obj[key])}")
+    if "canary" in obj and (not isinstance(obj["canary"], int) or isinstance(obj["canary"], bool)):
+        return bad(f"'canary' must be a whole percentage from 1 to 99, found {_SHOWN.repr(obj['canary'])}")
     if "tenant" in obj and (not isinstance(obj["tenant"], str) or not obj["tenant"]):
-        return bad(f"'tenant' must be a non-empty string, found {obj['tenant']!r}")
+        return bad(f"'tenant' must be a non-empty string, found {_SHOWN.repr(obj['tenant'])}")
     path = base / obj["path"]  # an absolute path stays itself
     return Item(f"{path} ({where})", path, obj["name"], obj.get("tenant", flags.tenant_id), obj.get("default", False),
                 obj.get("public", flags.public), obj.get("canary", flags.canary), named_by_folder=False)  # fmt: skip
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """json.loads' object_pairs_hook: an object, or _DuplicateKey for a key it holds twice."""
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
 
 
 def refuse_early(entries: list[Entry], registry: Registry) -> list[Entry]:
@@ -187,6 +214,26 @@ def refuse_early(entries: list[Entry], registry: Registry) -> list[Entry]:
             for i in where:
                 out[i] = Failure(out[i].origin, f"{len(where)} adapters of tenant {tenant} are marked default in this call "
                                                 f"({names}); a tenant has one default: mark one")  # fmt: skip
+    return _refuse_public_clashes(out, registry)
+
+
+def _refuse_public_clashes(out: list[Entry], registry: Registry) -> list[Entry]:
+    """A name is public for one tenant at most (registry.public_name_problem): an item made public under a name another
+    tenant has public already fails, and so does each of several tenants' items making one name public in this call."""
+    public: dict[str, list[int]] = defaultdict(list)
+    for i, e in enumerate(out):
+        if isinstance(e, Item) and e.public:
+            public[e.name].append(i)
+    owners = registry.public_owners(public)
+    for name, where in public.items():
+        tenants = sorted({out[i].tenant_id for i in where})
+        for i in where:
+            problem = public_name_problem(out[i].tenant_id, name, owners.get(name, ()))
+            if problem is None and len(tenants) > 1:
+                problem = (f"tenants {', '.join(tenants)} each make adapter name {name!r} public in this call, and a name "
+                           "can be public for one tenant only; give the others another name, or keep them private")  # fmt: skip
+            if problem is not None:
+                out[i] = Failure(out[i].origin, problem)
     return out
 
 

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from engine.adapter_import import AdapterChecks
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+# A rule's ADAPTER: `name` or `name@N`. Routing reads N with int(); 9 digits keep it an INTEGER like adapters.version.
+ADAPTER_REF_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})(?:@(?P<version>[1-9][0-9]{0,8}))?$")
+POSITION_RANGE = (-(2**31), 2**31 - 1)  # route_rules.position is INTEGER (32-bit on PostgreSQL)
 TIER_CHARS = 32  # tenants.tier and token_prices.tier are String(32)
 
 
@@ -47,6 +50,18 @@ def canary_problem(canary: int | None) -> str | None:
     if canary is None or (isinstance(canary, int) and not isinstance(canary, bool) and 1 <= canary <= 99):
         return None
     return f"canary={canary!r}: give a percentage from 1 to 99"
+
+
+def public_name_problem(tenant_id: str, name: str, public_owners: Iterable[str]) -> str | None:
+    """Why tenant `tenant_id` cannot make its adapter `name` public while `public_owners` have a public adapter of that
+    name, or None. A job names an adapter by name alone: with two public `name`s, a third tenant asking for it could
+    be given neither (RegistrySnapshot.versions finds no single one), so the first owner's users would be cut off."""
+    others = sorted(set(public_owners) - {tenant_id})
+    if not others:
+        return None
+    return (f"adapter name {name!r} is already public as tenant {others[0]}'s adapter, and a name can be public for "
+            f"one tenant only; choose another name, or keep {tenant_id}'s {name!r} private (no --public; \"public\": false "
+            "on a manifest line)")
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,47 @@ class RegistrySnapshot:
         return any(n == name and owner != tenant_id for owner, n in self.adapters)
 
 
+def _public_owners(s: Session, names: set[str]) -> dict[str, set[str]]:
+    """Registry.public_owners in session `s`. A (tenant, name) is public when its latest version is, as
+    RegistrySnapshot.versions reads it."""
+    latest: dict[tuple[str, str], bool] = {}
+    if names:
+        q = select(Adapter.tenant_id, Adapter.name, Adapter.is_public).where(Adapter.name.in_(sorted(names))).order_by(Adapter.version)
+        for tenant_id, name, is_public in s.execute(q):
+            latest[(tenant_id, name)] = is_public
+    owners: dict[str, set[str]] = {}
+    for (tenant_id, name), is_public in latest.items():
+        if is_public:
+            owners.setdefault(name, set()).add(tenant_id)
+    return owners
+
+
+def _check_usable(s: Session, tenant_id: str, name: str, version: int | None) -> None:
+    """Raise RegistryError unless tenant `tenant_id` may use adapter `name` (at `version`): its own, else the one
+    public adapter of that name (RegistrySnapshot.versions' rule), as routing will resolve it."""
+    rows = s.execute(select(Adapter.tenant_id, Adapter.version, Adapter.is_public).where(Adapter.name == name)
+                     .order_by(Adapter.version)).all()  # fmt: skip
+    by_owner: dict[str, list[tuple[int, bool]]] = {}
+    for owner, v, is_public in rows:
+        by_owner.setdefault(owner, []).append((v, is_public))
+    usable = by_owner.get(tenant_id)
+    if usable is None:
+        public = sorted(o for o, vs in by_owner.items() if vs[-1][1])
+        if len(public) > 1:  # registered before a name could be public for one tenant only
+            raise RegistryError(f"ADAPTER {name!r} is public for tenants {', '.join(public)}, so routing cannot pick one; "
+                                f"route to another adapter, or register {tenant_id}'s own {name!r}")  # fmt: skip
+        if not public:
+            owned = " belongs to another tenant and is not public" if by_owner else " does not exist"
+            raise RegistryError(f"ADAPTER {name!r}{owned}; route tenant {tenant_id}'s jobs to one of its own adapters or a "
+                                f"public one (`lorabatch adapters list`), or register it first (`lorabatch adapters add "
+                                f"--tenant {tenant_id} {name} DIR`)")  # fmt: skip
+        usable = by_owner[public[0]]
+    versions = [v for v, _ in usable]
+    if version is not None and version not in versions:
+        raise RegistryError(f"ADAPTER {name}@{version}: {name!r} has no version {version} (its versions: "
+                            f"{', '.join(map(str, versions))}); name one of them, or {name!r} alone for its live versions")  # fmt: skip
+
+
 class Registry:
     def __init__(self, sessions: sessionmaker[Session], store: AdapterStore):
         self.sessions = sessions
@@ -190,6 +246,8 @@ class Registry:
             raise RegistryError(f"adapter name {problem}")
         if not self.existing_tenants([tenant_id]):
             raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
+        if public and (problem := public_name_problem(tenant_id, name, self.public_owners([name]).get(name, ()))):
+            raise RegistryError(problem)  # before the store: nothing is written
         from engine.adapter_import import AdapterChecks, import_adapter  # torch: only where an adapter is read
         from engine.config import EngineConfig
 
@@ -221,7 +279,16 @@ class Registry:
                     defaults: dict[str, list[Adapter]] = {t: [] for t in tenants}
                     for row in s.scalars(select(Adapter).where(Adapter.tenant_id.in_(tenants), Adapter.is_default)):
                         defaults[row.tenant_id].append(row)
-                    done = [self._register_one(s, r, versions.get((r.tenant_id, r.name), []), defaults[r.tenant_id]) for r in regs]
+                    # Checked again here, where it holds for this transaction's reads (callers check before storing).
+                    public_names = {r.name for r in regs if r.public}
+                    owners = {n: set() for n in public_names} | _public_owners(s, public_names)
+                    done = []
+                    for r in regs:
+                        if r.name in owners:
+                            if r.public and (problem := public_name_problem(r.tenant_id, r.name, owners[r.name])):
+                                raise RegistryError(f"{r.tenant_id}/{r.name}: {problem}")
+                            owners[r.name] = owners[r.name] - {r.tenant_id} | ({r.tenant_id} if r.public else set())
+                        done.append(self._register_one(s, r, versions.get((r.tenant_id, r.name), []), defaults[r.tenant_id]))
                     s.flush()
                     return [(_view(a), created) for a, created in done]
             except IntegrityError:
@@ -259,6 +326,11 @@ class Registry:
             defaults.append(a)
         return a, True
 
+    def public_owners(self, names: Iterable[str]) -> dict[str, set[str]]:
+        """Of `names`, each one some tenant has a public adapter of, with those tenants."""
+        with self.sessions() as s:
+            return _public_owners(s, set(names))
+
     def set_traffic(self, tenant_id: str, name: str, weights: dict[int, int]) -> list[AdapterView]:
         """Split a name's traffic among its versions by weight; versions not named get 0."""
         if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) == 0:
@@ -288,10 +360,24 @@ class Registry:
             return _tenant(t)
 
     def add_rule(self, tenant_id: str, kind: str, pattern: str, adapter: str, position: int = 0) -> RouteRule:
-        compile_rule(RouteRule(0, tenant_id, kind, pattern, adapter, position))  # refuse a bad rule now, not per job
+        """Add a routing rule. Everything a job would trip on is refused now, not per job: a bad pattern, a position
+        outside the column, an ADAPTER that is not `name` or `name@N` (one such rule crashed workers), and one the tenant
+        cannot use (neither its own nor public, or a version that does not exist). A rule naming an adapter removed or
+        made private later is skipped by routing (the tenant's default serves)."""
+        compile_rule(RouteRule(0, tenant_id, kind, pattern, adapter, position))
+        low, high = POSITION_RANGE
+        if not low <= position <= high:
+            raise RegistryError(f"position {position} is out of range; give --position a whole number from {low} to {high} "
+                                "(rules match in ascending position)")  # fmt: skip
+        ref = ADAPTER_REF_RE.match(adapter)
+        if ref is None:
+            raise RegistryError(f"ADAPTER {adapter!r} is not an adapter name; write NAME or NAME@VERSION (NAME 1-64 letters, "
+                                "digits, '.', '_' or '-'; VERSION a positive whole number of at most 9 digits), e.g. "
+                                "support or support@2")  # fmt: skip
         with self.sessions.begin() as s:
             if s.get(Tenant, tenant_id) is None:
                 raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
+            _check_usable(s, tenant_id, ref["name"], int(ref["version"]) if ref["version"] else None)
             row = RouteRuleRow(tenant_id=tenant_id, kind=kind, pattern=pattern, adapter=adapter, position=position,
                                created_at=datetime.now(UTC))
             s.add(row)

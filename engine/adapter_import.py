@@ -18,12 +18,20 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from engine.adapters import parse_adapter
 from engine.api import AdapterError
 from engine.model import ModelConfig
 from engine.store import AdapterStore, adapter_files, content_sha256, read_file
+
+
+# The registry keeps lora_alpha as NUMERIC(10, 4) (billing.models.Adapter.alpha): 4 decimals, 6 digits before the
+# point. An alpha of 10^6 or more overflowed that column at every try after its content was stored, and one under
+# 0.00005 was listed as 0 (the engine scales by the file's value, but the registry and its readers would not).
+ALPHA_STEP = Decimal("0.0001")
+ALPHA_LIMIT = Decimal(10**6)
 
 
 def default_threads() -> int:
@@ -69,9 +77,22 @@ def import_adapter(path: Path, store: AdapterStore, checks: AdapterChecks) -> Im
     config, weights = config_path.read_bytes(), read_file(weights_path)
     adapter = parse_adapter(config, weights, checks.model, max_lora_rank=checks.max_lora_rank,
                             sha256=content_sha256(config, weights), source=Path(path), base_fingerprint=checks.base_fingerprint)  # fmt: skip
+    _check_alpha(adapter.alpha, config_path)  # before the store: a refused adapter leaves nothing behind
     sha, added = store.put_bytes(config, weights)
     assert sha == adapter.sha256, (sha, adapter.sha256)
     return Imported(sha, adapter.rank, adapter.alpha, adapter.target_modules, len(config) + len(weights), added)
+
+
+def _check_alpha(alpha: float, config_path: Path) -> None:
+    """Refuse a lora_alpha the registry cannot hold as it is: not above 0, 10^6 or more, or 0 at 4 decimals (rounded
+    half up, as PostgreSQL rounds it into the column). parse_adapter has refused a non-finite one already."""
+    fits = 0 < alpha < ALPHA_LIMIT  # first: quantize() of a huge value raises InvalidOperation
+    if fits:
+        rounded = Decimal(str(alpha)).quantize(ALPHA_STEP, ROUND_HALF_UP)
+        fits = 0 < rounded < ALPHA_LIMIT
+    if not fits:
+        raise AdapterError(f"{config_path}: lora_alpha={alpha!r} is out of range; set lora_alpha from {ALPHA_STEP} to "
+                           f"{ALPHA_LIMIT - ALPHA_STEP} (the registry keeps it with 4 decimals)", code="adapter_invalid")  # fmt: skip
 
 
 def import_adapters(paths: Sequence[Path], store: AdapterStore, checks: AdapterChecks, *, threads: int,

@@ -317,4 +317,7 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
     fingerprint = cfg.get(FINGERPRINT_KEY)
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise refuse(f"{FINGERPRINT_KEY}={fingerprint!r}; it must be the base fingerprint, a hex string")
-    return rank, float(alpha), bool(cfg.get("use_rslora", False)), tuple(raw), fingerprint
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):  # bool() of the string "false" is True: a wrong scaling, silently
+        raise refuse(f"use_rslora={rslora!r}; it must be true or false (a JSON boolean)")
+    return rank, float(alpha), rslora, tuple(raw), fingerprint

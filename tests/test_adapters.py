@@ -100,6 +100,7 @@ BROKEN: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
     ("trained bias", lambda d: _edit_config(d, bias="all"), "adapter_invalid", ["bias='all'"]),
     ("DoRA", lambda d: _edit_config(d, use_dora=True), "adapter_invalid", ["DoRA"]),
     ("regex targets", lambda d: _edit_config(d, target_modules=".*proj"), "adapter_invalid", ["pattern"]),
+    ("use_rslora a string", lambda d: _edit_config(d, use_rslora="no"), "adapter_invalid", ["use_rslora='no'", "true or false"]),
 ]
 
 

@@ -55,6 +55,13 @@ def test_registry_commands(config, demo_set):
     run("routes", "remove", rule_id, "--config", config)
     bad = run("routes", "add", "--tenant", "acme", "--kind", "regex", "(", "support", "--config", config, ok=False)
     assert bad.exit_code == 2 and "does not compile" in bad.output
+    for args, says in ((["billing", "globex-private-nonexistent"], "ADAPTER 'globex-private-nonexistent' does not exist"),
+                       (["refund", "sup@x"], "write NAME or NAME@VERSION"),
+                       (["refund", "support@7"], "'support' has no version 7"),
+                       (["--position", "-999999999999999999999", "refund", "support"], "give --position a whole number")):
+        refused = run("routes", "add", "--tenant", "acme", *args, "--config", config, ok=False)
+        assert refused.exit_code == 2 and says in refused.stderr and "ledger database" not in refused.stderr, refused.output
+    assert "refund" not in run("routes", "list", "--config", config).stdout
     missing = run("adapters", "add", "--tenant", "ghost", "x", str(adapters[name]), "--config", config, ok=False)
     assert "tenants add ghost" in missing.output
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,81 @@ def test_manifest(config, registry, tmp_path, demo_set):
     assert snap.defaults["acme"].name == "support"
     assert snap.versions("globex", "shared")[-1].is_public and snap.versions("acme", "shared")[-1].tenant_id == "globex"
     assert snap.versions("acme", "legal")[-1].rank == 16
+
+
+def test_manifest_lines_nested_too_deep_or_with_a_key_twice_fail_alone(config, registry, tmp_path, demo_set):
+    """A line nested 100,000 deep (RecursionError in json) and a line with a key twice (json kept the last) each fail by
+    their number as malformed lines do; the other lines are registered and the call ends with status 1, no traceback."""
+    a = _copy(demo_set, "qv-r4", tmp_path / "a")
+    manifest = tmp_path / "m.jsonl"
+    deep = 100_000
+    lines = [
+        json.dumps({"name": "good", "path": str(a)}),
+        '{"name": "m-deep", "path": ' + "[" * deep + "]" * deep + "}",
+        '{"name": "first", "path": "a", "name": "second"}',
+        '{"name": "x", "path": "a", "public": {"k": 1, "k": 2}}',
+        '{"name": "x", "path": ' + "[" * 500 + "]" * 500 + "}",
+        '{"name": "x", "path": "a", "canary": "10"}',
+    ]
+    manifest.write_text("\n".join(lines) + "\n")
+    result = run("adapters", "add", "--tenant", "acme", "--manifest", str(manifest), "--config", config, code=1)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    by_line = {int(o.rsplit("line ", 1)[1].rstrip(")")): r for o, r in _failures(result).items()}
+    assert sorted(by_line) == [2, 3, 4, 5, 6]
+    assert "nested too deeply to read" in by_line[2] and "write one JSON object a line" in by_line[2]
+    assert "key 'name' is given twice" in by_line[3] and "key 'k' is given twice" in by_line[4]
+    assert len(by_line[5]) < 400, "a deep value is shown cut"
+    assert "'canary' must be a whole percentage from 1 to 99, found '10'" in by_line[6]
+    assert SUMMARY.format(6, 1, 0, 5) in result.stdout
+    assert [v.name for v in registry.list_adapters()] == ["good"]
+
+
+def test_a_lora_alpha_the_registry_cannot_hold_fails_before_the_store(config, registry, tmp_path, demo_set):
+    """lora_alpha 10^6 overflowed the registry's NUMERIC(10, 4) after its content was stored, at every run; now it, and
+    one not above 0 or 0 at 4 decimals, fails its check naming lora_alpha and the range, storing nothing (single form
+    and manifest); the range's ends go in."""
+    cfg = json.loads((demo_set["adapters"]["qv-r4"] / "adapter_config.json").read_text())
+    alphas = {"huge": 1e6, "rounds-up": 999999.99995, "tiny": 0.00004, "zero": 0, "negative": -8, "top": 999999.9999, "least": 0.0001}
+    for name, alpha in alphas.items():
+        (_copy(demo_set, "qv-r4", tmp_path / "a" / name) / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha}))
+    single = run("adapters", "add", "--tenant", "acme", "huge", str(tmp_path / "a" / "huge"), "--config", config, code=2)
+    assert "lora_alpha=1000000.0 is out of range; set lora_alpha from 0.0001 to 999999.9999" in single.stderr
+    assert "ledger database" not in single.stderr and _store_entries(tmp_path) == []
+    result = run("adapters", "add", "--tenant", "acme", "--dir", str(tmp_path / "a"), "--config", config, code=1)
+    reasons = {Path(o).name: r for o, r in _failures(result).items()}
+    assert sorted(reasons) == ["huge", "negative", "rounds-up", "tiny", "zero"]
+    assert all("lora_alpha=" in r and "is out of range" in r for r in reasons.values()), reasons
+    views = registry.list_adapters("acme")
+    assert {v.name: v.alpha for v in views} == {"top": Decimal("999999.9999"), "least": Decimal("0.0001")}
+    assert _store_entries(tmp_path) == sorted(v.sha256 for v in views), "a refused adapter stores nothing"
+
+
+def test_a_name_public_for_another_tenant_cannot_be_made_public(config, registry, tmp_path, demo_set):
+    """After acme's public `legal`, globex's `legal --public` is refused naming acme and the fix (single form and a
+    manifest line), and stores nothing; two tenants making one new name public in one call both fail; a third tenant
+    still reaches acme's `legal`."""
+    run("tenants", "add", "initech", "--config", config)
+    a, b = _copy(demo_set, "qv-r4", tmp_path / "a"), _copy(demo_set, "qv-r16", tmp_path / "b")
+    run("adapters", "add", "--tenant", "acme", "legal", str(a), "--public", "--config", config)
+    stored = _store_entries(tmp_path)
+    single = run("adapters", "add", "--tenant", "globex", "legal", str(b), "--public", "--config", config, code=2)
+    assert "adapter name 'legal' is already public as tenant acme's adapter" in single.stderr
+    assert "choose another name, or keep globex's 'legal' private" in single.stderr
+    assert _store_entries(tmp_path) == stored
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"name": "legal", "path": str(b), "public": True},
+        {"name": "shared", "path": str(a), "public": True},
+        {"name": "shared", "path": str(b), "public": True, "tenant": "initech"},
+        {"name": "mine", "path": str(b), "public": True},
+    ]))  # fmt: skip
+    result = run("adapters", "add", "--tenant", "globex", "--manifest", str(manifest), "--config", config, code=1)
+    by_line = {int(o.rsplit("line ", 1)[1].rstrip(")")): r for o, r in _failures(result).items()}
+    assert sorted(by_line) == [1, 2, 3] and "already public as tenant acme's adapter" in by_line[1]
+    assert all("tenants globex, initech each make adapter name 'shared' public in this call" in by_line[n] for n in (2, 3))
+    assert "adapter globex/mine@1 registered" in result.stdout
+    snap = registry.snapshot()
+    assert snap.versions("initech", "legal")[-1].tenant_id == "acme" and snap.versions("globex", "legal")[-1].tenant_id == "acme"
 
 
 def test_manifest_canary_and_command_line_flags(config, registry, tmp_path, demo_set):

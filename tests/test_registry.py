@@ -4,6 +4,7 @@ rate limits and routing rules, and the snapshot workers route on."""
 from __future__ import annotations
 
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,11 @@ def test_public_and_acl(registry, demo_set):
     assert snap.versions("acme", "secret") == () and snap.owned_elsewhere("acme", "secret")
 
 
-def test_limits_and_rules(registry):
+def test_limits_and_rules(registry, demo_set):
+    a = demo_set["adapters"]
     registry.add_tenant("acme", requests_per_minute=60)
+    registry.add_adapter("acme", "billing", a[sorted(a)[0]])
+    registry.add_adapter("acme", "sql", a[sorted(a)[1]])
     t = registry.set_limits("acme", tokens_per_minute=5000, weight=3)
     assert (t.requests_per_minute, t.tokens_per_minute, t.weight) == (60, 5000, 3)
     r1 = registry.add_rule("acme", "keyword", "refund", "billing", position=1)
@@ -88,6 +92,99 @@ def test_limits_and_rules(registry):
         registry.remove_rule(999)
     with pytest.raises(RegistryError, match="out of range"):
         registry.set_limits("acme", weight=0)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "position", "says"),
+    [
+        ("globex-private-nonexistent", 0, ["ADAPTER 'globex-private-nonexistent' does not exist", "adapters add --tenant acme"]),
+        ("secret", 0, ["'secret' belongs to another tenant and is not public", "lorabatch adapters list"]),
+        ("secret@1", 0, ["'secret' belongs to another tenant and is not public"]),
+        ("support@3", 0, ["support@3: 'support' has no version 3 (its versions: 1, 2)"]),
+        ("shared@2", 0, ["'shared' has no version 2 (its versions: 1)"]),
+        ("sup@x", 0, ["ADAPTER 'sup@x' is not an adapter name", "NAME@VERSION"]),
+        ("support@0", 0, ["NAME@VERSION"]),
+        ("support@01", 0, ["NAME@VERSION"]),
+        ("support@1234567890", 0, ["at most 9 digits"]),
+        ("support@", 0, ["NAME@VERSION"]),
+        ("bad name!", 0, ["NAME@VERSION"]),
+        ("support", -999999999999999999999, ["position -999999999999999999999 is out of range", "--position", "-2147483648"]),
+        ("support", 2**31, ["out of range", "2147483647"]),
+    ],
+)  # fmt: skip
+def test_a_rule_a_job_would_trip_on_is_refused_when_added(registry, demo_set, adapter, position, says):
+    """routes add refuses an ADAPTER that is not name or name@N, one the tenant cannot use (not its own, not public, or a
+    version that does not exist) and a position outside the INTEGER column, each naming the argument and the fix;
+    nothing is added."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    for t in ("acme", "globex"):
+        registry.add_tenant(t)
+    registry.add_adapter("acme", "support", a[names[0]])
+    registry.add_adapter("acme", "support", a[names[1]])
+    registry.add_adapter("globex", "secret", a[names[2]])
+    registry.add_adapter("globex", "shared", a[names[3]], public=True)
+    with pytest.raises(RegistryError) as e:
+        registry.add_rule("acme", "keyword", "refund", adapter, position)
+    for needle in says:
+        assert needle in str(e.value), f"{needle!r} not in: {e.value}"
+    assert registry.list_rules() == []
+
+
+def test_a_rule_may_name_any_adapter_the_tenant_can_use(registry, demo_set):
+    """Its own adapter by name or existing version, another tenant's public one, at both ends of the position range."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    for t in ("acme", "globex"):
+        registry.add_tenant(t)
+    registry.add_adapter("acme", "support", a[names[0]])
+    registry.add_adapter("acme", "support", a[names[1]])
+    registry.add_adapter("globex", "shared", a[names[2]], public=True)
+    registry.add_adapter("globex", "support", a[names[3]])  # globex's own, private: acme's rules mean acme's
+    for adapter, position in (("support", 0), ("support@2", -(2**31)), ("shared", 2**31 - 1), ("shared@1", 5)):
+        registry.add_rule("acme", "keyword", "refund", adapter, position)
+    assert [(r.adapter, r.position) for r in registry.list_rules("acme")] == [
+        ("support@2", -(2**31)), ("support", 0), ("shared@1", 5), ("shared", 2**31 - 1)]  # fmt: skip
+
+
+def test_a_name_is_public_for_one_tenant_only(registry, demo_set):
+    """Once acme's `legal` is public, another tenant cannot make a `legal` public (adding it, or adding the same content
+    again with public=True): refused naming the owner and the fix, before anything is stored; a third tenant keeps
+    reaching acme's. A private `legal` of its own is fine, and acme may re-register its own as public."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    for t in ("acme", "globex", "initech"):
+        registry.add_tenant(t)
+    registry.add_adapter("acme", "legal", a[names[0]], public=True)
+    stored = sorted(p.name for p in registry.store.root.iterdir())
+    with pytest.raises(RegistryError) as e:
+        registry.add_adapter("globex", "legal", a[names[1]], public=True)
+    assert "already public as tenant acme's adapter" in str(e.value) and "choose another name" in str(e.value)
+    assert "keep globex's 'legal' private" in str(e.value)
+    assert sorted(p.name for p in registry.store.root.iterdir()) == stored, "nothing stored"
+    registry.add_adapter("globex", "legal", a[names[1]])
+    with pytest.raises(RegistryError, match="already public as tenant acme's adapter"):
+        registry.add_adapter("globex", "legal", a[names[1]], public=True)  # same content: only the flag would change
+    unchanged, created = registry.add_adapter("acme", "legal", a[names[0]], public=True)
+    assert not created and unchanged.is_public
+    snap = registry.snapshot()
+    assert snap.versions("initech", "legal")[-1].tenant_id == "acme"
+    assert snap.versions("globex", "legal")[-1].tenant_id == "globex" and not snap.versions("globex", "legal")[-1].is_public
+
+
+def test_register_refuses_two_public_owners_of_a_name_in_one_transaction(registry, demo_set):
+    """Registry.register checks the rule inside its transaction too (its callers check before storing): two tenants
+    making one new name public in one call roll the whole transaction back; a private one beside a public one is fine."""
+    from consumer.registry import Registration
+
+    registry.add_tenant("acme")
+    registry.add_tenant("globex")
+    regs = [Registration(t, "legal", f"{i:064x}", 4, Decimal(8), ("q_proj",), 10, public=True) for i, t in enumerate(("acme", "globex"))]
+    with pytest.raises(RegistryError, match="globex/legal: adapter name 'legal' is already public as tenant acme's adapter"):
+        registry.register(regs)
+    assert registry.list_adapters() == []
+    done = registry.register([regs[0], Registration("globex", "legal", "f" * 64, 4, Decimal(8), ("q_proj",), 10)])
+    assert [(v.tenant_id, v.is_public) for v, _ in done] == [("acme", True), ("globex", False)]
 
 
 @pytest.mark.parametrize(
@@ -153,6 +250,15 @@ def test_add_adapter_checks_the_folder_as_the_cli_does(registry, demo_set, tmp_p
     (no_alpha / "adapter_config.json").write_text(json.dumps(cfg))
     view, created = registry.add_adapter("acme", "plain", no_alpha, checks=checks)
     assert created and view.alpha == 8 and view.rank == cfg["r"]
+    for alpha in (1e6, 999999.99995, 0.00004, 0, -16):  # the registry's NUMERIC(10, 4) cannot hold them as they are
+        (no_alpha / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha}))
+        with pytest.raises(AdapterError, match=f"lora_alpha={float(alpha)!r} is out of range; set lora_alpha from 0.0001 to 999999.9999"):
+            registry.add_adapter("acme", "huge", no_alpha, checks=checks)
+    assert registry.snapshot().versions("acme", "huge") == () and list(registry.store.root.iterdir()) == [registry.store.path(view.sha256)]
+    for alpha in (999999.9999, 0.0001):
+        (no_alpha / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha}))
+        edge, _ = registry.add_adapter("acme", f"edge-{alpha}", no_alpha, checks=checks)
+        assert edge.alpha == Decimal(str(alpha))
     broken = tmp_path / "broken"
     shutil.copytree(no_alpha, broken)
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
