@@ -148,16 +148,12 @@ class RegistrySnapshot:
 
 
 def _public_owners(s: Session, names: set[str]) -> dict[str, set[str]]:
-    """Registry.public_owners in session `s`. A (tenant, name) is public when its latest version is, as
-    RegistrySnapshot.versions reads it."""
-    latest: dict[tuple[str, str], bool] = {}
-    if names:
-        q = select(Adapter.tenant_id, Adapter.name, Adapter.is_public).where(Adapter.name.in_(sorted(names))).order_by(Adapter.version)
-        for tenant_id, name, is_public in s.execute(q):
-            latest[(tenant_id, name)] = is_public
+    """Registry.public_owners in session `s`. A (tenant, name) is public when any of its versions is, as
+    RegistrySnapshot.versions reads it (other tenants are served its public versions)."""
     owners: dict[str, set[str]] = {}
-    for (tenant_id, name), is_public in latest.items():
-        if is_public:
+    if names:
+        q = select(Adapter.tenant_id, Adapter.name).where(Adapter.name.in_(sorted(names)), Adapter.is_public).distinct()
+        for tenant_id, name in s.execute(q):
             owners.setdefault(name, set()).add(tenant_id)
     return owners
 
@@ -172,7 +168,7 @@ def _check_usable(s: Session, tenant_id: str, name: str, version: int | None) ->
         by_owner.setdefault(owner, []).append((v, is_public))
     usable = by_owner.get(tenant_id)
     if usable is None:
-        public = sorted(o for o, vs in by_owner.items() if vs[-1][1])
+        public = sorted(o for o, vs in by_owner.items() if any(p for _, p in vs))
         if len(public) > 1:  # registered before a name could be public for one tenant only
             raise RegistryError(f"ADAPTER {name!r} is public for tenants {', '.join(public)}, so routing cannot pick one; "
                                 f"route to another adapter, or register {tenant_id}'s own {name!r}")  # fmt: skip
@@ -181,7 +177,7 @@ def _check_usable(s: Session, tenant_id: str, name: str, version: int | None) ->
             raise RegistryError(f"ADAPTER {name!r}{owned}; route tenant {tenant_id}'s jobs to one of its own adapters or a "
                                 f"public one (`lorabatch adapters list`), or register it first (`lorabatch adapters add "
                                 f"--tenant {tenant_id} {name} DIR`)")  # fmt: skip
-        usable = by_owner[public[0]]
+        usable = [(v, p) for v, p in by_owner[public[0]] if p]  # another tenant's public versions only
     versions = [v for v, _ in usable]
     if version is not None and version not in versions:
         raise RegistryError(f"ADAPTER {name}@{version}: {name!r} has no version {version} (its versions: "

@@ -147,6 +147,21 @@ def test_a_rule_may_name_any_adapter_the_tenant_can_use(registry, demo_set):
         ("support@2", -(2**31)), ("support", 0), ("shared@1", 5), ("shared", 2**31 - 1)]  # fmt: skip
 
 
+def test_a_rule_may_not_name_another_tenants_private_version(registry, demo_set):
+    """Of another tenant's adapter, only its public versions are usable (routing serves no other): a rule naming its
+    private v1 beside a public v2 is refused, naming the versions there are; v2 and the bare name are fine."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    for t in ("acme", "globex"):
+        registry.add_tenant(t)
+    registry.add_adapter("globex", "legal", a[names[0]])
+    registry.add_adapter("globex", "legal", a[names[1]], public=True)
+    with pytest.raises(RegistryError, match=r"has no version 1 \(its versions: 2\)"):
+        registry.add_rule("acme", "keyword", "refund", "legal@1")
+    registry.add_rule("acme", "keyword", "refund", "legal@2")
+    registry.add_rule("acme", "keyword", "claim", "legal")
+
+
 def test_a_name_is_public_for_one_tenant_only(registry, demo_set):
     """Once acme's `legal` is public, another tenant cannot make a `legal` public (adding it, or adding the same content
     again with public=True): refused naming the owner and the fix, before anything is stored; a third tenant keeps
