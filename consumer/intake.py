@@ -42,6 +42,13 @@ log = logging.getLogger("lorabatch.worker")
 _CACHED_ANSWER_CHARS = 16_384  # answers kept in memory stay small: 10,000 of them are under ~200 MB
 
 
+def message_bytes(m) -> int:
+    """A record's size as `lorabatch submit` measures the message it sends: its key and value, and here its headers too
+    (a producer that is not ours can send a megabyte of either beside a small value)."""
+    headers = sum(len(k or "") + len(v or b"") for k, v in (getattr(m, "headers", None) or ()))
+    return len(m.value or b"") + len(m.key or b"") + headers
+
+
 class Intake:
     def __init__(self, settings: Settings, metrics: WorkerMetrics, worker_id: str, scheduler: Scheduler, router: Router,
                  spool: Spool, ledger, work_event: asyncio.Event, snapshot: RegistrySnapshot):
@@ -72,10 +79,10 @@ class Intake:
     def parse(self, m) -> Job | Rejection:
         if (batch := undecodable(m)) is not None:
             return Rejection(ErrorInfo(code="undecodable_batch", message=batch.describe()), False)
-        if m.value is not None and len(m.value) > self.s.kafka.max_message_bytes:
+        if (size := message_bytes(m)) > self.s.kafka.max_message_bytes:
             return Rejection(ErrorInfo(
-                code="message_too_large", message=f"{len(m.value)} bytes exceeds kafka.max_message_bytes="
-                f"{self.s.kafka.max_message_bytes}; send a shorter prompt"), False)
+                code="message_too_large", message=f"{size} bytes (key, value and headers) exceeds kafka.max_message_bytes="
+                f"{self.s.kafka.max_message_bytes}; send a shorter prompt, key or headers"), False)
         try:
             return parse_job(m.value)
         except Exception as e:  # noqa: BLE001 - whatever a message does to the parser, it is that message's fault

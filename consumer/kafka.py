@@ -77,6 +77,9 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
         group_id=group_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
+        # A producer's aborted transaction is no job: on Kafka, read_uncommitted (aiokafka's default) hands its records
+        # out, and they would run and be billed. (The embedded Tansu broker keeps no transactions.)
+        isolation_level="read_committed",
         value_deserializer=undecodable.keep_value,
         session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,

@@ -159,7 +159,8 @@ def from_openai_line(line: dict) -> OpenAILine:
             job["logprobs"] = logprobs
             names["logprobs"] = "body.logprobs"
     model = body.get("model")
-    request = OpenAIRequest(custom_id=custom_id, url=url, model=model if isinstance(model, str) else None)
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+    request = OpenAIRequest(custom_id=custom_id, url=url, model=model if isinstance(model, str) else None, max_tokens_field=limit)
     return OpenAILine(job, request, names)
 
 
@@ -267,7 +268,8 @@ def _job_to_body(request: OpenAIRequest | None) -> dict[str, str]:
     if request is None:
         return {}
     prompt = "body.messages" if request.url == CHAT else "body.prompt"
-    return {"adapter_ref": "body.model", "adapter": "body.model", "max_new_tokens": "body.max_tokens", "user_id": "body.user",
+    return {"adapter_ref": "body.model", "adapter": "body.model", "max_new_tokens": f"body.{request.max_tokens_field or 'max_tokens'}",
+            "user_id": "body.user",
             "messages": prompt, "prompt": prompt, "input_ids": prompt, "request_id": "custom_id",
             "logprobs": "body.top_logprobs" if request.url == CHAT else "body.logprobs",
             **{k: f"body.{k}" for k in ("temperature", "top_p", "seed", "stop")}}

@@ -81,7 +81,9 @@ class Job(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0: no top-k cut")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
+    # null is no stop strings, as null is the default for the job's other optional fields
+    stop: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=64)]], BeforeValidator(lambda v: [] if v is None else v)] = Field(
+        default_factory=list, max_length=8)  # fmt: skip
     priority: int = Field(0, ge=-100, le=100)
     allow_base_fallback: bool = False
     on_quota: Literal["wait", "fail"] = Field("wait", description="over the tenant's rate limit: wait, or fail with quota_exceeded")
@@ -191,6 +193,8 @@ class OpenAIRequest(BaseModel):
     custom_id: str
     url: Literal["/v1/chat/completions", "/v1/completions"]
     model: str | None = None  # body.model as written (`support`, not the resolved `support@1`)
+    # which of the two the line gave its token limit in, so that an error names it (None: max_tokens, or neither)
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] | None = None
 
 
 class BatchManifest(BaseModel):

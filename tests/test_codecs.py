@@ -254,3 +254,27 @@ def test_a_record_aiokafka_steps_over_is_dead_lettered_by_offset():
     (o,) = emitted
     assert (o.tp, o.offset, o.result) == (TP, 7, None) and o.dlq.source_offset == 7
     assert o.dlq.error.code == "message_too_large" and "kafka.max_message_bytes" in o.dlq.error.message
+
+
+@pytest.mark.parametrize("where", ["value", "key", "headers"])
+def test_a_record_over_the_limit_by_its_key_or_headers_is_refused_too(where):
+    """The worker measures a record as submit measures the message it sends, its key with its value, and its headers
+    too: a 1.5 MB key or header beside a small job ran and was billed where the limit is 1 MB."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from consumer.config import Settings
+    from consumer.intake import Intake
+    from consumer.metrics import WorkerMetrics
+    from consumer.schemas import Rejection
+
+    intake = Intake(Settings(), WorkerMetrics(), "w1", None, None, None, None, asyncio.Event(), SimpleNamespace(rules=[], tenants={}))
+    job = b'{"request_id": "big", "tenant_id": "acme", "prompt": "hi"}'
+    big = b"x" * 1_500_000
+    m = SimpleNamespace(topic="jobs", partition=0, offset=1, value=job + (b" " * len(big) if where == "value" else b""),
+                        key=big if where == "key" else b"big", headers=[("h", big)] if where == "headers" else [])  # fmt: skip
+    rejected = intake.parse(m)
+    assert isinstance(rejected, Rejection) and rejected.error.code == "message_too_large"
+    assert "(key, value and headers)" in rejected.error.message
+    m.value, m.key, m.headers = job, b"big", [("h", b"small")]
+    assert not isinstance(intake.parse(m), Rejection)

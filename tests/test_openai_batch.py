@@ -395,3 +395,18 @@ def test_results_cli_answers_in_the_shape_asked(broker, tmp_path):
     # the manifest parts hold no request ids of their own beyond the batch's
     assert manifest.request_ids == list(jobs)
     assert isinstance(manifest, BatchManifest)
+
+
+def test_an_error_names_max_completion_tokens_where_the_line_gave_that():
+    """A line that gave its limit as max_completion_tokens has an over-the-limit error's param name it (it named
+    body.max_tokens, a field the line did not have); a line with max_tokens, or neither, keeps body.max_tokens."""
+    from consumer.openai_batch import from_openai_line
+
+    failed = Result(request_id="r", tenant_id="t", status="failed",
+                    error=ErrorInfo(code="max_new_tokens_too_large", message="over", field="max_new_tokens"))
+    for field, param in (("max_completion_tokens", "body.max_completion_tokens"), ("max_tokens", "body.max_tokens"), (None, "body.max_tokens")):
+        body = {"model": "support", "messages": [{"role": "user", "content": "x"}], **({field: 300} if field else {})}
+        parsed = from_openai_line({"custom_id": "c", "method": "POST", "url": CHAT, "body": body})
+        assert parsed.request.max_tokens_field == (field if field == "max_completion_tokens" else None)
+        line = to_openai_line(failed, parsed.request, 1)
+        assert line["response"]["body"]["error"]["param"] == param

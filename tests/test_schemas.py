@@ -168,3 +168,12 @@ def test_dlq_records_are_bounded_and_identify_the_message(size):
         assert len(rec.model_dump_json()) < limit
         assert rec.raw_bytes == len(raw) and rec.raw_sha256 == hashlib.sha256(raw).hexdigest()
         assert rec.raw_truncated is (len(raw) > min(65_536, limit // 16))
+
+
+def test_stop_null_is_no_stop_strings():
+    """`"stop": null` reads as the default (none), as null does for the other optional fields; a bare string is still
+    refused naming the field."""
+    job = parse_job(json.dumps({**GOOD, "stop": None}).encode())
+    assert isinstance(job, Job) and job.stop == []
+    bad = parse_job(json.dumps({**GOOD, "stop": "END"}).encode())
+    assert isinstance(bad, Rejection) and bad.error.field == "stop"
