@@ -140,17 +140,29 @@ class BrokerDaemon:
         self.log_file = state_dir / f"tansu-{port}.log"
 
     def pid(self) -> int | None:
+        """The broker's pid, if the pid file names a live process that is this port's Tansu broker; else None, and a
+        file naming anything else is removed. A pid file outlives its broker (a reboot, kill -9, a copied state_dir),
+        and its number may since be another process's: `stop` signalled whatever it named (an unrelated process; with
+        0, its own process group; with -1, every process)."""
         try:
-            pid = int(self.pid_file.read_text())
+            pid = int(self.pid_file.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        if _zombie(pid):  # killed (kill -9) and not yet reaped: it serves nothing
+        if pid <= 1 or not _live(pid) or not self._is_ours(pid):
+            self.pid_file.unlink(missing_ok=True)
             return None
         return pid
+
+    def _is_ours(self, pid: int) -> bool:
+        """Whether process `pid` runs the Tansu binary listening on this port (by its command line, where /proc has it)."""
+        if not Path("/proc/self").exists():
+            return True  # no /proc (not Linux): the live pid is trusted, as before
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        url = f"tcp://{self.host}:{self.port}".encode()
+        return bool(argv) and b"tansu" in Path(argv[0].decode(errors="replace")).name.encode() and url in argv
 
     def start(self, topics: list[str], partitions: int, timeout_s: float) -> int:
         if (pid := self.pid()) is not None:
@@ -189,6 +201,17 @@ class BrokerDaemon:
             return sorted(await admin.list_topics())
         finally:
             await admin.close()
+
+
+def _live(pid: int) -> bool:
+    """Whether `pid` is a running process (not a zombie: killed, kill -9, and not yet reaped, it serves nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: alive, and not ours (`_is_ours` says so)
+    return not _zombie(pid)
 
 
 def _reap(pid: int) -> None:

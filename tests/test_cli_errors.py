@@ -247,10 +247,40 @@ def test_a_broker_killed_and_not_yet_reaped_is_not_running(tmp_path):
         assert daemon.pid() is None
     finally:
         child.wait()
+
+
+@pytest.mark.parametrize("named", ["foreign", "0", "-1", "1"])
+def test_broker_stop_signals_nothing_but_its_own_broker(tmp_path, named):
+    """A pid file outlives its broker and its number may be another process's: `broker stop` signalled whatever it
+    named (an unrelated process; with 0 its own process group, with -1 every process). Now a pid file that does not
+    name this port's Tansu broker is stale: removed, nothing signalled, and `stop` says no broker ran."""
+    from consumer.broker import BrokerDaemon
+
+    daemon = BrokerDaemon(tmp_path / "state", "127.0.0.1", 19999)
+    daemon.state_dir.mkdir(parents=True, exist_ok=True)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        daemon.pid_file.write_text(str(live.pid))
-        assert daemon.pid() == live.pid
+        daemon.pid_file.write_text(str(live.pid) if named == "foreign" else named)
+        assert daemon.pid() is None and not daemon.pid_file.exists()
+        daemon.pid_file.write_text(str(live.pid) if named == "foreign" else named)
+        assert daemon.stop(timeout_s=0.5) is False and not daemon.pid_file.exists()
+        assert live.poll() is None, "the unrelated process was signalled"
     finally:
         live.kill()
         live.wait()
+
+
+def test_broker_daemon_knows_its_own_broker(tmp_path):
+    """The broker `start` ran is recognised by its pid file (its command line names this port), and stopped."""
+    from consumer.broker import BrokerDaemon, free_port
+
+    daemon = BrokerDaemon(tmp_path / "state", "127.0.0.1", free_port())
+    pid = daemon.start(["t"], 1, 20.0)
+    try:
+        assert daemon.pid() == pid
+        other = BrokerDaemon(tmp_path / "state", "127.0.0.1", daemon.port + 1)
+        other.pid_file.write_text(str(pid))  # another port's pid file naming this broker: not that port's broker
+        assert other.pid() is None
+    finally:
+        assert daemon.stop() is True
+    assert daemon.pid() is None
