@@ -66,6 +66,11 @@ def _retriable(e: BaseException) -> bool:
     return isinstance(e, (KafkaTimeoutError, OSError)) or isinstance(e, KafkaError) and bool(e.retriable)
 
 
+class SpoolUnavailable(Exception):
+    """Records could reach neither the ledger nor the spool while the worker stops: delivery gives up on the outcomes
+    they belong to, which stay uncommitted (their jobs are redelivered to the partitions' next owner)."""
+
+
 class Deliverer:
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
                  metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
@@ -86,6 +91,10 @@ class Deliverer:
         self.schema_behind = False  # the ledger's schema is missing or old: the worker holds its fetching
         self.published = 0  # results the broker has taken
         self.spooled = 0  # ledger records written to the spool
+        # Set when the worker stops: a spool that cannot be written (a full disk) is then given up on at once, where
+        # waiting for space outlasted every stop deadline (SIGTERM ignored for minutes); `gave_up` once it was.
+        self.stopping = False
+        self.gave_up = False
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
@@ -101,6 +110,11 @@ class Deliverer:
             batch = self.outbox[:]  # stays in the outbox until delivered, so a drain waits for it
             try:
                 await self.deliver(batch)
+            except SpoolUnavailable as e:
+                log.error("stopping: %s; %d outcomes left undelivered and uncommitted, for the partitions' next owner", e,
+                          len(self.outbox))
+                self.gave_up = True
+                return
             except Exception:  # noqa: BLE001 - one outcome our code cannot handle must not stop the others
                 log.exception("delivering %d outcomes failed; delivering them one by one", len(batch))
                 for o in batch:
@@ -110,7 +124,7 @@ class Deliverer:
     async def drain(self) -> None:
         """Wait until everything emitted so far is delivered."""
         self._event.set()
-        while self.outbox:
+        while self.outbox and not self.gave_up:
             await asyncio.sleep(0.01)
 
     async def deliver(self, batch: list[Outcome]) -> None:
@@ -132,6 +146,8 @@ class Deliverer:
         try:
             await self.deliver([o])
             return
+        except SpoolUnavailable:
+            raise  # not this outcome's fault: it stays undelivered, not dead-lettered
         except Exception as e:  # noqa: BLE001
             log.exception("outcome of %s:%s@%s cannot be delivered; a DLQ record goes out instead", o.tp.topic,
                           o.tp.partition, o.offset)
@@ -143,6 +159,8 @@ class Deliverer:
                        epoch=o.epoch)
         try:
             await self.deliver([dead])
+        except SpoolUnavailable:
+            raise
         except Exception:  # noqa: BLE001 - nothing smaller exists: the offset moves on, loudly
             log.exception("not even a DLQ record could be delivered for %s:%s@%s", o.tp.topic, o.tp.partition, o.offset)
             self.offsets.finished(o.tp, o.offset, o.epoch)
@@ -282,6 +300,9 @@ class Deliverer:
                 self.spooled += len(records)
                 break
             except Exception as e:  # noqa: BLE001 - a full disk: nothing can be done but wait and say so
+                if self.stopping:
+                    raise SpoolUnavailable(f"{len(records)} records reach neither the ledger nor the spool at "
+                                           f"{self.spool.path} ({e})") from e
                 self.metrics.waiting.labels("spool").set(1)
                 self.metrics.retries.labels("spool").inc()
                 log.error("cannot write %d records to the spool at %s (%s); waiting %.1fs", len(records),

@@ -14,8 +14,11 @@ still spooled is answered from here (the ledger cannot see it yet).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
@@ -23,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
+
+log = logging.getLogger(__name__)
 
 KINDS: dict[str, type] = {"usage": UsageRecord, "busy": BusyRecord, "load": AdapterLoadRecord}
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
@@ -51,16 +56,49 @@ class Spool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a spooled record survives a crash of the machine
-        self._db.execute(
+        self._db, self._inode = self._open()
+
+    def _open(self) -> tuple[sqlite3.Connection, int]:
+        """A connection to the file at `path` (made, with its folder, if missing) and the file's inode."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a spooled record survives a crash of the machine
+        db.execute(
             "CREATE TABLE IF NOT EXISTS spool (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, "
             "tenant_id TEXT, request_id TEXT, body TEXT NOT NULL)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS spool_key ON spool (tenant_id, request_id)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        if ledger:
-            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('ledger', ?)", (ledger,))
+        db.execute("CREATE INDEX IF NOT EXISTS spool_key ON spool (tenant_id, request_id)")
+        db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        if self.ledger:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('ledger', ?)", (self.ledger,))
+        return db, os.stat(self.path).st_ino
+
+    def _still_there(self) -> None:
+        """Reopen the spool at its path if its file was deleted or replaced while open (an operator's `rm -rf` of the
+        spool folder, a cleanup job), carrying over what the open file holds. Records written into a deleted file
+        live only as long as this process: the drill that found this lost a killed worker's 8 spooled records, with
+        its offsets committed. Under the lock."""
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                return
+        except FileNotFoundError:
+            pass
+        try:
+            rows = self._db.execute("SELECT kind, tenant_id, request_id, body FROM spool ORDER BY id").fetchall()
+        except sqlite3.Error as e:  # another SQLite file in its place took over its journal: what it held is gone
+            rows = None
+            log.error("the spool file %s was replaced while open, and the records it held cannot be read (%s); they are "
+                      "lost unless the ledger has them", self.path, e)
+        old = self._db
+        self._db, self._inode = self._open()
+        if rows:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
+            self._db.execute("COMMIT")
+        old.close()
+        if rows is not None:
+            log.warning("the spool file %s was deleted or replaced while open; made afresh there with the %d records it "
+                        "held", self.path, len(rows))
 
     @classmethod
     def existing(cls, path: str | Path, max_records: int, ledger: str) -> Spool | None:
@@ -103,12 +141,13 @@ class Spool:
         if not rows:
             return
         with self._lock:
+            self._still_there()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                _rollback(self._db)
                 raise
 
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
@@ -131,7 +170,7 @@ class Spool:
                     self._db.execute(f"DELETE FROM spool WHERE id IN ({','.join('?' * len(chunk))})", chunk)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                _rollback(self._db)
                 raise
 
     def usage(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], UsageRecord]:
@@ -152,3 +191,11 @@ class Spool:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    """Roll back what failed, if SQLite has not already: on a full disk it ends the transaction itself, and a ROLLBACK
+    then raised "no transaction is active" in place of the error that says why (the log read "cannot rollback")."""
+    if db.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")

@@ -32,7 +32,7 @@ from aiokafka.errors import KafkaError
 
 from consumer.breaker import BreakerBoard
 from consumer.config import ConfigError, Settings, check_worker_fits
-from consumer.delivery import Deliverer, Outcome
+from consumer.delivery import Deliverer, Outcome, SpoolUnavailable
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
 from consumer.kafka import make_consumer, make_producer
@@ -161,6 +161,8 @@ class Worker:
         if not self._stopping.is_set():
             self._in_flight_at_stop = self.offsets.in_flight()
             self._stop_at = time.monotonic()
+        if self.deliverer is not None:
+            self.deliverer.stopping = True  # a spool that cannot be written is given up on, not waited for past the deadline
         self._stopping.set()
         self._work_event.set()
 
@@ -274,10 +276,15 @@ class Worker:
                     break
                 for t in done:
                     t.result()
-                    if t in (deliver, gpu_time, flush):
+                    if t is deliver and self.deliverer.gave_up:
+                        running.clear()  # stopping, and what is left can be delivered nowhere (it said so)
+                    elif t in (deliver, gpu_time, flush):
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
-            await self._record_gpu_time()
+            try:
+                await self._record_gpu_time()
+            except SpoolUnavailable as e:
+                log.error("stopping: the last GPU-time records are lost: %s", e)
             try:
                 await asyncio.wait_for(self.deliverer.drain(), timeout=60)
             except TimeoutError:  # the broker is away: what was not published stays uncommitted, for the next owner

@@ -202,3 +202,32 @@ async def test_broker_refusals_are_bounded_and_retries_send_each_part_once(rig):
     assert d.metrics.undeliverable._value.get() == 1
     assert offsets.committable() == {TopicPartition("jobs", 0): 3}
     assert svc.ledger.count_usage() == 3
+
+
+async def test_stopping_with_neither_ledger_nor_spool_gives_up_leaving_offsets_uncommitted(rig, monkeypatch):
+    """The ledger away and the spool's disk full: while serving, the deliverer waits for space (nothing else can be
+    done); once the worker stops, it gives up at the first failed write instead of outlasting every stop deadline
+    (SIGTERM ignored for minutes). The outcomes it could not bill stay in the outbox, their offsets unfinished, so
+    their jobs are redelivered to the next owner; none is dead-lettered, and drain() returns."""
+    import asyncio
+    import sqlite3
+
+    from consumer.delivery import SpoolUnavailable
+
+    s, svc, d, counting, ledger, offsets, spool = rig
+    ledger.error = LedgerUnavailableError("down")
+
+    def full(records):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(spool, "put", full)
+    d.stopping = True
+    with pytest.raises(SpoolUnavailable, match="disk is full"):
+        await d.write([_outcome(0).usage])
+    runner = asyncio.create_task(d.run())
+    d.emit(_outcome(1))
+    d.emit(_outcome(2))
+    await asyncio.wait_for(d.drain(), timeout=10)
+    await asyncio.wait_for(runner, timeout=10)  # run() ended: nothing more can be delivered
+    assert d.gave_up and len(d.outbox) == 2
+    assert offsets.committable() == {} and not [t for t, _ in counting.sent if t.endswith(".dlq")]

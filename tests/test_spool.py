@@ -67,3 +67,69 @@ def test_many_keys_are_looked_up_in_chunks(tmp_path):
     s = Spool(tmp_path / "s.sqlite", max_records=5000)
     s.put([_usage(i) for i in range(1200)])
     assert len(s.usage([("acme", f"r{i}") for i in range(1500)])) == 1200
+
+
+@pytest.mark.parametrize("how", ["folder", "file"])
+def test_a_spool_deleted_while_open_is_made_afresh_with_its_records(tmp_path, how, caplog):
+    """An operator's `rm -rf` of the spool folder (or of the file) while a worker runs: records then went into the
+    deleted file, which dies with the process (a killed worker's 8 records were lost with their offsets committed).
+    The next write makes the file afresh at its path with what the open one held, and says so."""
+    import shutil
+
+    path = tmp_path / "spool" / "w.sqlite"
+    s = Spool(path, max_records=100)
+    s.put([_usage(0), _usage(1)])
+    if how == "folder":
+        shutil.rmtree(path.parent)
+    else:
+        path.unlink()
+    s.put([_usage(2)])
+    s.close()
+    reopened = Spool(path, max_records=100)  # what a replacement worker finds
+    assert [r.request_id for r in reopened.oldest(10)[2]] == ["r0", "r1", "r2"]
+    assert any("deleted or replaced while open" in r.getMessage() for r in caplog.records)
+
+
+def test_a_spool_replaced_while_open_says_what_is_lost_and_goes_on(tmp_path, caplog):
+    """Another SQLite file put at the path takes over the open one's journal (with this SQLite), so its records cannot
+    be carried over: an error says so, and the spool goes on in the new file. (Where they can be read, they are carried
+    over as for a deleted file.)"""
+    path = tmp_path / "w.sqlite"
+    s = Spool(path, max_records=100)
+    s.put([_usage(0)])
+    path.unlink()
+    Spool(path, max_records=100).close()
+    s.put([_usage(1)])
+    kept = [r.request_id for r in s.oldest(10)[2]]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert (kept, "cannot be read" in said) in ((["r1"], True), (["r0", "r1"], False)) and "replaced while open" in said
+    s.close()
+
+
+def test_a_failed_write_raises_its_own_error_not_the_rollbacks(tmp_path, monkeypatch):
+    """A full disk ends SQLite's transaction itself; the ROLLBACK after it raised "cannot rollback - no transaction is
+    active" in place of the error that said why (the worker's log named no full disk)."""
+    import sqlite3
+
+    s = Spool(tmp_path / "s.sqlite", max_records=100)
+
+    class Full:
+        in_transaction = False
+
+        def __init__(self, db):
+            self.db = db
+
+        def execute(self, sql, *a):
+            return self.db.execute(sql, *a)
+
+        def executemany(self, sql, rows):
+            self.db.execute("ROLLBACK")  # as SQLite does on SQLITE_FULL
+            raise sqlite3.OperationalError("database or disk is full")
+
+    real = s._db
+    s._db = Full(real)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        s.put([_usage(0)])
+    s._db = real
+    s.put([_usage(1)])
+    assert len(s) == 1
