@@ -19,7 +19,7 @@ import tomli_w
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from billing.config import LedgerConfig
-from engine.config import EngineConfig
+from engine.config import DEVICE_SIZED, EngineConfig
 
 DEFAULT_FILE = Path("lorabatch.toml")
 ENV_VAR = "LORABATCH_CONFIG"
@@ -184,8 +184,14 @@ class Settings(_Section):
         return self
 
     def to_toml(self) -> str:
-        """The effective settings as TOML; the SASL credentials are left out (read again from their variables or files)."""
-        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+        """The effective settings as TOML; the SASL credentials are left out (read again from their variables or files),
+        and so are the engine sizes the configuration does not set (DEVICE_SIZED): written out, they would fix the CPU
+        demo's batch and adapter counts on a GPU that derives its own (`config show > lorabatch.toml` did that)."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        for field in DEVICE_SIZED:
+            if field not in self.engine.model_fields_set:
+                data["engine"].pop(field, None)
+        return tomli_w.dumps(data)
 
 
 def check_worker_fits(worker: WorkerConfig, engine: EngineConfig, *, only_set: bool = False) -> None:

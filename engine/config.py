@@ -6,6 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The fields a CUDA engine derives from its device when the configuration leaves them unset (engine.sizing): a
+# configuration written out should leave them unset too, or the file fixes the CPU demo's values on a GPU.
+DEVICE_SIZED = ("max_batch_size", "kv_num_blocks", "adapter_gpu_bytes", "max_loras", "adapter_read_processes",
+                "adapter_read_threads", "adapter_loads_per_s", "adapter_load_burst")  # fmt: skip
+
 GiB = 1 << 30
 MiB = 1 << 20
 

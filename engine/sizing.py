@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from engine.api import EngineError
-from engine.config import EngineConfig
+from engine.config import DEVICE_SIZED, EngineConfig
 from engine.model import ModelConfig
 
 AUTO_MAX_BATCH = 256  # the largest batch a derived max_batch_size gives
@@ -79,8 +79,7 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
             lines.append(Derived(field, value, how))
 
     if device.type != "cuda" or memory is None:
-        for field in ("max_batch_size", "kv_num_blocks", "adapter_gpu_bytes", "max_loras", "adapter_read_processes",
-                      "adapter_read_threads", "adapter_loads_per_s", "adapter_load_burst"):  # fmt: skip
+        for field in DEVICE_SIZED:
             value = config.kv_pool_blocks if field == "kv_num_blocks" else getattr(config, field)
             lines.append(Derived(field, value, "set in the configuration" if field in explicit else f"default ({device.type})"))
         return config, lines

@@ -21,6 +21,22 @@ def test_show_round_trips(tmp_path):
     assert tomllib.loads(s.to_toml())["kafka"]["group_id"] == "lorabatch-workers"
 
 
+def test_show_leaves_the_device_sized_engine_fields_unset(tmp_path):
+    """`config show > lorabatch.toml` (the README's own step) wrote the CPU demo's batch and adapter counts into the
+    file, which then fixed them on a GPU that would derive its own (engine.sizing keeps what the file sets). The fields
+    the configuration does not set stay out of what it prints; those it sets stay in."""
+    from engine.config import DEVICE_SIZED
+
+    p = tmp_path / "c.toml"
+    p.write_text("[engine]\nmax_loras = 16\n[worker]\nmax_adapters_per_batch = 8\n")
+    s = load_settings(p)
+    engine = tomllib.loads(s.to_toml())["engine"]
+    assert engine["max_loras"] == 16 and not (set(DEVICE_SIZED) - {"max_loras"}) & set(engine)
+    p.write_text(s.to_toml())
+    again = load_settings(p)
+    assert again.engine.model_fields_set & set(DEVICE_SIZED) == {"max_loras"} and again == s
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
