@@ -134,6 +134,13 @@ def head_revision(script_location: str) -> str:
     return head
 
 
+def known_revisions(script_location: str) -> list[str]:
+    """The schema revisions among the scripts at `script_location`, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    return [script.revision for script in reversed(list(ScriptDirectory(script_location).walk_revisions()))]
+
+
 def current_revision(engine: Engine) -> str | None:
     """The schema revision the database at `engine` is at; None when it was never migrated.
 

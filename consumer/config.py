@@ -11,12 +11,13 @@ exists, else the defaults alone.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 import tomli_w
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from billing.config import LedgerConfig
 from engine.config import DEVICE_SIZED, EngineConfig
@@ -102,8 +103,20 @@ class BrokerConfig(_Section):
     start_timeout_s: float = Field(20.0, gt=0)
 
 
+# A worker id names the worker's spool file (.lorabatch/spool/<id>.sqlite), its Kafka group.instance.id (Kafka takes
+# letters, digits, '.', '_' and '-') and its ledger rows (worker_id columns of 128 characters): a '/' or '..' put the
+# spool outside its folder, 300 characters made a file name the filesystem refuses.
+WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+WORKER_ID_RULE = "1 to 64 ASCII letters, digits, '.', '_' or '-', the first a letter or digit"
+
+
+def worker_id_ok(value: str) -> bool:
+    """Whether `value` is a usable worker id (WORKER_ID_RULE)."""
+    return WORKER_ID.fullmatch(value) is not None
+
+
 class WorkerConfig(_Section):
-    worker_id: str = Field("", description="empty: hostname-pid")
+    worker_id: str = Field("", description=f"empty: hostname-pid; else {WORKER_ID_RULE}")
     max_batch_size: int = Field(32, ge=1, description="requests in one engine batch")
     max_batch_tokens: int = Field(8192, ge=1, description="prompt + new tokens in one engine batch")
     max_adapters_per_batch: int = Field(8, ge=1, description="distinct adapters in one engine batch")
@@ -145,6 +158,14 @@ class WorkerConfig(_Section):
                               "or Redis (the pauses double from 0.5 s up to this)")
     log_check_s: float = Field(2.0, gt=0, description="how often the partitions' log ends and committed offsets are "
                                "checked against the worker's marks (a broker restart, a recreated topic)")
+
+    @field_validator("worker_id")
+    @classmethod
+    def _check_worker_id(cls, value: str) -> str:
+        if value and not worker_id_ok(value):
+            raise ValueError(f"{value[:80]!r} is not a worker id: write {WORKER_ID_RULE} (it names the spool file and "
+                             f"the Kafka group member)")
+        return value
 
 
 class RoutingConfig(_Section):
@@ -214,7 +235,10 @@ def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {key}: {e['msg']}")
+        if e["type"] == "model_type":  # pydantic's "a valid dictionary or instance of WorkerConfig": in TOML's words
+            lines.append(f"  {key}: must be a table, not {e['input']!r}; write it as a [{key}] section")
+        else:
+            lines.append(f"  {key}: {e['msg']}")
     return "\n".join(lines)
 
 
@@ -227,18 +251,32 @@ def load_settings(path: str | os.PathLike | None = None, overrides: dict | None 
     if path is not None:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory; pass --config with a TOML file (such as {p / 'lorabatch.toml'})")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass --config with an existing TOML file")
         try:
-            data = tomllib.loads(p.read_text())
+            # TOML is UTF-8 by definition; read as bytes and decoded here, so a file in another encoding is named as
+            # such rather than ending the command in a UnicodeDecodeError.
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                              f"save it as UTF-8, as TOML requires") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read ({e.strerror}); check its permissions") from e
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = value
+            if not isinstance(node, dict):
+                break
+        else:
+            node[leaf] = value
+        # Else the file set the section to a value (`worker = 5`): the override is left out, and validation refuses
+        # the section below, naming it, as `config show` does (assigning into it raised TypeError).
     kafka = data.get("kafka")
     if isinstance(kafka, dict):
         _read_credentials(kafka, source)

@@ -57,9 +57,23 @@ def open_ledger_db(settings: Settings, *, check_schema: bool = True) -> SqlEngin
     db = make_engine(settings.ledger.url)
     if check_schema and (found := current_revision(db)) != SCHEMA_REVISION:
         db.dispose()
-        state = "has no schema yet" if found is None else f"is at revision {found}, not {SCHEMA_REVISION}"
-        raise SchemaMissing(f"the ledger database {shown_url(settings.ledger.url)} {state}; run `lorabatch db upgrade` first")
+        raise SchemaMissing(schema_mismatch(shown_url(settings.ledger.url), found))
     return db
+
+
+def schema_mismatch(shown: str, found: str | None) -> str:
+    """Why the ledger at `shown` (a URL fit to print) at revision `found` is not usable, and the fix: `db upgrade` for
+    an older schema; for one this code has no script of (a newer lorabatch migrated it), a newer lorabatch, since
+    `db upgrade` cannot move a ledger from a revision it does not know."""
+    from billing.db import known_revisions
+    from migrations import SCRIPT_LOCATION
+
+    if found is None:
+        return f"the ledger database {shown} has no schema yet; run `lorabatch db upgrade` first"
+    if found not in known_revisions(SCRIPT_LOCATION):  # Alembic is loaded only here, on the way to an error
+        return (f"the ledger database {shown} is at revision {found}, which this lorabatch does not know (newer than "
+                f"its {SCHEMA_REVISION}?); upgrade lorabatch to the version that migrated it")
+    return f"the ledger database {shown} is at revision {found}, not {SCHEMA_REVISION}; run `lorabatch db upgrade` first"
 
 
 def open_services(settings: Settings, *, check_schema: bool = True) -> Services:

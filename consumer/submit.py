@@ -27,12 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import TopicPartition
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result, error_field
+from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, error_field
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
@@ -49,12 +49,31 @@ class Prepared:
     openai: dict[str, OpenAIRequest] = field(default_factory=dict)  # request id -> its OpenAI Batch line
 
 
+# The contract's identifiers (consumer.schemas.Ident, TenantId), in words for the options that give them.
+_ID_RULES = {
+    "--tenant": (TypeAdapter(TenantId), "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit"),
+    "--batch-id": (TypeAdapter(Ident), "1 to 128 ASCII letters, digits, '_', '.', ':', '@', '/' or '-'"),
+}
+
+
+def check_ids(tenant_id: str, batch_id: str) -> None:
+    """SubmitError naming the option if the tenant or batch id is not one the job contract takes: checked once, before
+    any line (every line carries both, and each was rejected with the same message)."""
+    for option, value in (("--tenant", tenant_id), ("--batch-id", batch_id)):
+        adapter, rule = _ID_RULES[option]
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            raise SubmitError(f"{option} {value[:160]!r} is not usable: write {rule}") from None
+
+
 def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int | None = None, key_by: str = "tenant") -> Prepared:
     """Parse and validate every line; bad lines are reported, not sent.
 
     With `max_message_bytes` (kafka.max_message_bytes), a line whose job would be a Kafka message
     larger than that (keyed by `key_by`) is a bad line too.
     """
+    check_ids(tenant_id, batch_id)
     out = Prepared()
     try:
         lines = path.read_bytes().splitlines()

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import socket
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -132,8 +133,16 @@ class Worker:
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
         # Stamped with its ledger, so a worker beside it flushes what it leaves only into that ledger (Deliverer.flush_others).
-        self.spool = Spool(w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite", w.spool_max_records,
-                           ledger=shown_url(settings.ledger.url))
+        spool_path = w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite"
+        try:
+            self.spool = Spool(spool_path, w.spool_max_records, ledger=shown_url(settings.ledger.url))
+        except (OSError, sqlite3.Error) as e:
+            # A folder that is a file, a path not writable: named by the key that sets it (the OSError alone said
+            # "File exists: ...; check the path", and sqlite's "unable to open database file" named nothing).
+            key = "worker.spool_path" if w.spool_path else "worker.spool_path (unset: .lorabatch/spool/<worker.worker_id>.sqlite)"
+            why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
+            raise ConfigError(f"the spool file {spool_path} cannot be opened ({why}); set {key} to a file in a writable "
+                              f"folder") from e
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._registry_outage = Outage("registry refresh", log, "routing on the previous snapshot")

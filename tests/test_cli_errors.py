@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import typer
 
+from billing.db import SCHEMA_REVISION
 from consumer.cli.common import operational_message, run
 
 
@@ -284,3 +285,106 @@ def test_broker_daemon_knows_its_own_broker(tmp_path):
     finally:
         assert daemon.stop() is True
     assert daemon.pid() is None
+
+
+def test_a_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "nonutf.toml"
+    path.write_bytes(b"\xff\xfe[worker]\n")
+    line = _one_error_line(_lorabatch(tmp_path, "config", "show", "--config", str(path)))
+    assert "nonutf.toml is not UTF-8 text" in line
+
+
+def test_a_config_path_that_is_a_directory(tmp_path):
+    (tmp_path / "adir").mkdir()
+    line = _one_error_line(_lorabatch(tmp_path, "config", "show", "--config", "adir"))
+    assert "config file adir is a directory" in line
+
+
+def test_the_worker_refuses_a_section_that_is_not_a_table_as_config_show_does(tmp_path):
+    """`worker = 5` with --worker-id: the worker says what `config show` says (it logged a CRITICAL TypeError)."""
+    cfg = _config(tmp_path, "worker = 5\n")
+    worker = _one_error_line(_lorabatch(tmp_path, "worker", "--config", cfg, "--worker-id", "w1"))
+    assert worker == _one_error_line(_lorabatch(tmp_path, "config", "show", "--config", cfg))
+    assert "worker: must be a table, not 5" in worker
+
+
+@pytest.mark.parametrize("worker_id", ["w" * 300, "../../escape", ".hidden"])
+def test_a_worker_id_is_checked_before_the_worker_starts(tmp_path, worker_id):
+    """The worker id names the spool file: 300 characters stopped the worker with sqlite's "unable to open database
+    file", and '../../escape' wrote the spool outside .lorabatch/spool."""
+    (tmp_path / "run").mkdir()
+    line = _one_error_line(_lorabatch(tmp_path / "run", "worker", "--worker-id", worker_id))
+    assert line.startswith("error: --worker-id '") and "is not a worker id: write 1 to 64" in line
+    assert "worker.worker_id" in line
+    assert not list(tmp_path.rglob("*.sqlite")), "no spool file was made"
+
+
+@pytest.mark.parametrize("command", ["upgrade", "downgrade"])
+def test_db_migrate_to_a_revision_that_does_not_exist(tmp_path, command):
+    """An unknown REVISION: one line naming it and the valid ones (Alembic's CommandError was a traceback); a downgrade
+    says so before its warning about dropped data, which does not apply."""
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "-c", cfg).returncode == 0
+    line = _one_error_line(_lorabatch(tmp_path, "db", command, "nosuchrev", "-c", cfg))
+    assert "REVISION 'nosuchrev'" in line and "Can't locate revision" in line
+    assert "0001, 0002" in line and f"{SCHEMA_REVISION} is the newest" in line
+
+
+def test_db_downgrade_to_a_later_revision_names_the_ledger_revision(tmp_path):
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "0002", "-c", cfg).returncode == 0
+    out = _lorabatch(tmp_path, "db", "downgrade", "0003", "-c", cfg)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: REVISION '0003'") and "the ledger is at 0002" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["tenants", "list"], ["invoice", "--tenant", "acme", "--period", "2026-01"],
+                                  ["db", "upgrade"], ["db", "downgrade", "0001"]])
+def test_a_ledger_newer_than_this_lorabatch(tmp_path, args):
+    """A ledger a newer lorabatch migrated: upgrade lorabatch, not `db upgrade` (which cannot move it, and was a
+    traceback)."""
+    import sqlite3
+
+    db = tmp_path / "ledger.db"
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{db}"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "-c", cfg).returncode == 0
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE alembic_version SET version_num = '9999_future'")
+    line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg))
+    assert (f"is at revision 9999_future, which this lorabatch does not know (newer than its {SCHEMA_REVISION}?); "
+            f"upgrade lorabatch") in line
+    assert "run `lorabatch db upgrade`" not in line
+
+
+@pytest.mark.parametrize(("option", "value"), [("--batch-id", "bad id/\u00fc;$(x)"), ("--tenant", "ac me"),
+                                               ("--batch-id", "b" * 129), ("--tenant", "-acme")])
+def test_submit_checks_its_ids_once_before_the_lines(tmp_path, option, value):
+    """A batch id or tenant the job contract refuses: one line naming the option and the rule, before any line is read
+    or the broker dialled (each of the file's lines was rejected with the same message, and the exit status was 1)."""
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{n}"}) + "\n" for n in range(20)))
+    ids = {"--tenant": "acme", "--batch-id": "b1", option: value}
+    cfg = _config(tmp_path, f'[kafka]\nbootstrap_servers = "127.0.0.1:{_free_port()}"\n')
+    out = _lorabatch(tmp_path, "submit", str(path), *[x for kv in ids.items() for x in kv], "-c", cfg)
+    line = _one_error_line(out)
+    assert line.startswith(f"error: {option} ") and "is not usable: write 1 to" in line
+    assert out.stdout == ""
+
+
+def test_a_spool_path_under_a_file_names_the_key(tmp_path):
+    """worker.spool_path whose folder is a file: the error names the key (it said "File exists: ...; check the path")."""
+    from types import SimpleNamespace
+
+    from consumer.config import ConfigError, load_settings
+    from consumer.registry import RegistrySnapshot
+    from consumer.worker import Worker
+    from engine.config import EngineConfig
+
+    (tmp_path / "afile").write_text("")
+    s = load_settings(None, {"worker.spool_path": str(tmp_path / "afile" / "spool.sqlite")})
+    engine = SimpleNamespace(config=EngineConfig(max_batch_size=32))
+    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=None)
+    with pytest.raises(ConfigError) as e:
+        Worker(s, engine, registry, ledger=None)
+    message = operational_message(e.value)
+    assert "afile/spool.sqlite cannot be opened" in message and "set worker.spool_path to a file in a writable folder" in message

@@ -69,6 +69,45 @@ def test_missing_file(tmp_path):
         load_settings(tmp_path / "nope.toml")
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    """TOML is UTF-8: a file in another encoding is named as such (a UnicodeDecodeError ended the command)."""
+    p = tmp_path / "c.toml"
+    p.write_bytes(b"\xff\xfe[worker]\n")
+    with pytest.raises(ConfigError, match=r"c.toml is not UTF-8 text .*save it as UTF-8"):
+        load_settings(p)
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory; pass --config with a TOML file"):
+        load_settings(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["worker = 5\n", "worker = 'w'\n", "worker = [1]\n"])
+def test_an_option_over_a_section_that_is_not_a_table(tmp_path, text):
+    """`worker = 5` and `--worker-id w1`: the section is refused as without the option (assigning the option's value
+    into the int raised TypeError, which stopped the worker with a traceback)."""
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    for overrides in ({}, {"worker.worker_id": "w1", "worker.metrics_port": 9100}):
+        with pytest.raises(ConfigError, match=r"worker: must be a table, not .*write it as a \[worker\] section"):
+            load_settings(p, overrides)
+
+
+@pytest.mark.parametrize("worker_id", ["../../escape", "a/b", ".hidden", "w" * 65, "ü", "has space", "-x"])
+def test_a_worker_id_that_cannot_name_a_file_or_a_group_member(tmp_path, worker_id):
+    """worker.worker_id names the spool file and the Kafka group.instance.id: a path in it put the spool outside its
+    folder, and 300 characters made a file name sqlite could not open."""
+    p = tmp_path / "c.toml"
+    p.write_text(f"[worker]\nworker_id = {worker_id!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=r"worker.worker_id: .*is not a worker id: write 1 to 64"):
+        load_settings(p)
+
+
+@pytest.mark.parametrize("worker_id", ["", "w1", "gpu-3", "adv-0.node_7", "W" * 64])
+def test_worker_ids_that_are_taken(worker_id):
+    assert load_settings(None, {"worker.worker_id": worker_id}).worker.worker_id == worker_id
+
+
 def test_overrides_apply():
     s = load_settings(None, {"kafka.bootstrap_servers": "h:1", "engine.device": "cpu"})
     assert s.kafka.bootstrap_servers == "h:1" and s.engine.device == "cpu"

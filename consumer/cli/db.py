@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
-from consumer.cli.common import ConfigOpt, settings_from
+from consumer.cli.common import ConfigOpt, fail, settings_from
 
 
 def upgrade(
@@ -24,7 +24,9 @@ def upgrade(
     from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
-    migrate_up(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
+    _check_known(s.ledger.url)
+    _check_revision(revision, SCRIPT_LOCATION)
+    _migrate(migrate_up, s.ledger.url, revision, SCRIPT_LOCATION)
     typer.echo(f"ledger at {shown_url(s.ledger.url)}: upgraded to {revision}")
 
 
@@ -36,10 +38,68 @@ def downgrade(revision: str, config: ConfigOpt = None) -> None:
     from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
+    _check_known(s.ledger.url)
+    _check_revision(revision, SCRIPT_LOCATION)  # before the warning: a revision that does not exist drops nothing
     typer.echo(f"downgrading the ledger at {shown_url(s.ledger.url)} to {revision}: the columns and tables of the later "
                "revisions are dropped with their data (an upgrade adds them back empty)", err=True)
-    migrate_down(s.ledger.url, revision, script_location=SCRIPT_LOCATION)
+    _migrate(migrate_down, s.ledger.url, revision, SCRIPT_LOCATION)
     typer.echo(f"ledger at {shown_url(s.ledger.url)}: downgraded to {revision}")
+
+
+def _check_known(url: str) -> None:
+    """End the command if the ledger is at a revision this code has no script of (a newer lorabatch migrated it):
+    Alembic cannot move it up or down from there, and said so only as a traceback."""
+    from billing.db import current_revision, known_revisions, make_engine
+    from consumer.services import schema_mismatch, shown_url
+    from migrations import SCRIPT_LOCATION
+
+    db = make_engine(url)
+    try:
+        found = current_revision(db)
+    finally:
+        db.dispose()
+    if found is not None and found not in known_revisions(SCRIPT_LOCATION):
+        fail(schema_mismatch(shown_url(url), found))
+
+
+def _revision_error(revision: str, e: Exception, script_location: str, at: str = "") -> NoReturn:
+    from billing.db import known_revisions
+
+    known = known_revisions(script_location)
+    fail(f"REVISION {revision!r}: {e}{at}; give one of {', '.join(known)} ({known[-1]} is the newest, also `head`; "
+         f"`base` is before the first), or a step such as +1 (down one: `-- -1`)")
+
+
+def _check_revision(revision: str, script_location: str) -> None:
+    """End the command naming the valid revisions if `revision`, a name (a step such as +1 resolves only against the
+    ledger, in the migration), is no revision of the scripts (Alembic's CommandError was a traceback)."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    if "+" in revision or "-" in revision:
+        return
+    try:
+        ScriptDirectory(script_location).get_revisions(revision)
+    except CommandError as e:
+        _revision_error(revision, e, script_location)
+
+
+def _migrate(migrate, url: str, revision: str, script_location: str) -> None:
+    """`migrate` (billing.db's upgrade or downgrade) to `revision`; a revision Alembic cannot resolve or reach from
+    the ledger's (a step past either end, a downgrade "to" a later one) ends the command naming the valid ones."""
+    from alembic.util import CommandError
+
+    from billing.db import current_revision, make_engine
+
+    try:
+        migrate(url, revision, script_location=script_location)
+    except CommandError as e:
+        db = make_engine(url)
+        try:
+            found = current_revision(db)
+        finally:
+            db.dispose()
+        _revision_error(revision, e, script_location, f" (the ledger is at {found or 'base, no schema'})")
 
 
 def register(app: typer.Typer) -> None:

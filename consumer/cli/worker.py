@@ -11,22 +11,27 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, settings_from, setup_logging
+from consumer.cli.common import ConfigOpt, fail, settings_from, setup_logging
 
 
 def worker(config: ConfigOpt = None, log_level: str = "INFO",
-           worker_id: Annotated[Optional[str], typer.Option(help="stable id: the static group member name and ledger worker")] = None,
+           worker_id: Annotated[Optional[str], typer.Option(help="stable id: the static group member name, ledger worker and spool file; 1-64 letters, digits, '.', '_', '-'")] = None,
            metrics_port: Annotated[Optional[int], typer.Option(help="serve Prometheus /metrics on this port")] = None) -> None:
     """Consume jobs, run them on the engine, publish results, bill them, commit. SIGTERM drains and exits."""
     import asyncio
     import logging
     import signal
 
+    from consumer.config import WORKER_ID_RULE, worker_id_ok
     from consumer.waits import Stopped, wait_for_ledger
     from consumer.worker import Worker
     from engine.engine import Engine
     from engine.engine_process import EngineProcess
 
+    if worker_id is not None and not worker_id_ok(worker_id):  # named as the option, before the config's check names the key
+        shown = repr(worker_id) if len(worker_id) <= 80 else f"{worker_id[:80]!r}... ({len(worker_id)} characters)"
+        fail(f"--worker-id {shown} is not a worker id: write {WORKER_ID_RULE} (it names the spool file and the "
+             f"Kafka group member; worker.worker_id in the config takes the same)")
     setup_logging(log_level)
     log = logging.getLogger("lorabatch.worker")
     s = settings_from(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
