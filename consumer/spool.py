@@ -56,6 +56,7 @@ class Spool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
         self._lock = threading.Lock()
+        self._carry: list[tuple] = []  # records of a file deleted while open, not yet written into its replacement
         self._db, self._inode = self._open()
 
     def _open(self) -> tuple[sqlite3.Connection, int]:
@@ -84,21 +85,34 @@ class Spool:
         except FileNotFoundError:
             pass
         try:
-            rows = self._db.execute("SELECT kind, tenant_id, request_id, body FROM spool ORDER BY id").fetchall()
+            rows = self._db.execute("SELECT id, kind, tenant_id, request_id, body FROM spool ORDER BY id").fetchall()
         except sqlite3.Error as e:  # another SQLite file in its place took over its journal: what it held is gone
             rows = None
             log.error("the spool file %s was replaced while open, and the records it held cannot be read (%s); they are "
                       "lost unless the ledger has them", self.path, e)
-        old = self._db
-        self._db, self._inode = self._open()
-        if rows:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
-            self._db.execute("COMMIT")
+        new, inode = self._open()  # raises (the folder cannot be made): the open file stays, nothing is lost
+        self._db, old, self._inode = new, self._db, inode
         old.close()
+        if rows:
+            # Written with the write that found this, in its transaction (`put`): should it fail (the disk that is full),
+            # they wait here for the next one. Creating the new file took the old one's journal: they live here only.
+            self._carry = [*self._carry, *rows]  # after any still waiting from an earlier deletion (older records)
         if rows is not None:
             log.warning("the spool file %s was deleted or replaced while open; made afresh there with the %d records it "
                         "held", self.path, len(rows))
+
+    def _insert_carry(self) -> None:
+        """The records carried over from a deleted file, into the new one, in the caller's transaction; with their ids
+        where they are free, since a flush between `oldest` and `remove` removes by id and new numbers would remove
+        others' records."""
+        try:
+            self._db.execute("SAVEPOINT ids")
+            self._db.executemany("INSERT INTO spool (id, kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?, ?)", self._carry)
+            self._db.execute("RELEASE ids")
+        except sqlite3.IntegrityError:  # the ids are taken (another spool's file at the path): numbered afresh
+            self._db.execute("ROLLBACK TO ids")
+            self._db.execute("RELEASE ids")
+            self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", [r[1:] for r in self._carry])
 
     @classmethod
     def existing(cls, path: str | Path, max_records: int, ledger: str) -> Spool | None:
@@ -144,11 +158,14 @@ class Spool:
             self._still_there()
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if self._carry:
+                    self._insert_carry()
                 self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
                 self._db.execute("COMMIT")
             except BaseException:
                 _rollback(self._db)
                 raise
+            self._carry = []
 
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
         """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty."""
@@ -190,6 +207,9 @@ class Spool:
 
     def close(self) -> None:
         with self._lock:
+            if self._carry:
+                log.error("the spool at %s closes with %d records of its deleted file that could not be written again "
+                          "(%s); they are lost unless the ledger has them", self.path, len(self._carry), "disk full?")
             self._db.close()
 
 

@@ -193,6 +193,7 @@ class Worker:
                 self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
                 lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000,
                 stages=self.stages)
+            self.deliverer.stopping = self._stopping.is_set()  # a stop that came while the broker was waited for
             if not self.aengine.started:
                 self.aengine.start()
             try:
@@ -290,10 +291,7 @@ class Worker:
                     elif t in (deliver, gpu_time, flush):
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
-            try:
-                await self._record_gpu_time()
-            except SpoolUnavailable as e:
-                log.error("stopping: the last GPU-time records are lost: %s", e)
+            await self._record_gpu_time()
             try:
                 await asyncio.wait_for(self.deliverer.drain(), timeout=60)
             except TimeoutError:  # the broker is away: what was not published stays uncommitted, for the next owner
@@ -474,14 +472,18 @@ class Worker:
 
     async def _record_gpu_time(self) -> None:
         """Adapter loads and busy time: the ledger's inputs for cold starts and period conservation. Written
-        to the ledger, or to the spool while it is away: never dropped."""
+        to the ledger, or to the spool while it is away: never dropped, but while the worker stops with neither
+        taking them (a full disk), when they are logged as lost rather than holding the stop (SpoolUnavailable)."""
         loads, busy = await self.feeder.drain_gpu_time()
         for load in loads:
             self.metrics.cold_start.labels(load.tier).observe(load.load_us / 1000)
-        await self.deliverer.write(loads)
-        if busy is not None:
-            self.engine_clock.add_steps(busy.busy_us, busy.steps)
-            await self.deliverer.write([busy])
+        try:
+            await self.deliverer.write(loads)
+            if busy is not None:
+                self.engine_clock.add_steps(busy.busy_us, busy.steps)
+                await self.deliverer.write([busy])
+        except SpoolUnavailable as e:
+            log.error("stopping: GPU-time records are lost (report reconcile will show the time as unexplained): %s", e)
         if (idle := self.engine_clock.window_idle_share()) is not None:
             self.metrics.gpu_idle.set(idle)
 

@@ -133,3 +133,46 @@ def test_a_failed_write_raises_its_own_error_not_the_rollbacks(tmp_path, monkeyp
     s._db = real
     s.put([_usage(1)])
     assert len(s) == 1
+
+
+def test_a_flush_across_the_reopen_removes_only_what_it_wrote(tmp_path):
+    """The flusher takes the oldest records, writes them to the ledger, then removes them by id; a reopen in between
+    (the file deleted, the deliverer spooling more) kept the records but numbered them afresh, so the removal deleted
+    records that never reached the ledger. The carried records keep their ids."""
+    path = tmp_path / "spool" / "w.sqlite"
+    s = Spool(path, max_records=100)
+    s.put([_usage(i) for i in range(4)])
+    s.remove(s.oldest(2)[1])  # r0, r1 flushed earlier: ids start at 3 now
+    _, ids, taken = s.oldest(10)  # the flusher takes r2, r3 ...
+    path.unlink()
+    s.put([_usage(10 + i) for i in range(4)])  # ... while the file is made afresh with them and four more
+    s.remove(ids)  # ... and removes what it wrote
+    assert [r.request_id for r in taken] == ["r2", "r3"]
+    assert [r.request_id for r in s.oldest(10)[2]] == ["r10", "r11", "r12", "r13"]
+    s.close()
+
+
+def test_records_carried_over_wait_in_memory_while_the_new_file_refuses_them(tmp_path, monkeypatch):
+    """Writing the deleted file's records into the new one can fail (the disk that is full): the write fails, they wait
+    in memory (the old file's journal went to the new one, so it cannot be used again), and the next write carries
+    them over, before its own."""
+    import sqlite3
+
+    path = tmp_path / "w.sqlite"
+    s = Spool(path, max_records=100)
+    s.put([_usage(0), _usage(1)])
+    path.unlink()
+    real = Spool._insert_carry
+
+    def full(self):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Spool, "_insert_carry", full)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        s.put([_usage(2)])
+    assert len(s._carry) == 2 and len(s) == 0
+    monkeypatch.setattr(Spool, "_insert_carry", real)
+    s.put([_usage(2)])
+    assert s._carry == []
+    s.close()
+    assert [r.request_id for r in Spool(path, max_records=100).oldest(10)[2]] == ["r0", "r1", "r2"]
