@@ -3,13 +3,16 @@ serving one routed job gives back to the worker."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
 from billing.records import UsageRecord
 from consumer.delivery import Outcome
 from consumer.schemas import Cost, ErrorInfo, Job, Result, Timings, Usage
-from engine.api import GenerationRequest, GenerationResult, SamplingParams
+from engine.api import ADAPTER_ERROR_CODES, EngineError, GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger("lorabatch.worker")  # serving_error speaks for the worker serving the job
 
 
 def to_request(job: Job, adapter_key: str | None, arrival_us: int | None = None) -> GenerationRequest:
@@ -133,3 +136,18 @@ def failed_before_engine(
             worker_id=worker_id,
         )
     return result, usage
+
+
+def serving_error(e: Exception, key: tuple[str, str]) -> tuple[ErrorInfo, bool]:
+    """What a job whose serving raised `e` is answered with, and whether that answer is the request's to keep (billed,
+    and replayed to a resend): the engine process lost (its code), the adapter's files unreadable (a store moved or
+    emptied under the worker: its code and message, not "the worker failed" with the cause only in the log), or a bug
+    of ours (engine_error, retriable: not kept, so that a resend runs again, where it replayed the failure for good)."""
+    if isinstance(e, EngineError) and e.code == "engine_failed":
+        return ErrorInfo(code=e.code, message=str(e), retriable=e.retriable), True
+    if isinstance(e, EngineError) and e.code in ADAPTER_ERROR_CODES:
+        log.error("serving %s/%s: its adapter cannot be loaded: %s", *key, e)
+        return ErrorInfo(code=e.code, message=str(e), field="adapter_ref", retriable=e.retriable), not e.retriable
+    log.error("serving %s/%s failed", *key, exc_info=e)
+    return ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged, and the same request_id "
+                     "may be sent again", retriable=True), False

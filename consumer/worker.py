@@ -40,7 +40,7 @@ from consumer.kafka import make_consumer, make_producer
 from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
-from consumer.outcomes import failed_before_engine
+from consumer.outcomes import failed_before_engine, serving_error
 from consumer.partitions import Partitions
 from consumer.registry import Registry, RegistrySnapshot
 from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
@@ -52,7 +52,7 @@ from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
-from engine.api import ADAPTER_ERROR_CODES, EngineError
+from engine.api import EngineError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_process import EngineProcess
@@ -391,20 +391,7 @@ class Worker:
         try:
             served = await self.feeder.serve(item, slo_tier)
         except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
-            keep = True
-            if isinstance(e, EngineError) and e.code == "engine_failed":
-                error = ErrorInfo(code=e.code, message=str(e), retriable=e.retriable)
-            elif isinstance(e, EngineError) and e.code in ADAPTER_ERROR_CODES:
-                # The adapter's files (a store moved or emptied under the worker): say which, as a load failure in the
-                # engine does, not "the worker failed" with the code lost to the log.
-                log.error("serving %s/%s: its adapter cannot be loaded: %s", *key, e)
-                error = ErrorInfo(code=e.code, message=str(e), field="adapter_ref", retriable=e.retriable)
-                keep = not e.retriable
-            else:
-                log.exception("serving %s/%s failed", *key)
-                error = ErrorInfo(code="engine_error", message="the worker failed on this job; it was logged, and the same "
-                                  "request_id may be sent again", retriable=True)  # fmt: skip
-                keep = False  # our failure, not the job's answer: a resend runs it (it replayed the failure for good)
+            error, keep = serving_error(e, key)
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
                                                  item.received_at, self.worker_id, route_reason=item.route.label,
                                                  routing_us=item.route.routing_us, bill=keep)  # fmt: skip
