@@ -144,6 +144,12 @@ class Engine:
         self._launched_ns: int | None = None
         self._waited_ns = 0
         self._cycle_ns: int | None = None  # the host's last chained cycle, in ns
+        # The host's time in a chained cycle besides its placements and its waits for rounds' ends (the round's launch,
+        # the read-ahead walk, booking, the caller's loop): the shorter of the last two, None until one was measured;
+        # placements ahead of admission stop where this rest would start past the round's end (`_load_ahead`)
+        self._rest_ns: int | None = None
+        self._rest_last: int | None = None
+        self._placed_ns = 0  # the pool's placement ns when the last round was launched
 
     @property
     def step_records(self) -> list[StepRecord]:
@@ -405,7 +411,11 @@ class Engine:
         """Launch a decode round (engine.rounds `launch_round`); the caller then starts the adapter loads no request of it
         waits for (`_load_ahead`), once the round is kept, so that a load-ahead that raises loses no launched step."""
         launched = launch_round(self.runner, seqs, items, steps, first_ids)
-        self._launched_ns, self._waited_ns = time.perf_counter_ns(), 0
+        now, placed_ns = time.perf_counter_ns(), self.adapters.placement_ns
+        if self._launched_ns is not None:  # a chained cycle ended: its host time besides placements and waits
+            rest = now - self._launched_ns - self._waited_ns - (placed_ns - self._placed_ns)
+            self._rest_ns, self._rest_last = min(rest, self._rest_last or rest), rest
+        self._launched_ns, self._waited_ns, self._placed_ns = now, 0, placed_ns
         return launched
 
     def _next_round(self, rnd: Round) -> Round | None:
@@ -452,7 +462,7 @@ class Engine:
         deferred = self.collector.deferred() if self.collector is not None else contextlib.nullcontext()
         with deferred:
             try:
-                self._load_ahead(in_flight, finished_before, self._decode_us * in_flight)
+                self._load_ahead(in_flight, finished_before, self._decode_us * in_flight, launched_ns=self._launched_ns)
             finally:
                 self._collect()
 
@@ -480,7 +490,7 @@ class Engine:
         if rnd is not None:
             book_round(rnd, self._book)
 
-    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0, covers_us: float = 0.0) -> None:
+    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0, covers_us: float = 0.0, launched_ns: int | None = None) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
         warm pool's (after admission, so that what requests need now is loaded for them, and charged to them).
 
@@ -493,13 +503,21 @@ class Engine:
         `covers_us`: the device time of the work just launched, which this host work overlaps. Placements stop once they
         took `engine.load_ahead_share` of it (a placement is host work: its eviction choice, page tables and the copies'
         launches, 100-600 µs each on an H100's host), so that the GPU does not wait for them; the requests left are
-        placed by the next step's walk, or at their admission. 0 (nothing measured yet, or nothing launched): no bound."""
+        placed by the next step's walk, or at their admission. 0 (nothing measured yet, or nothing launched): no bound.
+        `launched_ns`: when that work, a decode round, was launched. Then placements also stop where the rest of the
+        host's cycle, as the last chained cycles measured it (`_rest_ns`), would start past the round's end: a round of
+        one step covers 1.5-2.5 ms, about what the host's cycle takes without placements, and placing there made the
+        GPU wait (issue 19's cold pass on an H200: one-step calls of 3.2-4.6 ms wall placing 1-6 adapters, against
+        1.5-3.0 ms on the device; engine/PERF.md, session 25). The requests left are placed in longer rounds, or at
+        their admission."""
         running = self.planner.running
         horizon = finished_before + in_flight + LOOKAHEAD_ROUNDS * self.config.decode_steps
         ending = sum(tokens_left(s) <= horizon for s in running)
         places = self.config.max_batch_size - len(running) + ending
         share = self.config.load_ahead_share
         deadline = time.perf_counter_ns() + int(share * covers_us * 1000) if share is not None and covers_us > 0 else None
+        if deadline is not None and launched_ns is not None and self._rest_ns is not None:
+            deadline = min(deadline, launched_ns + int(covers_us * 1000) - self._rest_ns)
         self.planner.prefetch((s.lora_slot for s in running if s.lora_slot >= 0), places, deadline)
         self.adapters.warm()
 

@@ -120,3 +120,47 @@ def test_a_held_round_takes_the_shorter_of_two_cycles_and_ends_by_the_holds_boun
     assert cycle(6.0) == 2
     clock.t += 1.0  # past the bound: a step under way at most
     assert cycle(6.0) == 1
+
+
+def test_a_round_too_short_for_the_hosts_cycle_gets_no_placements(demo_set, many_adapters, monkeypatch):
+    """A round launched at T covering 1.5 ms, and a host whose cycle besides placements took 1.2 ms: placements stop at
+    T + 0.3 ms, before the share's T + 0.75 ms; a rest longer than the round leaves a deadline already past (none are
+    placed, the walk counts a cut); with no rest measured yet, the share alone bounds the walk."""
+    eng = _engine(demo_set, many_adapters, 1, load_ahead_share=0.5)
+    got = []
+    monkeypatch.setattr(eng.planner, "prefetch", lambda busy, places, deadline_ns=None: got.append(deadline_ns))
+    now = 10**12
+    monkeypatch.setattr(planner_module.time, "perf_counter_ns", lambda: now)
+    eng._decode_us = 1500.0
+    eng._launched_ns = now
+    eng._under_round(1)
+    assert got == [now + 750_000]  # no rest measured: the share
+    for rest_ms, want in ((1.2, now + 300_000), (0.2, now + 750_000), (2.0, now - 500_000)):
+        eng._rest_ns = int(rest_ms * 1e6)
+        eng._under_round(1)
+        assert got[-1] == want, (rest_ms, got[-1] - now)
+
+
+def test_a_chained_launch_measures_the_hosts_rest_of_cycle(demo_set, many_adapters, monkeypatch):
+    """The rest of a chained cycle is its time since the last launch less its waits for rounds and its placements, the
+    shorter of the last two; a launch outside a chain (after an eager step) measures nothing."""
+    import engine.engine as engine_module
+
+    eng = _engine(demo_set, many_adapters, 1)
+    clock = [10**12]
+    monkeypatch.setattr(engine_module.time, "perf_counter_ns", lambda: clock[0])
+    monkeypatch.setattr(engine_module, "launch_round", lambda *a, **k: "round")
+
+    def cycle(ms: float, waited_ms: float = 0.0, placed_ms: float = 0.0) -> int | None:
+        clock[0] += int(ms * 1e6)
+        eng._waited_ns = int(waited_ms * 1e6)
+        eng.adapters.placement_ns += int(placed_ms * 1e6)
+        eng._launch_round([], [], 1)
+        return eng._rest_ns
+
+    assert cycle(5.0, placed_ms=1.0) is None  # the first launch: no cycle before it
+    assert cycle(5.0, waited_ms=1.0, placed_ms=2.5) == 1_500_000
+    assert cycle(4.0) == 1_500_000  # 4 ms: the shorter of the two counts
+    assert cycle(3.0, placed_ms=1.0) == 2_000_000
+    eng._launched_ns = None  # an eager step ended the chain
+    assert cycle(9.0) == 2_000_000
