@@ -29,6 +29,9 @@ window's choice of generation. A prompt step's load-ahead runs as before, with n
 Not hidden everywhere: the call's other host work (placing adapters) runs in the same gap, and a pass that outlasts the
 GPU's queued work delays the step. Session 21's A/B (an earlier version that collected at half the threshold and took
 full passes when due) left the p99 of the slowest decode calls as it was and raised host-warm throughput by 1-2 points.
+A full pass is the long one (6-9 ms at 2,000 adapters, against 0.1-0.8 ms for the others): the engine tells the window
+when its work under the round should end, and a full pass that would run past it, at the last one's time, waits for a
+round with room (`__call__`'s `until_ns`).
 
 Left alone: thresholds, `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
@@ -60,6 +63,8 @@ class CollectorWindow:
         self._last = 0  # the young count when the last call returned
         self.passes = [0, 0, 0]  # passes run here, per generation
         self.ns = 0  # their time
+        self.full_ns: int | None = None  # the last full pass's time (None: none ran here yet)
+        self.full_put_off = 0  # calls that put a due full pass off, short of the round's end (`__call__`)
         self._holding = False  # inside `deferred`: the collector is off for the window's sake, not the caller's
 
     @contextlib.contextmanager
@@ -80,8 +85,13 @@ class CollectorWindow:
             self._holding = False
             gc.enable()
 
-    def __call__(self) -> int | None:
-        """Collect now if the automatic collector would fire before the next call; the generation collected, or None."""
+    def __call__(self, until_ns: int | None = None) -> int | None:
+        """Collect now if the automatic collector would fire before the next call; the generation collected, or None.
+
+        `until_ns` (time.perf_counter_ns): when the host's work under the round in flight should end (the engine's
+        reckoning). A full pass due that would run past it, at the last full pass's time, is put off, generation 1
+        collected instead, until a round has room for it, or the generation-1 passes since the last full one reach
+        twice the number that made it due (`full_put_off` counts the calls that put it off)."""
         if not GENERATIONAL or not (self._holding or gc.isenabled()):
             return None
         t0, t1, t2 = gc.get_threshold()
@@ -95,8 +105,14 @@ class CollectorWindow:
             return None
         generation = 2 if c2 > t2 * FULL_AFTER else 1 if c1 > t1 else 0
         start = time.perf_counter_ns()
+        if generation == 2 and until_ns is not None and self.full_ns is not None and c2 <= 2 * t2 * FULL_AFTER and start + self.full_ns > until_ns:
+            generation = 1
+            self.full_put_off += 1
         gc.collect(generation)
-        self.ns += time.perf_counter_ns() - start
+        took = time.perf_counter_ns() - start
+        self.ns += took
+        if generation == 2:
+            self.full_ns = took
         self.passes[generation] += 1
         self._last = gc.get_count()[0]
         return generation

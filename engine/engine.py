@@ -458,22 +458,38 @@ class Engine:
         """The host work overlapped with a round of `in_flight` steps just launched: the load-ahead, bounded by the
         round's steps at the last decode step's measured µs, then the collector's window, which runs also when the
         load-ahead raised; the automatic collector held off across both, so that the window collects what the
-        load-ahead allocated (engine.collector `deferred`)."""
+        load-ahead allocated (engine.collector `deferred`). Both stop short of where the rest of the host's cycle would
+        start past the round's end (`_round_end_ns`): the placements, and a full collection put off to a later round."""
+        covers_us = self._decode_us * in_flight
+        until_ns = self._round_end_ns(covers_us)
         deferred = self.collector.deferred() if self.collector is not None else contextlib.nullcontext()
         with deferred:
             try:
-                self._load_ahead(in_flight, finished_before, self._decode_us * in_flight, launched_ns=self._launched_ns)
+                self._load_ahead(in_flight, finished_before, covers_us, until_ns=until_ns)
             finally:
-                self._collect()
+                self._collect(until_ns)
 
-    def _collect(self) -> None:
+    def _round_end_ns(self, covers_us: float) -> int | None:
+        """The latest (time.perf_counter_ns) the host's work ahead under the round just launched, of `covers_us` of
+        device time, may run: where the rest of the host's cycle, as the last chained cycles measured it (`_rest_ns`),
+        would start past the round's end. None until a decode step and a chained cycle were measured.
+
+        A round of one step covers 1.5-2.5 ms, about what the host's cycle takes without placements: placing there made
+        the GPU wait (issue 19's cold pass on an H200: one-step calls of 3.2-4.6 ms wall placing 1-6 adapters, against
+        1.5-3.0 ms on the device), as did a full collection of 6-9 ms in a round already filled with placements
+        (engine/PERF.md, sessions 25 and 26)."""
+        if self._launched_ns is None or covers_us <= 0 or self._rest_ns is None:
+            return None
+        return self._launched_ns + int(covers_us * 1000) - self._rest_ns
+
+    def _collect(self, until_ns: int | None = None) -> None:
         """The collector's next pass, if the automatic one would fire before the next call, while the GPU has a round
-        queued (engine.collector). A guard only: CPython reports finalizers' errors through sys.unraisablehook, and
-        anything else the window raised is logged, never the step's."""
+        queued (engine.collector), a full one only if it would end by `until_ns`. A guard only: CPython reports
+        finalizers' errors through sys.unraisablehook, and anything else the window raised is logged, never the step's."""
         if self.collector is None:
             return
         try:
-            self.collector()
+            self.collector(until_ns)
         except Exception:
             log.exception("a garbage-collector pass between rounds raised")
 
@@ -490,7 +506,7 @@ class Engine:
         if rnd is not None:
             book_round(rnd, self._book)
 
-    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0, covers_us: float = 0.0, launched_ns: int | None = None) -> None:
+    def _load_ahead(self, in_flight: int = 0, finished_before: int = 0, covers_us: float = 0.0, until_ns: int | None = None) -> None:
         """Adapter loads no request of this step waits for: those of the waiting requests next in line, then the
         warm pool's (after admission, so that what requests need now is loaded for them, and charged to them).
 
@@ -504,20 +520,16 @@ class Engine:
         took `engine.load_ahead_share` of it (a placement is host work: its eviction choice, page tables and the copies'
         launches, 100-600 µs each on an H100's host), so that the GPU does not wait for them; the requests left are
         placed by the next step's walk, or at their admission. 0 (nothing measured yet, or nothing launched): no bound.
-        `launched_ns`: when that work, a decode round, was launched. Then placements also stop where the rest of the
-        host's cycle, as the last chained cycles measured it (`_rest_ns`), would start past the round's end: a round of
-        one step covers 1.5-2.5 ms, about what the host's cycle takes without placements, and placing there made the
-        GPU wait (issue 19's cold pass on an H200: one-step calls of 3.2-4.6 ms wall placing 1-6 adapters, against
-        1.5-3.0 ms on the device; engine/PERF.md, session 25). The requests left are placed in longer rounds, or at
-        their admission."""
+        `until_ns` (time.perf_counter_ns; a decode round's `_round_end_ns`): no placement starts past it either, where a
+        share bounds them; the requests left are placed in longer rounds, or at their admission."""
         running = self.planner.running
         horizon = finished_before + in_flight + LOOKAHEAD_ROUNDS * self.config.decode_steps
         ending = sum(tokens_left(s) <= horizon for s in running)
         places = self.config.max_batch_size - len(running) + ending
         share = self.config.load_ahead_share
         deadline = time.perf_counter_ns() + int(share * covers_us * 1000) if share is not None and covers_us > 0 else None
-        if deadline is not None and launched_ns is not None and self._rest_ns is not None:
-            deadline = min(deadline, launched_ns + int(covers_us * 1000) - self._rest_ns)
+        if deadline is not None and until_ns is not None:
+            deadline = min(deadline, until_ns)
         self.planner.prefetch((s.lora_slot for s in running if s.lora_slot >= 0), places, deadline)
         self.adapters.warm()
 

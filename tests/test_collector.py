@@ -189,3 +189,32 @@ def test_a_burst_deferred_is_collected_by_the_window_not_the_automatic_collector
     finally:
         gc.callbacks.remove(seen)
     del keep, more
+
+
+def test_a_full_pass_that_would_outrun_the_round_waits_for_one_with_room(thresholds, monkeypatch):
+    """A full pass due, with the last one's time known, runs only where it ends by `until_ns`; else generation 1 instead
+    (counted), until twice the generation-1 passes that made it due have run, when it runs whatever the round."""
+    thresholds(10_000, 10, 10)
+    window = CollectorWindow(rise=10**9)
+    keep = _allocate(10)
+    now = 10**15
+    monkeypatch.setattr(collector.time, "perf_counter_ns", lambda: now)
+    for _ in range(FULL_AFTER * 10 + 1):
+        gc.collect(1)
+    assert window(until_ns=now) == 2  # no full pass timed yet: it runs
+    window.full_ns = 5_000_000
+    for _ in range(FULL_AFTER * 10 + 1):
+        gc.collect(1)
+    assert window(until_ns=now + 4_000_000) == 1 and window.full_put_off == 1  # 5 ms past a round ending in 4
+    assert gc.get_count()[2] == FULL_AFTER * 10 + 2  # still due
+    assert window(until_ns=now + 6_000_000) == 2 and window.full_put_off == 1  # room for it
+    window.full_ns = 5_000_000
+    for _ in range(2 * FULL_AFTER * 10):
+        gc.collect(1)
+    assert window(until_ns=now) == 1 and window.full_put_off == 2
+    gc.collect(1)
+    assert window(until_ns=now) == 2 and window.full_put_off == 2  # put off long enough: it runs
+    for _ in range(FULL_AFTER * 10 + 1):
+        gc.collect(1)
+    assert window() == 2  # no end given: as before
+    del keep

@@ -232,9 +232,9 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
     events: list[str] = []
 
     class Recorded(CollectorWindow):
-        def __call__(self):
+        def __call__(self, until_ns=None):
             events.append("collect")
-            return super().__call__()
+            return super().__call__(until_ns)
 
     window = Recorded(rise=10**9)  # due whenever the collector is on
     load_ahead, enabled = engine._load_ahead, []
@@ -270,7 +270,7 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
     assert events.count("collect") == events.count("launch"), events  # one window a launch, none without one
 
     class Broken(CollectorWindow):
-        def __call__(self):
+        def __call__(self, until_ns=None):
             raise RuntimeError("a window failed")
 
     monkeypatch.setattr(engine, "collector", Broken())

@@ -386,6 +386,9 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # the collector's passes the engine ran between rounds (engine.collector), per generation, over the warm-up and both passes
         "gc_in_rounds": gc_in_rounds, "collector_passes": list(engine.collector.passes) if engine.collector is not None else None,
         "collector_ms": round(engine.collector.ns / 1e6, 1) if engine.collector is not None else None,
+        # calls that put a due full pass off to a round with room for it, and the last full pass's ms
+        "collector_full_put_off": engine.collector.full_put_off if engine.collector is not None else None,
+        "collector_full_ms": round(engine.collector.full_ns / 1e6, 2) if engine.collector is not None and engine.collector.full_ns else None,
         # where each pass's time went: decode-only steps (and their mean rows) against steps with prompt tokens
         "cold_s": round(cold["seconds"], 3), "warm_s": round(warm["seconds"], 3),
         "warm_decode_s": warm["decode_s"], "warm_mixed_s": warm["mixed_s"], "warm_decode_rows_mean": warm["decode_rows_mean"],
