@@ -10,7 +10,7 @@ from __future__ import annotations
 from decimal import ROUND_HALF_EVEN, Context, Decimal
 
 US_PER_HOUR = 3_600_000_000
-MONEY_PLACES = 9  # the ledger's Numeric(18, 9)
+MONEY_PLACES = 9  # the ledger's money columns: Numeric(18, 9) prices, Numeric(38, 9) amounts
 _MONEY_QUANTUM = Decimal(1).scaleb(-MONEY_PLACES)  # 0.000000001
 _MS_QUANTUM = Decimal("0.001")
 ZERO_COST = Decimal(0).quantize(_MONEY_QUANTUM)  # 0.000000000: a sum of costs starts here, keeping nine places

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from billing.types import Money, UTCDateTime
+from billing.types import Amount, Money, UTCDateTime
 
 # The schema revision these models describe is billing.db.SCHEMA_REVISION (kept there, beside the check of it, so that a
 # command reading through SQLAlchemy Core checks it without importing the ORM models).
@@ -296,8 +296,8 @@ class ClosedInvoice(_FrozenAmounts, Base):
     currency: Mapped[str] = mapped_column(CHAR(3))
     closed_at: Mapped[datetime] = mapped_column(UTCDateTime)
     unpriced_requests: Mapped[int] = mapped_column(BigInteger)
-    cost: Mapped[Decimal] = mapped_column(Money)
-    revenue: Mapped[Decimal] = mapped_column(Money)
+    cost: Mapped[Decimal] = mapped_column(Amount)
+    revenue: Mapped[Decimal] = mapped_column(Amount)
 
 
 class ClosedInvoiceLine(_FrozenAmounts, Base):
@@ -312,8 +312,8 @@ class ClosedInvoiceLine(_FrozenAmounts, Base):
     adapter: Mapped[str] = mapped_column(String(200))  # "name@version" or "base"
     adjustment_for: Mapped[str | None] = mapped_column(CHAR(7))  # the period of late usage billed here
     gpu_price_per_hour: Mapped[Decimal] = mapped_column(Money)
-    cost: Mapped[Decimal] = mapped_column(Money)
-    revenue: Mapped[Decimal] = mapped_column(Money)
+    cost: Mapped[Decimal] = mapped_column(Amount)
+    revenue: Mapped[Decimal] = mapped_column(Amount)
 
 
 class RouteRuleRow(Base):

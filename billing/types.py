@@ -40,7 +40,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 class Money(TypeDecorator[Decimal]):
-    """An exact amount of money, nine places: `numeric(18, 9)` on PostgreSQL, fixed-point text on SQLite.
+    """An exact price, nine places: `numeric(18, 9)` on PostgreSQL, fixed-point text on SQLite.
 
     SQLite has no decimal type; a NUMERIC column there keeps a double, exact to only ~15 significant
     digits, and a frozen invoice total of 1_234_567.123456789 would read back changed. Text keeps every
@@ -53,8 +53,8 @@ class Money(TypeDecorator[Decimal]):
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         if dialect.name == "sqlite":
-            return dialect.type_descriptor(String(40))
-        return dialect.type_descriptor(Numeric(18, 9))
+            return dialect.type_descriptor(String(40))  # 29 integer digits, the point, 9 places and a sign
+        return dialect.type_descriptor(self.impl)
 
     def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> Decimal | str | None:
         if value is None:
@@ -68,3 +68,17 @@ class Money(TypeDecorator[Decimal]):
         if value is None:
             return None
         return Decimal(value).quantize(_NINE_PLACES)
+
+
+class Amount(Money):
+    """A frozen invoice's or line's cost or revenue: `numeric(38, 9)` on PostgreSQL, fixed-point text on SQLite.
+
+    Prices stay below 10^9 (billing.prices.check_price), but a month's amount is a price times usage: 30
+    GPUs for a month at 40,000 IDR an hour is 864,000,000, and 36 of them passed numeric(18, 9)'s 10^9, so
+    PostgreSQL refused to close the month that SQLite closed. 29 integer digits hold the most a line can
+    reach: 2^63 us at a price under 10^9 per hour is under 2.6 * 10^18, 2^63 tokens at under 10^9 per
+    million under 10^22.
+    """
+
+    impl = Numeric(38, 9)
+    cache_ok = True

@@ -153,6 +153,20 @@ def test_closed_invoice_money_is_decimal(october: Ledger, engine: Engine) -> Non
     assert closed.totals.cost == Decimal("0.000094000")
 
 
+def test_a_month_of_a_billion_or_more_closes_on_both_backends(ledger: Ledger, engine: Engine) -> None:
+    """An invoice of 10^9 currency units or more is frozen and read back exactly: 37 GPUs for 30 days at 40,000 IDR an hour
+    is 1,065,600,000, and 0.001 more for 90 us (PostgreSQL's numeric(18, 9) refused it; SQLite took it)."""
+    idr = LedgerConfig(url=str(engine.url), gpu_price_per_hour=Decimal("40000"), currency="IDR")
+    gpu_month_us = 30 * 24 * 3_600_000_000
+    ledger.record_usage([usage_record(f"r{i}", created_at=oct_(1 + i % 28), base_us=gpu_month_us) for i in range(37)]
+                        + [usage_record("tip", created_at=oct_(9), base_us=90)])  # 90 us at 40_000 / 3.6e9 per us = 0.001
+    draft = build_invoice(engine, "acme", "2026-10", idr)
+    assert draft.totals.cost == Decimal("1065600000.001000000")
+    closed = close_period(engine, idr, "2026-10", now=NOV_2)
+    assert [i.totals.cost for i in closed] == [draft.totals.cost] and closed[0].lines == draft.lines
+    assert build_invoice(engine, "acme", "2026-10", idr).totals == draft.totals
+
+
 def test_closing_an_unknown_tenant_stores_nothing(october: Ledger, engine: Engine) -> None:
     """Closing the invoice of a tenant nobody knows is refused, naming it, and leaves no closed (empty) invoice and no frozen spread behind."""
     with pytest.raises(UnknownTenantError, match="tenant 'initech' is unknown"):

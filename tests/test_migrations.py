@@ -252,3 +252,28 @@ def test_0004_adds_result_json_and_keeps_rows(db_url: str) -> None:
             assert connection.execute(text("SELECT request_id FROM usage")).all() == [("r1",)]
     finally:
         engine.dispose()
+
+
+def test_0008_widens_invoice_amounts_and_keeps_rows(db_url: str) -> None:
+    """0008 lets a frozen invoice's cost and revenue reach 10^9 and more on PostgreSQL (numeric(18, 9) stopped below it),
+    keeping the rows; its downgrade narrows them again."""
+    db.upgrade(db_url, "0007", script_location=SCRIPT_LOCATION)
+    engine = db.make_engine(db_url)
+    invoice = ("INSERT INTO invoices (tenant_id, period, tier, currency, closed_at, requests, failed, input_tokens, output_tokens, "
+               "cached_tokens, base_us, lora_us, routing_us, kv_saved_us, cold_start_us, unpriced_requests, cost, revenue) VALUES "
+               "('{tenant}', '2026-03', 'standard', 'IDR', '2026-04-02 00:00:00+00', 1, 0, 1, 1, 0, 5, 0, 0, 0, 0, 0, '{cost}', '0')")
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(invoice.format(tenant="acme", cost="999999999.999999999")))
+        db.upgrade(db_url, "0008", script_location=SCRIPT_LOCATION)
+        with engine.begin() as connection:
+            connection.execute(text(invoice.format(tenant="globex", cost="1036800000.000000001")))
+            costs = connection.execute(text("SELECT tenant_id, cost FROM invoices ORDER BY tenant_id")).all()
+        assert [(tenant, str(cost)) for tenant, cost in costs] == [("acme", "999999999.999999999"), ("globex", "1036800000.000000001")]
+        with engine.begin() as connection:
+            connection.execute(text("DELETE FROM invoices WHERE tenant_id = 'globex'"))
+        db.downgrade(db_url, "0007", script_location=SCRIPT_LOCATION)
+        with engine.connect() as connection:
+            assert [str(c) for c in connection.execute(text("SELECT cost FROM invoices")).scalars()] == ["999999999.999999999"]
+    finally:
+        engine.dispose()
