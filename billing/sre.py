@@ -6,7 +6,8 @@ GPU time (decision + LoRA over base + LoRA + decision), KV savings, cold starts 
 how many and how long) and latency percentiles of total and first-token time. Per worker, from its
 busy records: busy time, the wall span from its first record's start to its last one's end, and the
 idle time between (span - busy), which no request is charged. The totals compare the busy time with
-the attributed time (billing/conservation.py): `unattributed_s` should be zero.
+the attributed time (billing/conservation.py): `unattributed_s`, what is left once the redelivered and unbilled
+work that reconcile names is taken out too, should be zero.
 
 Percentiles are nearest-rank (the smallest value with at least p% of the values at or below it),
 computed in Python from the rows, so both backends give the same answer.
@@ -25,7 +26,7 @@ from sqlalchemy.orm import Session
 from billing.billable import check_billable_period
 from billing.cost import us_to_ms
 from billing.credit import kv_credit_sql
-from billing.models import AdapterLoad, Busy, Usage
+from billing.models import AdapterLoad, Busy, Usage, UsageRedelivery
 from billing.periods import check_period
 from billing.tally import BASE_MODEL
 
@@ -89,7 +90,7 @@ class SreReport:
     workers: tuple[WorkerSre, ...]
     busy_s: Decimal
     attributed_s: Decimal  # base + lora of the period's requests
-    unattributed_s: Decimal  # busy - attributed - unbilled work (reconcile names it): zero when every step's time is accounted
+    unattributed_s: Decimal  # busy - attributed - redelivered and unbilled work (reconcile names both): zero when every step's time is accounted
     idle_s: Decimal
     unused_load_s: Decimal  # load time of adapters with no request in the period
 
@@ -181,10 +182,13 @@ def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None
         busy_us, unbilled_us = (int(v or 0) for v in session.execute(
             select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one())
         attributed_us = sum(s["base_us"] + s["lora_us"] for s in sums.values())
+        # A rerun of a request that already had its row: measured in busy, billed to nobody (billing/reconcile.py).
+        redelivered_us = int(session.scalar(select(func.sum(UsageRedelivery.base_us + UsageRedelivery.lora_us))
+                                            .where(UsageRedelivery.period == period)) or 0)
         unused_us = sum(us for adapter, (_, us) in loads.items() if adapter not in sums)
         return SreReport(
             period=period, adapters=tuple(adapters), workers=tuple(workers), busy_s=us_to_s(busy_us), attributed_s=us_to_s(attributed_us),
-            unattributed_s=us_to_s(busy_us - attributed_us - unbilled_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
+            unattributed_s=us_to_s(busy_us - attributed_us - redelivered_us - unbilled_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
             unused_load_s=us_to_s(unused_us),
         )
     finally:
