@@ -29,9 +29,13 @@ window's choice of generation. A prompt step's load-ahead runs as before, with n
 Not hidden everywhere: the call's other host work (placing adapters) runs in the same gap, and a pass that outlasts the
 GPU's queued work delays the step. Session 21's A/B (an earlier version that collected at half the threshold and took
 full passes when due) left the p99 of the slowest decode calls as it was and raised host-warm throughput by 1-2 points.
-A full pass is the long one (6-9 ms at 2,000 adapters, against 0.1-0.8 ms for the others): the engine tells the window
-when its work under the round should end, and a full pass that would run past it, at the last one's time, waits for a
-round with room (`__call__`'s `until_ns`).
+A full pass is the long one (6-9 ms at 2,000 adapters, against 0.1-0.8 ms for the others), and CPython's own came where
+the window could not see them: with generation 2 kept past its threshold by the window's generation-1 passes, any
+automatic pass (a burst while booking a round, in the caller's loop) was a full one once CPython's quarter check let it
+(a 9.2 ms pass in an 8-step call with a load, an H100, session 26). The engine now tells the window when its work under
+the round should end: a full pass that fits before then is taken as soon as generation 2 passes its threshold, which
+leaves the automatic collector none to choose, and one due by FULL_AFTER that does not fit waits for a round with room
+(`__call__`'s `until_ns`).
 
 Left alone: thresholds, `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
@@ -50,6 +54,7 @@ import time
 from collections.abc import Iterator
 
 FULL_AFTER = 10  # a full pass once this many times the third threshold of generation-1 passes have run since the last
+FULL_GUESS_NS = 10_000_000  # a full pass's time before one ran here (the longest seen at 2,000 adapters: 9.2 ms, an H100)
 DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
 GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 
@@ -89,9 +94,11 @@ class CollectorWindow:
         """Collect now if the automatic collector would fire before the next call; the generation collected, or None.
 
         `until_ns` (time.perf_counter_ns): when the host's work under the round in flight should end (the engine's
-        reckoning). A full pass due that would run past it, at the last full pass's time, is put off, generation 1
-        collected instead, until a round has room for it, or the generation-1 passes since the last full one reach
-        twice the number that made it due (`full_put_off` counts the calls that put it off)."""
+        reckoning). Where a full pass could be CPython's next choice (generation 2 past its threshold) and it fits before
+        then, at the last full pass's time (FULL_GUESS_NS before one ran here), the window takes it: an automatic pass
+        elsewhere then finds generation 2 under its threshold and stays young. A full pass due by FULL_AFTER that does
+        not fit is put off, generation 1 collected instead, until a round has room for it or twice FULL_AFTER's passes
+        have run (`full_put_off` counts the calls that put it off). Without `until_ns`, full passes come by FULL_AFTER."""
         if not GENERATIONAL or not (self._holding or gc.isenabled()):
             return None
         t0, t1, t2 = gc.get_threshold()
@@ -103,11 +110,17 @@ class CollectorWindow:
         self._last = c0
         if c0 + self.rise <= t0:
             return None
-        generation = 2 if c2 > t2 * FULL_AFTER else 1 if c1 > t1 else 0
         start = time.perf_counter_ns()
-        if generation == 2 and until_ns is not None and self.full_ns is not None and c2 <= 2 * t2 * FULL_AFTER and start + self.full_ns > until_ns:
-            generation = 1
-            self.full_put_off += 1
+        fits = until_ns is not None and start + (self.full_ns or FULL_GUESS_NS) <= until_ns
+        generation = 1 if c1 > t1 else 0
+        if c2 > t2 * FULL_AFTER:
+            if until_ns is None or fits or c2 > 2 * t2 * FULL_AFTER:
+                generation = 2
+            else:
+                generation = 1
+                self.full_put_off += 1
+        elif c2 > t2 and fits:
+            generation = 2
         gc.collect(generation)
         took = time.perf_counter_ns() - start
         self.ns += took

@@ -191,30 +191,36 @@ def test_a_burst_deferred_is_collected_by_the_window_not_the_automatic_collector
     del keep, more
 
 
-def test_a_full_pass_that_would_outrun_the_round_waits_for_one_with_room(thresholds, monkeypatch):
-    """A full pass due, with the last one's time known, runs only where it ends by `until_ns`; else generation 1 instead
-    (counted), until twice the generation-1 passes that made it due have run, when it runs whatever the round."""
+def test_a_full_pass_runs_where_the_round_has_room_for_it_and_waits_where_it_has_none(thresholds, monkeypatch):
+    """With the round's end given: generation 2 just past its threshold gets a full pass where one fits (at the last
+    one's time, FULL_GUESS_NS before any), the generation CPython's trigger would take otherwise where none does; a full pass due by FULL_AFTER that does not
+    fit is put off (counted) until twice FULL_AFTER's passes ran. Without an end, full passes come by FULL_AFTER only."""
     thresholds(10_000, 10, 10)
     window = CollectorWindow(rise=10**9)
     keep = _allocate(10)
     now = 10**15
     monkeypatch.setattr(collector.time, "perf_counter_ns", lambda: now)
-    for _ in range(FULL_AFTER * 10 + 1):
-        gc.collect(1)
-    assert window(until_ns=now) == 2  # no full pass timed yet: it runs
+
+    def past(n: int) -> None:  # generation 2's count to n + 1 (each gc.collect(1) adds one)
+        gc.collect(2)
+        for _ in range(n + 1):
+            gc.collect(1)
+
+    past(10)
+    assert window(until_ns=now + collector.FULL_GUESS_NS - 1) == 0  # no full pass timed: the guess does not fit (young)
+    assert window.full_put_off == 0  # (not due by FULL_AFTER: nothing put off)
+    past(10)
+    assert window(until_ns=now + collector.FULL_GUESS_NS) == 2 and gc.get_count()[2] == 0
+    window.full_ns = 5_000_000  # (the fake clock timed the pass at 0)
+    past(10)
+    assert window(until_ns=now + 4_000_000) == 0 and window(until_ns=now + 5_000_000) == 2
+    past(FULL_AFTER * 10)
     window.full_ns = 5_000_000
-    for _ in range(FULL_AFTER * 10 + 1):
-        gc.collect(1)
-    assert window(until_ns=now + 4_000_000) == 1 and window.full_put_off == 1  # 5 ms past a round ending in 4
-    assert gc.get_count()[2] == FULL_AFTER * 10 + 2  # still due
-    assert window(until_ns=now + 6_000_000) == 2 and window.full_put_off == 1  # room for it
-    window.full_ns = 5_000_000
-    for _ in range(2 * FULL_AFTER * 10):
-        gc.collect(1)
-    assert window(until_ns=now) == 1 and window.full_put_off == 2
-    gc.collect(1)
-    assert window(until_ns=now) == 2 and window.full_put_off == 2  # put off long enough: it runs
-    for _ in range(FULL_AFTER * 10 + 1):
-        gc.collect(1)
-    assert window() == 2  # no end given: as before
+    assert window(until_ns=now + 4_000_000) == 1 and window.full_put_off == 1  # due, no room: put off
+    past(2 * FULL_AFTER * 10)
+    assert window(until_ns=now) == 2  # put off long enough: it runs
+    past(FULL_AFTER * 10 - 1)
+    assert window() == 0  # no end given: no full pass until FULL_AFTER's passes
+    past(FULL_AFTER * 10)
+    assert window() == 2
     del keep
