@@ -419,12 +419,12 @@ def test_a_load_ahead_that_raises_loses_no_launched_step(short_engine, monkeypat
 
     covers = []
 
-    def flaky(in_flight=0, finished_before=0, covers_us=0.0):
+    def flaky(in_flight=0, finished_before=0, covers_us=0.0, until_ns=None):
         covers.append((in_flight, covers_us))
         if in_flight and len(failures) < 2:
             failures.append(engine._inflight is not None)
             raise RuntimeError("load-ahead failed")
-        return load_ahead(in_flight, finished_before, covers_us)
+        return load_ahead(in_flight, finished_before, covers_us, until_ns)
 
     monkeypatch.setattr(engine, "_load_ahead", flaky)
     raised = 0
