@@ -54,7 +54,9 @@ import time
 from collections.abc import Iterator
 
 FULL_AFTER = 10  # a full pass once this many times the third threshold of generation-1 passes have run since the last
-FULL_GUESS_NS = 10_000_000  # a full pass's time before one ran here (the longest seen at 2,000 adapters: 9.2 ms, an H100)
+# A full pass's time before one ran here since the last gc.freeze or unfreeze (which change what a full pass walks: 78 ms
+# in the 2,000-adapter bench's warm-up on an H200, 6-7 ms after its freeze; the longest seen after one: 9.2 ms, an H100)
+FULL_GUESS_NS = 10_000_000
 DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
 GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 
@@ -70,6 +72,7 @@ class CollectorWindow:
         self.ns = 0  # their time
         self.full_ns: int | None = None  # the last full pass's time (None: none ran here yet)
         self.full_put_off = 0  # calls that put a due full pass off, short of the round's end (`__call__`)
+        self._frozen = gc.get_freeze_count()  # the objects gc.freeze had set aside when `full_ns` was measured
         self._holding = False  # inside `deferred`: the collector is off for the window's sake, not the caller's
 
     @contextlib.contextmanager
@@ -110,6 +113,8 @@ class CollectorWindow:
         self._last = c0
         if c0 + self.rise <= t0:
             return None
+        if gc.get_freeze_count() != self._frozen:  # objects frozen or thawed since the last full pass: its time says nothing
+            self.full_ns, self._frozen = None, gc.get_freeze_count()
         start = time.perf_counter_ns()
         fits = until_ns is not None and start + (self.full_ns or FULL_GUESS_NS) <= until_ns
         generation = 1 if c1 > t1 else 0

@@ -224,3 +224,24 @@ def test_a_full_pass_runs_where_the_round_has_room_for_it_and_waits_where_it_has
     past(FULL_AFTER * 10)
     assert window() == 2
     del keep
+
+
+def test_a_freeze_forgets_the_last_full_pass_time(thresholds, monkeypatch):
+    """A full pass timed before gc.freeze (which sets most objects aside) does not bar the cheaper ones after it."""
+    thresholds(10_000, 10, 10)
+    window = CollectorWindow(rise=10**9)
+    keep = _allocate(10)
+    now = 10**15
+    monkeypatch.setattr(collector.time, "perf_counter_ns", lambda: now)
+    window.full_ns = 80_000_000  # timed with everything in the oldest generation
+    for _ in range(12):
+        gc.collect(1)
+    assert window(until_ns=now + collector.FULL_GUESS_NS) == 0  # 80 ms does not fit in 10
+    gc.freeze()
+    try:
+        for _ in range(12):
+            gc.collect(1)
+        assert window(until_ns=now + collector.FULL_GUESS_NS) == 2  # forgotten: the guess fits
+    finally:
+        gc.unfreeze()
+    del keep
