@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 # share the file, and a ledger flush holds the lock for milliseconds.
 SQLITE_BUSY_TIMEOUT_S = 30
 
+# Seconds libpq waits for a PostgreSQL server to take a connection (its `connect_timeout`; a URL that sets one keeps it).
+# A server that is paused or cut off from this host takes the TCP connection and then answers nothing: without this, a
+# command (`lorabatch invoice`, `db upgrade`) waited on it for ever, and so did a worker's wait for its ledger.
+PG_CONNECT_TIMEOUT_S = 10
+
 # Alembic's default version table, which migrations/env.py keeps: one row, the revision the schema is at.
 _VERSION_TABLE = "alembic_version"
 
@@ -66,12 +71,16 @@ def _is_memory_sqlite(url: URL) -> bool:
 def make_engine(url: str | URL, **kwargs: Any) -> Engine:
     """An Engine for the ledger at `url`.
 
+    PostgreSQL: a server that does not take a connection within PG_CONNECT_TIMEOUT_S fails it (an error, not a wait).
+
     SQLite: the file's folder is created, and every connection enforces foreign keys, uses WAL (readers
     never block the writer) and waits up to SQLITE_BUSY_TIMEOUT_S for a writer's lock. An in-memory
     database is kept on one shared connection so that it outlives a single checkout.
     """
     parsed = _resolve_url(url)
     if parsed.get_backend_name() != "sqlite":
+        if "connect_timeout" not in parsed.query:
+            kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **kwargs.get("connect_args", {})}
         return create_engine(parsed, **kwargs)
     if _is_memory_sqlite(parsed):
         kwargs.setdefault("poolclass", StaticPool)

@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError, KafkaTimeoutError
 from billing.errors import LedgerError, LedgerRecordError, LedgerSchemaError
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 from consumer.config import KafkaConfig
+from consumer.ledger_calls import LedgerCalls
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
@@ -74,10 +75,13 @@ class SpoolUnavailable(Exception):
 class Deliverer:
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
                  metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
-                 flush_s: float = 1.0, stages: StageLog | None = None):
+                 flush_s: float = 1.0, stages: StageLog | None = None, ledger_calls: LedgerCalls | None = None):
+        """`ledger_calls`: how the ledger is called (off the loop, bounded; consumer.ledger_calls), shared with the
+        worker's other ledger calls so that a hung server holds their threads once."""
         self.k = kafka
         self.producer = producer
         self.ledger = ledger
+        self.ledger_calls = ledger_calls or LedgerCalls()
         self.offsets = offsets
         self.metrics = metrics
         self.worker_id = worker_id
@@ -257,7 +261,7 @@ class Deliverer:
             await self._spool(records)
             return
         try:
-            await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+            await self.ledger_calls(_writer(self.ledger, records[0]), records)
         except LedgerRecordError:
             await self._one_by_one(records)
         except LedgerError as e:
@@ -274,7 +278,7 @@ class Deliverer:
         """The ledger refused a batch for a bad record: write the others, send the refused ones to the DLQ."""
         for r in records:
             try:
-                await asyncio.to_thread(_writer(self.ledger, r), [r])
+                await self.ledger_calls(_writer(self.ledger, r), [r])
             except LedgerRecordError as e:
                 await self._refused(r, e)
             except LedgerError as e:
@@ -389,11 +393,11 @@ class Deliverer:
         where the ledger refuses one (it goes to the DLQ, `_refused`); returns how many left the spool. A failure of
         the ledger itself (down, behind its schema) raises, with what was written already gone from the spool."""
         try:
-            await asyncio.to_thread(_writer(self.ledger, records[0]), records)
+            await self.ledger_calls(_writer(self.ledger, records[0]), records)
         except LedgerRecordError:
             for i, r in zip(ids, records):
                 try:
-                    await asyncio.to_thread(_writer(self.ledger, r), [r])
+                    await self.ledger_calls(_writer(self.ledger, r), [r])
                 except LedgerRecordError as e:
                     await self._refused(r, e)
                 await asyncio.to_thread(spool.remove, [i])

@@ -25,6 +25,7 @@ from consumer.answers import Copy, Key, key_of, stored_result
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import Routed
+from consumer.ledger_calls import LedgerCalls
 from consumer.logs import Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.outcomes import failed_before_engine
@@ -51,7 +52,8 @@ def message_bytes(m) -> int:
 
 class Intake:
     def __init__(self, settings: Settings, metrics: WorkerMetrics, worker_id: str, scheduler: Scheduler, router: Router,
-                 spool: Spool, ledger, work_event: asyncio.Event, snapshot: RegistrySnapshot):
+                 spool: Spool, ledger, work_event: asyncio.Event, snapshot: RegistrySnapshot, *,
+                 ledger_calls: LedgerCalls | None = None):
         self.s = settings
         self.metrics = metrics
         self.worker_id = worker_id
@@ -59,6 +61,7 @@ class Intake:
         self.router = router
         self.spool = spool
         self.ledger = ledger
+        self.ledger_calls = ledger_calls or LedgerCalls()  # bounded: a hung ledger must not hold the fetch loop
         self.work_event = work_event
         self.deliverer: Deliverer | None = None  # set once the worker's producer exists
         self.use(snapshot)
@@ -178,7 +181,7 @@ class Intake:
         rest = keys - found.keys()
         try:
             if rest:
-                for key, row in (await asyncio.to_thread(self.ledger.answered, rest)).items():
+                for key, row in (await self.ledger_calls(self.ledger.answered, rest)).items():
                     found[key] = stored_result(key, row.result_json, row)
         except Exception as e:  # noqa: BLE001 - down, behind its schema: going by what this worker knows
             # Answers written by this worker are in memory or the spool; another worker's, written while the

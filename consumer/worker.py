@@ -36,6 +36,7 @@ from consumer.config import ConfigError, Settings, check_worker_fits
 from consumer.delivery import Deliverer, Outcome, SpoolUnavailable
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
+from consumer.ledger_calls import LedgerCalls
 from consumer.kafka import make_consumer, make_producer
 from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
@@ -146,9 +147,12 @@ class Worker:
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._registry_outage = Outage("registry refresh", log, "routing on the previous snapshot")
+        self._refreshing: asyncio.Task | None = None  # the registry refresh under way (`_start_registry_refresh`)
+        # Every call into the ledger database from the event loop: off it, bounded in time (consumer.ledger_calls).
+        self.ledger_calls = LedgerCalls()
         snapshot = registry.snapshot()
         self.intake = Intake(settings, self.metrics, self.worker_id, self.scheduler, self.router, self.spool, ledger,
-                             self._work_event, snapshot)
+                             self._work_event, snapshot, ledger_calls=self.ledger_calls)
         self._apply_snapshot(snapshot)
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
         self._cache_errors_seen = 0
@@ -192,7 +196,7 @@ class Worker:
             self.deliverer = self.intake.deliverer = Deliverer(
                 self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
                 lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000,
-                stages=self.stages)
+                stages=self.stages, ledger_calls=self.ledger_calls)
             self.deliverer.stopping = self._stopping.is_set()  # a stop that came while the broker was waited for
             if not self.aengine.started:
                 self.aengine.start()
@@ -211,6 +215,7 @@ class Worker:
             if producer is not None:
                 await producer.stop()
             self.spool.close()
+            self.ledger_calls.close()
             close = getattr(self.router.cache, "close", None)
             if close is not None:
                 await close()
@@ -299,7 +304,7 @@ class Worker:
                             "uncommitted and are redelivered to the partitions' next owner")
             await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
-            await end_tasks(tasks)
+            await end_tasks(tasks + ([self._refreshing] if self._refreshing is not None else []))
 
     # ---------------------------------------------------------------- fetch, route, queue
 
@@ -327,7 +332,7 @@ class Worker:
                                           for tp, messages in batches.items() for m in messages], fetched_ns)
             if time.monotonic() - self.partitions.checked_at >= self.s.worker.log_check_s:
                 await self.partitions.check_logs()
-            self._refresh_registry()
+            self._start_registry_refresh()
             self._gauges()
 
     def _backpressure(self) -> None:
@@ -345,15 +350,23 @@ class Worker:
             self.scheduler.set_policy(t.id, TenantPolicy(t.weight, t.requests_per_minute, t.tokens_per_minute))
         self._snapshot_at = time.monotonic()
 
-    def _refresh_registry(self) -> None:
-        if time.monotonic() - self._snapshot_at >= self.s.worker.registry_refresh_s:
-            try:
-                self._apply_snapshot(self.registry.snapshot())
-            except Exception as e:  # the database is away: keep routing on the last snapshot
-                self._snapshot_at = time.monotonic()
-                self._registry_outage.failed(e)
-            else:
-                self._registry_outage.ok()
+    def _start_registry_refresh(self) -> None:
+        """A registry refresh when one is due, as a task of its own, one at a time: the fetch loop (and Kafka's
+        heartbeats, on the same event loop) never waits on the database. Read on the loop, a paused database held both
+        for as long as it was paused, and the group then counted the worker as gone."""
+        due = time.monotonic() - self._snapshot_at >= self.s.worker.registry_refresh_s
+        if due and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self._refresh_registry(), name="registry-refresh")
+
+    async def _refresh_registry(self) -> None:
+        try:
+            snapshot = await self.ledger_calls(self.registry.snapshot)
+        except Exception as e:  # the database is away or does not answer: keep routing on the last snapshot
+            self._snapshot_at = time.monotonic()
+            self._registry_outage.failed(e)
+        else:
+            self._apply_snapshot(snapshot)
+            self._registry_outage.ok()
 
     # ---------------------------------------------------------------- dispatch
 

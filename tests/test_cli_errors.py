@@ -75,6 +75,20 @@ def test_ledger_unreachable(tmp_path, args):
     assert "set ledger.url to a running one" in line
 
 
+@pytest.mark.parametrize("args", [["invoice", "--tenant", "acme", "--period", "2026-01"], ["db", "upgrade"]])
+def test_a_ledger_that_takes_the_connection_and_never_answers(tmp_path, args):
+    """A server that is paused or cut off (`docker pause`): the TCP connection is taken (here by the kernel, for a socket
+    that listens and never accepts) and nothing answers. The command ends with the one error line after libpq's
+    connect_timeout (billing.db.PG_CONNECT_TIMEOUT_S), where it waited for ever."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        cfg = _config(tmp_path, f'[ledger]\nurl = "postgresql+psycopg://nobody@127.0.0.1:{port}/test"\n')
+        line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg, timeout=90))
+    assert line.startswith("error: the ledger database cannot be reached (") and "timeout" in line, line
+
+
 def test_wrong_model_dir(tmp_path):
     path = tmp_path / "jobs.jsonl"
     path.write_text(json.dumps({"prompt": "hi"}) + "\n")

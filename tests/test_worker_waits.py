@@ -241,6 +241,7 @@ def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute
     full traceback every 5 s during an outage). consumer.logs.Outage keeps the streak; the clock is the test's."""
     from types import SimpleNamespace
 
+    from consumer.ledger_calls import LedgerCalls
     from consumer.logs import Outage, Throttle
     from consumer.worker import Worker
 
@@ -257,12 +258,13 @@ def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute
     outage = Outage("registry refresh", logging.getLogger("lorabatch.worker"), "routing on the previous snapshot",
                     clock=lambda: clock[0])  # fmt: skip
     stub = SimpleNamespace(s=SimpleNamespace(worker=SimpleNamespace(registry_refresh_s=0.0)), _snapshot_at=0.0,
-                           _registry_outage=outage, registry=SimpleNamespace(snapshot=snapshot), _apply_snapshot=applied.append)
+                           _registry_outage=outage, registry=SimpleNamespace(snapshot=snapshot), _apply_snapshot=applied.append,
+                           ledger_calls=LedgerCalls())
     for _ in range(24):  # two minutes of refreshes every 5 s
-        Worker._refresh_registry(stub)
+        asyncio.run(Worker._refresh_registry(stub))
         clock[0] += 5.0
     failing[0] = False
-    Worker._refresh_registry(stub)
+    asyncio.run(Worker._refresh_registry(stub))
     msgs = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
     assert msgs[0] == ("ERROR", "registry refresh failed; routing on the previous snapshot", True)
     still = [m for m in msgs if m[1].startswith("registry refresh still failing")]

@@ -186,8 +186,8 @@ def _from_client(conn, client, timeout_s: float) -> list:
 
 def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
     """CPU seconds so far of this process's Python threads, by role: the event loop (this thread), the engine's step
-    loop, the asyncio executor (ledger writes, stored-answer lookups), and the rest; with `engine_pid`, the engine's
-    own process as "engine process" (Linux /proc; empty elsewhere)."""
+    loop, the executors (ledger writes and stored-answer lookups on consumer/ledger_calls.py's threads, the asyncio
+    one's), and the rest; with `engine_pid`, the engine's own process as "engine process" (Linux /proc; empty elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
 
@@ -202,7 +202,7 @@ def _thread_cpu(engine_pid: int | None = None) -> dict[str, float]:
         if (seconds := cpu(f"/proc/self/task/{t.native_id}/stat")) is None:
             continue
         role = ("loop" if t is threading.current_thread() else "engine" if t.name.startswith("lorabatch-engine")
-                else "executor" if t.name.startswith("asyncio_") else "other")
+                else "executor" if t.name.startswith(("asyncio_", "lorabatch-ledger")) else "other")
         out[role] = out.get(role, 0.0) + seconds
     if engine_pid is not None and (seconds := cpu(f"/proc/{engine_pid}/stat")) is not None:
         out["engine process"] = seconds

@@ -10,6 +10,7 @@ import glob
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class PgCluster:
     root: Path
     port: int
     bindir: Path
+    paused: bool = False
 
     @classmethod
     def create(cls) -> "PgCluster":
@@ -55,6 +57,28 @@ class PgCluster:
     def stop(self) -> None:
         """A fast shutdown: open sessions are cut off, as in a crash of the database host."""
         self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "-t", "30", "stop")
+
+    def pause(self) -> None:
+        """Freeze the server's processes (SIGSTOP), as `docker pause` or a hung host does: the connections stay open and
+        the kernel takes what is sent on them, but nothing answers, and no error comes."""
+        postmaster = self._postmaster()
+        os.kill(postmaster, signal.SIGSTOP)  # first: a stopped postmaster starts no backend the loop below would miss
+        for child in _children(postmaster):
+            os.kill(child, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        """Let a paused server go on (SIGCONT); nothing if it is not paused."""
+        if not self.paused:
+            return
+        postmaster = self._postmaster()
+        for child in _children(postmaster):
+            os.kill(child, signal.SIGCONT)
+        os.kill(postmaster, signal.SIGCONT)
+        self.paused = False
+
+    def _postmaster(self) -> int:
+        return int((self.root / "data" / "postmaster.pid").read_text().split()[0])
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
@@ -81,7 +105,21 @@ class PgCluster:
 
     def destroy(self) -> None:
         try:
+            self.resume()
             if (self.root / "data" / "postmaster.pid").exists():
                 self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found

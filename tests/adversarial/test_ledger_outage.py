@@ -10,6 +10,7 @@ disturbs no other test.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -162,3 +163,51 @@ async def test_full_spool_pauses_fetching_and_drops_nothing(tally, broker, tmp_p
     assert not end.problems(), end.problems()[:20]
     assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
     assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs), [r.error for rs in acct.results.values() for r in rs]
+
+
+async def test_postgres_paused_mid_run_then_a_stop_and_a_restart(tally, broker, tmp_path, demo_set, own_pg):
+    """PostgreSQL paused (its processes frozen, as `docker pause` or a hung host: connections stay open and nothing
+    answers, no error comes) while jobs flow: their results are still published, once each, the worker stays alive and
+    says the ledger is down (lorabatch_ledger_up 0), its records wait in the spool; a SIGTERM while it is still paused
+    drains and exits. Once PostgreSQL goes on, a worker started again under the same id flushes the spool: one ledger row
+    per job and busy == attributed. (Before: the worker published nothing and logged nothing for as long as the database
+    was paused, the ledger gauge at 1, its event loop held by the registry refresh.)"""
+    url = own_pg.new_database()
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
+    s = await _spooling_worker_settings(broker, tmp_path, url, demo_set)
+    svc = open_services(s)
+    register_two_tenants(svc, demo_set)
+    safety = threading.Timer(150, own_pg.resume)  # a worker that hangs on the paused server must not hang the test too
+    try:
+        async with Collector(s) as col:
+            async with live_worker(s, svc) as lw:
+                warm = await produce(s, [job_message(j) for j in _jobs("warm", 6)])
+                await col.until(lambda c: c.answered(warm) or not lw.alive(), 60)
+                await wait_conserved(svc.db, lw.worker_id)
+
+                safety.start()
+                own_pg.pause()
+                paused = await produce(s, [job_message(j) for j in _jobs("paused", 12)])
+                sent = warm + paused
+                answered = await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
+                answered_while_paused = answered and own_pg.paused
+                await col.settle(1.0)
+                alive_while_paused = lw.alive()
+                ledger_up = lw.worker.metrics.ledger_up._value.get()
+                await lw.stop(timeout_s=45)
+                stopped_while_paused = own_pg.paused
+            first_exit = lw.death()
+            own_pg.resume()
+
+            async with live_worker(s, svc) as again:  # the same id, so the same spool file
+                end = await close_scenario(tally, sent, col, svc.db, again, rows_s=60, busy_s=30)
+    finally:
+        safety.cancel()
+        own_pg.resume()
+        svc.close()
+    assert answered_while_paused, "results must go out while the ledger does not answer; its records wait in the spool"
+    assert alive_while_paused and ledger_up == 0, (alive_while_paused, ledger_up)
+    assert stopped_while_paused and first_exit == "returned", f"a SIGTERM while the ledger is paused drains and exits: {first_exit}"
+    assert not end.problems(), end.problems()[:20]
+    assert not col.dlq, [(d.error.code, d.error.message[:200]) for d, _ in col.dlq]
+    assert all(r.status == "succeeded" for rs in end.acct.results.values() for r in rs), [r.error for rs in end.acct.results.values() for r in rs]
