@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +96,29 @@ def test_wrong_model_dir(tmp_path):
     line = _one_error_line(_lorabatch(tmp_path, "generate", "--jobs", str(path), "--model", str(tmp_path / "no-model")))
     assert "no-model" in line and "is missing" in line and "set engine.model_dir (or --model)" in line
     assert "`lorabatch make-demo-model DIR`" in line
+
+
+def test_a_sigterm_while_the_engine_process_builds_its_engine(tmp_path, demo_set):
+    """SIGTERM during the worker's start-up, while its engine process builds the engine: the worker kills the child,
+    logs why it stopped as its last JSON line and exits 0 (it died of the signal at once, and its child went on to build
+    the engine, then printed a BrokenPipeError traceback)."""
+    cfg = _config(tmp_path, f'[engine]\nmodel_dir = "{demo_set["model"]}"\ndevice = "cpu"\n'
+                            f'[ledger]\nurl = "sqlite:///{tmp_path / "ledger.db"}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "LORABATCH_CONFIG"}
+    worker = subprocess.Popen([sys.executable, "-m", "consumer.cli", "worker", "-c", cfg], cwd=tmp_path, env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(worker.stderr.readline())
+        assert first["msg"].endswith("building its engine on cpu"), first
+        child = int(first["msg"].split()[2])
+        worker.send_signal(signal.SIGTERM)  # the child is still importing torch
+        rest = worker.stderr.read()
+        assert worker.wait(60) == 0, rest
+    finally:
+        worker.kill()
+    lines = [json.loads(x) for x in rest.splitlines() if x.strip()]  # every line is JSON: no child's traceback
+    assert lines and lines[-1]["msg"] == "stopped while the engine process was building its engine; nothing was fetched", rest
+    assert not os.path.exists(f"/proc/{child}") or "zombie" in Path(f"/proc/{child}/status").read_text(), "the child is gone"
 
 
 def test_db_upgrade_takes_its_revision_as_the_readme_writes_it(tmp_path):

@@ -21,10 +21,12 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import asyncio
     import logging
     import signal
+    import threading
 
     from consumer.config import WORKER_ID_RULE, worker_id_ok
     from consumer.waits import Stopped, wait_for_ledger
     from consumer.worker import Worker
+    from engine.api import EngineError
     from engine.engine import Engine
     from engine.engine_process import EngineProcess
 
@@ -35,9 +37,21 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     setup_logging(log_level)
     log = logging.getLogger("lorabatch.worker")
     s = settings_from(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
+    # A SIGTERM or ^C before the event loop's handlers take over is kept here, not left to Python's defaults: one during
+    # the engine's start killed the worker at once, without a log line, and left its child building an engine (a model
+    # on a GPU: minutes) that then died with a traceback on the closed pipe.
+    stop_requested = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.set())
     if s.worker.engine_process:  # the step loop in a child: no Python of this process delays its launches
         engine = EngineProcess(s.engine, initializer=functools.partial(_child_setup, log_level))
-        engine.start()  # blocks while the child builds its engine (a model on a GPU: up to minutes)
+        try:
+            engine.start(stop_requested)  # blocks while the child builds its engine; a stop request kills the child
+        except EngineError:
+            if not stop_requested.is_set():
+                raise
+            log.info("stopped while the engine process was building its engine; nothing was fetched")
+            return
     else:
         engine = Engine(s.engine)
 
@@ -53,6 +67,8 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
+            stop()
         try:
             svc = await wait_for_ledger(s, stopping)
         except Stopped:
