@@ -200,11 +200,14 @@ class Intake:
         return seen
 
     def answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
-        """Emit the answer to a key's first message, then the same answer to every copy that waited for it."""
+        """Emit the answer to a key's first message, then the same answer to every copy that waited for it. It is kept
+        in memory for a resend only when it is stored too (it has a usage row): an answer that only this worker kept
+        (unknown_tenant, whose tenant nobody bills) was replayed here after the tenant was registered, while any other
+        worker, or this one restarted, ran the resent job."""
         self.deliverer.emit(outcome)
         result = outcome.result
         assert result is not None, outcome
-        if keep and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
+        if keep and outcome.usage is not None and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
                 and result.logprobs is None:  # big answers are read back from the spool or the ledger instead
             self.answers[key] = result
             self.answers.move_to_end(key)

@@ -237,3 +237,28 @@ async def test_same_batch_id_two_tenants(tally, broker, tmp_path, demo_set, pg_d
     assert not unbilled and not double, unbilled + double
     assert busy[0] == busy[1], f"busy {busy[0]} us != attributed {busy[1]} us"
 
+
+
+async def test_a_job_of_an_unknown_tenant_runs_when_resent_after_the_tenant_is_registered(tally, broker, tmp_path, demo_set, pg_database):
+    """A job of a tenant not registered yet fails with unknown_tenant and is not billed (no row); once the tenant is
+    registered, the same job resent is run and billed once, by this worker as by any other. (Before: this worker kept
+    the failure in memory and replayed it to the resend, while the ledger, and so every other worker, had no answer.)"""
+    with fresh_pg_schema(pg_database) as url:
+        s, svc, _ = await _setup(broker, tmp_path, demo_set, url, **{"worker.registry_refresh_s": 0.5})
+        job = {"request_id": "early-1", "tenant_id": "initech", "prompt": "before the tenant", "max_new_tokens": 2}
+        try:
+            async with live_worker(s, svc) as lw, Collector(s) as col:
+                first = await produce(s, [job_message(job)])
+                await col.until(lambda c: c.answered(first) or not lw.alive(), 60)
+                svc.registry.add_tenant("initech")
+                svc.registry.add_adapter("initech", "helper", demo_set["adapters"][sorted(demo_set["adapters"])[1]], default=True)
+                await asyncio.sleep(2.0)  # past worker.registry_refresh_s: the worker routes on the new snapshot
+                again = await produce(s, [job_message(job)])
+                await col.until(lambda c: len(c.results_of(("initech", "early-1"))) >= 2 or not lw.alive(), 60)
+                await col.settle(1.0)
+                end = await close_scenario(tally, first + again, col, svc.db, lw, billed=[("initech", "early-1")])
+        finally:
+            svc.close()
+    answers = [(r.status, r.error.code if r.error else None) for r in col.results_of(("initech", "early-1"))]
+    assert answers == [("failed", "unknown_tenant"), ("succeeded", None)], answers
+    assert not end.problems(), end.problems()
