@@ -10,6 +10,7 @@ from __future__ import annotations
 import ssl
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.helpers import create_ssl_context
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
@@ -87,3 +88,22 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
         max_partition_fetch_bytes=max(cfg.max_message_bytes, 1_048_576),
         **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **kw},
     )
+
+
+async def group_members(cfg: KafkaConfig) -> str:
+    """Who holds the workers' group, in a line for the log of a join that hangs: its state and members' ids (a worker's
+    id leads its member id). A member whose worker is gone holds the group until its session times out; the embedded
+    broker never expires one that left under static membership (`--worker-id`): a worker under another id then waited
+    for ever, told only that a dead member holds the group "until its session times out"."""
+    admin = AIOKafkaAdminClient(**client_options(cfg), request_timeout_ms=5000)
+    await admin.start()
+    try:
+        [response] = await admin.describe_consumer_groups([cfg.group_id])
+    finally:
+        await admin.close()
+    group = response.to_object()["groups"][0]
+    members = sorted(m["member_id"] for m in group["members"])
+    return (f"group {cfg.group_id} is {group['state']} with {len(members)} member(s): {', '.join(members) or 'none'}; "
+            "a member named for a worker that is gone holds it until its session times out (on the embedded broker, "
+            "one that left under --worker-id holds it until a worker with that id starts again: start one, or restart "
+            "the broker)")

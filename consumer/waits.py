@@ -31,9 +31,10 @@ class Stopped(Exception):
 
 async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: asyncio.Event | None = None,
                    first_s: float = 0.5, max_s: float = 30.0, give_up_s: float | None = None,
-                   hint: str = "") -> T:
+                   hint: str = "", explain: Callable[[], Awaitable[str]] | None = None) -> T:
     """`await attempt()` until it returns. Raises Stopped when `stopping` is set first, and the last error
-    once `give_up_s` has passed (None: never gives up)."""
+    once `give_up_s` has passed (None: never gives up). `explain()`: a line on what holds an attempt that runs long,
+    added to the log's "still waiting" line."""
     assert first_s > 0 and max_s > 0, (first_s, max_s)
     started = time.monotonic()
     delay = min(first_s, max_s)
@@ -43,7 +44,7 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
             raise Stopped(f"stopped while waiting for {what}")
         tries += 1
         try:
-            value = await _unless_stopped(attempt(), stopping, what)
+            value = await _unless_stopped(attempt(), stopping, what, explain)
         except (asyncio.CancelledError, Stopped):
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the dependency is waited out, and said
@@ -69,9 +70,11 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
 
 STOP_GRACE_S = 10.0  # an attempt cancelled by a stop gets this long to clean up (a client's stop) before it is left
 SLOW_ATTEMPT_S = 30.0  # an attempt running this long is said in the log, and again each time as long again
+EXPLAIN_S = 6.0  # the most a slow attempt's `explain` may take (a broker that answers slowly: the line goes without it)
 
 
-async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None, what: str) -> T:
+async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None, what: str,
+                          explain: Callable[[], Awaitable[str]] | None = None) -> T:
     """The attempt's value; Stopped, the attempt cancelled, when `stopping` is set while it runs. A Kafka consumer's
     start joins its group and can hang there (a coordinator waiting on a member that is gone), so a SIGTERM must
     end the attempt itself, not only the wait between attempts."""
@@ -84,8 +87,8 @@ async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None,
         why = (" (a Kafka consumer joining its group waits for the group's members; one that died holds it until its "
                "session times out)") if "Kafka" in what else ""
         while not (await asyncio.wait({task, stop}, timeout=SLOW_ATTEMPT_S, return_when=asyncio.FIRST_COMPLETED))[0]:
-            log.warning("still waiting for %s: its attempt has run %.0f s%s; SIGTERM stops the wait", what,
-                        time.monotonic() - started, why)
+            log.warning("still waiting for %s: its attempt has run %.0f s%s%s; SIGTERM stops the wait", what,
+                        time.monotonic() - started, why, await _explained(explain))
     finally:
         stop.cancel()
         if not task.done():
@@ -96,14 +99,26 @@ async def _unless_stopped(attempt: Awaitable[T], stopping: asyncio.Event | None,
     return task.result()
 
 
+async def _explained(explain: Callable[[], Awaitable[str]] | None) -> str:
+    """"; " and `explain()`'s line, or "" when there is none or it fails: the wait goes on either way."""
+    if explain is None:
+        return ""
+    try:
+        return "; " + await asyncio.wait_for(explain(), EXPLAIN_S)
+    except Exception as e:  # noqa: BLE001 - a line for the log: its failure is said in it, never raised
+        return f"; (what holds it could not be read: {_brief(e)})"
+
+
 def _brief(e: BaseException) -> str:
     """The error in one short line: its type and the first line of its message."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
-async def connect(make: Callable[[], T], settings: Settings, stopping: asyncio.Event | None = None) -> T:
-    """A started Kafka client (producer, consumer); a fresh one per attempt while the broker cannot be reached."""
+async def connect(make: Callable[[], T], settings: Settings, stopping: asyncio.Event | None = None,
+                  explain: Callable[[], Awaitable[str]] | None = None) -> T:
+    """A started Kafka client (producer, consumer); a fresh one per attempt while the broker cannot be reached.
+    `explain`: what holds a start that runs long (a consumer's: the group's members), for the log."""
     async def attempt():
         client = make()
         try:
@@ -116,7 +131,8 @@ async def connect(make: Callable[[], T], settings: Settings, stopping: asyncio.E
 
     return await wait_for(f"the Kafka broker at {settings.kafka.bootstrap_servers}", attempt, stopping=stopping,
                           max_s=settings.worker.wait_max_s,
-                          hint="start it (`lorabatch broker start`) or set kafka.bootstrap_servers to a running cluster")
+                          hint="start it (`lorabatch broker start`) or set kafka.bootstrap_servers to a running cluster",
+                          explain=explain)
 
 
 async def wait_for_redis(cache, settings: Settings, stopping: asyncio.Event | None = None) -> None:

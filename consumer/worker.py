@@ -37,7 +37,7 @@ from consumer.delivery import Deliverer, Outcome, SpoolUnavailable
 from consumer.feeder import EngineFeeder, Routed
 from consumer.intake import Intake, stepped_over
 from consumer.ledger_calls import LedgerCalls
-from consumer.kafka import make_consumer, make_producer
+from consumer.kafka import group_members, make_consumer, make_producer
 from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
@@ -188,7 +188,8 @@ class Worker:
         try:
             producer = await connect(lambda: make_producer(self.s.kafka, client_id=self.worker_id), self.s, self._stopping)
             await wait_for_redis(self.router.cache, self.s, self._stopping)
-            self.consumer = await connect(self._make_consumer, self.s, self._stopping)
+            self.consumer = await connect(self._make_consumer, self.s, self._stopping,
+                                          explain=lambda: group_members(self.s.kafka))
         except Stopped:
             log.info("stopped while waiting for the broker; nothing was fetched")
         else:

@@ -275,3 +275,33 @@ def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute
     assert t.due() and not t.due()
     clock[0] += 30.0
     assert t.due()
+
+
+@pytest.mark.slow
+async def test_a_join_held_by_a_worker_that_left_names_it(broker, tmp_path, demo_set, cpu_engine, ledger_url, caplog, monkeypatch):
+    """The only worker of a group, started with --worker-id (static membership), stops; a worker under another id then
+    joins the group. The embedded broker never expires the static member that left, so the join waits until a worker
+    with that id comes back: the "still waiting" lines name the group's members (the gone worker's id among them) and
+    the way out, where they said only that a dead member holds the group until its session times out, long past."""
+    import consumer.waits as waits
+    from tests.service_fixtures import service_settings
+
+    monkeypatch.setattr(waits, "SLOW_ATTEMPT_S", 2.0)
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"], **{"worker.worker_id": "first-of-two"})
+    svc = open_services(s)
+    try:
+        async with running_worker(s, svc, cpu_engine) as rw:
+            while not any(r.getMessage().startswith("assigned [") for r in caplog.records):
+                assert not rw.task.done(), rw.task
+                await asyncio.sleep(0.1)
+        second = s.model_copy(update={"worker": s.worker.model_copy(update={"worker_id": "second-of-two"})})
+        before = len(caplog.records)
+        async with running_worker(second, svc, cpu_engine) as rw:
+            while not any(r.getMessage().startswith(("still waiting for the Kafka", "assigned [")) for r in caplog.records[before:]):
+                await asyncio.sleep(0.1)
+    finally:
+        svc.close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting for the Kafka")]
+    assert said and f"group {s.kafka.group_id} is " in said[0] and "first-of-two-" in said[0], said
+    assert "start one, or restart the broker" in said[0], said
