@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
@@ -44,6 +46,28 @@ def _decode(kind: str, body: str):
     return KINDS[kind](**{k: datetime.fromisoformat(v) if k in _TIMES and v is not None else v for k, v in d.items()})
 
 
+class SpoolNoSpace(Exception):
+    """The spool file cannot be opened because its disk is full: a worker waits for space at start (`lorabatch worker`)
+    rather than exit, which an orchestrator turned into a crash loop for as long as the disk stayed full."""
+
+    retriable = True
+
+
+def _no_space(e: BaseException, folder: Path) -> bool:
+    """Whether opening a SQLite file in `folder` failed for want of space. SQLite says so (SQLITE_FULL) when a write
+    finds the disk full, but an I/O error (SQLITE_IOERR_SHMSIZE) when a WAL file's shared memory cannot be made: that one
+    is taken for a full disk when the disk has less than a MiB free."""
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    if code == sqlite3.SQLITE_FULL:
+        return True
+    try:
+        return code == sqlite3.SQLITE_IOERR and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
 class Spool:
     """A bounded, durable FIFO of ledger records in one SQLite file (thread-safe; calls are short)."""
 
@@ -53,11 +77,16 @@ class Spool:
         assert max_records >= 1, max_records
         self.path = Path(path)
         self.ledger = ledger
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
         self._lock = threading.Lock()
         self._carry: list[tuple] = []  # records of a file deleted while open, not yet written into its replacement
-        self._db, self._inode = self._open()
+        try:
+            self._db, self._inode = self._open()  # its folder made first: on a full disk that may fail too (ENOSPC)
+        except (OSError, sqlite3.Error) as e:
+            if _no_space(e, self.path.parent):
+                raise SpoolNoSpace(f"the spool file {self.path} cannot be opened: its disk is full ({e}); free space "
+                                   "there, or set worker.spool_path to a file on another disk") from e
+            raise
 
     def _open(self) -> tuple[sqlite3.Connection, int]:
         """A connection to the file at `path` (made, with its folder, if missing) and the file's inode."""

@@ -31,10 +31,11 @@ class Stopped(Exception):
 
 async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: asyncio.Event | None = None,
                    first_s: float = 0.5, max_s: float = 30.0, give_up_s: float | None = None,
-                   hint: str = "", explain: Callable[[], Awaitable[str]] | None = None) -> T:
+                   hint: str = "", explain: Callable[[], Awaitable[str]] | None = None,
+                   retry: tuple[type[Exception], ...] = (Exception,)) -> T:
     """`await attempt()` until it returns. Raises Stopped when `stopping` is set first, and the last error
     once `give_up_s` has passed (None: never gives up). `explain()`: a line on what holds an attempt that runs long,
-    added to the log's "still waiting" line."""
+    added to the log's "still waiting" line. An error that is none of `retry` is raised at once."""
     assert first_s > 0 and max_s > 0, (first_s, max_s)
     started = time.monotonic()
     delay = min(first_s, max_s)
@@ -47,7 +48,7 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
             value = await _unless_stopped(attempt(), stopping, what, explain)
         except (asyncio.CancelledError, Stopped):
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of the dependency is waited out, and said
+        except retry as e:  # any failure of the dependency (by default) is waited out, and said
             waited = time.monotonic() - started
             if give_up_s is not None and waited + delay > give_up_s:
                 log.warning("gave up waiting for %s after %.0fs and %d attempts (%s)", what, waited, tries, _brief(e))

@@ -121,6 +121,55 @@ def test_a_sigterm_while_the_engine_process_builds_its_engine(tmp_path, demo_set
     assert not os.path.exists(f"/proc/{child}") or "zombie" in Path(f"/proc/{child}/status").read_text(), "the child is gone"
 
 
+def test_a_worker_whose_spool_disk_is_full_waits_for_space(tmp_path, demo_set):
+    """The disk under the spool is full when the worker starts (its file from an earlier run is there): the worker waits
+    for space, a log line per attempt naming the full disk, and goes on once there is space (here to its broker, which
+    is down); SIGTERM then exits 0. It exited with status 2 ("set worker.spool_path to a file in a writable folder"),
+    which an orchestrator restarts: a crash loop, each turn building the engine again, for as long as the disk was full."""
+    from billing.db import upgrade
+    from consumer.spool import Spool
+    from migrations import SCRIPT_LOCATION
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("a full disk is a tmpfs of 1 MiB, which only root may mount")
+    try:
+        Spool(full / "w.sqlite", 100).close()  # a spool of the worker's earlier run
+        with open(full / "filler", "wb") as filler, pytest.raises(OSError):
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        ledger = f"sqlite:///{tmp_path / 'ledger.db'}"
+        upgrade(ledger, script_location=SCRIPT_LOCATION)
+        cfg = _config(tmp_path, f'[kafka]\nbootstrap_servers = "127.0.0.1:{_free_port()}"\n'
+                                f'[engine]\nmodel_dir = "{demo_set["model"]}"\ndevice = "cpu"\n'
+                                f'[worker]\nspool_path = "{full / "w.sqlite"}"\nwait_max_s = 1.0\n[ledger]\nurl = "{ledger}"\n')
+        env = {k: v for k, v in os.environ.items() if k != "LORABATCH_CONFIG"}
+        worker = subprocess.Popen([sys.executable, "-m", "consumer.cli", "worker", "-c", cfg], cwd=tmp_path, env=env,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+
+            def until(start: str) -> dict:
+                while line := worker.stderr.readline():
+                    lines.append(json.loads(line))
+                    if lines[-1]["msg"].startswith(start):
+                        return lines[-1]
+                raise AssertionError(f"the worker exited with {worker.wait()} before logging {start!r}: {lines}")
+
+            waiting = until("waiting for space for the worker's spool: attempt 1 failed")
+            assert "its disk is full" in waiting["msg"] and "free space" in waiting["msg"], waiting
+            (full / "filler").unlink()
+            until("waiting for the Kafka broker")
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(60) == 0, worker.stderr.read()
+        finally:
+            worker.kill()
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
+
+
 def test_db_upgrade_takes_its_revision_as_the_readme_writes_it(tmp_path):
     """`lorabatch db upgrade|downgrade REV` (the README's table): the revision positional for both, `--revision` still
     read; two revisions that differ are refused."""

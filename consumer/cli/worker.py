@@ -24,7 +24,8 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import threading
 
     from consumer.config import WORKER_ID_RULE, worker_id_ok
-    from consumer.waits import Stopped, wait_for_ledger
+    from consumer.spool import SpoolNoSpace
+    from consumer.waits import Stopped, wait_for, wait_for_ledger
     from consumer.worker import Worker
     from engine.api import EngineError
     from engine.engine import Engine
@@ -74,8 +75,18 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         except Stopped:
             log.info("stopped while waiting for the ledger; nothing was fetched")
             return
+
+        async def make_worker() -> Worker:
+            return Worker(s, engine, svc.registry, svc.ledger)
+
         try:
-            w = Worker(s, engine, svc.registry, svc.ledger)
+            try:  # a spool whose disk is full is waited for, as the ledger is: exiting made a crash loop of it
+                w = await wait_for("space for the worker's spool", make_worker, stopping=stopping, retry=(SpoolNoSpace,),
+                                   max_s=s.worker.wait_max_s, hint="free space on its disk, or set worker.spool_path "
+                                   "to a file on another")  # fmt: skip
+            except Stopped:
+                log.info("stopped while waiting for space for the spool; nothing was fetched")
+                return
             running.append(w)
             if stopping.is_set():
                 w.stop()
