@@ -66,7 +66,8 @@ class EngineConfig(BaseModel):
         description="the host time a step may spend placing the adapters of queued requests in GPU memory ahead of their "
         "admission, as a share of the device time of the work it just launched (a decode round's steps at the last "
         "round's measured step, an eager step's prompt tokens at the measured cost of a prompt token, else the last eager "
-        "step's time): past it the rest are placed by "
+        "step's time), and never past where the rest of the host's cycle, as the last chained rounds measured it, would "
+        "start after a decode round's end: past it the rest are placed by "
         "later steps, or at admission, so that the GPU does not wait for the host's placements; None (the Python API; in "
         "a TOML file, a large share such as 100): no bound",
     )  # fmt: skip
