@@ -71,6 +71,7 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
     """A consumer that commits by hand and hands out a record batch it cannot decode as one marker record
     at its offset (consumer/undecodable.py) instead of failing on it forever."""
     undecodable.install()
+    fetch_bytes = max(cfg.max_message_bytes, 1_048_576)
     return AIOKafkaConsumer(
         *topics,
         **client_options(cfg),
@@ -81,11 +82,11 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
         # A producer's aborted transaction is no job: on Kafka, read_uncommitted (aiokafka's default) hands its records
         # out, and they would run and be billed. (The embedded Tansu broker keeps no transactions.)
         isolation_level="read_committed",
-        value_deserializer=undecodable.keep_value,
+        value_deserializer=undecodable.KeepValue(fetch_bytes),
         session_timeout_ms=cfg.session_timeout_ms,
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         fetch_max_bytes=max(cfg.max_message_bytes * 4, 4 * 1_048_576),
-        max_partition_fetch_bytes=max(cfg.max_message_bytes, 1_048_576),
+        max_partition_fetch_bytes=fetch_bytes,
         **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **kw},
     )
 

@@ -18,7 +18,6 @@ from aiokafka.errors import CorruptRecordException, UnsupportedCodecError
 from aiokafka.protocol.produce import ProduceRequest
 from aiokafka.record._crc32c import crc as crc32c
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
-from aiokafka.record.memory_records import MemoryRecords
 
 from consumer import undecodable
 from consumer.config import KafkaConfig
@@ -53,9 +52,12 @@ def _corrupt(buf: bytearray) -> bytes:
     return bytes(buf)
 
 
-def _walk(data: bytes, fetch_offset: int = 0, deserializer=undecodable.keep_value):
+KEEP = undecodable.KeepValue(1_048_576)  # the deserializer of a consumer with the default fetch size: 16 MiB inflate limit
+
+
+def _walk(data: bytes, fetch_offset: int = 0, deserializer=KEEP):
     undecodable.install()
-    records = fetcher.PartitionRecords(TP, MemoryRecords(data), [], fetch_offset, None, deserializer, True, 0)
+    records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), [], fetch_offset, None, deserializer, True, 0)
     out = [(m.offset, undecodable.undecodable(m) or m.value) for m in records]
     return out, records.next_fetch_offset
 
@@ -109,8 +111,39 @@ def test_an_unreadable_batch_header_stops_the_walk_one_offset_on():
     assert len(out) == 2 and isinstance(out[1][1], undecodable.Undecodable) and out[1][0] == 1 and nxt == 2
 
 
+@pytest.mark.parametrize("codec", ["gzip", "lz4", "zstd"])
+def test_a_compression_bomb_is_a_marker_and_never_decompressed_whole(codec, monkeypatch):
+    """A batch of a few kilobytes that decompresses past the inflate limit (16x the fetch size: 16 MiB here): one
+    marker naming the limit and the fix, the batches around it served. aiokafka used to decompress it whole: 1 GiB
+    of zeros is 32 KiB of zstd, and a fetch brings a mebibyte of such batches, so a worker was killed for its memory,
+    then again when the record was redelivered to it."""
+    bomb = bytes(_batch([b"\0" * (17 << 20)], CODECS[codec], base=1))
+    assert len(bomb) < 200_000, len(bomb)
+    decoded = []
+    real = undecodable._DecodedBatch
+    monkeypatch.setattr(undecodable, "_DecodedBatch", lambda batch, records: decoded.append(len(records)) or real(batch, records))
+    out, nxt = _walk(bytes(_batch([b"a"], CODECS[codec], base=0)) + bomb + bytes(_batch([b"b"], CODECS[codec], base=2)))
+    assert [o for o, _ in out] == [0, 1, 2] and nxt == 3
+    assert out[0][1] == b"a" and out[2][1] == b"b"
+    marker = out[1][1]
+    assert isinstance(marker, undecodable.Undecodable) and (marker.first, marker.end) == (1, 2), marker
+    assert f"more than {16 << 20} bytes" in marker.describe() and "kafka.max_message_bytes" in marker.describe(), marker.describe()
+    assert decoded == [1, 1], "the bomb's records were decoded"
+
+
+def test_a_fetch_stops_once_its_batches_decompressed_to_the_limit():
+    """Many small batches that each decompress to just under the limit: the fetch hands out what reached the limit and
+    leaves the rest to the next fetch (its position at the first batch not handed out), so no fetch holds gigabytes."""
+    limit = undecodable.KeepValue(65_536).inflate_limit  # 1 MiB
+    batches = [bytes(_batch([bytes([i]) * 600_000], CODECS["zstd"], base=i)) for i in range(5)]
+    out, nxt = _walk(b"".join(batches), deserializer=undecodable.KeepValue(65_536))
+    assert limit == 1 << 20 and [o for o, _ in out] == [0, 1] and nxt == 2, [o for o, _ in out]
+    out, nxt = _walk(b"".join(batches[2:]), fetch_offset=2, deserializer=undecodable.KeepValue(65_536))
+    assert [(o, v[:1]) for o, v in out] == [(2, b"\2"), (3, b"\3")] and nxt == 4
+
+
 def test_other_consumers_keep_aiokafka_behaviour():
-    """Only lorabatch's consumers (value deserializer keep_value) get markers; any other still sees the error."""
+    """Only lorabatch's consumers (value deserializer KeepValue) get markers; any other still sees the error."""
     with pytest.raises((CorruptRecordException, UnsupportedCodecError)):
         _walk(_corrupt(_batch([b"x"], 0)), deserializer=None)
 
@@ -278,3 +311,33 @@ def test_a_record_over_the_limit_by_its_key_or_headers_is_refused_too(where):
     assert "(key, value and headers)" in rejected.error.message
     m.value, m.key, m.headers = job, b"big", [("h", b"small")]
     assert not isinstance(intake.parse(m), Rejection)
+
+
+@pytest.mark.slow
+async def test_worker_dead_letters_a_compression_bomb_and_serves_the_next_job(broker, tmp_path, demo_set, cpu_engine, ledger_url):
+    """A hostile producer's zstd record of a 32 MiB prompt of one letter (about 1 KB on the wire) under a 16 MiB inflate limit: the
+    worker dead-letters its batch by offset, naming the limit and the fix, runs the job behind it, bills only that job
+    and commits past both. Before, the worker decompressed every such record whole (a fetch's worth: tens of GiB)."""
+    from aiokafka import AIOKafkaProducer
+
+    s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"], **{"kafka.partitions": 1, "kafka.max_message_bytes": 65_536})
+    svc = open_services(s)
+    svc.registry.add_tenant("acme")
+    svc.registry.add_adapter("acme", "support", demo_set["adapters"][sorted(demo_set["adapters"])[0]], default=True)
+    k = s.kafka
+    p = AIOKafkaProducer(bootstrap_servers=k.bootstrap_servers, compression_type="zstd", max_request_size=64 << 20)
+    await p.start()
+    try:
+        bomb = await p.send_and_wait(k.jobs_topic, json.dumps({**_job("bomb"), "prompt": "a" * (32 << 20)}).encode(), partition=0)
+        await p.send_and_wait(k.jobs_topic, json.dumps(_job("after-bomb")).encode(), partition=0)
+    finally:
+        await p.stop()
+    async with running_worker(s, svc, cpu_engine):
+        results = await read_all(s, k.results_topic, Result, lambda got: "after-bomb" in {r.request_id for r in got})
+        dlq = await read_all(s, k.dlq_topic, DlqRecord, lambda got: len(got) >= 1)
+        committed, end = await _settled(s)
+    assert [(r.request_id, r.status) for r in results] == [("after-bomb", "succeeded")], results
+    assert len(dlq) == 1 and dlq[0].error.code == "undecodable_batch" and dlq[0].source_offset == bomb.offset, dlq
+    assert f"more than {16 << 20} bytes" in dlq[0].error.message and "kafka.max_message_bytes" in dlq[0].error.message, dlq[0].error
+    assert svc.ledger.count_usage() == 1
+    assert committed == end, (committed, end)
