@@ -274,12 +274,35 @@ def _str_or_none(value: object) -> str | None:
     return value if isinstance(value, str) and _ECHOABLE.fullmatch(value) else None
 
 
+def load_json(text: str) -> tuple[object, list[tuple[str, dict]]]:
+    """json.loads, and each key an object of it gives twice, with that object (json.loads alone keeps the last value,
+    where another reader of the same bytes, a gateway say, may have gone by the first)."""
+    repeated: list[tuple[str, dict]] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        obj = dict(items)
+        if len(obj) < len(items):
+            seen: set[str] = set()
+            repeated.extend((k, obj) for k, _ in items if k in seen or seen.add(k))
+        return obj
+
+    return json.loads(text, object_pairs_hook=pairs), repeated
+
+
+def _given_twice(data: dict, key: str, obj: dict) -> str:
+    """The job field a repeated key is: itself at the top, `messages.N.key` inside a chat message."""
+    if obj is data:
+        return key
+    return next((f"{name}.{i}.{key}" for name, value in data.items() if isinstance(value, list)
+                 for i, item in enumerate(value) if item is obj), key)
+
+
 def parse_job(raw: bytes | None) -> Job | Rejection:
     """Decode and validate one message value."""
     if raw is None:
         return Rejection(ErrorInfo(code="malformed_json", message="empty message value; send a JSON object"), False)
     try:
-        data = json.loads(raw.decode("utf-8"))  # UTF-8 only: json.loads on bytes would also take UTF-16 and -32
+        data, repeated = load_json(raw.decode("utf-8"))  # UTF-8 only: json.loads on bytes would also take UTF-16 and -32
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return Rejection(
             ErrorInfo(code="malformed_json", message=f"not valid UTF-8 JSON ({e}); send one JSON object per message"),
@@ -293,6 +316,17 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
             ErrorInfo(code="malformed_json", message=f"expected a JSON object, got {type(data).__name__}"), False
         )
     ids = {k: _str_or_none(data.get(k)) for k in ("request_id", "tenant_id", "batch_id")}
+    if repeated:
+        # Strict as the types are: which of two values the producer meant is not guessed. A repeated identity cannot
+        # be answered under either value (its job may be another tenant's).
+        key, obj = repeated[0]
+        field = _given_twice(data, key, obj)
+        if obj is data and key in ids:
+            ids[key] = None
+        info = ErrorInfo(code="invalid_job", field=field, message=f"{field}: given twice in one object (JSON readers "
+                         f"differ on which value counts); give each field once")
+        return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and ids["request_id"] is not None
+                         and ids["tenant_id"] is not None, **ids)
     try:
         return Job.model_validate(data)
     except ValidationError as e:

@@ -32,7 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, error_field
+from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, error_field, load_json
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
@@ -86,7 +86,9 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
             text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM a Windows editor put first is no content
             if not text.strip():
                 continue
-            data = json.loads(text)
+            data, repeated = load_json(text)
+            if repeated:
+                raise ValueError(f"key {repeated[0][0]!r} is given twice in one object; give each key once")
             if not isinstance(data, dict):
                 raise ValueError("expected a JSON object per line")
             if is_openai_line(data):

@@ -177,3 +177,24 @@ def test_stop_null_is_no_stop_strings():
     assert isinstance(job, Job) and job.stop == []
     bad = parse_job(json.dumps({**GOOD, "stop": "END"}).encode())
     assert isinstance(bad, Rejection) and bad.error.field == "stop"
+
+
+@pytest.mark.parametrize("raw, field, addressable", [
+    (b'{"request_id": "r1", "tenant_id": "globex", "tenant_id": "acme", "prompt": "x"}', "tenant_id", False),
+    (b'{"request_id": "r1", "request_id": "r2", "tenant_id": "acme", "prompt": "x"}', "request_id", False),
+    (b'{"v": 1, "v": 1, "request_id": "r1", "tenant_id": "acme", "prompt": "x"}', "v", False),
+    (b'{"request_id": "r1", "tenant_id": "acme", "prompt": "x", "max_new_tokens": 9999, "max_new_tokens": 2}', "max_new_tokens", True),
+    (b'{"request_id": "r1", "tenant_id": "acme", "prompt": "x", "prompt": "x"}', "prompt", True),
+    (b'{"request_id": "r1", "tenant_id": "acme", "messages": [{"role": "user", "content": "a"}, '
+     b'{"role": "user", "role": "system", "content": "b"}]}', "messages.1.role", True),
+])
+def test_a_field_given_twice_is_refused_not_guessed(raw, field, addressable):
+    """json.loads keeps the last of two values, where another reader of the same bytes (a gateway that checked the
+    tenant, say) may go by the first: the job ran as the last tenant_id, and 99999 then 2 max_new_tokens ran with 2.
+    A repeated field is invalid_job naming it; a repeated identity is not answered under either value (DLQ)."""
+    r = parse_job(raw)
+    assert isinstance(r, Rejection) and r.error.code == "invalid_job" and r.error.field == field, r
+    assert r.error.message.startswith(f"{field}: given twice") and "give each field once" in r.error.message
+    assert r.addressable is addressable
+    if field in ("tenant_id", "request_id"):
+        assert getattr(r, field) is None, r

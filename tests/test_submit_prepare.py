@@ -130,3 +130,12 @@ def test_manifest_parts_fit_the_limit(ids, limit, parts):
     for m in got:
         assert record_size(m.batch_id.encode(), m.model_dump_json().encode()) <= limit
         assert (m.tenant_id, m.batch_id, m.created_at) == ("acme", got[0].batch_id, got[0].created_at)
+
+
+def test_a_key_given_twice_is_a_bad_line(tmp_path):
+    """As the worker refuses it: submit used to send the last of the two values."""
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"prompt": "a", "max_new_tokens": 999, "max_new_tokens": 2}\n{"prompt": "ok"}\n')
+    out = prepare(p, "acme", "b")
+    assert [j.prompt for j in out.jobs] == ["ok"]
+    assert out.errors == ["line 1: key 'max_new_tokens' is given twice in one object; give each key once"], out.errors

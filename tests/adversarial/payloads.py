@@ -186,6 +186,7 @@ def special_cases(start: int) -> list[Case]:
         json.dumps({"request_id": ["a"], "tenant_id": "acme", "prompt": "x"}).encode(),
         json.dumps({"request_id": "ok", "tenant_id": "t" * 65, "prompt": "x"}).encode(),
         json.dumps([{"request_id": "in-a-list", "tenant_id": "acme", "prompt": "x"}]).encode(),
+        b'{"request_id": "two-tenants", "tenant_id": "globex", "tenant_id": "acme", "prompt": "x"}',  # whose job is it?
     ]
     cases = [Case(Message(v, None, f"special {v[:24]!r}" if v is not None else "special null value"), "dlq") for v in unanswerable]
     n = 0
@@ -226,6 +227,8 @@ def special_cases(start: int) -> list[Case]:
     add({**base, "prompt": "x", "v": 1}, "succeeded")
     add({**base, "prompt": "x", "v": 2}, "one")
     add({**base, "prompt": "x", "allow_base_fallback": [1]}, "failed", INVALID)
+    raw = b'{"request_id": "' + rid(n).encode() + b'", "tenant_id": "acme", "prompt": "x", "max_new_tokens": 9999, "max_new_tokens": 2}'
+    add(base, "failed", INVALID, raw=raw, label="special max_new_tokens given twice")
     add({**base, "tenant_id": UNKNOWN_TENANT, "prompt": "x"}, "failed", frozenset({"unknown_tenant"}))
     add({**base, "tenant_id": "a" * 64, "prompt": "x"}, "failed", frozenset({"unknown_tenant"}))
     add({**base, "prompt": "x", "adapter": "support@999999999999999999999"}, "failed", frozenset({"unknown_adapter", "invalid_job"}))
