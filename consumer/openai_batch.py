@@ -3,9 +3,10 @@
 In: `{"custom_id", "method": "POST", "url", "body"}` where `url` is `/v1/chat/completions` (`body.messages`)
 or `/v1/completions` (`body.prompt`) and `body.model` names the adapter. A field that would change the
 answer and that the engine cannot honour (`n` above 1, `tools`, `logit_bias`, a penalty, ...) refuses the
-line by name, never silently. `custom_id` may be any string: a plain one (the characters and length of a
-request id) is the request id itself, any other is hashed into one (`cid-` and 32 hex digits), and the
-batch's manifest keeps every line's `custom_id`, `url` and `model` as written (`OpenAIRequest`).
+line by name, never silently. `custom_id` may be any string, unique within its batch: the request id is
+`batch_id:custom_id` where that is a plain id, else a hash of both (`cid-` and 32 hex digits:
+`request_id_for`), and the batch's manifest keeps every line's `custom_id`, `url` and `model` as written
+(`OpenAIRequest`).
 
 Out: each result becomes `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`,
 `body` a `chat.completion` or a `text_completion` as the `openai` package's `ChatCompletion` and
@@ -47,14 +48,21 @@ _ENDPOINT_ONLY = {CHAT: frozenset({"messages", "logprobs", "top_logprobs", "resp
                   COMPLETIONS: frozenset({"prompt", "logprobs"})}
 
 
-def request_id_for(custom_id: str) -> str:
-    """The request id of a `custom_id`: itself when it is a plain id, else `cid-` + 32 hex of its sha256.
+def request_id_for(custom_id: str, batch_id: str) -> str:
+    """The request id of batch `batch_id`'s line `custom_id`: `batch_id:custom_id` where that is a plain id (and the
+    batch id holds no ':'), else `cid-` + 32 hex of the sha256 of both.
 
-    Plain ids that start with `cid-` are hashed too, so no plain id can equal another's hash.
+    OpenAI's custom ids are unique within a batch only: files commonly number their lines `request-1`, `request-2`,
+    ... in every batch. As the request id itself, a second file's `request-1` took the answer the first file's had
+    been given (a request id sent again is not run again), whatever it asked. Scoped by the batch, the same file
+    submitted again under the same `--batch-id` is answered from what it was answered before, and another batch's
+    lines are requests of their own. No two (batch, custom id) pairs share an id: a plain one splits at its first ':'
+    (the batch id has none), a hashed one holds no ':', and a batch id holds no newline.
     """
-    if _PLAIN_ID.fullmatch(custom_id) and not custom_id.startswith(_HASHED_PREFIX):
-        return custom_id
-    return _HASHED_PREFIX + hashlib.sha256(custom_id.encode("utf-8")).hexdigest()[:32]
+    plain = f"{batch_id}:{custom_id}"
+    if ":" not in batch_id and _PLAIN_ID.fullmatch(plain) and not plain.startswith(_HASHED_PREFIX):
+        return plain
+    return _HASHED_PREFIX + hashlib.sha256(f"{batch_id}\n{custom_id}".encode()).hexdigest()[:32]
 
 
 def is_openai_line(data: dict) -> bool:
@@ -73,8 +81,8 @@ def supported_fields(url: str) -> str:
     return ", ".join(sorted({*_FIELDS, *_ENDPOINT_ONLY[url], *_NEUTRAL, *_IGNORED} - ({"best_of", "echo"} if url == CHAT else set())))
 
 
-def from_openai_line(line: dict) -> OpenAILine:
-    """The job of one OpenAI Batch API input line; ValueError naming the line's field and the fix."""
+def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
+    """The job of one OpenAI Batch API input line of batch `batch_id`; ValueError naming the line's field and the fix."""
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise ValueError("custom_id: missing or not a non-empty string; each line needs its own custom_id")
@@ -117,7 +125,7 @@ def from_openai_line(line: dict) -> OpenAILine:
     if rf is not None and rf != {"type": "text"}:
         raise ValueError(f"body.response_format: {rf!r}; only {{\"type\": \"text\"}} is supported; remove it")
 
-    job: dict = {"request_id": request_id_for(custom_id)}
+    job: dict = {"request_id": request_id_for(custom_id, batch_id)}
     names = {"request_id": "custom_id"}
     for src, dst in _FIELDS.items():
         if body.get(src) is not None:  # null is the default, as OpenAI reads it

@@ -92,7 +92,7 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
             if not isinstance(data, dict):
                 raise ValueError("expected a JSON object per line")
             if is_openai_line(data):
-                line = from_openai_line(data)
+                line = from_openai_line(data, batch_id)
                 data, request, names = line.job, line.request, line.names
             if data.get("tenant_id", tenant_id) != tenant_id:
                 raise ValueError(f"tenant_id: {data['tenant_id']!r} differs from --tenant {tenant_id!r}; drop it or fix it")

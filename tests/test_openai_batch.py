@@ -181,7 +181,7 @@ def test_a_failed_job_is_an_error_line_naming_the_field_and_range(answered):
     and whose message gives the allowed range; the native result names the field too (never `field: null`)."""
     lines, prepared, results = answered
     for cid in ("comp-too-many", "chat-too-many"):
-        rid = request_id_for(cid)
+        rid = request_id_for(cid, "b1")
         native = results[rid]
         assert native.status == "failed" and native.error.field == "max_new_tokens"
         assert "1..16" in native.error.message
@@ -276,7 +276,7 @@ REFUSED = [
 def test_unsupported_lines_are_refused_by_name(tmp_path, line, said):
     """Each refusal is a rejected line (line 2) that names the line's own field and the fix; the good line goes on."""
     out = prepare(_write(tmp_path / "in.jsonl", [_chat("good"), line]), "acme", "b")
-    assert [j.request_id for j in out.jobs] == ["good"]
+    assert [j.request_id for j in out.jobs] == ["b:good"]
     assert len(out.errors) == 1 and out.errors[0].startswith("line 2: "), out.errors
     assert said in out.errors[0], out.errors[0]
 
@@ -304,21 +304,39 @@ def test_any_user_is_a_stable_routing_key(tmp_path):
 def test_custom_ids_map_to_distinct_request_ids(tmp_path):
     """Any custom_id gets a valid request id; different custom ids never share one (a plain id that looks like a
     hashed one is hashed too); Unicode forms are not folded; the same custom_id twice is refused by name."""
-    tricky = ["a", "a b", "A", "a\u00e9", unicodedata.normalize("NFD", "a\u00e9"), request_id_for("a b"), "x" * 128, "x" * 129,
+    tricky = ["a", "a b", "A", "a\u00e9", unicodedata.normalize("NFD", "a\u00e9"), request_id_for("a b", "b"), "x" * 126, "x" * 127,
               " ", "\u0000nul", "line\nbreak", "/slash:colon@at", *UNICODE_IDS]
-    ids = [request_id_for(c) for c in tricky]
+    ids = [request_id_for(c, "b") for c in tricky]
     assert all(IDENT.match(i) for i in ids), ids
     assert len(set(ids)) == len(tricky)
-    assert request_id_for("a") == "a" and request_id_for("x" * 128) == "x" * 128
+    assert request_id_for("a", "b") == "b:a" and request_id_for("x" * 126, "b") == "b:" + "x" * 126
     out = prepare(_write(tmp_path / "in.jsonl", [_chat(c) for c in tricky] + [_chat("a b")]), "acme", "b")
     assert [r.custom_id for r in out.openai.values()] == tricky
     assert out.errors == [f"line {len(tricky) + 1}: custom_id 'a b' appears twice (first on line 2); custom ids are unique per batch"]
     assert {j.request_id: j for j in out.jobs}.keys() == out.openai.keys()
 
 
+def test_a_custom_id_is_a_request_of_its_batch(tmp_path):
+    """OpenAI's custom ids are unique within a batch only: the same `request-1` in two batches is two requests (as the
+    request id itself, the second batch's took the first's answer); the same batch submitted again keeps its ids (its
+    answers are replayed, not run twice); ids never meet across batches (batch ids hold no newline), whatever ':'
+    either holds."""
+    lines = [_chat("request-1"), _chat("request-2")]
+    first = prepare(_write(tmp_path / "a.jsonl", lines), "acme", "batch-a")
+    again = prepare(_write(tmp_path / "b.jsonl", lines), "acme", "batch-a")
+    other = prepare(_write(tmp_path / "c.jsonl", lines), "acme", "batch-b")
+    assert [j.request_id for j in first.jobs] == [j.request_id for j in again.jobs] == ["batch-a:request-1", "batch-a:request-2"]
+    assert [j.request_id for j in other.jobs] == ["batch-b:request-1", "batch-b:request-2"]
+    assert [r.custom_id for r in other.openai.values()] == ["request-1", "request-2"]
+    pairs = [("a", "b:c"), ("a:b", "c"), ("a", "b\nc"), ("a", "b c"), ("x" * 100, "y" * 40), ("cid-1", "z"), ("b", "cid-2")]
+    ids = [request_id_for(c, b) for b, c in pairs]
+    assert len(set(ids)) == len(pairs) and all(IDENT.match(i) for i in ids), ids
+    assert ids[0] == "a:b:c" and ids[1].startswith("cid-") and ids[4].startswith("cid-")
+
+
 def test_index_parts_split_and_refuse():
     """The OpenAI index goes into manifest parts under the limit, every entry once; an entry that fits no part is refused."""
-    index = {request_id_for(f"custom {i} ✓"): OpenAIRequest(custom_id=f"custom {i} ✓", url=CHAT, model="support") for i in range(200)}
+    index = {request_id_for(f"custom {i} ✓", "b1"): OpenAIRequest(custom_id=f"custom {i} ✓", url=CHAT, model="support") for i in range(200)}
     parts = index_parts("b1", "acme", index, "in.jsonl", "2026-12-01T00:00:00+00:00", 2048)
     assert len(parts) > 1 and all(p.request_ids == [] for p in parts)
     assert {k: v for p in parts for k, v in p.openai.items()} == index
@@ -406,7 +424,7 @@ def test_an_error_names_max_completion_tokens_where_the_line_gave_that():
                     error=ErrorInfo(code="max_new_tokens_too_large", message="over", field="max_new_tokens"))
     for field, param in (("max_completion_tokens", "body.max_completion_tokens"), ("max_tokens", "body.max_tokens"), (None, "body.max_tokens")):
         body = {"model": "support", "messages": [{"role": "user", "content": "x"}], **({field: 300} if field else {})}
-        parsed = from_openai_line({"custom_id": "c", "method": "POST", "url": CHAT, "body": body})
+        parsed = from_openai_line({"custom_id": "c", "method": "POST", "url": CHAT, "body": body}, "b")
         assert parsed.request.max_tokens_field == (field if field == "max_completion_tokens" else None)
         line = to_openai_line(failed, parsed.request, 1)
         assert line["response"]["body"]["error"]["param"] == param

@@ -28,7 +28,7 @@ def test_native_and_openai_lines(tmp_path):
     assert out.errors == []
     native, chat, comp = out.jobs
     assert (native.request_id, native.tenant_id, native.batch_id, native.adapter_ref) == ("b1-1", "acme", "b1", "support")
-    assert chat.request_id == "c-1" and chat.adapter_ref == "legal@2" and chat.max_new_tokens == 12
+    assert chat.request_id == "b1:c-1" and chat.adapter_ref == "legal@2" and chat.max_new_tokens == 12
     assert chat.messages[0].content == "hi" and chat.stop == ["END"] and chat.logprobs == 3 and chat.temperature == 0.5
     assert comp.prompt == "x" and comp.adapter_ref == "legal"
 
