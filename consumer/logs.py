@@ -41,10 +41,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=True)  # ASCII: a lone surrogate cannot break the stream
 
 
+# Top-level logger names of lorabatch's own records: `lorabatch.*`, and modules that log under `__name__`.
+_OUR_LOGGERS = frozenset({"lorabatch", "consumer", "engine", "billing", "kernels", "migrations"})
+
+
+class _LibrariesFromWarning(logging.Filter):
+    """Lorabatch's records at the handler's level; a library's from WARNING (alembic logs seven INFO lines of plugin
+    setup at every schema check)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.partition(".")[0] in _OUR_LOGGERS
+
+
 def json_logging(level: str = "INFO", stream=None) -> None:
     """Every record at `level` and above as a JSON line on `stream` (stderr); libraries' own chatter from WARNING."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(_LibrariesFromWarning())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.captureWarnings(True)  # a library's `warnings.warn` becomes a JSON line too, not raw text
     logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its INFO is a line per connection

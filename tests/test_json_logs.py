@@ -77,6 +77,26 @@ def test_json_logging_replaces_earlier_handlers_and_takes_warnings():
         root.handlers[:], _ = before[0], root.setLevel(before[1])
 
 
+
+def test_json_logging_keeps_libraries_info_out():
+    """Libraries log from WARNING (alembic's INFO at the worker's schema check is chatter); lorabatch's own
+    modules, under `lorabatch.*` or their package names (`consumer.rules`), log from the level asked for."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = root.handlers[:], root.level
+    try:
+        json_logging("INFO", stream)
+        logging.getLogger("alembic.runtime.plugins").info("setup plugin alembic.autogenerate.schemas")
+        logging.getLogger("alembic.runtime.migration").warning("a library's warning")
+        logging.getLogger("consumer.rules").info("rule note")
+        logging.getLogger("engine.host_arena").info("arena note")
+        logging.getLogger("lorabatch.worker").info("worker note")
+        msgs = [json.loads(x)["msg"] for x in stream.getvalue().splitlines()]
+        assert msgs == ["a library's warning", "rule note", "arena note", "worker note"], msgs
+    finally:
+        logging.captureWarnings(False)
+        root.handlers[:], _ = before[0], root.setLevel(before[1])
+
 @pytest.mark.slow
 async def test_a_worker_writes_only_json_lines(broker, tmp_path, demo_set):
     """A worker process run over good jobs, a failing one, unparsable messages and SIGTERM: every line it wrote to
