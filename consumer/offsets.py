@@ -61,6 +61,8 @@ class OffsetTracker:
         self._parts: dict = {}
         self._epochs = count(1)
         self.resets = 0  # log resets seen (a metric)
+        self.left_on_revoke = 0  # offsets still pending in partitions when they were revoked: left to their next owner
+        self._revoked_commits: dict = {}  # the last offset this worker committed in each partition revoked since
 
     def fetched(self, tp, offset: int, upto: int | None = None) -> int:
         """Note a fetched offset (standing for offsets up to `upto`, exclusive, when given); return the epoch
@@ -113,9 +115,19 @@ class OffsetTracker:
         return sum(len(p.pending) for p in self._parts.values())
 
     def forget(self, partitions) -> None:
-        """Drop revoked partitions: their unfinished work will be redelivered to the new owner."""
+        """Drop revoked partitions: their unfinished work will be redelivered to the new owner. What was pending in
+        them and what this worker committed there are kept for the worker's last log line (`committed_here`)."""
         for tp in partitions:
-            self._parts.pop(tp, None)
+            part = self._parts.pop(tp, None)
+            if part is None:
+                continue
+            self.left_on_revoke += len(part.pending)
+            if part.confirmed:
+                self._revoked_commits[tp] = part.committed
+
+    def committed_here(self) -> dict:
+        """The last offset this worker committed in each partition, those revoked since included."""
+        return {**self._revoked_commits, **{tp: p.committed for tp, p in self._parts.items() if p.confirmed}}
 
     def next_fetch(self, tp) -> int | None:
         part = self._parts.get(tp)

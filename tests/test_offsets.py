@@ -84,3 +84,22 @@ def test_forget_drops_revoked_partitions():
     t.finished("b", 0)
     assert t.committable() == {"b": 1}
     assert t.in_flight() == 0
+
+
+def test_a_revoke_keeps_what_was_left_and_committed():
+    """Forgetting revoked partitions counts their pending offsets as left to the next owner and keeps this worker's
+    last commit in each; a partition never committed here is not listed."""
+    t = OffsetTracker()
+    for tp in ("p0", "p1", "p2"):
+        for o in range(3):
+            t.fetched(tp, o)
+    t.finished("p0", 0)
+    t.finished("p1", 0)
+    t.mark_committed(t.committable())  # p0=1, p1=1
+    t.finished("p1", 1)
+    t.forget(["p0", "p2", "gone"])
+    assert t.left_on_revoke == 2 + 3
+    assert t.committed_here() == {"p0": 1, "p1": 1}
+    t.mark_committed(t.committable())  # p1=2
+    assert t.committed_here() == {"p0": 1, "p1": 2}
+    assert t.in_flight() == 1

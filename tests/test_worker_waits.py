@@ -305,3 +305,38 @@ async def test_a_join_held_by_a_worker_that_left_names_it(broker, tmp_path, demo
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting for the Kafka")]
     assert said and f"group {s.kafka.group_id} is " in said[0] and "first-of-two-" in said[0], said
     assert "start one, or restart the broker" in said[0], said
+
+
+def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
+    """A rebalance during the drain forgets the revoked partitions' offsets: the summary still counts their pending
+    jobs as abandoned and lists what the worker committed there (a SIGTERMed worker among three, its partitions
+    revoked as another joined, logged '64 finished, 0 abandoned ... offsets committed: none' after leaving 32 jobs
+    and committing both partitions)."""
+    from types import SimpleNamespace
+
+    from aiokafka import TopicPartition
+
+    from consumer.offsets import OffsetTracker
+    from consumer.worker import Worker
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    p0, p3 = TopicPartition("jobs", 0), TopicPartition("jobs", 3)
+    w = Worker.__new__(Worker)  # the summary needs the offsets, the stop's marks and the deliverer's counts only
+    w.offsets, w._stopping, w._in_flight_at_stop = OffsetTracker(), asyncio.Event(), None
+    w.deliverer, w.spool = SimpleNamespace(published=5, spooled=0, stopping=False), []
+    w._work_event = asyncio.Event()
+    for tp in (p0, p3):
+        for o in range(4):
+            w.offsets.fetched(tp, o)
+    w.offsets.finished(p3, 0)
+    w.offsets.mark_committed(w.offsets.committable())  # jobs:3=1
+    w.stop()  # 7 in flight
+    for o in (1, 2, 3):
+        w.offsets.finished(p3, o)
+    w.offsets.finished(p0, 0)
+    w.offsets.mark_committed(w.offsets.committable())  # jobs:0=1, jobs:3=4
+    w.offsets.forget([p0, p3])  # the rebalance's revoke: p0's 3 pending jobs go to the next owner
+    w._log_summary()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drained on stop")]
+    assert "7 jobs in flight at the stop, 4 finished, 3 abandoned" in line, line
+    assert line.endswith("offsets committed: jobs:0=1, jobs:3=4"), line
