@@ -302,6 +302,11 @@ class Registry:
                 row.is_default = False
             defaults.clear()
         if prev is not None and prev.sha256 == reg.sha256:  # same content: only the flags may change
+            if prev.is_public and not reg.public:
+                # Made private: the name is, every version of it. Other tenants are served a name's public versions
+                # (RegistrySnapshot.versions), so a public v1 left behind served them v1, rolled back or not.
+                for row in rows:
+                    row.is_public = False
             prev.is_default, prev.is_public = make_default, reg.public
             if make_default:
                 defaults.append(prev)

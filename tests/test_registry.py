@@ -187,6 +187,29 @@ def test_a_name_is_public_for_one_tenant_only(registry, demo_set):
     assert snap.versions("globex", "legal")[-1].tenant_id == "globex" and not snap.versions("globex", "legal")[-1].is_public
 
 
+def test_making_a_name_private_makes_every_version_private(registry, demo_set):
+    """Adding the latest version's content again without public=True, where it was public, makes the name private: no
+    version of it stays public, so another tenant naming it is refused rather than served an older public version (one
+    rolled back, too). Running that call again changes nothing; a version registered private beside a public one
+    (new content, no public=True) leaves the older one public as before."""
+    a = demo_set["adapters"]
+    names = sorted(a)
+    registry.add_tenant("acme")
+    registry.add_tenant("globex")
+    registry.add_adapter("globex", "legal", a[names[0]], public=True)
+    registry.add_adapter("globex", "legal", a[names[1]], public=True)
+    assert [v.version for v in registry.snapshot().versions("acme", "legal")] == [1, 2]
+    registry.add_adapter("globex", "legal", a[names[1]])
+    snap = registry.snapshot()
+    assert snap.versions("acme", "legal") == () and snap.owned_elsewhere("acme", "legal")
+    assert [v.is_public for v in registry.list_adapters("globex")] == [False, False]
+    registry.add_adapter("globex", "legal", a[names[1]])
+    assert [v.is_public for v in registry.list_adapters("globex")] == [False, False]
+    registry.add_adapter("globex", "legal", a[names[1]], public=True)
+    registry.add_adapter("globex", "legal", a[names[2]])
+    assert [(v.version, v.is_public) for v in registry.snapshot().versions("acme", "legal")] == [(2, True)]
+
+
 def test_register_refuses_two_public_owners_of_a_name_in_one_transaction(registry, demo_set):
     """Registry.register checks the rule inside its transaction too (its callers check before storing): two tenants
     making one new name public in one call roll the whole transaction back; a private one beside a public one is fine."""
