@@ -21,7 +21,8 @@ Registration is metadata only (`register`); the pool reads an adapter on first u
 admitted; `prefetch`, for one about to be; `warm`, for one predicted). `load` is the eager path: read and place now.
 L3 reads pass the admission token bucket, except eager ones, which are counted but never refused. A read that fails
 marks the key failed with the error, which its requests then fail with (or run on the base where they allow it); a
-retriable error is retried by the next request, any other sticks until the key is registered again.
+retriable error is retried by the next request, `adapter_changed` once the files change again (put back), any
+other sticks until the key is registered again.
 
 Every load is recorded (`pop_events`): its tier (disk = L3, host = L2, gpu = already resident), where it went, why,
 and its duration, host read plus device copy (CUDA events on the side stream). Loads for requests, or eager ones, are
@@ -37,7 +38,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from engine.adapter_reader import ReaderPool
-from engine.adapter_records import Content, LoadEvent, Meta, ReadAhead, Record, read_adapter
+from engine.adapter_records import Content, LoadEvent, Meta, ReadAhead, Record, files_stamp, read_adapter
 from engine.adapter_residency import L1Placement
 from engine.adapter_policy import TokenBucket
 from engine.api import AdapterError, AdapterInfo
@@ -381,7 +382,10 @@ class AdapterPool(L1Placement):
     def _ensure_slot(self, key: str, exclude: Collection[int], reason: str) -> Content | str:
         rec = self._records[key]
         if rec.error is not None:
-            if not rec.error.retriable:
+            # Files that no longer held the registered content are read again once they change (put back: `lorabatch
+            # adapters add` of the adapter's folder repairs its store entry); until then, a stat per use, no read.
+            changed_since = rec.error.code == "adapter_changed" and files_stamp(rec.path) != rec.error_files
+            if not rec.error.retriable and not changed_since:
                 raise rec.error
             rec.error = None
         content = self._contents.get(rec.sha) if rec.sha else None
@@ -427,9 +431,10 @@ class AdapterPool(L1Placement):
         if rec.sha is not None and sha != rec.sha:
             raise self._fail(rec, AdapterError(
                 f"adapter {rec.key!r}: the files at {rec.path} hash to {sha}, not {rec.sha} as registered; they changed "
-                "since: register the new content under a new key (name@version)",
+                "since: put the registered content back (adding the adapter's folder again does), or register the new "
+                "content under a new key (name@version)",
                 code="adapter_changed",
-            ), reason)  # fmt: skip
+            ), reason, files=files_stamp(rec.path))  # fmt: skip
         content = self._contents.get(sha)
         if content is not None and (content.host is not None or content.slot is not None):
             self._link(rec, content)
@@ -487,8 +492,8 @@ class AdapterPool(L1Placement):
             content.uncharged.append(event)
         return event
 
-    def _fail(self, rec: Record, error: AdapterError, reason: str) -> AdapterError:
-        rec.error = error
+    def _fail(self, rec: Record, error: AdapterError, reason: str, files: tuple | None = None) -> AdapterError:
+        rec.error, rec.error_files = error, files
         self.counters["load_failures"] += 1
         self._record(LoadEvent(rec.key, rec.sha or "", "disk", "none", reason, rec.tenant, None, error_code=error.code))
         return error

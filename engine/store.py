@@ -15,6 +15,8 @@ names is one entry, one copy; the engine uses the same hash to load it once.
 Layout: `root/<sha256>/adapter_config.json` and `root/<sha256>/adapter_model.safetensors`. `put` writes
 into `root/.tmp-<random>/` and renames it into place, so a reader never sees half an entry, and hashes
 the bytes it writes, so a source that changes mid-copy cannot yield an entry that disagrees with its name.
+Putting content whose entry is there but no longer holds it (its files changed or damaged on disk) replaces the
+entry's files, so `lorabatch adapters add` of the adapter's folder repairs the entry.
 `put_bytes` stores bytes already read and validated (engine.adapter_import: read once, hashed, checked against the
 base, written) the same way.
 """
@@ -141,9 +143,10 @@ class AdapterStore:
 
     def put_bytes(self, config: bytes, weights: bytes) -> tuple[str, bool]:
         """Store an adapter's two files from their bytes, already validated (engine.adapters.parse_adapter: this checks
-        nothing); return (sha256, whether this call added the entry). Content already stored is not written again."""
+        nothing); return (sha256, whether this call wrote the entry). Content already stored is not written again, unless the
+        entry's files no longer hold it (`_install` repairs them)."""
         sha = content_sha256(config, weights)
-        if (self.root / sha).is_dir():
+        if (self.root / sha).is_dir() and self._holds(sha, (config, weights)):
             self._touch(sha)
             return sha, False
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
@@ -159,11 +162,29 @@ class AdapterStore:
             if tmp.exists():
                 shutil.rmtree(tmp)
 
+    def _holds(self, sha: str, contents: tuple[bytes, bytes]) -> bool:
+        """Whether entry `sha`'s two files hold exactly `contents` (config, weights)."""
+        for name, data in zip(_FILES, contents):
+            path = self.root / sha / name
+            try:
+                if path.stat().st_size != len(data) or read_file(path) != data:
+                    return False
+            except OSError:  # missing, or not a file
+                return False
+        return True
+
     def _install(self, tmp: Path, sha: str) -> bool:
         """Rename the written folder `tmp` into place as `sha`; False when the entry was there already (`tmp` is left
-        for the caller to remove)."""
+        for the caller to remove). An entry there whose files no longer hold its content (changed or damaged on disk:
+        workers fail its adapter with adapter_changed) gets `tmp`'s files in their place, one atomic replace each, so
+        that putting the adapter again repairs it (True)."""
         final = self.root / sha
         if final.exists():
+            if not self._holds(sha, tuple((tmp / name).read_bytes() for name in _FILES)):
+                for name in _FILES:
+                    os.replace(tmp / name, final / name)
+                self._touch(sha)
+                return True
             self._touch(sha)
             return False
         try:

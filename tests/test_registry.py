@@ -335,3 +335,28 @@ def test_prune_removes_only_unnamed_content_past_its_grace(registry, demo_set):
     registry.store.verify(kept.sha256)
     v, _ = registry.add_adapter("acme", "legal", a[third])
     assert registry.prune_store(0, now=later + 10**6) == [] and v.sha256 in registry.store
+
+
+def test_adding_an_adapter_again_repairs_its_store_entry(registry, demo_set):
+    """A store entry whose files changed on disk under its sha256 (workers fail it with adapter_changed) is repaired by
+    adding the adapter's folder again (the registry unchanged: same content, same version), and by a put of it; an
+    intact entry is left as it is."""
+    from engine.api import AdapterError
+
+    a = demo_set["adapters"]
+    folder = a[sorted(a)[0]]
+    registry.add_tenant("acme")
+    v1, _ = registry.add_adapter("acme", "support", folder)
+    weights = registry.store.path(v1.sha256) / "adapter_model.safetensors"
+    for damage in (lambda b: b[:-1] + bytes([b[-1] ^ 0x55]), lambda b: b[: len(b) // 2]):
+        weights.write_bytes(damage(weights.read_bytes()))
+        with pytest.raises(AdapterError, match="not its name"):
+            registry.store.verify(v1.sha256)
+        again, created = registry.add_adapter("acme", "support", folder)
+        assert not created and again.version == 1 and again.sha256 == v1.sha256
+        registry.store.verify(v1.sha256)
+    (registry.store.path(v1.sha256) / "adapter_config.json").write_text("{}")
+    assert registry.store.put(folder) == v1.sha256
+    registry.store.verify(v1.sha256)
+    files = [(folder / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")]
+    assert registry.store.put_bytes(*files) == (v1.sha256, False), "an intact entry is not written again"

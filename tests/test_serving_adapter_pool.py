@@ -204,6 +204,27 @@ def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp
     assert again.error.code == code  # sticks until registered again
 
 
+def test_an_adapter_whose_files_changed_loads_once_they_are_put_back(demo_set, tmp_path):
+    """Files that no longer hash to the registered sha256 fail its requests with adapter_changed and never load, read
+    once while they stay as they are; once the registered content is back under the path, the next request reads it
+    again and runs on it (it stuck until the key was registered again: a running worker never served it again)."""
+    src = demo_set["adapters"]["qv-r4"]
+    path = shutil.copytree(src, tmp_path / "entry")
+    sha = content_sha256((src / "adapter_config.json").read_bytes(), (src / "adapter_model.safetensors").read_bytes())
+    shutil.copy(demo_set["adapters"]["qv-r16"] / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    eng = Engine(config(demo_set, **NO_WARM))
+    eng.register_adapter("a", path, sha256=sha)
+    for i in range(2):
+        failed = eng.generate([req(f"changed-{i}", adapter_key="a", max_new_tokens=2)])[0]
+        assert failed.error is not None and failed.error.code == "adapter_changed", failed.error
+    assert eng.stats()["adapter_load_failures"] == 1, "files left as they were are not read again"
+    shutil.copy(src / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    back = eng.generate([req("back", adapter_key="a", max_new_tokens=4)])[0]
+    ref = Engine(config(demo_set, **NO_WARM))
+    ref.register_adapter("a", src, sha256=sha)
+    assert back.ok and back.output_ids == ref.generate([req("back", adapter_key="a", max_new_tokens=4)])[0].output_ids
+
+
 def test_adapters_of_running_requests_stay_pinned(demo_set, many_adapters):
     """With 2 slots held by two long requests, a third adapter's request waits; the running ones' adapters are
     never evicted while they run, and all three outputs are right."""
