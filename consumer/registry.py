@@ -33,6 +33,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 # A rule's ADAPTER: `name` or `name@N`. Routing reads N with int(); 9 digits keep it an INTEGER like adapters.version.
 ADAPTER_REF_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})(?:@(?P<version>[1-9][0-9]{0,8}))?$")
 POSITION_RANGE = (-(2**31), 2**31 - 1)  # route_rules.position is INTEGER (32-bit on PostgreSQL)
+WEIGHT_MAX = 2**31 - 1  # adapters.traffic_weight is INTEGER (32-bit on PostgreSQL)
 TIER_CHARS = 32  # tenants.tier and token_prices.tier are String(32)
 
 
@@ -336,6 +337,9 @@ class Registry:
         """Split a name's traffic among its versions by weight; versions not named get 0."""
         if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) == 0:
             raise RegistryError("give VERSION=WEIGHT pairs with weights >= 0 and at least one above 0, e.g. 1=90 2=10")
+        if (big := max(weights.values())) > WEIGHT_MAX:  # adapters.traffic_weight is INTEGER; the database refused it
+            raise RegistryError(f"weight {big} is too large; give weights from 0 to {WEIGHT_MAX} (only their ratio counts, "
+                                "e.g. 1=90 2=10)")  # fmt: skip
         with self.sessions.begin() as s:
             rows = list(s.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name).order_by(Adapter.version)))
             if not rows:

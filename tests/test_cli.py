@@ -31,6 +31,31 @@ def config(tmp_path, ledger_url):
     return str(path)
 
 
+
+@pytest.mark.parametrize(
+    ("pairs", "says"),
+    [
+        (["1=50", "1=0", "2=10"], "version 1 is given twice (1=50 and 1=0); give each version once"),
+        (["\u00b2=5"], "write VERSION=WEIGHT"),
+        (["1=\uff15\uff10"], "write VERSION=WEIGHT"),
+        (["1=99999999999", "2=0"], "weight 99999999999 is too large; give weights from 0 to 2147483647"),
+    ],
+    ids=["a version twice", "superscript digit", "fullwidth digits", "over the column"],
+)
+def test_traffic_refuses_what_it_cannot_apply_as_written(config, demo_set, pairs, says):
+    """`adapters traffic` answers a version given twice, digits that are not ASCII and a weight the column cannot hold
+    with one error line (status 2) and changes nothing, where it kept the last pair in silence, stopped with a ValueError
+    traceback, or passed the database's "integer out of range" on."""
+    adapters = demo_set["adapters"]
+    run("tenants", "add", "acme", "--config", config)
+    for name in sorted(adapters)[:2]:
+        run("adapters", "add", "--tenant", "acme", "support", str(adapters[name]), "--config", config)
+    bad = run("adapters", "traffic", "--tenant", "acme", "support", *pairs, "--config", config, ok=False)
+    assert bad.exit_code == 2, (bad.exception, bad.output)
+    assert says in bad.output and "Traceback" not in bad.output, bad.output
+    listed = run("adapters", "list", "--tenant", "acme", "--config", config).stdout
+    assert [line.split("\u2502")[7].strip() for line in listed.splitlines() if "support@" in line] == ["0", "100"]
+
 def test_config_show_is_valid_toml(config):
     out = run("config", "show", "--config", config).stdout
     assert tomllib.loads(out)["store"]["adapter_dir"].endswith("store")

@@ -3,6 +3,7 @@ and their traffic split."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -104,17 +105,23 @@ def _done_line(done: Done) -> str:
     return f"adapter {a.tenant_id}/{a.adapter} {what}: rank {a.rank}, {', '.join(a.target_modules)}, sha256 {a.sha256[:12]}"
 
 
+TRAFFIC_PAIR_RE = re.compile(r"(?P<version>[0-9]+)=(?P<weight>[0-9]+)")
+
+
 def traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSION=WEIGHT pairs, e.g. 1=90 2=10")],
             tenant: Annotated[str, typer.Option(help="owner tenant")], config: ConfigOpt = None) -> None:
     """Split an adapter name's traffic among its versions (canary, promote, roll back)."""
     from consumer.registry import RegistryError
 
-    parsed = {}
+    parsed: dict[int, int] = {}
     for w in weights:
-        v, sep, weight = w.partition("=")
-        if not sep or not v.isdigit() or not weight.isdigit():
+        pair = TRAFFIC_PAIR_RE.fullmatch(w)  # ASCII digits: str.isdigit() passed '²', which int() refused with a traceback
+        if pair is None:
             fail(f"{w!r}: write VERSION=WEIGHT, e.g. 2=10")
-        parsed[int(v)] = int(weight)
+        version, weight = int(pair["version"]), int(pair["weight"])
+        if version in parsed:  # the last pair won in silence: 1=90 1=0 2=10 sent all the traffic to version 2
+            fail(f"version {version} is given twice ({version}={parsed[version]} and {w}); give each version once")
+        parsed[version] = weight
     svc = open_services(settings_from(config))
     try:
         views = svc.registry.set_traffic(tenant, name, parsed)
