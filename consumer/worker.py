@@ -14,7 +14,8 @@ A crash anywhere before the commit means redelivery; the ledger's (tenant, reque
 redelivered job from being billed twice.
 
 What a fetched message becomes (answered, parked, dead-lettered or queued) is consumer/intake.py; pausing,
-log resets and lag of the assigned partitions are consumer/partitions.py.
+log resets and lag of the assigned partitions are consumer/partitions.py; commits, the jobs of revoked partitions and
+leaving the group are consumer/handover.py.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from consumer.breaker import BreakerBoard
 from consumer.config import ConfigError, Settings, check_worker_fits
 from consumer.delivery import Deliverer, Outcome, SpoolUnavailable
 from consumer.feeder import EngineFeeder, Routed
+from consumer.handover import COMMIT_TIMEOUT_S, Handover, Rebalance
 from consumer.intake import Intake, stepped_over
 from consumer.ledger_calls import LedgerCalls
 from consumer.kafka import group_members, make_consumer, make_producer
@@ -61,10 +62,6 @@ from engine.engine_process import EngineProcess
 log = logging.getLogger("lorabatch.worker")
 
 SLO_TIERS = ("premium", "standard", "batch")  # the engine's adapter eviction weights know these tiers
-# A commit or a leave the group coordinator does not answer is given up after these: a member stuck rejoining after a
-# rebalance storm saw its commits hang and its exit wait past a SIGTERM's minute (tests/test_chaos.py, under load).
-COMMIT_TIMEOUT_S = 10.0
-LEAVE_TIMEOUT_S = 15.0
 # An engine that has not stopped this long after the worker's last commit (a hung GPU, a step that never ends) is killed
 # (a process) or left behind (a daemon thread): its jobs are uncommitted already, and the exit must fit a grace period.
 ENGINE_CLOSE_TIMEOUT_S = 10.0
@@ -158,9 +155,9 @@ class Worker:
         self._cache_errors_seen = 0
         self._cache_errors_said = 0  # the count at the last log line about them
         self._cache_errors_throttle = Throttle(60.0)
-        self._revoked: set[TopicPartition] = set()  # of the latest rebalance
         self.consumer = None
-        self._left = False  # the consumer was stopped (`_leave`)
+        # commits, revoked partitions' jobs, leaving the group (consumer.handover)
+        self.handover = Handover(self, self._in_engine)
         self.partitions: Partitions | None = None
         self.deliverer: Deliverer | None = None
         self._in_flight_at_stop: int | None = None
@@ -171,7 +168,7 @@ class Worker:
 
     def stop(self) -> None:
         """Ask the worker to drain and exit (SIGTERM handler): what is queued keeps running for worker.stop_deadline_s,
-        then is left to the partitions' next owners (`_leave_queue_on_stop`)."""
+        then is left to the partitions' next owners (consumer.handover `leave_queue_on_stop`)."""
         if not self._stopping.is_set():
             self._in_flight_at_stop = self.offsets.in_flight()
             self._left_on_revoke_at_stop = self.offsets.left_on_revoke
@@ -207,14 +204,14 @@ class Worker:
                 try:
                     await self._run_tasks()
                 finally:
-                    await self._commit()
+                    await self.handover.commit()
                     self._log_summary()
-                    await self._leave()  # before the engine closes: a last revoke may still abort its work
+                    await self.handover.leave()  # before the engine closes: a last revoke may still abort its work
             finally:
                 await self._close_engine()
         finally:
             if self.consumer is not None:
-                await self._leave()
+                await self.handover.leave()
             if producer is not None:
                 await producer.stop()
             self.spool.close()
@@ -241,7 +238,7 @@ class Worker:
         rebalance_ms = max(k.session_timeout_ms, int((w.revoke_deadline_s + COMMIT_TIMEOUT_S + 5) * 1000))
         consumer = make_consumer(k, group_id=k.group_id, client_id=self.worker_id, max_poll_records=500,
                                  rebalance_timeout_ms=rebalance_ms, **static)  # fmt: skip
-        consumer.subscribe([k.jobs_topic], listener=_Rebalance(self))
+        consumer.subscribe([k.jobs_topic], listener=Rebalance(self.handover))
         return consumer
 
     def _log_summary(self) -> None:
@@ -266,7 +263,7 @@ class Worker:
         fetch = asyncio.create_task(self._fetch_loop(), name="fetch")
         dispatch = asyncio.create_task(self._dispatch_loop(), name="dispatch")
         deliver = asyncio.create_task(self.deliverer.run(), name="deliver")
-        commit = asyncio.create_task(self._commit_loop(), name="commit")
+        commit = asyncio.create_task(self.handover.commit_loop(), name="commit")
         gpu_time = asyncio.create_task(self._gpu_time_loop(), name="gpu-time")
         flush = asyncio.create_task(self.deliverer.flush_spool(), name="spool-flush")
         tasks = [fetch, dispatch, deliver, commit, gpu_time, flush]
@@ -291,7 +288,7 @@ class Worker:
                     continue  # the stop itself woke us: wait again, now against its deadline
                 if not done and left_at is None:
                     left_at = time.monotonic()
-                    await self._leave_queue_on_stop()
+                    await self.handover.leave_queue_on_stop()
                     continue
                 if not done:
                     log.warning("stopping: %d jobs still in the engine %.0f s after the queue was left; exiting without them "
@@ -428,7 +425,7 @@ class Worker:
                 self.engine_clock.leave()
             self.scheduler.finished(p)
             if item.abandoned:
-                await self.intake.orphaned(key, self._revoked)
+                await self.intake.orphaned(key, self.handover.revoked)
             self._work_event.set()
 
     async def _gpu_time_loop(self) -> None:
@@ -511,94 +508,7 @@ class Worker:
         # The step loop's own snapshot: asking the engine itself from the event loop would race its step.
         return set(self.aengine.resident) | {None}
 
-    # ---------------------------------------------------------------- commit, rebalance, metrics
-
-    async def _commit_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.s.worker.commit_interval_ms / 1000)
-            await self._commit()
-
-    async def _commit(self, only: set | None = None) -> None:
-        offsets = self.offsets.committable()
-        if only is not None:
-            offsets = {tp: o for tp, o in offsets.items() if tp in only}
-        if not offsets:
-            return
-        try:
-            await asyncio.wait_for(self.consumer.commit(offsets), COMMIT_TIMEOUT_S)
-        except (KafkaError, TimeoutError) as e:
-            why = str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s"
-            log.warning("commit of %s failed: %s; the next commit retries", offsets, why)
-            return
-        self.offsets.mark_committed(offsets)
-        self.stages.committed(offsets)
-
-    async def _leave(self) -> None:
-        """Stop the consumer (it leaves the group), within LEAVE_TIMEOUT_S: a member whose rejoin the coordinator never
-        answers would otherwise hang the exit (seen with Tansu after a rebalance storm); the broker then drops the
-        membership itself when its session times out, and the uncommitted offsets are redelivered."""
-        if self._left:
-            return
-        self._left = True
-        try:
-            await asyncio.wait_for(self.consumer.stop(), LEAVE_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("the consumer did not leave its group within %.0f s (the coordinator does not answer); exiting "
-                        "without it: the broker drops the membership when its session times out", LEAVE_TIMEOUT_S)
-
-    async def _leave_queue_on_stop(self) -> None:
-        """The stop's deadline passed with jobs still queued or running: treat every partition as revoked (queued jobs
-        are dropped; running ones get worker.revoke_deadline_s, then are aborted; what finished is committed), so a
-        worker with a deep queue exits within a grace period an orchestrator gives, and loses nothing: what it leaves
-        is uncommitted and redelivered to the partitions' next owner. Bounded even if the engine answers nothing."""
-        queued, running = len(self.scheduler), len(self._in_engine)
-        log.warning("stopping: worker.stop_deadline_s=%.0f passed with %d jobs queued and %d in the engine; leaving them "
-                    "to the partitions' next owner", self.s.worker.stop_deadline_s, queued, running)
-        try:
-            await asyncio.wait_for(self.on_revoked(set(self.offsets.partitions()), forget=False),
-                                   self.s.worker.revoke_deadline_s + 5)
-        except TimeoutError:
-            log.warning("stopping: the engine did not give back its jobs within worker.revoke_deadline_s + 5 s")
-
-    async def on_revoked(self, revoked: set[TopicPartition], *, forget: bool = True) -> int:
-        """Leave the revoked partitions' queued jobs to the new owner, let what runs for them finish within the deadline
-        and commit it; abandon the rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new
-        owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets,
-        so the last commit covers what is delivered after. Returns how many jobs it left (dropped or aborted)."""
-        deadline = time.monotonic() + self.s.worker.revoke_deadline_s
-        self._revoked = set(revoked)
-        # The queue first: a place in the engine freed while the running jobs finish must not take one of these.
-        dropped = self.scheduler.drop(set(revoked))
-        for p in dropped:  # queued, never run: the new owner answers them, and the copies that waited here
-            item = p.payload
-            key = (item.job.tenant_id, item.job.request_id)
-            item.abandoned = True
-            await self.intake.orphaned(key, revoked)
-        if dropped:
-            log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
-
-        def revoked_running() -> list[Routed]:
-            return [r for _, r in self._in_engine.values() if r.tp in revoked]
-
-        while revoked_running() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        aborted = revoked_running()
-        for item in aborted:  # all marked before the first abort's round trip
-            item.abandoned = True
-        for item, outcome in zip(aborted, await asyncio.gather(
-                *(self.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id) for item in aborted), return_exceptions=True)):  # fmt: skip
-            if isinstance(outcome, Exception):  # a dead engine has failed its jobs already
-                log.warning("rebalance: aborting %s/%s failed: %s", item.job.tenant_id, item.job.request_id, outcome)
-        if self.deliverer is not None:
-            try:
-                await asyncio.wait_for(self.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
-        await self._commit(only=set(revoked))
-        if forget:
-            self.offsets.forget(revoked)
-            self.stages.forget(revoked)
-        return len(aborted) + len(dropped)
+    # ---------------------------------------------------------------- metrics
 
     def _gauges(self) -> None:
         m = self.metrics
@@ -616,14 +526,3 @@ class Worker:
                 self._cache_errors_said = errors
             self._cache_errors_seen = errors
         self.partitions.report_lag()
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, worker: Worker):
-        self.worker = worker
-
-    async def on_partitions_revoked(self, revoked):
-        await self.worker.on_revoked(set(revoked))
-
-    async def on_partitions_assigned(self, assigned):
-        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))

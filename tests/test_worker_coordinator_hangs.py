@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError
 
-import consumer.worker as worker_module
+import consumer.handover as handover_module
 from consumer.config import load_settings
 from consumer.registry import RegistrySnapshot
 from consumer.worker import Worker
@@ -51,14 +51,14 @@ def _worker(tmp_path, consumer) -> Worker:
 
 
 async def test_a_commit_the_coordinator_never_answers_is_given_up_and_retried(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(worker_module, "COMMIT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(handover_module, "COMMIT_TIMEOUT_S", 0.2)
     silent = _SilentCoordinator()
     w = _worker(tmp_path, silent)
     assert w.offsets.committable() == {TP: 1}
     with caplog.at_level(logging.WARNING, "lorabatch.worker"):
         t0 = time.monotonic()
-        await w._commit()
-        await w._commit()
+        await w.handover.commit()
+        await w.handover.commit()
     assert time.monotonic() - t0 < 2.0
     assert silent.commits == [{TP: 1}, {TP: 1}], "each commit gave up and the next tried again"
     assert w.offsets.committable() == {TP: 1}, "nothing is marked committed that the broker did not take"
@@ -69,19 +69,19 @@ async def test_a_fenced_commit_is_logged_and_left_for_the_next(tmp_path, caplog)
     fenced = _SilentCoordinator(answers=True)
     w = _worker(tmp_path, fenced)
     with caplog.at_level(logging.WARNING, "lorabatch.worker"):
-        await w._commit()
+        await w.handover.commit()
     assert w.offsets.committable() == {TP: 1}
     assert any("CommitFailedError" in r.getMessage() or "fenced" in r.getMessage() for r in caplog.records)
 
 
 async def test_leaving_a_group_whose_coordinator_is_gone_ends_within_the_bound(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(worker_module, "LEAVE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(handover_module, "LEAVE_TIMEOUT_S", 0.2)
     silent = _SilentCoordinator()
     w = _worker(tmp_path, silent)
     with caplog.at_level(logging.WARNING, "lorabatch.worker"):
         t0 = time.monotonic()
-        await w._leave()
-        await w._leave()  # the run's two ways out both leave; the second does nothing
+        await w.handover.leave()
+        await w.handover.leave()  # the run's two ways out both leave; the second does nothing
     assert time.monotonic() - t0 < 2.0
     assert silent.stops == 1
     assert any("did not leave its group" in r.getMessage() for r in caplog.records)
