@@ -39,6 +39,12 @@ class EngineConfig(BaseModel):
         "layer (engine.lora, \"Decode\"); none by default: on an H100 the two together made a decode step with adapters "
         "6% slower than their own launches, at llama-1b and -8b; qkv_proj alone 1-2%, gate_up_proj alone 4-6%",
     )
+    decode_lora_overlap: bool = Field(
+        False,
+        description="triton backend on cuda, decode steps in a CUDA graph: each projection's LoRA shrink runs on a side "
+        "stream beside the projection's GEMM (a fork and a join in the graph), so that its latency leaves the step's "
+        "critical path; the expand then adds into the GEMM's output (engine.lora, \"Decode\")",
+    )
     cuda_graph_max_batch: int = Field(
         256, ge=0, le=4096,
         description="decode steps of up to this many requests (and max_batch_size) replay a CUDA graph captured once per "

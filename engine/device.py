@@ -58,6 +58,7 @@ def build_runner(model: LlamaForCausalLM, config: EngineConfig, tenant_quota_blo
         max_blocks_per_seq=config.blocks_per_sequence,
         max_chain=config.decode_steps,
         decode_lora_in_ops=tuple(config.decode_lora_in_ops),
+        decode_lora_overlap=config.decode_lora_overlap,
     )
     if backend.triton:
         what = "Triton kernels (multi-LoRA shrink/expand, paged attention)" + (" in the interpreter" if backend.interpreted else "")

@@ -59,6 +59,8 @@ as gate_up does in prefill: qkv's to RoPE + the KV write + attention (kernels/pa
 expand each, but on an H100 the two together made the step 6% slower (engine/PERF.md, session 24), so none by default. Where kernels/decode_linear.py is faster than cuBLAS (llama-8b's o and down projections on an H200), the
 GEMM and the rows' deltas are one launch after the shrink (`one_launch`); elsewhere y = base(x), then the expand
 adds into y. Outside a graph the timed section of a deferred delta holds its shrink alone, as decode_linear's does.
+With `engine.decode_lora_overlap`, a graph's plain projections fork their shrink onto a side stream before the GEMM
+and join before the expand: the shrink (a few µs of latency for a few KB) runs beside the GEMM instead of before it.
 
 When no row of a batch has an adapter the LoRA ops are skipped altogether, so base-only steps carry no
 LoRA time; otherwise their time is measured (engine.timing.DeviceTimer) for the cost split, except in a
@@ -138,6 +140,7 @@ class LoraState:
         self.calibration: ConsumerCalibration | None = None  # the plain consumer ops' time, for the attribution
         self.timer = DeviceTimer(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.side_stream: torch.cuda.Stream | None = None  # graphed decode shrinks beside their GEMMs (`overlap_decode`)
         self.arena: HostArena | None = None  # L2's host memory, set by the adapter pool (engine.host_arena)
         # The tables' rows as last written, in host memory (pinned on CUDA): a write fills its slot's rows here and copies
         # them over, with no staging tensor pinned per write (three of those took host time at each of a round's
@@ -264,6 +267,33 @@ class LoraState:
         self.decode_t = None
         if segments is not None and segments.start is None:
             self.decode_t = torch.zeros(self.total_slices * segments.num_rows * self.max_lora_rank, dtype=torch.float32, device=self.device)
+
+    def overlap_decode(self, on: bool) -> None:
+        """engine.decode_lora_overlap: in graphed decode steps, each projection's shrink on a stream of its own beside the
+        projection's GEMM (on CUDA with the triton backend; elsewhere nothing changes)."""
+        self.side_stream = torch.cuda.Stream(self.device) if on and self.device.type == "cuda" and self.backend.triton else None
+
+    def overlaps(self) -> bool:
+        """Whether this forward's plain projections fork their shrink (`shrink_beside`): decode rows (per-row groups and
+        the shared shrink buffer) in a CUDA graph's capture, where no timing section needs the shrink on the compute
+        stream (a graph's LoRA share is calibrated, engine.cuda_graphs)."""
+        return self.side_stream is not None and not self.timed and self.decode_t is not None and self.segments is not None
+
+    def shrink_beside(self, x: torch.Tensor, w: LoraPages, slice_offset: int) -> torch.Tensor:
+        """Fork: the shrink of x on the side stream, after everything the compute stream has issued (x, the zeroed
+        buffer); returns its t [S, N, R], which `expand_joined` reads once the compute stream has waited for it. x and
+        the buffer stay alive on the compute stream past the join, so no stream-ordered reuse can reach them early."""
+        t = self._decode_t(slice_offset, len(w.slices), x.shape[0])
+        main = torch.cuda.current_stream(self.device)
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):
+            self.backend.lora_shrink(x, w, self.segments, out=t, out_zeroed=True)
+        return t
+
+    def expand_joined(self, y: torch.Tensor, t: torch.Tensor, w: LoraPages) -> None:
+        """Join: the compute stream waits for the side stream's shrink, then y += each row's t B^T."""
+        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+        self.backend.lora_expand(y, t, w, self.segments)
 
     def one_launch(self, rows: int, widths: tuple[int, ...], in_features: int) -> bool:
         """Whether this projection runs as one decode-linear launch (base GEMM + the rows' deltas): the triton backend, a
@@ -423,6 +453,11 @@ class LoraLinear(nn.Module):
             return self.state.base_then_decode_pending(self.base, x, w, self.slice_offset)
         if not isinstance(self.base, Fp8Linear) and self.state.one_launch(x.shape[0], w.slices, self.base.in_features):
             return self.state.decode_linear(self.base, x, w, self.slice_offset)
+        if self.state.active and self.state.overlaps():
+            t = self.state.shrink_beside(x, w, self.slice_offset)
+            y = self.base(x)
+            self.state.expand_joined(y, t, w)
+            return y
         y = self.base(x)  # [N, out]
         if self.state.active:
             self.state.apply(y, x, w, self.slice_offset)

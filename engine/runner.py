@@ -59,16 +59,19 @@ class ModelRunner:
         capture_graphs: bool | None = None,
         max_chain: int = 1,
         decode_lora_in_ops: tuple[str, ...] = (),
+        decode_lora_overlap: bool = False,
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
         `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).
-        `decode_lora_in_ops`: the projections whose decode delta their consumer op adds (engine.lora, "Decode")."""
+        `decode_lora_in_ops`: the projections whose decode delta their consumer op adds (engine.lora, "Decode");
+        `decode_lora_overlap`: graphed decode steps run each shrink beside its projection's GEMM (engine.lora, "Decode")."""
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.backend = backend or KernelBackend("torch")
         self.model = model
         self.config = model.config
         self.lora = apply_lora(self.model, max_loras, max_lora_rank, self.backend, adapter_gpu_bytes)
+        self.lora.overlap_decode(decode_lora_overlap)
         if self.backend.triton:
             self.model.ops = self.lora.wrap_ops(model_ops(self.backend, self.config.head_dim), self.config, decode_lora_in_ops)
             if fp8_compute(self.device):

@@ -79,10 +79,19 @@ def short_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return eng
 
 
-@pytest.fixture(params=["cublas", "decode_linear"])
+@pytest.fixture(params=["cublas", "decode_linear",
+                        pytest.param("overlap", marks=pytest.mark.skipif(DEVICE.type != "cuda", reason="side streams need CUDA"))])
 def projections(request, engine, monkeypatch):
     """Which kernel runs the graphed steps' projections: cuBLAS (+ the expand), or kernels/decode_linear.py with the
-    deltas fused, which the engine takes only for shapes tuned on an H200; here every demo projection is made one."""
+    deltas fused, which the engine takes only for shapes tuned on an H200; here every demo projection is made one; or
+    cuBLAS with each shrink forked beside it on a side stream (engine.decode_lora_overlap)."""
+    forks: list[int] = []
+    if request.param == "overlap":
+        state = engine.runner.lora
+        state.overlap_decode(True)
+        request.addfinalizer(lambda: state.overlap_decode(False))
+        fork = state.shrink_beside
+        monkeypatch.setattr(state, "shrink_beside", lambda *a: forks.append(1) or fork(*a))
     if request.param == "decode_linear":
         linear = sys.modules[engine.runner.backend.decode_linear.__module__]
         cfg = engine.runner.config
@@ -102,6 +111,8 @@ def projections(request, engine, monkeypatch):
     _forget_graphs(engine.runner.graphs)  # captured again under this choice (on CUDA; the CPU runs eagerly)
     yield calls if request.param == "decode_linear" else None
     _forget_graphs(engine.runner.graphs)
+    if request.param == "overlap":  # every plain projection of each captured graph with adapters forked its shrink
+        assert len(forks) >= 4 * engine.runner.config.num_layers, f"{len(forks)} shrinks forked"
 
 
 def _forget_graphs(graphs: DecodeGraphs) -> None:

@@ -31,10 +31,11 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 
 def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], uniform_rank: int | None, batch: int, prompt: int,
                        new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto",
-                       weight_dtype: str = "auto", decode_lora_in_ops: tuple[str, ...] = ()) -> tuple[Engine, list[Path]]:  # fmt: skip
+                       weight_dtype: str = "auto", decode_lora_in_ops: tuple[str, ...] = (),
+                       decode_lora_overlap: bool = False) -> tuple[Engine, list[Path]]:  # fmt: skip
     """The bench's engine on a random model of `cfg` (its projections FP8 with weight_dtype "fp8", engine.quant) with
     adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`) loaded, sized for `batch` requests of `prompt` + `new`
-    tokens, and engine.decode_lora_in_ops; returns it and the adapter folders."""
+    tokens, and engine.decode_lora_in_ops and decode_lora_overlap; returns it and the adapter folders."""
     model = random_model(cfg, dev, dtype, seed=0, fp8=weight_dtype == "fp8")
     paths = [_write_adapter(tmp / f"a{i}", cfg, r, seed=i + 1, device=dev) for i, r in enumerate(adapter_ranks)]
     if uniform_rank is not None:
@@ -47,7 +48,7 @@ def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], u
         max_lora_rank=max(adapter_ranks + [uniform_rank or 1]),
         enable_prefix_caching=False,  # the base and mixed runs share prompts: neither may skip its prefill
         adapter_load_burst=slots, warm_pool_slots=0, host_cache_bytes=host_bytes, kernel_backend=kernel_backend,
-        decode_lora_in_ops=list(decode_lora_in_ops),
+        decode_lora_in_ops=list(decode_lora_in_ops), decode_lora_overlap=decode_lora_overlap,
         # as the issue-4 suite measured them: none of these derived from the device (engine.sizing)
         adapter_gpu_bytes=None, adapter_read_processes=0, adapter_read_threads=0, adapter_loads_per_s=4.0,
     )  # fmt: skip

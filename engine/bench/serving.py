@@ -67,11 +67,13 @@ def bench_engine(
     kernel_backend: str = "auto",
     weight_dtype: str = "auto",
     decode_lora_in_ops: tuple[str, ...] = (),
+    decode_lora_overlap: bool = False,
 ) -> dict:
     """Run the bench of the module docstring; print a table (unless json_only), then one JSON line; return the figures.
     `peer_new`: new tokens of the peer's runs (default `new`); `kernel_backend`: the engine's (engine.backend);
     `weight_dtype` "fp8": the projections in FP8 (engine.quant; the roofline counts their bytes); `decode_lora_in_ops`:
-    the engine's engine.decode_lora_in_ops (decode deltas added by the ops that read qkv and gate_up)."""
+    the engine's engine.decode_lora_in_ops (decode deltas added by the ops that read qkv and gate_up);
+    `decode_lora_overlap`: its engine.decode_lora_overlap (graphed decode shrinks beside their GEMMs)."""
     assert shape in SHAPES, f"shape {shape!r}: use one of {sorted(SHAPES)}"
     assert adapters >= 1 and batch >= 1 and prompt >= 1 and new >= 2, (adapters, batch, prompt, new)
     dev = pick_device(device)
@@ -85,11 +87,11 @@ def bench_engine(
     prompts = [torch.randint(4, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in range(batch)]
     out: dict = {"shape": shape, "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "weight_dtype": weight_dtype, "adapters": adapters,
                  "ranks": sorted(set(adapter_ranks)), "batch": batch, "prompt": prompt, "new": new,
-                 "decode_lora_in_ops": list(decode_lora_in_ops)}  # fmt: skip
+                 "decode_lora_in_ops": list(decode_lora_in_ops), "decode_lora_overlap": decode_lora_overlap}  # fmt: skip
 
     with tempfile.TemporaryDirectory() as tmp:
         engine, paths = build_bench_engine(cfg, shape, adapter_ranks, uniform_rank, batch, prompt, new, dev, dtype, Path(tmp), kernel_backend,
-                                           weight_dtype, tuple(decode_lora_in_ops))  # fmt: skip
+                                           weight_dtype, tuple(decode_lora_in_ops), decode_lora_overlap)  # fmt: skip
         runs = {"base": [None] * batch, "mixed": [f"a{i % adapters}" for i in range(batch)]}
         if uniform_rank is not None:
             runs["uniform"] = [f"u{i % adapters}" for i in range(batch)]
