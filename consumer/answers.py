@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from aiokafka import TopicPartition
 
+from billing.credit import kv_credit_us
 from consumer.schemas import Cost, ErrorInfo, Job, Rejection, Result, Usage
 
 Key = tuple[str, str]  # (tenant_id, request_id): a request's identity everywhere
@@ -45,5 +46,7 @@ def stored_result(key: Key, body: str | None, row) -> Result:
     return Result(request_id=key[1], tenant_id=key[0], batch_id=row.batch_id, adapter=row.adapter, status=row.status,
                   usage=Usage(input_tokens=row.input_tokens, output_tokens=row.output_tokens, cached_tokens=row.cached_tokens),
                   cost=Cost(base_ms=row.base_us / 1000, lora_ms=row.lora_us / 1000, routing_ms=row.routing_us / 1000,
-                            kv_saved_ms=row.kv_saved_us / 1000),
+                            kv_saved_ms=kv_credit_us(kv_saved_us=row.kv_saved_us, base_us=row.base_us, lora_us=row.lora_us,
+                                                     input_tokens=row.input_tokens, cached_tokens=row.cached_tokens,
+                                                     output_tokens=row.output_tokens) / 1000),
                   error=error, worker_id=row.worker_id)

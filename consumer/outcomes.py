@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from billing.credit import kv_credit_us
 from billing.records import UsageRecord
 from consumer.delivery import Outcome
 from consumer.schemas import Cost, ErrorInfo, Job, Result, Timings, Usage
@@ -70,7 +71,8 @@ def engine_error_field(code: str, message: str, job: Job) -> str | None:
 def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adapter: str | None, adapter_sha256: str | None,
                         route_reason: str, routing_us: int, received_at: datetime) -> tuple[Result, UsageRecord]:
     """The result and ledger row of a job the engine ran: `adapter` is the `name@version` it ran on (None: the
-    base model), `routing_us` the routing decision."""
+    base model), `routing_us` the routing decision. The row keeps the KV saving the engine measured; the result's
+    `kv_saved_ms` is the credit billed for it (billing.credit), never more than the request's base + LoRA time."""
     t = out.timings
     error = None
     if out.error is not None:
@@ -87,7 +89,9 @@ def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adap
         finish_reason=out.finish_reason,
         logprobs=out.logprobs,
         usage=Usage(input_tokens=out.prompt_tokens, output_tokens=len(out.output_ids), cached_tokens=t.cached_tokens),
-        cost=Cost(base_ms=_ms(t.base_us), lora_ms=_ms(t.lora_us), routing_ms=_ms(routing_us), kv_saved_ms=_ms(t.kv_saved_us)),
+        cost=Cost(base_ms=_ms(t.base_us), lora_ms=_ms(t.lora_us), routing_ms=_ms(routing_us), kv_saved_ms=_ms(kv_credit_us(
+            kv_saved_us=t.kv_saved_us, base_us=t.base_us, lora_us=t.lora_us, input_tokens=out.prompt_tokens,
+            cached_tokens=t.cached_tokens, output_tokens=len(out.output_ids)))),
         timings=Timings(queue_ms=_ms(t.queue_us), ttft_ms=_ms(t.ttft_us), total_ms=_ms(t.total_us)),
         route=route_reason,
         error=error,

@@ -130,7 +130,7 @@ class Cost(BaseModel):
     base_ms: float = 0.0
     lora_ms: float = 0.0  # its token share of its steps' LoRA compute
     routing_ms: float = 0.0  # the routing decision alone
-    kv_saved_ms: float = 0.0
+    kv_saved_ms: float = 0.0  # the KV credit as billed (billing.credit): never more than base_ms + lora_ms
     cold_start_ms: float = 0.0
 
 

@@ -36,6 +36,31 @@ def test_cost_splits_lora_from_the_routing_decision(base_us: int, lora_us: int, 
     assert (again.cost.lora_ms, again.cost.routing_ms) == (lora_us / 1000, routing_us / 1000)
 
 
+@pytest.mark.parametrize(
+    ("timings", "prompt_tokens", "output_ids", "credit_us"),
+    [
+        # 112 of 120 prompt tokens cached, 13 computed: the whole 173 ms charge is credited, not the 507 ms measured
+        (dict(base_us=38_284, lora_us=134_721, kv_saved_us=506_817, cached_tokens=112), 120, [5] * 5, 173_005),
+        # 48 of 120 cached, 73 computed: at most 48/73 of the charge
+        (dict(base_us=99_912, lora_us=790_273, kv_saved_us=982_290, cached_tokens=48), 120, [5], 585_327),
+        (dict(base_us=9_000, lora_us=1_000, kv_saved_us=4_000, cached_tokens=96), 120, [5] * 8, 4_000),  # under the cap
+        (dict(base_us=0, lora_us=0, kv_saved_us=7_000, cached_tokens=16), 0, [], 0),  # failed: nothing computed, no credit
+    ],
+)
+def test_the_published_kv_credit_is_the_one_billed(timings: dict, prompt_tokens: int, output_ids: list[int], credit_us: int) -> None:
+    """A result's kv_saved_ms is the KV credit its invoice line takes (billing.credit: never more than base + LoRA), not
+    the engine's measured saving, which the ledger row keeps: a tenant summing its results' costs met a credit several
+    times its charge (a net of -334 ms on a 173 ms request) that no invoice gave."""
+    out = GenerationResult(request_id="r1", adapter_key="acme/support@2", tenant_id="acme", output_ids=output_ids,
+                           prompt_tokens=prompt_tokens, timings=RequestTimings(**timings))
+    result, usage = succeeded_or_failed(JOB, out, "w0", adapter="support@2", adapter_sha256="ab" * 32, route_reason="explicit",
+                                        routing_us=0, received_at=AT)
+    assert usage.kv_saved_us == timings["kv_saved_us"]  # the measurement
+    assert result.cost.kv_saved_ms == credit_us / 1000 <= result.cost.base_ms + result.cost.lora_ms
+    again = stored_result(("acme", "r1"), None, SimpleNamespace(**dataclasses.asdict(usage)))
+    assert again.cost.kv_saved_ms == credit_us / 1000
+
+
 def test_a_job_that_never_ran_costs_its_routing_decision_alone() -> None:
     """A failure before the engine carries its decision time as routing_ms and no LoRA time."""
     result, usage = failed_before_engine(("r1", "acme", None), ErrorInfo(code="unknown_adapter", message="m"), AT, "w0",
