@@ -6,12 +6,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from billing.credit import kv_credit_us
 from billing.records import UsageRecord
 from consumer.delivery import Outcome
 from consumer.schemas import Cost, ErrorInfo, Job, Result, Timings, Usage
 from engine.api import ADAPTER_ERROR_CODES, EngineError, GenerationRequest, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from consumer.registry import AdapterView
 
 log = logging.getLogger("lorabatch.worker")  # serving_error speaks for the worker serving the job
 
@@ -124,20 +128,22 @@ def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adap
 
 def failed_before_engine(
     job_ids: tuple[str, str, str | None], error: ErrorInfo, received_at: datetime, worker_id: str,
-    route_reason: str = "", routing_us: int = 0, bill: bool = True,
+    route_reason: str = "", routing_us: int = 0, bill: bool = True, adapter: AdapterView | None = None,
 ) -> tuple[Result, UsageRecord | None]:
-    """A job that never reached the engine: a failed result and, for a known tenant, a zero-cost row."""
+    """A job that never reached the engine: a failed result and, for a known tenant, a row of no GPU time (its routing
+    decision alone). `adapter`: the adapter chosen for it whose own fault failed it, named by the result and the row
+    (its invoice line, as when the engine finds the fault), else None (the `base` line: no adapter was chosen)."""
     request_id, tenant_id, batch_id = job_ids
     result = Result(
-        request_id=request_id, tenant_id=tenant_id, batch_id=batch_id, status="failed",
-        route=route_reason, error=error, worker_id=worker_id, cost=Cost(routing_ms=_ms(routing_us)),
+        request_id=request_id, tenant_id=tenant_id, batch_id=batch_id, adapter=adapter.adapter if adapter else None,
+        status="failed", route=route_reason, error=error, worker_id=worker_id, cost=Cost(routing_ms=_ms(routing_us)),
     )
     usage = None
     if bill:
         usage = UsageRecord(
             tenant_id=tenant_id, request_id=request_id, status="failed", created_at=received_at,
-            batch_id=batch_id, route_reason=route_reason, error_code=error.code, routing_us=routing_us,
-            worker_id=worker_id,
+            adapter=adapter.adapter if adapter else None, adapter_sha256=adapter.sha256 if adapter else None,
+            batch_id=batch_id, route_reason=route_reason, error_code=error.code, routing_us=routing_us, worker_id=worker_id,
         )
     return result, usage
 

@@ -54,7 +54,7 @@ from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
-from engine.api import EngineError
+from engine.api import ADAPTER_ERROR_CODES, EngineError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_process import EngineProcess
@@ -410,9 +410,10 @@ class Worker:
             served = await self.feeder.serve(item, slo_tier)
         except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
             error, keep = serving_error(e, key)
+            at_fault = item.route.view if error.code in ADAPTER_ERROR_CODES else None  # its files: billed on its line
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
                                                  item.received_at, self.worker_id, route_reason=item.route.label,
-                                                 routing_us=item.route.routing_us, bill=keep)  # fmt: skip
+                                                 routing_us=item.route.routing_us, bill=keep, adapter=at_fault)  # fmt: skip
             if not item.abandoned:
                 self.intake.answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), keep=keep)
         else:

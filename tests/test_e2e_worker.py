@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 import urllib.request
 from collections import Counter
@@ -163,20 +164,32 @@ async def test_corrupt_adapter_fails_its_jobs_only(broker, tmp_path, demo_set, c
     weights = svc.registry.store.path(broken.sha256) / "adapter_model.safetensors"
     weights.chmod(0o644)
     weights.write_bytes(weights.read_bytes()[:100])  # truncated on disk after registration
+    gone, _ = svc.registry.add_adapter("initech", "gone-e2e", demo_set["adapters"][names[7]])
+    folder = svc.registry.store.path(gone.sha256)
+    folder.chmod(0o755)
+    shutil.rmtree(folder)  # its store folder removed after registration: the worker cannot even register it
     jobs = [
         Job(request_id="ok-1", tenant_id="initech", prompt="hello", max_new_tokens=3),
         Job(request_id="bad-1", tenant_id="initech", adapter="broken-e2e", prompt="hello", max_new_tokens=3),
         Job(request_id="bad-2", tenant_id="initech", adapter="broken-e2e", prompt="hello", max_new_tokens=3,
             allow_base_fallback=True),
         Job(request_id="ok-2", tenant_id="initech", prompt="again", max_new_tokens=3),
+        Job(request_id="gone-1", tenant_id="initech", adapter="gone-e2e", prompt="hello", max_new_tokens=3),
     ]
     async with running_worker(s, svc, cpu_engine):
         await produce_jobs(s.kafka, jobs, "b2", "initech", "test", "tenant")
-        results = {r.request_id: r for r in await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 4)}
+        results = {r.request_id: r for r in await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 5)}
+        assert await ledger_rows(svc, 5) == 5
     assert results["ok-1"].status == results["ok-2"].status == "succeeded"
     assert results["ok-1"].adapter == good.adapter
     assert results["bad-1"].status == "failed" and results["bad-1"].error.code.startswith("adapter_")
     assert "broken-e2e@1" in results["bad-1"].error.message
     assert results["bad-2"].status == "succeeded" and results["bad-2"].adapter is None
     assert results["bad-2"].route.startswith("base_fallback") and "failed to load" in results["bad-2"].route
+    # An adapter's own fault bills its failed requests on its invoice line, not the base model's, wherever it is found
+    for rid, adapter in (("bad-1", broken), ("gone-1", gone)):
+        row = svc.ledger.usage_for("initech", rid)
+        assert (results[rid].adapter, row.adapter, row.adapter_sha256) == (adapter.adapter, adapter.adapter, adapter.sha256), rid
+        assert (row.status, row.base_us, row.lora_us) == ("failed", 0, 0)
+    assert results["gone-1"].error.code == "adapter_missing"
     svc.close()
