@@ -403,7 +403,7 @@ class Engine:
         self.book.book(rows, total_us, lora_us, end_us, outcomes, self.eos_ids, failed)
 
     def _forward(self, items: list[BatchItem]) -> torch.Tensor:
-        self.runner.prepare(items)  # one-time work (a decode bucket's graph capture) stays out of the step's time
+        self.runner.prepare(items)  # the wait for its adapters' copies and one-time work stay out of the step's time
         with self._step_timer.section():
             return self.runner.forward(items)  # [M, V] fp32, one row per sampling item
 

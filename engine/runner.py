@@ -112,12 +112,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, items: list[BatchItem]) -> None:
-        """Work a step may need once, done before the engine times the step: capturing a decode bucket's graphs, or
-        measuring the plain consumer ops at an eager LoRA step's row count (engine.lora, "Attribution")."""
+        """Work a step may need once, done before the engine times the step: the compute stream's wait for the copies of
+        the step's adapters still on the side stream (their time is the loads', billed as cold starts; queued inside the
+        step's timed section, the GPU's wait for a copy started at the request's admission was measured as the step's
+        time as well, and split over every request of the step), capturing a decode bucket's graphs, or measuring the
+        plain consumer ops at an eager LoRA step's row count (engine.lora, "Attribution")."""
+        self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
         if self.graphs is not None and self.graphs.fits(items):
             if not self.graphs.captured(items):
                 self._ensure_blocks(items)
-                self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
                 self.graphs.prepare(items)
         elif self.lora.calibration is not None and any(it.lora_slot >= 0 for it in items) and any(len(it.token_ids) > 1 for it in items):
             self.lora.calibration.prepare(sum(len(it.token_ids) for it in items))

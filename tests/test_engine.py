@@ -281,6 +281,23 @@ def test_decode_only_steps_do_not_move_the_prefill_cost_fit(engine):
     assert vars(fit) == state
 
 
+def test_a_step_waits_for_its_adapter_copies_before_its_timing_starts(demo_set):
+    """The compute stream's wait for the pages of an adapter loaded at its request's admission is queued before the
+    step's timed section opens, never inside it: on CUDA the copy runs on the side stream and is billed as the load,
+    so a section opened first measured the GPU's wait for it as the step's time too, billed again to every request
+    of the step. (On the CPU the wait is a no-op; the order of the calls is what the stream runs.)"""
+    eng = Engine(_config(demo_set, max_loras=1))
+    eng.register_adapter("mlp-r64", demo_set["adapters"]["mlp-r64"])
+    calls: list[tuple] = []
+    wait_ready, begin = eng.runner.lora.wait_ready, eng._step_timer.begin
+    eng.runner.lora.wait_ready = lambda slots: calls.append(("wait", tuple(slots))) or wait_ready(())
+    eng._step_timer.begin = lambda: calls.append(("begin",)) or begin()
+    eng.add_request(_req("cold", PROMPTS[1], "mlp-r64", max_new_tokens=2))
+    eng.step()  # admits it, loading the adapter into slot 0, and runs its prompt
+    assert eng.pop_load_events(), "the adapter was loaded at the admission"
+    assert calls.index(("wait", (0,))) < calls.index(("begin",)), calls
+
+
 def test_queue_time_counts_from_arrival(engine):
     """arrival_us (monotonic) in the past is counted into queue, ttft and total time."""
     past = time.monotonic_ns() // 1000 - 5_000_000
