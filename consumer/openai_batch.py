@@ -19,6 +19,7 @@ answers such a request with.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -96,10 +97,11 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
     if extra:
         raise ValueError(f"{extra[0]}: not a field of an OpenAI batch line (custom_id, method, url, body); remove it")
     if line.get("method", "POST") != "POST":
-        raise ValueError(f"method: {line.get('method')!r}; OpenAI batch lines are POST")
+        raise ValueError(f"method: {_shown(line.get('method'))}; OpenAI batch lines are POST")
     url = line.get("url")
     if url not in ENDPOINTS:
-        raise ValueError(f"url: {url!r} is not supported; lorabatch serves {CHAT} and {COMPLETIONS}")
+        what = "missing" if url is None else f"{_shown(url)} is not supported"
+        raise ValueError(f"url: {what}; lorabatch serves {CHAT} and {COMPLETIONS}")
     body = line.get("body")
     if not isinstance(body, dict):
         raise ValueError("body: missing or not an object; an OpenAI batch line carries the request in `body`")
@@ -110,8 +112,8 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
             value = body[key]
             if _neutral(value, _NEUTRAL[key]):
                 continue
-            hint = _NEUTRAL_HINT.get(key, f"only {_NEUTRAL[key]!r} is supported; remove it")
-            raise ValueError(f"body.{key}: {value!r}; {hint}")
+            hint = _NEUTRAL_HINT.get(key, f"only {_shown(_NEUTRAL[key])} is supported; remove it")
+            raise ValueError(f"body.{key}: {_shown(value)}; {hint}")
         other = [u for u in ENDPOINTS if u != url and key in _ENDPOINT_ONLY[u]]
         where = f"a field of {other[0]}, not of {url}" if other else "not supported by lorabatch"
         raise ValueError(f"body.{key}: {where}; remove it (supported: {supported_fields(url)})")
@@ -123,7 +125,7 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
         raise ValueError("body.max_completion_tokens: give it or max_tokens, not both")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
-        raise ValueError(f"body.response_format: {rf!r}; only {{\"type\": \"text\"}} is supported; remove it")
+        raise ValueError(f"body.response_format: {_shown(rf)}; only {{\"type\": \"text\"}} is supported; remove it")
 
     job: dict = {"request_id": request_id_for(custom_id, batch_id)}
     names = {"request_id": "custom_id"}
@@ -141,7 +143,7 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
         names["messages"] = "body.messages"
         logprobs, top = body.get("logprobs"), body.get("top_logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
-            raise ValueError(f"body.logprobs: {logprobs!r}; use true or false ({CHAT}), with top_logprobs 0..20")
+            raise ValueError(f"body.logprobs: {_shown(logprobs)}; use true or false ({CHAT}), with top_logprobs 0..20")
         if logprobs:
             job["logprobs"] = 0 if top is None else top
             names["logprobs"] = "body.top_logprobs"
@@ -163,13 +165,19 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
         logprobs = body.get("logprobs")
         if logprobs is not None:
             if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-                raise ValueError(f"body.logprobs: {logprobs!r}; use an integer 0..20 ({COMPLETIONS})")
+                raise ValueError(f"body.logprobs: {_shown(logprobs)}; use an integer 0..20 ({COMPLETIONS})")
             job["logprobs"] = logprobs
             names["logprobs"] = "body.logprobs"
     model = body.get("model")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     request = OpenAIRequest(custom_id=custom_id, url=url, model=model if isinstance(model, str) else None, max_tokens_field=limit)
     return OpenAILine(job, request, names)
+
+
+def _shown(value: object) -> str:
+    """A line's value in an error as the file wrote it: JSON (true, null, {"type": ...}), a string quoted, cut at 80."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _neutral(value: object, want: bool | int) -> bool:
@@ -215,7 +223,7 @@ def _messages(messages: object) -> object:
 def body_field(name: str, names: dict[str, str]) -> str:
     """The line's name of a job field's error location (`max_new_tokens` -> `body.max_tokens`)."""
     head, _, rest = name.partition(".")
-    return names.get(head, name) + (f".{rest}" if rest else "")
+    return names.get(head, head) + (f".{rest}" if rest else "")
 
 
 def index_parts(batch_id: str, tenant_id: str, index: dict[str, OpenAIRequest], source: str, created_at: str,

@@ -48,6 +48,12 @@ def _exactly_one(value: object) -> object:
     return value
 
 
+def _whole_text_first(value: object) -> object:
+    """`_whole_text` before a string's own constraints: pydantic's length check cannot read a lone surrogate and said only
+    'unable to parse raw data as a unicode string'."""
+    return _whole_text(value) if isinstance(value, str) else value
+
+
 Text = Annotated[str, AfterValidator(_whole_text)]
 Version = Annotated[Literal[1], BeforeValidator(_exactly_one)]
 
@@ -82,7 +88,8 @@ class Job(BaseModel):
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0: no top-k cut")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     # null is no stop strings, as null is the default for the job's other optional fields
-    stop: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=64)]], BeforeValidator(lambda v: [] if v is None else v)] = Field(
+    stop: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=64), BeforeValidator(_whole_text_first)]],
+                    BeforeValidator(lambda v: [] if v is None else v)] = Field(
         default_factory=list, max_length=8)  # fmt: skip
     priority: int = Field(0, ge=-100, le=100)
     allow_base_fallback: bool = False
@@ -104,7 +111,7 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> "Job":
-        # Raised with the field they are about in their context (`_describe` names it in the failed result).
+        # Raised with the field they are about in their context (`describe` names it in the failed result).
         given = [k for k in ("prompt", "messages", "input_ids") if getattr(self, k) is not None]
         if len(given) != 1:
             raise PydanticCustomError(
@@ -241,28 +248,53 @@ _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "l
                            "int_parsing", "int_type", "float_parsing", "float_type", "int_from_float"})
 
 
+_IDENT_RULE = "1 to 128 ASCII letters, digits, '_', '.', ':', '@', '/' or '-'"
+# What a field takes, in the README's words, for the errors that are not about a number's range
+_WHAT_TO_SEND = {
+    "request_id": _IDENT_RULE, "batch_id": _IDENT_RULE, "user_id": _IDENT_RULE, "session_id": _IDENT_RULE,
+    "tenant_id": "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit",
+    "adapter_ref": "`name` or `name@version` as a string (1 to 160 of A-Za-z0-9_.-/, then @N)",
+    "prompt": "a non-empty string",
+    "messages": 'a non-empty list of {"role": "system" | "user" | "assistant" | "tool", "content": "text"} objects',
+    "input_ids": f"a non-empty list of token ids 0..{MAX_TOKEN_ID}",
+    "stop": "a list of up to 8 strings of 1 to 64 characters",
+    "allow_base_fallback": "true or false",
+    "v": "the integer 1, or leave it out",
+    "on_quota": '"wait" or "fail"',
+}
+
+
 def error_field(e: dict) -> str | None:
     """The job field a validation error is about: its location, or for the job's own checks the field they name."""
     return ".".join(str(p) for p in e["loc"]) or (e.get("ctx") or {}).get("field") or (
         "adapter_ref" if e["type"] == "adapter_ref_conflict" else None)
 
 
-def _describe(e: dict, total: int) -> ErrorInfo:
-    field = error_field(e)
+def describe(e: dict, total: int, field: str | None = None) -> ErrorInfo:
+    """The failed result's error for a job's first validation error `e` of `total`: the field, what is wrong, the fix.
+    `field` names the job field as its sender wrote it (an OpenAI Batch line's `body.max_tokens`), when not as the job
+    does."""
+    field = field or error_field(e)
     msg = e["msg"].removeprefix("Value error, ")
     allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
     if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:
-        allowed = f"token ids 0..{MAX_TOKEN_ID}"
+        allowed = f"0..{MAX_TOKEN_ID} for each token id"
     hint = {
         "missing": f"add the field `{field}`",
         "extra_forbidden": f"remove `{field}`; the README's \"Job and result contract\" lists the known fields",
         "adapter_ref_conflict": "send adapter_ref alone",
-    }.get(e["type"], f"send a value in {allowed}" if allowed else "fix the value and send the job again")
+    }.get(e["type"], f"send a value in {allowed}" if allowed else _send(e))
     if e["type"] in _SAYS_THE_FIX:
         hint = ""
     where = f"{field}: " if field else ""
     more = f" (+{total - 1} more)" if total > 1 else ""
     return ErrorInfo(code="invalid_job", field=field, message=f"{where}{msg}{'; ' + hint if hint else ''}{more}")
+
+
+def _send(e: dict) -> str:
+    """The fix for an error that is not about a number's range: what the field takes."""
+    what = _WHAT_TO_SEND.get(str(e["loc"][0])) if e["loc"] else None
+    return f"send {what}" if what else "fix the value and send the job again"
 
 
 _ECHOABLE = re.compile(r"[A-Za-z0-9_.:@/\-]{1,256}")
@@ -335,7 +367,7 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
         return Rejection(ErrorInfo(code="invalid_job", message="the job nests values too deeply; send the fields "
                                    "the README's \"Job and result contract\" lists"), ids["request_id"] is not None and ids["tenant_id"] is not None, **ids)
     identity = [err for err in errors if err["loc"] and str(err["loc"][0]) in ("request_id", "tenant_id", "v")]
-    info = _describe((identity or errors)[0], len(errors))
+    info = describe((identity or errors)[0], len(errors))
     addressable = not identity and ids["request_id"] is not None and ids["tenant_id"] is not None
     return Rejection(info, addressable, **ids)
 

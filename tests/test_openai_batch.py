@@ -208,6 +208,20 @@ def test_a_dead_lettered_job_is_an_error_line_without_response():
     assert line["response"] is None and line["error"] == {"code": "message_too_large", "message": "m"}
 
 
+@pytest.mark.parametrize(("field", "asked", "param"), [
+    ("messages.0.content", None, "messages.0.content"),  # a native job's: the path once, not messages.0.content.0.content
+    ("input_ids.2", None, "input_ids.2"),
+    ("messages.0.content", OpenAIRequest(custom_id="c", url=CHAT), "body.messages.0.content"),
+    ("input_ids.2", OpenAIRequest(custom_id="c", url=COMPLETIONS), "body.prompt.2"),
+    ("priority", OpenAIRequest(custom_id="c", url=CHAT), "priority"),
+])
+def test_a_nested_field_is_named_once(field, asked, param):
+    """An error inside a list names its path as the job or the line has it; a field the line has no name for (a native
+    job's) doubled its path."""
+    failed = Result(request_id="r", tenant_id="t", status="failed", error=ErrorInfo(code="invalid_job", message="m", field=field))
+    assert to_openai_line(failed, asked, 1)["response"]["body"]["error"]["param"] == param
+
+
 def test_a_native_batch_written_as_openai_is_a_completion():
     """Results of native jobs (no OpenAI line known) come out as /v1/completions answers of the resolved adapter."""
     ok = Result(request_id="r", tenant_id="t", adapter="support@2", status="succeeded", text="hi", finish_reason="eos")
@@ -220,16 +234,16 @@ REFUSED = [
     (_chat("a", n=2), "body.n: 2; only 1 is supported; send n copies with their own custom_id"),
     (_comp("a", n=3), "body.n: 3; only 1 is supported"),
     (_comp("a", best_of=2), "body.best_of: 2; only 1 is supported"),
-    (_chat("a", n=True), "body.n: True; only 1 is supported"),
+    (_chat("a", n=True), "body.n: true; only 1 is supported"),
     ({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}},
      "url: '/v1/embeddings' is not supported; lorabatch serves /v1/chat/completions and /v1/completions"),
     ({"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"model": "m", "input": "x"}},
      "url: '/v1/responses' is not supported"),
-    ({"custom_id": "a", "body": {"model": "m", "prompt": "x"}}, "url: None is not supported"),
+    ({"custom_id": "a", "body": {"model": "m", "prompt": "x"}}, "url: missing; lorabatch serves /v1/chat/completions and /v1/completions"),
     ({"custom_id": "a", "method": "GET", "url": CHAT, "body": {}}, "method: 'GET'; OpenAI batch lines are POST"),
     ({"custom_id": "a", "url": CHAT, "body": {}, "extra": 1}, "extra: not a field of an OpenAI batch line"),
     ({"custom_id": "a", "url": CHAT, "body": "x"}, "body: missing or not an object"),
-    (_chat("a", stream=True), "body.stream: True; batch results are not streamed"),
+    (_chat("a", stream=True), "body.stream: true; batch results are not streamed"),
     (_chat("a", tools=[]), "body.tools: not supported by lorabatch; remove it (supported: "),
     (_chat("a", logit_bias={"1": 5}), "body.logit_bias: not supported by lorabatch"),
     (_chat("a", presence_penalty=0.5), "body.presence_penalty: 0.5; only 0 is supported"),
@@ -254,7 +268,7 @@ REFUSED = [
     ('{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}", "the JSON nests too deeply"),
     (_chat("a", top_logprobs=2), "body.top_logprobs: needs logprobs: true"),
     (_chat("a", logprobs=3), "body.logprobs: 3; use true or false"),
-    (_comp("a", logprobs=True), "body.logprobs: True; use an integer 0..20"),
+    (_comp("a", logprobs=True), "body.logprobs: true; use an integer 0..20"),
     (_chat("a", max_tokens=4, max_completion_tokens=4), "body.max_completion_tokens: give it or max_tokens, not both"),
     ({**_chat("a"), "custom_id": 5}, "custom_id: missing or not a non-empty string"),
     ({**_chat("a"), "custom_id": ""}, "custom_id: missing or not a non-empty string"),

@@ -198,3 +198,28 @@ def test_a_field_given_twice_is_refused_not_guessed(raw, field, addressable):
     assert r.addressable is addressable
     if field in ("tenant_id", "request_id"):
         assert getattr(r, field) is None, r
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "says"),
+    [
+        ({"stop": ["ok", "x\ud800"]}, "stop.1", "stop.1: holds a lone UTF-16 surrogate (\\ud800) at character 1"),
+        ({"stop": [""]}, "stop.0", "send a list of up to 8 strings of 1 to 64 characters"),
+        ({"stop": "END"}, "stop", "send a list of up to 8 strings of 1 to 64 characters"),
+        ({"prompt": {"text": "hi"}}, "prompt", "prompt: Input should be a valid string; send a non-empty string"),
+        ({"prompt": None, "messages": [{"role": "user", "content": 5}]}, "messages.0.content", 'send a non-empty list of {"role"'),
+        ({"allow_base_fallback": 1}, "allow_base_fallback", "send true or false"),
+        ({"adapter_ref": {"name": "x"}}, "adapter_ref", "send `name` or `name@version`"),
+        ({"user_id": "has space"}, "user_id", "send 1 to 128 ASCII letters"),
+        ({"prompt": None, "input_ids": [1, -1]}, "input_ids.1", "send a value in 0..2147483647 for each token id"),
+        ({"logprobs": True}, "logprobs", "logprobs: Input should be a valid integer; send a value in 0..20"),
+    ],
+)
+def test_every_rejection_says_what_to_send(fields, field, says):
+    """A value of the wrong type or shape names its field and what the field takes, not only what was wrong: a lone
+    surrogate in a stop string was 'unable to parse raw data as a unicode string', a string prompt's object 'fix the
+    value and send the job again'."""
+    rej = parse_job(_with(**fields))
+    assert isinstance(rej, Rejection) and rej.addressable
+    assert rej.error.field == field and says in rej.error.message, rej.error
+    assert "fix the value and send the job again" not in rej.error.message

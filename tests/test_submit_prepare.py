@@ -139,3 +139,9 @@ def test_a_key_given_twice_is_a_bad_line(tmp_path):
     out = prepare(p, "acme", "b")
     assert [j.prompt for j in out.jobs] == ["ok"]
     assert out.errors == ["line 1: key 'max_new_tokens' is given twice in one object; give each key once"], out.errors
+
+
+def test_a_native_lines_nested_field_is_named_once(tmp_path):
+    """A native line's error inside a list names the path once (it said messages.0.role.0.role, input_ids.2.2)."""
+    out = prepare(_write(tmp_path, [{"messages": [{"role": "wizard", "content": "x"}]}, {"input_ids": [1, 2, -1]}]), "acme", "b")
+    assert [e.split(":")[:2] for e in out.errors] == [["line 1", " messages.0.role"], ["line 2", " input_ids.2"]], out.errors
