@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from pydantic import TypeAdapter, ValidationError
 
 from consumer.config import KafkaConfig
@@ -248,10 +249,17 @@ def new_batch_id() -> str:
     return "batch_" + uuid.uuid4().hex[:16]
 
 
+STALL_S = 30.0  # a topic that sends nothing for this long while records are still ahead of the reader has stopped
+
+
 async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, timeout_s: float,
                        started: asyncio.Event | None = None) -> None:  # fmt: skip
-    """Read whole topics from the beginning without a group, handing each message to its topic's handler; `started` is
-    set once the consumer is assigned and about to read."""
+    """Read whole topics from the beginning without a group, handing each message to its topic's handler, until `stop()`
+    or, once every record the topics held at the start has been read, at their end (`until_end`) or at `timeout_s`
+    from the start. What the topics held is always read whole, however long it takes: cut at the timeout, a manifest
+    read behind other batches' parts named a part of its batch (430,000 of a million request ids) as the whole of it.
+    KafkaTimeoutError when the topics send nothing for STALL_S seconds with records still ahead. `started` is set once
+    the consumer is assigned and about to read."""
     consumer = make_consumer(cfg, group_id=None, client_id="lorabatch-results")
     try:
         await consumer.start()  # inside: a start that fails (broker down) still closes what it opened
@@ -266,7 +274,8 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
         # judged by that offset *and* a poll that brings nothing more.
         end = await consumer.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        last_record = time.monotonic()
+        while True:
             batches = await consumer.getmany(*tps, timeout_ms=200)
             for tp, messages in batches.items():
                 for m in messages:
@@ -280,10 +289,18 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
                                     m.offset, str(e).splitlines()[0][:200])
             if stop():
                 return
-            if until_end and not batches:
-                positions = [await consumer.position(tp) for tp in tps]
-                if all(pos >= end[tp] for pos, tp in zip(positions, tps)):
-                    return
+            now = time.monotonic()
+            if batches:
+                last_record = now
+            if batches and now < deadline:
+                continue
+            behind = [(tp, pos) for tp in tps if (pos := await consumer.position(tp)) < end[tp]]
+            if not behind and (now >= deadline or until_end):
+                return
+            if behind and now - last_record >= STALL_S:
+                tp, pos = behind[0]
+                raise KafkaTimeoutError(f"{tp.topic} partition {tp.partition} sent nothing for {STALL_S:.0f} s at offset {pos}, "
+                                        f"before its end at {end[tp]}")
     finally:
         await consumer.stop()
 

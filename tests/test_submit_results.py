@@ -239,3 +239,25 @@ def test_foreign_records_on_the_results_topics_are_skipped(broker):
 
     results, dlq = asyncio.run(scenario())
     assert list(results) == ["r1"] and results["r1"].text == "hi" and dlq == {}
+
+
+def test_a_manifest_is_read_whole_however_short_the_timeout(broker):
+    """What the batches topic holds is read to its end: cut at the timeout, a manifest behind other batches' parts came
+    back with part of its ids (430,000 of a million) and `results` wrote that part as the whole batch."""
+    s, _ = _settings(broker, **{"kafka.max_message_bytes": 1024})
+    others = [_job("acme", f"o-{i:04d}", batch="other") for i in range(600)]
+    asyncio.run(produce_jobs(s.kafka, others, "other", "acme", "test", "request"))
+    jobs = [_job("acme", f"request-{i:04d}") for i in range(300)]
+    asyncio.run(produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request"))
+    found = asyncio.run(read_manifest(s.kafka, "acme", "b1", timeout_s=0))
+    assert found is not None and found.request_ids == [j.request_id for j in jobs]
+
+
+def test_cli_results_timeout_zero_takes_what_is_there(two_tenants, tmp_path):
+    """--timeout 0 writes the results already published (it read nothing and said every job had none)."""
+    _, overrides = two_tenants
+    target = tmp_path / "out.jsonl"
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "--timeout", "0", "-o", str(target),
+                              "--config", _config_file(tmp_path, overrides)])
+    assert out.exit_code == 0, out.output
+    assert [json.loads(line)["text"] for line in target.read_text().splitlines()] == ["acme one", "acme two"]
