@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, error_field, load_json
+from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, describe, error_field, load_json
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
@@ -80,54 +80,67 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
         lines = path.read_bytes().splitlines()
     except OSError as e:
         raise SubmitError(f"cannot read {path}: {e}") from e
-    first_line: dict[str, int] = {}  # request_id -> the line that used it first
+    first_line: dict[str, int] = {}  # request_id -> the line that gave it first
     for n, raw in enumerate(lines, start=1):
         request, names = None, {}  # names: job field -> the OpenAI line's field, for errors
         try:
-            text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM a Windows editor put first is no content
+            text = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM (a Windows editor's, or a file's joined on) is no content
             if not text.strip():
                 continue
             data, repeated = load_json(text)
             if repeated:
                 raise ValueError(f"key {repeated[0][0]!r} is given twice in one object; give each key once")
             if not isinstance(data, dict):
-                raise ValueError("expected a JSON object per line")
+                raise ValueError(f"expected a JSON object per line, got {_json_type(data)}; write one job object per line")
             if is_openai_line(data):
                 line = from_openai_line(data, batch_id)
                 data, request, names = line.job, line.request, line.names
+            rid = data.get("request_id", f"{batch_id}-{n}")
+            if isinstance(rid, str):
+                if rid in first_line:  # whether or not that line was good: which of the two was meant cannot be told
+                    what = (f"custom_id {request.custom_id!r}", "custom ids are unique per batch") if request is not None \
+                        else (f"request_id {rid!r}", "request ids are unique per tenant")
+                    raise ValueError(f"{what[0]} appears twice (first on line {first_line[rid]}); {what[1]}")
+                first_line[rid] = n
             if data.get("tenant_id", tenant_id) != tenant_id:
                 raise ValueError(f"tenant_id: {data['tenant_id']!r} differs from --tenant {tenant_id!r}; drop it or fix it")
+            if isinstance(data.get("batch_id"), str) and data["batch_id"] != batch_id:  # its DLQ record would name the other batch
+                raise ValueError(f"batch_id: {data['batch_id'][:160]!r} differs from the batch's id {batch_id!r}; drop it, or submit the "
+                                 f"file with --batch-id {data['batch_id'][:160]}")
             data["tenant_id"] = tenant_id
             data.setdefault("batch_id", batch_id)
-            data.setdefault("request_id", f"{batch_id}-{n}")
+            data.setdefault("request_id", rid)
             job = Job.model_validate(data)
-            if job.request_id in first_line and request is not None:
-                raise ValueError(f"custom_id {request.custom_id!r} appears twice (first on line {first_line[job.request_id]}); "
-                                 f"custom ids are unique per batch")
-            if job.request_id in first_line:
-                raise ValueError(f"request_id {job.request_id!r} appears twice (first on line {first_line[job.request_id]}); "
-                                 f"request ids are unique per tenant")
             if max_message_bytes is not None and (size := record_size(*job_message(job, key_by))) > max_message_bytes:
                 raise ValueError(f"the job is {size} bytes as a Kafka message, over kafka.max_message_bytes={max_message_bytes}; "
                                  f"shorten its prompt (workers dead-letter larger messages) or raise the limit")
-            first_line[job.request_id] = n
             out.jobs.append(job)
             if request is not None:
                 out.openai[job.request_id] = request
         except UnicodeDecodeError as e:
             out.errors.append(f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8")
         except json.JSONDecodeError as e:
-            out.errors.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
+            out.errors.append(f"line {n}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); {_json_fix(e.msg)}")
         except RecursionError:
             out.errors.append(f"line {n}: the JSON nests too deeply; send a flat job object (the README's \"Job and result contract\")")
         except ValidationError as e:
-            first = e.errors()[0]
-            where = body_field(error_field(first) or "", names)
-            more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-            out.errors.append(f"line {n}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}{more}")
+            errors = e.errors(include_url=False)
+            where = body_field(error_field(errors[0]) or "", names) or None
+            out.errors.append(f"line {n}: {describe(errors[0], len(errors), where).message}")
         except ValueError as e:
             out.errors.append(f"line {n}: {e}")
     return out
+
+
+def _json_type(value: object) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+
+
+def _json_fix(msg: str) -> str:
+    """What to do about a line the JSON decoder refused with `msg`."""
+    if msg.startswith("Invalid control character"):
+        return "escape control characters inside strings (\\n, \\t, \\u0000)"
+    return "write each line as one JSON object (JSON Lines: one object a line, no line break inside it)"
 
 
 def partition_key(job: Job, by: str) -> bytes:

@@ -145,3 +145,59 @@ def test_a_native_lines_nested_field_is_named_once(tmp_path):
     """A native line's error inside a list names the path once (it said messages.0.role.0.role, input_ids.2.2)."""
     out = prepare(_write(tmp_path, [{"messages": [{"role": "wizard", "content": "x"}]}, {"input_ids": [1, 2, -1]}]), "acme", "b")
     assert [e.split(":")[:2] for e in out.errors] == [["line 1", " messages.0.role"], ["line 2", " input_ids.2"]], out.errors
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    # a nested field's path once (it was messages.0.role.0.role), with what the field takes
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "line 1: messages.0.role: Input should be 'system', 'user', 'assistant' or 'tool'; "
+                                                         "send a non-empty list of"),
+    ({"input_ids": [1, 2, -1]}, "line 1: input_ids.2: Input should be greater than or equal to 0; send a value in 0..2147483647"),
+    ({"prompt": "x", "stop": [""]}, "line 1: stop.0: String should have at least 1 character; send a list of up to 8 strings"),
+    ({"prompt": "x", "stop": ["\ud800"]}, "line 1: stop.0: holds a lone UTF-16 surrogate (\\ud800)"),
+    # the range, as the worker's failed result gives it
+    ({"prompt": "x", "max_new_tokens": 200_000}, "line 1: max_new_tokens: Input should be less than or equal to 131072; send a value in 1..131072"),
+    ({"prompt": "x", "max_new_tokens": True}, "line 1: max_new_tokens: Input should be a valid integer; send a value in 1..131072"),
+    ({"prompt": "x", "temperature": "0.5"}, "line 1: temperature: Input should be a valid number; send a value in 0.0..5.0"),
+    ({"prompt": "x", "allow_base_fallback": "true"}, "line 1: allow_base_fallback: Input should be a valid boolean; send true or false"),
+    # JSON the decoder refuses: what is wrong once ("at at column" before), and the fix
+    ('{"prompt": "a\tb"}', "line 1: not valid JSON (Invalid control character at column 14); escape control characters inside strings"),
+    ('{"prompt": "a"} {"prompt": "b"}', "line 1: not valid JSON (Extra data at column 17); write each line as one JSON object"),
+    ('{"prompt": "a", }', "line 1: not valid JSON (Expecting property name enclosed in double quotes at column 17); write each line"),
+    ("[1, 2]", "line 1: expected a JSON object per line, got an array; write one job object per line"),
+    ({"prompt": "x", "batch_id": "other"}, "line 1: batch_id: 'other' differs from the batch's id 'b'; drop it, or submit the file with --batch-id other"),
+])
+def test_a_bad_line_names_its_field_and_the_fix(tmp_path, line, says):
+    """Each refusal says what the field takes, as the worker's failed result does; the good line after it still goes."""
+    out = prepare(_write(tmp_path, [line, {"prompt": "ok"}]), "acme", "b")
+    assert [j.prompt for j in out.jobs] == ["ok"]
+    assert len(out.errors) == 1 and out.errors[0].startswith(says), out.errors
+
+
+def test_a_bom_and_line_breaks_of_any_kind_are_no_content(tmp_path):
+    """A BOM before any line (files joined with cat, each saved by a Windows editor) is no content; CRLF and CR break
+    lines as LF does. The second file's BOM was 'Unexpected UTF-8 BOM (decode using utf-8-sig)'."""
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n\xef\xbb\xbf{"prompt": "b"}\r\n{"prompt": "c"}\r{"prompt": "d"}\n\r\n')
+    out = prepare(p, "acme", "b")
+    assert out.errors == [] and [(j.request_id, j.prompt) for j in out.jobs] == [("b-1", "a"), ("b-2", "b"), ("b-3", "c"), ("b-4", "d")]
+
+
+def test_an_id_given_twice_is_refused_even_where_its_first_line_was_bad(tmp_path):
+    """Which of two lines with one id was meant cannot be told: the second is refused whether or not the first was good
+    (it went, and once the first was fixed and the file sent again, the first was answered with the second's answer)."""
+    chat = {"method": "POST", "url": "/v1/chat/completions"}
+    p = _write(tmp_path, [
+        {"custom_id": "a", **chat, "body": {"messages": [{"role": "user", "content": "first"}], "max_tokens": "5"}},
+        {"custom_id": "a", **chat, "body": {"messages": [{"role": "user", "content": "second"}]}},
+        {"request_id": "r", "prompt": ""},
+        {"request_id": "r", "prompt": "second"},
+        {"prompt": "ok"},
+    ])
+    out = prepare(p, "acme", "b")
+    assert [j.prompt for j in out.jobs] == ["ok"]
+    assert [e.split(";")[0] for e in out.errors] == [
+        "line 1: body.max_tokens: Input should be a valid integer",
+        "line 2: custom_id 'a' appears twice (first on line 1)",
+        "line 3: prompt: is empty",
+        "line 4: request_id 'r' appears twice (first on line 3)",
+    ]
