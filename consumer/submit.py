@@ -1,11 +1,10 @@
 """`lorabatch submit` and `lorabatch results`: batch files in, results out, through Kafka.
 
-Input lines are native jobs (the contract in schemas.py) or OpenAI Batch API lines
-(`{"custom_id", "method", "url", "body": {"model", "prompt" | "messages", "max_tokens", ...}}`), where
-`body.model` names the adapter. Each submission writes a manifest (tenant, batch id, request ids) to
-the batches topic so that `results` knows when the batch is complete. Every message is checked against
-`kafka.max_message_bytes` before anything is produced: a job over it is a rejected line, and a manifest
-over it is written as several parts that `results` merges.
+A file's lines (native jobs or OpenAI Batch API lines, read and checked by batch_file.py) are produced as they are
+read, a chunk at a time; each chunk is followed by the manifest parts (tenant, batch id, request ids) that name its
+jobs on the batches topic, so that `results` knows when the batch is complete. Every message is checked against
+`kafka.max_message_bytes` before it is produced: a job over it is a rejected line, and a manifest over it is written
+as several parts that `results` merges.
 
 A batch is a tenant's: `results` finds the manifest by (tenant, batch id) and takes the results whose
 (tenant, request id) the manifest lists, one per request id however often it was published. A batch
@@ -22,146 +21,30 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaTimeoutError
-from pydantic import TypeAdapter, ValidationError
 
 from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
-from consumer.openai_batch import body_field, from_openai_line, index_parts, is_openai_line
-from consumer.schemas import BatchManifest, DlqRecord, Ident, Job, OpenAIRequest, Result, TenantId, describe, error_field, load_json
+from consumer.batch_file import Line, SubmitError, job_message, partition_key
+from consumer.openai_batch import index_parts
+from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
 
 
-class SubmitError(Exception):
-    retriable = False
-
-
-@dataclass
-class Prepared:
-    jobs: list[Job] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)  # "line N: field: what to fix"
-    openai: dict[str, OpenAIRequest] = field(default_factory=dict)  # request id -> its OpenAI Batch line
-
-
-# The contract's identifiers (consumer.schemas.Ident, TenantId), in words for the options that give them.
-_ID_RULES = {
-    "--tenant": (TypeAdapter(TenantId), "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit"),
-    "--batch-id": (TypeAdapter(Ident), "1 to 128 ASCII letters, digits, '_', '.', ':', '@', '/' or '-'"),
-}
-
-
-def check_ids(tenant_id: str, batch_id: str) -> None:
-    """SubmitError naming the option if the tenant or batch id is not one the job contract takes: checked once, before
-    any line (every line carries both, and each was rejected with the same message)."""
-    for option, value in (("--tenant", tenant_id), ("--batch-id", batch_id)):
-        adapter, rule = _ID_RULES[option]
-        try:
-            adapter.validate_python(value)
-        except ValidationError:
-            raise SubmitError(f"{option} {value[:160]!r} is not usable: write {rule}") from None
-
-
-def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int | None = None, key_by: str = "tenant") -> Prepared:
-    """Parse and validate every line; bad lines are reported, not sent.
-
-    With `max_message_bytes` (kafka.max_message_bytes), a line whose job would be a Kafka message
-    larger than that (keyed by `key_by`) is a bad line too.
-    """
-    check_ids(tenant_id, batch_id)
-    out = Prepared()
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise SubmitError(f"cannot read {path}: {e}") from e
-    first_line: dict[str, int] = {}  # request_id -> the line that gave it first
-    for n, raw in enumerate(lines, start=1):
-        request, names = None, {}  # names: job field -> the OpenAI line's field, for errors
-        try:
-            text = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM (a Windows editor's, or a file's joined on) is no content
-            if not text.strip():
-                continue
-            data, repeated = load_json(text)
-            if repeated:
-                raise ValueError(f"key {repeated[0][0]!r} is given twice in one object; give each key once")
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object per line, got {_json_type(data)}; write one job object per line")
-            if is_openai_line(data):
-                line = from_openai_line(data, batch_id)
-                data, request, names = line.job, line.request, line.names
-            rid = data.get("request_id", f"{batch_id}-{n}")
-            if isinstance(rid, str):
-                if rid in first_line:  # whether or not that line was good: which of the two was meant cannot be told
-                    what = (f"custom_id {request.custom_id!r}", "custom ids are unique per batch") if request is not None \
-                        else (f"request_id {rid!r}", "request ids are unique per tenant")
-                    raise ValueError(f"{what[0]} appears twice (first on line {first_line[rid]}); {what[1]}")
-                first_line[rid] = n
-            if data.get("tenant_id", tenant_id) != tenant_id:
-                raise ValueError(f"tenant_id: {data['tenant_id']!r} differs from --tenant {tenant_id!r}; drop it or fix it")
-            if isinstance(data.get("batch_id"), str) and data["batch_id"] != batch_id:  # its DLQ record would name the other batch
-                raise ValueError(f"batch_id: {data['batch_id'][:160]!r} differs from the batch's id {batch_id!r}; drop it, or submit the "
-                                 f"file with --batch-id {data['batch_id'][:160]}")
-            data["tenant_id"] = tenant_id
-            data.setdefault("batch_id", batch_id)
-            data.setdefault("request_id", rid)
-            job = Job.model_validate(data)
-            if max_message_bytes is not None and (size := record_size(*job_message(job, key_by))) > max_message_bytes:
-                raise ValueError(f"the job is {size} bytes as a Kafka message, over kafka.max_message_bytes={max_message_bytes}; "
-                                 f"shorten its prompt (workers dead-letter larger messages) or raise the limit")
-            out.jobs.append(job)
-            if request is not None:
-                out.openai[job.request_id] = request
-        except UnicodeDecodeError as e:
-            out.errors.append(f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8")
-        except json.JSONDecodeError as e:
-            out.errors.append(f"line {n}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); {_json_fix(e.msg)}")
-        except RecursionError:
-            out.errors.append(f"line {n}: the JSON nests too deeply; send a flat job object (the README's \"Job and result contract\")")
-        except ValidationError as e:
-            errors = e.errors(include_url=False)
-            where = body_field(error_field(errors[0]) or "", names) or None
-            out.errors.append(f"line {n}: {describe(errors[0], len(errors), where).message}")
-        except ValueError as e:
-            out.errors.append(f"line {n}: {e}")
-    return out
-
-
-def _json_type(value: object) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
-
-
-def _json_fix(msg: str) -> str:
-    """What to do about a line the JSON decoder refused with `msg`."""
-    if msg.startswith("Invalid control character"):
-        return "escape control characters inside strings (\\n, \\t, \\u0000)"
-    return "write each line as one JSON object (JSON Lines: one object a line, no line break inside it)"
-
-
-def partition_key(job: Job, by: str) -> bytes:
-    """The record key of a job; `adapter-balanced` keys by adapter too (its partition is chosen, not hashed)."""
-    by = "adapter" if by == "adapter-balanced" else by
-    value = {"tenant": job.tenant_id, "adapter": f"{job.tenant_id}/{job.adapter_ref or ''}", "request": job.request_id}[by]
-    return value.encode()
-
-
-def job_message(job: Job, key_by: str) -> tuple[bytes, bytes]:
-    """The record a job is produced as: (key, value)."""
-    return partition_key(job, key_by), job.model_dump_json(exclude_none=True).encode()
-
-
-def manifest_parts(batch_id: str, tenant_id: str, request_ids: list[str], source: str, max_message_bytes: int) -> list[BatchManifest]:
+def manifest_parts(batch_id: str, tenant_id: str, request_ids: list[str], source: str, max_message_bytes: int,
+                   created_at: str | None = None) -> list[BatchManifest]:
     """The batch's manifest as messages of at most `max_message_bytes` each; `read_manifest` merges them.
 
     One part unless the ids do not fit: at the default 1,000,000-byte limit a part holds ~7,600 ids of
     the longest kind (128 characters), ~40,000 of the generated `batch_<16 hex>-<line>` kind.
     """
-    created_at = datetime.now(UTC).isoformat(timespec="microseconds")
+    created_at = created_at or _now()  # every part of a batch (of each chunk of a file) carries the first one's time
     empty = BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=[], source=source, created_at=created_at)
     budget = max_message_bytes - record_size(batch_id.encode(), empty.model_dump_json().encode())
     parts: list[list[str]] = [[]]
@@ -219,6 +102,9 @@ def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
     return out
 
 
+MANIFEST_EVERY = 5_000  # jobs of a file produced before the manifest parts that name them: what submit holds at once
+
+
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
                        progress=None, openai: dict[str, OpenAIRequest] | None = None, producer=None) -> None:
     """Produce the jobs, then the batch's manifest; nothing at all when a job is over kafka.max_message_bytes.
@@ -226,36 +112,100 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
     `openai` (Prepared.openai) goes into manifest parts of its own, read back by `read_manifest`. `producer`, an
     AIOKafkaProducer already started (make_producer), is used and left running; by default one is started and stopped.
     """
-    records = [job_message(job, key_by) for job in jobs]
-    too_big = [(job.request_id, size) for job, record in zip(jobs, records) if (size := record_size(*record)) > cfg.max_message_bytes]
-    if too_big:
-        named = ", ".join(f"{rid!r} ({size} bytes)" for rid, size in too_big[:3])
-        raise SubmitError(f"{len(too_big)} of {len(jobs)} jobs are over kafka.max_message_bytes={cfg.max_message_bytes} as Kafka messages: "
-                          f"{named}{', ...' if len(too_big) > 3 else ''}; nothing was produced; shorten their prompts or raise the limit")
-    manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes)
-    try:
-        manifests += index_parts(batch_id, tenant_id, openai or {}, source, manifests[0].created_at, cfg.max_message_bytes)
-    except ValueError as e:
-        raise SubmitError(str(e)) from e
+    records = _sized_records(cfg, jobs, [job_message(job, key_by) for job in jobs])
+    manifests = _manifests(cfg, jobs, batch_id, tenant_id, source, openai or {}, _now())
     own = producer is None
     producer = producer if producer is not None else make_producer(cfg, client_id="lorabatch-submit")
     try:
         if own:
             await producer.start()  # inside: a start that fails (broker down) still closes what it opened
-        placed: list[int | None] = [None] * len(jobs)
-        if key_by == "adapter-balanced" and jobs:
-            placed = balanced_partitions(jobs, sorted(await producer.partitions_for(cfg.jobs_topic)))
-        futures = []
-        for (key, value), partition in zip(records, placed):
-            futures.append(await producer.send(cfg.jobs_topic, value, key=key, partition=partition))
-            if progress is not None:
-                progress(1)
-        await asyncio.gather(*futures)
-        for manifest in manifests:  # one key, so one partition: the parts stay in order
-            await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=batch_id.encode())
+        await _send(producer, cfg, jobs, records, manifests, key_by, progress)
     finally:
         if own:
             await producer.stop()
+
+
+async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, tenant_id: str, source: str, key_by: str,
+                        sent=None) -> int:
+    """Produce the good lines' jobs while the file is read (`read_lines`), MANIFEST_EVERY at a time: a chunk's jobs,
+    then, once the broker has them all, the manifest parts that name them. Returns how many were produced; `sent(n)` is
+    told the count so far after each chunk.
+
+    A file's jobs are never all in memory (a million lines took 2.4 GB read whole), except under `adapter-balanced`,
+    which places a batch's jobs by all of their weights and reads the file into one chunk. A submission cut short (the
+    broker failed) has the manifests of the chunks it produced; the same file submitted again under the same batch id
+    adds the rest and runs nothing twice. No producer is started for a file without a good line.
+    """
+    created_at = _now()
+    producer = None
+    total = 0
+    try:
+        for chunk in _chunks((line for line in lines if line.job is not None), None if key_by == "adapter-balanced" else MANIFEST_EVERY):
+            jobs = [line.job for line in chunk]
+            records = _sized_records(cfg, jobs, [line.record or job_message(line.job, key_by) for line in chunk])
+            openai = {line.job.request_id: line.request for line in chunk if line.request is not None}
+            manifests = _manifests(cfg, jobs, batch_id, tenant_id, source, openai, created_at)
+            if producer is None:
+                producer = make_producer(cfg, client_id="lorabatch-submit")
+                await producer.start()  # inside: a start that fails (broker down) still closes what it opened
+            await _send(producer, cfg, jobs, records, manifests, key_by, None)
+            total += len(chunk)
+            if sent is not None:
+                sent(total)
+    finally:
+        if producer is not None:
+            await producer.stop()
+    return total
+
+
+def _chunks(lines: Iterable[Line], size: int | None) -> Iterator[list[Line]]:
+    chunk: list[Line] = []
+    for line in lines:
+        chunk.append(line)
+        if size is not None and len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def _sized_records(cfg: KafkaConfig, jobs: list[Job], records: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """`records`, or SubmitError naming the jobs over kafka.max_message_bytes (and nothing is produced)."""
+    too_big = [(job.request_id, size) for job, record in zip(jobs, records) if (size := record_size(*record)) > cfg.max_message_bytes]
+    if too_big:
+        named = ", ".join(f"{rid!r} ({size} bytes)" for rid, size in too_big[:3])
+        raise SubmitError(f"{len(too_big)} of {len(jobs)} jobs are over kafka.max_message_bytes={cfg.max_message_bytes} as Kafka messages: "
+                          f"{named}{', ...' if len(too_big) > 3 else ''}; nothing was produced; shorten their prompts or raise the limit")
+    return records
+
+
+def _manifests(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, openai: dict[str, OpenAIRequest],
+               created_at: str) -> list[BatchManifest]:
+    manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes, created_at)
+    try:
+        return manifests + index_parts(batch_id, tenant_id, openai, source, created_at, cfg.max_message_bytes)
+    except ValueError as e:
+        raise SubmitError(str(e)) from e
+
+
+async def _send(producer, cfg: KafkaConfig, jobs: list[Job], records: list[tuple[bytes, bytes]], manifests: list[BatchManifest],
+                key_by: str, progress) -> None:
+    """The jobs' records, then (once the broker has them all) the manifest parts that name them."""
+    placed: list[int | None] = [None] * len(jobs)
+    if key_by == "adapter-balanced" and jobs:
+        placed = balanced_partitions(jobs, sorted(await producer.partitions_for(cfg.jobs_topic)))
+    futures = []
+    for (key, value), partition in zip(records, placed):
+        futures.append(await producer.send(cfg.jobs_topic, value, key=key, partition=partition))
+        if progress is not None:
+            progress(1)
+    await asyncio.gather(*futures)
+    for manifest in manifests:  # one key, so one partition: the parts stay in order
+        await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=manifests[0].batch_id.encode())
 
 
 def new_batch_id() -> str:

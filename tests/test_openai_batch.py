@@ -27,7 +27,8 @@ from consumer.openai_batch import (
 )
 from consumer.outcomes import engine_error_field
 from consumer.schemas import BatchManifest, DlqRecord, ErrorInfo, Job, OpenAIRequest, Result
-from consumer.submit import prepare, produce_jobs, read_manifest
+from consumer.batch_file import prepare
+from consumer.submit import produce_jobs, read_manifest
 from engine.config import EngineConfig
 
 IDENT = re.compile(r"^[A-Za-z0-9_.:@/\-]{1,128}$")  # schemas.Ident

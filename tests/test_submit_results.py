@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 
 import pytest
@@ -261,3 +262,71 @@ def test_cli_results_timeout_zero_takes_what_is_there(two_tenants, tmp_path):
                               "--config", _config_file(tmp_path, overrides)])
     assert out.exit_code == 0, out.output
     assert [json.loads(line)["text"] for line in target.read_text().splitlines()] == ["acme one", "acme two"]
+
+
+# ---- a file read as it is produced, and what submit and results say when cut short ---------------------
+
+
+def test_a_file_is_produced_in_chunks_each_named_by_its_manifest(broker, tmp_path, monkeypatch):
+    """produce_lines produces a chunk of jobs, then the manifest parts naming them, before it reads on: a submission cut
+    short (here the file could not be read past line 5) leaves the chunks produced, each named by the batch's manifest."""
+    from consumer import submit
+    from consumer.batch_file import SubmitError, read_lines
+
+    s, _ = _settings(broker)
+    monkeypatch.setattr(submit, "MANIFEST_EVERY", 2)
+    p = tmp_path / "jobs.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(1, 8)))
+
+    def cut(lines):
+        for line in lines:
+            if line.number == 6:
+                raise SubmitError("cannot read jobs.jsonl after line 5")
+            yield line
+
+    told: list[int] = []
+    with pytest.raises(SubmitError):
+        asyncio.run(submit.produce_lines(s.kafka, cut(read_lines(p, "acme", "b1", max_message_bytes=s.kafka.max_message_bytes)),
+                                         "b1", "acme", str(p), "tenant", sent=told.append))
+    assert told == [2, 4]
+    assert asyncio.run(read_manifest(s.kafka, "acme", "b1")).request_ids == ["b1-1", "b1-2", "b1-3", "b1-4"]
+    parts = asyncio.run(read_all(s, s.kafka.batches_topic, BatchManifest, lambda got: len(got) >= 2, timeout_s=20))
+    assert len({m.created_at for m in parts}) == 1  # one batch: `created` of its OpenAI answers is the same for all
+
+
+def test_cli_submit_refuses_an_empty_file_and_a_bad_key(tmp_path):
+    """A file with no line but blank ones is an error (exit 2; it said submitted 0 and exited 0, and `results` then found
+    no batch); --key takes one of its four values, named as the option (it was named as lorabatch.toml's key)."""
+    from consumer.broker import free_port
+
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})  # never reached
+    for text in ("", "\n  \r\n\t\n"):
+        jobs = tmp_path / "jobs.jsonl"
+        jobs.write_text(text)
+        out = runner.invoke(app, ["submit", str(jobs), "--tenant", "acme", "--config", config])
+        said = " ".join(out.output.split())
+        assert out.exit_code == 2 and "holds no job: it is empty, or its lines are blank" in said, out.output
+    out = runner.invoke(app, ["submit", str(jobs), "--tenant", "acme", "--key", "partition", "--config", config])
+    assert out.exit_code == 2 and "--key 'partition': use tenant, adapter, adapter-balanced, request" in " ".join(out.output.split())
+
+
+def test_cli_submit_interrupted_names_the_batch_to_submit_again(tmp_path, monkeypatch):
+    """^C in the middle of a submission says the batch id to submit the file again under (one it made is printed
+    nowhere else: submitted afresh, the jobs already produced ran and were billed twice) and exits 130."""
+    from consumer import submit
+    from consumer.broker import free_port
+
+    async def interrupted(cfg, lines, batch_id, tenant_id, source, key_by, sent=None):
+        for _ in lines:
+            pass
+        sent(5000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(submit, "produce_lines", interrupted)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "a"}\n')
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    out = runner.invoke(app, ["submit", str(jobs), "--tenant", "acme", "--config", config])
+    said = " ".join(out.output.split())
+    bid = re.search(r"batch (batch_[0-9a-f]{16}) produced", said)
+    assert out.exit_code == 130 and bid and f"submit the file again with --batch-id {bid.group(1)}" in said, out.output

@@ -20,6 +20,9 @@ def broker_failed(s: Settings, e: Exception, again: str = "run the command again
             f"or set kafka.bootstrap_servers to a running one, then {again}")
 
 
+PARTITION_KEYS = ("tenant", "adapter", "adapter-balanced", "request")
+
+
 def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs belong to")],
            batch_id: Annotated[Optional[str], typer.Option("--batch-id")] = None,
            key: Annotated[Optional[str], typer.Option(help="partition key: tenant, adapter, adapter-balanced or request")] = None,
@@ -31,29 +34,56 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
 
     from rich.markup import escape
 
-    from consumer.submit import SubmitError, new_batch_id, prepare, produce_jobs
+    from consumer.batch_file import SubmitError, check_ids, read_lines
+    from consumer.submit import new_batch_id, produce_lines
 
+    if key is not None and key not in PARTITION_KEYS:
+        fail(f"--key {key!r}: use {', '.join(PARTITION_KEYS)}")
     s = settings_from(config, **({"kafka.partition_key": key} if key else {}))
     bid = batch_id or new_batch_id()
     try:
-        prepared = prepare(file, tenant, bid, max_message_bytes=s.kafka.max_message_bytes, key_by=s.kafka.partition_key)
+        check_ids(tenant, bid)
     except SubmitError as e:
         fail(str(e))
-    for err in prepared.errors:
-        console.print(f"[yellow]rejected[/yellow] {escape(str(file))}: {escape(err)}", highlight=False, soft_wrap=True)
-    if prepared.jobs:
+    seen = {"good": 0, "rejected": 0, "sent": 0}
+    try:
+        size = file.stat().st_size or None  # a pipe has none: the bar then counts bytes without a total
+    except OSError as e:
+        fail(f"cannot read {file}: {e}")
+
+    def shown(lines):
+        """The lines as read: each bad one printed, the bar moved on by its bytes."""
+        for line in lines:
+            if line.error is not None:
+                seen["rejected"] += 1
+                console.print(f"[yellow]rejected[/yellow] {escape(str(file))}: {escape(line.error)}", highlight=False, soft_wrap=True)
+            elif line.job is not None:
+                seen["good"] += 1
+            bar.update(task, advance=line.size, rejected=seen["rejected"])
+            yield line
+
+    def sent(n: int) -> None:
+        seen["sent"] = n
+        bar.update(task, sent=n)
+
+    with progress_bar(unit="bytes") as bar:
+        task = bar.add_task(f"submitting {file.name}", total=size, sent=0, rejected=0)
         try:
-            with progress_bar() as bar:
-                task = bar.add_task("submitting", total=len(prepared.jobs))
-                asyncio.run(produce_jobs(s.kafka, prepared.jobs, bid, tenant, str(file), s.kafka.partition_key,
-                                         progress=lambda n: bar.advance(task, n), openai=prepared.openai))
+            asyncio.run(produce_lines(s.kafka, shown(read_lines(file, tenant, bid, max_message_bytes=s.kafka.max_message_bytes,
+                                                                key_by=s.kafka.partition_key)),
+                                      bid, tenant, str(file), s.kafka.partition_key, sent=sent))
         except SubmitError as e:
-            fail(str(e))
+            fail(str(e) + (f"; the {seen['sent']} jobs produced before it are kept: submit again with --batch-id {bid}" if seen["sent"] else ""))
         except KafkaError as e:
             # The same batch id gives the same request ids, so jobs already produced are not run twice.
             fail(broker_failed(s, e, f"submit again with --batch-id {bid}"))
-    typer.echo(json.dumps({"batch_id": bid, "submitted": len(prepared.jobs), "rejected": len(prepared.errors)}))
-    if prepared.errors:
+        except KeyboardInterrupt:
+            fail(f"interrupted with at least {seen['sent']} jobs of batch {bid} produced; submit the file again with --batch-id {bid} "
+                 f"for the rest (the jobs produced are not run twice)", 130)
+    if not seen["good"] and not seen["rejected"]:
+        fail(f"{file} holds no job: it is empty, or its lines are blank; write one job (a JSON object) a line")
+    typer.echo(json.dumps({"batch_id": bid, "submitted": seen["sent"], "rejected": seen["rejected"]}))
+    if seen["rejected"]:
         raise typer.Exit(1)
 
 

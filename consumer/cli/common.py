@@ -150,9 +150,14 @@ def run(app: typer.Typer) -> None:
         sys.exit(2)
 
 
-def progress_bar() -> Progress:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def progress_bar(unit: str = "items") -> Progress:
+    """A progress bar on stderr: of items done out of a total, or (`unit="bytes"`) of a file read, with the `sent` and
+    `rejected` counts its task carries."""
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if unit == "bytes":
+        return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TextColumn("{task.fields[sent]} sent, {task.fields[rejected]} rejected"), TimeElapsedColumn(), console=console)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
 
 
