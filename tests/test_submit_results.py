@@ -330,3 +330,41 @@ def test_cli_submit_interrupted_names_the_batch_to_submit_again(tmp_path, monkey
     said = " ".join(out.output.split())
     bid = re.search(r"batch (batch_[0-9a-f]{16}) produced", said)
     assert out.exit_code == 130 and bid and f"submit the file again with --batch-id {bid.group(1)}" in said, out.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["-o", "{tmp}/no/such/folder/out.jsonl"], "cannot write -o {tmp}/no/such/folder/out.jsonl: No such file or directory"),
+    (["-o", "{tmp}"], "cannot write -o {tmp}: Is a directory"),
+    (["--timeout", "nan"], "--timeout nan: give the seconds to wait for the batch, 0 or more"),
+    (["--timeout", "-5"], "--timeout -5.0: give the seconds to wait for the batch, 0 or more"),
+])
+def test_cli_results_checks_its_options_before_it_waits(tmp_path, args, says):
+    """An output file that cannot be written, or a timeout that is no time, ends the command at once (exit 2), where it
+    was found after the whole wait (up to --timeout, 600 s by default) or read as 'no result after nans'."""
+    from consumer.broker import free_port
+
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})  # never reached
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "--config", config, *args])
+    assert out.exit_code == 2 and says.replace("{tmp}", str(tmp_path)) in " ".join(out.output.split()), out.output
+
+
+def test_cli_results_interrupted_says_nothing_is_lost(tmp_path, monkeypatch):
+    """^C while waiting says how many results were in and that the same command collects them again (exit 130)."""
+    from consumer import submit
+    from consumer.broker import free_port
+
+    async def manifest(*args, **kwargs):
+        return BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1", "r2"])
+
+    async def interrupted(cfg, manifest, timeout_s, progress=None):
+        progress(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(submit, "read_manifest", manifest)
+    monkeypatch.setattr(submit, "collect_results", interrupted)
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "-o", str(tmp_path / "out.jsonl"), "--config", config])
+    said = " ".join(out.output.split())
+    assert out.exit_code == 130 and "interrupted with 1 of 2 results collected; nothing was written" in said, out.output
+    assert "run the same command again to collect them" in said and not (tmp_path / "out.jsonl").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -95,6 +96,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
             config: ConfigOpt = None) -> None:
     """Collect a tenant's batch's results until every job has one, as JSONL in submission order."""
     import asyncio
+    import math
     import sys
 
     from aiokafka.errors import KafkaError
@@ -104,6 +106,10 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
 
     if fmt not in ("native", "openai"):
         fail(f"--format {fmt!r}: use native or openai")
+    if not math.isfinite(timeout) or timeout < 0:
+        fail(f"--timeout {timeout}: give the seconds to wait for the batch, 0 or more")
+    if output is not None:
+        writable(output)  # before the wait, not after it
     s = settings_from(config)
     try:
         # No manifest: the batch's jobs were produced by another client; the jobs topic says which they are.
@@ -114,29 +120,52 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
     if manifest is None:
         fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}: no manifest, "
              f"and no job in {s.kafka.jobs_topic} has that tenant_id and batch_id; check the id and the --tenant")
+    collected = [0]
+
+    def advance(n: int) -> None:
+        collected[0] += n
+        bar.advance(task, n)
+
     with progress_bar() as bar:
         task = bar.add_task(f"batch {tenant}/{batch_id}", total=len(manifest.request_ids))
         try:
-            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=lambda n: bar.advance(task, n)))
+            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=advance))
         except KafkaError as e:
             fail(broker_failed(s, e))
-    lines = []
+        except KeyboardInterrupt:
+            fail(f"interrupted with {collected[0]} of {len(manifest.request_ids)} results collected; nothing was written; "
+                 f"the results stay on {s.kafka.results_topic}: run the same command again to collect them", 130)
     created = created_of(manifest)
-    for rid in manifest.request_ids:
-        asked = manifest.openai.get(rid)
-        if rid in got:
-            lines.append(json.dumps(to_openai_line(got[rid], asked, created) if fmt == "openai" else got[rid].model_dump(mode="json")))
-        elif rid in dlq:
-            lines.append(json.dumps(to_openai_dlq_line(rid, asked, dlq[rid].error) if fmt == "openai"
-                                    else {"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()}))
-    text = "\n".join(lines) + ("\n" if lines else "")
-    if output:
-        output.write_text(text)
-    else:
-        sys.stdout.write(text)
-    missing = len(manifest.request_ids) - len(lines)
+    written = 0
+    with (output.open("w", encoding="utf-8") if output is not None else nullcontext(sys.stdout)) as out:
+        for rid in manifest.request_ids:
+            asked = manifest.openai.get(rid)
+            if rid in got:
+                line = to_openai_line(got[rid], asked, created) if fmt == "openai" else got[rid].model_dump(mode="json")
+            elif rid in dlq:
+                line = (to_openai_dlq_line(rid, asked, dlq[rid].error) if fmt == "openai"
+                        else {"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()})
+            else:
+                continue
+            out.write(json.dumps(line) + "\n")
+            written += 1
+    missing = len(manifest.request_ids) - written
     if missing:
-        fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running?", 1)
+        fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running? "
+             f"(the file holds the {written} that have one; run the command again, with a longer --timeout, for the rest)", 1)
+
+
+def writable(path: Path) -> None:
+    """End the command naming `path` when it cannot be written (a folder that does not exist, a folder itself, no
+    permission), before anything is waited for."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def register(app: typer.Typer) -> None:
