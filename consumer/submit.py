@@ -102,7 +102,8 @@ def balanced_partitions(jobs: list[Job], partitions: list[int]) -> list[int]:
     return out
 
 
-MANIFEST_EVERY = 5_000  # jobs of a file produced before the manifest parts that name them: what submit holds at once
+MANIFEST_EVERY = 5_000  # jobs of a file produced before the manifest parts that name them: what submit holds at once,
+CHUNK_BYTES = 64 << 20  # or fewer, once their lines are this many bytes of the file (5,000 prompts of 1 MB were 10 GB)
 
 
 async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, key_by: str,
@@ -127,9 +128,9 @@ async def produce_jobs(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_
 
 async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, tenant_id: str, source: str, key_by: str,
                         sent=None) -> int:
-    """Produce the good lines' jobs while the file is read (`read_lines`), MANIFEST_EVERY at a time: a chunk's jobs,
-    then, once the broker has them all, the manifest parts that name them. Returns how many were produced; `sent(n)` is
-    told the count so far after each chunk.
+    """Produce the good lines' jobs while the file is read (`read_lines`), MANIFEST_EVERY (or CHUNK_BYTES of lines) at a
+    time: a chunk's jobs, then, once the broker has them all, the manifest parts that name them. Returns how many were
+    produced; `sent(n)` is told the count so far after each chunk.
 
     A file's jobs are never all in memory (a million lines took 2.4 GB read whole), except under `adapter-balanced`,
     which places a batch's jobs by all of their weights and reads the file into one chunk. A submission cut short (the
@@ -140,7 +141,9 @@ async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, 
     producer = None
     total = 0
     try:
-        for chunk in _chunks((line for line in lines if line.job is not None), None if key_by == "adapter-balanced" else MANIFEST_EVERY):
+        whole = key_by == "adapter-balanced"
+        for chunk in _chunks((line for line in lines if line.job is not None), None if whole else MANIFEST_EVERY,
+                             None if whole else CHUNK_BYTES):
             jobs = [line.job for line in chunk]
             records = _sized_records(cfg, jobs, [line.record or job_message(line.job, key_by) for line in chunk])
             openai = {line.job.request_id: line.request for line in chunk if line.request is not None}
@@ -158,13 +161,16 @@ async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, 
     return total
 
 
-def _chunks(lines: Iterable[Line], size: int | None) -> Iterator[list[Line]]:
+def _chunks(lines: Iterable[Line], size: int | None, max_bytes: int | None) -> Iterator[list[Line]]:
+    """`lines` in lists of `size`, or fewer where their lines reach `max_bytes` of the file (None: no bound)."""
     chunk: list[Line] = []
+    held = 0
     for line in lines:
         chunk.append(line)
-        if size is not None and len(chunk) >= size:
+        held += line.size
+        if (size is not None and len(chunk) >= size) or (max_bytes is not None and held >= max_bytes):
             yield chunk
-            chunk = []
+            chunk, held = [], 0
     if chunk:
         yield chunk
 

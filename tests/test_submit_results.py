@@ -294,6 +294,23 @@ def test_a_file_is_produced_in_chunks_each_named_by_its_manifest(broker, tmp_pat
     assert len({m.created_at for m in parts}) == 1  # one batch: `created` of its OpenAI answers is the same for all
 
 
+def test_a_chunk_is_bounded_by_the_bytes_of_its_lines(broker, tmp_path, monkeypatch):
+    """A chunk ends at CHUNK_BYTES of lines as well as at MANIFEST_EVERY jobs: 5,000 lines of 1 MB prompts were held
+    at once (10 GB with their records). Under adapter-balanced the file is one chunk."""
+    from consumer import submit
+    from consumer.batch_file import read_lines
+
+    s, _ = _settings(broker)
+    monkeypatch.setattr(submit, "CHUNK_BYTES", 250)
+    p = tmp_path / "jobs.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "x" * 90}) + "\n" for _ in range(5)))  # 106 bytes a line
+    for key_by, batch, chunks in (("tenant", "b1", [3, 5]), ("adapter-balanced", "b2", [5])):
+        told: list[int] = []
+        asyncio.run(submit.produce_lines(s.kafka, read_lines(p, "acme", batch), batch, "acme", str(p), key_by, sent=told.append))
+        assert told == chunks, key_by
+        assert asyncio.run(read_manifest(s.kafka, "acme", batch)).request_ids == [f"{batch}-{n}" for n in range(1, 6)]
+
+
 def test_cli_submit_refuses_an_empty_file_and_a_bad_key(tmp_path):
     """A file with no line but blank ones is an error (exit 2; it said submitted 0 and exited 0, and `results` then found
     no batch); --key takes one of its four values, named as the option (it was named as lorabatch.toml's key)."""
