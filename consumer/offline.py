@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from consumer.outcomes import engine_error_field, to_request
-from consumer.schemas import Job
+from consumer.schemas import Job, describe
 from engine.config import EngineConfig
 
 
@@ -27,11 +27,12 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
         engine.load_adapter(name, path)
     slots: list[str | int] = []  # a finished line, or the index of the request that will fill it
     requests, jobs = [], []
-    for n, text in enumerate(jobs_path.read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
+    for n, raw in enumerate(jobs_path.read_bytes().splitlines(), start=1):
         rid = f"line-{n}"
         try:
+            text = raw.decode("utf-8").removeprefix("\ufeff")  # a line of other bytes is that line's failure, a BOM no content
+            if not text.strip():
+                continue
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError("expected a JSON object")
@@ -39,10 +40,17 @@ def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path
             data.setdefault("tenant_id", "local")
             rid = str(data["request_id"])
             job = Job.model_validate(data)
-        except (json.JSONDecodeError, ValueError, ValidationError) as e:
-            msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
-            field = ".".join(str(p) for p in e.errors()[0]["loc"]) if isinstance(e, ValidationError) else None
-            slots.append(_line(rid, status="failed", error={"code": "invalid_job", "field": field, "message": f"line {n}: {msg}"}))
+        except UnicodeDecodeError as e:
+            slots.append(_line(rid, status="failed", error={"code": "invalid_job", "field": None, "message":
+                               f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"}))
+            continue
+        except ValidationError as e:
+            errors = e.errors(include_url=False)
+            info = describe(errors[0], len(errors))
+            slots.append(_line(rid, status="failed", error={"code": "invalid_job", "field": info.field, "message": f"line {n}: {info.message}"}))
+            continue
+        except (json.JSONDecodeError, ValueError, RecursionError) as e:
+            slots.append(_line(rid, status="failed", error={"code": "invalid_job", "field": None, "message": f"line {n}: {e}"}))
             continue
         if job.adapter_ref is not None and job.adapter_ref not in adapters:
             slots.append(_line(job.request_id, status="failed", error={

@@ -141,6 +141,18 @@ def test_generate_offline_in_input_order(tmp_path, demo_set):
     assert again == out, "greedy and seeded jobs are reproducible"
 
 
+def test_generate_names_a_line_of_other_bytes_and_goes_on(tmp_path, demo_set):
+    """A line that is not UTF-8 is that line's failed result, a BOM before the first line no content, and a field's
+    error says what the field takes: the whole command ended in a UnicodeDecodeError traceback, and a BOM failed line 1."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "caf\xe9"}\n{"prompt": "b", "stop": [""]}\n')
+    out = run("generate", "--model", str(demo_set["model"]), "--jobs", str(jobs)).stdout
+    first, latin1, stop = [json.loads(line) for line in out.splitlines()]
+    assert first["status"] == "succeeded", first
+    assert latin1["error"]["message"] == "line 2: not UTF-8 (byte 0xe9 at column 16); save the file as UTF-8"
+    assert stop["error"]["field"] == "stop.0" and "send a list of up to 8 strings" in stop["error"]["message"]
+
+
 def test_generate_bad_arguments(tmp_path, demo_set):
     out = run("generate", "--model", str(demo_set["model"]), "--adapter", "no-equals-sign", "--jobs", "x.jsonl", ok=False)
     assert "NAME=DIR" in out.output
