@@ -212,6 +212,9 @@ class BatchManifest(BaseModel):
     created_at: str = ""
     # request id -> its OpenAI Batch line, for the requests submitted as such (in parts of their own)
     openai: dict[str, OpenAIRequest] = Field(default_factory=dict)
+    # A submission that produces a file as it reads it opens it with a part of False and closes it with one of True;
+    # the parts between (and a batch written at once) carry None. read_manifest gives the last one that is not None.
+    complete: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -133,9 +133,10 @@ async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, 
     produced; `sent(n)` is told the count so far after each chunk.
 
     A file's jobs are never all in memory (a million lines took 2.4 GB read whole), except under `adapter-balanced`,
-    which places a batch's jobs by all of their weights and reads the file into one chunk. A submission cut short (the
-    broker failed) has the manifests of the chunks it produced; the same file submitted again under the same batch id
-    adds the rest and runs nothing twice. No producer is started for a file without a good line.
+    which places a batch's jobs by all of their weights and reads the file into one chunk. The submission is opened and
+    closed by manifest parts of its own (`_mark`): one cut short (the broker failed, ^C) has the manifests of the chunks
+    it produced and stays open, which `results` tells; the same file submitted again under the same batch id adds the
+    rest, closes it, and runs nothing twice. No producer is started for a file without a good line.
     """
     created_at = _now()
     producer = None
@@ -151,14 +152,24 @@ async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, 
             if producer is None:
                 producer = make_producer(cfg, client_id="lorabatch-submit")
                 await producer.start()  # inside: a start that fails (broker down) still closes what it opened
+                await _mark(producer, cfg, batch_id, tenant_id, source, created_at, complete=False)
             await _send(producer, cfg, jobs, records, manifests, key_by, None)
             total += len(chunk)
             if sent is not None:
                 sent(total)
+        if producer is not None:
+            await _mark(producer, cfg, batch_id, tenant_id, source, created_at, complete=True)
     finally:
         if producer is not None:
             await producer.stop()
     return total
+
+
+async def _mark(producer, cfg: KafkaConfig, batch_id: str, tenant_id: str, source: str, created_at: str, *, complete: bool) -> None:
+    """The manifest part that opens (False) or closes (True) a submission of a file produced as it is read: `results`
+    of a batch whose last submission is still open says so (still running, or cut short), not that it is complete."""
+    mark = BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=[], source=source, created_at=created_at, complete=complete)
+    await producer.send_and_wait(cfg.batches_topic, mark.model_dump_json().encode(), key=batch_id.encode())
 
 
 def _chunks(lines: Iterable[Line], size: int | None, max_bytes: int | None) -> Iterator[list[Line]]:
@@ -296,7 +307,8 @@ async def read_manifest(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout
     for manifest in found:  # the first submission's line of a request id is the one answered
         for rid, request in manifest.openai.items():
             openai.setdefault(rid, request)
-    return found[0].model_copy(update={"request_ids": ids, "openai": openai})
+    complete = next((m.complete for m in reversed(found) if m.complete is not None), True)
+    return found[0].model_copy(update={"request_ids": ids, "openai": openai, "complete": complete})
 
 
 async def manifest_from_jobs(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout_s: float = 60.0) -> BatchManifest | None:

@@ -289,9 +289,30 @@ def test_a_file_is_produced_in_chunks_each_named_by_its_manifest(broker, tmp_pat
         asyncio.run(submit.produce_lines(s.kafka, cut(read_lines(p, "acme", "b1", max_message_bytes=s.kafka.max_message_bytes)),
                                          "b1", "acme", str(p), "tenant", sent=told.append))
     assert told == [2, 4]
-    assert asyncio.run(read_manifest(s.kafka, "acme", "b1")).request_ids == ["b1-1", "b1-2", "b1-3", "b1-4"]
-    parts = asyncio.run(read_all(s, s.kafka.batches_topic, BatchManifest, lambda got: len(got) >= 2, timeout_s=20))
+    cut_short = asyncio.run(read_manifest(s.kafka, "acme", "b1"))
+    assert cut_short.request_ids == ["b1-1", "b1-2", "b1-3", "b1-4"] and cut_short.complete is False
+    parts = asyncio.run(read_all(s, s.kafka.batches_topic, BatchManifest, lambda got: len(got) >= 3, timeout_s=20))
     assert len({m.created_at for m in parts}) == 1  # one batch: `created` of its OpenAI answers is the same for all
+    # the same file again under the same batch id adds the rest and closes the batch
+    asyncio.run(submit.produce_lines(s.kafka, read_lines(p, "acme", "b1"), "b1", "acme", str(p), "tenant"))
+    whole = asyncio.run(read_manifest(s.kafka, "acme", "b1"))
+    assert whole.request_ids == [f"b1-{n}" for n in range(1, 8)] and whole.complete is True
+
+
+def test_cli_results_of_a_submission_not_finished_say_so(two_tenants, tmp_path):
+    """A batch whose last submission is still open (submit still producing it, or cut short) is collected for the jobs
+    produced so far and said to be unfinished (exit 1): with its manifest written a chunk at a time, `results` run
+    beside a `submit` wrote the first chunks' results as the whole batch and exited 0."""
+    s, overrides = two_tenants
+    opened = BatchManifest(batch_id="b1", tenant_id="acme", request_ids=[], complete=False)
+    asyncio.run(_produce(s, s.kafka.batches_topic, [opened.model_dump_json().encode()], key=b"b1"))
+    target = tmp_path / "out.jsonl"
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "--timeout", "20", "-o", str(target),
+                              "--config", _config_file(tmp_path, overrides)])
+    said = " ".join(out.output.split())
+    assert out.exit_code == 1 and "the file holds the results of the 2 jobs produced so far" in said, out.output
+    assert "the batch's submission has not finished" in said and "--batch-id b1" in said
+    assert [json.loads(line)["text"] for line in target.read_text().splitlines()] == ["acme one", "acme two"]
 
 
 def test_a_chunk_is_bounded_by_the_bytes_of_its_lines(broker, tmp_path, monkeypatch):

@@ -150,9 +150,17 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
             out.write(json.dumps(line) + "\n")
             written += 1
     missing = len(manifest.request_ids) - written
+    unfinished = manifest.complete is False  # its last `submit` has not closed it
     if missing:
         fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running? "
-             f"(the file holds the {written} that have one; run the command again, with a longer --timeout, for the rest)", 1)
+             f"(the file holds the {written} that have one; run the command again, with a longer --timeout, for the rest)"
+             + (f"; {_UNFINISHED.format(batch_id=batch_id)}" if unfinished else ""), 1)
+    if unfinished:
+        fail(f"the file holds the results of the {written} jobs produced so far, but {_UNFINISHED.format(batch_id=batch_id)}", 1)
+
+
+_UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is still producing it, or was cut short): "
+               "once it has, or once the file is submitted again with --batch-id {batch_id}, run this command again for the rest")
 
 
 def writable(path: Path) -> None:
