@@ -254,6 +254,20 @@ def test_a_manifest_is_read_whole_however_short_the_timeout(broker):
     assert found is not None and found.request_ids == [j.request_id for j in jobs]
 
 
+def test_cli_results_output_checked_beforehand_leaves_no_trace(two_tenants, tmp_path):
+    """Trying -o before the wait creates nothing that was not there: a batch not found leaves no empty file, and a link
+    to a file yet to be written stays a link (the file is written through it)."""
+    _, overrides = two_tenants
+    config = _config_file(tmp_path, overrides)
+    absent = tmp_path / "absent.jsonl"
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "nope", "-o", str(absent), "--config", config])
+    assert out.exit_code == 2 and not absent.exists()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "target.jsonl")
+    out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "--timeout", "20", "-o", str(link), "--config", config])
+    assert out.exit_code == 0 and link.is_symlink() and len((tmp_path / "target.jsonl").read_text().splitlines()) == 2
+
+
 def test_cli_results_timeout_zero_takes_what_is_there(two_tenants, tmp_path):
     """--timeout 0 writes the results already published (it read nothing and said every job had none)."""
     _, overrides = two_tenants

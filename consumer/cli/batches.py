@@ -166,7 +166,7 @@ _UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is s
 def writable(path: Path) -> None:
     """End the command naming `path` when it cannot be written (a folder that does not exist, a folder itself, no
     permission), before anything is waited for."""
-    existed = path.exists()
+    existed = path.exists() or path.is_symlink()  # a link to a file yet to be written is the user's: kept
     try:
         with path.open("a"):
             pass
