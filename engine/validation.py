@@ -88,6 +88,10 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
                 "tokenize with this model's tokenizer",
                 code="invalid_input_ids",
             )
+    if not ids:  # a sequence of no tokens has nothing for its first step to compute (nor to split that step's time over)
+        raise RequestError("prompt encodes to no tokens with this model's tokenizer; send text that does" if req.prompt is not None
+                           else "messages render to no tokens with this model's chat template (it writes out none of them); "
+                           "send messages of the roles it renders, with content", code="empty_prompt")  # fmt: skip
     if len(ids) > config.max_prompt_tokens:
         raise RequestError(
             f"prompt is {len(ids)} tokens, over engine.max_prompt_tokens={config.max_prompt_tokens}; shorten it",

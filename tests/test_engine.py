@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -212,6 +213,32 @@ def test_chat_messages_equal_their_rendered_input_ids(engine):
     ids = tuple(engine.tokenizer.encode_chat(messages))
     b = engine.generate([GenerationRequest(request_id="chat-ids", input_ids=ids, adapter_key="qv-r16", sampling=sp)])[0]
     assert a.ok and a.prompt_tokens == len(ids) and a.output_ids == b.output_ids
+
+
+def test_messages_that_render_to_no_tokens_fail_alone_with_empty_prompt(demo_set, tmp_path):
+    """A chat template that writes out none of a request's messages (here, one that renders user turns' content alone)
+    gives no prompt tokens: the request fails with empty_prompt, alone in its step or beside others, and its batchmates
+    get what they get alone. It reached the forward before: forward_failed beside others, and alone its step raised
+    while splitting its time over no tokens, which fails every request in the engine (engine_failed, retriable)."""
+    model = shutil.copytree(demo_set["model"], tmp_path / "model")
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    eng = Engine(_config(demo_set, model_dir=str(model)))
+
+    def chat(rid: str, *messages: dict) -> GenerationRequest:
+        return GenerationRequest(request_id=rid, messages=messages, sampling=SamplingParams(max_new_tokens=4))
+
+    eng.add_request(chat("system-only", {"role": "system", "content": "Be brief."}))
+    (alone_in_its_step,) = eng.step()
+    assert alone_in_its_step.error is not None and alone_in_its_step.error.code == "empty_prompt", alone_in_its_step.error
+    assert "chat template" in alone_in_its_step.error.message and not eng.has_unfinished()
+    good = [chat("user", {"role": "user", "content": PROMPTS[1]}), _req("text", PROMPTS[2], max_new_tokens=4)]
+    results = {r.request_id: r for r in eng.generate([good[0], chat("empty-user", {"role": "user", "content": ""}), good[1]])}
+    assert results["empty-user"].error is not None and results["empty-user"].error.code == "empty_prompt"
+    for r in good:
+        ref = eng.generate([dataclasses.replace(r, request_id=r.request_id + "-alone")])[0]
+        assert results[r.request_id].ok and results[r.request_id].output_ids == ref.output_ids
 
 
 # ---- timings
