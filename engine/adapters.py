@@ -281,6 +281,10 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
 
     if cfg.get("peft_type") != "LORA":
         raise refuse(f"peft_type={cfg.get('peft_type')!r}; only LORA adapters are served")
+    task = cfg.get("task_type")
+    if task not in (None, "CAUSAL_LM"):  # before modules_to_save, which PEFT fills with such a task's head ("score", ...)
+        raise refuse(f"task_type={task!r}: the adapter was trained for another head than the base's LM head (a classifier, "
+                     "embeddings, ...); only CAUSAL_LM adapters generate text: train it with task_type CAUSAL_LM")
     rank = cfg.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise refuse(f"r={rank!r}; the rank must be a positive integer")
@@ -304,6 +308,14 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
             raise refuse(f"{field} is set; per-module ranks or alphas are not supported yet, use one r and lora_alpha")
     if cfg.get("modules_to_save"):
         raise refuse(f"modules_to_save={cfg['modules_to_save']!r}: fully trained extra modules cannot share one base; drop them")
+    # PEFT options that change more than the targeted projections: served as plain LoRA, the output would differ from PEFT's
+    if cfg.get("layer_replication"):
+        raise refuse(f"layer_replication={cfg['layer_replication']!r} stacks the base's layers into another model, which one "
+                     "shared base cannot be; train the adapter without it")
+    if cfg.get("lora_bias", False):
+        raise refuse("lora_bias=true: a bias on lora_B is not supported; train the adapter with lora_bias=false")
+    if cfg.get("trainable_token_indices"):
+        raise refuse("trainable_token_indices is set: trained embedding rows cannot share one base; train the adapter without it")
     raw = cfg.get("target_modules")
     if isinstance(raw, str):
         if raw not in PROJECTION_PARENT:  # PEFT reads a string as a regex (or 'all-linear'); only plain names are accepted

@@ -99,6 +99,17 @@ BROKEN: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
     ("fan_in_fan_out", lambda d: _edit_config(d, fan_in_fan_out=True), "adapter_invalid", ["fan_in_fan_out"]),
     ("trained bias", lambda d: _edit_config(d, bias="all"), "adapter_invalid", ["bias='all'"]),
     ("DoRA", lambda d: _edit_config(d, use_dora=True), "adapter_invalid", ["DoRA"]),
+    # PEFT's configs of these (peft 0.21's save_pretrained): a classifier's fills modules_to_save with its head
+    (
+        "classifier task",
+        lambda d: _edit_config(d, task_type="SEQ_CLS", modules_to_save=["classifier", "score"]),
+        "adapter_invalid",
+        ["task_type='SEQ_CLS'", "CAUSAL_LM"],
+    ),
+    ("embeddings task", lambda d: _edit_config(d, task_type="FEATURE_EXTRACTION"), "adapter_invalid", ["task_type='FEATURE_EXTRACTION'"]),
+    ("layer replication", lambda d: _edit_config(d, layer_replication=[[0, 2], [0, 2]]), "adapter_invalid", ["layer_replication"]),
+    ("bias on lora_B", lambda d: _edit_config(d, lora_bias=True), "adapter_invalid", ["lora_bias=true"]),
+    ("trained tokens", lambda d: _edit_config(d, trainable_token_indices=[5, 6]), "adapter_invalid", ["trainable_token_indices"]),
     ("regex targets", lambda d: _edit_config(d, target_modules=".*proj"), "adapter_invalid", ["pattern"]),
     ("use_rslora a string", lambda d: _edit_config(d, use_rslora="no"), "adapter_invalid", ["use_rslora='no'", "true or false"]),
 ]
@@ -126,6 +137,20 @@ def test_a_valid_adapter_loads_with_its_scaling_and_shapes(demo_set):
     shapes = model.projection_shapes()
     for (layer, module), (wa, wb) in a.weights.items():
         assert tuple(wa.shape) == (8, shapes[module][0]) and tuple(wb.shape) == (shapes[module][1], 8)
+
+
+def test_a_config_without_a_task_type_loads(demo_set, tmp_path):
+    """task_type absent or null (PEFT on a bare model, or configs written before task types) is served as CAUSAL_LM is."""
+    model = read_model_config(demo_set["model"])
+    for task in ("absent", None):
+        d = _copy(demo_set, tmp_path / str(task))
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        if task == "absent":
+            del cfg["task_type"]
+        else:
+            cfg["task_type"] = None
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        assert load_adapter_dir(d, model, max_lora_rank=64, max_bytes=64 * MB).rank == 8
 
 
 def test_too_large_and_escaping_symlinks_are_refused(demo_set, tmp_path):
