@@ -382,9 +382,10 @@ class AdapterPool(L1Placement):
     def _ensure_slot(self, key: str, exclude: Collection[int], reason: str) -> Content | str:
         rec = self._records[key]
         if rec.error is not None:
-            # Files that no longer held the registered content are read again once they change (put back: `lorabatch
-            # adapters add` of the adapter's folder repairs its store entry); until then, a stat per use, no read.
-            changed_since = rec.error.code == "adapter_changed" and files_stamp(rec.path) != rec.error_files
+            # Files that failed to load (changed under the registered sha256, gone, a link, corrupt, ...) are read again
+            # once they change (put back: `lorabatch adapters add` of the adapter's folder repairs its store entry); until
+            # then, a stat per use, no read.
+            changed_since = rec.error_files is not None and files_stamp(rec.path) != rec.error_files
             if not rec.error.retriable and not changed_since:
                 raise rec.error
             rec.error = None
@@ -425,7 +426,10 @@ class AdapterPool(L1Placement):
         except OSError as e:
             raise self._fail(rec, AdapterError(f"cannot read adapter {rec.key!r} at {rec.path}: {e}", code="adapter_unavailable", retriable=True), reason) from e
         except AdapterError as e:
-            raise self._fail(rec, e, reason) from e
+            if rec.sha is not None and e.code in ("adapter_missing", "adapter_unsafe"):  # files that were read before
+                e = AdapterError(f"{e} (adapter {rec.key!r} was whole when registered or last read: put its files back, e.g. "
+                                 "by adding its folder again, and its next request reads them again)", code=e.code)  # fmt: skip
+            raise self._fail(rec, e, reason, files=files_stamp(rec.path)) from e
         if future is None:
             read_us = (time.perf_counter_ns() - t0) // 1000
         if rec.sha is not None and sha != rec.sha:

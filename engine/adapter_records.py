@@ -46,17 +46,17 @@ class Record:
     tenant: str
     slo_tier: str
     error: AdapterError | None = None
-    error_files: tuple | None = None  # files_stamp(path) when `error` was adapter_changed: read again once it differs
+    error_files: tuple | None = None  # files_stamp(path) when `error` came from the files: read again once it differs
     heat: Heat = field(default_factory=Heat)
 
 
-def files_stamp(path: Path) -> tuple | None:
-    """(inode, size, mtime in ns) of each file in the folder `path`, by name; None where it cannot be listed. Putting
+def files_stamp(path: Path) -> tuple:
+    """(inode, size, mtime in ns) of each file in the folder `path`, by name; () where it cannot be listed (gone). Putting
     files back (a copy, a rename into place) changes it."""
     try:
         return tuple(sorted((f.name, f.inode(), f.stat().st_size, f.stat().st_mtime_ns) for f in os.scandir(path)))
     except OSError:
-        return None
+        return ()
 
 
 @dataclass(frozen=True)

@@ -163,11 +163,12 @@ class AdapterStore:
                 shutil.rmtree(tmp)
 
     def _holds(self, sha: str, contents: tuple[bytes, bytes]) -> bool:
-        """Whether entry `sha`'s two files hold exactly `contents` (config, weights)."""
+        """Whether entry `sha`'s two files hold exactly `contents` (config, weights), as files of their own (a link is
+        refused by a store read, adapter_unsafe, whatever it leads to)."""
         for name, data in zip(_FILES, contents):
             path = self.root / sha / name
             try:
-                if path.stat().st_size != len(data) or read_file(path) != data:
+                if path.is_symlink() or path.stat().st_size != len(data) or read_file(path) != data:
                     return False
             except OSError:  # missing, or not a file
                 return False

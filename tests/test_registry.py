@@ -338,9 +338,10 @@ def test_prune_removes_only_unnamed_content_past_its_grace(registry, demo_set):
 
 
 def test_adding_an_adapter_again_repairs_its_store_entry(registry, demo_set):
-    """A store entry whose files changed on disk under its sha256 (workers fail it with adapter_changed) is repaired by
-    adding the adapter's folder again (the registry unchanged: same content, same version), and by a put of it; an
-    intact entry is left as it is."""
+    """A store entry whose files changed on disk under its sha256 (workers fail it with adapter_changed), or whose weights
+    file is gone (adapter_missing) or a link, even to the same bytes (adapter_unsafe), is repaired by adding the adapter's
+    folder again (the registry unchanged: same content, same version), and by a put of it; an intact entry is left as it
+    is."""
     from engine.api import AdapterError
 
     a = demo_set["adapters"]
@@ -355,6 +356,14 @@ def test_adding_an_adapter_again_repairs_its_store_entry(registry, demo_set):
         again, created = registry.add_adapter("acme", "support", folder)
         assert not created and again.version == 1 and again.sha256 == v1.sha256
         registry.store.verify(v1.sha256)
+    weights.unlink()  # gone: workers fail it with adapter_missing
+    registry.add_adapter("acme", "support", folder)
+    registry.store.verify(v1.sha256)
+    weights.unlink()
+    weights.symlink_to(folder / "adapter_model.safetensors")  # a link, to the same bytes: adapter_unsafe
+    registry.add_adapter("acme", "support", folder)
+    assert weights.is_file() and not weights.is_symlink()
+    registry.store.verify(v1.sha256)
     (registry.store.path(v1.sha256) / "adapter_config.json").write_text("{}")
     assert registry.store.put(folder) == v1.sha256
     registry.store.verify(v1.sha256)

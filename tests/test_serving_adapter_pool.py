@@ -204,21 +204,49 @@ def test_a_failed_load_fails_its_requests_or_runs_them_on_the_base(demo_set, tmp
     assert again.error.code == code  # sticks until registered again
 
 
-def test_an_adapter_whose_files_changed_loads_once_they_are_put_back(demo_set, tmp_path):
-    """Files that no longer hash to the registered sha256 fail its requests with adapter_changed and never load, read
-    once while they stay as they are; once the registered content is back under the path, the next request reads it
-    again and runs on it (it stuck until the key was registered again: a running worker never served it again)."""
+def _other_weights(entry, src, tmp):
+    shutil.copy(src.parent / "qv-r16" / "adapter_model.safetensors", entry / "adapter_model.safetensors")
+
+
+def _weights_gone(entry, src, tmp):
+    (entry / "adapter_model.safetensors").unlink()
+
+
+def _entry_gone(entry, src, tmp):
+    shutil.rmtree(entry)
+
+
+def _weights_a_link_out(entry, src, tmp):
+    (entry / "adapter_model.safetensors").rename(tmp / "elsewhere.safetensors")
+    (entry / "adapter_model.safetensors").symlink_to(tmp / "elsewhere.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("damage", "code"),
+    [(_other_weights, "adapter_changed"), (_weights_gone, "adapter_missing"), (_entry_gone, "adapter_missing"),
+     (_weights_a_link_out, "adapter_unsafe")],
+    ids=["changed", "file gone", "folder gone", "a link out"],
+)  # fmt: skip
+def test_an_adapter_whose_files_changed_loads_once_they_are_put_back(demo_set, tmp_path, damage, code):
+    """Registered files that no longer load (other content under the sha256, a file or the folder gone, a link out of
+    the folder) fail its requests with their code and never load, read once while they stay as they are; once the
+    registered content is back under the path (as `lorabatch adapters add` of the folder puts it back), the next request
+    reads it again and runs on it. Only adapter_changed was read again: a gone or linked file stuck, and a running
+    worker failed the adapter's jobs until it was restarted, however the store entry was repaired."""
     src = demo_set["adapters"]["qv-r4"]
     path = shutil.copytree(src, tmp_path / "entry")
     sha = content_sha256((src / "adapter_config.json").read_bytes(), (src / "adapter_model.safetensors").read_bytes())
-    shutil.copy(demo_set["adapters"]["qv-r16"] / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    damage(path, src, tmp_path)
     eng = Engine(config(demo_set, **NO_WARM))
     eng.register_adapter("a", path, sha256=sha)
     for i in range(2):
         failed = eng.generate([req(f"changed-{i}", adapter_key="a", max_new_tokens=2)])[0]
-        assert failed.error is not None and failed.error.code == "adapter_changed", failed.error
+        assert failed.error is not None and failed.error.code == code, failed.error
     assert eng.stats()["adapter_load_failures"] == 1, "files left as they were are not read again"
-    shutil.copy(src / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    if code != "adapter_changed":
+        assert "its next request reads them again" in failed.error.message, failed.error.message
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(src, path)
     back = eng.generate([req("back", adapter_key="a", max_new_tokens=4)])[0]
     ref = Engine(config(demo_set, **NO_WARM))
     ref.register_adapter("a", src, sha256=sha)
