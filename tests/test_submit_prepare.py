@@ -51,6 +51,20 @@ def test_bad_lines_are_reported_with_their_number(tmp_path):
     assert "--tenant" in out.errors[2]
 
 
+def test_a_bad_value_inside_a_list_is_named_by_its_path(tmp_path):
+    """An error inside a field's list or object names its path once, as the worker's failed result does (error.field):
+    `stop.0`, `messages.0.role`; it was `stop.0.0` and `messages.0.role.0.role` for native lines."""
+    p = _write(tmp_path, [
+        {"prompt": "x", "stop": [""]},
+        {"messages": [{"role": "bot", "content": "x"}]},
+        {"input_ids": [1, -1]},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["x" * 65]}},
+    ])
+    out = prepare(p, "acme", "b")
+    assert [e.split(": ")[1] for e in out.errors] == ["stop.0", "messages.0.role", "input_ids.1", "body.stop.0"], out.errors
+
+
 def test_a_line_that_is_not_utf8_is_named_and_the_rest_goes_on(tmp_path):
     """One line of other bytes (Latin-1 here) is a bad line with its number, not the whole file refused; a UTF-8 BOM
     before the first line is no content; a lone surrogate in a prompt is named by its field."""
