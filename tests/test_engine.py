@@ -65,6 +65,21 @@ def test_greedy_is_deterministic_whatever_the_batch(engine, adapter):
     assert alone.ok and alone.output_ids == mixed.output_ids == again.output_ids
 
 
+def test_logprobs_batched_are_within_1e5_of_alone(engine):
+    """The README's tolerance on the CPU: base-model and adapter jobs batched together get the tokens they get alone,
+    and each logprob within 1e-5 of it."""
+    jobs = [_req("lp-base", PROMPTS[0], None, logprobs=2), _req("lp-r64", PROMPTS[1], "mlp-r64", logprobs=2),
+            _req("lp-base-s", PROMPTS[2], None, temperature=0.8, seed=3, logprobs=2),
+            _req("lp-rs", PROMPTS[3], "qkvo-r64-rslora", temperature=0.8, seed=4, logprobs=2)]  # fmt: skip
+    batched = {r.request_id: r for r in engine.generate(jobs + _companions("lp"))}
+    for job in jobs:
+        alone = engine.generate([dataclasses.replace(job, request_id=job.request_id + "-alone")])[0]
+        got = batched[job.request_id]
+        assert got.ok and got.output_ids == alone.output_ids
+        diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(got.logprobs["content"], alone.logprobs["content"])]
+        assert len(diffs) == len(alone.output_ids) and max(diffs) < 1e-5, diffs
+
+
 @pytest.mark.parametrize(
     "sampling",
     [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.9), dict(temperature=1.0, top_k=50, top_p=0.95)],
