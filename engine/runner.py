@@ -59,7 +59,7 @@ class ModelRunner:
         capture_graphs: bool | None = None,
         max_chain: int = 1,
         decode_lora_in_ops: tuple[str, ...] = (),
-        decode_lora_overlap: bool = False,
+        decode_lora_overlap: bool = True,
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
         `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).

@@ -86,10 +86,11 @@ def projections(request, engine, monkeypatch):
     deltas fused, which the engine takes only for shapes tuned on an H200; here every demo projection is made one; or
     cuBLAS with each shrink forked beside it on a side stream (engine.decode_lora_overlap)."""
     forks: list[int] = []
+    state = engine.runner.lora
+    was = state.side_stream is not None  # the engine's default
+    state.overlap_decode(request.param == "overlap")
+    request.addfinalizer(lambda: state.overlap_decode(was))
     if request.param == "overlap":
-        state = engine.runner.lora
-        state.overlap_decode(True)
-        request.addfinalizer(lambda: state.overlap_decode(False))
         fork = state.shrink_beside
         monkeypatch.setattr(state, "shrink_beside", lambda *a: forks.append(1) or fork(*a))
     if request.param == "decode_linear":

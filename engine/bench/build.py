@@ -32,7 +32,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 def build_bench_engine(cfg: ModelConfig, shape: str, adapter_ranks: list[int], uniform_rank: int | None, batch: int, prompt: int,
                        new: int, dev: torch.device, dtype: torch.dtype, tmp: Path, kernel_backend: str = "auto",
                        weight_dtype: str = "auto", decode_lora_in_ops: tuple[str, ...] = (),
-                       decode_lora_overlap: bool = False) -> tuple[Engine, list[Path]]:  # fmt: skip
+                       decode_lora_overlap: bool = True) -> tuple[Engine, list[Path]]:  # fmt: skip
     """The bench's engine on a random model of `cfg` (its projections FP8 with weight_dtype "fp8", engine.quant) with
     adapters a0.. of `adapter_ranks` (and u0.. of `uniform_rank`) loaded, sized for `batch` requests of `prompt` + `new`
     tokens, and engine.decode_lora_in_ops and decode_lora_overlap; returns it and the adapter folders."""

@@ -67,7 +67,7 @@ def bench_engine(
     kernel_backend: str = "auto",
     weight_dtype: str = "auto",
     decode_lora_in_ops: tuple[str, ...] = (),
-    decode_lora_overlap: bool = False,
+    decode_lora_overlap: bool = True,
 ) -> dict:
     """Run the bench of the module docstring; print a table (unless json_only), then one JSON line; return the figures.
     `peer_new`: new tokens of the peer's runs (default `new`); `kernel_backend`: the engine's (engine.backend);
