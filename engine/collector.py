@@ -37,7 +37,16 @@ the round should end: a full pass that fits before then is taken as soon as gene
 leaves the automatic collector none to choose, and one due by FULL_AFTER that does not fit waits for a round with room
 (`__call__`'s `until_ns`).
 
-Left alone: thresholds, `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
+Full passes held. That was not enough: a full pass fits few rounds once their placements are under way, so with the
+window waiting for room, generation 2 stayed past its threshold and CPython took the pass itself. On an H100 (session
+27) the window ran no full pass in either new run, and an automatic one of 22 ms fell in a host-warm 8-step call, the
+slowest decode call with a load of that run. A process whose step loop calls the window (the engine process, the
+adapters bench) can hand all full passes to it (`hold_full_passes`): generation 2's threshold is raised past reach, so
+CPython's trigger never picks a full pass, and the window takes one where it fits once generation 2 passes its own
+threshold, or, where none fits, once twice FULL_AFTER's generation-1 passes have run, wherever that falls. Garbage that
+reached the oldest generation waits for the next such pass; an engine with no rounds to run takes none.
+
+Left alone: `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
 the window does nothing and the automatic collector runs as it does. Not handled: another thread that disables the
 collector while `deferred` has it off finds it on again when the body ends (the step loop's process runs no such
@@ -59,6 +68,34 @@ FULL_AFTER = 10  # a full pass once this many times the third threshold of gener
 FULL_GUESS_NS = 10_000_000
 DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
 GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
+HELD_T2 = 1 << 30  # generation 2's threshold while full passes are held for the windows: CPython's trigger never gets there
+_held_t2: int | None = None  # generation 2's own threshold while held (`hold_full_passes`)
+
+
+def hold_full_passes() -> bool:
+    """Leave every full pass of this process to its windows (module docstring, "Full passes held"): generation 2's
+    threshold goes to HELD_T2, the windows keep deciding by the one it had. For a process whose step loop calls a
+    window; True if held (now or before), False where the window does nothing or the thresholds leave nothing to hold."""
+    global _held_t2
+    if _held_t2 is not None:
+        return True
+    t0, t1, t2 = gc.get_threshold()
+    if not GENERATIONAL or t0 <= 0 or t2 <= 0 or t2 >= HELD_T2:
+        return False
+    _held_t2 = t2
+    gc.set_threshold(t0, t1, HELD_T2)
+    return True
+
+
+def release_full_passes() -> None:
+    """Give full passes back to CPython's trigger, at the threshold generation 2 had (unless it was set again since)."""
+    global _held_t2
+    if _held_t2 is None:
+        return
+    t0, t1, t2 = gc.get_threshold()
+    if t2 == HELD_T2:
+        gc.set_threshold(t0, t1, _held_t2)
+    _held_t2 = None
 
 
 class CollectorWindow:
@@ -105,6 +142,8 @@ class CollectorWindow:
         if not GENERATIONAL or not (self._holding or gc.isenabled()):
             return None
         t0, t1, t2 = gc.get_threshold()
+        if _held_t2 is not None and t2 == HELD_T2:  # full passes held for the windows: decide by generation 2's own
+            t2 = _held_t2
         c0, c1, c2 = gc.get_count()
         if t0 <= 0:
             return None

@@ -49,6 +49,7 @@ from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
 from engine.async_engine import StepLoop, charged_us
+from engine.collector import hold_full_passes
 from engine.config import EngineConfig
 from engine.host_arena import release_segments
 
@@ -461,6 +462,8 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         results.send_bytes(_dumps(("failed", _portable(e))))
         _exit(0)
     _freeze_gc()
+    if engine.collector is not None:  # this process's step loop calls the window: every full pass is left to it
+        hold_full_passes()
     results.send_bytes(_dumps(("ready", (engine.config, datetime.now(UTC)))))
     host = _ChildHost(engine, commands, results)
     try:

@@ -11,6 +11,7 @@ import pytest
 
 from engine.bench.adapters import run, write_adapters
 from engine.bench.build import model_config
+from engine.collector import HELD_T2
 
 
 def test_adapters_written_are_distinct(tmp_path):
@@ -25,13 +26,14 @@ def test_bench_runs_on_cpu_and_its_loads_add_up(tmp_path, capsys, synced):
     """Synchronised after each step() call or not (`--pipelined`: steps popped as the engine process pops them); the
     collector's window on in one, off in the other, as its rows and the last table say."""
     rows = run("tiny", [2, 6], [4, 8], requests=8, batch=4, prompt=6, new=2, device="cpu", root=tmp_path, synced=synced,
-               gc_in_rounds=synced, load_ahead_share=0.5 if synced else None)  # fmt: skip
+               gc_in_rounds="held" if synced else "off", load_ahead_share=0.5 if synced else None)  # fmt: skip
     assert [r["count"] for r in rows] == [2, 6] and rows[0]["cold_ratio"] == rows[0]["warm_ratio"] == 1.0
     assert all(r["load_ahead_share"] == (0.5 if synced else None) and r["cold_load_ahead_cuts"] >= 0 for r in rows)
     for r in rows:  # every decode call counted once by its steps (the CPU steps eagerly: one each)
         assert set(r["cold_decode_calls_by_steps"]) == {1} and sum(r["cold_decode_calls_by_steps"].values()) > 0, r
     assert all(r["synced_calls"] == synced for r in rows)
-    assert all(r["gc_in_rounds"] == synced and (r["collector_passes"] is not None) == synced for r in rows)
+    assert all(r["gc_in_rounds"] == ("held" if synced else "off") and (r["collector_passes"] is not None) == synced for r in rows)
+    assert gc.get_threshold()[2] != HELD_T2  # full passes given back to CPython after each count
     last = capsys.readouterr().out.splitlines()[-3:]
     assert last[0].startswith("count | slowest decode call with a load"), last
     assert all(line.endswith("(0.0)" if synced else "| off") for line in last[1:]), last  # the CPU runs no decode rounds
@@ -187,7 +189,8 @@ def test_the_pipelined_option_reaches_the_run(monkeypatch):
 
 
 def test_the_gc_in_rounds_option_reaches_the_run(monkeypatch):
-    """--gc-in-rounds off (the module) and --no-gc-in-rounds (the CLI) turn engine.gc_in_rounds off; by default on."""
+    """--gc-in-rounds off (the module) and --no-gc-in-rounds (the CLI) turn engine.gc_in_rounds off; by default on, with
+    full passes held for the window (held); the module's `on` leaves them to CPython."""
     from typer.testing import CliRunner
 
     import engine.bench.adapters as bench
@@ -197,10 +200,11 @@ def test_the_gc_in_rounds_option_reaches_the_run(monkeypatch):
     monkeypatch.setattr(bench, "run", lambda *a, **kw: got.append(kw["gc_in_rounds"]))
     bench.main(["--gc-in-rounds", "off"])
     bench.main([])
+    bench.main(["--gc-in-rounds", "on"])
     for args in (["--no-gc-in-rounds"], []):
         out = CliRunner().invoke(build_app(), ["bench", "adapters", *args])
         assert out.exit_code == 0, out.output
-    assert got == [False, True, False, True]
+    assert got == ["off", "held", "on", "off", "held"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--gc-in-rounds", "maybe"])
 

@@ -245,3 +245,46 @@ def test_a_freeze_forgets_the_last_full_pass_time(thresholds, monkeypatch):
     finally:
         gc.unfreeze()
     del keep
+
+
+def test_full_passes_held_are_the_windows_alone(thresholds, monkeypatch):
+    """With full passes held (the engine process's way): CPython's own trigger never picks generation 2, however far past
+    its threshold, while the window decides by that threshold: a full pass where the round has room for one, else once
+    twice FULL_AFTER's generation-1 passes have run. Released, the threshold is the one it was."""
+    thresholds(10_000, 10, 10)
+    window = CollectorWindow(rise=10**9)
+    keep = _allocate(10)
+    now = 10**15
+    monkeypatch.setattr(collector.time, "perf_counter_ns", lambda: now)
+    assert collector.hold_full_passes() and collector.hold_full_passes()  # twice: still held, once
+    gc.freeze()  # the oldest generation empty: CPython's quarter check then passes, its trigger would take a full pass
+    try:
+        assert gc.get_threshold() == (10_000, 10, collector.HELD_T2)
+        gc.collect(2)
+        keep += _allocate(10)  # young, to reach the oldest generation through the passes below
+        for _ in range(40):  # generation 2 four times past its own threshold: CPython's trigger would take a full pass
+            gc.collect(1)
+        full: list[int] = []
+
+        def seen(phase: str, info: dict) -> None:
+            if phase == "start" and info["generation"] == 2:
+                full.append(1)
+
+        gc.callbacks.append(seen)
+        try:
+            more = _allocate(25_000)  # over 2 young thresholds' worth: automatic passes, none of them full
+        finally:
+            gc.callbacks.remove(seen)
+        assert not full and gc.get_count()[2] > 10
+        assert window(until_ns=now + collector.FULL_GUESS_NS - 1) in (0, 1)  # no room: a young pass
+        assert window(until_ns=now + collector.FULL_GUESS_NS) == 2 and gc.get_count()[2] == 0  # room: the full pass
+        for _ in range(2 * FULL_AFTER * 10 + 1):
+            gc.collect(1)
+        assert window(until_ns=now) == 2  # none had room for long: it runs anyway
+    finally:
+        gc.unfreeze()
+        collector.release_full_passes()
+    assert gc.get_threshold() == (10_000, 10, 10)
+    collector.release_full_passes()  # nothing held: nothing changes
+    assert gc.get_threshold() == (10_000, 10, 10)
+    del keep, more

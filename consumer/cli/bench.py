@@ -155,7 +155,7 @@ def bench_adapters(
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
         read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined,
-        gc_in_rounds=gc_in_rounds, load_ahead_share=share)  # fmt: skip
+        gc_in_rounds="held" if gc_in_rounds else "off", load_ahead_share=share)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.admission import COALESCE_STEPS, AdmissionHold
+from engine.collector import hold_full_passes, release_full_passes
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.bench.instruments import Compiles, GcPauses, StallStacks
@@ -232,13 +233,16 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
         timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True,
-        gc_in_rounds: bool = True, load_ahead_share: float | None = 0.5) -> list[dict]:  # fmt: skip
+        gc_in_rounds: str = "held", load_ahead_share: float | None = 0.5) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
     timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
     thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process). `synced`
-    False: the device is not synchronised after each engine.step() call (`_pass`). `gc_in_rounds`: the engine's
-    engine.gc_in_rounds (the garbage collector's passes run while a decode round is in flight). `load_ahead_share`: the
+    False: the device is not synchronised after each engine.step() call (`_pass`). `gc_in_rounds`: "on" or "off", the
+    engine's engine.gc_in_rounds (the garbage collector's passes run while a decode round is in flight); "held" (on, with
+    every full pass left to the engine's window, engine.collector `hold_full_passes`, as the engine process does).
+    `load_ahead_share`: the
     engine's engine.load_ahead_share (None: placements ahead of admission unbounded)."""
+    assert gc_in_rounds in ("held", "on", "off"), f"gc_in_rounds {gc_in_rounds!r}: held, on or off"
     previous = sys.getswitchinterval()
     sys.setswitchinterval(gil_switch_s)
     try:
@@ -286,7 +290,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
 
 
 def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes, synced=True, gc_in_rounds=True, load_ahead_share=0.5) -> dict:  # fmt: skip
+               read_processes, synced=True, gc_in_rounds="held", load_ahead_share=0.5) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -295,7 +299,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         max_loras=count + len(warm_paths), max_lora_rank=max_rank, adapter_gpu_bytes=gpu_bytes,
         enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6, warm_pool_slots=0,
         warm_pool_host_bytes=0, host_cache_bytes=host_bytes, adapter_read_threads=read_threads,
-        adapter_read_processes=read_processes, gc_in_rounds=gc_in_rounds, load_ahead_share=load_ahead_share,
+        adapter_read_processes=read_processes, gc_in_rounds=gc_in_rounds != "off", load_ahead_share=load_ahead_share,
     )  # fmt: skip
     if gpu_bytes is None:  # the bytes of 64 slots of max rank over all seven projections: what issue 19 measured with
         full = max_rank * cfg.num_layers * sum(i + o for i, o in cfg.projection_shapes().values()) * torch.empty(0, dtype=dtype).element_size()
@@ -335,6 +339,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # What lives now out of the collector's walks, as the engine process does after building its engine and after
         # new decode graphs (engine.engine_process `_freeze_gc`): the adapters' records and the graphs among it
         _freeze_gc()
+        held = gc_in_rounds == "held" and hold_full_passes()
         try:
             warmup_compiles = compiles.take()
             cold = _pass(engine, prompts, chosen, new, f"c{count}", batch, synced)
@@ -344,6 +349,8 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
             warm_compiles = compiles.take()
         finally:
             gc.unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
+            if held:
+                release_full_passes()
     host_loads = [e for e in warm["events"] + cold["events"] if e.tier == "host"]
     load_us = [e.load_us for e in host_loads]
     disk_us = [e.load_us for e in cold["events"] if e.tier == "disk"]
@@ -544,8 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gil-switch-ms", type=float, default=GIL_SWITCH_S * 1000,
                    help="sys.setswitchinterval for the run, in ms: how long the read-ahead threads wait before the engine "
                    "thread must hand them the GIL (default: the engine process's; Python's own is 5)")  # fmt: skip
-    p.add_argument("--gc-in-rounds", choices=("on", "off"), default="on",
-                   help="engine.gc_in_rounds: the garbage collector's passes run while a decode round is in flight (default on)")
+    p.add_argument("--gc-in-rounds", choices=("held", "on", "off"), default="held",
+                   help="engine.gc_in_rounds: the garbage collector's passes run while a decode round is in flight (on); "
+                   "held (the default, as the engine process runs): on, and every full pass left to that window")
     p.add_argument("--load-ahead-share", default="0.5", metavar="SHARE|none",
                    help="engine.load_ahead_share: placements ahead of admission stop at this share of the launched work's "
                    "device time; none: unbounded (default 0.5)")
@@ -567,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
         read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined,
-        gc_in_rounds=a.gc_in_rounds == "on", load_ahead_share=a.load_ahead_share)  # fmt: skip
+        gc_in_rounds=a.gc_in_rounds, load_ahead_share=a.load_ahead_share)  # fmt: skip
 
 
 if __name__ == "__main__":
