@@ -65,5 +65,10 @@ class BreakerBoard:
         if c.state == "closed" and len(c.outcomes) >= self.min_requests and failures / len(c.outcomes) >= self.failure_rate:
             c.state, c.opened_at = "open", now
 
+    def failures(self, key: str) -> int:
+        """The failures recorded for `key` within the window since its circuit last closed (0 if none were)."""
+        c = self._circuits.get(key)
+        return 0 if c is None else sum(1 for _, ok in c.outcomes if not ok)
+
     def open_circuits(self) -> list[str]:
         return [k for k in self._circuits if self.state(k) != "closed"]

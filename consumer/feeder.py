@@ -24,7 +24,7 @@ from consumer.registry import AdapterView
 from consumer.routing import Route
 from consumer.schemas import Job
 from consumer.stages import Stamps
-from engine.api import ADAPTER_ERROR_CODES
+from engine.api import ADAPTER_ERROR_CODES, EngineError
 from engine.async_engine import AsyncEngine, charged_us
 from engine.engine_process import EngineProcess
 from engine.store import AdapterStore
@@ -75,17 +75,27 @@ class EngineFeeder:
     async def serve(self, item: Routed, slo_tier: str) -> Served:
         a = item.route.view
         adapter_key = a.adapter_key if a is not None else None
+        unreadable = False  # the adapter's own files failed its registration, and the job may run on the base
         if a is not None:
-            await self.register(a, slo_tier)
-        res = await self.aengine.generate(to_request(item.job, adapter_key, item.received_mono_us))
+            try:
+                await self.register(a, slo_tier)
+            except EngineError as e:  # (a store folder gone or damaged under the registry): as a load that fails
+                if e.code not in ADAPTER_ERROR_CODES or not item.job.allow_base_fallback:
+                    raise
+                log.warning("adapter %s cannot be registered, job %s/%s runs on the base model: %s", a.adapter,
+                            item.job.tenant_id, item.job.request_id, e)  # fmt: skip
+                unreadable = True
+        request = to_request(item.job, None if unreadable else adapter_key, item.received_mono_us)
+        res = await self.aengine.generate(request)
         if item.stamps is not None:
             item.stamps.served_now(res.timings.queue_us)
         if item.abandoned:  # its partition was revoked: the new owner runs and bills it again
             self._unbilled_us += charged_us(res)
             return Served(None, adapter_key, True)
-        ran_on = a if a is not None and not res.base_fallback else None
+        fell_back = res.base_fallback or unreadable
+        ran_on = a if a is not None and not fell_back else None
         label = item.route.label
-        if a is not None and res.base_fallback:
+        if a is not None and fell_back:
             label = f"base_fallback ({a.adapter} failed to load)"
         result, usage = succeeded_or_failed(
             item.job, res, self.worker_id, adapter=ran_on.adapter if ran_on else None, adapter_sha256=ran_on.sha256 if ran_on else None,
@@ -93,7 +103,7 @@ class EngineFeeder:
         )
         # Only the adapter's own failures count against its circuit: a caller's bad request, another
         # request's fault or an engine failure says nothing about the adapter.
-        ok = not res.base_fallback and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
+        ok = not fell_back and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
         return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:

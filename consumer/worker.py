@@ -411,6 +411,8 @@ class Worker:
         except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
             error, keep = serving_error(e, key)
             at_fault = item.route.view if error.code in ADAPTER_ERROR_CODES else None  # its files: billed on its line
+            if at_fault is not None:  # the adapter's own failure, as a failed load is: it counts against its circuit
+                self.breakers.record(at_fault.adapter_key, False)
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
                                                  item.received_at, self.worker_id, route_reason=item.route.label,
                                                  routing_us=item.route.routing_us, bill=keep, adapter=at_fault)  # fmt: skip

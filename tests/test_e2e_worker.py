@@ -175,11 +175,15 @@ async def test_corrupt_adapter_fails_its_jobs_only(broker, tmp_path, demo_set, c
             allow_base_fallback=True),
         Job(request_id="ok-2", tenant_id="initech", prompt="again", max_new_tokens=3),
         Job(request_id="gone-1", tenant_id="initech", adapter="gone-e2e", prompt="hello", max_new_tokens=3),
+        Job(request_id="gone-2", tenant_id="initech", adapter="gone-e2e", prompt="hello", max_new_tokens=3,
+            allow_base_fallback=True),
     ]
-    async with running_worker(s, svc, cpu_engine):
+    async with running_worker(s, svc, cpu_engine) as worker:
         await produce_jobs(s.kafka, jobs, "b2", "initech", "test", "tenant")
-        results = {r.request_id: r for r in await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 5)}
-        assert await ledger_rows(svc, 5) == 5
+        results = {r.request_id: r for r in await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= 6)}
+        assert await ledger_rows(svc, 6) == 6
+        # both adapters' own failures count against their circuits, wherever they were found
+        failures = {key: worker.worker.breakers.failures(key) for key in (broken.adapter_key, gone.adapter_key)}
     assert results["ok-1"].status == results["ok-2"].status == "succeeded"
     assert results["ok-1"].adapter == good.adapter
     assert results["bad-1"].status == "failed" and results["bad-1"].error.code.startswith("adapter_")
@@ -192,4 +196,9 @@ async def test_corrupt_adapter_fails_its_jobs_only(broker, tmp_path, demo_set, c
         assert (results[rid].adapter, row.adapter, row.adapter_sha256) == (adapter.adapter, adapter.adapter, adapter.sha256), rid
         assert (row.status, row.base_us, row.lora_us) == ("failed", 0, 0)
     assert results["gone-1"].error.code == "adapter_missing"
+    # found as the worker registers it: a job that allows it runs on the base, as where the engine fails to load one
+    assert results["gone-2"].status == "succeeded" and results["gone-2"].adapter is None
+    assert results["gone-2"].route == "base_fallback (gone-e2e@1 failed to load)", results["gone-2"].route
+    assert svc.ledger.usage_for("initech", "gone-2").adapter is None
+    assert failures == {broken.adapter_key: 2, gone.adapter_key: 2}, failures
     svc.close()
