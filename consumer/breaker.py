@@ -65,10 +65,18 @@ class BreakerBoard:
         if c.state == "closed" and len(c.outcomes) >= self.min_requests and failures / len(c.outcomes) >= self.failure_rate:
             c.state, c.opened_at = "open", now
 
-    def failures(self, key: str) -> int:
-        """The failures recorded for `key` within the window since its circuit last closed (0 if none were)."""
+    def no_verdict(self, key: str) -> None:
+        """A job let through for `key` ended with nothing said about the adapter (the engine failed, or a bug of ours):
+        where it was the half-open probe, the next job may probe, where the circuit stayed half-open refusing all."""
         c = self._circuits.get(key)
-        return 0 if c is None else sum(1 for _, ok in c.outcomes if not ok)
+        if c is not None and c.state == "half_open":
+            c.probe_out = False
+
+    def failures(self, key: str) -> int:
+        """The failures recorded for `key` within the window (0 if none were)."""
+        c = self._circuits.get(key)
+        now = self._clock()
+        return 0 if c is None else sum(1 for t, ok in c.outcomes if not ok and now - t <= self.window_s)
 
     def open_circuits(self) -> list[str]:
         return [k for k in self._circuits if self.state(k) != "closed"]

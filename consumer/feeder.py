@@ -89,10 +89,13 @@ class EngineFeeder:
         res = await self.aengine.generate(request)
         if item.stamps is not None:
             item.stamps.served_now(res.timings.queue_us)
+        fell_back = res.base_fallback or unreadable
+        # Only the adapter's own failures count against its circuit: a caller's bad request, another
+        # request's fault or an engine failure says nothing about the adapter.
+        ok = not fell_back and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
         if item.abandoned:  # its partition was revoked: the new owner runs and bills it again
             self._unbilled_us += charged_us(res)
-            return Served(None, adapter_key, True)
-        fell_back = res.base_fallback or unreadable
+            return Served(None, adapter_key, ok)
         ran_on = a if a is not None and not fell_back else None
         label = item.route.label
         if a is not None and fell_back:
@@ -101,9 +104,6 @@ class EngineFeeder:
             item.job, res, self.worker_id, adapter=ran_on.adapter if ran_on else None, adapter_sha256=ran_on.sha256 if ran_on else None,
             route_reason=label, routing_us=item.route.routing_us, received_at=item.received_at,
         )
-        # Only the adapter's own failures count against its circuit: a caller's bad request, another
-        # request's fault or an engine failure says nothing about the adapter.
-        ok = not fell_back and (res.error is None or res.error.code not in ADAPTER_ERROR_CODES)
         return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:

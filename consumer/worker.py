@@ -413,6 +413,8 @@ class Worker:
             at_fault = item.route.view if error.code in ADAPTER_ERROR_CODES else None  # its files: billed on its line
             if at_fault is not None:  # the adapter's own failure, as a failed load is: it counts against its circuit
                 self.breakers.record(at_fault.adapter_key, False)
+            elif item.route.view is not None:  # no verdict on the adapter: a half-open probe lets the next job probe
+                self.breakers.no_verdict(item.route.view.adapter_key)
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
                                                  item.received_at, self.worker_id, route_reason=item.route.label,
                                                  routing_us=item.route.routing_us, bill=keep, adapter=at_fault)  # fmt: skip

@@ -41,10 +41,12 @@ Full passes held. That was not enough: a full pass fits few rounds once their pl
 window waiting for room, generation 2 stayed past its threshold and CPython took the pass itself. On an H100 (session
 27) the window ran no full pass in either new run, and an automatic one of 22 ms fell in a host-warm 8-step call, the
 slowest decode call with a load of that run. A process whose step loop calls the window (the engine process, the
-adapters bench) can hand all full passes to it (`hold_full_passes`): generation 2's threshold is raised past reach, so
-CPython's trigger never picks a full pass, and the window takes one where it fits once generation 2 passes its own
-threshold, or, where none fits, once twice FULL_AFTER's generation-1 passes have run, wherever that falls. Garbage that
-reached the oldest generation waits for the next such pass; an engine with no rounds to run takes none.
+adapters bench) can hand full passes to it (`hold_full_passes`): generation 2's threshold is raised to HELD_FACTOR
+times its own, so CPython's trigger picks no full pass before the window has had its chances: the window takes one where
+it fits once generation 2 passes its own threshold, or, where none fits, once twice FULL_AFTER's generation-1 passes have
+run, wherever that falls. Where no window is called (an engine with no decode rounds to run, a window whose young-count
+test keeps it from looking), CPython takes the full pass itself a little later, so cyclic garbage is still freed. The
+engine process holds them only where decode rounds can run (CUDA graphs).
 
 Left alone: `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
@@ -68,34 +70,42 @@ FULL_AFTER = 10  # a full pass once this many times the third threshold of gener
 FULL_GUESS_NS = 10_000_000
 DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
 GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
-HELD_T2 = 1 << 30  # generation 2's threshold while full passes are held for the windows: CPython's trigger never gets there
-_held_t2: int | None = None  # generation 2's own threshold while held (`hold_full_passes`)
+# While full passes are held for the windows, generation 2's threshold is this many times its own: CPython's trigger takes
+# a full pass only past the point where a window forces one (2 x FULL_AFTER), a backstop where no window is called
+HELD_FACTOR = 2 * FULL_AFTER + 1
+_held: tuple[int, int] | None = None  # (generation 2's own threshold, the one set) while held (`hold_full_passes`)
 
 
 def hold_full_passes() -> bool:
-    """Leave every full pass of this process to its windows (module docstring, "Full passes held"): generation 2's
-    threshold goes to HELD_T2, the windows keep deciding by the one it had. For a process whose step loop calls a
-    window; True if held (now or before), False where the window does nothing or the thresholds leave nothing to hold."""
-    global _held_t2
-    if _held_t2 is not None:
+    """Leave full passes of this process to its windows (module docstring, "Full passes held"): generation 2's threshold
+    goes to HELD_FACTOR times its own, and the windows keep deciding by their own. For a process whose step loop calls
+    a window; True if held (now or before), False where the window does nothing or the thresholds leave nothing to hold.
+    One holder a process: `release_full_passes` gives them back whoever held them."""
+    global _held
+    if _held is not None:
         return True
     t0, t1, t2 = gc.get_threshold()
-    if not GENERATIONAL or t0 <= 0 or t2 <= 0 or t2 >= HELD_T2:
+    if not GENERATIONAL or t0 <= 0 or t2 <= 0:
         return False
-    _held_t2 = t2
-    gc.set_threshold(t0, t1, HELD_T2)
+    _held = (t2, t2 * HELD_FACTOR)
+    gc.set_threshold(t0, t1, _held[1])
     return True
 
 
 def release_full_passes() -> None:
     """Give full passes back to CPython's trigger, at the threshold generation 2 had (unless it was set again since)."""
-    global _held_t2
-    if _held_t2 is None:
+    global _held
+    if _held is None:
         return
     t0, t1, t2 = gc.get_threshold()
-    if t2 == HELD_T2:
-        gc.set_threshold(t0, t1, _held_t2)
-    _held_t2 = None
+    if t2 == _held[1]:
+        gc.set_threshold(t0, t1, _held[0])
+    _held = None
+
+
+def _own_t2(t2: int) -> int:
+    """Generation 2's threshold as the windows decide by it: its own while full passes are held for them."""
+    return _held[0] if _held is not None and t2 == _held[1] else t2
 
 
 class CollectorWindow:
@@ -142,8 +152,7 @@ class CollectorWindow:
         if not GENERATIONAL or not (self._holding or gc.isenabled()):
             return None
         t0, t1, t2 = gc.get_threshold()
-        if _held_t2 is not None and t2 == HELD_T2:  # full passes held for the windows: decide by generation 2's own
-            t2 = _held_t2
+        t2 = _own_t2(t2)  # (full passes held for the windows: by generation 2's own threshold)
         c0, c1, c2 = gc.get_count()
         if t0 <= 0:
             return None

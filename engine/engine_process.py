@@ -462,8 +462,8 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         results.send_bytes(_dumps(("failed", _portable(e))))
         _exit(0)
     _freeze_gc()
-    if engine.collector is not None:  # this process's step loop calls the window: every full pass is left to it
-        hold_full_passes()
+    if engine.collector is not None and engine.runner.graphs is not None:  # decode rounds call the window: full passes
+        hold_full_passes()  # are left to it first (engine.collector, "Full passes held")
     results.send_bytes(_dumps(("ready", (engine.config, datetime.now(UTC)))))
     host = _ChildHost(engine, commands, results)
     try:

@@ -156,6 +156,27 @@ async def test_circuit_breaker_fails_fast_then_probes():
     assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)
 
 
+async def test_a_probe_that_ends_with_no_verdict_lets_the_next_job_probe():
+    """A half-open probe whose job ended saying nothing about the adapter (the engine failed under it) frees the probe,
+    where the circuit stayed half-open refusing every job until the worker restarted; failures count in the window."""
+    now = [0.0]
+    board = BreakerBoard(failure_rate=0.5, min_requests=2, window_s=60, cooldown_s=10, clock=lambda: now[0])
+    router, snap = Router(LruRouteCache(10, 60), board), snapshot()
+    key = snap.adapters[("acme", "legal")][0].adapter_key
+    board.record(key, False)
+    board.record(key, False)
+    assert board.state(key) == "open" and board.failures(key) == 2
+    now[0] = 11.0
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)  # the probe
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), RouteError)
+    board.no_verdict(key)
+    assert board.state(key) == "half_open"
+    assert isinstance(await route_one(router, snap, job(adapter="legal")), Route)  # another probe
+    board.no_verdict("never-seen")  # nothing to free
+    now[0] = 100.0
+    assert board.failures(key) == 0  # out of the window
+
+
 @pytest.mark.parametrize(
     ("kind", "pattern", "text", "hit"),
     [

@@ -136,7 +136,8 @@ def bench_adapters(
     pipelined: Annotated[bool, typer.Option(help="do not synchronise the device after each engine.step() call: a call's wall "
                                             "time is the interval between call returns, as a serving loop sees it")] = False,
     gc_in_rounds: Annotated[bool, typer.Option(help="engine.gc_in_rounds: the garbage collector's passes run while a decode "
-                                               "round is in flight (--no-gc-in-rounds for an A/B)")] = True,
+                                               "round is in flight, full passes there first where rounds run as CUDA "
+                                               "graphs, as in the engine process (--no-gc-in-rounds for an A/B)")] = True,
     load_ahead_share: Annotated[str, typer.Option(help="engine.load_ahead_share: placements ahead of admission stop at this share "
                                                   "of the launched work's device time; none: unbounded")] = "0.5",
 ) -> None:

@@ -339,7 +339,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # What lives now out of the collector's walks, as the engine process does after building its engine and after
         # new decode graphs (engine.engine_process `_freeze_gc`): the adapters' records and the graphs among it
         _freeze_gc()
-        held = gc_in_rounds == "held" and hold_full_passes()
+        held = gc_in_rounds == "held" and engine.runner.graphs is not None and hold_full_passes()  # as the engine process
         try:
             warmup_compiles = compiles.take()
             cold = _pass(engine, prompts, chosen, new, f"c{count}", batch, synced)
