@@ -26,7 +26,7 @@ from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import Routed
 from consumer.ledger_calls import LedgerCalls
-from consumer.logs import Throttle
+from consumer.logs import Repeats, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.outcomes import failed_before_engine
 from consumer.registry import RegistrySnapshot
@@ -69,6 +69,7 @@ class Intake:
         self.answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
         self._lookup_throttle = Throttle(30.0)  # a line about stored answers the ledger cannot give, every 30 s at most
+        self.dlq_log = Repeats("DLQ records", log)  # the DLQ topic has each record: the log has a line every 10 s at most
 
     def use(self, snapshot: RegistrySnapshot) -> None:
         """Route by this registry snapshot from now on."""
@@ -235,7 +236,7 @@ class Intake:
                             timestamp_ms=m.timestamp, worker_id=self.worker_id, max_bytes=self.s.kafka.max_message_bytes,
                             request_id=rej.request_id, tenant_id=rej.tenant_id, batch_id=rej.batch_id)
         self.metrics.dlq.labels(rej.error.code).inc()
-        log.warning("dlq %s:%s@%s %s", tp.topic, tp.partition, m.offset, rej.error.message[:300])
+        self.dlq_log.note(rej.error.code, f"dlq {tp.topic}:{tp.partition}@{m.offset} {rej.error.message[:300]}")
         self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
 
     def stepped_over(self, tp: TopicPartition, offset: int, epoch: int, fetch_bytes: int) -> None:

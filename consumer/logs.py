@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -143,3 +144,39 @@ class Outage:
             self.log.warning("%s works again after %.0f s", self.what, self._clock() - self.since)
             self.since = None
 
+
+
+class Repeats:
+    """A line per event that producers repeat at will (a DLQ record per bad message): the first of a quiet spell is
+    written as it comes; the rest are counted by kind (a closed set, such as error codes) and written as one line at most
+    every `every_s`, with the counts and the last one's own line. A flood of 3,000 bad messages wrote 3,000 lines in a
+    second, each a copy of what its DLQ record holds; now it writes two. `flush` writes what is counted once it is due
+    (the worker calls it as it loops, so the count of a burst comes out even when nothing follows it)."""
+
+    def __init__(self, what: str, logger: logging.Logger, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.what, self.log, self.every_s = what, logger, every_s
+        self._clock = clock
+        self._written_at = -float("inf")  # when the last line went out
+        self._counts: Counter[str] = Counter()
+        self._last = ""
+
+    def note(self, kind: str, line: str) -> None:
+        now = self._clock()
+        if not self._counts and now - self._written_at >= self.every_s:
+            self.log.warning("%s", line)
+            self._written_at = now
+            return
+        self._counts[kind] += 1
+        self._last = line
+        self.flush()
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the count of what was noted since the last line, once `every_s` has passed since it (at once: `force`)."""
+        now = self._clock()
+        if not self._counts or (now - self._written_at < self.every_s and not force):
+            return
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(self._counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        self.log.warning("%d more %s in the last %.0f s (%s); the last: %s", self._counts.total(), self.what,
+                         now - self._written_at, kinds, self._last)
+        self._counts.clear()
+        self._written_at = now

@@ -205,6 +205,7 @@ class Worker:
                     await self._run_tasks()
                 finally:
                     await self.handover.commit()
+                    self.intake.dlq_log.flush(force=True)
                     self._log_summary()
                     await self.handover.leave()  # before the engine closes: a last revoke may still abort its work
             finally:
@@ -521,6 +522,7 @@ class Worker:
         for tenant in self.intake.snapshot.tenants:  # registered tenants only: a bounded label set
             m.queue_depth.labels(tenant).set(depth.get(tenant, 0))
         m.in_flight.set(self.offsets.in_flight())
+        self.intake.dlq_log.flush()  # the count of a burst of DLQ records, once due, whether or not more follow
         m.circuit_open.set(len(self.breakers.open_circuits()))
         errors = getattr(self.router.cache, "errors", 0)
         if errors > self._cache_errors_seen:
