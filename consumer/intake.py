@@ -66,6 +66,9 @@ class Intake:
         self.deliverer: Deliverer | None = None  # set once the worker's producer exists
         self.use(snapshot)
         self.running: dict[Key, list[Copy]] = {}  # keys queued or in the engine here, with their waiting copies
+        # The copies waiting in `running`, and their tokens: queued work as the worker's backpressure counts it (a producer
+        # resending one request id while it waits for its quota parked 6,000 copies with fetching never paused)
+        self.parked = self.parked_tokens = 0
         self.answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
         self._lookup_throttle = Throttle(30.0)  # a line about stored answers the ledger cannot give, every 30 s at most
@@ -116,7 +119,7 @@ class Intake:
                     else:
                         self.dead_letter(tp, m, epoch, parsed)
                 elif key in self.running:
-                    self.running[key].append(Copy(tp, m.offset, epoch, parsed, silent=again))
+                    self._park(key, [Copy(tp, m.offset, epoch, parsed, silent=again)])
                 elif (answer := self.answers.get(key)) is not None or (answer := stored.get(key)) is not None:
                     self.metrics.replays.labels("redelivered" if again else "memory" if key in self.answers else "ledger").inc()
                     self.deliverer.emit(Outcome(tp, m.offset, result=None if again else answer, epoch=epoch))
@@ -200,6 +203,18 @@ class Intake:
             self._seen.popitem(last=False)
         return seen
 
+    def _park(self, key: Key, copies: list[Copy]) -> None:
+        self.running[key].extend(copies)
+        self.parked += len(copies)
+        self.parked_tokens += sum(estimate_tokens(c.parsed) for c in copies if isinstance(c.parsed, Job))
+
+    def _unpark(self, key: Key) -> list[Copy]:
+        """The key's first message is answered or left: it leaves `running`, with the copies that waited for it."""
+        copies = self.running.pop(key, [])
+        self.parked -= len(copies)
+        self.parked_tokens -= sum(estimate_tokens(c.parsed) for c in copies if isinstance(c.parsed, Job))
+        return copies
+
     def answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
         """Emit the answer to a key's first message, then the same answer to every copy that waited for it. It is kept
         in memory for a resend only when it is stored too (it has a usage row): an answer that only this worker kept
@@ -214,7 +229,7 @@ class Intake:
             self.answers.move_to_end(key)
             while len(self.answers) > self.s.worker.answered_cache:
                 self.answers.popitem(last=False)
-        for c in self.running.pop(key, []):
+        for c in self._unpark(key):
             self.metrics.replays.labels("redelivered" if c.silent else "waited").inc()
             self.deliverer.emit(Outcome(c.tp, c.offset, result=None if c.silent else result, epoch=c.epoch))
 
@@ -251,7 +266,7 @@ class Intake:
     async def orphaned(self, key: Key, revoked: set[TopicPartition]) -> None:
         """The first copy of a key was abandoned (its partition revoked): a copy from a partition still ours
         runs in its place; copies from revoked partitions are left to their new owner."""
-        copies = [c for c in self.running.pop(key, []) if c.tp not in revoked]
+        copies = [c for c in self._unpark(key) if c.tp not in revoked]
         if not copies:
             return
         first, *rest = copies
@@ -260,7 +275,8 @@ class Intake:
             for c in rest:
                 self.deliverer.emit(Outcome(c.tp, c.offset, result=self.answers.get(key), epoch=c.epoch))
             return
-        self.running[key] = rest
+        self.running[key] = []
+        self._park(key, rest)
         await self.admit([(first.tp, first.offset, first.epoch, first.parsed)], datetime.now(UTC))
 
 

@@ -342,12 +342,15 @@ class Worker:
             self._gauges()
 
     def _backpressure(self) -> None:
-        w, d = self.s.worker, self.deliverer
+        """Pause fetching while the ledger cannot take rows, or too much work waits here: jobs queued and in the engine,
+        and copies of them (a request id sent again while it runs) waiting for their first's answer."""
+        w, d, parked = self.s.worker, self.deliverer, self.intake.parked
+        jobs, tokens = len(self.scheduler) + len(self._in_engine) + parked, self.scheduler.queued_tokens + self.intake.parked_tokens
         why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
                f"the spool holds {len(self.spool)} records" if self.spool.full else
-               f"{len(self.scheduler)} jobs, {self.scheduler.queued_tokens} tokens queued"
-               if len(self.scheduler) + len(self._in_engine) >= w.max_queued_jobs
-               or self.scheduler.queued_tokens >= w.max_queued_tokens else None)
+               f"{jobs} jobs, {tokens} tokens queued" + (f" ({parked} of them copies of a request id already here, waiting "
+                                                           "for its answer)" if parked else "")
+               if jobs >= w.max_queued_jobs or tokens >= w.max_queued_tokens else None)
         self.partitions.hold(why)
 
     def _apply_snapshot(self, snapshot: RegistrySnapshot) -> None:

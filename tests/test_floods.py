@@ -1,9 +1,10 @@
-"""Floods a producer can send a worker that runs for weeks: bad messages by the thousand must not grow the worker's log
-with the traffic."""
+"""Floods a producer can send a worker that runs for weeks: bad messages by the thousand, one request id resent in a
+loop while it waits. Neither may grow the worker's log or its memory with the traffic."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from types import SimpleNamespace
 
@@ -11,9 +12,13 @@ import pytest
 from aiokafka import TopicPartition
 
 from consumer.config import Settings
-from consumer.intake import Intake
+from consumer.delivery import Outcome
+from consumer.intake import Intake, estimate_tokens
 from consumer.logs import Repeats
 from consumer.metrics import WorkerMetrics
+from consumer.scheduler import Pending, Scheduler
+from consumer.schemas import Result, parse_job
+from consumer.worker import Worker
 
 TP = TopicPartition("jobs", 0)
 
@@ -91,3 +96,59 @@ def test_a_flood_of_bad_messages_writes_two_log_lines_and_every_dlq_record(caplo
     intake.dlq_log.flush(force=True)  # the worker's stop
     first, count = _lines(caplog)
     assert count.startswith("2999 more DLQ records in the last ") and "(malformed_json 2999); the last: dlq jobs:0@2999 " in count
+
+
+def _job(request_id: str, prompt: str) -> bytes:
+    return json.dumps({"v": 1, "request_id": request_id, "tenant_id": "acme", "prompt": prompt, "max_new_tokens": 4}).encode()
+
+
+def test_copies_of_a_waiting_request_are_counted_until_its_answer():
+    """A request id resent while its first copy waits (for its tenant's quota, say) parks each resend until the first is
+    answered; the parked copies and their tokens are counted, and the count goes back to 0 when they are answered."""
+    intake, emitted = _intake()
+    key = ("acme", "r1")
+    intake.running[key] = []  # the first copy is queued in the scheduler
+    value = _job("r1", "x" * 3_000)
+    asyncio.run(intake.ingest([(TP, _message(i, value), 1) for i in range(1, 51)]))
+    assert not emitted and len(intake.running[key]) == 50
+    assert (intake.parked, intake.parked_tokens) == (50, 50 * estimate_tokens(parse_job(value)))
+    intake.answer(key, Outcome(TP, 0, result=Result(request_id="r1", tenant_id="acme", status="succeeded"), epoch=1), keep=False)
+    assert len(emitted) == 51 and key not in intake.running
+    assert (intake.parked, intake.parked_tokens) == (0, 0)
+
+
+def test_copies_left_on_a_revoke_are_no_longer_counted():
+    """The first copy's partition was revoked, with its copies: they are the new owner's, and no longer counted here."""
+    intake, emitted = _intake()
+    key = ("acme", "r1")
+    intake.running[key] = []
+    asyncio.run(intake.ingest([(TP, _message(i, _job("r1", "hello")), 1) for i in range(1, 6)]))
+    assert intake.parked == 5
+    asyncio.run(intake.orphaned(key, {TP}))
+    assert (intake.parked, intake.parked_tokens) == (0, 0) and key not in intake.running and not emitted
+
+
+@pytest.mark.parametrize("queued, parked, parked_tokens, paused", [
+    (0, 0, 0, False),
+    (3, 6, 90, False),  # 9 jobs, under the bound of 10
+    (3, 7, 90, True),  # 10 jobs, 7 of them copies
+    (0, 10, 0, True),  # copies alone
+    (0, 1, 1_000, True),  # one copy of a prompt at the token bound
+])
+def test_waiting_copies_pause_fetching_as_queued_jobs_do(queued, parked, parked_tokens, paused):
+    """Backpressure counts the copies waiting for a request's first answer with the queued jobs and tokens: a producer
+    resending one request id in a loop while it waited for its quota had 6,000 copies parked in the worker's memory,
+    with fetching never paused (worker.max_queued_jobs 2048)."""
+    scheduler = Scheduler(4, 8_192, 4)
+    for _ in range(queued):
+        scheduler.push(Pending("acme", None, 10, 0.0, None, partition=TP))
+    held: list = []
+    worker = SimpleNamespace(
+        s=Settings.model_validate({"worker": {"max_queued_jobs": 10, "max_queued_tokens": 1_000}}), deliverer=None,
+        spool=SimpleNamespace(full=False), scheduler=scheduler, _in_engine={},
+        intake=SimpleNamespace(parked=parked, parked_tokens=parked_tokens), partitions=SimpleNamespace(hold=held.append))
+    Worker._backpressure(worker)
+    (why,) = held
+    assert (why is not None) == paused, why
+    if paused:
+        assert f"({parked} of them copies of a request id already here, waiting for its answer)" in why
