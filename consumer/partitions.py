@@ -22,6 +22,7 @@ class Partitions:
         self.metrics = metrics
         self.paused = False
         self.checked_at = 0.0  # when the logs were last checked (monotonic)
+        self._lag_shown: set[int] = set()  # partitions with a lorabatch_consumer_lag series
 
     def hold(self, why: str | None) -> None:
         """Pause fetching while there is a reason to (`why`), resume once there is none."""
@@ -67,8 +68,16 @@ class Partitions:
                         tp.topic, tp.partition, end, mark, what)
 
     def report_lag(self) -> None:
-        for tp in self.consumer.assignment():
+        """The lag of each assigned partition. A partition a rebalance took away leaves the gauge: its last figure stayed
+        on, frozen, beside its new owner's (976 jobs behind, on a worker that no longer read it, while the new owner
+        drained it), so a sum over the workers counted it twice and an alert on it never cleared."""
+        assigned = self.consumer.assignment()
+        for tp in assigned:
             high = self.consumer.highwater(tp)
             nxt = self.offsets.next_fetch(tp)
             if high is not None and nxt is not None:
                 self.metrics.consumer_lag.labels(str(tp.partition)).set(max(0, high - nxt))
+                self._lag_shown.add(tp.partition)
+        for partition in self._lag_shown - {tp.partition for tp in assigned}:
+            self.metrics.consumer_lag.remove(str(partition))
+            self._lag_shown.discard(partition)
