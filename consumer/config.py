@@ -153,7 +153,8 @@ class WorkerConfig(_Section):
                             "empty: .lorabatch/spool/<worker_id, or 'worker'>.sqlite (workers may share one)")
     spool_max_records: int = Field(100_000, ge=1, description="fetching pauses while the spool holds this many records")
     answered_cache: int = Field(10_000, ge=0, description="recent (tenant, request_id) answers kept in memory, so "
-                                "a redelivered job is answered without asking the ledger")
+                                "a redelivered job is answered without asking the ledger; they take at most 16 KiB "
+                                "each on average (10,000: 164 MB), so long answers are kept fewer")
     wait_max_s: float = Field(30.0, gt=0, description="longest pause between attempts to reach the broker, the ledger "
                               "or Redis (the pauses double from 0.5 s up to this)")
     log_check_s: float = Field(2.0, gt=0, description="how often the partitions' log ends and committed offsets are "

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 from aiokafka import TopicPartition
 
-from consumer.answers import Copy, Key, key_of, stored_result
+from consumer.answers import Copy, Key, answer_bytes, key_of, stored_result
 from consumer.config import Settings
 from consumer.delivery import Deliverer, Outcome
 from consumer.feeder import Routed
@@ -40,7 +40,9 @@ from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.worker")
 
-_CACHED_ANSWER_CHARS = 16_384  # answers kept in memory stay small: 10,000 of them are under ~200 MB
+# Answers kept in memory: worker.answered_cache of them, and that many times ANSWER_BYTES in all (10,000: 164 MB), the
+# oldest going first; an answer over 4 x ANSWER_BYTES is not kept (a resend reads it back from the spool or the ledger)
+ANSWER_BYTES = 16_384
 
 
 def message_bytes(m) -> int:
@@ -70,6 +72,7 @@ class Intake:
         # resending one request id while it waits for its quota parked 6,000 copies with fetching never paused)
         self.parked = self.parked_tokens = 0
         self.answers: OrderedDict[Key, Result] = OrderedDict()  # recent answers, newest last (bounded)
+        self.answers_bytes = 0  # what they take (consumer.answers.answer_bytes)
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # recent messages read, by position and timestamp
         self._lookup_throttle = Throttle(30.0)  # a line about stored answers the ledger cannot give, every 30 s at most
         self.dlq_log = Repeats("DLQ records", log)  # the DLQ topic has each record: the log has a line every 10 s at most
@@ -223,15 +226,25 @@ class Intake:
         self.deliverer.emit(outcome)
         result = outcome.result
         assert result is not None, outcome
-        if keep and outcome.usage is not None and self.s.worker.answered_cache and len(result.text) + len(result.output_ids) * 8 < _CACHED_ANSWER_CHARS \
-                and result.logprobs is None:  # big answers are read back from the spool or the ledger instead
-            self.answers[key] = result
-            self.answers.move_to_end(key)
-            while len(self.answers) > self.s.worker.answered_cache:
-                self.answers.popitem(last=False)
+        if keep and outcome.usage is not None and self.s.worker.answered_cache:
+            self._keep(key, result)
         for c in self._unpark(key):
             self.metrics.replays.labels("redelivered" if c.silent else "waited").inc()
             self.deliverer.emit(Outcome(c.tp, c.offset, result=None if c.silent else result, epoch=c.epoch))
+
+    def _keep(self, key: Key, result: Result) -> None:
+        """Keep an answer for a resend, within worker.answered_cache answers and that many times ANSWER_BYTES."""
+        size = answer_bytes(result)
+        if size > 4 * ANSWER_BYTES or result.logprobs is not None:  # big answers are read back from the spool or the ledger
+            return
+        if (old := self.answers.pop(key, None)) is not None:
+            self.answers_bytes -= answer_bytes(old)
+        self.answers[key] = result
+        self.answers_bytes += size
+        cap = self.s.worker.answered_cache
+        while len(self.answers) > cap or self.answers_bytes > cap * ANSWER_BYTES:
+            _, gone = self.answers.popitem(last=False)
+            self.answers_bytes -= answer_bytes(gone)
 
     def fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
              keep: bool = True) -> None:

@@ -1,11 +1,13 @@
 """Floods a producer can send a worker that runs for weeks: bad messages by the thousand, one request id resent in a
-loop while it waits. Neither may grow the worker's log or its memory with the traffic."""
+loop while it waits, a stream of long answers. None may grow the worker's log or its memory past a stated bound."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import random
+import tracemalloc
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +15,12 @@ from aiokafka import TopicPartition
 
 from consumer.config import Settings
 from consumer.delivery import Outcome
-from consumer.intake import Intake, estimate_tokens
+from consumer.answers import answer_bytes
+from consumer.intake import ANSWER_BYTES, Intake, estimate_tokens
 from consumer.logs import Repeats
 from consumer.metrics import WorkerMetrics
 from consumer.scheduler import Pending, Scheduler
-from consumer.schemas import Result, parse_job
+from consumer.schemas import Result, Usage, parse_job
 from consumer.worker import Worker
 
 TP = TopicPartition("jobs", 0)
@@ -152,3 +155,40 @@ def test_waiting_copies_pause_fetching_as_queued_jobs_do(queued, parked, parked_
     assert (why is not None) == paused, why
     if paused:
         assert f"({parked} of them copies of a request id already here, waiting for its answer)" in why
+
+
+def _answer(i: int, tokens: int, text: str) -> Result:
+    ids = random.Random(i).choices(range(300, 128_000), k=tokens)  # ids past 256 are int objects of their own
+    return Result(request_id=f"req-{i:08d}", tenant_id="acme", batch_id="b-1", adapter="support@1", status="succeeded",
+                  text=text * tokens, output_ids=ids, usage=Usage(input_tokens=10, output_tokens=tokens, cached_tokens=0),
+                  route="tenant_default", worker_id="w-1")
+
+
+@pytest.mark.parametrize("tokens, text", [(0, ""), (16, "word"), (1_200, "wo"), (1_700, "\u00e9"), (300, "\u4e2d"), (200, "\U0001f600")])
+def test_an_answer_is_counted_at_what_it_takes_in_memory(tokens, text):
+    """The size the answer cache counts an answer at is no less than what its objects take (tracemalloc, 5% slack): at 8
+    bytes an output id and 1 a character, an answer of 1,200 tokens was counted at 12 KB and took 45 KB."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [_answer(i, tokens, text) for i in range(200)]
+        taken = (tracemalloc.get_traced_memory()[0] - before) / len(kept)
+    finally:
+        tracemalloc.stop()
+    assert taken <= 1.05 * answer_bytes(kept[0]), (taken, answer_bytes(kept[0]))
+
+
+@pytest.mark.parametrize("tokens, text, kept", [
+    (16, "word", 1_000),  # short answers: the count bounds the cache
+    (1_200, "wo", 306),  # long ones: the bytes do (1,000 x 16 KiB over 53.4 KB each)
+    (2_000, "w", 0),  # over 64 KiB each: read back from the spool or the ledger instead
+])
+def test_the_answer_cache_holds_its_count_and_its_bytes(tokens, text, kept):
+    """Answers are kept for resends within worker.answered_cache answers and that many times 16 KiB, the oldest going
+    first: 10,000 answers of 1,200 tokens took 519 MB of a worker where the code meant ~200 MB; now 158 MB."""
+    intake, emitted = _intake(Settings.model_validate({"worker": {"answered_cache": 1_000}}))
+    for i in range(3_000):
+        intake.answer(("acme", f"r{i}"), Outcome(TP, i, result=_answer(i, tokens, text), usage=object(), epoch=1))
+    assert len(emitted) == 3_000 and len(intake.answers) == kept
+    assert list(intake.answers) == [("acme", f"r{i}") for i in range(3_000 - kept, 3_000)]  # the newest
+    assert intake.answers_bytes == sum(answer_bytes(r) for r in intake.answers.values()) <= 1_000 * ANSWER_BYTES
