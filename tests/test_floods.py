@@ -142,19 +142,44 @@ def test_waiting_copies_pause_fetching_as_queued_jobs_do(queued, parked, parked_
     """Backpressure counts the copies waiting for a request's first answer with the queued jobs and tokens: a producer
     resending one request id in a loop while it waited for its quota had 6,000 copies parked in the worker's memory,
     with fetching never paused (worker.max_queued_jobs 2048)."""
+    why = _backpressure(queued=queued, parked=parked, parked_tokens=parked_tokens)
+    assert (why is not None) == paused, why
+    if paused:
+        assert f"({parked} of them copies of a request id already here, waiting for its answer)" in why
+
+
+def _backpressure(queued: int = 0, parked: int = 0, parked_tokens: int = 0, unsent: int = 0) -> str | None:
+    """Why the worker's partitions are held with this much work here (max_queued_jobs 10, max_queued_tokens 1,000)."""
     scheduler = Scheduler(4, 8_192, 4)
     for _ in range(queued):
         scheduler.push(Pending("acme", None, 10, 0.0, None, partition=TP))
     held: list = []
     worker = SimpleNamespace(
-        s=Settings.model_validate({"worker": {"max_queued_jobs": 10, "max_queued_tokens": 1_000}}), deliverer=None,
-        spool=SimpleNamespace(full=False), scheduler=scheduler, _in_engine={},
-        intake=SimpleNamespace(parked=parked, parked_tokens=parked_tokens), partitions=SimpleNamespace(hold=held.append))
+        s=Settings.model_validate({"worker": {"max_queued_jobs": 10, "max_queued_tokens": 1_000}}),
+        deliverer=SimpleNamespace(schema_behind=False, outbox=[None] * unsent), spool=SimpleNamespace(full=False),
+        scheduler=scheduler, _in_engine={}, intake=SimpleNamespace(parked=parked, parked_tokens=parked_tokens),
+        partitions=SimpleNamespace(hold=held.append))
     Worker._backpressure(worker)
     (why,) = held
+    return why
+
+
+@pytest.mark.parametrize("queued, unsent, paused", [
+    (0, 9, False),
+    (3, 6, False),  # 9 jobs, under the bound of 10
+    (3, 7, True),  # 10, 7 of them answered and not delivered
+    (0, 10, True),  # undelivered answers alone
+])
+def test_answers_waiting_for_delivery_pause_fetching_as_queued_jobs_do(queued, unsent, paused):
+    """Answers that wait to be published and billed count with the queued jobs: with the ledger down and the spool's
+    disk full, a worker fetched on while its deliveries waited, 42,000 jobs in flight (max_queued_jobs 2048) and its RSS
+    from 299 to 486 MB, growing with every job produced; the jobs queued for the engine paused it only briefly, since the
+    engine went on answering them into the waiting outbox."""
+    why = _backpressure(queued=queued, unsent=unsent)
     assert (why is not None) == paused, why
     if paused:
-        assert f"({parked} of them copies of a request id already here, waiting for its answer)" in why
+        assert why == f"{queued + unsent} jobs, {10 * queued} tokens queued ({unsent} of them answered, waiting to be " \
+                      "published and billed)"
 
 
 def _answer(i: int, tokens: int, text: str) -> Result:
