@@ -51,7 +51,7 @@ from engine.api import EngineError, GenerationRequest, GenerationResult, Request
 from engine.async_engine import StepLoop, charged_us
 from engine.collector import hold_full_passes
 from engine.config import EngineConfig
-from engine.host_arena import release_segments
+from engine.host_arena import reap, release_segments
 
 log = logging.getLogger("lorabatch.engine")
 GIL_SWITCH_S = 0.05  # the child's sys.setswitchinterval: how long another thread waits before the step loop must yield
@@ -371,7 +371,7 @@ class EngineProcess:
                     _settle_soon(fut, value, ok=ok)
             elif kind == "resident":
                 self._resident = message[1]
-        proc.join(timeout=5)
+        reap(proc, timeout=5)  # and a killed child's L2 arena, which it could not unlink itself
         code = proc.exitcode
         if self._stopping:
             error = EngineError("the engine is closed", code="aborted")

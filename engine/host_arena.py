@@ -33,6 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+_PREFIX = "lorabatch-l2-"  # a segment's name: this, the pid of the process that made it, a random token
 ALIGN = 256  # bytes: every extent starts on this boundary (DMA-friendly; any dtype's alignment)
 
 
@@ -140,6 +141,23 @@ def release_segments() -> None:
         _SEGMENTS.pop()()  # a finalizer already run does nothing
 
 
+def reap(proc, timeout: float | None = None) -> None:
+    """Join a process that may have made shared arenas (`timeout` as join's) and, once it has ended, unlink the segments
+    it left. One killed cannot unlink its own, and the resource tracker it shares with the process that spawned it does
+    so only when that one exits: each engine process that died under a worker left its arena in /dev/shm, host memory
+    of host_cache_bytes and a quarter (80 MB in the drill, 2.5 GiB by default on a GPU), for as long as the worker ran."""
+    proc.join(timeout)
+    if proc.exitcode is None:  # still running (stuck in a driver call): its segments may still be in use
+        return
+    try:
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{_PREFIX}{proc.pid}-"))
+    except OSError:
+        return
+    for name in names:
+        log.warning("the ended process %d left its L2 arena %s in %s; unlinked", proc.pid, name, SHM_DIR)
+        _unlink(name)
+
+
 def _shared_block(nbytes: int, pin: bool):
     """(uint8 tensor over a new shared-memory segment of `nbytes`, its name, then the finalizer's function and arguments),
     page-locked for DMA when `pin` (cudaHostRegister: about 0.4 ms a MB on the H200 host, against 0.6 for a fresh pinned
@@ -148,7 +166,7 @@ def _shared_block(nbytes: int, pin: bool):
 
     The segment is a file of /dev/shm, mapped here and in each reader process (`attach`), and registered with the
     resource tracker the spawned processes share, which unlinks it if this process dies without doing so."""
-    name = f"lorabatch-l2-{os.getpid()}-{secrets.token_hex(6)}"
+    name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
     try:
         free = os.statvfs(SHM_DIR)
         if free.f_bavail * free.f_frsize < nbytes:

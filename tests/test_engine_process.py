@@ -179,6 +179,29 @@ async def test_a_killed_child_fails_what_waits_and_every_later_call(demo_set):
         await asyncio.wait_for(p.close(), 30)
 
 
+async def test_a_killed_child_leaves_no_l2_arena_in_dev_shm(demo_set):
+    """A child with reader processes keeps its L2 arena in /dev/shm; killed, it cannot unlink it, and the arena stayed
+    there (host_cache_bytes and a quarter of host memory) until the worker exited, one more at each restart."""
+    from engine.host_arena import SHM_DIR
+
+    p = _fresh(demo_set, adapter_read_processes=1, adapter_read_threads=1, host_cache_bytes=8 << 20)
+    try:
+        pid = p.pid
+        mine = [n for n in os.listdir(SHM_DIR) if n.startswith(f"lorabatch-l2-{pid}-")]
+        assert len(mine) == 1, mine
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(1_000):
+            if not p.alive:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(p.restart(), 120)
+        assert not os.path.exists(os.path.join(SHM_DIR, mine[0]))
+        assert len([n for n in os.listdir(SHM_DIR) if n.startswith(f"lorabatch-l2-{p.pid}-")]) == 1  # the new child's
+    finally:
+        await asyncio.wait_for(p.close(), 30)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"lorabatch-l2-{p.pid}-")]
+
+
 async def test_close_drains_or_aborts_and_the_child_exits(demo_set):
     """close() lets what runs finish; close(drain=False) answers every caller with `aborted`; the child exits both
     times and the handle reports not alive."""

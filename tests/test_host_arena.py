@@ -6,10 +6,12 @@ import multiprocessing as mp
 import os
 import random
 import threading
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from engine.host_arena import ALIGN, SHM_DIR, HostArena, attach
+from engine.host_arena import ALIGN, SHM_DIR, HostArena, attach, reap
 
 
 def _span(t: torch.Tensor, base: int, elem: int) -> tuple[int, int]:
@@ -118,3 +120,43 @@ def test_a_shared_arena_that_dev_shm_cannot_hold_is_a_private_block(monkeypatch,
     arena = HostArena(1 << 20, torch.float32, shared=True)
     assert arena.name is None and arena.alloc(1000) is not None
     assert "--shm-size" in caplog.text
+
+
+class _Ended:
+    """A process as `reap` sees it: joined, then its exit code (None while it runs) and pid."""
+
+    def __init__(self, pid: int, exitcode: int | None):
+        self.pid, self.exitcode, self.joined = pid, exitcode, []
+
+    def join(self, timeout=None) -> None:
+        self.joined.append(timeout)
+
+
+OTHERS = ["lorabatch-l2-424-cccc", "lorabatch-l2-4243-bbbb", "other"]  # other processes' segments, another file
+
+
+@pytest.mark.parametrize("exitcode, left", [
+    (-9, OTHERS),  # killed: its two segments go
+    (0, OTHERS),  # ended: the same (one that ended well unlinked its own already)
+    (None, sorted(OTHERS + ["lorabatch-l2-4242-aaaa", "lorabatch-l2-4242-dddd"])),  # still running (stuck in a driver
+    # call): nothing is taken from under it
+])
+def test_reap_unlinks_the_segments_an_ended_process_left(tmp_path, monkeypatch, exitcode, left):
+    """A killed engine process cannot unlink its L2 arena, and the resource tracker it shares with the worker does so only
+    when the worker exits: reaping it unlinks the segments named with its pid, and no one else's."""
+    monkeypatch.setattr("engine.host_arena.SHM_DIR", str(tmp_path))
+    unregistered = []
+    monkeypatch.setattr("engine.host_arena.resource_tracker.unregister", lambda name, kind: unregistered.append(name))
+    for name in ("lorabatch-l2-4242-aaaa", "lorabatch-l2-4242-dddd", "lorabatch-l2-4243-bbbb", "lorabatch-l2-424-cccc",
+                 "other"):
+        (tmp_path / name).write_bytes(b"x")
+    proc = _Ended(4242, exitcode)
+    reap(proc, timeout=5)
+    assert proc.joined == [5]
+    assert sorted(os.listdir(tmp_path)) == left
+    assert unregistered == ([] if exitcode is None else ["/lorabatch-l2-4242-aaaa", "/lorabatch-l2-4242-dddd"])
+
+
+def test_reap_without_a_shared_memory_folder_does_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr("engine.host_arena.SHM_DIR", str(tmp_path / "missing"))
+    reap(SimpleNamespace(pid=1, exitcode=-9, join=lambda timeout=None: None))
