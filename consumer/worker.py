@@ -342,18 +342,18 @@ class Worker:
             self._gauges()
 
     def _backpressure(self) -> None:
-        """Pause fetching while the ledger cannot take rows, or too much work waits here: jobs queued and in the engine,
-        copies of them (a request id sent again while it runs) waiting for their first's answer, and answers waiting to
-        be published and billed (a broker that does not take them, a spool whose disk is full)."""
+        """Pause fetching while the ledger cannot take rows, while answers wait to be delivered (a broker that does not
+        take them, a spool whose disk is full: the engine goes on answering the queue into them), or while too much work
+        waits here: jobs queued and in the engine, and copies of them (a request id sent again while it runs) waiting for
+        their first's answer."""
         w, d, parked = self.s.worker, self.deliverer, self.intake.parked
         unsent = len(d.outbox) if d is not None else 0
-        jobs = len(self.scheduler) + len(self._in_engine) + parked + unsent
-        tokens = self.scheduler.queued_tokens + self.intake.parked_tokens
-        parts = [f"{parked} of them copies of a request id already here, waiting for its answer"] if parked else []
-        parts += [f"{unsent} of them answered, waiting to be published and billed"] if unsent else []
+        jobs, tokens = len(self.scheduler) + len(self._in_engine) + parked, self.scheduler.queued_tokens + self.intake.parked_tokens
         why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
                f"the spool holds {len(self.spool)} records" if self.spool.full else
-               f"{jobs} jobs, {tokens} tokens queued" + (f" ({'; '.join(parts)})" if parts else "")
+               f"{unsent} answers wait to be published and billed" if unsent >= w.max_queued_jobs else
+               f"{jobs} jobs, {tokens} tokens queued" + (f" ({parked} of them copies of a request id already here, waiting "
+                                                           "for its answer)" if parked else "")
                if jobs >= w.max_queued_jobs or tokens >= w.max_queued_tokens else None)
         self.partitions.hold(why)
 
