@@ -15,8 +15,8 @@ same `StepLoop` as `AsyncEngine`'s thread, with commands and results as pickled 
 Messages keep their order (one pipe each way), so a request added after another's abort finds it gone, as on the
 thread. Results of one pass of the loop travel in one message. If the child dies (a crash in a CUDA library, the OOM
 killer), every awaited `generate` returns `engine_failed` (retriable) and every awaited `call` raises it, `alive`
-turns False, and later calls fail the same way at once: the worker stops and its jobs are redelivered, as when its
-engine thread dies. The child exits when its parent goes away (its command pipe closes): a killed worker leaves no
+turns False, and later calls fail the same way at once, until `restart` starts another child (the worker does, and
+goes on; a worker whose engine thread dies stops instead, and its jobs are redelivered). The child exits when its parent goes away (its command pipe closes): a killed worker leaves no
 engine holding the GPU.
 
 The child's switch interval is GIL_SWITCH_S, not Python's 5 ms, so that its adapter read-ahead threads take the lock
