@@ -12,12 +12,10 @@ same `StepLoop` as `AsyncEngine`'s thread, with commands and results as pickled 
 - `start()` blocks until the child has built its engine; `config` is then the child's, with the sizes it derived
   for its device (engine.sizing).
 
-Messages keep their order (one pipe each way), so a request added after another's abort finds it gone, as on the
-thread. Results of one pass of the loop travel in one message. If the child dies (a crash in a CUDA library, the OOM
-killer), every awaited `generate` returns `engine_failed` (retriable) and every awaited `call` raises it, `alive`
-turns False, and later calls fail the same way at once, until `restart` starts another child (the worker does, and
-goes on; a worker whose engine thread dies stops instead, and its jobs are redelivered). The child exits when its parent goes away (its command pipe closes): a killed worker leaves no
-engine holding the GPU.
+Messages keep their order (one pipe each way), so a request added after another's abort finds it gone, as on the thread.
+A pass's results travel in one message. If the child dies (a CUDA crash, the OOM killer), every awaited `generate`
+returns `engine_failed` (retriable) and every awaited `call` raises it, `alive` turns False, and later calls fail the
+same way at once until `restart`. The child exits when its parent goes away: a killed worker's child holds no GPU.
 
 The child's switch interval is GIL_SWITCH_S, not Python's 5 ms, so that its adapter read-ahead threads take the lock
 while the step loop waits, not mid-launch (engine/PERF.md, session 16: a 2,000-adapter cold pass 4.58 s against 4.99).
@@ -462,8 +460,8 @@ def _child_main(config: EngineConfig, commands, results, initializer: Callable[[
         results.send_bytes(_dumps(("failed", _portable(e))))
         _exit(0)
     _freeze_gc()
-    if engine.collector is not None and engine.runner.graphs is not None:  # decode rounds call the window: full passes
-        hold_full_passes()  # are left to it first (engine.collector, "Full passes held")
+    if engine.collector is not None and engine.runner.graphs is not None:  # rounds call the window: full passes wait
+        hold_full_passes()
     results.send_bytes(_dumps(("ready", (engine.config, datetime.now(UTC)))))
     host = _ChildHost(engine, commands, results)
     try:
@@ -489,8 +487,8 @@ def _freeze_gc() -> None:
     The model, its graphs and the engine's tables are ~300,000 tracked objects at llama-1b, which every full collection
     walked again while the step loop made garbage. On the H200 (a probe of session 11, one run each, the frozen run
     last and so also the warmest) the same 274 steps of 1,024 jobs took 9.85 ms each after a freeze against
-    11.97-14.11 ms before in a child, and 10.44 against 11.19 in one process. The child freezes after building its engine and after each new decode graph (a bounded
-    number); objects made later are collected as usual."""
+    11.97-14.11 ms before in a child, and 10.44 against 11.19 in one process. The child freezes after building its
+    engine and after each new decode graph (a bounded number); objects made later are collected as usual."""
     gc.collect()
     gc.freeze()
 
