@@ -79,6 +79,11 @@ async def test_kill_restart_and_rebalance(broker, tmp_path, demo_set, pg_databas
             workers["w1"] = _spawn(config, "w1", tmp_path)  # same id: static membership takes its place back
             await _wait_for(s, lambda got: len({r.request_id for r in got}) >= N_JOBS // 2, 180)
             workers["w3"] = _spawn(config, "w3", tmp_path)  # a newcomer forces a rebalance
+            # On a loaded machine the rest of the jobs can be done before w3 has built its engine and joined: wait for
+            # its assignment either way, so that the drain at the end meets three members of the group.
+            joined_by = time.monotonic() + 180
+            while "assigned [(" not in (tmp_path / "w3.log").read_text() and time.monotonic() < joined_by:
+                await asyncio.sleep(0.5)
             results = await _wait_for(s, lambda got: wanted <= {r.request_id for r in got}, 300)
             # A job whose result the killed w1 published before billing it is run again by its partition's next owner,
             # which bills it then: its result came first, so the run ends once every job is billed too.
