@@ -151,6 +151,14 @@ class Ledger:
         with self._database_errors(), self._sessions.begin() as session:
             return len(session.execute(statement, rows).all())
 
+    def ping(self) -> None:
+        """Write nothing; raise what a write would (LedgerUnavailableError, LedgerSchemaError) if the ledger cannot take
+        one now. A worker asks it before it says the ledger is back without a write to prove it (its spool empty)."""
+        with self._database_errors():
+            fault = _schema_fault(self._engine)
+        if fault is not None:
+            raise LedgerSchemaError(f"the ledger database at {self._engine.url.render_as_string(hide_password=True)} {fault}")
+
     def usage_for(self, tenant_id: str, request_id: str) -> Usage | None:
         """The ledger row of one request, or None when it was never recorded."""
         statement = select(Usage).where(Usage.tenant_id == tenant_id, Usage.request_id == request_id)

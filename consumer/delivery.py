@@ -99,6 +99,8 @@ class Deliverer:
         # waiting for space outlasted every stop deadline (SIGTERM ignored for minutes); `gave_up` once it was.
         self.stopping = False
         self.gave_up = False
+        self.spool_down: str | None = None  # why the last write to the spool failed (its disk full); None when it took it
+        self._spool_down_at = 0.0  # monotonic, when it first failed
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
@@ -297,24 +299,60 @@ class Deliverer:
         await self._publish([dead])
 
     async def _spool(self, records: Sequence) -> None:
+        """Keep records the ledger did not take in the spool. A spool that cannot be written (its disk full) is waited
+        for, with the ledger tried again at each retry (it may come back first); said once when it starts, once when
+        it ends, and by `lorabatch_spool_up` meanwhile: one line per retry and writer (the GPU-time records' too) filled
+        the log, and `lorabatch_ledger_up` alone said nothing of it."""
         delay = 0.1
         while True:
             try:
                 await asyncio.to_thread(self.spool.put, records)
-                self.spooled += len(records)
-                break
             except Exception as e:  # noqa: BLE001 - a full disk: nothing can be done but wait and say so
                 if self.stopping:
                     raise SpoolUnavailable(f"{len(records)} records reach neither the ledger nor the spool at "
                                            f"{self.spool.path} ({e})") from e
-                self.metrics.waiting.labels("spool").set(1)
+                self._spool_failed(e)
                 self.metrics.retries.labels("spool").inc()
-                log.error("cannot write %d records to the spool at %s (%s); waiting %.1fs", len(records),
-                          self.spool.path, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
+                if await self._ledger_took(records):
+                    break
+                continue
+            self.spooled += len(records)
+            self._spool_ok()
+            break
         self.metrics.waiting.labels("spool").set(0)
         self.metrics.spool_records.set(len(self.spool))
+
+    async def _ledger_took(self, records: Sequence) -> bool:
+        """Whether the ledger took records the spool could not (it came back while the spool's disk stayed full)."""
+        try:
+            await self.ledger_calls(_writer(self.ledger, records[0]), records)
+        except LedgerRecordError:
+            await self._one_by_one(records)
+        except Exception as e:  # noqa: BLE001 - still down (or unmapped: the spool's retry keeps them meanwhile)
+            self._down(e)
+            return False
+        else:
+            self._up()
+        return True
+
+    def _spool_failed(self, e: Exception) -> None:
+        if self.spool_down is None:
+            self._spool_down_at = time.monotonic()
+            log.error("the spool at %s cannot be written (%s) and the ledger is away: ledger records can be neither "
+                      "written nor kept; delivery waits, and fetching pauses, until there is space on the spool's disk or "
+                      "the ledger returns (said once; lorabatch_spool_up is 0 until then)", self.spool.path, e)
+        self.spool_down = str(e)
+        self.metrics.spool_up.set(0)
+        self.metrics.waiting.labels("spool").set(1)
+
+    def _spool_ok(self) -> None:
+        if self.spool_down is not None:
+            log.warning("the spool at %s takes writes again, %.0f s after it stopped", self.spool.path,
+                        time.monotonic() - self._spool_down_at)
+        self.spool_down = None
+        self.metrics.spool_up.set(1)
 
     def _down(self, e: Exception) -> None:
         schema = isinstance(e, LedgerSchemaError)
@@ -419,7 +457,23 @@ class Deliverer:
                 return min(_BACKOFF_MAX_S, self.flush_s * 2)
             self.metrics.spool_records.set(len(self.spool))
         if self.ledger_down is not None and not len(self.spool):
+            # Nothing spooled proves nothing (the spool's disk full, or another worker flushed the shared file): said
+            # back only once the ledger answers. Set back here, `lorabatch_ledger_up` read 1 for 99 of 100 samples of a
+            # drill with the ledger down and the spool's disk full.
+            try:
+                await self.ledger_calls(self.ledger.ping)
+            except Exception as e:  # noqa: BLE001 - still down, behind its schema, or unmapped
+                self._down(e)
+                return min(_BACKOFF_MAX_S, self.flush_s * 2)
             self._up()
+        if self.spool_down is not None and self.ledger_down is None:
+            # No write waits on the spool now (each waiting one retries the spool itself): does its disk have space yet?
+            try:
+                await asyncio.to_thread(self.spool.probe)
+            except Exception:  # noqa: BLE001 - still full: the next pass asks again
+                pass
+            else:
+                self._spool_ok()
         self.metrics.spool_records.set(len(self.spool))
         return self.flush_s
 

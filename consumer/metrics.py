@@ -54,6 +54,8 @@ class WorkerMetrics:
         self.undeliverable = Counter("lorabatch_undeliverable_total", "Messages the broker refused even in their small form", registry=r)
         self.spool_records = Gauge("lorabatch_spool_records", "Ledger records waiting in the local spool", registry=r)
         self.ledger_up = Gauge("lorabatch_ledger_up", "1 while the ledger takes writes", registry=r)
+        self.spool_up = Gauge("lorabatch_spool_up", "1 while the local spool takes writes; 0 from a write that failed (its "
+                              "disk full) until one succeeds", registry=r)
         self.ledger_schema_ok = Gauge("lorabatch_ledger_schema_ok", "0 while the ledger's schema is missing or behind", registry=r)
         self.log_resets = Counter("lorabatch_log_resets_total", "Partitions whose log was reset under the worker's marks", registry=r)
         self.replays = Counter("lorabatch_replayed_results_total", "Jobs answered from a stored result instead of run",
@@ -68,6 +70,7 @@ class WorkerMetrics:
         self.gpu_idle = Gauge("lorabatch_gpu_idle_share", "Share of the time the engine held jobs in which its steps "
                               "computed nothing, over the last busy-time window", registry=r)
         self.ledger_up.set(1)
+        self.spool_up.set(1)
         self.ledger_schema_ok.set(1)
 
     def serve(self, port: int) -> None:

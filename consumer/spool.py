@@ -196,6 +196,13 @@ class Spool:
                 raise
             self._carry = []
 
+    def probe(self) -> None:
+        """A durable write of nothing the spool holds: raises as `put` would while the file cannot be written (its disk
+        full), so that a spool found full is said writable again without records to prove it."""
+        with self._lock:
+            self._still_there()
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('probe', datetime('now'))")
+
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
         """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty."""
         with self._lock:

@@ -56,6 +56,10 @@ class Outage:
         self._guard(records)
         return self.ledger.record_adapter_loads(records)
 
+    def ping(self):
+        self._guard([])
+        return self.ledger.ping()
+
 
 class CountingProducer:
     """The real producer, counting what it sends and refusing chosen sends as the broker would."""
@@ -231,3 +235,52 @@ async def test_stopping_with_neither_ledger_nor_spool_gives_up_leaving_offsets_u
     await asyncio.wait_for(runner, timeout=10)  # run() ended: nothing more can be delivered
     assert d.gave_up and len(d.outbox) == 2
     assert offsets.committable() == {} and not [t for t, _ in counting.sent if t.endswith(".dlq")]
+
+
+async def test_with_neither_the_ledger_nor_the_spool_taking_records_the_gauges_and_one_line_say_so(rig, monkeypatch, caplog):
+    """The ledger down and the spool's disk full: `lorabatch_ledger_up` stays 0 (the flusher, finding the spool empty,
+    set it to 1 at each pass: 99 of 100 samples of a drill read 1), `lorabatch_spool_up` is 0, and one log line says
+    so however many writes wait. The ledger back while the disk stays full takes the waiting records, once each; the
+    spool is said writable once its disk has space again, with no record to prove it."""
+    import logging
+    import sqlite3
+
+    s, svc, d, counting, ledger, offsets, spool = rig
+    ledger.error = LedgerUnavailableError("down")
+    disk = {"full": True}
+    put, probe = spool.put, spool.probe
+
+    def full(real):
+        def call(*args):
+            if disk["full"]:
+                raise sqlite3.OperationalError("database or disk is full")
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(spool, "put", full(put))
+    monkeypatch.setattr(spool, "probe", full(probe))
+    gauge = d.metrics.registry.get_sample_value
+    runner = asyncio.create_task(d.run())
+    with caplog.at_level(logging.INFO, "lorabatch.worker"):
+        busy = asyncio.create_task(d.write([_outcome(9).usage]))  # a second writer, as the GPU-time records are
+        for i in range(4):
+            d.emit(_outcome(i))
+            await asyncio.sleep(0.1)
+            await d.flush_once()
+            assert (gauge("lorabatch_ledger_up"), gauge("lorabatch_spool_up")) == (0, 0)
+        assert gauge("lorabatch_waiting", {"on": "spool"}) == 1 and offsets.committable() == {}
+        said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+        assert len(said) == 1 and "can be neither written nor kept" in said[0], said
+        ledger.error = None  # back, the disk still full
+        await asyncio.wait_for(asyncio.gather(d.drain(), busy), 20)
+        assert svc.ledger.count_usage() == 5 and len(spool) == 0
+        assert offsets.committable() == {TopicPartition("jobs", 0): 4}
+        assert gauge("lorabatch_ledger_up") == 1 and gauge("lorabatch_waiting", {"on": "spool"}) == 0
+        await d.flush_once()
+        assert gauge("lorabatch_spool_up") == 0, "its disk is still full"
+        disk["full"] = False
+        await d.flush_once()
+        assert gauge("lorabatch_spool_up") == 1
+    assert sum(r.getMessage().startswith("the spool at") and "takes writes again" in r.getMessage() for r in caplog.records) == 1
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
