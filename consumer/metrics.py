@@ -67,6 +67,9 @@ class WorkerMetrics:
             "ledger, commit)", ["stage"], registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
         )
+        self.stage_dropped = Counter("lorabatch_stage_records_dropped_total", "Jobs whose commit stage was not observed: "
+                                     "billed while the worker held its bound of jobs waiting for commits that failed",
+                                     registry=r)
         self.gpu_idle = Gauge("lorabatch_gpu_idle_share", "Share of the time the engine held jobs in which its steps "
                               "computed nothing, over the last busy-time window", registry=r)
         self.ledger_up.set(1)

@@ -17,7 +17,11 @@ The first engine step is read from the engine's own clock: the engine counts `qu
 which the worker sets to the moment it queued the job (consumer.intake), on the same monotonic clock.
 `StageLog` takes a job's stamps when its offset commits, observes the seven stages in the
 `lorabatch_stage_seconds{stage}` histogram (seven label values) and, for `lorabatch bench pipeline`, keeps the last
-`keep` jobs' stamps. Jobs answered without the engine (invalid, refused, replayed) have no stamps.
+`keep` jobs' stamps. Jobs answered without the engine (invalid, refused, replayed) have no stamps. It holds at most
+MAX_WAITING jobs' stamps waiting for their commit: while commits fail (a broker that refuses them, a group that keeps
+rebalancing), a job billed past that bound has its first six stages observed at once and its commit stage never
+(`lorabatch_stage_records_dropped_total`, and one log line); its offset commits as any other's, since the stamps are
+only ever read for the histogram.
 
 GPU idle share. The engine's step records carry each step's device time but no wall-clock start or end
 (engine.timing.StepRecord), so the wall span is taken on the worker's side: `EngineClock` counts the time during
@@ -33,12 +37,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+log = logging.getLogger("lorabatch.worker")
+
 STAGES = ("fetch", "route", "queue", "engine", "publish", "ledger", "commit")
+# A job's stamps take about 530 bytes while they wait for its offset's commit: 10,000 of them 5 MB. Without a bound, a
+# broker that refused commits had every job billed since held here (40,000 jobs of a soak: 21 MB, and growing). Jobs
+# wait for a commit legitimately behind a slow one in their partition: 10,000 is a minute of 160 jobs/s.
+MAX_WAITING = 10_000
 
 
 @dataclass(slots=True)
@@ -68,21 +79,46 @@ class Stamps:
 
 
 class StageLog:
-    """Stamps of jobs whose row is written, waiting for their offset's commit; then observed, and kept if asked."""
+    """Stamps of jobs whose row is written, waiting for their offset's commit; then observed, and kept if asked.
+    `dropped`: a counter of the jobs billed while `max_waiting` stamps were held already (their commit stage unseen)."""
 
-    def __init__(self, histogram=None, keep: int = 0):
+    def __init__(self, histogram=None, keep: int = 0, max_waiting: int = MAX_WAITING, dropped=None):
+        assert max_waiting >= 1, max_waiting
         # One bound observe per stage: a label lookup per job and stage would cost more than the observation.
         self._observe: list[Callable[[float], None]] = [histogram.labels(s).observe for s in STAGES] if histogram is not None else []
         self._waiting: dict[object, list[tuple[int, int, Stamps]]] = {}  # partition -> heap of (offset, tie, stamps)
+        self._held = 0  # stamps in `_waiting`
         self._tie = itertools.count()
         self.kept: deque[Stamps] = deque(maxlen=keep)
         self.done = 0  # jobs whose commit was stamped
+        self.max_waiting = max_waiting
+        self.dropped = 0  # jobs whose stamps were not held (`billed` past max_waiting)
+        self._dropped_counter = dropped
+        self._dropped_at_bound: int | None = None  # `dropped` when the bound was reached, while it is (said once)
 
     def billed(self, tp, offset: int, stamps: Stamps) -> None:
         """The job at (tp, offset) has its result published and its row written; its commit comes later."""
         stamps.billed = time.monotonic_ns()
         stamps.published = stamps.published or stamps.billed  # a result the broker refused for good: not sent at all
+        if self._held >= self.max_waiting:
+            self._drop(stamps)
+            return
         heapq.heappush(self._waiting.setdefault(tp, []), (offset, next(self._tie), stamps))
+        self._held += 1
+
+    def _drop(self, stamps: Stamps) -> None:
+        """Observe the six stages known, count the job, and say once that commits are not passing."""
+        for observe, ns in zip(self._observe, stamps.durations_ns()[:-1]):
+            observe(ns / 1e9)
+        self.dropped += 1
+        if self._dropped_counter is not None:
+            self._dropped_counter.inc()
+        if self._dropped_at_bound is None:
+            self._dropped_at_bound = self.dropped - 1
+            log.warning("offset commits have not passed %d billed jobs (the broker refuses commits, or the group keeps "
+                        "rebalancing): the commit stage of jobs billed from now on is not observed in "
+                        "lorabatch_stage_seconds (lorabatch_stage_records_dropped_total counts them); their offsets "
+                        "commit when commits pass again, and nothing is billed twice or lost", self._held)
 
     def committed(self, offsets: dict) -> None:
         """Offsets committed (partition -> next offset to read): every job waiting below one is done."""
@@ -91,20 +127,31 @@ class StageLog:
             heap = self._waiting.get(tp)
             while heap and heap[0][0] < upto:
                 s = heapq.heappop(heap)[2]
+                self._held -= 1
                 s.committed = now
                 self.done += 1
                 for observe, ns in zip(self._observe, s.durations_ns()):
                     observe(ns / 1e9)
                 if self.kept.maxlen:
                     self.kept.append(s)
+        self._below_bound()
+
+    def _below_bound(self) -> None:
+        # Back under half the bound: a commit that frees a few places while commits mostly fail says nothing.
+        if self._dropped_at_bound is not None and self._held < self.max_waiting // 2:
+            log.warning("jobs waiting for their offsets' commit are under half their bound again (commits passed, or "
+                        "partitions were revoked): %d jobs' commit stage went unobserved meanwhile",
+                        self.dropped - self._dropped_at_bound)
+            self._dropped_at_bound = None
 
     def forget(self, partitions) -> None:
         """Partitions revoked: their jobs' offsets are no longer this worker's to commit."""
         for tp in partitions:
-            self._waiting.pop(tp, None)
+            self._held -= len(self._waiting.pop(tp, ()))
+        self._below_bound()
 
     def waiting(self) -> int:
-        return sum(len(h) for h in self._waiting.values())
+        return self._held
 
 
 class EngineClock:

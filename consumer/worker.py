@@ -126,7 +126,7 @@ class Worker:
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
         self.router = Router(route_cache or make_route_cache(settings), self.breakers)
         self.offsets = OffsetTracker()
-        self.stages = StageLog(self.metrics.stage, keep=keep_stages)  # consumer.stages
+        self.stages = StageLog(self.metrics.stage, keep=keep_stages, dropped=self.metrics.stage_dropped)  # consumer.stages
         self.engine_clock = EngineClock()
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.

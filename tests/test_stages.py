@@ -89,6 +89,42 @@ def test_stage_log_keeps_at_most_keep_jobs_and_none_by_default():
     assert [s.key[1] for s in bounded.kept] == ["r2", "r3", "r4"]
 
 
+def test_stage_log_holds_at_most_max_waiting_jobs_and_counts_and_says_once_what_it_did_not(caplog):
+    """While commits do not pass, at most `max_waiting` jobs' stamps are held (none were dropped, so a broker refusing
+    commits grew them by every job billed); a job past the bound has its six known stages observed, its commit stage
+    not, and is counted; one line says so, and one more once commits pass again. Revoked partitions free their places."""
+    import logging
+
+    from prometheus_client import Counter
+
+    registry = CollectorRegistry()
+    hist = Histogram("stage_seconds", "x", ["stage"], registry=registry)
+    dropped = Counter("dropped", "x", registry=registry)
+    log = StageLog(hist, max_waiting=4, dropped=dropped)
+    tp, other = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    count = registry.get_sample_value
+    with caplog.at_level(logging.WARNING, "lorabatch.worker"):
+        for offset in range(10):  # no commit passes: the bound holds
+            s = _stamps(("t", f"r{offset}"))
+            s.served_now(0)
+            log.billed(tp if offset % 2 else other, offset, s)
+            log.committed({})
+        assert log.waiting() == 4 and log.dropped == 6 and count("dropped_total") == 6
+        assert count("stage_seconds_count", {"stage": "fetch"}) == 6 and count("stage_seconds_count", {"stage": "commit"}) == 0
+        log.committed({tp: 2})  # one job out: still over half the bound, nothing said yet
+        assert log.waiting() == 3
+        log.forget({other})  # revoked: its held jobs (offsets 0 and 2) leave with it
+        assert log.waiting() == 1
+        log.committed({tp: 100})
+    assert log.waiting() == 0 and log.done == 2 and count("stage_seconds_count", {"stage": "commit"}) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "have not passed 4 billed jobs" in said[0] and "6 jobs' commit stage" in said[1], said
+    s = _stamps(("t", "again"))
+    s.served_now(0)
+    log.billed(tp, 100, s)
+    assert log.waiting() == 1 and log.dropped == 6
+
+
 def test_stage_summary_of_no_jobs_is_zero_and_of_jobs_is_ordered_per_stage():
     assert stage_summary([]) == {s: {"p50_ms": 0.0, "p99_ms": 0.0} for s in STAGES}
     jobs = []
@@ -235,6 +271,56 @@ async def test_every_job_through_the_worker_has_seven_ordered_stages_and_an_idle
         assert len(st.durations_ns()) == len(STAGES) and all(d >= 0 for d in st.durations_ns())
     assert counts == {stage: len(jobs) for stage in STAGES}
     assert idle is not None and 0.0 <= idle <= 1.0
+
+
+async def test_while_commits_fail_the_stage_records_stay_bounded_and_every_job_commits_once_they_pass(
+        broker, tmp_path, demo_set, cpu_engine, monkeypatch, caplog):
+    """Through the real broker, with the group's commits refused (CommitFailedError, as while the group rebalances):
+    the worker holds at most its bound of jobs' stamps (it held every job billed: 24 of 24 here, 40,000 in a soak) and
+    counts the rest; once commits pass, every job's offset commits, with one result and one ledger row each."""
+    import logging
+
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.errors import CommitFailedError
+
+    from tests.service_fixtures import committed_vs_end, ledger_rows
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    upgrade(url, script_location=SCRIPT_LOCATION)
+    s = await service_settings(broker, tmp_path, url, demo_set["model"])
+    svc = open_services(s)
+    svc.registry.add_tenant("acme")
+    svc.registry.add_adapter("acme", "support", demo_set["adapters"][sorted(demo_set["adapters"])[0]], default=True)
+    refuse = {"on": True}
+    commit = AIOKafkaConsumer.commit
+
+    async def refused(self, offsets=None):
+        if refuse["on"]:
+            raise CommitFailedError("the group is rebalancing")
+        return await commit(self, offsets)
+
+    monkeypatch.setattr(AIOKafkaConsumer, "commit", refused)
+    jobs = [Job(request_id=f"c{i}", tenant_id="acme", input_ids=[1, 5, 9, 13 + i], max_new_tokens=2) for i in range(24)]
+    with caplog.at_level(logging.WARNING, "lorabatch.worker"):
+        async with running_worker(s, svc, cpu_engine) as rw:
+            w = rw.worker
+            w.stages.max_waiting = 8
+            await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")
+            await _until(lambda: w.stages.waiting() + w.stages.dropped == len(jobs), "every job billed", 60)
+            assert w.stages.waiting() == 8 and w.stages.dropped == 16
+            assert w.metrics.registry.get_sample_value("lorabatch_stage_records_dropped_total") == 16
+            committed, end = await committed_vs_end(s)
+            assert all(c is None for c in committed.values()), committed
+            refuse["on"] = False
+            await _until(lambda: w.stages.waiting() == 0, "the held jobs committed", 30)
+    committed, end = await committed_vs_end(s)
+    assert committed == end and sum(end.values()) == len(jobs)
+    assert await ledger_rows(svc, len(jobs)) == len(jobs)
+    results = await read_all(s, s.kafka.results_topic, Result, lambda got: len(got) >= len(jobs), timeout_s=10)
+    assert sorted(r.request_id for r in results) == sorted(j.request_id for j in jobs)
+    said = [r.getMessage() for r in caplog.records if "billed jobs" in r.getMessage() or "went unobserved" in r.getMessage()]
+    assert len(said) == 2, said
+    svc.close()
 
 
 def test_bench_pipeline_cpu_run_prints_its_figures(capsys, tmp_path, monkeypatch):
