@@ -389,22 +389,25 @@ class Deliverer:
 
     async def flush_others(self, chunk: int = 500) -> int:
         """Flush the spool files of other workers in this spool's folder (a worker killed while the ledger was down,
-        restarted under another --worker-id, would leave its records there unbilled for good): each record is written
-        once whoever flushes it (the ledger's keys), so a file whose worker is alive and flushing it too loses and
-        doubles nothing. Files that are not spools, or whose records are for another ledger (Spool.existing), are left
-        alone. Returns how many records went to the ledger."""
+        restarted under another --worker-id, would leave its records there unbilled for good), then delete them: each
+        record is written once whoever flushes it (the ledger's keys), and a file is flushed and deleted only while no
+        other process has it open (consumer.spool), so a worker that is alive keeps its file and flushes it itself.
+        Files that are not spools, or whose records are for another ledger (Spool.existing), are left alone. Returns
+        how many records went to the ledger."""
         mine = self.spool.path.resolve()
         moved = 0
         for path in sorted(self.spool.path.parent.glob("*.sqlite")):
             if path.resolve() == mine:
                 continue
-            other = await asyncio.to_thread(Spool.existing, path, self.spool.max_records, self.spool.ledger)
+            try:
+                other = await asyncio.to_thread(Spool.existing, path, self.spool.max_records, self.spool.ledger)
+            except Exception:  # noqa: BLE001 - another worker's file (or its lock) cannot be opened: never this worker's failure
+                log.exception("opening the spool %s of another worker failed; the next pass retries", path)
+                continue
             if other is None:
                 continue
+            written = 0
             try:
-                left = await asyncio.to_thread(len, other)
-                if not left:
-                    continue
                 written = await self._flush_into_ledger(other, chunk)
                 moved += written
                 if written:
@@ -414,7 +417,20 @@ class Deliverer:
                 log.exception("flushing the spool %s of another worker failed; the next pass retries", path)
             finally:
                 await asyncio.to_thread(other.close)
+            await self._remove_if_abandoned(path, written)
+        for lock in self.spool.path.parent.glob("*.sqlite.lock"):  # of files deleted by a worker killed meanwhile
+            if not lock.with_suffix("").exists() and lock.with_suffix("").resolve() != mine:
+                await self._remove_if_abandoned(lock.with_suffix(""), 0)
         return moved
+
+    async def _remove_if_abandoned(self, path, written: int) -> None:
+        try:
+            if await asyncio.to_thread(Spool.remove_if_abandoned, path):
+                log.info("deleted the spool file %s of a worker that is gone: every record it held is in the ledger%s",
+                         path, f" ({written} of them written now)" if written else "")
+        except OSError as e:  # a folder this worker may read but not write: the file stays, flushed
+            log.warning("cannot delete the spool file %s of a worker that is gone (%s); its records are in the ledger, "
+                        "delete it by hand", path, e)
 
     async def _flush_into_ledger(self, spool: Spool, chunk: int) -> int:
         """Another spool's records to the ledger, oldest first, while it takes them (as `flush_once` does this

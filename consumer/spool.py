@@ -10,6 +10,13 @@ interrupted and retried add nothing twice. The worker pauses fetching while the 
 
 Usage records keep their (tenant_id, request_id) in columns, so a resubmitted job whose first answer is
 still spooled is answered from here (the ledger cannot see it yet).
+
+Files of workers that are gone. A worker restarted under another id, or one of many short-lived workers, leaves its
+file in the folder; the flusher of a worker beside it writes what it holds into the ledger (consumer.delivery
+`flush_others`) and then deletes it (`remove_if_abandoned`). Who has a file open is told by a lock file beside it,
+`<file>.lock` (flock): every worker that opens a spool, its own or another's, holds it shared for as long as it has
+the file open, and a file is deleted only under the lock held exclusively, so never while any process has it open (a
+deleted file's records would live only as long as that process). The kernel releases a killed worker's lock.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -68,21 +76,52 @@ def _no_space(e: BaseException, folder: Path) -> bool:
         return False
 
 
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _hold(path: Path, how: int) -> int | None:
+    """The lock file of the spool at `path`, open and flock'ed `how` (made, with its folder, if missing); None where
+    LOCK_NB was asked and another holds it. A lock taken on a lock file that a sweeper deleted meanwhile is taken again
+    on the one now at the path, so two processes never hold locks on two different files for one spool."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = _lock_path(path)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, how)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
 class Spool:
     """A bounded, durable FIFO of ledger records in one SQLite file (thread-safe; calls are short)."""
 
-    def __init__(self, path: str | Path, max_records: int, ledger: str = ""):
+    def __init__(self, path: str | Path, max_records: int, ledger: str = "", *, _held: int | None = None):
         """`ledger`: which ledger the records are for (a URL without its password), kept in the file, so that another
-        worker flushes them only into the same one (`existing`); "" for none."""
+        worker flushes them only into the same one (`existing`); "" for none. `_held`: its lock file, held already."""
         assert max_records >= 1, max_records
         self.path = Path(path)
         self.ledger = ledger
         self.max_records = max_records
         self._lock = threading.Lock()
         self._carry: list[tuple] = []  # records of a file deleted while open, not yet written into its replacement
+        self._lock_fd = _held
         try:
+            if self._lock_fd is None:  # shared: never deleted while open (module docstring), whoever else opens it
+                self._lock_fd = _hold(self.path, fcntl.LOCK_SH)
             self._db, self._inode = self._open()  # its folder made first: on a full disk that may fail too (ENOSPC)
         except (OSError, sqlite3.Error) as e:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
             if _no_space(e, self.path.parent):
                 raise SpoolNoSpace(f"the spool file {self.path} cannot be opened: its disk is full ({e}); free space "
                                    "there, or set worker.spool_path to a file on another disk") from e
@@ -119,7 +158,8 @@ class Spool:
             rows = None
             log.error("the spool file %s was replaced while open, and the records it held cannot be read (%s); they are "
                       "lost unless the ledger has them", self.path, e)
-        new, inode = self._open()  # raises (the folder cannot be made): the open file stays, nothing is lost
+        self._relock()  # raises (the folder cannot be made): the open file stays, nothing is lost
+        new, inode = self._open()  # as may this
         self._db, old, self._inode = new, self._db, inode
         old.close()
         if rows:
@@ -129,6 +169,15 @@ class Spool:
         if rows is not None:
             log.warning("the spool file %s was deleted or replaced while open; made afresh there with the %d records it "
                         "held", self.path, len(rows))
+
+    def _relock(self) -> None:
+        """Hold the lock file at the path again where it went with the spool file (deleted or replaced)."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(_lock_path(self.path)).st_ino == os.fstat(self._lock_fd).st_ino:
+                return
+        fd = _hold(self.path, fcntl.LOCK_SH)
+        os.close(self._lock_fd)
+        self._lock_fd = fd
 
     def _insert_carry(self) -> None:
         """The records carried over from a deleted file, into the new one, in the caller's transaction; with their ids
@@ -146,8 +195,9 @@ class Spool:
     @classmethod
     def existing(cls, path: str | Path, max_records: int, ledger: str) -> Spool | None:
         """Another worker's spool file at `path`, opened to flush it into `ledger`; None if the file is not a spool
-        (its tables are not exactly a spool's: nothing is created in a database that is something else) or holds the
-        records of another ledger (or says of none)."""
+        (its tables are not exactly a spool's: nothing is created in a database, or beside it, that is something else),
+        holds the records of another ledger (or says of none), or is open in another process (its worker is alive and
+        flushes it, or another worker is flushing it now)."""
         try:
             probe = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True, timeout=5)
             try:
@@ -162,7 +212,51 @@ class Spool:
             return None
         if not ledger or owner is None or owner[0] != ledger:
             return None
-        return cls(path, max_records)
+        held = _hold(Path(path), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if held is None:  # open in another process: its worker, alive, flushes it (or another worker is flushing it)
+            return None
+        if not Path(path).exists():  # deleted by another worker between the look and the lock: its lock file too
+            _lock_path(Path(path)).unlink(missing_ok=True)
+            os.close(held)
+            return None
+        fcntl.flock(held, fcntl.LOCK_SH)  # no longer alone: its worker may start again meanwhile
+        try:  # deleted by another worker while the lock changed hands: not ours to open
+            gone = not Path(path).exists() or os.stat(_lock_path(Path(path))).st_ino != os.fstat(held).st_ino
+        except FileNotFoundError:
+            gone = True
+        if gone:
+            os.close(held)
+            return None
+        return cls(path, max_records, _held=held)
+
+    @staticmethod
+    def remove_if_abandoned(path: str | Path) -> bool:
+        """Delete the spool file at `path`, with its WAL, shared-memory and lock files, if it holds no record and no
+        process has it open: taken exclusively, its lock file says no worker of this version does, and the WAL file
+        that SQLite deletes with the last connection (this one's) says no other does. Whether it was deleted."""
+        path = Path(path)
+        held = _hold(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if held is None:
+            return False
+        try:
+            if path.exists():
+                try:
+                    db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=5)
+                    try:
+                        if db.execute("SELECT count(*) FROM spool").fetchone()[0]:
+                            return False
+                    finally:
+                        db.close()
+                except sqlite3.Error:
+                    return False
+                if Path(f"{path}-wal").exists():
+                    return False
+                for p in (Path(f"{path}-shm"), path):
+                    p.unlink(missing_ok=True)
+            _lock_path(path).unlink(missing_ok=True)  # under the lock: a waiter finds it gone and takes a new one
+            return True
+        finally:
+            os.close(held)
 
     def __len__(self) -> int:
         # Counted, not remembered: workers on one host may share the file (each flushes what it finds;
@@ -247,6 +341,9 @@ class Spool:
                 log.error("the spool at %s closes with %d records of its deleted file that could not be written again "
                           "(%s); they are lost unless the ledger has them", self.path, len(self._carry), "disk full?")
             self._db.close()
+            if self._lock_fd is not None:  # after the file: its lock says the file is open
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
 
 def _rollback(db: sqlite3.Connection) -> None:

@@ -284,3 +284,67 @@ async def test_with_neither_the_ledger_nor_the_spool_taking_records_the_gauges_a
     assert sum(r.getMessage().startswith("the spool at") and "takes writes again" in r.getMessage() for r in caplog.records) == 1
     runner.cancel()
     await asyncio.gather(runner, return_exceptions=True)
+
+
+def _killed_workers(folder, ledger: str, files: dict[str, list[int]]) -> None:
+    """Workers killed while the ledger was down (os._exit, nothing closed): `files` names each one's spool and the
+    request numbers it holds; their WAL, shared-memory and lock files stay behind, as a kill leaves them."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, os, sys\n"
+        "from tests.test_delivery import _outcome\n"
+        "from consumer.spool import Spool\n"
+        "folder, ledger, files = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n"
+        "spools = [Spool(f'{folder}/{name}.sqlite', 1000, ledger=ledger) for name in files]\n"
+        "for s, numbers in zip(spools, files.values()):\n"
+        "    s.put([_outcome(i).usage for i in numbers])\n"
+        "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", script, str(folder), ledger, json.dumps(files)], check=True, timeout=60)
+
+
+async def test_spool_files_of_workers_that_are_gone_are_deleted_once_their_records_are_in_the_ledger(rig, tmp_path):
+    """Many short-lived workers (killed while the ledger was down, or never spooling at all) left a file each that
+    nothing deleted: 30 of them (and their WAL, shared-memory files) stayed after every record was in the ledger, each
+    opened again every minute. Their records are written once each (two files holding one request bill it once), then
+    the files go; a worker still running keeps its file, which it flushes itself, until it is gone too."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    d.spool.ledger = "postgresql://ledger-a"
+    files = {f"w-{n}": [n % 10, 10 + n] for n in range(20)} | {f"idle-{n}": [] for n in range(10)}
+    _killed_workers(tmp_path, "postgresql://ledger-a", files)
+    assert (tmp_path / "w-0.sqlite-wal").exists(), "a kill leaves the WAL file"
+    alive = Spool(tmp_path / "w-alive.sqlite", max_records=100, ledger="postgresql://ledger-a")
+    alive.put([_outcome(99).usage])
+    (tmp_path / "junk.sqlite").write_bytes(b"not a database at all")
+    assert await d.flush_others() == 40
+    assert svc.ledger.count_usage() == 30, "r0..r9 were in two files each: one row each"
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("w-", "idle-")))
+    assert left == ["w-alive.sqlite", "w-alive.sqlite-shm", "w-alive.sqlite-wal", "w-alive.sqlite.lock"], left
+    assert (tmp_path / "junk.sqlite").read_bytes() == b"not a database at all"
+    assert not (tmp_path / "junk.sqlite.lock").exists(), "nothing is made beside a file that is not a spool"
+    alive.close()  # that worker is gone too
+    assert await d.flush_others() == 1 and svc.ledger.count_usage() == 31
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("w-", "idle-"))]
+
+
+async def test_two_workers_sharing_the_folder_flush_the_gone_ones_files_at_once_and_bill_each_record_once(rig, tmp_path):
+    """Two workers beside each other both sweeping the folder at the same moment: every record of the workers that are
+    gone lands once, every such file is deleted, and neither worker's own file is touched."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    d.spool.ledger = "postgresql://ledger-a"
+    _killed_workers(tmp_path, "postgresql://ledger-a", {f"w-{n}": list(range(n * 40, n * 40 + 40)) for n in range(8)})
+    other_spool = Spool(tmp_path / "w-other.sqlite", max_records=1000, ledger="postgresql://ledger-a")
+    other = Deliverer(s.kafka, counting, ledger, OffsetTracker(), WorkerMetrics(), "w2", lambda t: True, other_spool)
+    moved = await asyncio.gather(d.flush_others(chunk=7), other.flush_others(chunk=7))
+    for _ in range(3):  # a file (or lock file) the other had open at a pass is left for the next
+        names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("w-"))
+        if len(names) == 4:
+            break
+        moved += await asyncio.gather(d.flush_others(), other.flush_others())
+    assert svc.ledger.count_usage() == 320 and sum(moved) >= 320
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("w-"))
+    assert names == ["w-other.sqlite", "w-other.sqlite-shm", "w-other.sqlite-wal", "w-other.sqlite.lock"], names
+    assert (tmp_path / "spool.sqlite").exists()
+    other_spool.close()

@@ -176,3 +176,57 @@ def test_records_carried_over_wait_in_memory_while_the_new_file_refuses_them(tmp
     assert s._carry == []
     s.close()
     assert [r.request_id for r in Spool(path, max_records=100).oldest(10)[2]] == ["r0", "r1", "r2"]
+
+
+def test_a_file_is_deleted_only_while_no_process_has_it_open(tmp_path):
+    """`remove_if_abandoned` deletes an empty spool's files only while its lock can be taken exclusively: never while a
+    worker has it open, nor while it holds records. A worker starting under that id while it is deleted (waiting on the
+    lock) gets a file and lock of its own at the path, not the deleted ones, so it is not deleted under it after."""
+    import fcntl
+    import threading
+
+    from consumer.spool import _hold
+
+    path = tmp_path / "w.sqlite"
+    owner = Spool(path, max_records=10)
+    assert not Spool.remove_if_abandoned(path) and path.exists(), "open: kept"
+    owner.put([_usage(0)])
+    owner.close()
+    assert not Spool.remove_if_abandoned(path) and path.exists(), "holds a record: kept"
+    owner = Spool(path, max_records=10)
+    owner.remove([i for i in owner.oldest(10)[1]])
+    owner.close()
+    sweeper = _hold(path, fcntl.LOCK_EX)  # a sweeper in the middle of deleting it, as `remove_if_abandoned` is
+    started: list[Spool] = []
+    thread = threading.Thread(target=lambda: started.append(Spool(path, max_records=10)))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive(), "a worker starting under the id waits for the sweeper"
+    for p in (path, tmp_path / "w.sqlite.lock"):
+        p.unlink()
+    import os
+
+    os.close(sweeper)
+    thread.join(5)
+    restarted = started[0]
+    restarted.put([_usage(1)])
+    assert not Spool.remove_if_abandoned(path), "its lock is the one at the path"
+    assert [r.request_id for r in restarted.oldest(10)[2]] == ["r1"]
+    restarted.close()
+    assert not Spool.remove_if_abandoned(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.sqlite", "w.sqlite.lock"]
+
+
+def test_a_spool_deleted_while_open_holds_its_lock_again(tmp_path):
+    """An operator's `rm -rf` of the folder takes the lock file too: the file made afresh is locked again, so a worker
+    beside it does not delete it while it is open."""
+    import shutil
+
+    path = tmp_path / "spool" / "w.sqlite"
+    s = Spool(path, max_records=100)
+    shutil.rmtree(path.parent)
+    s.put([_usage(0)])
+    s.remove(s.oldest(10)[1])
+    assert not Spool.remove_if_abandoned(path) and path.exists()
+    s.close()
+    assert Spool.remove_if_abandoned(path) and list(path.parent.iterdir()) == []
