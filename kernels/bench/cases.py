@@ -149,9 +149,10 @@ def measure_ceilings() -> tuple[float, float, float]:
     return 2 * src.numel() * src.element_size() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3), graph_us(lambda: one.add_(1))
 
 
-def best(label: str, module, candidates, run: Callable[[], float], floor_us: float | None = None) -> None:
+def best(label: str, module, candidates, run: Callable[[], float], floor_us: float | None = None) -> list[tuple[float, tuple]]:
     """Time `run` with each candidate as `module._config` (restored after each), print the fastest three, the launcher's
-    current choice and, given the op's byte floor, the best one's share of it. Swaps `_config` for a timing only."""
+    current choice and, given the op's byte floor, the best one's share of it. Swaps `_config` for a timing only.
+    Returns (µs, candidate) of every candidate that ran, fastest first."""
     default, times = module._config, []
     for cfg in candidates:
         module._config = lambda *_, cfg=cfg: cfg
@@ -165,3 +166,4 @@ def best(label: str, module, candidates, run: Callable[[], float], floor_us: flo
     floor = f" = {floor_us / times[0][0]:4.0%} of the {floor_us:.1f} µs floor" if floor_us else ""
     print(f"{label:34} now {run():8.1f} µs | best {times[0][1]} {times[0][0]:8.1f} µs{floor} | next " +
           " ".join(f"{c}:{t:.1f}" for t, c in times[1:3]), flush=True)
+    return times

@@ -12,6 +12,7 @@ Times are CUDA-graph replays (kernels.bench.cases.graph_us, L2 flushed before ea
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 
 import torch
@@ -27,8 +28,10 @@ PREFILL_ROWS = {"llama-8b": 16384, "llama-1b": 4096}
 def main(rows: int = 32, rep: int = 50) -> None:
     bandwidth, matmul, _ = measure_ceilings()
     torch.manual_seed(0)
-    cands = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))  # (BN, BK, warps, stages, split K)
-    decode, prefill = [], []
+    # (BN, BK, warps, stages, split K, swap): x q^T on panels of 16-64 columns; q x^T (swap) on panels of 64 or 128
+    cands = [c for c in itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4), (1, 2, 4, 8), (False, True))
+             if (c[5] and c[0] >= 64 or not c[5] and c[0] <= 64) and (c[2] == 4 or c[0] == 128)]
+    decode, prefill, tuned = [], [], {}
     for name in ("llama-8b", "llama-1b"):
         for proj, (in_f, widths) in MODELS[name].projections().items():
             n = sum(widths)
@@ -37,7 +40,8 @@ def main(rows: int = 32, rep: int = 50) -> None:
             x = torch.randn(rows, in_f, device="cuda", dtype=torch.bfloat16)
             fp8_floor = (q.numel() + 4 * n) / bandwidth * 1e6
             label = f"{name} {proj} ({n} x {in_f})"
-            best(label, fp8_module, cands, lambda: graph_us(lambda: fp8_module.fp8_linear(x, q, s), rep), fp8_floor)
+            swept = best(label, fp8_module, cands, lambda: graph_us(lambda: fp8_module.fp8_linear(x, q, s), rep), fp8_floor)
+            tuned[f"{n},{in_f}"] = list(swept[0][1])
             bf16_us = graph_us(lambda: x @ w.t(), rep)
             ours_us = graph_us(lambda: fp8_module.fp8_linear(x, q, s), rep)
             mm_us = graph_us(lambda: scaled_linear(x, q, s, None), rep)
@@ -61,6 +65,7 @@ def main(rows: int = 32, rep: int = 50) -> None:
     print(f"{'projection':34} {'bf16 floor':>10} {'cuBLAS':>8} {'fp8 floor':>9} {'fp8_linear':>10} {'torch quant+mm':>14} {'kernel quant+mm':>15}")
     for label, *us in decode:
         print(f"{label:34} " + " ".join(f"{v:{wd}.1f}" for v, wd in zip(us, (10, 8, 9, 10, 14, 15))))
+    print(json.dumps({"fp8_tuned": tuned}))
     print(f"\nprefill (µs; bf16 matmul floor at {matmul / 1e12:.0f} TFLOP/s)")
     print(f"{'projection':34} {'bf16 floor':>10} {'cuBLAS':>8} {'quant torch':>11} {'quant kernel':>12} {'_scaled_mm':>10} {'scaled_linear':>13}")
     for label, *us, _ in prefill:
