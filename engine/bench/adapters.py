@@ -137,7 +137,8 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
     placed0, placed_ns0 = engine.adapters.placements, engine.adapters.placement_ns
     # one row per step() call: ms into the pass, its wall µs, its steps' measured µs, prompt rows, decode rows, then after
     # it: requests running, waiting, store reads in flight, landed and not taken, taken so far, admission holds so far; then
-    # the steps booked in it, its L1 placements for requests and their host µs
+    # the steps booked in it, its L1 placements for requests and their host µs, and the µs it waited for the round it read
+    # back (None where no round was left in flight: a wait near 0 says the host held the GPU up, a long one the GPU)
     timeline: list[tuple] = []
     spent = {True: 0.0, False: 0.0}  # seconds of decode-only calls, of calls with prompt tokens
     try:
@@ -151,6 +152,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
             if synced:
                 sync(engine.device)
             us = (time.perf_counter() - c0) * 1e6
+            waited_us = round(engine._waited_ns / 1e3) if engine._inflight is not None else None  # the read-back's wait
             stalls.end()
             records = engine.pop_step_records(drain=synced)
             time.sleep(engine.idle_wait_s())  # as the serving loop (engine.async_engine) when nothing could run
@@ -160,7 +162,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                              sum(s.tokens == 1 for r in records for s in r.shares), len(engine.planner.running),
                              len(engine.planner.waiting), engine.adapters.reads_in_flight, engine.adapters.reads_landed, counters["loads_disk"] - disk0,
                              engine.planner.hold.holds - holds, len(records), engine.adapters.placements - placed,
-                             round((engine.adapters.placement_ns - placed_ns) / 1e3)))
+                             round((engine.adapters.placement_ns - placed_ns) / 1e3), waited_us))
             if records:
                 decode = all(r.tokens <= batch for r in records)
                 spent[decode] += us * 1e-6
@@ -169,7 +171,7 @@ def _pass(engine: Engine, prompts: list[list[int]], keys: list[str], new: int, t
                     decode_steps += len(records)
                 calls.append((us / len(records), counters["loads_disk"] + counters["loads_host"] > loads, decode,
                               sum(r.total_us for r in records) / len(records), round(paused.ms, 2), tag, len(records),
-                              engine.adapters.placements - placed, timeline[-1][-1], paused.longest or (0.0, -1)))
+                              engine.adapters.placements - placed, timeline[-1][-2], paused.longest or (0.0, -1), waited_us))
     finally:
         gc_ms += paused.ms
         paused.close()
@@ -418,7 +420,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
         "timeline": {"cold": cold["timeline"], "warm": warm["timeline"], "cold_reads": cold["reads"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5], "steps": c[6],
-                                      "placed": c[7], "placing_us": c[8], "gc_longest_ms_gen": list(c[9])}
+                                      "placed": c[7], "placing_us": c[8], "gc_longest_ms_gen": list(c[9]), "waited_us": c[10]}
                                      for c in sorted((c for c in steps if c[1]), reverse=True)[:5]],
     }  # fmt: skip
     for name, passed in (("cold", cold), ("warm", warm)):
@@ -465,7 +467,7 @@ def _tiers(events) -> dict[str, int]:
 
 
 TIMELINE_COLUMNS = ["ms", "wall_us", "step_us", "prompt_rows", "decode_rows", "running", "waiting", "reads_in_flight", "reads_landed", "reads_taken", "holds",
-                    "steps", "placed", "placing_us"]  # fmt: skip
+                    "steps", "placed", "placing_us", "waited_us"]  # fmt: skip
 
 
 def _print_prompt_steps(count: int, timeline: list[tuple]) -> None:
