@@ -44,7 +44,6 @@ def _fp8_linear_kernel(
     stride_xm, stride_qn, stride_ym, stride_ys,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -57,31 +56,18 @@ def _fp8_linear_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
     m_mask = offs_m < M
     n_mask = offs_n < N
+    q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # [1, BN]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if SWAP:  # y^T = (q x^T): the widened q tile is the dot's first operand, which the tensor cores take from registers
-        q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn  # [BN, 1]
-        x_cols = x_ptr + offs_m[None, :] * stride_xm  # [1, BM]
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = offs_k < k_end
-            qt = tl.load(q_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)  # [BN, BK] e4m3 bits
-            xt = tl.load(x_cols + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)  # [BK, BM]
-            wt = qt.to(tl.float8e4nv, bitcast=True)
-            acc_t += tl.dot(wt.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        acc = tl.trans(acc_t)
-    else:  # y = x q^T: the widened q tile is the second operand, which goes through shared memory again
-        q_rows = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn  # [1, BN]
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
-            k_mask = offs_k < k_end
-            qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN] e4m3 bits
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            wt = qt.to(tl.float8e4nv, bitcast=True)
-            acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < k_end
+        qt = tl.load(q_rows + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN] e4m3 bits
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        wt = qt.to(tl.float8e4nv, bitcast=True)
+        acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     out = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -120,7 +106,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_n, block_k, num_warps, num_stages, split_k, swap = _config(m, n, k, x.element_size())
+    block_n, block_k, num_warps, num_stages, split_k = _config(m, n, k, x.element_size())
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k  # whole K tiles per split
     split_k = cdiv(k, k_per_split)
     out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -131,7 +117,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         x.stride(0), q.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
-        SWAP=swap,
         BLOCK_M=max(16, next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -149,19 +134,18 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
 _REDUCE_BLOCK = 1024
 
 
-def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, SWAP): the swept best for the shapes in `_TUNED`; otherwise panels
+def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the swept best for the shapes in `_TUNED`; otherwise panels
     of 64 columns and the K loop split until the grid has about 4 programs an SM (an H200 has 132). Stages are cut
     until the pipeline fits the shared memory."""
     if (n, k) in _TUNED:
-        block_n, block_k, num_warps, num_stages, split_k, swap = _TUNED[(n, k)]
+        block_n, block_k, num_warps, num_stages, split_k = _TUNED[(n, k)]
     else:  # what most tuned shapes took: wide panels, short K tiles, the K loop split to about 4 programs an SM
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 3
         split_k = max(1, min(8, 528 // cdiv(n, block_n), k // (4 * block_k)))
-        swap = False
     while num_stages > 1 and shared_bytes(m, block_n, block_k, num_stages, elem) > SHARED_BYTES:
         num_stages -= 1
-    return block_n, block_k, num_warps, num_stages, split_k, swap
+    return block_n, block_k, num_warps, num_stages, split_k
 
 
 # `python -m kernels.bench.fp8` on an H200 (bf16 x, 32 rows; CUDA-graph replays after an L2 flush), per (N, K) of llama-8b
@@ -169,15 +153,15 @@ def _config(m: int, n: int, k: int, elem: int) -> tuple[int, int, int, int, int,
 # untuned default's then (split K as `_config` derives it) and cuBLAS over the bf16 weight. 8b: qkv 20.5 (27.0; cuBLAS
 # 23.4), o 17.0 (22.0; 19.9), gate_up 56.4 (85.5; 71.4), down 33.9 (50.6; 43.7); 1b: qkv 12.8 (13.8; 10.8), o 10.9 (12.3;
 # 10.4), gate_up 21.7 (31.3; 27.5), down 17.2 (21.8; 20.1). The byte floors are 5.9, 4.0, 27.7, 13.8 and 1.5, 1.0, 7.9, 4.0.
-_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, bool]] = {
-    (6144, 4096): (64, 128, 4, 3, 4, False),
-    (4096, 4096): (64, 128, 4, 4, 4, False),
-    (28672, 4096): (64, 128, 4, 3, 2, False),
-    (4096, 14336): (64, 128, 4, 3, 8, False),
-    (3072, 2048): (64, 128, 4, 3, 8, False),
-    (2048, 2048): (16, 256, 4, 4, 1, False),
-    (16384, 2048): (64, 128, 4, 4, 1, False),
-    (2048, 8192): (64, 128, 4, 3, 8, False),
+_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (64, 128, 4, 3, 4),
+    (4096, 4096): (64, 128, 4, 4, 4),
+    (28672, 4096): (64, 128, 4, 3, 2),
+    (4096, 14336): (64, 128, 4, 3, 8),
+    (3072, 2048): (64, 128, 4, 3, 8),
+    (2048, 2048): (16, 256, 4, 4, 1),
+    (16384, 2048): (64, 128, 4, 4, 1),
+    (2048, 8192): (64, 128, 4, 3, 8),
 }
 
 

@@ -45,16 +45,16 @@ def test_fp8_linear_matches_the_dequantized_product(dtype, rows, bias, n):
     assert ((got.double() - ref.double()).abs().max() / want.abs().max()).item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("split_k,bias,swap", [(2, False, False), (3, True, True), (7, True, False), (100, False, True), (1, True, True)])
-def test_a_split_k_loop_adds_its_partials_in_order(monkeypatch, split_k, bias, swap):
+@pytest.mark.parametrize("split_k,bias", [(2, False), (3, True), (7, True), (100, False)])
+def test_a_split_k_loop_adds_its_partials_in_order(monkeypatch, split_k, bias):
     """K tiles of 32 over K = 200: 2 and 3 splits end on a partial tile, 7 leaves a split of one short tile, 100 asks
     more splits than there are tiles (the launcher takes fewer). Every split's partial is scaled once, after the sum."""
-    monkeypatch.setattr(fp8_module, "_config", lambda *_: (16, 32, 4, 2, split_k, swap))
+    monkeypatch.setattr(fp8_module, "_config", lambda *_: (16, 32, 4, 2, split_k))
     x, q, scale, b = _case(5, 100, torch.bfloat16, bias, seed=split_k)
     got = fp8_module.fp8_linear(x, q, scale, b)
     want = x.double() @ (q.double() * scale.double()[:, None]).t() + (b.double() if b is not None else 0)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() <= TOL[torch.bfloat16]
-    monkeypatch.setattr(fp8_module, "_config", lambda *_: (16, 32, 4, 2, 1, False))
+    monkeypatch.setattr(fp8_module, "_config", lambda *_: (16, 32, 4, 2, 1))
     assert torch.allclose(got.float(), fp8_module.fp8_linear(x, q, scale, b).float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
@@ -72,5 +72,5 @@ def test_fp8_linear_refuses_what_it_cannot_take():
 def test_the_pipeline_fits_the_shared_memory_at_every_row_count():
     for rows in range(1, fp8_module.MAX_ROWS + 1):
         for n, k, elem in ((4096, 4096, 2), (14336 * 2, 4096, 2), (4096, 14336, 2), (512, 512, 4)):
-            block_n, block_k, _, stages, _, _ = fp8_module._config(rows, n, k, elem)
+            block_n, block_k, _, stages, _ = fp8_module._config(rows, n, k, elem)
             assert fp8_module.shared_bytes(rows, block_n, block_k, stages, elem) <= fp8_module.SHARED_BYTES

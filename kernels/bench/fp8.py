@@ -6,7 +6,8 @@ Per projection of llama-8b and llama-1b (bf16 activations, weights quantized per
   against the byte floor of its weight;
 - prefill (llama-8b: 16,384 rows; llama-1b: 4,096): cuBLAS bf16, the row quantization (torch ops and the kernel), the
   FP8 GEMM alone, and engine.quant.scaled_linear whole.
-Times are CUDA-graph replays (kernels.bench.cases.graph_us, L2 flushed before each); the table comes last.
+Times are CUDA-graph replays (kernels.bench.cases.graph_us, L2 flushed before each); the tables come last, with a JSON line
+between them of the best decode config per (N, K), in `_TUNED`'s form.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ PREFILL_ROWS = {"llama-8b": 16384, "llama-1b": 4096}
 def main(rows: int = 32, rep: int = 50) -> None:
     bandwidth, matmul, _ = measure_ceilings()
     torch.manual_seed(0)
-    # (BN, BK, warps, stages, split K, swap): x q^T on panels of 16-64 columns; q x^T (swap) on panels of 64 or 128
-    cands = [c for c in itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4), (1, 2, 4, 8), (False, True))
-             if (c[5] and c[0] >= 64 or not c[5] and c[0] <= 64) and (c[2] == 4 or c[0] == 128)]
+    cands = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))  # (BN, BK, warps, stages, split K)
     decode, prefill, tuned = [], [], {}
     for name in ("llama-8b", "llama-1b"):
         for proj, (in_f, widths) in MODELS[name].projections().items():
