@@ -40,6 +40,10 @@ log = logging.getLogger("lorabatch.worker")
 
 _ENVELOPE_BYTES = 1024  # key, headers and record overhead kept free under kafka.max_message_bytes
 _BACKOFF_MAX_S = 5.0
+# Answers waiting this long with none published or delivered meanwhile: the broker does not take them (dead, frozen,
+# unreachable; or the spool's disk is full). aiokafka fails a send to a dead broker only at its request timeout (40 s),
+# so the outbox's own progress says it first.
+STALL_S = 5.0
 ADOPT_EVERY_S = 60.0  # how often the flusher looks for other workers' spool files beside its own (`flush_others`)
 
 
@@ -94,6 +98,7 @@ class Deliverer:
         self.ledger_down: str | None = None  # why the ledger cannot take writes now; None when it can
         self.schema_behind = False  # the ledger's schema is missing or old: the worker holds its fetching
         self.published = 0  # results the broker has taken
+        self._moved_at = time.monotonic()  # when an outcome's message was last published or a batch delivered
         self.spooled = 0  # ledger records written to the spool
         # Set when the worker stops: a spool that cannot be written (a full disk) is then given up on at once, where
         # waiting for space outlasted every stop deadline (SIGTERM ignored for minutes); `gave_up` once it was.
@@ -104,8 +109,14 @@ class Deliverer:
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
+        if not self.outbox:
+            self._moved_at = time.monotonic()  # an empty outbox had nothing to wait for
         self.outbox.append(outcome)
         self._event.set()
+
+    def stalled_for(self) -> float:
+        """How long answers have waited with none of them published or delivered (0 while the outbox is empty)."""
+        return time.monotonic() - self._moved_at if self.outbox else 0.0
 
     async def run(self) -> None:
         while True:
@@ -127,11 +138,15 @@ class Deliverer:
                     await self._deliver_alone(o)
             del self.outbox[: len(batch)]
 
-    async def drain(self) -> None:
-        """Wait until everything emitted so far is delivered."""
+    async def drain(self, stall_s: float | None = None) -> bool:
+        """Wait until everything emitted so far is delivered; with `stall_s`, no longer than the broker goes that long
+        taking none of it (a dead broker: what is left stays unpublished, unbilled and uncommitted). Whether it was."""
         self._event.set()
         while self.outbox and not self.gave_up:
+            if stall_s is not None and self.stalled_for() >= stall_s:
+                return False
             await asyncio.sleep(0.01)
+        return not self.outbox
 
     async def deliver(self, batch: list[Outcome]) -> None:
         for o in batch:
@@ -140,6 +155,7 @@ class Deliverer:
         billed = [o.usage for o in batch if o.usage is not None]
         if billed:
             await self.write(billed)
+        self._moved_at = time.monotonic()
         for o in batch:
             self.offsets.finished(o.tp, o.offset, o.epoch)
             if o.stamps is not None and self.stages is not None:
@@ -246,12 +262,14 @@ class Deliverer:
             body = o.body if o.body is not None else o.result.model_dump_json().encode()
             await (await self.producer.send(self.k.results_topic, body, key=key))
             o.sent.add("result")
+            self._moved_at = time.monotonic()
             if o.stamps is not None:
                 o.stamps.published = time.monotonic_ns()
             self.published += 1
         if o.dlq is not None and "dlq" not in o.sent:
             await (await self.producer.send(self.k.dlq_topic, o.dlq.model_dump_json().encode()))
             o.sent.add("dlq")
+            self._moved_at = time.monotonic()
 
     # ---------------------------------------------------------------- bill
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from consumer.delivery import STALL_S
 from consumer.feeder import Routed
 from consumer.scheduler import Pending
 
@@ -41,6 +42,7 @@ class Handover:
         self.in_engine = in_engine
         self.revoked: set[TopicPartition] = set()  # of the latest rebalance
         self._left = False  # the consumer was stopped (`leave`)
+        self._unanswered = False  # the last commit got no answer within COMMIT_TIMEOUT_S (a broker dead or frozen)
 
     async def commit_loop(self) -> None:
         while True:
@@ -53,12 +55,20 @@ class Handover:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
         if not offsets:
             return
+        if self._unanswered and self.w.stopping:
+            # A stop waits for one unanswered commit, not one per step of its way out (on a revoke, at the end: with the
+            # broker dead, 10 s each, past a 30 s grace period); what stays uncommitted is redelivered.
+            return
         try:
             await asyncio.wait_for(self.w.consumer.commit(offsets), COMMIT_TIMEOUT_S)
         except (KafkaError, TimeoutError) as e:
+            self._unanswered = isinstance(e, TimeoutError)
             why = str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s"
-            log.warning("commit of %s failed: %s; the next commit retries", offsets, why)
+            log.warning("commit of %s failed: %s; %s", offsets, why, "stopping: not committing again (the offsets stay "
+                        "uncommitted, redelivered to the partitions' next owner)" if self._unanswered and self.w.stopping
+                        else "the next commit retries")
             return
+        self._unanswered = False
         self.w.offsets.mark_committed(offsets)
         self.w.stages.committed(offsets)
 
@@ -69,20 +79,30 @@ class Handover:
         if self._left:
             return
         self._left = True
+        consumer = self.w.consumer
         try:
-            await asyncio.wait_for(self.w.consumer.stop(), LEAVE_TIMEOUT_S)
+            await asyncio.wait_for(consumer.stop(), LEAVE_TIMEOUT_S)
         except TimeoutError:
             log.warning("the consumer did not leave its group within %.0f s (the coordinator does not answer); exiting "
                         "without it: the broker drops the membership when its session times out", LEAVE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the worker itself is cancelled
+            # aiokafka 0.14's fetcher.close awaits the fetch tasks it cancelled: one waiting out a retry (the broker away)
+            # raises CancelledError out of stop() before the client's connections are closed. The worker then ended
+            # with that traceback instead of its exit, and the client went on dialling the dead broker.
+            log.info("the consumer's fetcher stopped mid-retry (the broker is away); closing its connections")
+            await asyncio.wait_for(consumer._client.close(), LEAVE_TIMEOUT_S)
 
-    async def leave_queue_on_stop(self) -> None:
+    async def leave_queue_on_stop(self, why: str | None = None) -> None:
         """The stop's deadline passed with jobs still queued or running: treat every partition as revoked (queued jobs
         are dropped; running ones get worker.revoke_deadline_s, then are aborted; what finished is committed), so a
         worker with a deep queue exits within a grace period an orchestrator gives, and loses nothing: what it leaves
         is uncommitted and redelivered to the partitions' next owner. Bounded even if the engine answers nothing."""
         queued, running = len(self.w.scheduler), len(self.in_engine)
-        log.warning("stopping: worker.stop_deadline_s=%.0f passed with %d jobs queued and %d in the engine; leaving them "
-                    "to the partitions' next owner", self.w.s.worker.stop_deadline_s, queued, running)
+        log.warning("stopping: %s with %d jobs queued and %d in the engine; leaving them to the partitions' next owner",
+                    why or f"worker.stop_deadline_s={self.w.s.worker.stop_deadline_s:.0f} passed", queued, running)
         try:
             await asyncio.wait_for(self.on_revoked(set(self.w.offsets.partitions()), forget=False),
                                    self.w.s.worker.revoke_deadline_s + 5)
@@ -92,8 +112,9 @@ class Handover:
     async def on_revoked(self, revoked: set[TopicPartition], *, forget: bool = True) -> int:
         """Leave the revoked partitions' queued jobs to the new owner, let what runs for them finish within the deadline
         and commit it; abandon the rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new
-        owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets,
-        so the last commit covers what is delivered after. Returns how many jobs it left (dropped or aborted)."""
+        owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets
+        and leaves their commit to the stop's last one, which covers what is delivered after. Returns how many jobs it
+        left (dropped or aborted)."""
         deadline = time.monotonic() + self.w.s.worker.revoke_deadline_s
         self.revoked = set(revoked)
         # The queue first: a place in the engine freed while the running jobs finish must not take one of these.
@@ -109,7 +130,10 @@ class Handover:
         def revoked_running() -> list[Routed]:
             return [r for _, r in self.in_engine.values() if r.tp in revoked]
 
-        while revoked_running() and time.monotonic() < deadline:
+        def undeliverable() -> bool:  # answers the broker takes none of: what still runs could not go out either
+            return self.w.deliverer is not None and self.w.deliverer.stalled_for() >= STALL_S
+
+        while revoked_running() and time.monotonic() < deadline and not undeliverable():
             await asyncio.sleep(0.02)
         aborted = revoked_running()
         for item in aborted:  # all marked before the first abort's round trip
@@ -120,11 +144,15 @@ class Handover:
                 log.warning("rebalance: aborting %s/%s failed: %s", item.job.tenant_id, item.job.request_id, outcome)
         if self.w.deliverer is not None:
             try:
-                await asyncio.wait_for(self.w.deliverer.drain(), timeout=max(0.1, deadline - time.monotonic()))
+                drained = await asyncio.wait_for(self.w.deliverer.drain(stall_s=STALL_S),
+                                                 timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                log.warning("rebalance: revoked work not delivered within the deadline; it will be redelivered")
-        await self.commit(only=set(revoked))
-        if forget:
+                drained = False
+            if not drained:
+                log.warning("rebalance: revoked work not delivered within the deadline%s; it will be redelivered",
+                            " (the broker takes no answers)" if undeliverable() else "")
+        if forget:  # a stop's (forget False) are committed by its last commit, once (with the broker dead, 10 s each)
+            await self.commit(only=set(revoked))
             self.w.offsets.forget(revoked)
             self.w.stages.forget(revoked)
         return len(aborted) + len(dropped)

@@ -7,6 +7,8 @@ TLS context built from the configured CA, certificate and key files.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -16,6 +18,12 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from consumer import undecodable
 from consumer.config import KafkaConfig
+
+log = logging.getLogger("lorabatch.worker")
+
+# A producer's close first flushes what it holds, for as long as the broker takes to answer (a dead one: until each
+# batch's 40 s request timeout). What the worker still needed sent was waited for before (Deliverer.drain).
+PRODUCER_CLOSE_S = 5.0
 
 
 def client_options(cfg: KafkaConfig) -> dict:
@@ -56,6 +64,18 @@ def make_producer(cfg: KafkaConfig, client_id: str = "lorabatch") -> AIOKafkaPro
         max_batch_size=cfg.max_message_bytes,
         linger_ms=5,
     )
+
+
+async def close_producer(producer: AIOKafkaProducer, timeout_s: float = PRODUCER_CLOSE_S) -> None:
+    """Stop `producer` within `timeout_s`: with the broker away, its flush is given up and its connections closed (a
+    worker stopped with the broker dead waited 30 s more here, past a 30 s grace period, after its summary line)."""
+    try:
+        await asyncio.wait_for(producer.stop(), timeout_s)
+    except TimeoutError:
+        log.warning("the producer could not flush within %.0f s (the broker does not answer); closing it without", timeout_s)
+        # aiokafka 0.14: stop() cut in its flush skips these two; its sender then retried the dead broker for ever.
+        await producer._sender.close()
+        await producer.client.close()
 
 
 def record_size(key: bytes | None, value: bytes) -> int:

@@ -33,12 +33,12 @@ from aiokafka.errors import KafkaError
 
 from consumer.breaker import BreakerBoard
 from consumer.config import ConfigError, Settings, check_worker_fits
-from consumer.delivery import Deliverer, Outcome, SpoolUnavailable
+from consumer.delivery import STALL_S, Deliverer, Outcome, SpoolUnavailable
 from consumer.feeder import EngineFeeder, Routed
 from consumer.handover import COMMIT_TIMEOUT_S, Handover, Rebalance
 from consumer.intake import Intake, stepped_over
 from consumer.ledger_calls import LedgerCalls
-from consumer.kafka import group_members, make_consumer, make_producer
+from consumer.kafka import close_producer, group_members, make_consumer, make_producer
 from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
@@ -166,6 +166,11 @@ class Worker:
 
     # ---------------------------------------------------------------- lifecycle
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the worker was asked to stop."""
+        return self._stopping.is_set()
+
     def stop(self) -> None:
         """Ask the worker to drain and exit (SIGTERM handler): what is queued keeps running for worker.stop_deadline_s,
         then is left to the partitions' next owners (consumer.handover `leave_queue_on_stop`)."""
@@ -214,7 +219,7 @@ class Worker:
             if self.consumer is not None:
                 await self.handover.leave()
             if producer is not None:
-                await producer.stop()
+                await close_producer(producer)
             self.spool.close()
             self.ledger_calls.close()
             close = getattr(self.router.cache, "close", None)
@@ -280,6 +285,8 @@ class Worker:
                 if self._stopping.is_set():  # the stop's deadline, then the revoke's for what still runs, then no more
                     timeout = (self._stop_at + self.s.worker.stop_deadline_s if left_at is None
                                else left_at + self.s.worker.revoke_deadline_s + 5) - time.monotonic()
+                    if left_at is None:  # looked at each second: answers the broker takes none of end the wait for the queue
+                        timeout = min(timeout, 1.0)
                 done, _ = await asyncio.wait(running | {deliver, gpu_time, flush} | ({stop} if not stop.done() else set()),
                                              timeout=max(0.0, timeout) if timeout is not None else None,
                                              return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
@@ -288,8 +295,14 @@ class Worker:
                 if not done and woken:
                     continue  # the stop itself woke us: wait again, now against its deadline
                 if not done and left_at is None:
+                    stalled = self.deliverer.stalled_for()
+                    if stalled < STALL_S and time.monotonic() < self._stop_at + self.s.worker.stop_deadline_s:
+                        continue
+                    # With the broker taking no answers, working the queue on only adds answers that cannot go out.
+                    why = (f"{len(self.deliverer.outbox)} answers have waited {stalled:.0f} s with none published (is the "
+                           "broker up?)" if stalled >= STALL_S else None)
                     left_at = time.monotonic()
-                    await self.handover.leave_queue_on_stop()
+                    await self.handover.leave_queue_on_stop(why)
                     continue
                 if not done:
                     log.warning("stopping: %d jobs still in the engine %.0f s after the queue was left; exiting without them "
@@ -303,11 +316,10 @@ class Worker:
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
             await self._record_gpu_time()
-            try:
-                await asyncio.wait_for(self.deliverer.drain(), timeout=60)
-            except TimeoutError:  # the broker is away: what was not published stays uncommitted, for the next owner
-                log.warning("stopping: results not published within 60 s (is the broker up?); their jobs stay "
-                            "uncommitted and are redelivered to the partitions' next owner")
+            if not await self.deliverer.drain(stall_s=STALL_S):  # the broker is away: left unpublished, for the next owner
+                log.warning("stopping: %d answers not published, none for %.0f s (is the broker up?); their jobs are not "
+                            "billed and stay uncommitted: they are redelivered to the partitions' next owner",
+                            len(self.deliverer.outbox), self.deliverer.stalled_for())
             await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
             await end_tasks(tasks + ([self._refreshing] if self._refreshing is not None else []))
