@@ -54,11 +54,45 @@ class _LibrariesFromWarning(logging.Filter):
         return record.levelno >= logging.WARNING or record.name.partition(".")[0] in _OUR_LOGGERS
 
 
+class LibraryRepeats(logging.Filter):
+    """A library's record that repeats, at most once every `every_s` per logger and message (its format string's first
+    line), the next one written counting those left out. With the broker dead, aiokafka logs each retry of each of
+    its connections at ERROR: a worker wrote 8,871 of its lines in 80 s, its own few lines lost among them.
+    Lorabatch's records pass untouched (they are summarised where they repeat: `Outage`, `Repeats`)."""
+
+    MAX_KEYS = 1024  # messages whose repeats are tracked; past it the oldest are forgotten (a library's are a few dozen)
+
+    def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.every_s = every_s
+        self._clock = clock
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, message) -> (written at, left out since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.partition(".")[0] in _OUR_LOGGERS:
+            return True
+        key = (record.name, str(record.msg).partition("\n")[0])
+        now = self._clock()
+        written, left_out = self._seen.get(key, (-float("inf"), 0))
+        if now - written < self.every_s:
+            self._seen[key] = (written, left_out + 1)
+            return False
+        self._seen.pop(key, None)
+        if len(self._seen) >= self.MAX_KEYS:
+            del self._seen[next(iter(self._seen))]
+        self._seen[key] = (now, 0)
+        if left_out:
+            record.left_out = left_out  # a field of its JSON line: how many like it were not written since the last
+        return True
+
+
 def json_logging(level: str = "INFO", stream=None) -> None:
-    """Every record at `level` and above as a JSON line on `stream` (stderr); libraries' own chatter from WARNING."""
+    """Every record at `level` and above as a JSON line on `stream` (stderr); libraries' own chatter from WARNING, and
+    their repeats once every 30 s (`LibraryRepeats`)."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter())
     handler.addFilter(_LibrariesFromWarning())
+    handler.addFilter(LibraryRepeats())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.captureWarnings(True)  # a library's `warnings.warn` becomes a JSON line too, not raw text
     logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its INFO is a line per connection

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from consumer.logs import JsonFormatter, json_logging
+from consumer.logs import JsonFormatter, LibraryRepeats, json_logging
 from consumer.schemas import Job, Result
 from consumer.submit import produce_jobs
 from tests.service_fixtures import open_services, produce_raw, read_all, service_settings
@@ -96,6 +96,33 @@ def test_json_logging_keeps_libraries_info_out():
     finally:
         logging.captureWarnings(False)
         root.handlers[:], _ = before[0], root.setLevel(before[1])
+
+def _error(name: str, msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, "x.py", 1, msg, args, None)
+
+
+@pytest.mark.parametrize("name, msgs, times, written, left_out", [
+    # aiokafka's retries with the broker dead, a line each per ~0.1 s: the first, then one every 30 s with the count
+    ("aiokafka", ["Unable connect to node with id %s: %s"] * 5, [0, 0.1, 0.2, 30.0, 30.1], [0, 3], [None, 2]),
+    # each message of a library is its own: both are written
+    ("aiokafka", ["Unable to update metadata from %s", "Unable connect to node with id %s: %s"], [0, 0.1], [0, 1], [None, None]),
+    # asyncio's "Task exception was never retrieved" names each task on its second line: one message
+    ("asyncio", ["Task exception was never retrieved\nfuture: <Task-1>", "Task exception was never retrieved\nfuture: <Task-2>"],
+     [0, 1], [0], [None]),
+    # lorabatch's own records are never held back (they summarise themselves)
+    ("lorabatch.worker", ["waiting for the broker"] * 3, [0, 0.1, 0.2], [0, 1, 2], [None] * 3),
+    ("aiokafka", [], [], [], []),  # nothing logged, nothing written
+])
+def test_library_repeats_are_written_once_every_30_s_with_a_count(name, msgs, times, written, left_out):
+    """A library's record repeating (aiokafka at each retry while the broker is dead: 8,871 lines in 80 s) is
+    written once per logger and message every 30 s; the next one written says how many were left out."""
+    clock = iter(times)
+    f = LibraryRepeats(30.0, clock=lambda: next(clock))
+    records = [_error(name, m, 111, "refused") for m in msgs]
+    kept = [i for i, r in enumerate(records) if f.filter(r)]
+    assert kept == written, kept
+    assert [getattr(records[i], "left_out", None) for i in kept] == left_out
+
 
 @pytest.mark.slow
 async def test_a_worker_writes_only_json_lines(broker, tmp_path, demo_set):
