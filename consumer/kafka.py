@@ -73,9 +73,15 @@ async def close_producer(producer: AIOKafkaProducer, timeout_s: float = PRODUCER
         await asyncio.wait_for(producer.stop(), timeout_s)
     except TimeoutError:
         log.warning("the producer could not flush within %.0f s (the broker does not answer); closing it without", timeout_s)
-        # aiokafka 0.14: stop() cut in its flush skips these two; its sender then retried the dead broker for ever.
-        await producer._sender.close()
+        # aiokafka 0.14: stop() cut in its flush skips these two; its sender then retried the dead broker for ever. The
+        # connections go first: the sender's close waits for its requests in flight, which a frozen broker holds until
+        # their 40 s request timeout (the worker's exit waited 30 s more here), and a closed connection fails them now.
         await producer.client.close()
+        try:
+            await asyncio.wait_for(producer._sender.close(), 1.0)
+        except TimeoutError:  # requests to a frozen broker that reconnected: they end at their own request timeout
+            log.warning("the producer's requests in flight are left to their 40 s request timeout (the broker does not "
+                        "answer them)")
 
 
 def record_size(key: bytes | None, value: bytes) -> int:

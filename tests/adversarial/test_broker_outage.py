@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 import pytest
 
@@ -36,15 +37,18 @@ async def _own_broker(tmp_path, demo_set, pg_database, **extra):
             finally:
                 svc.close()
     finally:
+        if broker.process is not None and broker.process.poll() is None:
+            broker.process.send_signal(signal.SIGCONT)  # a frozen broker would not take its SIGTERM
         broker.stop()
 
 
-async def test_a_stop_with_the_broker_dead_exits_cleanly_billing_only_what_was_published(tmp_path, demo_set, pg_database,
-                                                                                         caplog):
-    """The broker is killed while the worker has a queue; the worker is then stopped. It ends by itself, without an
-    exception, well within a 30 s grace period (deadlines of 1 s), and writes its summary line; every ledger row is of
-    a result the broker took (rows == results published), and the jobs whose results it could not publish are left
-    unbilled and uncommitted."""
+@pytest.mark.parametrize("outage", ["killed", "frozen"])
+async def test_a_stop_with_the_broker_dead_exits_cleanly_billing_only_what_was_published(outage, tmp_path, demo_set,
+                                                                                         pg_database, caplog):
+    """The broker is killed (or frozen: SIGSTOP) while the worker has a queue; the worker is then stopped. It ends by
+    itself, without an exception, well within a 30 s grace period (deadlines of 1 s), and writes its summary line;
+    every ledger row is of a result the broker acknowledged (rows == results published), and the jobs whose results
+    it could not publish are left unbilled and uncommitted."""
     caplog.set_level(logging.INFO, "lorabatch.worker")
     jobs = [{"request_id": f"dead-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"job {i} " * 8,
              "max_new_tokens": 24} for i in range(48)]
@@ -54,14 +58,19 @@ async def test_a_stop_with_the_broker_dead_exits_cleanly_billing_only_what_was_p
             async with Collector(s) as col:
                 sent = await produce(s, [job_message(j) for j in jobs])
                 assert await col.until(lambda c: len(c.results) >= 4 or not lw.alive(), 60), lw.death()
-            broker.process.kill()
-            broker.process.wait(10)
+            if outage == "killed":
+                broker.process.kill()
+                broker.process.wait(10)
+            else:
+                broker.process.send_signal(signal.SIGSTOP)
             await asyncio.sleep(1.0)  # the engine answers more jobs into an outbox the broker no longer takes
             loop = asyncio.get_running_loop()
             asked = loop.time()
             lw.worker.stop()
             done, _ = await asyncio.wait({lw.task}, timeout=60)
             took = loop.time() - asked
+            if outage == "frozen":
+                broker.process.send_signal(signal.SIGCONT)
             assert done, "the worker did not stop within 60 s of the stop with the broker dead"
             assert lw.task.exception() is None, lw.death()
             published = lw.worker.deliverer.published
