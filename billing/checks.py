@@ -20,12 +20,22 @@ STATUSES = ("succeeded", "failed")
 ADAPTER = re.compile(r"[^@\s]+@\d+")  # "name@version"
 SHA256 = re.compile(r"[0-9a-f]{64}")
 _INT_MAX = {Integer: 2**31 - 1, BigInteger: 2**63 - 1}
+# The most microseconds any one record may carry in a time (a request's, a load's, a busy span's), ~8.9 years: a figure
+# near it is a clock or accounting fault. Below it, a request's base + LoRA + routing, its KV credit's products and a
+# month's sums stay within 64-bit integers on both backends; at the column's own bound, 2^63 - 1, the two times of one
+# request overflowed the sum PostgreSQL computes (an error for every invoice of the month) and SQLite's (a float).
+MAX_RECORD_US = 2**48
 _TIMES = ("created_at", "started_at", "ended_at")
 _IDS = ("tenant_id", "request_id")
 
 
 def reject(what: str, field: str, value: object, fix: str) -> NoReturn:
     raise LedgerRecordError(f"{what}: {field}={value!r} cannot be written to the ledger; {fix}")
+
+
+def _int_max(name: str, column_type: Integer) -> int:
+    limit = _INT_MAX[BigInteger if isinstance(column_type, BigInteger) else Integer]
+    return min(limit, MAX_RECORD_US) if name.endswith("_us") else limit
 
 
 class RowChecker:
@@ -35,8 +45,7 @@ class RowChecker:
         present = set(names)
         columns = [c for c in table.columns if c.name in present]
         self._times = tuple(c.name for c in columns if c.name in _TIMES)
-        self._ints = tuple((c.name, _INT_MAX[BigInteger if isinstance(c.type, BigInteger) else Integer]) for c in columns
-                           if isinstance(c.type, Integer) and c.name not in _TIMES)
+        self._ints = tuple((c.name, _int_max(c.name, c.type)) for c in columns if isinstance(c.type, Integer) and c.name not in _TIMES)
         self._strs = tuple((c.name, c.type.length or 1 << 62, bool(c.nullable)) for c in columns
                            if isinstance(c.type, String) and c.name not in _TIMES)
         self._ids = tuple(name for name in _IDS if name in present)

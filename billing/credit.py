@@ -22,7 +22,7 @@ reports sum it in the database; tests/test_credit.py checks that the two agree.
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, case
+from sqlalchemy import BigInteger, ColumnElement, case, cast
 
 from billing.models import Usage
 
@@ -43,12 +43,21 @@ def kv_credit_us(*, kv_saved_us: int, base_us: int, lora_us: int, input_tokens: 
 
 
 def kv_credit_sql() -> ColumnElement[int]:
-    """The same rule as a SQL expression over a usage row (`//` is integer division on SQLite and PostgreSQL alike; every operand is >= 0 there)."""
+    """The same rule as a SQL expression over a usage row (`//` is integer division on SQLite and PostgreSQL alike; every operand is >= 0 there).
+
+    Every intermediate stays within 64-bit integers for any row the ledger takes (billing/checks.py): token counts are
+    widened to bigint before they are added (two int4 counts of a billion each passed int4, and PostgreSQL refused every
+    invoice of the month while SQLite billed it), and charged * cached // computed is taken as
+    (charged // computed) * cached + (charged % computed) * cached // computed, equal in integers, whose products stay
+    under charged and under 2^31 * 2^32 (the product itself passed 2^63 for a 2^40 us request with 2^30 tokens cached:
+    PostgreSQL failed, SQLite went on in floating point and credited 1 us more than the rule).
+    """
     charged = Usage.base_us + Usage.lora_us
-    computed = Usage.input_tokens - Usage.cached_tokens + Usage.output_tokens
+    cached = cast(Usage.cached_tokens, BigInteger)
+    computed = cast(Usage.input_tokens, BigInteger) - cached + cast(Usage.output_tokens, BigInteger)
     cap = case(
         (computed <= 0, 0),
-        (Usage.cached_tokens >= computed, charged),
-        else_=(Usage.cached_tokens * charged) // computed,
+        (cached >= computed, charged),
+        else_=(charged // computed) * cached + ((charged % computed) * cached) // computed,
     )
     return case((Usage.kv_saved_us < cap, Usage.kv_saved_us), else_=cap)

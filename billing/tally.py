@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 from typing import NamedTuple
 
-from sqlalchemy import case, func, select
+from sqlalchemy import BigInteger, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from billing.apportion import apportion
@@ -157,7 +157,7 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
     if not loads:
         return []
     users = session.execute(
-        select(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id, func.sum(Usage.input_tokens + Usage.output_tokens), func.count())
+        select(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id, func.sum(cast(Usage.input_tokens, BigInteger) + Usage.output_tokens), func.count())
         .where(Usage.invoice_period == period, Usage.adapter.in_(sorted({adapter for adapter, *_ in loads})))
         .group_by(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id)
     ).all()

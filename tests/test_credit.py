@@ -12,14 +12,16 @@ from decimal import Decimal
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
 
+from billing.closing import close_period
 from billing.config import LedgerConfig
 from billing.credit import kv_credit_sql, kv_credit_us
 from billing.invoice import build_invoice
 from billing.ledger import Ledger
 from billing.models import Usage
+from billing.records import AdapterLoadRecord
 from tests.test_ledger import usage_record
 
 CONFIG = LedgerConfig(gpu_price_per_hour=Decimal("7.20"))
@@ -80,3 +82,30 @@ def test_no_line_goes_negative(engine: Engine) -> None:
     assert (line.base_ms, line.lora_ms, line.routing_ms, line.kv_saved_ms, line.gpu_ms) == (
         Decimal("40.000"), Decimal("6.000"), Decimal("0.300"), Decimal("46.000"), Decimal("0.300"))
     assert line.cost >= 0 and ledger.usage_for("acme", "r1").cost == Decimal("0.000000600")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        # input + output - cached passes int4: PostgreSQL refused every invoice and close of the month, SQLite billed it.
+        dict(kv_saved_us=2**40, base_us=2**40, lora_us=7, input_tokens=2**31 - 1, cached_tokens=5, output_tokens=2**31 - 1),
+        # cached * charged passes int8 (2^30 x 2^40): PostgreSQL failed, SQLite went to floats and credited 1 us too much.
+        dict(kv_saved_us=2**47, base_us=2**40 + 12_345, lora_us=7, input_tokens=2**31 - 1, cached_tokens=2**30 - 1, output_tokens=0),
+        # the largest times and counts the ledger takes, every product at its widest.
+        dict(kv_saved_us=2**48, base_us=2**48, lora_us=2**48, input_tokens=2**31 - 1, cached_tokens=2**31 - 2, output_tokens=2**31 - 1),
+    ],
+)
+def test_the_largest_rows_bill_alike_on_both_backends(engine: Engine, row: dict[str, int]) -> None:
+    """Any row the ledger takes is billed by the rule, in integers, on SQLite and PostgreSQL alike: no int4/int8 overflow, no float."""
+    _agree(engine, [row])
+    ledger = Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
+    ledger.record_adapter_loads([AdapterLoadRecord(adapter="x@1", adapter_sha256="ab" * 32, tenant_id="acme", tier="disk", nbytes=1,
+                                                   load_us=1_000, worker_id="w0", created_at=MARCH)])
+    with engine.begin() as connection:
+        connection.execute(update(Usage).values(adapter="x@1", adapter_sha256="ab" * 32))
+    credit = kv_credit_us(**row)
+    invoice = build_invoice(engine, "acme", "2026-03", CONFIG)
+    assert invoice.totals.kv_saved_ms * 1000 == credit and invoice.totals.cold_start_ms == Decimal("1.000")
+    assert invoice.gpu_us == row["base_us"] + row["lora_us"] - credit + 1_000
+    closed = close_period(engine, CONFIG, "2026-03", now=datetime(2026, 4, 1, tzinfo=timezone.utc))
+    assert [i.totals for i in closed] == [invoice.totals]

@@ -237,6 +237,9 @@ def test_empty_batches_write_nothing(ledger: Ledger) -> None:
         ({"base_us": -1}, "base_us", "integer from 0"),
         ({"input_tokens": 1.5}, "input_tokens", "integer from 0"),
         ({"input_tokens": 2**31}, "input_tokens", "integer from 0 to 2147483647"),
+        # 2^48 us (~8.9 years) at most: at BigInteger's own 2^63 - 1, base + LoRA of one row overflowed the invoice's SQL
+        ({"base_us": 2**48 + 1}, "base_us", "integer from 0 to 281474976710656"),
+        ({"kv_saved_us": 2**63 - 1}, "kv_saved_us", "integer from 0 to 281474976710656"),
         ({"adapter": "summarize"}, "adapter", "name@version"),
         ({"adapter_sha256": "AB" * 32}, "adapter_sha256", "64 lowercase hex"),
         ({"tenant_id": "t" * 65}, "tenant_id", "at most 64"),
