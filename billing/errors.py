@@ -45,3 +45,7 @@ class UnknownTenantError(LedgerError, ValueError):
 
 class UnbillablePeriodError(LedgerError, ValueError):
     """A well-formed period that cannot be billed: outside the years the ledger bills, or not begun and empty."""
+
+
+class MixedCurrencyError(LedgerError, ValueError):
+    """A period's invoices are in more than one currency (some closed under another ledger.currency): no report adds them."""

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
+from billing.closing import close_invoice, close_period
 from billing.config import LedgerConfig
+from billing.errors import MixedCurrencyError
 from billing.finance import finance_report
 from billing.ledger import Ledger
 from billing.prices import set_token_price
@@ -77,6 +79,22 @@ def test_finance_report_by_hand(october: Engine) -> None:
     assert not finance_report(october, "2026-10", CONFIG, flag_factor=Decimal("4")).tenants[1].flagged  # 0.76 < 4 x 0.2
     for t in report.tenants:
         assert all(type(v) is Decimal for v in (t.cost, t.revenue, t.margin, t.gpu_share, t.revenue_share))
+
+
+def test_finance_report_is_in_its_invoices_currency(october: Engine) -> None:
+    """The report names the currency its invoices are in, never ledger.currency's relabel of them; two currencies are refused.
+
+    Closed in USD, the month's report under a config saying EUR said "EUR" over the USD amounts; acme closed in USD
+    beside globex's EUR draft were added up into one total.
+    """
+    nov = datetime(2026, 11, 2, tzinfo=timezone.utc)
+    eur = CONFIG.model_copy(update={"currency": "EUR"})
+    close_invoice(october, CONFIG, "acme", "2026-10", now=nov)
+    with pytest.raises(MixedCurrencyError, match=r"2 currencies \(EUR: globex \(draft\); USD: acme \(closed\)\).*ledger.currency"):
+        finance_report(october, "2026-10", eur)
+    close_period(october, CONFIG, "2026-10", now=nov)
+    report = finance_report(october, "2026-10", eur)
+    assert report.currency == "USD" and report.cost == finance_report(october, "2026-10", CONFIG).cost
 
 
 def test_sre_report_by_hand(october: Engine) -> None:
