@@ -38,6 +38,9 @@ from billing.records import AdapterLoadRecord, AnsweredRow, BusyRecord, UsageRec
 # Keys per statement of Ledger.answered: 1000 bound parameters, far below SQLite's limit (32766) and
 # PostgreSQL's (65535), and one statement answers a whole 500-job flush.
 ANSWERED_CHUNK = 500
+# A usage row's own cost is numeric(18, 9): PostgreSQL refuses 10^9 or more with a DataError, which the worker took for
+# the ledger being down and spooled, so the record came back at every retry and held every record behind it in the spool.
+ROW_COST_LIMIT = 10**9
 
 class Ledger:
     """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
@@ -83,7 +86,12 @@ class Ledger:
                 credit = kv_credit_us(kv_saved_us=row["kv_saved_us"], base_us=row["base_us"], lora_us=row["lora_us"],
                                       input_tokens=row["input_tokens"], cached_tokens=row["cached_tokens"], output_tokens=row["output_tokens"])
                 net_us = row["base_us"] + row["lora_us"] + row["routing_us"] - credit
-                row["cost"] = gpu_cost(net_us, prices.gpu_price_at(row["created_at"]))
+                price = prices.gpu_price_at(row["created_at"])
+                row["cost"] = gpu_cost(net_us, price)
+                if row["cost"] >= ROW_COST_LIMIT:
+                    reject(f"usage record tenant_id={row['tenant_id']!r} request_id={row['request_id']!r}", "base_us", row["base_us"],
+                           f"its {net_us} us at {price} per GPU hour cost {row['cost']}, and the ledger keeps a request's cost "
+                           f"below {ROW_COST_LIMIT} (numeric(18, 9)); check the record's times and the GPU price")
             if self._copy:
                 inserted = copy_insert(session, table, rows, key=("tenant_id", "request_id"))
             else:

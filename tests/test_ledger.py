@@ -254,6 +254,18 @@ def test_bad_record_fails_the_whole_batch(ledger: Ledger, fields: dict[str, obje
     assert ledger.count_usage() == 0
 
 
+def test_a_request_costing_a_billion_is_refused_by_name(engine: Engine) -> None:
+    """A row whose own cost passes its numeric(18, 9) column is a LedgerRecordError naming the field on both backends, nothing
+    written: PostgreSQL raised a DataError the worker took for an outage (spooled, retried, holding the records behind it),
+    SQLite stored it."""
+    ledger = Ledger(engine, LedgerConfig(url=str(engine.url), gpu_price_per_hour=Decimal("100000")))
+    with pytest.raises(LedgerRecordError, match=r"request_id='bad': base_us=281474976710656 .* below 1000000000"):
+        ledger.record_usage([usage_record("good"), usage_record("bad", base_us=2**48)])  # 7,818,749,353 at 100,000 an hour
+    assert ledger.count_usage() == 0
+    assert ledger.record_usage([usage_record("hour", base_us=3_600_000_000)]) == 1
+    assert ledger.usage_for("acme", "hour").cost == Decimal("100000.000000000")  # type: ignore[union-attr]
+
+
 def test_bad_adapter_load_is_refused(ledger: Ledger) -> None:
     """An adapter load without a name@version is refused with an error naming the field."""
     with pytest.raises(LedgerRecordError, match="adapter='summarize'.*name@version"):
