@@ -32,6 +32,7 @@ log = logging.getLogger("lorabatch.worker")
 # rebalance storm saw its commits hang and its exit wait past a SIGTERM's minute (tests/test_chaos.py, under load).
 COMMIT_TIMEOUT_S = 10.0
 LEAVE_TIMEOUT_S = 15.0
+COMMIT_SAY_S = 30.0  # while commits fail in a row, one line about them this often (`_commit_failed`)
 
 
 class Handover:
@@ -43,6 +44,9 @@ class Handover:
         self.revoked: set[TopicPartition] = set()  # of the latest rebalance
         self._left = False  # the consumer was stopped (`leave`)
         self._unanswered = False  # the last commit got no answer within COMMIT_TIMEOUT_S (a broker dead or frozen)
+        self._failing_since: float | None = None  # monotonic, the first of the commits failing in a row
+        self._failed = 0  # commits failed in a row
+        self._said_at = 0.0  # monotonic, when the last line about them was written
 
     async def commit_loop(self) -> None:
         while True:
@@ -63,14 +67,33 @@ class Handover:
             await asyncio.wait_for(self.w.consumer.commit(offsets), COMMIT_TIMEOUT_S)
         except (KafkaError, TimeoutError) as e:
             self._unanswered = isinstance(e, TimeoutError)
-            why = str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s"
-            log.warning("commit of %s failed: %s; %s", offsets, why, "stopping: not committing again (the offsets stay "
-                        "uncommitted, redelivered to the partitions' next owner)" if self._unanswered and self.w.stopping
-                        else "the next commit retries")
+            self._commit_failed(offsets, str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s")
             return
         self._unanswered = False
+        if self._failing_since is not None:
+            log.warning("commits succeed again, after %d failed in a row over %.0f s", self._failed,
+                        time.monotonic() - self._failing_since)
+            self._failing_since, self._failed = None, 0
         self.w.offsets.mark_committed(offsets)
         self.w.stages.committed(offsets)
+
+    def _commit_failed(self, offsets: dict, why: str) -> None:
+        """Count a failed commit (`lorabatch_retries_total{what="commit"}`) and say so: the first of a run in full, then
+        one line every COMMIT_SAY_S with how many failed since; a commit is tried every worker.commit_interval_ms, and a
+        line for each (5 a second by default) filled the log while a rebalancing group or a dead broker refused them."""
+        now = time.monotonic()
+        self._failed += 1
+        self.w.metrics.retries.labels("commit").inc()
+        stopping = self._unanswered and self.w.stopping
+        then = ("stopping: not committing again (the offsets stay uncommitted, redelivered to the partitions' next "
+                "owner)" if stopping else "the next commit retries")
+        if self._failing_since is None:
+            self._failing_since = self._said_at = now
+            log.warning("commit of %s failed: %s; %s", offsets, why, then)
+        elif stopping or now - self._said_at >= COMMIT_SAY_S:
+            self._said_at = now
+            log.warning("commits failing for %.0f s, %d in a row; the last, of %d partitions' offsets: %s; %s",
+                        now - self._failing_since, self._failed, len(offsets), why, then)
 
     async def leave(self) -> None:
         """Stop the consumer (it leaves the group), within LEAVE_TIMEOUT_S: a member whose rejoin the coordinator never

@@ -277,7 +277,8 @@ async def test_while_commits_fail_the_stage_records_stay_bounded_and_every_job_c
         broker, tmp_path, demo_set, cpu_engine, monkeypatch, caplog):
     """Through the real broker, with the group's commits refused (CommitFailedError, as while the group rebalances):
     the worker holds at most its bound of jobs' stamps (it held every job billed: 24 of 24 here, 40,000 in a soak) and
-    counts the rest; once commits pass, every job's offset commits, with one result and one ledger row each."""
+    counts the rest; once commits pass, every job's offset commits, with one result and one ledger row each. The
+    refused commits are counted and said in one line, not one each."""
     import logging
 
     from aiokafka import AIOKafkaConsumer
@@ -320,6 +321,11 @@ async def test_while_commits_fail_the_stage_records_stay_bounded_and_every_job_c
     assert sorted(r.request_id for r in results) == sorted(j.request_id for j in jobs)
     said = [r.getMessage() for r in caplog.records if "billed jobs" in r.getMessage() or "went unobserved" in r.getMessage()]
     assert len(said) == 2, said
+    # the refused commits (one every worker.commit_interval_ms) are counted, and said once a run plus once every 30 s
+    refused_commits = w.metrics.registry.get_sample_value("lorabatch_retries_total", {"what": "commit"})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("commit of", "commits failing"))]
+    assert refused_commits >= 3 and 1 <= len(lines) <= 2, (refused_commits, lines)
+    assert sum(r.getMessage().startswith("commits succeed again") for r in caplog.records) == 1
     svc.close()
 
 
