@@ -24,6 +24,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import threading
 
     from consumer.config import WORKER_ID_RULE, worker_id_ok
+    from consumer.metrics import WorkerMetrics
     from consumer.spool import SpoolNoSpace
     from consumer.waits import Stopped, wait_for, wait_for_ledger
     from consumer.worker import Worker
@@ -38,6 +39,11 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     setup_logging(log_level)
     log = logging.getLogger("lorabatch.worker")
     s = settings_from(config, **{"worker.worker_id": worker_id, "worker.metrics_port": metrics_port})
+    # /metrics first: a port another process holds stops the worker now, not after its engine is built (minutes of model
+    # loading on a GPU) and its ledger found; and a worker waiting for its ledger says so there.
+    metrics = WorkerMetrics()
+    if s.worker.metrics_port:
+        metrics.serve(s.worker.metrics_port)
     # A SIGTERM or ^C before the event loop's handlers take over is kept here, not left to Python's defaults: one during
     # the engine's start killed the worker at once, without a log line, and left its child building an engine (a model
     # on a GPU: minutes) that then died with a traceback on the closed pipe.
@@ -70,14 +76,18 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
             loop.add_signal_handler(sig, stop)
         if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
             stop()
+        metrics.ledger_up.set(0)  # not known to take writes until it answers
+        metrics.waiting.labels("ledger").set(1)
         try:
             svc = await wait_for_ledger(s, stopping)
         except Stopped:
             log.info("stopped while waiting for the ledger; nothing was fetched")
             return
+        metrics.ledger_up.set(1)
+        metrics.waiting.labels("ledger").set(0)
 
         async def make_worker() -> Worker:
-            return Worker(s, engine, svc.registry, svc.ledger)
+            return Worker(s, engine, svc.registry, svc.ledger, metrics=metrics)
 
         try:
             try:  # a spool whose disk is full is waited for, as the ledger is: exiting made a crash loop of it
@@ -90,8 +100,6 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
             running.append(w)
             if stopping.is_set():
                 w.stop()
-            if s.worker.metrics_port:
-                w.metrics.serve(s.worker.metrics_port)
             log.info("worker %s starting on %s", w.worker_id, s.kafka.bootstrap_servers)
             await w.run()
         finally:

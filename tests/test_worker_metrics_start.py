@@ -1,0 +1,71 @@
+"""`lorabatch worker --metrics-port P` at start: /metrics is served before the engine is built and the ledger found, so a
+port another process holds stops the worker at once, and a worker waiting for its ledger says so on /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from consumer.broker import free_port
+
+
+def _worker(tmp_path: Path, demo_set, metrics_port: int) -> subprocess.Popen:
+    """A worker whose ledger (PostgreSQL on a port where nothing listens) is down."""
+    cfg = tmp_path / "lorabatch.toml"
+    cfg.write_text(f'[engine]\nmodel_dir = "{demo_set["model"]}"\ndevice = "cpu"\n[worker]\nwait_max_s = 1.0\n'
+                   f'[ledger]\nurl = "postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere"\n')
+    env = {k: v for k, v in os.environ.items() if k != "LORABATCH_CONFIG"}
+    return subprocess.Popen([sys.executable, "-m", "consumer.cli", "worker", "-c", str(cfg), "--metrics-port",
+                             str(metrics_port)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_metrics_port_in_use_stops_the_worker_before_it_waits_for_anything(tmp_path, demo_set):
+    """Two workers on one host with one metrics port: the second exits with status 2 and one line naming the port and
+    worker.metrics_port, before its engine is built. It was said only once the engine was built and the ledger answered,
+    so with the ledger down the second worker waited (for ever) without a word about the port."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = _worker(tmp_path, demo_set, port)
+        try:
+            err = worker.communicate(timeout=60)[1]
+        finally:
+            worker.kill()
+    assert worker.returncode == 2, err
+    lines = [json.loads(x) for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and lines[-1]["level"] == "ERROR", err
+    assert f"port {port}" in lines[-1]["msg"] and "worker.metrics_port" in lines[-1]["msg"], lines[-1]
+    assert not any("waiting for the ledger" in x["msg"] for x in lines), err
+
+
+def test_metrics_say_the_worker_waits_for_its_ledger(tmp_path, demo_set):
+    """While the worker waits for its ledger at start, /metrics answers with lorabatch_ledger_up 0 and
+    lorabatch_waiting{on="ledger"} 1 (it was not served at all until the ledger answered: the scrape target was
+    simply down); SIGTERM still ends the wait with status 0."""
+    port = free_port()
+    worker = _worker(tmp_path, demo_set, port)
+    try:
+        text = ""
+        deadline = time.monotonic() + 60
+        while 'lorabatch_waiting{on="ledger"} 1.0' not in text and worker.poll() is None and time.monotonic() < deadline:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)
+        assert 'lorabatch_waiting{on="ledger"} 1.0' in text, text
+        assert "\nlorabatch_ledger_up 0.0\n" in text, text
+        worker.send_signal(signal.SIGTERM)
+        err = worker.communicate(timeout=60)[1]
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err
+    assert "stopped while waiting for the ledger" in err, err
