@@ -32,6 +32,11 @@ def _floats(values: Sequence[Decimal]) -> list[float]:
     return [float(v) for v in values]
 
 
+def _wrap(note: str) -> str:
+    """A chart's note on a line of its own under its title."""
+    return "\n" + note.strip(" ()") if note else ""
+
+
 def _empty(title: str) -> bytes:
     figure = Figure(figsize=(6, 1.5))
     axes = figure.add_subplot()
@@ -40,9 +45,18 @@ def _empty(title: str) -> bytes:
     return _png(figure)
 
 
+def _most(rows: Sequence, key, what: str, by: str) -> tuple[list, str]:
+    """The MAX_BARS rows of the largest `key`, and what a chart of them must say when that leaves rows out (a chart of
+    the first 25 of 300 tenants, or of the 25 workers first by name of 80, was titled as if it showed them all)."""
+    chosen = sorted(rows, key=key, reverse=True)[:MAX_BARS]
+    if len(chosen) == len(rows):
+        return chosen, ""
+    return chosen, f" (the {len(chosen)} of {len(rows)} {what} with the most {by}; the table holds every one)"
+
+
 def finance_charts(report: FinanceReport) -> list[tuple[str, bytes]]:
     """(title, PNG) pairs: GPU share against revenue share per tenant, and margin per tenant."""
-    tenants = sorted(report.tenants, key=lambda t: t.gpu_share, reverse=True)[:MAX_BARS]
+    tenants, note = _most(report.tenants, lambda t: t.gpu_share, "tenants", "GPU time")
     if not tenants:
         return [("GPU share vs revenue share", _empty("GPU share vs revenue share"))]
     names = [t.tenant + (" (!)" if t.flagged else "") for t in tenants]
@@ -53,7 +67,7 @@ def finance_charts(report: FinanceReport) -> list[tuple[str, bytes]]:
     axes.bar([p + 0.2 for p in positions], _floats([t.revenue_share * 100 for t in tenants]), 0.4, label="revenue %", color=_COLORS[1])
     axes.set_xticks(list(positions), names, rotation=30, ha="right")
     axes.set_ylabel("share of the period, %")
-    axes.set_title(f"{report.period}: GPU share vs revenue share ((!) flagged at x{report.flag_factor})")
+    axes.set_title(f"{report.period}: GPU share vs revenue share ((!) flagged at x{report.flag_factor}){_wrap(note)}")
     axes.legend()
     shares = _png(figure)
 
@@ -64,14 +78,14 @@ def finance_charts(report: FinanceReport) -> list[tuple[str, bytes]]:
     axes.axhline(0, color="black", linewidth=0.8)
     axes.set_xticks(list(positions), names, rotation=30, ha="right")
     axes.set_ylabel(f"margin, {report.currency}")
-    axes.set_title(f"{report.period}: margin per tenant (revenue - GPU cost)")
-    return [("GPU share vs revenue share", shares), ("Margin per tenant", _png(figure))]
+    axes.set_title(f"{report.period}: margin per tenant (revenue - GPU cost){_wrap(note)}")
+    return [("GPU share vs revenue share" + note, shares), ("Margin per tenant" + note, _png(figure))]
 
 
 def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
     """(title, PNG) pairs: GPU seconds by component per adapter, latency percentiles, busy and idle per worker."""
     charts = []
-    adapters = sorted(report.adapters, key=lambda a: a.gpu_s, reverse=True)[:MAX_BARS]
+    adapters, note = _most(report.adapters, lambda a: a.gpu_s, "adapters", "GPU time")
     if adapters:
         figure = Figure(figsize=(8, max(3, 0.35 * len(adapters) + 1.5)))
         axes = figure.add_subplot()
@@ -89,9 +103,9 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.axvline(0, color="black", linewidth=0.8)
         axes.invert_yaxis()
         axes.set_xlabel("GPU seconds")
-        axes.set_title(f"{report.period}: GPU time by component per adapter")
+        axes.set_title(f"{report.period}: GPU time by component per adapter{_wrap(note)}")
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
-        charts.append(("GPU time by component", _png(figure)))
+        charts.append(("GPU time by component" + note, _png(figure)))
 
         figure = Figure(figsize=(8, max(3, 0.35 * len(adapters) + 1.5)))
         axes = figure.add_subplot()
@@ -100,12 +114,12 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.set_yticks(range(len(adapters)), names)
         axes.invert_yaxis()
         axes.set_xlabel("total latency, ms")
-        axes.set_title(f"{report.period}: latency percentiles per adapter")
+        axes.set_title(f"{report.period}: latency percentiles per adapter{_wrap(note)}")
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
-        charts.append(("Latency percentiles", _png(figure)))
+        charts.append(("Latency percentiles" + note, _png(figure)))
     else:
         charts.append(("GPU time by component", _empty("GPU time by component")))
-    workers = report.workers[:MAX_BARS]
+    workers, note = _most(report.workers, lambda w: w.idle_s, "workers", "idle time")
     if workers:
         figure = Figure(figsize=(8, max(2.5, 0.35 * len(workers) + 1.5)))
         axes = figure.add_subplot()
@@ -115,7 +129,7 @@ def sre_charts(report: SreReport) -> list[tuple[str, bytes]]:
         axes.barh(names, _floats([w.idle_s for w in workers]), left=busy, label="idle (unattributed)", color="#BBBBBB")
         axes.invert_yaxis()
         axes.set_xlabel("seconds of wall time")
-        axes.set_title(f"{report.period}: GPU busy and idle per worker")
+        axes.set_title(f"{report.period}: GPU busy and idle per worker{_wrap(note)}")
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
-        charts.append(("GPU busy and idle", _png(figure)))
+        charts.append(("GPU busy and idle" + note, _png(figure)))
     return charts
