@@ -30,7 +30,7 @@ from billing.errors import LedgerError, LedgerRecordError, LedgerSchemaError
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 from consumer.config import KafkaConfig
 from consumer.ledger_calls import LedgerCalls
-from consumer.metrics import WorkerMetrics
+from consumer.metrics import UNREGISTERED, WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
 from consumer.spool import Spool
@@ -512,7 +512,7 @@ class Deliverer:
         return self.flush_s
 
     def _count(self, r: Result) -> None:
-        tenant = r.tenant_id if self.known_tenant(r.tenant_id) else "unknown"
+        tenant = r.tenant_id if self.known_tenant(r.tenant_id) else UNREGISTERED
         adapter = r.adapter or ("base" if r.route.startswith("base_fallback") else "none")
         self.metrics.requests.labels(tenant, adapter, r.status).inc()
         if r.status == "succeeded":

@@ -1,12 +1,16 @@
 """Prometheus metrics of one worker (README.md, "Metrics"), on a registry of its own.
 
 Label values are bounded: tenants and adapters come from the registry (not from job payloads), and
-anything unregistered is counted under "unknown".
+anything unregistered is counted under UNREGISTERED, which no tenant id can be.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# The tenant label of jobs whose tenant is not registered. Tenant ids start with a letter or digit: "unknown", the label
+# before, was one, and a tenant registered as `unknown` had every unregistered tenant's requests counted as its own.
+UNREGISTERED = "(unregistered)"
 
 
 class WorkerMetrics:

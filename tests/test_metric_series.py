@@ -38,3 +38,22 @@ def test_lag_is_shown_for_the_assigned_partitions_only(assignments, expected):
     for assigned in assignments:
         partitions.report_lag()
     assert _lag_series(metrics) == expected
+
+
+@pytest.mark.parametrize("registered, tenant, label", [
+    ({"acme"}, "acme", "acme"),
+    ({"acme"}, "ghost", "(unregistered)"),
+    ({"acme", "unknown"}, "unknown", "unknown"),
+    ({"acme", "unknown"}, "x9f3", "(unregistered)"),
+])
+def test_unregistered_tenants_never_share_a_registered_tenants_label(registered, tenant, label):
+    """Jobs of unregistered tenants were counted under tenant="unknown", a valid tenant id: a tenant registered as
+    `unknown` then had every stray tenant's requests in its own series. Their label is one no tenant id can be."""
+    from consumer.delivery import Deliverer
+    from consumer.schemas import Result
+
+    metrics = WorkerMetrics()
+    counter = SimpleNamespace(metrics=metrics, known_tenant=lambda t: t in registered)
+    Deliverer._count(counter, Result(request_id="r1", tenant_id=tenant, status="failed"))
+    (family,) = [m for m in metrics.registry.collect() if m.name == "lora_request"]
+    assert [(s.labels["tenant"], s.value) for s in family.samples if s.name == "lora_request_total"] == [(label, 1.0)]
