@@ -53,7 +53,7 @@ class WorkerMetrics:
         self.route_cache_errors = Counter("lora_route_cache_errors_total", "Routing cache (Redis) failures", registry=r)
         self.circuit_open = Gauge("lora_adapter_circuits_open", "Adapters whose circuit breaker is open", registry=r)
         # Faults: each wait below has a gauge that is 1 while it lasts and a log line saying what it waits for.
-        self.waiting = Gauge("lorabatch_waiting", "1 while delivery waits on this dependency", ["on"], registry=r)
+        self.waiting = Gauge("lorabatch_waiting", "1 while the worker waits on this dependency (broker, redis, ledger, spool)", ["on"], registry=r)
         self.retries = Counter("lorabatch_retries_total", "Retries of a failed publish, spool or ledger write, or offset commit", ["what"], registry=r)
         self.undeliverable = Counter("lorabatch_undeliverable_total", "Messages the broker refused even in their small form", registry=r)
         self.spool_records = Gauge("lorabatch_spool_records", "Ledger records waiting in the local spool", registry=r)

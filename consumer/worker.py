@@ -190,11 +190,18 @@ class Worker:
         switch_interval = sys.getswitchinterval()
         if self.s.worker.switch_interval_ms is not None:  # the engine thread takes the interpreter lock back sooner
             sys.setswitchinterval(self.s.worker.switch_interval_ms / 1000)
+        waiting = self.metrics.waiting  # said on /metrics as well as in the log: a worker waiting at start looked idle there
         try:
+            waiting.labels("broker").set(1)
             producer = await connect(lambda: make_producer(self.s.kafka, client_id=self.worker_id), self.s, self._stopping)
+            waiting.labels("broker").set(0)
+            waiting.labels("redis").set(1)
             await wait_for_redis(self.router.cache, self.s, self._stopping)
+            waiting.labels("redis").set(0)
+            waiting.labels("broker").set(1)
             self.consumer = await connect(self._make_consumer, self.s, self._stopping,
                                           explain=lambda: group_members(self.s.kafka))
+            waiting.labels("broker").set(0)
         except Stopped:
             log.info("stopped while waiting for the broker; nothing was fetched")
         else:

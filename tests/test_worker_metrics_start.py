@@ -3,6 +3,7 @@ port another process holds stops the worker at once, and a worker waiting for it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,7 +15,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from consumer.broker import free_port
+from consumer.config import load_settings
+from tests.service_fixtures import open_services, running_worker
 
 
 def _worker(tmp_path: Path, demo_set, metrics_port: int) -> subprocess.Popen:
@@ -69,3 +74,23 @@ def test_metrics_say_the_worker_waits_for_its_ledger(tmp_path, demo_set):
         worker.kill()
     assert worker.returncode == 0, err
     assert "stopped while waiting for the ledger" in err, err
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_metrics_say_the_worker_waits_for_its_broker(tmp_path, demo_set, cpu_engine, ledger_url):
+    """Started while its broker is down, the worker logged each attempt but its /metrics looked like an idle worker's
+    (lorabatch_waiting had no broker series until a publish failed); it is 1 now until the broker answers."""
+    s = load_settings(None, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}", "engine.model_dir": str(demo_set["model"]),
+                             "engine.device": "cpu", "engine.max_new_tokens": 32, "engine.max_prompt_tokens": 200,
+                             "worker.wait_max_s": 1.0, "worker.spool_path": str(tmp_path / "spool.sqlite"),
+                             "store.adapter_dir": str(tmp_path / "store"), "ledger.url": ledger_url})
+    svc = open_services(s)
+    async with running_worker(s, svc, cpu_engine) as rw:
+        waiting = rw.worker.metrics.waiting
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while waiting.labels("broker")._value.get() != 1 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert waiting.labels("broker")._value.get() == 1
+        assert not rw.task.done()
+    svc.close()
