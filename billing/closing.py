@@ -76,7 +76,7 @@ def close_period(engine: Engine, config: LedgerConfig, period: str, *, now: date
 def _freeze_spread(session: Session, period: str, config: LedgerConfig, at: datetime, frozen: bool) -> None:
     if frozen:
         return
-    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour)
+    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour, tokens=False)
     shares = live_spread(session, period, prices)
     if shares:
         session.execute(

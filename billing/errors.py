@@ -35,6 +35,10 @@ class PriceError(LedgerError, ValueError):
     """A price-list entry cannot be written as given (negative, too precise, bad name)."""
 
 
+class UnpricedGpuKindError(LedgerError, ValueError):
+    """Usage or a load ran on a GPU kind with no price in effect for it: billing it at another kind's price would be a guess."""
+
+
 class PeriodNotEndedError(LedgerError, ValueError):
     """A period cannot be closed before it has ended: its usage is still arriving."""
 

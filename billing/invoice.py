@@ -142,8 +142,9 @@ def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: Led
     """The invoice of `tenant_id` for `period` ("YYYY-MM", UTC): the frozen one once closed, else the draft.
 
     Given an Engine, it is read in one snapshot; given a Session, in that session's transaction. The
-    draft prices GPU time with the price lists of config.gpu_kind (config.gpu_price_per_hour where none
-    applies) and tokens with the tenant tier's list. A period that cannot be billed, or a tenant nobody
+    draft prices each row's GPU time with the price list of the GPU kind it records (config.gpu_price_per_hour
+    where none applies to config.gpu_kind, and to rows that record no kind; UnpricedGpuKindError for another
+    kind with no price) and tokens with the tenant tier's list. A period that cannot be billed, or a tenant nobody
     knows, is refused (billing/billable.py), `now` deciding whether the period has begun.
     """
     check_period(period)

@@ -12,7 +12,7 @@ after its tenant's invoice of its month was closed is billed on the next open pe
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import timedelta
@@ -32,7 +32,7 @@ from billing.filing import file_loads, file_usage
 from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
 from billing.periods import period_of
 from billing.pg_copy import copy_insert
-from billing.prices import PriceBook, gpu_price_list
+from billing.prices import PriceBook
 from billing.records import AdapterLoadRecord, AnsweredRow, BusyRecord, UsageRecord
 
 # Keys per statement of Ledger.answered: 1000 bound parameters, far below SQLite's limit (32766) and
@@ -61,8 +61,9 @@ class Ledger:
         no row; if another run measured it (another worker or receipt), it is kept as redelivered work.
         Every record is checked before anything is written, so a bad one fails the whole batch with
         LedgerRecordError and leaves the ledger untouched. Each row's `cost` is its net GPU time (less
-        the KV credit as billed, billing/credit.py) at the GPU price in effect at its created_at
-        (informational: invoices price the sums).
+        the KV credit as billed, billing/credit.py) at the price of its gpu_kind in effect at its created_at
+        (informational: invoices price the sums; a kind with no price yet gets ledger.gpu_price_per_hour here,
+        and invoices refuse it until it has one).
         """
         # Sorted by the unique key, two workers writing overlapping batches take row locks in the same
         # order, so PostgreSQL makes one wait for the other instead of failing one as a deadlock (two
@@ -80,13 +81,13 @@ class Ledger:
         )
         with self._database_errors(), self._sessions.begin() as session:
             filed = file_usage(session, {(row["tenant_id"], row["period"]) for row in rows})
-            prices = PriceBook(gpu_price_list(session, self._config.gpu_kind), (), self._config.gpu_price_per_hour)
+            prices = PriceBook.load(session, self._config.gpu_kind, self._config.gpu_price_per_hour, tokens=False)
             for row in rows:
                 row["invoice_period"] = filed[(row["tenant_id"], row["period"])]
                 credit = kv_credit_us(kv_saved_us=row["kv_saved_us"], base_us=row["base_us"], lora_us=row["lora_us"],
                                       input_tokens=row["input_tokens"], cached_tokens=row["cached_tokens"], output_tokens=row["output_tokens"])
                 net_us = row["base_us"] + row["lora_us"] + row["routing_us"] - credit
-                price = prices.gpu_price_at(row["created_at"])
+                price = prices.gpu_price_or_fallback(row["created_at"], row["gpu_kind"])
                 row["cost"] = gpu_cost(net_us, price)
                 if row["cost"] >= ROW_COST_LIMIT:
                     reject(f"usage record tenant_id={row['tenant_id']!r} request_id={row['request_id']!r}", "base_us", row["base_us"],
@@ -221,6 +222,7 @@ class Ledger:
             reject(what(), "adapter", record.adapter, "write the resolved adapter as name@version, or None for the base model")
         if record.adapter_sha256 is not None and not SHA256.fullmatch(record.adapter_sha256):
             reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
+        _check_kind(row, what)
         row["period"] = period_of(record.created_at)
         return row
 
@@ -235,6 +237,7 @@ class Ledger:
             reject(what(), "adapter", record.adapter, "write the adapter as name@version")
         if not SHA256.fullmatch(record.adapter_sha256):
             reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
+        _check_kind(row, what)
         row["period"] = period_of(record.created_at)
         return row
 
@@ -283,6 +286,13 @@ class Ledger:
                 f"the ledger database at {url} failed: {exc.orig}; check that it is running and reachable, "
                 f"then retry (ledger writes are idempotent, a retry adds no duplicate row)"
             ) from exc
+
+
+def _check_kind(row: dict[str, Any], what: Callable[[], str]) -> None:
+    """A row's gpu_kind names a price list (billing/prices.py) or is None (not known: priced as ledger.gpu_kind)."""
+    kind = row["gpu_kind"]
+    if kind is not None and (not kind.strip() or kind != kind.strip()):
+        reject(what(), "gpu_kind", kind, "pass the worker's ledger.gpu_kind (1 to 64 characters without surrounding spaces), or None")
 
 
 def _schema_fault(engine: Engine) -> str | None:

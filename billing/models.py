@@ -138,6 +138,9 @@ class Usage(Base):
     # The result body the worker published (JSON text), so a resubmitted request is answered from here
     # instead of run again; NULL on rows written before revision 0004.
     result_json: Mapped[str | None] = mapped_column(Text)
+    # The price-list key of the GPU that ran the request (billing/prices.py prices the row by it); NULL on rows written
+    # before revision 0009, which are priced as ledger.gpu_kind of the process that reads them.
+    gpu_kind: Mapped[str | None] = mapped_column(String(64))
 
 
 class UsageRedelivery(Base):
@@ -189,6 +192,7 @@ class AdapterLoad(Base):
     # Its own period, or the next one whose cold-start spread is not frozen yet, when it arrived after
     # its own period's spread was (a load is billed once, in exactly one period's spread).
     invoice_period: Mapped[str] = mapped_column(CHAR(7))
+    gpu_kind: Mapped[str | None] = mapped_column(String(64))  # as Usage.gpu_kind: the GPU it was loaded onto
 
 
 class Busy(Base):

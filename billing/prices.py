@@ -1,10 +1,13 @@
 """Price lists with effective dates: GPU hours (the cost side) and tenant-tier tokens (the revenue side).
 
 An entry applies from midnight UTC of its day until the next entry of the same GPU kind (or tier). The
-price that applies to a usage row is the one in effect at its created_at; for GPU time, where no entry
-of this deployment's kind applies, LedgerConfig.gpu_price_per_hour does (the fallback, named in the
-invoice by its price like any other). A tier with no entry in effect has no token price: its tokens
-earn nothing and are counted as unpriced, never priced at a guess.
+price that applies to a usage row is the one in effect at its created_at. GPU time is priced by the kind
+the row records (the GPU that ran it; usage.gpu_kind): where no entry of that kind applies and the kind is
+LedgerConfig.gpu_kind, LedgerConfig.gpu_price_per_hour does (the fallback, named in the invoice by its
+price like any other); any other kind with no entry then is refused (UnpricedGpuKindError), never
+priced at another kind's price. Rows written before revision 0009 record no kind and are priced as
+LedgerConfig.gpu_kind. A tier with no entry in effect has no token price: its tokens earn nothing and are
+counted as unpriced, never priced at a guess.
 
 Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
 the prices they were closed with; only drafts follow a change.
@@ -23,7 +26,7 @@ from sqlalchemy import ColumnElement, Engine, case, literal, select
 from sqlalchemy.orm import Session
 
 from billing.db import dialect_insert, session_factory
-from billing.errors import PriceError
+from billing.errors import PriceError, UnpricedGpuKindError
 from billing.models import GpuPrice, TokenPrice
 
 _MAX_PLACES = 9  # prices are stored as Numeric(18, 9)
@@ -127,30 +130,58 @@ def _entry_at(starts: Sequence[datetime], moment: datetime | None) -> int | None
 class PriceBook:
     """The price lists as read in one transaction, and the time segments over which no price changes.
 
-    Segments: the sorted effective dates of every entry (GPU entries of this kind, token entries of
+    Segments: the sorted effective dates of every entry (GPU entries of every kind, token entries of
     every tier) cut time into segments; segment 0 lies before the first date, segment i starts at the
-    i-th date. Within one segment every price is constant, so usage can be summed per segment in SQL
-    and priced once per sum.
+    i-th date. Within one segment every price is constant, so usage can be summed per segment (and
+    GPU kind) in SQL and priced once per sum.
+
+    `gpu_kind` is the kind `fallback_per_hour` prices (LedgerConfig.gpu_kind), and the kind of rows that
+    record none (written before revision 0009).
     """
 
-    def __init__(self, gpu: Sequence[GpuPriceEntry], tokens: Sequence[TokenPriceEntry], fallback_per_hour: Decimal):
+    def __init__(self, gpu: Sequence[GpuPriceEntry], tokens: Sequence[TokenPriceEntry], fallback_per_hour: Decimal, gpu_kind: str):
         assert isinstance(fallback_per_hour, Decimal), fallback_per_hour
-        self._gpu = list(gpu)
-        self._gpu_starts = [e.effective_from for e in self._gpu]
+        assert gpu_kind, gpu_kind
+        self._gpu: dict[str, list[GpuPriceEntry]] = defaultdict(list)
+        for gpu_entry in sorted(gpu, key=lambda e: (e.gpu_kind, e.effective_from)):
+            self._gpu[gpu_entry.gpu_kind].append(gpu_entry)
+        self._gpu_starts = {kind: [e.effective_from for e in entries] for kind, entries in self._gpu.items()}
         self._tiers: dict[str, list[TokenPriceEntry]] = defaultdict(list)
         for entry in tokens:
             self._tiers[entry.tier].append(entry)
         self._fallback = fallback_per_hour
-        self.boundaries: tuple[datetime, ...] = tuple(sorted({e.effective_from for e in (*self._gpu, *tokens)}))
+        self.gpu_kind = gpu_kind
+        self.boundaries: tuple[datetime, ...] = tuple(sorted({e.effective_from for e in (*gpu, *tokens)}))
 
     @classmethod
-    def load(cls, session: Session, gpu_kind: str, fallback_per_hour: Decimal) -> PriceBook:
-        return cls(gpu_price_list(session, gpu_kind), token_price_list(session), fallback_per_hour)
+    def load(cls, session: Session, gpu_kind: str, fallback_per_hour: Decimal, *, tokens: bool = True) -> PriceBook:
+        """Every GPU kind's list (and every tier's, unless `tokens` is False); `gpu_kind`: the fallback's kind."""
+        return cls(gpu_price_list(session), token_price_list(session) if tokens else (), fallback_per_hour, gpu_kind)
 
-    def gpu_price_at(self, moment: datetime | None) -> Decimal:
-        """Price per GPU hour in effect at `moment` (None: before any entry), else the fallback."""
-        i = _entry_at(self._gpu_starts, moment)
-        return self._fallback if i is None else self._gpu[i].price_per_hour
+    def gpu_price_at(self, moment: datetime | None, kind: str | None = None) -> Decimal:
+        """Price per hour of GPU `kind` (None: a row from before revision 0009, priced as self.gpu_kind) in effect at
+        `moment` (None: before any entry); the fallback where none of self.gpu_kind is; else UnpricedGpuKindError."""
+        kind = kind or self.gpu_kind
+        entries = self._gpu.get(kind, [])
+        i = _entry_at(self._gpu_starts.get(kind, []), moment)
+        if i is not None:
+            return entries[i].price_per_hour
+        if kind == self.gpu_kind:
+            return self._fallback
+        listed = f"its GPU price list starts on {entries[0].effective_from:%Y-%m-%d}" if entries else "the GPU price list has no entry of it"
+        raise UnpricedGpuKindError(
+            f"usage ran on gpu_kind {kind!r}, which has no GPU price then ({listed}; ledger.gpu_price_per_hour prices only "
+            f"ledger.gpu_kind {self.gpu_kind!r}); add its price with `lorabatch prices set-gpu {kind} PRICE --from DAY`, DAY on "
+            f"or before the first day of that usage, then run this again"
+        )
+
+    def gpu_price_or_fallback(self, moment: datetime | None, kind: str | None) -> Decimal:
+        """gpu_price_at, but the fallback for a kind with no price: only for a row's informational cost at insert, which a
+        worker must be able to write whatever the price lists hold (invoices price the sums, and refuse such a row)."""
+        try:
+            return self.gpu_price_at(moment, kind)
+        except UnpricedGpuKindError:
+            return self._fallback
 
     def token_price_at(self, tier: str | None, moment: datetime | None) -> TokenPriceEntry | None:
         """The tier's token prices in effect at `moment`; None when the tier has none then."""

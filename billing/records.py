@@ -31,6 +31,7 @@ class UsageRecord:
     total_us: int = 0
     worker_id: str = ""
     result_json: str | None = None  # the published result body (JSON text), returned to a resubmission
+    gpu_kind: str | None = None  # price-list key of the GPU that ran it (the worker's LedgerConfig.gpu_kind); None: not known
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class AdapterLoadRecord:
     load_us: int
     worker_id: str
     created_at: datetime
+    gpu_kind: str | None = None  # price-list key of the GPU it was loaded onto (the worker's LedgerConfig.gpu_kind)
 
 
 @dataclass(frozen=True)

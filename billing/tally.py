@@ -2,16 +2,17 @@
 
 A line of a tenant's invoice for period P is keyed by (adapter, adjustment_for, GPU price): the adapter
 ("base" for the base model), the month of late usage billed here (None for P's own usage), and the GPU
-price per hour its time is charged at, so a price change within a month makes two lines. Usage is
-summed in SQL per (tenant, adapter, own period, price segment) -- one statement whatever the number of
-tenants -- and priced in Python: cost = gpu_cost(sum of us, price) once per line, revenue once per
+price per hour its time is charged at, so a price change within a month makes two lines, and so do two
+GPU kinds of different prices. Each row's time is priced by the GPU kind it records (billing/prices.py).
+Usage is summed in SQL per (tenant, adapter, own period, price segment, GPU kind) -- one statement
+whatever the number of tenants -- and priced in Python: cost = gpu_cost(sum of us, price) once per line, revenue once per
 (line, token price).
 
 Cold start: each load billed to P is spread over the requests billed to P that used that adapter
 name@version with the same content (or whose row records no hash), in proportion to their tokens (per
 request when none has a token), in whole microseconds that add up to the load time exactly. Loads are
-spread per (adapter, content, price segment), so load time is charged at the GPU price in effect when
-the load happened. The spread is computed live for drafts and frozen at the period's first close.
+spread per (adapter, content, price segment, GPU kind), so load time is charged at the price in effect
+when the load happened of the GPU it was loaded onto. The spread is computed live for drafts and frozen at the period's first close.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             Usage.adapter,
             Usage.period,
             segment,
+            Usage.gpu_kind,
             func.count().label("requests"),
             func.sum(case((succeeded, 0), else_=1)).label("failed"),
             func.sum(Usage.input_tokens).label("input_tokens"),
@@ -105,7 +107,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             func.sum(case((succeeded, Usage.output_tokens), else_=0)).label("billed_output"),
         )
         .where(Usage.invoice_period == period)
-        .group_by(Usage.tenant_id, Usage.adapter, Usage.period, segment)
+        .group_by(Usage.tenant_id, Usage.adapter, Usage.period, segment, Usage.gpu_kind)
     )
     if tenant_id is not None:
         statement = statement.where(Usage.tenant_id == tenant_id)
@@ -115,7 +117,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
     billed: dict[tuple[str, LineKey, TokenPriceEntry], list[int]] = defaultdict(lambda: [0, 0])
     for g in groups:
         start = prices.segment_start(int(g.segment))
-        key = LineKey(g.adapter or BASE_MODEL, None if g.period == period else g.period, prices.gpu_price_at(start))
+        key = LineKey(g.adapter or BASE_MODEL, None if g.period == period else g.period, prices.gpu_price_at(start, g.gpu_kind))
         # PostgreSQL's SUM(bigint) is numeric, read back as an integral Decimal: int() is exact.
         tally = Tally(**{name: int(getattr(g, name)) for name in
                          ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_us", "lora_us", "routing_us", "kv_saved_us")})
@@ -144,10 +146,10 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
     """The cold-start spread of `period` as the ledger stands now (of `adapters` only, when given)."""
     segment = prices.segment_of(AdapterLoad.created_at).label("segment")
     statement = (
-        select(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment, func.sum(AdapterLoad.load_us))
+        select(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment, AdapterLoad.gpu_kind, func.sum(AdapterLoad.load_us))
         .where(AdapterLoad.invoice_period == period)
-        .group_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment)
-        .order_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment)
+        .group_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment, AdapterLoad.gpu_kind)
+        .order_by(AdapterLoad.adapter, AdapterLoad.adapter_sha256, segment, AdapterLoad.gpu_kind)
     )
     if adapters is not None:
         if not adapters:
@@ -162,7 +164,7 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
         .group_by(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id)
     ).all()
     shares: dict[tuple[str, str, str, Decimal], int] = defaultdict(int)
-    for adapter, sha256, seg, load_us in loads:
+    for adapter, sha256, seg, kind, load_us in loads:
         tokens: dict[str, int] = defaultdict(int)
         requests: dict[str, int] = defaultdict(int)
         for used, used_sha256, tenant, n_tokens, n_requests in users:
@@ -173,7 +175,7 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
             continue  # loaded but never used in the period: no request to carry it
         # Requests that produced no token at all (e.g. all failed early) share the load time equally.
         weights = tokens if sum(tokens.values()) > 0 else requests
-        price = prices.gpu_price_at(prices.segment_start(int(seg)))
+        price = prices.gpu_price_at(prices.segment_start(int(seg)), kind)
         for tenant, share in apportion(int(load_us), weights).items():
             shares[(tenant, adapter, sha256, price)] += share
     return [Share(*key, us) for key, us in sorted(shares.items())]

@@ -79,9 +79,11 @@ class SpoolUnavailable(Exception):
 class Deliverer:
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
                  metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
-                 flush_s: float = 1.0, stages: StageLog | None = None, ledger_calls: LedgerCalls | None = None):
+                 flush_s: float = 1.0, stages: StageLog | None = None, ledger_calls: LedgerCalls | None = None,
+                 gpu_kind: str | None = None):
         """`ledger_calls`: how the ledger is called (off the loop, bounded; consumer.ledger_calls), shared with the
-        worker's other ledger calls so that a hung server holds their threads once."""
+        worker's other ledger calls so that a hung server holds their threads once. `gpu_kind`: the worker's
+        ledger.gpu_kind, stamped on every usage record it emits (its price list prices the row)."""
         self.k = kafka
         self.producer = producer
         self.ledger = ledger
@@ -89,6 +91,7 @@ class Deliverer:
         self.offsets = offsets
         self.metrics = metrics
         self.worker_id = worker_id
+        self.gpu_kind = gpu_kind
         self.known_tenant = known_tenant
         self.spool = spool
         self.flush_s = flush_s
@@ -109,6 +112,8 @@ class Deliverer:
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
+        if outcome.usage is not None and outcome.usage.gpu_kind is None:
+            outcome.usage = dataclasses.replace(outcome.usage, gpu_kind=self.gpu_kind)
         if not self.outbox:
             self._moved_at = time.monotonic()  # an empty outbox had nothing to wait for
         self.outbox.append(outcome)

@@ -118,7 +118,8 @@ class EngineFeeder:
             if a is None or ev.error_code or ev.skip_reason or ev.load_us <= 0:
                 continue  # a failed or skipped load read nothing billable; an unknown key is the engine's own
             loads.append(AdapterLoadRecord(adapter=a.adapter, adapter_sha256=a.sha256, tenant_id=a.tenant_id, tier=ev.tier,
-                                           nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now))
+                                           nbytes=ev.nbytes, load_us=ev.load_us, worker_id=self.worker_id, created_at=now,
+                                           gpu_kind=self.gpu_kind))
         busy = None
         now = max(now, self._since)  # a host's clock stands still while no step is reported: never step back
         if not steps and unbilled_us:  # no step since the last record: its clock may be that record's; 1 µs on keeps

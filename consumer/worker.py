@@ -209,7 +209,7 @@ class Worker:
             self.deliverer = self.intake.deliverer = Deliverer(
                 self.s.kafka, producer, self.ledger, self.offsets, self.metrics, self.worker_id,
                 lambda t: t in self.intake.snapshot.tenants, self.spool, flush_s=self.s.worker.ledger_flush_ms / 1000,
-                stages=self.stages, ledger_calls=self.ledger_calls)
+                stages=self.stages, ledger_calls=self.ledger_calls, gpu_kind=self.s.ledger.gpu_kind)
             self.deliverer.stopping = self._stopping.is_set()  # a stop that came while the broker was waited for
             if not self.aengine.started:
                 self.aengine.start()

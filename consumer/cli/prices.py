@@ -65,7 +65,7 @@ def set_tokens(tier: Annotated[str, typer.Argument(help="tenant tier, as in `lor
 
 
 def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = "table", config: ConfigOpt = None) -> None:
-    """List every price-list entry; the GPU kind this deployment bills at, and its fallback price."""
+    """List every price-list entry; the GPU kind the fallback price is for, and that price."""
     import json
 
     from sqlalchemy.orm import Session
@@ -90,8 +90,9 @@ def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = 
                         "output_per_million": price_text(t.output_per_million)} for t in tokens],
         }, indent=2))
         return
-    typer.echo(f"GPU prices per hour ({s.ledger.currency}); this deployment bills gpu_kind {s.ledger.gpu_kind!r}, "
-               f"at {price_text(s.ledger.gpu_price_per_hour)} where no entry applies")
+    typer.echo(f"GPU prices per hour ({s.ledger.currency}); usage is billed at the list of the gpu_kind that ran it; "
+               f"gpu_kind {s.ledger.gpu_kind!r} (and usage recorded before kinds were) at {price_text(s.ledger.gpu_price_per_hour)} "
+               f"where no entry applies, any other kind not at all")
     for g in gpu:
         typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from:%Y-%m-%d}  {price_text(g.price_per_hour):>14}")
     typer.echo(f"Token prices per million ({s.ledger.currency}): input / output")
