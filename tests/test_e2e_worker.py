@@ -117,6 +117,7 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
         assert await ledger_rows(svc, n_answerable - 1) == n_answerable - 1
         row = svc.ledger.usage_for("acme", "r0")
         assert row.adapter == "legal@1" and row.status == "succeeded" and row.base_us > 0
+        assert row.gpu_kind == s.ledger.gpu_kind, "the row names the GPU kind that ran it: its price list prices it"
 
         # Per-period conservation: the requests' base + LoRA time is exactly the engine's measured busy time.
         # Busy time reaches the ledger every worker.ledger_flush_ms (1 s), so the last steps' record may come up to
