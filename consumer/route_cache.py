@@ -12,6 +12,11 @@ What Redis holds is not trusted either (another client may write there): a value
 too long to be an adapter reference, is a miss; a key of ours holding another type (an index that is
 not a sorted set) is deleted and rewritten, not taken for Redis being down, which would turn the cache
 off for every tenant at each write.
+
+Redis refusing writes while it answers reads (at its maxmemory under `noeviction`: OOM; a read-only replica: READONLY;
+a user whose ACL forbids writing: NOPERM) is neither: it counts as a cache error (said in the worker's log with the
+setting to fix), write-backs stop for the backoff, lookups go on; the tenant's index is left alone (it was deleted as
+if of another type, so the bound lost track of the keys already written).
 """
 
 from __future__ import annotations
@@ -22,9 +27,38 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 MAX_VALUE_CHARS = 256  # longer values are not adapter references (a name and a version are at most 170)
+
+# What an operator changes when Redis refuses a call, by the error's code (its first word)
+FIXES = {
+    "OOM": "Redis is at its maxmemory under maxmemory-policy noeviction: raise maxmemory, or set an evicting policy "
+           "(allkeys-lru)",
+    "READONLY": "routing.redis_url points at a read-only replica: point it at the primary",
+    "NOAUTH": "Redis requires a password: put it in routing.redis_url (redis://:PASSWORD@host:port/db)",
+    "WRONGPASS": "Redis refuses the user or password in routing.redis_url: fix them there",
+    "NOPERM": "the ACL of routing.redis_url's user forbids a command or key the route cache needs (GET SET MGET ZADD "
+              "PEXPIRE ZREMRANGEBYSCORE ZCARD ZPOPMIN DEL on the routing.redis_prefix keys): grant them",
+    "MISCONF": "Redis refuses writes since its last RDB save failed: fix its disk, or its stop-writes-on-bgsave-error",
+    "BUSY": "Redis is running a long script: end it (SCRIPT KILL) or let it finish",
+    "MASTERDOWN": "the replica of routing.redis_url lost its primary: point routing.redis_url at the primary",
+}
+
+
+def explain(e: BaseException) -> str:
+    """One line for the log: the error and what to change, naming the setting where one is at fault."""
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    code = getattr(e, "status_code", None) or next((w for w in text.split(" ", 1)[:1] if w.isupper()), None)
+    if isinstance(e, AuthenticationError) and code not in FIXES:
+        code = "NOAUTH"
+    brief = f"{type(e).__name__}: {code + ' ' if code and not text.startswith(code) else ''}{text}".rstrip(": ")
+    if code in FIXES:
+        return f"{brief}; {FIXES[code]}"
+    if isinstance(e, RedisTimeout):
+        return f"{brief}; Redis answered slower than routing.redis_timeout_ms: it is overloaded or blocked (its SLOWLOG)"
+    return f"{brief}; start it, or fix routing.redis_url"
 
 
 @dataclass(frozen=True)
@@ -105,15 +139,21 @@ class RedisRouteCache:
         self._clock = clock
         self._down_until = 0.0
         self.errors = 0
+        self.last_error = ""  # `explain` of the latest error, for the worker's log
+        self._writes_down_until = 0.0  # Redis refusing writes (OOM, READONLY, NOPERM) while it answers reads
         self.bad_entries = 0  # values that were no adapter reference, and keys of ours of the wrong type, since start
 
     @property
     def available(self) -> bool:
         return self._clock() >= self._down_until
 
-    def _failed(self) -> None:
+    def _failed(self, e: BaseException, *, writes_only: bool = False) -> None:
         self.errors += 1
-        self._down_until = self._clock() + self.backoff_s
+        self.last_error = explain(e)
+        if writes_only:
+            self._writes_down_until = self._clock() + self.backoff_s
+        else:
+            self._down_until = self._clock() + self.backoff_s
 
     async def get_many(self, keys: list[CacheKey]) -> dict[CacheKey, str] | None:
         if not keys:
@@ -122,8 +162,8 @@ class RedisRouteCache:
             return None
         try:
             values = await self.client.mget([k.redis_key(self.prefix) for k in keys])
-        except (RedisError, OSError):
-            self._failed()
+        except (RedisError, OSError) as e:
+            self._failed(e)
             return None
         found = {}
         for k, v in zip(keys, values):
@@ -142,7 +182,7 @@ class RedisRouteCache:
     async def set_many(self, items: dict[CacheKey, str]) -> bool:
         if not items:
             return True
-        if not self.available:
+        if not self.available or self._clock() < self._writes_down_until:
             return False
         now_ms = int(time.time() * 1000)
         try:
@@ -162,6 +202,10 @@ class RedisRouteCache:
             failed = [r for r in replies if isinstance(r, Exception)]
             if any(not isinstance(r, ResponseError) for r in failed):
                 raise failed[0]  # the connection, not the data: Redis is away
+            refused = [r for r in failed if not _wrong_type(r)]
+            if refused:  # Redis refuses writes (OOM, READONLY, NOPERM): not our data's fault, the index stays
+                self._failed(refused[0], writes_only=True)
+                return False
             index_replies = [replies[3 * i + 1 : 3 * i + 3] for i in range(len(items))]
             wrong = {index for (k, _), answer in zip(items.items(), index_replies) if any(isinstance(r, ResponseError) for r in answer)
                      for index in [f"{self.prefix}:index:{k.level}:{k.tenant_id}"]}  # fmt: skip
@@ -175,10 +219,15 @@ class RedisRouteCache:
             if wrong:  # not our sorted set (another client wrote there): gone, so the next write makes it afresh
                 self.bad_entries += len(wrong)
                 await self.client.delete(*wrong)
-        except (RedisError, OSError):
-            self._failed()
+        except (RedisError, OSError) as e:
+            self._failed(e)
             return False
         return True
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _wrong_type(e: Exception) -> bool:
+    """A reply saying one of our keys holds another type (another client wrote there): the data's fault, not Redis's."""
+    return getattr(e, "status_code", None) == "WRONGTYPE" or str(e).startswith("WRONGTYPE")

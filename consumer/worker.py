@@ -565,7 +565,8 @@ class Worker:
             m.route_cache_errors.inc(errors - self._cache_errors_seen)
             if self._cache_errors_throttle.due():  # a line a minute at most while the cache fails
                 log.warning("the route cache (Redis) failed %d times since the last line (%d in all); routing goes on by "
-                            "the tenants' rules and defaults (lora_route_cache_errors_total)", errors - self._cache_errors_said, errors)
+                            "the tenants' rules and defaults (lora_route_cache_errors_total); the latest: %s",
+                            errors - self._cache_errors_said, errors, getattr(self.router.cache, "last_error", "") or "?")
                 self._cache_errors_said = errors
             self._cache_errors_seen = errors
         self.partitions.report_lag()

@@ -91,3 +91,71 @@ async def test_an_index_of_another_type_is_rewritten_not_taken_for_redis_down(re
     finally:
         r.close()
         await cache.close()
+
+
+async def _refusing_writes(redis_server, refuse, restore, said: str) -> None:
+    import redis as sync_redis
+
+    now = [0.0]
+    cache = RedisRouteCache(redis_server.url, max_entries=10, ttl_s=60, backoff_s=1.0, clock=lambda: now[0])
+    r = sync_redis.Redis.from_url(redis_server.url)
+    k = CacheKey("l2", "acme", "s1")
+    try:
+        assert await cache.set_many({k: "a@1"})
+        refuse(r)
+        assert await cache.set_many({k: "a@2", CacheKey("l2", "acme", "s2"): "a@2"}) is False
+        assert cache.errors == 1 and cache.bad_entries == 0, (cache.errors, cache.bad_entries)
+        assert said in cache.last_error, cache.last_error
+        assert r.type("lorabatch:route:index:l2:acme") == b"zset"  # the bound still tracks the keys written before
+        assert await cache.get_many([k]) == {k: "a@1"}  # reads go on: the route still sticks
+        assert await cache.set_many({k: "a@3"}) is False and cache.errors == 1  # within the backoff: not even tried
+        restore(r)
+        now[0] = 2.0
+        assert await cache.set_many({k: "a@4"}) and await cache.get_many([k]) == {k: "a@4"}
+    finally:
+        r.close()
+        await cache.close()
+
+
+async def test_redis_at_maxmemory_noeviction_refuses_writes_not_data(redis_server):
+    """Redis at its maxmemory under `noeviction` answers writes with OOM: that was taken for a key of another type, the
+    tenant's index deleted at each write (the bound lost its keys) and counted as a bad entry, no error, nothing in the
+    log. Now it is a cache error naming maxmemory, writes pause for the backoff, reads go on, the index stays."""
+    def refuse(r):
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+
+    await _refusing_writes(redis_server, refuse, lambda r: r.config_set("maxmemory", 0), "maxmemory")
+
+
+async def test_redis_turned_read_only_replica_keeps_reads(redis_server):
+    """`REPLICAOF` (writes answer READONLY): each write-back was taken for a key of another type, its index DEL failed in
+    turn and marked the whole cache down, reads included, and the log said only "failed". Now the error names
+    routing.redis_url and the replica, and lookups go on while writes pause."""
+    from tests.service_fixtures import free_port
+
+    await _refusing_writes(redis_server, lambda r: r.execute_command("REPLICAOF", "127.0.0.1", free_port()),
+                           lambda r: r.execute_command("REPLICAOF", "NO", "ONE"), "routing.redis_url points at a read-only replica")
+
+
+async def test_redis_password_set_mid_run_is_named(redis_server):
+    """`CONFIG SET requirepass` while the worker runs: once its connections are renewed each call fails with NOAUTH; the
+    error says to put the password in routing.redis_url (it said only that the cache failed)."""
+    import redis as sync_redis
+
+    now = [0.0]
+    cache = RedisRouteCache(redis_server.url, max_entries=10, ttl_s=60, clock=lambda: now[0])
+    r = sync_redis.Redis.from_url(redis_server.url)
+    k = CacheKey("l1", "acme", "u1")
+    try:
+        assert await cache.set_many({k: "a@1"})
+        r.config_set("requirepass", "s3cret")
+        r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")  # connections already open stay logged in
+        assert await cache.get_many([k]) is None and cache.errors == 1  # the killed connection
+        now[0] = 2.0
+        assert await cache.get_many([k]) is None and cache.errors == 2  # a new one, without the password
+        assert "routing.redis_url" in cache.last_error and "password" in cache.last_error, cache.last_error
+    finally:
+        r.execute_command("CONFIG", "SET", "requirepass", "")
+        r.close()
+        await cache.close()
