@@ -143,13 +143,27 @@ async def wait_for_redis(cache, settings: Settings, stopping: asyncio.Event | No
         return
     url = urlsplit(settings.routing.redis_url)
     where = url._replace(netloc=url.netloc.rsplit("@", 1)[-1], query="").geturl()  # no password in the log
+    from redis.exceptions import AuthenticationError, NoPermissionError
+
+    from consumer.route_cache import explain
+
+    async def ping():  # a refusal (a password or ACL the worker lacks) is no outage: waiting cannot end it
+        try:
+            return await cache.client.ping()
+        except (AuthenticationError, NoPermissionError) as e:
+            return e
+
     try:
-        await wait_for(f"Redis at {where}", cache.client.ping, stopping=stopping, max_s=settings.worker.wait_max_s,
-                       give_up_s=settings.routing.redis_start_wait_s, hint="start it or fix routing.redis_url")
+        answer = await wait_for(f"Redis at {where}", ping, stopping=stopping, max_s=settings.worker.wait_max_s,
+                                give_up_s=settings.routing.redis_start_wait_s, hint="start it or fix routing.redis_url")
     except Stopped:
         raise
     except Exception:  # noqa: BLE001 - Redis speeds routing up; without it routing goes on
         log.warning("starting without Redis: routing uses the tenants' rules and defaults until it answers")
+        return
+    if isinstance(answer, Exception):
+        log.error("Redis at %s refuses the worker (%s); starting without it: routing uses the tenants' rules and defaults "
+                  "until it accepts", where, explain(answer))
 
 
 async def wait_for_ledger(settings: Settings, stopping: asyncio.Event | None = None):

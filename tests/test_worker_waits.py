@@ -340,3 +340,34 @@ def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drained on stop")]
     assert "7 jobs in flight at the stop, 4 finished, 3 abandoned" in line, line
     assert line.endswith("offsets committed: jobs:0=1, jobs:3=4"), line
+
+
+async def test_redis_refusing_the_password_at_start_is_said_at_once(redis_server, caplog):
+    """Redis with a password the worker lacks (NOAUTH) or a wrong one (WRONGPASS): the worker retried for
+    routing.redis_start_wait_s (30 s), holding every job, each line saying "start it", which cannot help. Now one
+    error line names routing.redis_url and the password, and the worker starts routing without Redis."""
+    import redis as sync_redis
+
+    from consumer.route_cache import RedisRouteCache
+    from consumer.waits import wait_for_redis
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    admin = sync_redis.Redis.from_url(redis_server.url)
+    admin.config_set("requirepass", "s3cret")
+    try:
+        for url, said in ((redis_server.url, "Redis requires a password: put it in routing.redis_url"),
+                          (redis_server.url.replace("redis://", "redis://:wrong-pw@"), "refuses the user or password")):
+            caplog.clear()
+            s = load_settings(None, {"routing.cache": "redis", "routing.redis_url": url, "worker.wait_max_s": 0.2,
+                                     "routing.redis_start_wait_s": 1.0})
+            cache = RedisRouteCache(url, 10, 60.0, timeout_s=0.2)
+            try:
+                await wait_for_redis(cache, s)
+            finally:
+                await cache.close()
+            text = [r.getMessage() for r in caplog.records]
+            assert not any(m.startswith("waiting for Redis") for m in text), text  # no retries
+            assert any("refuses the worker" in m and said in m for m in text) and not any("wrong-pw" in m for m in text), text
+    finally:
+        sync_redis.Redis.from_url(redis_server.url.replace("redis://", "redis://:s3cret@")).config_set("requirepass", "")
+        admin.close()
