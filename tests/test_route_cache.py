@@ -159,3 +159,31 @@ async def test_redis_password_set_mid_run_is_named(redis_server):
         r.execute_command("CONFIG", "SET", "requirepass", "")
         r.close()
         await cache.close()
+
+
+async def test_a_write_back_costs_three_round_trips_at_most(redis_server, monkeypatch):
+    """Redis slow but under routing.redis_timeout_ms: a write-back's latency is its round trips times Redis's. Trimming
+    cost two per tenant index over its bound (41 for 20 tenants' sessions, each waited for on the intake path); now the
+    writes, the trims and the deletes take three, however many tenants, and the bound still holds."""
+    import redis as sync_redis
+    from redis.asyncio.connection import AbstractConnection
+
+    cache = RedisRouteCache(redis_server.url, max_entries=1, ttl_s=60, prefix="rt")
+    r = sync_redis.Redis.from_url(redis_server.url)
+    sent = [0]
+    send = AbstractConnection.send_packed_command
+
+    async def counted(self, command, check_health=True):
+        sent[0] += 1
+        return await send(self, command, check_health)
+
+    try:
+        tenants = [f"t{i}" for i in range(20)]
+        assert await cache.set_many({CacheKey("l2", t, "s0"): "a@1" for t in tenants})
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        assert await cache.set_many({CacheKey("l2", t, "s1"): "a@1" for t in tenants})
+        assert sent[0] <= 3, sent[0]
+        assert all(r.zcard(f"rt:index:l2:{t}") == 1 for t in tenants) and not r.exists("rt:l2:t0:s0") and r.exists("rt:l2:t0:s1")
+    finally:
+        r.close()
+        await cache.close()
