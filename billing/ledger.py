@@ -41,6 +41,9 @@ ANSWERED_CHUNK = 500
 # A usage row's own cost is numeric(18, 9): PostgreSQL refuses 10^9 or more with a DataError, which the worker took for
 # the ledger being down and spooled, so the record came back at every retry and held every record behind it in the spool.
 ROW_COST_LIMIT = 10**9
+# SQLSTATE read_only_sql_transaction: psycopg raises it as an InternalError, which the worker took for a bug of its own
+# (a traceback per write, "failed unexpectedly") on a database switched to read-only.
+_READ_ONLY = "25006"
 
 class Ledger:
     """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
@@ -162,11 +165,17 @@ class Ledger:
 
     def ping(self) -> None:
         """Write nothing; raise what a write would (LedgerUnavailableError, LedgerSchemaError) if the ledger cannot take
-        one now. A worker asks it before it says the ledger is back without a write to prove it (its spool empty)."""
-        with self._database_errors():
-            fault = _schema_fault(self._engine)
-        if fault is not None:
-            raise LedgerSchemaError(f"the ledger database at {self._engine.url.render_as_string(hide_password=True)} {fault}")
+        one now. A worker asks it before it says the ledger is back without a write to prove it (its spool empty).
+
+        It writes, as a write does: an INSERT of no rows into every ledger table, rolled back. Reading the schema's
+        revision said a read-only database (a failover to a standby, default_transaction_read_only) took writes, and
+        one migrated ahead by a newer lorabatch (whose writes this code still made) did not: a worker drained of its
+        spool held its fetching for good, saying "migrate it with `lorabatch db upgrade`", which had nothing to do."""
+        with self._database_errors(), self._engine.connect() as connection:
+            for table in Base.metadata.sorted_tables:
+                columns = ", ".join(f'"{c.name}"' for c in table.columns)
+                connection.exec_driver_sql(f'INSERT INTO "{table.name}" ({columns}) SELECT {columns} FROM "{table.name}" WHERE 1 = 0')
+            connection.rollback()
 
     def usage_for(self, tenant_id: str, request_id: str) -> Usage | None:
         """The ledger row of one request, or None when it was never recorded."""
@@ -280,6 +289,13 @@ class Ledger:
                 schema = None  # the database cannot be reached to look: the failure is the connection
             if schema is not None:
                 raise LedgerSchemaError(f"the ledger database at {url} {schema}") from exc
+            if getattr(exc.orig, "sqlstate", None) == _READ_ONLY:
+                raise LedgerUnavailableError(
+                    f"the ledger database at {url} is read-only ({exc.orig}): it is a standby (a failover moved the "
+                    f"primary elsewhere) or has default_transaction_read_only on; point ledger.url at the writable "
+                    f"primary, or make this one writable again (ALTER DATABASE ... SET default_transaction_read_only = "
+                    f"off), then retry (ledger writes are idempotent, a retry adds no duplicate row)"
+                ) from exc
             if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise
             raise LedgerUnavailableError(
@@ -298,6 +314,11 @@ def _check_kind(row: dict[str, Any], what: Callable[[], str]) -> None:
 def _schema_fault(engine: Engine) -> str | None:
     """What is wrong with the ledger schema at `engine`, completing "the ledger database at URL ..."; None when nothing is."""
     at, want = current_revision(engine), SCHEMA_REVISION
+    if at is not None and at != want and (not (at.isdigit() and want.isdigit()) or int(at) > int(want)):
+        # Revisions are numbered 0001, 0002, ... (migrations/versions): a higher one is a newer lorabatch's, which
+        # `lorabatch db upgrade` of this one cannot move (it has no script of it); only running that version can.
+        return (f"is at schema revision {at}, which is not this code's {want} (a newer lorabatch migrated it?); run "
+                f"workers and commands of the lorabatch version that migrated it")
     if at != want:
         return (f"is at schema revision {at} but this code needs {want}; "
                 f"migrate it with `lorabatch db upgrade` or `alembic -x url=URL upgrade head` from the repository root")
