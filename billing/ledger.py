@@ -290,6 +290,10 @@ class Ledger:
             if schema is not None:
                 raise LedgerSchemaError(f"the ledger database at {url} {schema}") from exc
             if getattr(exc.orig, "sqlstate", None) == _READ_ONLY:
+                # A session keeps the read-only it started with: pooled connections stayed read-only after the database
+                # was made writable again (a drill's worker had 14 records spooled 40 s after, until it was restarted).
+                # So they are dropped; the next call connects anew, to whatever the URL names now.
+                self._engine.dispose()
                 raise LedgerUnavailableError(
                     f"the ledger database at {url} is read-only ({exc.orig}): it is a standby (a failover moved the "
                     f"primary elsewhere) or has default_transaction_read_only on; point ledger.url at the writable "

@@ -94,8 +94,7 @@ def test_a_read_only_ledger_says_so_and_the_fix(own_db) -> None:
             with pytest.raises(LedgerUnavailableError, match="read-only.*point ledger.url at the writable primary") as e:
                 call()
             assert e.value.retriable
-        _admin(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
-        engine.dispose()
+        _admin(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')  # its connections stay open
         ledger.ping()
         assert ledger.record_usage([_usage(1)]) == 1 and ledger.count_usage() == 1
     finally:
@@ -104,7 +103,8 @@ def test_a_read_only_ledger_says_so_and_the_fix(own_db) -> None:
 
 async def test_a_worker_spools_while_its_ledger_is_read_only(own_db, tmp_path, caplog) -> None:
     """Deliveries while the ledger is read-only spool their records, with one clear line saying read-only (no
-    "failed unexpectedly" traceback), and their offsets count as done; once writable, the flush writes each row once."""
+    "failed unexpectedly" traceback), and their offsets count as done; once writable, the next flush writes each row
+    once, on the connections the worker has (a session keeps the read-only it began with: its pool is dropped)."""
     name, url = own_db
     engine = db.make_engine(url)
     ledger = Ledger(engine, LedgerConfig(url=url))
@@ -119,8 +119,7 @@ async def test_a_worker_spools_while_its_ledger_is_read_only(own_db, tmp_path, c
         assert len(spool) == 4 and "read-only" in (d.ledger_down or "") and not d.schema_behind
         assert offsets.committable() == {TopicPartition("jobs", 0): 6}
         assert "failed unexpectedly" not in caplog.text and "read-only" in caplog.text
-        _admin(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
-        engine.dispose()
+        _admin(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')  # the worker's connections stay
         await d.flush_once()
         assert len(spool) == 0 and d.ledger_down is None
         await d.flush_once()
