@@ -11,16 +11,17 @@ a command that reads through SQLAlchemy Core (`lorabatch tenants list`) never lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-from billing.errors import LedgerConfigError
+from billing.errors import LedgerConfigError, LedgerUnavailableError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -34,6 +35,17 @@ SQLITE_BUSY_TIMEOUT_S = 30
 # A server that is paused or cut off from this host takes the TCP connection and then answers nothing: without this, a
 # command (`lorabatch invoice`, `db upgrade`) waited on it for ever, and so did a worker's wait for its ledger.
 PG_CONNECT_TIMEOUT_S = 10
+
+# A migration's ALTER TABLE waits for every lock on its table, and while it waits every other statement on that table
+# queues behind it: with a finance report's transaction open on usage, `db upgrade` stalled every worker's reads and
+# writes of usage for as long as the report ran (6 s of a 6 s report in a drill; a minute-long one spools the fleet).
+# So a migration takes each lock within MIGRATION_LOCK_TIMEOUT_S (PostgreSQL's lock_timeout, after the migration lock of
+# migrations/env.py), and one that cannot is rolled back whole and tried again, MIGRATION_LOCK_TRIES times in all,
+# MIGRATION_LOCK_PAUSE_S apart (the queue behind it drains meanwhile); then it fails, saying what holds it.
+MIGRATION_LOCK_TIMEOUT_S = 5.0
+MIGRATION_LOCK_TRIES = 6
+MIGRATION_LOCK_PAUSE_S = 2.0
+_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE lock_not_available: lock_timeout fired
 
 # Alembic's default version table, which migrations/env.py keeps: one row, the revision the schema is at.
 _VERSION_TABLE = "alembic_version"
@@ -120,18 +132,42 @@ def alembic_config(url: str | URL, script_location: str) -> Config:
     return config
 
 
-def upgrade(url: str | URL, revision: str = "head", *, script_location: str) -> None:
-    """Migrate the ledger at `url` up to `revision` (default: the newest) with the scripts at `script_location`."""
+def upgrade(url: str | URL, revision: str = "head", *, script_location: str,
+            lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S, tries: int = MIGRATION_LOCK_TRIES) -> None:
+    """Migrate the ledger at `url` up to `revision` (default: the newest) with the scripts at `script_location`; each
+    lock within `lock_timeout_s`, `tries` times (MIGRATION_LOCK_TIMEOUT_S), else LedgerUnavailableError."""
     from alembic import command
 
-    command.upgrade(alembic_config(url, script_location), revision)
+    _migrate(command.upgrade, url, revision, script_location, lock_timeout_s, tries)
 
 
-def downgrade(url: str | URL, revision: str, *, script_location: str) -> None:
-    """Migrate the ledger at `url` down to `revision` ("base" removes every ledger table)."""
+def downgrade(url: str | URL, revision: str, *, script_location: str,
+              lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S, tries: int = MIGRATION_LOCK_TRIES) -> None:
+    """Migrate the ledger at `url` down to `revision` ("base" removes every ledger table); locks as `upgrade` takes them."""
     from alembic import command
 
-    command.downgrade(alembic_config(url, script_location), revision)
+    _migrate(command.downgrade, url, revision, script_location, lock_timeout_s, tries)
+
+
+def _migrate(command: Callable[..., None], url: str | URL, revision: str, script_location: str, lock_timeout_s: float,
+             tries: int) -> None:
+    assert lock_timeout_s > 0 and tries >= 1, (lock_timeout_s, tries)
+    config = alembic_config(url, script_location)
+    config.attributes["lock_timeout_s"] = lock_timeout_s
+    for attempt in range(1, tries + 1):
+        try:
+            command(config, revision)
+            return
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            if attempt == tries:
+                shown = config.attributes["url"].render_as_string(hide_password=True)
+                raise LedgerUnavailableError(
+                    f"migrating the ledger at {shown} waited {lock_timeout_s:g} s for a lock on its tables {tries} times "
+                    f"({exc.orig}); another session holds one: a long query (a finance report) or an open transaction, "
+                    f"see pg_stat_activity. Nothing was changed; run it again once that session ends") from exc
+            time.sleep(MIGRATION_LOCK_PAUSE_S)
 
 
 def head_revision(script_location: str) -> str:

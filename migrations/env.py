@@ -15,7 +15,7 @@ from alembic import context
 from sqlalchemy import Connection, text
 from sqlalchemy.engine import make_url
 
-from billing.db import make_engine
+from billing.db import MIGRATION_LOCK_TIMEOUT_S, make_engine
 from billing.errors import LedgerConfigError
 from billing.models import Base
 
@@ -65,6 +65,10 @@ def _run_on(connection: Connection) -> None:
             # Workers of a fleet start together; the lock makes the second wait and then find the schema
             # current, instead of racing to create the same tables. Released at commit.
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+            # Then each table lock within a bound (billing.db.MIGRATION_LOCK_TIMEOUT_S says why), set after the
+            # migration lock: a process waiting for another's migration waits as long as it takes.
+            timeout_ms = int(config.attributes.get("lock_timeout_s", MIGRATION_LOCK_TIMEOUT_S) * 1000)
+            connection.exec_driver_sql(f"SET LOCAL lock_timeout = {timeout_ms}")
         context.run_migrations()
 
 

@@ -9,6 +9,7 @@ it after; an outage of the server itself is tests/adversarial/test_ledger_outage
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -165,3 +166,28 @@ def test_a_ledger_migrated_ahead_past_this_code_says_which_lorabatch_to_run(own_
             assert "db upgrade" not in str(e.value)
     finally:
         engine.dispose()
+
+
+def test_db_upgrade_behind_a_long_query_gives_way_and_says_so(own_db) -> None:
+    """`db upgrade` whose ALTER TABLE waits on a finance report's open transaction would queue every worker's read and
+    write of that table behind it for as long as the report ran; it now takes each lock within its lock timeout, tries
+    again, then fails naming the cause and fix, with nothing changed; once the report ends it migrates."""
+    _, url = own_db
+    db.downgrade(url, "0008", script_location=SCRIPT_LOCATION)
+    engine = create_engine(url)
+    report = engine.connect()
+    release = threading.Timer(8.0, report.close)  # without the bound, the upgrade waits for this and then succeeds
+    try:
+        report.exec_driver_sql("BEGIN")
+        report.exec_driver_sql("SELECT count(*) FROM usage").all()
+        release.start()
+        with pytest.raises(LedgerUnavailableError, match="waited 0.2 s for a lock .* 2 times.*pg_stat_activity.*Nothing was changed"):
+            db.upgrade(url, script_location=SCRIPT_LOCATION, lock_timeout_s=0.2, tries=2)
+        assert db.current_revision(engine) == "0008"
+        report.exec_driver_sql("SELECT count(*) FROM usage").all()  # the report goes on, unharmed
+    finally:
+        release.cancel()
+        report.close()
+    db.upgrade(url, script_location=SCRIPT_LOCATION, lock_timeout_s=0.2, tries=2)
+    assert db.current_revision(engine) == db.SCHEMA_REVISION
+    engine.dispose()
