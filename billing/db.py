@@ -163,10 +163,10 @@ def _migrate(command: Callable[..., None], url: str | URL, revision: str, script
                 raise
             if attempt == tries:
                 shown = config.attributes["url"].render_as_string(hide_password=True)
-                raise LedgerUnavailableError(
-                    f"migrating the ledger at {shown} waited {lock_timeout_s:g} s for a lock on its tables {tries} times "
-                    f"({exc.orig}); another session holds one: a long query (a finance report) or an open transaction, "
-                    f"see pg_stat_activity. Nothing was changed; run it again once that session ends") from exc
+                raise LedgerUnavailableError(  # one line, the fix first: the CLI prints a message's first 300 characters
+                    f"migrating the ledger at {shown} waited {lock_timeout_s:g} s for a lock on its tables {tries} times, "
+                    f"and changed nothing: run it again once the session holding it ends (a long query such as a finance "
+                    f"report, or an open transaction: see pg_stat_activity)") from exc
             time.sleep(MIGRATION_LOCK_PAUSE_S)
 
 

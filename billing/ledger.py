@@ -295,7 +295,7 @@ class Ledger:
                 # So they are dropped; the next call connects anew, to whatever the URL names now.
                 self._engine.dispose()
                 raise LedgerUnavailableError(
-                    f"the ledger database at {url} is read-only ({exc.orig}): it is a standby (a failover moved the "
+                    f"the ledger database at {url} is read-only ({str(exc.orig).splitlines()[0]}): it is a standby (a failover moved the "
                     f"primary elsewhere) or has default_transaction_read_only on; point ledger.url at the writable "
                     f"primary, or make this one writable again (ALTER DATABASE ... SET default_transaction_read_only = "
                     f"off), then retry (ledger writes are idempotent, a retry adds no duplicate row)"
