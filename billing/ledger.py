@@ -44,6 +44,9 @@ ROW_COST_LIMIT = 10**9
 # SQLSTATE read_only_sql_transaction: psycopg raises it as an InternalError, which the worker took for a bug of its own
 # (a traceback per write, "failed unexpectedly") on a database switched to read-only.
 _READ_ONLY = "25006"
+# SQLSTATEs lock_not_available (lock_timeout) and query_canceled (statement_timeout): told "check that it is running
+# and reachable", an operator looked at a server that ran, when a lock on the ledger's tables was what to find.
+_CANCELLED = ("55P03", "57014")
 
 class Ledger:
     """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
@@ -302,6 +305,13 @@ class Ledger:
                 ) from exc
             if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise
+            if getattr(exc.orig, "sqlstate", None) in _CANCELLED:
+                raise LedgerUnavailableError(
+                    f"the ledger database at {url} cancelled a statement ({str(exc.orig).splitlines()[0]}): a lock on "
+                    f"its tables is held (a migration, LOCK TABLE, a long transaction: see pg_locks and "
+                    f"pg_stat_activity), or its statement_timeout is shorter than a write takes; retry once it is "
+                    f"released (ledger writes are idempotent, a retry adds no duplicate row)"
+                ) from exc
             raise LedgerUnavailableError(
                 f"the ledger database at {url} failed: {exc.orig}; check that it is running and reachable, "
                 f"then retry (ledger writes are idempotent, a retry adds no duplicate row)"

@@ -57,7 +57,8 @@ class LedgerCalls:
         while an earlier call is still out past it."""
         if (hung := self.hung_for()) is not None:
             raise LedgerUnavailableError(f"the ledger database has not answered a call for {hung:.0f} s (the server is "
-                                         "paused, hung, or cut off from this host); check it, and that it is reachable")
+                                         "paused, hung or cut off from this host, or a lock is held on its tables: see "
+                                         "pg_stat_activity); check it, and that it is reachable")
         if not self._started:
             self._started = True
             for i in range(self.threads):
@@ -71,7 +72,8 @@ class LedgerCalls:
         except TimeoutError:
             raise LedgerUnavailableError(
                 f"the ledger database did not answer within {self.timeout_s:.0f} s (the server is paused, hung or cut off "
-                "from this host, or a lock is held on its tables); check it, and that it is reachable") from None
+                "from this host, or a lock is held on its tables: see pg_stat_activity); check it, and that it is "
+                "reachable") from None
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:

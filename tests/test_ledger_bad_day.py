@@ -8,6 +8,7 @@ it after; an outage of the server itself is tests/adversarial/test_ledger_outage
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from billing.ledger import Ledger
 from billing.records import UsageRecord
 from consumer.cli.common import operational_message
 from consumer.delivery import Deliverer, Outcome
+from consumer.ledger_calls import LedgerCalls
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.schemas import Result
@@ -193,3 +195,35 @@ def test_db_upgrade_behind_a_long_query_gives_way_and_says_so(own_db) -> None:
     db.upgrade(url, script_location=SCRIPT_LOCATION, lock_timeout_s=0.2, tries=2)
     assert db.current_revision(engine) == db.SCHEMA_REVISION
     engine.dispose()
+
+
+async def test_a_lock_held_on_usage_is_named_as_the_cause_and_nothing_lands_twice(own_db) -> None:
+    """`LOCK TABLE usage` held while a worker writes: with the server's lock_timeout the write fails, and without one
+    the worker's call times out (consumer.ledger_calls); both say a lock may be held and where to look, where they said
+    only "check that it is running and reachable" (or "paused, hung, or cut off"). Once the lock goes, the write that
+    waited lands, and the same records written again from the spool add nothing."""
+    _, url = own_db
+    bounded_url = f"{url}?options=-clock_timeout%3D200ms"
+    engines = [db.make_engine(url), db.make_engine(bounded_url)]
+    ledger, bounded = Ledger(engines[0], LedgerConfig(url=url)), Ledger(engines[1], LedgerConfig(url=bounded_url))
+    holder = create_engine(url).connect()
+    calls = LedgerCalls(timeout_s=0.3, threads=1)
+    try:
+        holder.exec_driver_sql("BEGIN")
+        holder.exec_driver_sql("LOCK TABLE usage IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(LedgerUnavailableError, match="cancelled a statement.*lock on its tables.*pg_stat_activity"):
+            bounded.record_usage([_usage(1)])
+        with pytest.raises(LedgerUnavailableError, match="lock is held on its tables: see pg_stat_activity"):
+            await calls(ledger.record_usage, [_usage(1)])
+        with pytest.raises(LedgerUnavailableError, match="lock is held on its tables: see pg_stat_activity"):
+            await calls(ledger.record_usage, [_usage(1)])
+        holder.exec_driver_sql("ROLLBACK")
+        while calls.hung_for() is not None:
+            await asyncio.sleep(0.01)
+        assert await calls(ledger.record_usage, [_usage(1), _usage(2)]) == 1  # r1 landed late, once
+        assert ledger.count_usage() == 2
+    finally:
+        holder.close()
+        calls.close()
+        for e in engines:
+            e.dispose()
