@@ -36,6 +36,31 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# Kafka's own rule for topic names (kafka.common.internals.Topic): a broker refuses any other, and the worker then waited
+# for it for ever, as for a broker down.
+TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+TOPIC_RULE = "1 to 249 ASCII letters, digits, '.', '_' or '-' (not '.' or '..')"
+
+
+def _bad_server(entry: str) -> str | None:
+    """Why `entry` of kafka.bootstrap_servers is no host[:port] that aiokafka can dial, or None (aiokafka raised a
+    ValueError traceback from `submit` for a port that is not a number, and dialled port 99999)."""
+    if not entry:
+        return "is empty (a comma too many?)"
+    if entry.startswith("["):  # [IPv6]:port
+        host, _, rest = entry[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else (None if not rest else "?")
+    elif entry.count(":") == 1:
+        host, port = entry.split(":")
+    else:  # a host name, or a bare IPv6 address: the default port, 9092
+        host, port = entry, None
+    if not host:
+        return "has no host"
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return f"has port {port!r}, not a number from 1 to 65535"
+    return None
+
+
 class KafkaConfig(_Section):
     bootstrap_servers: str = Field("127.0.0.1:9092", description="host:port[,host:port...] of the Kafka cluster")
     jobs_topic: str = "lorabatch.jobs"
@@ -75,8 +100,30 @@ class KafkaConfig(_Section):
     ssl_keyfile: str = Field("", description="the client certificate's private key PEM")
     ssl_check_hostname: bool = Field(True, description="check that the broker's certificate names the host dialled")
 
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _check_bootstrap(cls, value: str) -> str:
+        for entry in value.split(","):
+            if (why := _bad_server(entry.strip())) is not None:
+                where = f"{entry.strip()!r} in {value!r}" if entry.strip() != value else repr(value)
+                raise ValueError(f"{where} {why}; write host:port[,host:port...], such as "
+                                 f"kafka-1.example.com:9092,kafka-2.example.com:9092")
+        return value
+
+    @field_validator("jobs_topic", "results_topic", "dlq_topic", "batches_topic")
+    @classmethod
+    def _check_topic(cls, value: str) -> str:
+        if not TOPIC.fullmatch(value) or value in (".", ".."):
+            raise ValueError(f"{value[:80]!r} is not a Kafka topic name: write {TOPIC_RULE}")
+        return value
+
     @model_validator(mode="after")
     def _check_security(self) -> "KafkaConfig":
+        topics: dict[str, str] = {}
+        for name in ("jobs_topic", "results_topic", "dlq_topic", "batches_topic"):
+            if (other := topics.setdefault(getattr(self, name), name)) != name:
+                raise ValueError(f"kafka.{name} and kafka.{other} are both {getattr(self, name)!r}: each needs a topic of "
+                                 f"its own (a worker would read its own results or dead letters as jobs); rename one")
         if self.heartbeat_interval_ms >= self.session_timeout_ms:
             raise ValueError(f"kafka.heartbeat_interval_ms = {self.heartbeat_interval_ms} is not under kafka.session_timeout_ms "
                              f"= {self.session_timeout_ms}: the worker would be dropped between heartbeats; keep it under a third")
@@ -238,6 +285,8 @@ def _describe(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "model_type":  # pydantic's "a valid dictionary or instance of WorkerConfig": in TOML's words
             lines.append(f"  {key}: must be a table, not {e['input']!r}; write it as a [{key}] section")
+        elif e["type"] == "value_error":  # our own validators' messages, without pydantic's "Value error, " before them
+            lines.append(f"  {key}: {e['ctx']['error']}")
         else:
             lines.append(f"  {key}: {e['msg']}")
     return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""An operator's configuration mistakes: each is refused when the configuration is loaded, with one line that names
+the key and the fix (exit status 2, no traceback), never by a traceback or a wait for ever later on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from consumer.config import ConfigError, load_settings
+
+
+def _lorabatch(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "LORABATCH_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "consumer.cli", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    lines = [x for x in out.stderr.splitlines() if x.strip() and not x.startswith("submitting")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    return lines[0]
+
+
+def _refused(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(p)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(("servers", "says"), [
+    ("host:abc", "'host:abc' has port 'abc', not a number from 1 to 65535"),
+    ("host:99999", "has port '99999'"),
+    ("h:0", "has port '0'"),
+    ("", "'' is empty"),
+    ("a:1,,b:2", "'' in 'a:1,,b:2' is empty (a comma too many?)"),
+    (":9092", "':9092' has no host"),
+])
+def test_a_bootstrap_server_that_cannot_be_dialled(tmp_path, servers, says):
+    """kafka.bootstrap_servers = "host:abc" ended `submit` in aiokafka's ValueError traceback, and "host:99999" or ""
+    were dialled (and waited for, by a worker); each is refused at load, naming the key."""
+    message = _refused(tmp_path, f'[kafka]\nbootstrap_servers = "{servers}"\n')
+    assert "kafka.bootstrap_servers: " in message and says in message and "write host:port[,host:port...]" in message
+    assert "Value error" not in message
+
+
+@pytest.mark.parametrize("servers", ["localhost", "a:1, b:2", "[::1]:9092", "::1", "kafka-1.example.com:9093"])
+def test_bootstrap_servers_that_are_taken(servers):
+    assert load_settings(None, {"kafka.bootstrap_servers": servers}).kafka.bootstrap_servers == servers
+
+
+def test_submit_to_a_port_that_is_not_a_number_says_so(tmp_path):
+    (tmp_path / "jobs.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "c.toml").write_text('[kafka]\nbootstrap_servers = "kafka:abc"\n')
+    line = _error_line(_lorabatch(tmp_path, "submit", "jobs.jsonl", "--tenant", "acme", "-c", "c.toml"))
+    assert "kafka.bootstrap_servers: 'kafka:abc' has port 'abc'" in line
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('jobs_topic = "jobs"\ndlq_topic = "jobs"\n', "kafka.dlq_topic and kafka.jobs_topic are both 'jobs'"),
+    ('results_topic = "lorabatch.jobs"\n', "kafka.results_topic and kafka.jobs_topic are both 'lorabatch.jobs'"),
+    ('batches_topic = "lorabatch.dlq"\n', "kafka.batches_topic and kafka.dlq_topic are both"),
+    ('jobs_topic = "my jobs"\n', "kafka.jobs_topic: 'my jobs' is not a Kafka topic name"),
+    ('dlq_topic = ""\n', "kafka.dlq_topic: '' is not a Kafka topic name"),
+    ('results_topic = ".."\n', "kafka.results_topic: '..' is not a Kafka topic name"),
+])
+def test_topics_that_cannot_work(tmp_path, text, says):
+    """A DLQ topic equal to the jobs topic was taken: the worker dead-lettered an unparsable job onto the topic it reads,
+    read it again, and so on for ever; a topic name Kafka refuses was waited for as a broker down."""
+    assert says in _refused(tmp_path, "[kafka]\n" + text)
