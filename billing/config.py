@@ -21,6 +21,20 @@ class LedgerConfig(BaseModel):
         description="the finance report flags a tenant whose share of GPU time exceeds its share of revenue by this factor",
     )  # fmt: skip
 
+    @field_validator("url")
+    @classmethod
+    def _usable_url(cls, value: str) -> str:
+        """Checked at load, as every other key is: an unknown driver or a URL that does not parse was found only when a
+        command opened the ledger, and a worker took it for the ledger being down and waited for it for ever."""
+        from billing.db import check_url
+        from billing.errors import LedgerConfigError
+
+        try:
+            check_url(value)
+        except LedgerConfigError as e:
+            raise ValueError(str(e)) from None
+        return value
+
     @field_validator("gpu_price_per_hour")
     @classmethod
     def _storable_price(cls, value: Decimal) -> Decimal:

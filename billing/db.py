@@ -80,6 +80,17 @@ def _is_memory_sqlite(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or (url.database or "").startswith("file::memory:")
 
 
+def check_url(url: str) -> None:
+    """LedgerConfigError unless `url` names a ledger that outlives the process: a SQLite file or PostgreSQL (psycopg 3).
+    Parsing only, nothing is opened: the configuration's check at load."""
+    parsed = _resolve_url(url)
+    if parsed.get_backend_name() == "sqlite" and _is_memory_sqlite(parsed):
+        raise LedgerConfigError(
+            f"ledger url {url!r} is an in-memory SQLite database: each command and worker would get an empty ledger of its "
+            f"own, gone when it exits; write sqlite:///PATH/ledger.db (or postgresql+psycopg://USER@HOST:PORT/DB)"
+        )
+
+
 def make_engine(url: str | URL, **kwargs: Any) -> Engine:
     """An Engine for the ledger at `url`.
 

@@ -11,7 +11,7 @@ from sqlalchemy import Engine as SqlEngine
 
 from billing.config import LedgerConfig
 from billing.db import SCHEMA_REVISION, current_revision, make_engine, session_factory
-from consumer.config import Settings
+from consumer.config import ConfigError, Settings
 
 if TYPE_CHECKING:
     from billing.ledger import Ledger
@@ -80,7 +80,11 @@ def open_services(settings: Settings, *, check_schema: bool = True) -> Services:
     from consumer.registry import Registry
     from engine.store import AdapterStore
 
+    try:
+        store = AdapterStore(Path(settings.store.adapter_dir), max_bytes=settings.engine.max_adapter_bytes)
+    except OSError as e:  # said as the key to change: it was "File exists: ...", and a worker waited on it as for its ledger
+        raise ConfigError(f"store.adapter_dir = {settings.store.adapter_dir!r} cannot be used as the adapter store's "
+                          f"folder ({e.strerror or e}); set it to a folder this process can create and write") from e
     db = open_ledger_db(settings, check_schema=check_schema)
-    store = AdapterStore(Path(settings.store.adapter_dir), max_bytes=settings.engine.max_adapter_bytes)
     sessions = session_factory(db)
     return Services(db=db, registry=Registry(sessions, store), ledger_config=settings.ledger)

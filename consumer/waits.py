@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from consumer.config import Settings
+from consumer.config import ConfigError, Settings
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -46,7 +46,7 @@ async def wait_for(what: str, attempt: Callable[[], Awaitable[T]], *, stopping: 
         tries += 1
         try:
             value = await _unless_stopped(attempt(), stopping, what, explain)
-        except (asyncio.CancelledError, Stopped):
+        except (asyncio.CancelledError, Stopped, ConfigError):  # a mistake in the configuration: no wait mends it
             raise
         except retry as e:  # any failure of the dependency (by default) is waited out, and said
             waited = time.monotonic() - started

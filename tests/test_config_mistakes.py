@@ -74,3 +74,51 @@ def test_topics_that_cannot_work(tmp_path, text, says):
     """A DLQ topic equal to the jobs topic was taken: the worker dead-lettered an unparsable job onto the topic it reads,
     read it again, and so on for ever; a topic name Kafka refuses was waited for as a broker down."""
     assert says in _refused(tmp_path, "[kafka]\n" + text)
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mysql://u:secret@db/ledger", "uses driver 'mysql'"),
+    ("postgresql+asyncpg://db/ledger", "uses driver 'postgresql+asyncpg'"),
+    ("not a url", "is not a database URL"),
+    ("sqlite:///", "is an in-memory SQLite database"),
+    ("sqlite://", "is an in-memory SQLite database"),
+    ("sqlite:///:memory:", "is an in-memory SQLite database"),
+])
+def test_a_ledger_url_that_cannot_hold_the_ledger(tmp_path, url, says):
+    """ledger.url was first looked at when a command opened the ledger: a worker took an unknown driver for the ledger
+    being down and waited for it for ever, and `sqlite:///` (the path left out) was an in-memory ledger that
+    `db upgrade` "upgraded to head" and every command and worker then lost at its exit."""
+    message = _refused(tmp_path, f'[ledger]\nurl = "{url}"\n')
+    assert "ledger.url: " in message and says in message and "sqlite:///PATH/ledger.db" in message
+    assert "secret" not in message
+
+
+def test_db_upgrade_refuses_an_in_memory_ledger(tmp_path):
+    (tmp_path / "c.toml").write_text('[ledger]\nurl = "sqlite:///"\n')
+    line = _error_line(_lorabatch(tmp_path, "db", "upgrade", "-c", "c.toml"))
+    assert "ledger.url: ledger url 'sqlite:///' is an in-memory SQLite database" in line
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "in-proc"])
+async def test_a_store_dir_that_cannot_be_made_ends_the_wait_for_the_ledger(tmp_path, migrated_url, where):
+    """store.adapter_dir that cannot be a folder: a worker logged 'waiting for the ledger database ... (FileNotFoundError:
+    '/proc/x'); start it, fix ledger.url' every few seconds for ever, and the commands said 'File exists: ...; check the
+    path'. Now a ConfigError naming the key ends the wait at its first attempt."""
+    import asyncio
+
+    from consumer.waits import wait_for_ledger
+
+    (tmp_path / "afile").write_text("")
+    store = str(tmp_path / "afile" / "store") if where == "under-a-file" else "/proc/lorabatch-store"
+    s = load_settings(None, {"ledger.url": migrated_url, "store.adapter_dir": store, "worker.wait_max_s": 0.1})
+    with pytest.raises(ConfigError, match=r"store.adapter_dir = .* cannot be used as the adapter store's folder .*set it "
+                                          r"to a folder this process can create and write"):
+        await asyncio.wait_for(wait_for_ledger(s), 20)
+
+
+def test_tenants_list_names_the_store_dir(tmp_path):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "c.toml").write_text(f'[ledger]\nurl = "sqlite:///{tmp_path}/l.db"\n[store]\nadapter_dir = "afile/x"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "-c", "c.toml").returncode == 0
+    line = _error_line(_lorabatch(tmp_path, "tenants", "add", "acme", "-c", "c.toml"))
+    assert "store.adapter_dir = 'afile/x' cannot be used" in line
