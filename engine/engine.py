@@ -66,7 +66,7 @@ from engine.rounds import Round, book_round, chain_length, launch_round, plan_ne
 from engine.runner import BatchItem
 from engine.planner import Plan, StepPlanner
 from engine.sequence import Sequence
-from engine.sizing import derive, device_memory
+from engine.sizing import derive, device_memory, sized_by
 from engine.timing import DeviceTimer, StepRecord
 from engine.tokenizer import Tokenizer
 
@@ -126,9 +126,12 @@ class Engine:
                 "or kv_num_blocks",
                 code="config_invalid",
             )
-        self.runner = build_runner(model, config, quota)
+        with sized_by(config, "kv_num_blocks", "max_batch_size", "adapter_gpu_bytes", "max_loras"):
+            self.runner = build_runner(model, config, quota)
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock, wall_clock=wall_clock)
+        with sized_by(config, "host_cache_bytes"):
+            self.adapters = AdapterPool(self.runner.lora, model.config, config, base_fingerprint=fingerprint, clock=clock,
+                                        wall_clock=wall_clock)
         self.planner = StepPlanner(config, self.runner.blocks, self.adapters, fingerprint, clock=clock)
         self.requests = Requests(config, model.config, tokenizer, self.device, self.planner, self.adapters)
         self.book = StepBook(self.runner.blocks, self.requests)

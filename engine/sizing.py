@@ -23,8 +23,11 @@ keeps its value; the CPU keeps the defaults):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,3 +170,24 @@ def plan(config: EngineConfig) -> tuple[str, list[Derived]]:
     _, lines = derive(config, model, device, pick_dtype(config.dtype, device), memory, checkpoint_bytes(Path(config.model_dir)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"{device} ({name})", lines
+
+
+@contextlib.contextmanager
+def sized_by(config: EngineConfig, *fields: str) -> Iterator[None]:
+    """Allocations that `fields` of `config` size: a size the device or host cannot hold (engine.kv_num_blocks = 10^11,
+    host_cache_bytes = 10^15) ends the engine with an EngineError naming the fields and their values, where torch's
+    allocator error ("DefaultCPUAllocator: can't allocate memory", CUDA out of memory) ended it in a traceback."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is one; so is the CPU allocator's failure
+        text = str(e)
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in text:
+            raise
+        asked = re.search(r"allocate ([0-9.]+ ?[KMGT]?i?B|[0-9]+ bytes)", text)
+        shown = ", ".join(f"engine.{f}={config.kv_pool_blocks if f == 'kv_num_blocks' else getattr(config, f)}" for f in fields)
+        one = len(fields) == 1
+        raise EngineError(f"the engine cannot allocate the memory that {shown} {'asks' if one else 'ask'} for"
+                          f"{f' ({asked.group(1)})' if asked else ''}: lower {'it' if one else 'them'} to what this "
+                          f"machine holds"
+                          f"{' (on a GPU, leave them unset: they are derived from its memory)' if 'host_cache_bytes' not in fields else ''}",
+                          code="config_invalid") from e

@@ -122,3 +122,18 @@ def test_tenants_list_names_the_store_dir(tmp_path):
     assert _lorabatch(tmp_path, "db", "upgrade", "-c", "c.toml").returncode == 0
     line = _error_line(_lorabatch(tmp_path, "tenants", "add", "acme", "-c", "c.toml"))
     assert "store.adapter_dir = 'afile/x' cannot be used" in line
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("kv_num_blocks", 10**11, "engine.kv_num_blocks=100000000000"),
+    ("host_cache_bytes", 10**15, "engine.host_cache_bytes=1000000000000000 asks for"),
+])
+def test_engine_sizes_the_machine_cannot_hold(tmp_path, demo_set, field, value, says):
+    """engine.kv_num_blocks = 10^11 (and the other pools' sizes) ended `lorabatch generate` and the engine's start in
+    torch's 'DefaultCPUAllocator: can't allocate memory' RuntimeError traceback (exit 1); now one error line naming the
+    fields that size the allocation, exit 2."""
+    (tmp_path / "jobs.jsonl").write_text('{"request_id": "r1", "tenant_id": "t", "prompt": "hi", "max_new_tokens": 2}\n')
+    (tmp_path / "c.toml").write_text(f'[engine]\nmodel_dir = "{demo_set["model"]}"\ndevice = "cpu"\n{field} = {value}\n'
+                                     f'[worker]\nmax_batch_size = 1\nmax_adapters_per_batch = 1\n')
+    line = _error_line(_lorabatch(tmp_path, "generate", "--jobs", "jobs.jsonl", "-c", "c.toml"))
+    assert "the engine cannot allocate the memory that" in line and says in line and "to what this machine holds" in line
