@@ -35,6 +35,16 @@ class LedgerConfig(BaseModel):
             raise ValueError(str(e)) from None
         return value
 
+    @field_validator("currency")
+    @classmethod
+    def _currency_code(cls, value: str) -> str:
+        """An ISO 4217 code in capitals: closed invoices keep the code they were closed in, and the finance report refuses
+        a month of two codes, so "usd" beside "USD" was two currencies (and "U$D" was taken)."""
+        if not (value.isascii() and value.isalpha() and value.isupper()):
+            raise ValueError(f"{value!r} is not a currency code: write its three-letter ISO 4217 code in capitals, such as "
+                             f"{value.upper() if value.isascii() and value.isalpha() else 'USD'}")
+        return value
+
     @field_validator("gpu_price_per_hour")
     @classmethod
     def _storable_price(cls, value: Decimal) -> Decimal:

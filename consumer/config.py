@@ -285,11 +285,29 @@ def _describe(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "model_type":  # pydantic's "a valid dictionary or instance of WorkerConfig": in TOML's words
             lines.append(f"  {key}: must be a table, not {e['input']!r}; write it as a [{key}] section")
+        elif e["type"] == "extra_forbidden":  # a typo is refused, and the key it was meant to be is named
+            lines.append(f"  {key}: {_unknown_key(e['loc'])}")
         elif e["type"] == "value_error":  # our own validators' messages, without pydantic's "Value error, " before them
             lines.append(f"  {key}: {e['ctx']['error']}")
         else:
             lines.append(f"  {key}: {e['msg']}")
     return "\n".join(lines)
+
+
+def _unknown_key(loc: tuple) -> str:
+    """Why the key at `loc` is refused and, when one is close to it, the key that was meant."""
+    import difflib
+
+    model: type[BaseModel] = Settings
+    for part in loc[:-1]:  # down to the section the key sits in
+        model = model.model_fields[str(part)].annotation  # type: ignore[assignment]
+    known = [n for n, f in model.model_fields.items() if not f.exclude]
+    what = f"a key of the [{'.'.join(map(str, loc[:-1]))}] section" if len(loc) > 1 else "a section of the configuration"
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"not {what}; did you mean {close[0]}?"
+    listed = f"they are {', '.join(known)}" if len(known) <= 8 else "`lorabatch config show` prints them all"
+    return f"not {what}: {listed}"
 
 
 def load_settings(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Settings:

@@ -137,3 +137,25 @@ def test_engine_sizes_the_machine_cannot_hold(tmp_path, demo_set, field, value, 
                                      f'[worker]\nmax_batch_size = 1\nmax_adapters_per_batch = 1\n')
     line = _error_line(_lorabatch(tmp_path, "generate", "--jobs", "jobs.jsonl", "-c", "c.toml"))
     assert "the engine cannot allocate the memory that" in line and says in line and "to what this machine holds" in line
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[worker]\nmax_batch_sise = 3\n", "worker.max_batch_sise: not a key of the [worker] section; did you mean max_batch_size?"),
+    ("[workr]\nmax_batch_size = 3\n", "workr: not a section of the configuration; did you mean worker?"),
+    ("[kafka]\nbootstrap = 'h:1'\n", "kafka.bootstrap: not a key of the [kafka] section; did you mean bootstrap_servers?"),
+    ("[ledger]\nprice = 1\n", "ledger.price: not a key of the [ledger] section: they are url, gpu_price_per_hour, currency"),
+    ("[engine]\nzzz = 1\n", "engine.zzz: not a key of the [engine] section: `lorabatch config show` prints them all"),
+])
+def test_a_mistyped_key_names_the_key_meant(tmp_path, text, says):
+    """A typo was refused as 'Extra inputs are not permitted', which names neither the fault nor the fix."""
+    message = _refused(tmp_path, text)
+    assert says in message and "Extra inputs" not in message
+
+
+@pytest.mark.parametrize(("currency", "says"), [("usd", "such as USD"), ("U$D", "such as USD"), ("eur", "such as EUR")])
+def test_a_currency_that_is_not_a_code(tmp_path, currency, says):
+    """ledger.currency = "usd" was taken: closed invoices keep their code and the finance report refuses a month of two,
+    so "usd" and "USD" were two currencies; "U$D" was taken too."""
+    message = _refused(tmp_path, f'[ledger]\ncurrency = "{currency}"\n')
+    assert f"ledger.currency: {currency!r} is not a currency code: write its three-letter ISO 4217 code in capitals" in message
+    assert says in message
