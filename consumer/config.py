@@ -250,6 +250,13 @@ class Settings(_Section):
         # Against the engine's fields as set here; where the engine derives them from its GPU (engine.sizing), the
         # worker checks again against the sized values when it starts (`check_worker_fits`).
         check_worker_fits(self.worker, self.engine, only_set=True)
+        port = self.worker.metrics_port
+        local = [e.strip() for e in self.kafka.bootstrap_servers.split(",")
+                 if e.strip().rpartition(":")[0].strip("[]") in ("127.0.0.1", "localhost", "::1")]
+        if port and any(e.rpartition(":")[2] == str(port) for e in local):
+            raise ValueError(f"worker.metrics_port = {port} is the port of the broker this configuration dials on this host "
+                             f"(kafka.bootstrap_servers = {self.kafka.bootstrap_servers!r}): the two cannot share it; "
+                             f"pick another metrics port, such as 9100")
         return self
 
     def to_toml(self) -> str:
@@ -370,5 +377,10 @@ def _read_credentials(kafka: dict, source: str) -> None:
             except OSError as e:
                 raise ConfigError(f"kafka.sasl_{name}_file = {path!r} cannot be read ({e.strerror}); "
                                   f"point it at a file holding the SASL {name}, or set ${env}") from e
+        if value is not None and not value.strip() and str(kafka.get("security_protocol", "")).startswith("SASL_"):
+            # An empty credential was taken, and the broker's refusal of it was waited for as a broker down.
+            held = f"${env}" if os.environ.get(env) is not None else f"kafka.sasl_{name}_file = {path!r}"
+            raise ConfigError(f"{held} is empty: kafka.security_protocol = {kafka['security_protocol']} needs the SASL "
+                              f"{name} there")
         if value is not None:
             kafka[f"sasl_{name}"] = value

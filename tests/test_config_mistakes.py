@@ -159,3 +159,32 @@ def test_a_currency_that_is_not_a_code(tmp_path, currency, says):
     message = _refused(tmp_path, f'[ledger]\ncurrency = "{currency}"\n')
     assert f"ledger.currency: {currency!r} is not a currency code: write its three-letter ISO 4217 code in capitals" in message
     assert says in message
+
+
+def test_a_metrics_port_that_is_the_local_brokers(tmp_path):
+    """worker.metrics_port equal to the port of a broker the configuration dials on this host was taken: the worker or
+    the broker, whichever starts second, could not bind it. `--metrics-port` is checked alike; a remote broker's port
+    is no clash."""
+    with pytest.raises(ConfigError, match=r"worker.metrics_port = 9092 is the port of the broker .*pick another"):
+        load_settings(None, {"worker.metrics_port": 9092})
+    with pytest.raises(ConfigError, match=r"worker.metrics_port = 19092 is the port of the broker"):
+        load_settings(None, {"worker.metrics_port": 19092, "kafka.bootstrap_servers": "kafka-1:9092,localhost:19092"})
+    assert load_settings(None, {"worker.metrics_port": 9092, "kafka.bootstrap_servers": "kafka-1:9092"}).worker.metrics_port == 9092
+
+
+@pytest.mark.parametrize("source", ["variable", "file"])
+def test_an_empty_sasl_credential_is_named(tmp_path, monkeypatch, source):
+    """An empty $LORABATCH_KAFKA_USERNAME (or an empty username file) was taken as the SASL username: the broker's refusal
+    came only when a client connected. Now it is named at load."""
+    monkeypatch.setenv("LORABATCH_KAFKA_PASSWORD", "pw")
+    text = '[kafka]\nsecurity_protocol = "SASL_SSL"\n'
+    if source == "variable":
+        monkeypatch.setenv("LORABATCH_KAFKA_USERNAME", "")
+        says = "$LORABATCH_KAFKA_USERNAME is empty"
+    else:
+        monkeypatch.delenv("LORABATCH_KAFKA_USERNAME", raising=False)
+        (tmp_path / "user").write_text("\n")
+        text += f'sasl_username_file = "{tmp_path / "user"}"\n'
+        says = "kafka.sasl_username_file = "
+    message = _refused(tmp_path, text)
+    assert says in message and "is empty: kafka.security_protocol = SASL_SSL needs the SASL username there" in message
