@@ -232,6 +232,27 @@ class RoutingConfig(_Section):
     breaker_cooldown_s: float = Field(15.0, gt=0, description="open this long before a half-open probe")
 
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        """What redis-py's from_url takes (it raised ValueError when the worker built its route cache)."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value)
+        shown = repr(value.replace(f":{parts.password}@", ":***@") if parts.password else value)
+        try:
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"{shown} is not a Redis URL ({e}); write redis://HOST:PORT/DB, such as "
+                             f"redis://127.0.0.1:6379/0") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"{shown} is not a Redis URL; write redis://HOST:PORT/DB (rediss:// for TLS, or "
+                             f"unix:///PATH), such as redis://127.0.0.1:6379/0")
+        if port == 0:
+            raise ValueError(f"{shown} has port 0; write the Redis server's port, such as redis://127.0.0.1:6379/0")
+        return value
+
+
 class StoreConfig(_Section):
     adapter_dir: str = Field(".lorabatch/adapters", description="the content-addressed adapter store (L3)")
 

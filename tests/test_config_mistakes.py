@@ -188,3 +188,22 @@ def test_an_empty_sasl_credential_is_named(tmp_path, monkeypatch, source):
         says = "kafka.sasl_username_file = "
     message = _refused(tmp_path, text)
     assert says in message and "is empty: kafka.security_protocol = SASL_SSL needs the SASL username there" in message
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://:secret@127.0.0.1:abc/0", "'redis://:***@127.0.0.1:abc/0' is not a Redis URL (Port could not be cast"),
+    ("http://cache:6379/0", "'http://cache:6379/0' is not a Redis URL; write redis://HOST:PORT/DB"),
+    ("redis://cache:99999/0", "is not a Redis URL (Port out of range"),
+    ("redis://cache:0/0", "has port 0"),
+])
+def test_a_redis_url_redis_cannot_take(tmp_path, url, says):
+    """routing.redis_url = "redis://...:abc/0" stopped a worker with routing.cache = "redis" in 'stopped by an unexpected
+    error: ValueError: Port could not be cast to integer value' and its traceback, exit 1, once its engine was built; now
+    refused at load, the password masked."""
+    message = _refused(tmp_path, f'[routing]\ncache = "redis"\nredis_url = "{url}"\n')
+    assert "routing.redis_url: " in message and says in message and "secret" not in message
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://:pw@cache.example.com/2", "unix:///run/redis.sock", "redis://cache"])
+def test_redis_urls_that_are_taken(url):
+    assert load_settings(None, {"routing.redis_url": url}).routing.redis_url == url
