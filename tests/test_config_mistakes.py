@@ -207,3 +207,21 @@ def test_a_redis_url_redis_cannot_take(tmp_path, url, says):
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://:pw@cache.example.com/2", "unix:///run/redis.sock", "redis://cache"])
 def test_redis_urls_that_are_taken(url):
     assert load_settings(None, {"routing.redis_url": url}).routing.redis_url == url
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (("broker", "start", "--port", "70000"), "--port"),
+    (("broker", "status", "--port", "-1"), "--port"),
+    (("broker", "start", "--partitions", "0"), "--partitions"),
+    (("demo", "--port", "70000"), "--port"),
+    (("demo", "--jobs", "0"), "--jobs"),
+])
+def test_an_option_out_of_its_range_is_a_usage_error(tmp_path, args, option):
+    """`broker start --port 70000` ended in the socket's OverflowError traceback and `demo --port 70000` in pydantic's
+    ValidationError's; `broker start --partitions 0` and `demo --jobs 0` were taken. Each is now the command line's usage
+    error naming the option, exit 2, before anything starts."""
+    (tmp_path / "c.toml").write_text(f'[broker]\nstate_dir = "{tmp_path / "broker"}"\n')
+    out = _lorabatch(tmp_path, *args, *(("-c", "c.toml") if args[0] == "broker" else ()))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"Invalid value for '{option}'" in out.stderr and out.stdout == ""
+    assert not (tmp_path / "broker").exists()

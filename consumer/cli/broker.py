@@ -22,8 +22,13 @@ def daemon(s: Settings, port: int | None) -> BrokerDaemon:
     return BrokerDaemon(Path(s.broker.state_dir), s.broker.host, port or s.broker.port)
 
 
-def start(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option(help="listen port")] = None,
-          partitions: Annotated[Optional[int], typer.Option(help="partitions per topic")] = None) -> None:
+# An option's range is checked by the command line: --port 70000 ended in the socket's OverflowError traceback, --port 0
+# fell back to broker.port unsaid, and --partitions 0 was taken.
+PortOpt = Annotated[Optional[int], typer.Option(min=1, max=65535, help="listen port (default: broker.port)")]
+
+
+def start(config: ConfigOpt = None, port: PortOpt = None,
+          partitions: Annotated[Optional[int], typer.Option(min=1, max=1024, help="partitions per topic (default: kafka.partitions)")] = None) -> None:
     """Start the broker in the background on 127.0.0.1 and create the topics."""
     from consumer.broker import BrokerError
 
@@ -37,13 +42,13 @@ def start(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option(
     typer.echo(f"broker running: pid {pid}, {d.host}:{d.port} (log {d.log_file})")
 
 
-def stop(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+def stop(config: ConfigOpt = None, port: PortOpt = None) -> None:
     """Stop the background broker (its messages are in memory and go with it)."""
     d = daemon(settings_from(config), port)
     typer.echo("broker stopped" if d.stop() else f"no broker of ours runs on port {d.port}")
 
 
-def status(config: ConfigOpt = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+def status(config: ConfigOpt = None, port: PortOpt = None) -> None:
     """Say whether the broker runs and answers, and list its topics."""
     import asyncio
 

@@ -10,7 +10,8 @@ import typer
 from consumer.cli.common import console
 
 
-def demo(jobs: int = 200, port: Annotated[Optional[int], typer.Option(help="broker port (default: a free one)")] = None,
+def demo(jobs: Annotated[int, typer.Option(min=1, help="jobs to submit")] = 200,
+         port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="broker port (default: a free one)")] = None,
          home: Annotated[Path, typer.Option(help="where the demo keeps its model, ledger and store")] = Path(".lorabatch/demo")) -> None:
     """The whole service end to end on embedded defaults: broker, worker, ~200 jobs, invoices."""
     import sys
