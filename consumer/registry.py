@@ -185,6 +185,19 @@ def _check_usable(s: Session, tenant_id: str, name: str, version: int | None) ->
                             f"{', '.join(map(str, versions))}); name one of them, or {name!r} alone for its live versions")  # fmt: skip
 
 
+# The columns' ranges (weight and requests_per_minute are int4 on PostgreSQL, tokens_per_minute int8): a larger value
+# ended `tenants add` in the driver's OverflowError traceback.
+_LIMIT_RANGES = {"weight": (1, 2**31 - 1), "requests_per_minute": (0, 2**31 - 1), "tokens_per_minute": (0, 2**63 - 1)}
+
+
+def _check_limits(**values: int | None) -> None:
+    """RegistryError naming the first of `values` (None: unchanged) outside its column's range, and the range."""
+    for field, value in values.items():
+        low, high = _LIMIT_RANGES[field]
+        if value is not None and not low <= value <= high:
+            raise RegistryError(f"{field}={value} is out of range; use {'1' if low else '0 (unlimited)'} to {high}")
+
+
 class Registry:
     def __init__(self, sessions: sessionmaker[Session], store: AdapterStore):
         self.sessions = sessions
@@ -194,8 +207,7 @@ class Registry:
                    requests_per_minute: int = 0, tokens_per_minute: int = 0) -> TenantView:
         if not NAME_RE.match(tenant_id):
             raise RegistryError(f"tenant id {tenant_id!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'")
-        if weight < 1:
-            raise RegistryError(f"weight must be at least 1, got {weight}")
+        _check_limits(requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute, weight=weight)
         if not isinstance(tier, str) or not tier.strip() or tier != tier.strip() or len(tier) > TIER_CHARS:
             raise RegistryError(f"tier {tier!r} is invalid; use 1-{TIER_CHARS} characters without surrounding spaces "
                                 "(the name `lorabatch prices set-tokens TIER` prices)")  # fmt: skip
@@ -357,10 +369,10 @@ class Registry:
             t = s.get(Tenant, tenant_id)
             if t is None:
                 raise RegistryError(f"tenant {tenant_id!r} does not exist; add it with `lorabatch tenants add {tenant_id}`")
-            for field, value in (("requests_per_minute", requests_per_minute), ("tokens_per_minute", tokens_per_minute), ("weight", weight)):
+            limits = {"requests_per_minute": requests_per_minute, "tokens_per_minute": tokens_per_minute, "weight": weight}
+            _check_limits(**limits)
+            for field, value in limits.items():
                 if value is not None:
-                    if value < (1 if field == "weight" else 0):
-                        raise RegistryError(f"{field}={value} is out of range; use {'1 or more' if field == 'weight' else '0 (unlimited) or more'}")
                     setattr(t, field, value)
             return _tenant(t)
 

@@ -225,3 +225,19 @@ def test_an_option_out_of_its_range_is_a_usage_error(tmp_path, args, option):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"Invalid value for '{option}'" in out.stderr and out.stdout == ""
     assert not (tmp_path / "broker").exists()
+
+
+def test_tenant_limits_outside_their_columns(tmp_path):
+    """`tenants add z --rpm -5` was taken (set_limits refused it; add did not check), and `--tpm 10^20` ended in
+    the driver's 'OverflowError: Python int too large to convert to SQLite INTEGER' traceback, exit 1. Both commands
+    now refuse a value outside its column's range, naming the field and the range."""
+    (tmp_path / "c.toml").write_text(f'[ledger]\nurl = "sqlite:///{tmp_path}/l.db"\n[store]\nadapter_dir = "{tmp_path}/s"\n')
+    assert _lorabatch(tmp_path, "db", "upgrade", "-c", "c.toml").returncode == 0
+    for args, says in [(("add", "a", "--rpm", "-5"), "requests_per_minute=-5 is out of range; use 0 (unlimited) to 2147483647"),
+                       (("add", "b", "--tpm", str(10**20)), f"tokens_per_minute={10**20} is out of range; use 0 (unlimited) to"),
+                       (("add", "c", "--weight", str(2**31)), f"weight={2**31} is out of range; use 1 to 2147483647")]:
+        assert says in _error_line(_lorabatch(tmp_path, "tenants", *args, "-c", "c.toml"))
+    assert _lorabatch(tmp_path, "tenants", "add", "d", "--rpm", "60", "-c", "c.toml").returncode == 0
+    line = _error_line(_lorabatch(tmp_path, "tenants", "limits", "d", "--tpm", str(2**63), "-c", "c.toml"))
+    assert f"tokens_per_minute={2**63} is out of range" in line
+    assert "d " in _lorabatch(tmp_path, "tenants", "list", "-c", "c.toml").stdout
