@@ -10,7 +10,7 @@ MAX_FLAG_FACTOR = Decimal(10**6)  # beyond, no tenant could be flagged, and the 
 
 
 class LedgerConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     url: str = Field("sqlite:///.lorabatch/ledger.db", description="SQLAlchemy URL: sqlite:///FILE or postgresql+psycopg://HOST/DB")
     gpu_price_per_hour: Decimal = Field(Decimal("2.50"), ge=0, description="cost of one GPU hour, in currency units")

@@ -16,7 +16,7 @@ MiB = 1 << 20
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     model_dir: str = Field(".lorabatch/demo-model", description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")

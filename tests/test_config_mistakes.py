@@ -241,3 +241,19 @@ def test_tenant_limits_outside_their_columns(tmp_path):
     line = _error_line(_lorabatch(tmp_path, "tenants", "limits", "d", "--tpm", str(2**63), "-c", "c.toml"))
     assert f"tokens_per_minute={2**63} is out of range" in line
     assert "d " in _lorabatch(tmp_path, "tenants", "list", "-c", "c.toml").stdout
+
+
+@pytest.mark.parametrize(("key", "value"), [("routing.cache_ttl_s", "inf"), ("worker.wait_max_s", "inf"),
+                                            ("engine.adapter_loads_per_s", "inf"), ("worker.revoke_deadline_s", "nan"),
+                                            ("engine.adapter_slo_weights.standard", "inf")])
+def test_infinity_is_no_setting(tmp_path, key, value):
+    """TOML's inf was taken by every float key with only a lower bound: routing.cache_ttl_s = inf with cache = "redis"
+    made the worker's route cache raise 'OverflowError: cannot convert float infinity to integer' as it was built."""
+    *section, leaf = key.split(".")
+    message = _refused(tmp_path, f"[{'.'.join(section)}]\n{leaf} = {value}\n")
+    assert f"{key}: Input should be a finite number" in message
+
+
+def test_a_route_ttl_redis_cannot_set(tmp_path):
+    """routing.cache_ttl_s = 1e20 (ms past 2^63) was taken: Redis refuses such an expiry on every write."""
+    assert "routing.cache_ttl_s: Input should be less than or equal to 315360000" in _refused(tmp_path, "[routing]\ncache_ttl_s = 1e20\n")
