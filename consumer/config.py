@@ -67,7 +67,7 @@ class KafkaConfig(_Section):
     results_topic: str = "lorabatch.results"
     dlq_topic: str = "lorabatch.dlq"
     batches_topic: str = Field("lorabatch.batches", description="batch manifests written by `lorabatch submit`")
-    group_id: str = "lorabatch-workers"
+    group_id: str = Field("lorabatch-workers", min_length=1)
     partitions: int = Field(4, ge=1, le=1024, description="partitions of each topic the broker command creates")
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         "gzip", validation_alias=AliasChoices("compression_type", "compression"),
@@ -144,9 +144,9 @@ class KafkaConfig(_Section):
 class BrokerConfig(_Section):
     """The embedded Tansu broker that the demo and tests start (production points at a real cluster)."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(9092, ge=1, le=65535)
-    state_dir: str = Field(".lorabatch/broker", description="pid file and log of the embedded broker")
+    state_dir: str = Field(".lorabatch/broker", min_length=1, description="pid file and log of the embedded broker")
     start_timeout_s: float = Field(20.0, gt=0)
 
 
@@ -256,7 +256,7 @@ class RoutingConfig(_Section):
 
 
 class StoreConfig(_Section):
-    adapter_dir: str = Field(".lorabatch/adapters", description="the content-addressed adapter store (L3)")
+    adapter_dir: str = Field(".lorabatch/adapters", min_length=1, description="the content-addressed adapter store (L3)")
 
 
 class Settings(_Section):

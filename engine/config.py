@@ -18,7 +18,7 @@ MiB = 1 << 20
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    model_dir: str = Field(".lorabatch/demo-model", description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    model_dir: str = Field(".lorabatch/demo-model", min_length=1, description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bfloat16 on cuda, float32 on cpu")
     weight_dtype: Literal["auto", "fp8"] = Field("auto", description="the projections' stored weights: auto, as the "

@@ -257,3 +257,11 @@ def test_infinity_is_no_setting(tmp_path, key, value):
 def test_a_route_ttl_redis_cannot_set(tmp_path):
     """routing.cache_ttl_s = 1e20 (ms past 2^63) was taken: Redis refuses such an expiry on every write."""
     assert "routing.cache_ttl_s: Input should be less than or equal to 315360000" in _refused(tmp_path, "[routing]\ncache_ttl_s = 1e20\n")
+
+
+@pytest.mark.parametrize("key", ["store.adapter_dir", "engine.model_dir", "broker.state_dir", "broker.host", "kafka.group_id"])
+def test_an_empty_name_is_no_setting(tmp_path, key):
+    """store.adapter_dir = "" was taken and made the working directory the adapter store (Path("") is "."), where
+    `adapters prune` removes what no adapter names; an empty model folder, broker folder, host or group id was taken too."""
+    section, leaf = key.split(".")
+    assert f"{key}: String should have at least 1 character" in _refused(tmp_path, f'[{section}]\n{leaf} = ""\n')
