@@ -167,7 +167,7 @@ class Ledger:
             return len(session.execute(statement, rows).all())
 
     def ping(self) -> None:
-        """Write nothing; raise what a write would (LedgerUnavailableError, LedgerSchemaError) if the ledger cannot take
+        """Keep no row; raise what a write would (LedgerUnavailableError, LedgerSchemaError) if the ledger cannot take
         one now. A worker asks it before it says the ledger is back without a write to prove it (its spool empty).
 
         It writes, as a write does: an INSERT of no rows into every ledger table, rolled back. Reading the schema's
