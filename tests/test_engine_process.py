@@ -190,8 +190,8 @@ async def test_a_killed_child_leaves_no_l2_arena_in_dev_shm(demo_set):
         mine = [n for n in os.listdir(SHM_DIR) if n.startswith(f"lorabatch-l2-{pid}-")]
         assert len(mine) == 1, mine
         os.kill(pid, signal.SIGKILL)
-        for _ in range(1_000):
-            if not p.alive:
+        for _ in range(1_000):  # `died`, not `alive`: the process ends before its reader thread marks it dead
+            if p.died:
                 break
             await asyncio.sleep(0.01)
         await asyncio.wait_for(p.restart(), 120)
