@@ -282,15 +282,31 @@ class Settings(_Section):
                              f"pick another metrics port, such as 9100")
         return self
 
-    def to_toml(self) -> str:
+    def to_toml(self, *, mask_passwords: bool = False) -> str:
         """The effective settings as TOML; the SASL credentials are left out (read again from their variables or files),
         and so are the engine sizes the configuration does not set (DEVICE_SIZED): written out, they would fix the CPU
-        demo's batch and adapter counts on a GPU that derives its own (`config show > lorabatch.toml` did that)."""
+        demo's batch and adapter counts on a GPU that derives its own (`config show > lorabatch.toml` did that). With
+        `mask_passwords`, the passwords inside ledger.url and routing.redis_url read `***`."""
         data = self.model_dump(mode="json", exclude_none=True)
         for field in DEVICE_SIZED:
             if field not in self.engine.model_fields_set:
                 data["engine"].pop(field, None)
+        if mask_passwords:
+            data["ledger"]["url"] = url_without_password(data["ledger"]["url"])
+            data["routing"]["redis_url"] = url_without_password(data["routing"]["redis_url"])
         return tomli_w.dumps(data)
+
+
+def url_without_password(url: str) -> str:
+    """`url` with the password of its user part (`scheme://user:PASSWORD@host...`) written `***`; the rest unchanged."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    user, at, host = authority.rpartition("@")  # the last @ ends the user part: a password may hold @ itself
+    if not at or ":" not in user:
+        return url
+    return f"{scheme}://{user.split(':', 1)[0]}:***@{host}{slash}{path}"
 
 
 def check_worker_fits(worker: WorkerConfig, engine: EngineConfig, *, only_set: bool = False) -> None:

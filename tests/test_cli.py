@@ -61,6 +61,30 @@ def test_config_show_is_valid_toml(config):
     assert tomllib.loads(out)["store"]["adapter_dir"].endswith("store")
 
 
+def test_config_show_masks_the_passwords_in_its_urls(tmp_path):
+    """`config show` printed ledger.url and routing.redis_url as written, passwords and all, to a terminal or a ticket;
+    they read *** now, the output stays valid TOML, and --show-passwords prints them (to write a config file from)."""
+    path = tmp_path / "lorabatch.toml"
+    path.write_text('[ledger]\nurl = "postgresql+psycopg://billing:s3cr%40t@db.internal:5432/ledger"\n'
+                    '[routing]\ncache = "redis"\nredis_url = "redis://:hunter2@cache.internal:6379/3"\n')
+    out = run("config", "show", "--no-sizes", "--config", str(path)).stdout
+    assert "s3cr" not in out and "hunter2" not in out, out
+    data = tomllib.loads(out)
+    assert data["ledger"]["url"] == "postgresql+psycopg://billing:***@db.internal:5432/ledger"
+    assert data["routing"]["redis_url"] == "redis://:***@cache.internal:6379/3"
+    shown = tomllib.loads(run("config", "show", "--no-sizes", "--show-passwords", "--config", str(path)).stdout)
+    assert shown["ledger"]["url"].endswith("billing:s3cr%40t@db.internal:5432/ledger")
+    assert shown["routing"]["redis_url"] == "redis://:hunter2@cache.internal:6379/3"
+
+
+@pytest.mark.parametrize("url", ["sqlite:///.lorabatch/ledger.db", "postgresql+psycopg://billing@db/ledger",
+                                 "redis://127.0.0.1:6379/0", "unix:///run/redis.sock?db=2", "not a url"])
+def test_a_url_without_a_password_is_shown_as_written(url):
+    from consumer.config import url_without_password
+
+    assert url_without_password(url) == url
+
+
 def test_registry_commands(config, demo_set):
     adapters = demo_set["adapters"]
     name = sorted(adapters)[0]

@@ -10,12 +10,13 @@ from consumer.cli.common import ConfigOpt, settings_from
 
 
 def show(config: ConfigOpt = None,
-         sizes: Annotated[bool, typer.Option("--sizes/--no-sizes", help="also the engine's sizes derived from this machine's device")] = True) -> None:  # fmt: skip
+         sizes: Annotated[bool, typer.Option("--sizes/--no-sizes", help="also the engine's sizes derived from this machine's device")] = True,
+         show_passwords: Annotated[bool, typer.Option("--show-passwords", help="print the passwords in ledger.url and routing.redis_url (masked *** by default)")] = False) -> None:  # fmt: skip
     """Print the effective configuration as TOML, then, as comments, the engine sizes it gets on this machine's device and
     where each comes from (on a GPU, those the configuration leaves unset are derived from the device's memory and the
-    model)."""
+    model). Passwords inside the database and Redis URLs are masked unless --show-passwords."""
     settings = settings_from(config)
-    typer.echo(settings.to_toml())
+    typer.echo(settings.to_toml(mask_passwords=not show_passwords))
     if not sizes:
         return
     from engine.api import EngineError
