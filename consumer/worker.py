@@ -354,6 +354,8 @@ class Worker:
                 delay = min(delay * 2, 5.0)
                 continue
             delay = 0.1
+            if self._stopping.is_set():  # a stop during the fetch (a rebalance held it): its records stay uncommitted
+                break                    # for the next owner, where they were taken, left, and counted as abandoned
             if batches:
                 fetched_ns = time.monotonic_ns()
                 await self.intake.ingest([(tp, m, self.offsets.fetched(tp, m.offset, batch.end if (batch := undecodable(m)) else None))

@@ -342,6 +342,34 @@ def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
     assert line.endswith("offsets committed: jobs:0=1, jobs:3=4"), line
 
 
+async def test_records_fetched_as_the_stop_came_are_left_to_the_next_owner():
+    """A SIGTERM that lands while a fetch waits (a rebalance holds it) stops the worker; the records that fetch brings
+    back are left uncommitted for the partitions' next owner. They were taken in and then left, and the summary read
+    '0 jobs in flight at the stop, 0 finished, 112 abandoned'."""
+    from types import SimpleNamespace
+
+    from consumer.offsets import OffsetTracker
+    from consumer.worker import Worker
+
+    w = Worker.__new__(Worker)
+    w.offsets, w._stopping, w._in_flight_at_stop, w.deliverer = OffsetTracker(), asyncio.Event(), None, None
+    w._work_event = asyncio.Event()
+    ingested = []
+
+    async def getmany(**_):
+        w.stop()  # the SIGTERM, while the broker held the fetch
+        return {"jobs-0": [SimpleNamespace(offset=o) for o in range(112)]}
+
+    async def ingest(items, fetched_ns):
+        ingested.extend(items)
+
+    w._backpressure = lambda: None
+    w.consumer = SimpleNamespace(getmany=getmany)
+    w.intake = SimpleNamespace(ingest=ingest)
+    await asyncio.wait_for(w._fetch_loop(), 5)
+    assert ingested == [] and w.offsets.in_flight() == 0
+
+
 async def test_redis_refusing_the_password_at_start_is_said_at_once(redis_server, caplog):
     """Redis with a password the worker lacks (NOAUTH) or a wrong one (WRONGPASS): the worker retried for
     routing.redis_start_wait_s (30 s), holding every job, each line saying "start it", which cannot help. Now one
