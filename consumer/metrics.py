@@ -6,7 +6,9 @@ anything unregistered is counted under UNREGISTERED, which no tenant id can be.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from consumer.health import Health, serve
 
 # The tenant label of jobs whose tenant is not registered. Tenant ids start with a letter or digit: "unknown", the label
 # before, was one, and a tenant registered as `unknown` had every unregistered tenant's requests counted as its own.
@@ -79,11 +81,14 @@ class WorkerMetrics:
         self.ledger_up.set(1)
         self.spool_up.set(1)
         self.ledger_schema_ok.set(1)
+        self.health = Health(r)  # /healthz and /readyz, served beside /metrics
+        self.server = None
 
     def serve(self, port: int) -> None:
-        """Serve /metrics on `port`; a port that cannot be had is a ConfigError naming it and the key that sets it."""
+        """Serve /metrics, /healthz and /readyz (consumer.health) on `port`; a port that cannot be had is a ConfigError
+        naming it and the key that sets it."""
         try:
-            start_http_server(port, addr="0.0.0.0", registry=self.registry)
+            self.server = serve(port, self.registry, self.health)
         except OSError as e:
             from consumer.config import ConfigError
 

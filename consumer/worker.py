@@ -111,6 +111,7 @@ class Worker:
         self.registry = registry
         self.ledger = ledger
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.health.engine_alive = lambda: self.aengine.alive
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
         try:
@@ -179,6 +180,7 @@ class Worker:
             self._in_flight_at_stop = self.offsets.in_flight()
             self._left_on_revoke_at_stop = self.offsets.left_on_revoke
             self._stop_at = time.monotonic()
+        self.metrics.health.phase = "stopping"
         if self.deliverer is not None:
             self.deliverer.stopping = True  # a spool that cannot be written is given up on, not waited for past the deadline
         self._stopping.set()
@@ -188,6 +190,8 @@ class Worker:
         """Connect (waiting for the broker and Redis as long as it takes), serve until stopped, drain, commit."""
         producer = None
         switch_interval = sys.getswitchinterval()
+        if not self._stopping.is_set():
+            self.metrics.health.phase = "connecting"
         if self.s.worker.switch_interval_ms is not None:  # the engine thread takes the interpreter lock back sooner
             sys.setswitchinterval(self.s.worker.switch_interval_ms / 1000)
         waiting = self.metrics.waiting  # said on /metrics as well as in the log: a worker waiting at start looked idle there
@@ -213,10 +217,14 @@ class Worker:
             self.deliverer.stopping = self._stopping.is_set()  # a stop that came while the broker was waited for
             if not self.aengine.started:
                 self.aengine.start()
+            health = self.metrics.health
             try:
                 try:
+                    if not self._stopping.is_set():
+                        health.phase = "serving"
                     await self._run_tasks()
                 finally:
+                    health.phase = "stopping"
                     await self.handover.commit()
                     self.intake.dlq_log.flush(force=True)
                     self._gauges()  # what the drain left: 0 in flight once it finished every job

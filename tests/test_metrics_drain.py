@@ -31,12 +31,17 @@ async def test_gauges_follow_the_drain_to_zero(broker, tmp_path, demo_set, cpu_e
                                 "max_new_tokens": 32}) for i in range(96)]
     async with running_worker(s, svc, cpu_engine) as rw:
         m = rw.worker.metrics
+        while not m.health.ready()[0]:  # /readyz: serving once connected with its engine running
+            assert not rw.task.done() and m.health.phase in ("connecting", "starting"), m.health.ready()
+            await asyncio.sleep(0.01)
+        assert m.health.ready()[1] == {"ready": True, "phase": "serving", "engine": True, "degraded": []}
         await produce_jobs(s.kafka, jobs, "b1", "acme", "test", "request")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
         while not (_value(m, "lora_request_total") >= 1 and _value(m, "lorabatch_in_flight") > 0) and loop.time() < deadline:
             await asyncio.sleep(0.01)
         rw.worker.stop()
+        assert m.health.ready()[1]["reasons"] == ["the worker is stopping"]  # a drain takes no new work
         at_stop = _value(m, "lorabatch_in_flight")
         assert at_stop > 0, "the stop came after every job was done: nothing to drain"
         seen = {at_stop}

@@ -68,6 +68,14 @@ def test_metrics_say_the_worker_waits_for_its_ledger(tmp_path, demo_set):
                 time.sleep(0.1)
         assert 'lorabatch_waiting{on="ledger"} 1.0' in text, text
         assert "\nlorabatch_ledger_up 0.0\n" in text, text
+        # The probes: its loop turns (live), and it is not ready while it connects.
+        live = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read())
+        assert live["live"] and live["phase"] == "connecting" and live["loop_quiet_s"] < 5, live
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        ready = json.loads(not_ready.value.read())
+        assert not_ready.value.code == 503 and ready["reasons"] == ["connecting to its ledger, broker and Redis"], ready
+        assert ready["degraded"] == ["ledger"], ready
         worker.send_signal(signal.SIGTERM)
         err = worker.communicate(timeout=60)[1]
     finally:

@@ -68,12 +68,15 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         running: list[Worker] = []
 
         def stop() -> None:
+            metrics.health.phase = "stopping"
             stopping.set()
             for w in running:
                 w.stop()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        metrics.health.phase = "connecting"
+        beat = asyncio.create_task(metrics.health.beat_forever(), name="health-beat")  # /healthz: the loop turns
         if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
             stop()
         metrics.ledger_up.set(0)  # not known to take writes until it answers
@@ -103,6 +106,8 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
             log.info("worker %s starting on %s", w.worker_id, s.kafka.bootstrap_servers)
             await w.run()
         finally:
+            metrics.health.phase = "stopped"
+            beat.cancel()
             svc.close()
 
     try:
