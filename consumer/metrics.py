@@ -44,7 +44,8 @@ class WorkerMetrics:
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
         self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)
         self.batch_size = Histogram(
-            "lorabatch_batch_size", "Requests per engine batch", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128)
+            "lorabatch_batch_size", "Requests per engine batch", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         )
         self.consumer_lag = Gauge("lorabatch_consumer_lag", "Messages behind the log end, per assigned partition",
                                   ["partition"], registry=r)

@@ -241,6 +241,33 @@ def test_operational_errors_are_recognised(error, said):
     assert said in operational_message(error)
 
 
+@pytest.mark.postgres
+def test_a_refused_login_and_a_missing_database_are_not_called_unreachable():
+    """A ledger.url whose role PostgreSQL does not know, or whose database it does not hold, and a routing.redis_url
+    whose credentials Redis refuses, were each said to be "cannot be reached ...; start it": the service was up, and
+    it was the URL to fix. The errors are the services' own (the machine's PostgreSQL and Redis)."""
+    import redis
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+
+    said = []
+    for url in ("postgresql+psycopg://no_such_role@127.0.0.1:5432/test", "postgresql+psycopg://postgres@127.0.0.1:5432/no_such_db"):
+        db = create_engine(url)
+        with pytest.raises(OperationalError) as e:
+            db.connect()
+        db.dispose()
+        said.append(operational_message(e.value))
+    client = redis.Redis.from_url("redis://no_such_user:wrong@127.0.0.1:6379/13")
+    with pytest.raises(redis.AuthenticationError) as e:
+        client.ping()
+    client.close()
+    said.append(operational_message(e.value))
+    assert said[0].startswith("the ledger database refused the login (") and "USER:PASSWORD@HOST" in said[0], said
+    assert said[1].startswith("the ledger database does not exist (") and "createdb" in said[1], said
+    assert said[2].startswith("Redis refused the login (") and "routing.redis_url" in said[2], said
+    assert not any("cannot be reached" in x for x in said), said
+
+
 @pytest.mark.parametrize("error", [AssertionError("x"), TypeError("y"), KeyError("z"), ValueError("v"), ZeroDivisionError()])
 def test_programmer_mistakes_keep_their_traceback(error, monkeypatch):
     """A bug is not dressed up as an operational error: run() lets it through for its traceback."""

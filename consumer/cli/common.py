@@ -7,6 +7,7 @@ configuration, the database layer or the engine only inside the commands that us
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -92,6 +93,13 @@ def operational_message(e: BaseException) -> str | None:
                 f"or set kafka.bootstrap_servers to a running one, then run the command again")
     sa = sys.modules.get("sqlalchemy.exc")
     if sa is not None:
+        if isinstance(e, (sa.OperationalError, sa.InterfaceError)) and _login_refused(getattr(e, "orig", None) or e):
+            return (f"the ledger database refused the login ({_brief(getattr(e, 'orig', None) or e)}); set the user and "
+                    f"password in ledger.url (postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB), then run the command again")
+        if isinstance(e, (sa.OperationalError, sa.InterfaceError)) and re.search(r'database "[^"]*" does not exist',
+                                                                                  str(getattr(e, "orig", None) or e)):
+            return (f"the ledger database does not exist ({_brief(getattr(e, 'orig', None) or e)}); create it "
+                    f"(`createdb NAME`, then `lorabatch db upgrade`), or set ledger.url to one that exists")
         if isinstance(e, (sa.OperationalError, sa.InterfaceError)):
             return (f"the ledger database cannot be reached ({_brief(getattr(e, 'orig', None) or e)}); start it, "
                     f"or set ledger.url to a running one, then run the command again")
@@ -102,6 +110,10 @@ def operational_message(e: BaseException) -> str | None:
             return (f"the ledger database refused a statement ({_brief(getattr(e, 'orig', None) or e)}); if its schema "
                     f"is behind, run `lorabatch db upgrade`")
     redis = sys.modules.get("redis.exceptions")
+    if redis is not None and (isinstance(e, (redis.AuthenticationError, redis.AuthorizationError))
+                              or isinstance(e, redis.ResponseError) and _login_refused(e)):
+        return (f"Redis refused the login ({_brief(e)}); set the password (and user) in routing.redis_url, as "
+                f"redis://:PASSWORD@HOST:PORT/DB or redis://USER:PASSWORD@HOST:PORT/DB, then run the command again")
     if redis is not None and isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
         return (f"Redis cannot be reached ({_brief(e)}); start it, or set routing.redis_url to a running one "
                 f"(or routing.cache = \"lru\"), then run the command again")
@@ -117,6 +129,13 @@ def operational_message(e: BaseException) -> str | None:
         what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else _brief(e)
         return f"{what}; check the path and its permissions"
     return None
+
+
+def _login_refused(e: BaseException) -> bool:
+    """Whether a database's or Redis's error says it refused the credentials (not that it could not be reached)."""
+    text = str(e).lower()
+    return bool(re.search(r'role "[^"]*" does not exist', text)) or any(w in text for w in ("password authentication failed", "no password supplied", "wrongpass", "noauth",
+                                   "invalid password", "invalid username-password", "authentication required"))
 
 
 def run(app: typer.Typer) -> None:
