@@ -31,7 +31,8 @@ from billing.cost import ZERO_COST, gpu_cost, us_to_ms
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine
 from billing.periods import check_period
 from billing.prices import PriceBook
-from billing.tally import BASE_MODEL, LineKey, Tally, add_cold_start, frozen_spread, live_spread, tenant_tiers, usage_tallies
+from billing.tally import (BASE_MODEL, LineKey, Tally, add_cold_start, billed_tiers, frozen_spread, live_spread, tenant_tiers,
+                           usage_tallies)
 
 __all__ = ["BASE_MODEL", "Invoice", "InvoiceAmounts", "InvoiceLine", "build_invoice", "period_invoices"]
 
@@ -73,11 +74,14 @@ class Invoice:
     period: str  # "YYYY-MM", a UTC month
     status: str  # "draft" until closing freezes it, then "closed"
     currency: str
-    tier: str | None  # the tenant's tier (its token prices); None when the registry does not hold the tenant
+    tier: str | None  # the tenant's tier now (at close, once closed); None when the registry does not hold the tenant
     lines: tuple[InvoiceLine, ...]
     totals: InvoiceAmounts  # each field the sum of the lines' (cost and revenue: of the rounded line amounts)
     unpriced_requests: int = 0  # succeeded requests that earned nothing: their tier had no token price
     closed_at: datetime | None = None
+    # The tiers its requests' tokens were priced at, sorted: each request's tier when it ran (rows from before revision
+    # 0010 at `tier`). More than one when the tenant changed tier within the period.
+    tiers_billed: tuple[str, ...] = ()
 
     @property
     def gpu_us(self) -> int:
@@ -98,7 +102,8 @@ def _line_order(key: LineKey) -> tuple[object, ...]:
     return (key.adjustment_for is not None, key.adjustment_for or "", key.adapter != BASE_MODEL, key.adapter, key.gpu_price_per_hour)
 
 
-def assemble(tenant: str, period: str, tier: str | None, currency: str, tallies: Mapping[LineKey, Tally]) -> Invoice:
+def assemble(tenant: str, period: str, tier: str | None, currency: str, tallies: Mapping[LineKey, Tally],
+             tiers_billed: tuple[str, ...] = ()) -> Invoice:
     """A draft invoice from its lines' sums: each line priced once, totals the sums of the lines."""
     lines: list[InvoiceLine] = []
     total = Tally()
@@ -111,7 +116,8 @@ def assemble(tenant: str, period: str, tier: str | None, currency: str, tallies:
         total.add(tally)
         total_cost += cost
     return Invoice(tenant=tenant, period=period, status="draft", currency=currency, tier=tier, lines=tuple(lines),
-                   totals=InvoiceAmounts(**_amounts(total, total_cost)), unpriced_requests=total.unpriced_requests)
+                   totals=InvoiceAmounts(**_amounts(total, total_cost)), unpriced_requests=total.unpriced_requests,
+                   tiers_billed=tiers_billed)
 
 
 # Memory PostgreSQL may give each sort or hash of an invoice's aggregates. Its planner estimates the
@@ -144,7 +150,8 @@ def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: Led
     Given an Engine, it is read in one snapshot; given a Session, in that session's transaction. The
     draft prices each row's GPU time with the price list of the GPU kind it records (config.gpu_price_per_hour
     where none applies to config.gpu_kind, and to rows that record no kind; UnpricedGpuKindError for another
-    kind with no price) and tokens with the tenant tier's list. A period that cannot be billed, or a tenant nobody
+    kind with no price) and its tokens with the list of the tier it records (the tenant's when it ran; rows
+    from before revision 0010 at the tenant's tier now). A period that cannot be billed, or a tenant nobody
     knows, is refused (billing/billable.py), `now` deciding whether the period has begun.
     """
     check_period(period)
@@ -181,7 +188,9 @@ def draft_invoices(session: Session, period: str, config: LedgerConfig, tenant_i
     if tenant_id is not None:
         tallies.setdefault(tenant_id, {})
     tiers = tenant_tiers(session, set(tallies))
-    return {tenant: assemble(tenant, period, tiers[tenant], config.currency, lines) for tenant, lines in tallies.items()}
+    billed = billed_tiers(session, period, tiers, tenant_id)
+    return {tenant: assemble(tenant, period, tiers[tenant], config.currency, lines, billed.get(tenant, ()))
+            for tenant, lines in tallies.items()}
 
 
 _LINE_INTS = ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens")
@@ -208,10 +217,14 @@ def read_closed(session: Session, period: str, tenant_id: str | None = None) -> 
         by_invoice[line.invoice_id].append(
             InvoiceLine(adapter=line.adapter, adjustment_for=line.adjustment_for, gpu_price_per_hour=line.gpu_price_per_hour, **_stored_amounts(line))
         )
+    # The rows billed on a closed invoice never change (later ones go to an open period): their tiers, untiered rows at
+    # the tier frozen at close, are those the invoice priced.
+    billed = billed_tiers(session, period, {i.tenant_id: i.tier for i in invoices}, tenant_id)
     return {
         i.tenant_id: Invoice(
             tenant=i.tenant_id, period=i.period, status="closed", currency=i.currency, tier=i.tier, lines=tuple(by_invoice[i.id]),
             totals=InvoiceAmounts(**_stored_amounts(i)), unpriced_requests=i.unpriced_requests, closed_at=i.closed_at,
+            tiers_billed=billed.get(i.tenant_id, ()),
         )
         for i in invoices
     }

@@ -85,8 +85,15 @@ def render_table(invoice: Invoice) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     notes = []
+    tiers = invoice.tiers_billed
+    if len(tiers) > 1:
+        notes.append(f"note: tokens priced at tiers {', '.join(map(repr, tiers))}: each request at the tier its tenant had "
+                     f"when it ran")
     if invoice.unpriced_requests:
-        tier = "no tier (tenant not registered)" if invoice.tier is None else f"tier {invoice.tier!r}"
+        if len(tiers) > 1:
+            tier = f"one of tiers {', '.join(map(repr, tiers))}"
+        else:
+            tier = "no tier (tenant not registered)" if invoice.tier is None and not tiers else f"tier {(tiers or (invoice.tier,))[0]!r}"
         notes.append(f"note: {invoice.unpriced_requests} succeeded requests earned nothing: {tier} had no token price then "
                      f"(set one with `lorabatch prices set-tokens`)")
     return "\n".join([_title(invoice), row_text(header), rule, *map(row_text, body), rule, row_text(total), *notes]) + "\n"

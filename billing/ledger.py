@@ -235,6 +235,9 @@ class Ledger:
         if record.adapter_sha256 is not None and not SHA256.fullmatch(record.adapter_sha256):
             reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256, or None")
         _check_kind(row, what)
+        tier = record.tier
+        if tier is not None and (not tier.strip() or tier != tier.strip()):
+            reject(what(), "tier", tier, "pass the tenant's registry tier (1 to 32 characters without surrounding spaces), or None")
         row["period"] = period_of(record.created_at)
         return row
 

@@ -141,6 +141,10 @@ class Usage(Base):
     # The price-list key of the GPU that ran the request (billing/prices.py prices the row by it); NULL on rows written
     # before revision 0009, which are priced as ledger.gpu_kind of the process that reads them.
     gpu_kind: Mapped[str | None] = mapped_column(String(64))
+    # The tenant's tier when the request ran (the registry snapshot the worker routed it with); its tokens are priced at
+    # it. NULL on rows written before revision 0010 and for tenants the registry did not hold: priced at the tenant's
+    # tier at invoice time.
+    tier: Mapped[str | None] = mapped_column(String(32))
 
 
 class UsageRedelivery(Base):

@@ -32,6 +32,9 @@ class UsageRecord:
     worker_id: str = ""
     result_json: str | None = None  # the published result body (JSON text), returned to a resubmission
     gpu_kind: str | None = None  # price-list key of the GPU that ran it (the worker's LedgerConfig.gpu_kind); None: not known
+    # The tenant's tier when it ran (its tokens' price list); None: not known (an unregistered tenant, an older writer),
+    # priced at the tenant's tier at invoice time.
+    tier: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 A line of a tenant's invoice for period P is keyed by (adapter, adjustment_for, GPU price): the adapter
 ("base" for the base model), the month of late usage billed here (None for P's own usage), and the GPU
 price per hour its time is charged at, so a price change within a month makes two lines, and so do two
-GPU kinds of different prices. Each row's time is priced by the GPU kind it records (billing/prices.py).
-Usage is summed in SQL per (tenant, adapter, own period, price segment, GPU kind) -- one statement
-whatever the number of tenants -- and priced in Python: cost = gpu_cost(sum of us, price) once per line, revenue once per
-(line, token price).
+GPU kinds of different prices. Each row's time is priced by the GPU kind it records (billing/prices.py), and its
+tokens by the tier it records: its tenant's tier when it ran (rows that record none, written before revision 0010,
+at the tenant's tier in the registry now). Usage is summed in SQL per (tenant, adapter, own period, price segment,
+GPU kind, tier) -- one statement whatever the number of tenants -- and priced in Python: cost = gpu_cost(sum of us,
+price) once per line, revenue once per (line, token price).
 
 Cold start: each load billed to P is spread over the requests billed to P that used that adapter
 name@version with the same content (or whose row records no hash), in proportion to their tokens (per
@@ -56,7 +57,7 @@ class Tally:
     kv_saved_us: int = 0  # the KV credit as billed (billing/credit.py), never more than base + LoRA of its requests
     cold_start_us: int = 0
     revenue: Decimal = ZERO_COST
-    unpriced_requests: int = 0  # succeeded requests whose tenant tier had no token price then
+    unpriced_requests: int = 0  # succeeded requests whose tier (as they ran) had no token price then
 
     def add(self, other: Tally) -> None:
         for f in fields(self):
@@ -94,6 +95,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             Usage.period,
             segment,
             Usage.gpu_kind,
+            Usage.tier,
             func.count().label("requests"),
             func.sum(case((succeeded, 0), else_=1)).label("failed"),
             func.sum(Usage.input_tokens).label("input_tokens"),
@@ -107,12 +109,13 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
             func.sum(case((succeeded, Usage.output_tokens), else_=0)).label("billed_output"),
         )
         .where(Usage.invoice_period == period)
-        .group_by(Usage.tenant_id, Usage.adapter, Usage.period, segment, Usage.gpu_kind)
+        .group_by(Usage.tenant_id, Usage.adapter, Usage.period, segment, Usage.gpu_kind, Usage.tier)
     )
     if tenant_id is not None:
         statement = statement.where(Usage.tenant_id == tenant_id)
     groups = session.execute(statement).all()
-    tiers = tenant_tiers(session, {g.tenant_id for g in groups})
+    # Rows from before revision 0010 record no tier: priced at the tenant's tier now, as every row was then.
+    tiers = tenant_tiers(session, {g.tenant_id for g in groups if g.tier is None})
     tallies: dict[str, dict[LineKey, Tally]] = defaultdict(lambda: defaultdict(Tally))
     billed: dict[tuple[str, LineKey, TokenPriceEntry], list[int]] = defaultdict(lambda: [0, 0])
     for g in groups:
@@ -121,7 +124,7 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
         # PostgreSQL's SUM(bigint) is numeric, read back as an integral Decimal: int() is exact.
         tally = Tally(**{name: int(getattr(g, name)) for name in
                          ("requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_us", "lora_us", "routing_us", "kv_saved_us")})
-        token_price = prices.token_price_at(tiers[g.tenant_id], start)
+        token_price = prices.token_price_at(g.tier if g.tier is not None else tiers[g.tenant_id], start)
         if token_price is None:
             tally.unpriced_requests = tally.requests - tally.failed
         else:
@@ -132,6 +135,19 @@ def usage_tallies(session: Session, period: str, prices: PriceBook, tenant_id: s
     for (tenant, key, token_price), (input_tokens, output_tokens) in billed.items():
         tallies[tenant][key].revenue += token_revenue(input_tokens, output_tokens, token_price)
     return {tenant: dict(lines) for tenant, lines in tallies.items()}
+
+
+def billed_tiers(session: Session, period: str, current: dict[str, str | None], tenant_id: str | None = None) -> dict[str, tuple[str, ...]]:
+    """Per tenant billed in `period` (one, or all), the tiers its requests' tokens are priced at, sorted: each row's
+    own tier, or `current[tenant]` (the tier an invoice prices untiered rows at) for rows that record none."""
+    statement = select(Usage.tenant_id, Usage.tier).where(Usage.invoice_period == period).group_by(Usage.tenant_id, Usage.tier)
+    if tenant_id is not None:
+        statement = statement.where(Usage.tenant_id == tenant_id)
+    found: dict[str, set[str]] = defaultdict(set)
+    for tenant, tier in session.execute(statement):
+        if (tier := tier if tier is not None else current.get(tenant)) is not None:
+            found[tenant].add(tier)
+    return {tenant: tuple(sorted(tiers)) for tenant, tiers in found.items()}
 
 
 class Share(NamedTuple):

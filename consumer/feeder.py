@@ -44,6 +44,7 @@ class Routed:
     abandoned: bool = False  # its partition was revoked: its result must not be published
     epoch: int | None = None  # of its partition's log (consumer/offsets.py)
     stamps: Stamps | None = None  # its way through the worker (consumer.stages)
+    tier: str | None = None  # its tenant's tier in the registry snapshot it was routed with: its row's token price list
 
 
 class EngineFeeder:
@@ -102,7 +103,7 @@ class EngineFeeder:
             label = f"base_fallback ({a.adapter} failed to load)"
         result, usage = succeeded_or_failed(
             item.job, res, self.worker_id, adapter=ran_on.adapter if ran_on else None, adapter_sha256=ran_on.sha256 if ran_on else None,
-            route_reason=label, routing_us=item.route.routing_us, received_at=item.received_at,
+            route_reason=label, routing_us=item.route.routing_us, received_at=item.received_at, tier=item.tier,
         )
         return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 

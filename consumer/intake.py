@@ -86,6 +86,11 @@ class Intake:
         self.snapshot = snapshot
         self.classifier = RuleClassifier(snapshot.rules)
 
+    def tier_of(self, tenant_id: str | None) -> str | None:
+        """The tenant's tier in the snapshot routed by now (its rows' token price list); None when it is not registered."""
+        tenant = self.snapshot.tenants.get(tenant_id) if tenant_id is not None else None
+        return tenant.tier if tenant is not None else None
+
     def parse(self, m) -> Job | Rejection:
         if (batch := undecodable(m)) is not None:
             return Rejection(ErrorInfo(code="undecodable_batch", message=batch.describe()), False)
@@ -170,7 +175,8 @@ class Intake:
                     f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
                 continue
             item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch,
-                          stamps=Stamps((job.tenant_id, job.request_id), fetched_ns, looked_up_ns, queued_ns))
+                          stamps=Stamps((job.tenant_id, job.request_id), fetched_ns, looked_up_ns, queued_ns),
+                          tier=self.tier_of(job.tenant_id))
             self.scheduler.push(Pending(job.tenant_id, route.view.adapter_key if route.view else None, tokens,
                                         time.monotonic(), item, partition=tp, priority=job.priority))
         self.work_event.set()
@@ -251,12 +257,14 @@ class Intake:
         if error.code not in ("quota_exceeded",):
             self.metrics.route_decisions.labels(error.code).inc()
         result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
-                                             route_reason=reason, bill=keep and job.tenant_id in self.snapshot.tenants)
+                                             route_reason=reason, bill=keep and job.tenant_id in self.snapshot.tenants,
+                                             tier=self.tier_of(job.tenant_id))
         self.answer((job.tenant_id, job.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch), keep=keep)
 
     def reject(self, tp: TopicPartition, offset: int, epoch: int, rej: Rejection, now: datetime) -> None:
         result, usage = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, now,
-                                             self.worker_id, bill=rej.tenant_id in self.snapshot.tenants)
+                                             self.worker_id, bill=rej.tenant_id in self.snapshot.tenants,
+                                             tier=self.tier_of(rej.tenant_id))
         self.answer((rej.tenant_id, rej.request_id), Outcome(tp, offset, result=result, usage=usage, epoch=epoch))
 
     def dead_letter(self, tp: TopicPartition, m, epoch: int, rej: Rejection) -> None:

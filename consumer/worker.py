@@ -456,7 +456,8 @@ class Worker:
                 self.breakers.no_verdict(item.route.view.adapter_key)
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
                                                  item.received_at, self.worker_id, route_reason=item.route.label,
-                                                 routing_us=item.route.routing_us, bill=keep, adapter=at_fault)  # fmt: skip
+                                                 routing_us=item.route.routing_us, bill=keep, adapter=at_fault,
+                                                 tier=item.tier)  # fmt: skip
             if not item.abandoned:
                 self.intake.answer(key, Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch), keep=keep)
         else:

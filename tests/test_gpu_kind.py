@@ -151,6 +151,8 @@ def test_0009_adds_gpu_kind_and_keeps_old_rows(db_url: str) -> None:
         with engine.connect() as connection:
             assert connection.execute(text("SELECT request_id, gpu_kind FROM usage")).all() == [("old", None)]
             assert connection.execute(text("SELECT load_us, gpu_kind FROM adapter_loads")).all() == [(7, None)]
+        db.upgrade(db_url, script_location=SCRIPT_LOCATION)  # the head, which today's ledger writes
+        engine.dispose()
         _prices(engine)
         Ledger(engine, LedgerConfig(url=db_url)).record_usage([usage_record("new", created_at=MARCH_2, base_us=1_000_000, gpu_kind="h200")])
         invoice = build_invoice(engine, "acme", "2026-03", LedgerConfig(gpu_kind="h100"), now=APRIL_2)
