@@ -73,10 +73,12 @@ def engine_error_field(code: str, message: str, job: Job) -> str | None:
 
 
 def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adapter: str | None, adapter_sha256: str | None,
-                        route_reason: str, routing_us: int, received_at: datetime, tier: str | None = None) -> tuple[Result, UsageRecord]:
+                        route_reason: str, routing_us: int, received_at: datetime,
+                        tier: str | None = None) -> tuple[Result, UsageRecord]:
     """The result and ledger row of a job the engine ran: `adapter` is the `name@version` it ran on (None: the
-    base model), `routing_us` the routing decision, `tier` its tenant's tier as routed (None: not registered). The row keeps the KV saving the engine measured; the result's
-    `kv_saved_ms` is the credit billed for it (billing.credit), never more than the request's base + LoRA time."""
+    base model), `routing_us` the routing decision, `tier` its tenant's tier as routed (None: not registered). The
+    row keeps the KV saving the engine measured; the result's `kv_saved_ms` is the credit billed for it
+    (billing.credit), never more than the request's base + LoRA time."""
     t = out.timings
     error = None
     if out.error is not None:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def _register(svc, demo_set):
     names = sorted(demo_set["adapters"])
     svc.registry.add_tenant("acme")
-    svc.registry.add_tenant("globex")
+    svc.registry.add_tenant("globex", tier="premium")
     svc.registry.add_tenant("hooli")  # no adapters at all: its jobs run on the base where they allow it
     svc.registry.add_adapter("acme", "support", demo_set["adapters"][names[0]], default=True)
     svc.registry.add_adapter("acme", "legal", demo_set["adapters"][names[1]])
@@ -118,6 +118,8 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
         row = svc.ledger.usage_for("acme", "r0")
         assert row.adapter == "legal@1" and row.status == "succeeded" and row.base_us > 0
         assert row.gpu_kind == s.ledger.gpu_kind, "the row names the GPU kind that ran it: its price list prices it"
+        tiers = (row.tier, svc.ledger.usage_for("globex", "r1").tier)
+        assert tiers == ("standard", "premium"), "each row names its tenant's tier as routed: its token price list"
 
         # Per-period conservation: the requests' base + LoRA time is exactly the engine's measured busy time.
         # Busy time reaches the ledger every worker.ledger_flush_ms (1 s), so the last steps' record may come up to
