@@ -71,6 +71,11 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+# For a test whose subject is the worker, not the ledger (a broker's, an engine's or Redis's bad day, codecs, partitions):
+# one backend, the production one. The ledger's own tests and the main end-to-end test run on both.
+ONE_LEDGER = pytest.mark.parametrize("db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True)
+
+
 @pytest.fixture
 def migrated_url(db_url: str) -> str:
     db.upgrade(db_url, script_location=SCRIPT_LOCATION)

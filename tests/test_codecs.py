@@ -24,6 +24,7 @@ from consumer.config import KafkaConfig
 from consumer.kafka import make_producer
 from consumer.offsets import OffsetTracker
 from consumer.schemas import DlqRecord, Result
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import committed_vs_end, open_services, read_all, running_worker, service_settings
 
 CODECS = {"none": 0, "gzip": 1, "snappy": 2, "lz4": 3, "zstd": 4}
@@ -209,6 +210,7 @@ def _job(rid: str) -> dict:
 
 
 @pytest.mark.slow
+@ONE_LEDGER
 async def test_worker_serves_every_codec_and_dead_letters_undecodable_batches(broker, tmp_path, demo_set, cpu_engine,
                                                                               ledger_url, monkeypatch):
     s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"], **{"kafka.partitions": 1})
@@ -314,6 +316,7 @@ def test_a_record_over_the_limit_by_its_key_or_headers_is_refused_too(where):
 
 
 @pytest.mark.slow
+@ONE_LEDGER
 async def test_worker_dead_letters_a_compression_bomb_and_serves_the_next_job(broker, tmp_path, demo_set, cpu_engine, ledger_url):
     """A hostile producer's zstd record of a 32 MiB prompt of one letter (about 1 KB on the wire) under a 16 MiB inflate limit: the
     worker dead-letters its batch by offset, naming the limit and the fix, runs the job behind it, bills only that job

@@ -6,6 +6,7 @@ import pytest
 
 from consumer.schemas import Job, Result
 from consumer.submit import produce_jobs
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import open_services, read_all, running_worker, service_settings
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,7 @@ async def _until_routed_with_the_cache(s, limit: int = 40) -> int:
     raise AssertionError(f"no job was routed with the cache in {limit} probes after Redis came back")
 
 
+@ONE_LEDGER
 async def test_redis_outage_mid_run_fails_no_job(broker, tmp_path, demo_set, cpu_engine, ledger_url, redis_server):
     s = await service_settings(broker, tmp_path, ledger_url, demo_set["model"],
                                **{"routing.cache": "redis", "routing.redis_url": redis_server.url,

@@ -16,6 +16,7 @@ from billing.conservation import period_conservation
 from consumer.broker import free_port
 from consumer.schemas import DlqRecord, Job, Result
 from consumer.submit import produce_jobs
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import (committed_vs_end, ledger_rows, open_services, produce_raw, read_all, running_worker,
                                    service_settings)
 
@@ -155,6 +156,7 @@ async def test_jobs_results_ledger_dlq_and_redelivery(broker, tmp_path, demo_set
     svc.close()
 
 
+@ONE_LEDGER
 async def test_corrupt_adapter_fails_its_jobs_only(broker, tmp_path, demo_set, cpu_engine, ledger_url):
     """A corrupt adapter file fails its own jobs with a clear code (or runs them on the base where the
     job allows it); the worker keeps serving everything else."""

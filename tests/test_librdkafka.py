@@ -18,6 +18,7 @@ confluent_kafka = pytest.importorskip("confluent_kafka")
 
 from consumer.broker import EmbeddedBroker, free_port  # noqa: E402
 from consumer.schemas import Result  # noqa: E402
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import open_services, running_worker, service_settings  # noqa: E402
 
 CODECS = ("gzip", "snappy", "lz4", "zstd")
@@ -68,6 +69,7 @@ def _job(rid: str, batch: str = "rdk-b1") -> bytes:
 
 
 @pytest.mark.slow
+@ONE_LEDGER
 async def test_librdkafka_jobs_are_served_and_results_collect_without_a_manifest(broker, tmp_path, demo_set, cpu_engine, ledger_url):
     from typer.testing import CliRunner
 

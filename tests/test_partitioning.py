@@ -17,11 +17,13 @@ from aiokafka import TopicPartition
 
 from consumer.kafka import make_producer
 from consumer.schemas import Result
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import open_services, read_all, running_worker, service_settings
 
 pytestmark = pytest.mark.slow
 
 
+@ONE_LEDGER
 async def test_copies_on_two_partitions_read_by_two_workers_are_billed_once(broker, tmp_path, demo_set, ledger_url):
     from engine.config import EngineConfig
     from engine.engine import Engine

@@ -17,6 +17,7 @@ from consumer.schemas import Job
 from consumer.submit import produce_jobs
 from engine.config import EngineConfig
 from engine.engine_process import EngineProcess
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import (Result, committed_vs_end, ledger_rows, open_services, read_all, running_worker,
                                    service_settings)
 
@@ -52,6 +53,7 @@ async def _conserved(svc, s) -> object:
     return c
 
 
+@ONE_LEDGER
 async def test_jobs_through_an_engine_process_are_answered_billed_and_committed(broker, tmp_path, demo_set, ledger_url):
     """Results, one ledger row each with its measured base time, busy time equal to what was attributed (the child's
     step records travel with its results), adapter loads billed, every offset committed."""
@@ -77,6 +79,7 @@ async def test_jobs_through_an_engine_process_are_answered_billed_and_committed(
     svc.close()
 
 
+@ONE_LEDGER
 async def test_a_crashed_engine_process_is_replaced_and_the_worker_goes_on(broker, tmp_path, demo_set, ledger_url):
     """SIGKILL of the engine child mid-batch: the jobs it was running are answered `engine_failed` (retriable), so a
     job that crashes the engine cannot crash it again on redelivery; the worker starts another child (the restart

@@ -16,6 +16,7 @@ from consumer.broker import EmbeddedBroker, free_port
 from consumer.config import load_settings
 from consumer.schemas import Result
 from consumer.waits import Stopped, wait_for
+from tests.db_fixtures import ONE_LEDGER
 from tests.service_fixtures import open_services, produce_raw, read_all, running_worker
 
 
@@ -104,6 +105,7 @@ async def test_unknown_errors_are_waited_out_too():
 
 
 @pytest.mark.slow
+@ONE_LEDGER
 async def test_worker_started_before_its_broker_waits_then_serves_and_drains_on_sigterm(tmp_path, demo_set, cpu_engine,
                                                                                       ledger_url, caplog):
     """No broker at start: the worker logs its waits (a few lines, no traceback); the broker comes up 3 s later
@@ -278,6 +280,7 @@ def test_a_failing_registry_refresh_logs_its_traceback_once_then_a_line_a_minute
 
 
 @pytest.mark.slow
+@ONE_LEDGER
 async def test_a_join_held_by_a_worker_that_left_names_it(broker, tmp_path, demo_set, cpu_engine, ledger_url, caplog, monkeypatch):
     """The only worker of a group, started with --worker-id (static membership), stops; a worker under another id then
     joins the group. The embedded broker never expires the static member that left, so the join waits until a worker
