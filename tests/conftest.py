@@ -6,33 +6,36 @@ import pytest
 
 pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
 
-# The files that take longest (seconds of test time on this 2-core machine, from `--durations`), slowest first.
-# pytest-xdist hands whole files to its two workers in collection order (pyproject: `--dist loadfile
+# The files that take longest (seconds of test time on this 2-core machine, from `--junitxml`), slowest first.
+# pytest-xdist hands whole files to its workers in collection order (pyproject: `--dist loadfile
 # --no-loadscope-reorder`), so these start first and the many short files fill in at the end; its own default order
-# (most tests first) left the compile check (2 tests, 270 s) to start last and run alone for minutes.
-SLOWEST_FIRST = (  # by their time in a full run here (session 12); the compile test is slow on a cold Triton cache
+# (most tests first) left the compile check (270 s on a cold Triton cache) to start last and run alone for minutes.
+SLOWEST_FIRST = (  # by their time in a full run here (session 29); the compile test is slow on a cold Triton cache
     "tests/test_kernels_compile.py",
-    "tests/test_chaos.py",
     "tests/test_cuda_graph.py",
-    "tests/test_engine_triton.py",
+    "tests/test_cli_errors.py",
     "tests/test_scaleout.py",
-    "tests/test_worker_engine_process.py",
-    "tests/test_audit_property.py",
+    "tests/test_kernel_attention.py",
+    "tests/test_kernel_lora.py",
     "tests/test_serving_adapter_pool.py",
-    "tests/test_serving_adapter_reads.py",
-    "tests/test_serving_batching.py",
+    "tests/test_chaos.py",
     "tests/adversarial/test_ledger_outage.py",
-    "tests/test_kernel_bench_cases.py",
-    "tests/test_stages.py",
-    "tests/adversarial/test_request_ids.py",
-    "tests/adversarial/test_broker_restart.py",
-    "tests/test_kernel_consumer_lora.py",
-    "tests/test_bench_adapters.py",
-    "tests/test_codecs.py",
-    "tests/adversarial/test_fuzz.py",
+    "tests/test_engine_triton.py",
+    "tests/adversarial/test_broker_outage.py",
     "tests/test_engine_process.py",
     "tests/test_engine.py",
     "tests/test_engine_isolation.py",
+    "tests/test_serving_batching.py",
+    "tests/test_serving_adapter_reads.py",
+    "tests/adversarial/test_request_ids.py",
+    "tests/test_worker_engine_process.py",
+    "tests/test_serving_bench.py",
+    "tests/adversarial/test_redis_bad_day.py",
+    "tests/test_audit_property.py",
+    "tests/adversarial/test_broker_restart.py",
+    "tests/test_kernel_bench_cases.py",
+    "tests/test_serving_prefix_cache.py",
+    "tests/test_engine_numerics.py",
 )
 
 

@@ -319,6 +319,7 @@ def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
 
     from aiokafka import TopicPartition
 
+    from consumer.metrics import WorkerMetrics
     from consumer.offsets import OffsetTracker
     from consumer.worker import Worker
 
@@ -327,7 +328,7 @@ def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
     w = Worker.__new__(Worker)  # the summary needs the offsets, the stop's marks and the deliverer's counts only
     w.offsets, w._stopping, w._in_flight_at_stop = OffsetTracker(), asyncio.Event(), None
     w.deliverer, w.spool = SimpleNamespace(published=5, spooled=0, stopping=False), []
-    w._work_event = asyncio.Event()
+    w._work_event, w.metrics = asyncio.Event(), WorkerMetrics()
     for tp in (p0, p3):
         for o in range(4):
             w.offsets.fetched(tp, o)
@@ -351,12 +352,13 @@ async def test_records_fetched_as_the_stop_came_are_left_to_the_next_owner():
     '0 jobs in flight at the stop, 0 finished, 112 abandoned'."""
     from types import SimpleNamespace
 
+    from consumer.metrics import WorkerMetrics
     from consumer.offsets import OffsetTracker
     from consumer.worker import Worker
 
     w = Worker.__new__(Worker)
     w.offsets, w._stopping, w._in_flight_at_stop, w.deliverer = OffsetTracker(), asyncio.Event(), None, None
-    w._work_event = asyncio.Event()
+    w._work_event, w.metrics = asyncio.Event(), WorkerMetrics()
     ingested = []
 
     async def getmany(**_):
