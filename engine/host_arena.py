@@ -162,7 +162,8 @@ def _shared_block(nbytes: int, pin: bool):
     """(uint8 tensor over a new shared-memory segment of `nbytes`, its name, then the finalizer's function and arguments),
     page-locked for DMA when `pin` (cudaHostRegister: about 0.4 ms a MB on the H200 host, against 0.6 for a fresh pinned
     block); None, logged, when the segment or the registration cannot be had. Shared memory that the filesystem behind
-    it cannot hold (a container's small /dev/shm) would fault at its first write, so the free space is checked first.
+    it cannot hold (a container's small /dev/shm) would fault at its first write, so the free space is checked first and
+    the segment's room taken when it is made (posix_fallocate), not page by page as it is written.
 
     The segment is a file of /dev/shm, mapped here and in each reader process (`attach`), and registered with the
     resource tracker the spawned processes share, which unlinks it if this process dies without doing so."""
@@ -177,11 +178,17 @@ def _shared_block(nbytes: int, pin: bool):
         try:
             resource_tracker.register("/" + name, "shared_memory")
             os.ftruncate(fd, nbytes)
+            # Take the room now: ftruncate alone leaves a sparse file whose pages tmpfs finds room for at their first
+            # write, and a file made in /dev/shm after the check above (another worker's arena, a neighbour's) can take
+            # it first; that write then dies of SIGBUS (a reader process at each read, the engine process at an L2 copy).
+            # posix_fallocate takes it or fails with ENOSPC here, where the fallback below is still open.
+            os.posix_fallocate(fd, 0, nbytes)
             mapping = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
     except OSError as e:
-        log.warning("no shared memory for the L2 arena (%s): reader processes will send their pages over pipes instead", e)
+        log.warning("no shared memory for the L2 arena (%s): reader processes will send their pages over pipes instead; "
+                    "give %s room for %d bytes (docker: --shm-size)", e, SHM_DIR, nbytes)
         _unlink(name)
         return None
     block = _over(mapping)

@@ -160,3 +160,56 @@ def test_reap_unlinks_the_segments_an_ended_process_left(tmp_path, monkeypatch, 
 def test_reap_without_a_shared_memory_folder_does_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr("engine.host_arena.SHM_DIR", str(tmp_path / "missing"))
     reap(SimpleNamespace(pid=1, exitcode=-9, join=lambda timeout=None: None))
+
+
+_NEIGHBOUR = r"""
+import os, sys, torch
+import engine.host_arena as host_arena
+host_arena.SHM_DIR = sys.argv[1]
+arena = host_arena.HostArena(768 << 10, torch.uint8, shared=True)  # fits the 1 MiB tmpfs when made
+try:  # another process (a second worker's arena, a neighbour's file) takes the room the arena has not touched yet
+    with open(os.path.join(sys.argv[1], "neighbour"), "wb") as f:
+        f.write(b"x" * (512 << 10))
+    print("neighbour wrote", flush=True)
+except OSError as e:
+    print("neighbour refused:", e.strerror, flush=True)
+arena._block.fill_(7)  # every page of the arena, as reader processes and L2 copies write them
+print("arena written", arena.name is not None, int(arena._block.sum()) == 7 * arena.nbytes, flush=True)
+"""
+
+
+def test_a_shared_arena_holds_its_room_in_dev_shm_against_a_later_neighbour(tmp_path):
+    """The arena's room in /dev/shm is taken when the engine starts, not at each page's first write: a file made there
+    later (another worker's arena on the host, a neighbour's file) cannot take it, so a write to the arena never faults.
+    Measured in a 1 MiB tmpfs (a user namespace's own mount): the arena of 768 KiB checked the free space and made a
+    sparse file; a neighbour then wrote 512 KiB, and the arena's first write past the 512 KiB left died of SIGBUS (exit
+    -7) — a reader process would die at each read, the engine process at its first L2 copy."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    script = f"mount -t tmpfs -o size=1m tmpfs {mount} && exec {sys.executable} -c \"$0\" {mount}"
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script, _NEIGHBOUR], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert "neighbour refused: No space left on device" in run.stdout, run.stdout
+    assert "arena written True True" in run.stdout, run.stdout
+
+
+def test_a_shared_arena_whose_room_is_taken_between_check_and_reservation_is_a_private_block(monkeypatch, caplog):
+    """The free space checked, then taken by another process before the arena reserves it: ENOSPC at the reservation is
+    the same fallback (a block of its own, the log saying how to give /dev/shm room), and no segment is left behind."""
+    before = set(os.listdir(SHM_DIR))
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("engine.host_arena.os.posix_fallocate", full)
+    arena = HostArena(1 << 20, torch.float32, shared=True)
+    assert arena.name is None and arena.alloc(1000) is not None
+    assert "No space left on device" in caplog.text and "--shm-size" in caplog.text
+    assert not {n for n in set(os.listdir(SHM_DIR)) - before if n.startswith("lorabatch-l2-")}
