@@ -8,15 +8,19 @@ minutes of model loading on a GPU) it answers 200: starting is not hung.
 /readyz answers 200 while the worker consumes: connected to its broker, its engine running, not stopping, and able to
 bill what it runs (the ledger takes rows or the spool does, and the ledger's schema is current). Otherwise 503. Both
 answer a JSON body naming each check, and /readyz the dependencies it serves without (Redis, the ledger, while the
-spool takes their place) under "degraded".
+spool takes their place; the adapter store, gone or unreadable under it) under "degraded". A store gone leaves the worker
+ready: jobs on the base model still run and each job for an adapter fails with the adapter's own code (adapter_missing),
+but /readyz names the folder and what is wrong with it, where it said nothing (each probe stats the folder: one call).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -34,6 +38,7 @@ class Health:
         self.registry = registry
         self.phase = "starting"  # starting -> connecting -> serving -> stopping -> stopped
         self.engine_alive: Callable[[], bool] = lambda: True
+        self.store_root: Path | None = None  # the adapter store's folder (store.adapter_dir), once the worker has one
         self._beat_at: float | None = None
 
     def beat(self) -> None:
@@ -85,10 +90,31 @@ class Health:
             why.append("neither the ledger nor the local spool takes records")
         degraded = [what for what, bad in (("redis", waiting["redis"]), ("ledger", not ledger_up),
                                            ("spool", not spool_up)) if bad]
+        store = self._store_problem()
+        if store is not None:
+            degraded.append("adapter_store")
         body = {"ready": not why, "phase": self.phase, "engine": engine, "degraded": degraded}
+        if store is not None:
+            body["adapter_store"] = store
         if why:
             body["reasons"] = why
         return not why, body
+
+    def _store_problem(self) -> str | None:
+        """What is wrong with the adapter store's folder for this worker, or None."""
+        root = self.store_root
+        if root is None:
+            return None
+        fix = "jobs for its adapters fail (adapter_missing); put it back or point store.adapter_dir at the store"
+        try:
+            if not os.path.isdir(root):
+                what = "is not a folder" if os.path.lexists(root) else "is missing"
+                return f"the adapter store {root} {what}: {fix}"
+            if not os.access(root, os.R_OK | os.X_OK):
+                return f"the adapter store {root} cannot be read by this worker (permissions): {fix}"
+        except OSError as e:  # a stat that fails (an NFS mount gone stale): as unreadable
+            return f"the adapter store {root} cannot be read ({e.strerror or e}): {fix}"
+        return None
 
 
 class _Server(ThreadingMixIn, WSGIServer):

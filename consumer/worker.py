@@ -112,6 +112,7 @@ class Worker:
         self.ledger = ledger
         self.metrics = metrics or WorkerMetrics()
         self.metrics.health.engine_alive = lambda: self.aengine.alive
+        self.metrics.health.store_root = registry.store.root
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
         try:

@@ -101,3 +101,28 @@ async def test_a_blocked_event_loop_fails_the_liveness_probe(served, monkeypatch
         assert status == 200
     finally:
         beat.cancel()
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("moved", "is missing"),  # an operator's `mv store store.bak`
+    ("file", "is not a folder"),  # replaced by a file of the same name
+])
+def test_readyz_names_an_adapter_store_gone_from_under_the_worker(tmp_path, fault, says):
+    """The store gone leaves the worker ready (base-model jobs still run; each adapter job fails adapter_missing), but
+    /readyz says so under `degraded`, with the folder and how to fix it, where it answered all well."""
+    m = WorkerMetrics()
+    h = m.health
+    h.phase = "serving"
+    root = tmp_path / "store"
+    root.mkdir()
+    h.store_root = root
+    assert h.ready() == (True, {"ready": True, "phase": "serving", "engine": True, "degraded": []})
+    root.rename(tmp_path / "store.bak")
+    if fault == "file":
+        root.write_bytes(b"not a store")
+    ok, body = h.ready()
+    assert ok and body["degraded"] == ["adapter_store"], body
+    assert f"the adapter store {root} {says}" in body["adapter_store"] and "store.adapter_dir" in body["adapter_store"], body
+    if fault == "moved":
+        (tmp_path / "store.bak").rename(root)  # put back: all well again
+        assert h.ready() == (True, {"ready": True, "phase": "serving", "engine": True, "degraded": []})

@@ -1,7 +1,8 @@
 """The adapter store moved away under a running worker (an operator's `mv store store.bak`): every job for its adapters
 failed as `engine_error`, "the worker failed on this job", retriable, with the real cause (adapter_missing) only in the
 log, and that failure was kept as the request's answer. Now each fails with the adapter's own code and message, naming
-`adapter_ref`, and the worker goes on serving."""
+`adapter_ref`, and the worker goes on serving; /readyz, which answered all well, names the store missing under
+`degraded`."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ async def test_jobs_on_a_moved_store_fail_with_the_adapters_code(broker, tmp_pat
                 sent = await produce(s, [job_message(j) for j in jobs])
                 await col.until(lambda c: c.answered(sent) or not lw.alive(), 60)
                 alive = lw.alive()
+                ready, body = lw.worker.metrics.health.ready()  # what /readyz answers meanwhile
         finally:
             svc.close()
+    assert ready and body["degraded"] == ["adapter_store"] and f"{store} is missing" in body["adapter_store"], body
     assert alive
     results = [r for r in col.results if r.request_id.startswith("m-")]
     assert len(results) == 4, results
