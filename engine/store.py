@@ -54,12 +54,17 @@ def content_sha256(config: bytes, weights: bytes) -> str:
     return h.hexdigest()
 
 
-def read_file(path: Path) -> bytearray:
+def read_file(path: Path, max_bytes: int) -> bytearray:
     """A file's bytes, read into a writable buffer (engine.adapters.read_safetensors views tensors in it without a copy),
     no more than its size when opened: a file that grows meanwhile is read to that size (what is read is what is hashed
-    and checked), never past the size limit adapter_files checked."""
+    and checked). A file over `max_bytes` when opened (swapped for a larger one after adapter_files checked its size) is
+    refused before any of it is read, where its whole size was allocated."""
     with open(path, "rb") as f:
-        buf = bytearray(os.fstat(f.fileno()).st_size)
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise AdapterError(f"{path} takes {size} bytes, over the limit of {max_bytes} (engine.max_adapter_bytes); "
+                               "lower the adapter's rank or raise the limit", code="adapter_too_large")
+        buf = bytearray(size)
         got = f.readinto(buf)
     if got < len(buf):  # shrank meanwhile: what is left (read_safetensors refuses it as truncated)
         del buf[got:]
@@ -168,7 +173,7 @@ class AdapterStore:
         for name, data in zip(_FILES, contents):
             path = self.root / sha / name
             try:
-                if path.is_symlink() or path.stat().st_size != len(data) or read_file(path) != data:
+                if path.is_symlink() or path.stat().st_size != len(data) or read_file(path, len(data)) != data:
                     return False
             except OSError:  # missing, or not a file
                 return False

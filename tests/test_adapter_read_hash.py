@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -17,7 +18,7 @@ from tests.test_serving_helpers import corrupt_copy
 
 
 def _sha(path) -> str:
-    return content_sha256((path / "adapter_config.json").read_bytes(), read_file(path / "adapter_model.safetensors"))
+    return content_sha256((path / "adapter_config.json").read_bytes(), read_file(path / "adapter_model.safetensors", sys.maxsize))
 
 
 @pytest.fixture

@@ -153,6 +153,28 @@ def test_a_config_without_a_task_type_loads(demo_set, tmp_path):
         assert load_adapter_dir(d, model, max_lora_rank=64, max_bytes=64 * MB).rank == 8
 
 
+def test_a_file_swapped_for_a_larger_one_after_the_size_check_is_refused_unread(demo_set, tmp_path, monkeypatch):
+    """adapter_files checks the files' sizes, then they are opened and read: a weights file replaced in between by one
+    over engine.max_adapter_bytes was read whole (a buffer of its full size allocated), where the limit promised no more
+    than max_bytes. The read itself now refuses it, before allocating, as adapter_too_large."""
+    import engine.adapters as adapters_mod
+
+    model = read_model_config(demo_set["model"])
+    d = _copy(demo_set, tmp_path)
+    checked = adapters_mod.adapter_files
+
+    def check_then_swap(path, max_bytes):
+        paths = checked(path, max_bytes)
+        with open(d / "adapter_model.safetensors", "ab") as f:  # the swap, after the check
+            f.truncate(64 * MB + 1)
+        return paths
+
+    monkeypatch.setattr(adapters_mod, "adapter_files", check_then_swap)
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=64, max_bytes=64 * MB)
+    assert e.value.code == "adapter_too_large" and str(64 * MB + 1) in str(e.value), e.value
+
+
 def test_too_large_and_escaping_symlinks_are_refused(demo_set, tmp_path):
     model = read_model_config(demo_set["model"])
     d = _copy(demo_set, tmp_path)
