@@ -12,8 +12,9 @@ price) once per line, revenue once per (line, token price).
 Cold start: each load billed to P is spread over the requests billed to P that used that adapter
 name@version with the same content (or whose row records no hash), in proportion to their tokens (per
 request when none has a token), in whole microseconds that add up to the load time exactly. Loads are
-spread per (adapter, content, price segment, GPU kind), so load time is charged at the price in effect
-when the load happened of the GPU it was loaded onto. The spread is computed live for drafts and frozen at the period's first close.
+spread per (adapter, content, GPU price): the loads of each priced at the price in effect when they happened of the
+GPU they were loaded onto, summed, and apportioned once, so no other price entry changes the split. A tenant that
+carries none of a load has no share. The spread is computed live for drafts and frozen at the period's first close.
 """
 
 from __future__ import annotations
@@ -179,8 +180,14 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
         .where(Usage.invoice_period == period, Usage.adapter.in_(sorted({adapter for adapter, *_ in loads})))
         .group_by(Usage.adapter, Usage.adapter_sha256, Usage.tenant_id)
     ).all()
-    shares: dict[tuple[str, str, str, Decimal], int] = defaultdict(int)
+    # One sum per (adapter, content, GPU price), the key of a share, apportioned once: per SQL group (a segment that any
+    # price entry cuts, token prices' too, and a GPU kind) each group's left-over units went by the tie rule again, so a
+    # token price set between two 1 us loads billed one of two equal users 2 us in the draft, and 1 us once closed.
+    priced: dict[tuple[str, str, Decimal], int] = defaultdict(int)
     for adapter, sha256, seg, kind, load_us in loads:
+        priced[(adapter, sha256, prices.gpu_price_at(prices.segment_start(int(seg)), kind))] += int(load_us)
+    shares: dict[tuple[str, str, str, Decimal], int] = defaultdict(int)
+    for (adapter, sha256, price), load_us in sorted(priced.items()):
         tokens: dict[str, int] = defaultdict(int)
         requests: dict[str, int] = defaultdict(int)
         for used, used_sha256, tenant, n_tokens, n_requests in users:
@@ -191,10 +198,10 @@ def live_spread(session: Session, period: str, prices: PriceBook, adapters: list
             continue  # loaded but never used in the period: no request to carry it
         # Requests that produced no token at all (e.g. all failed early) share the load time equally.
         weights = tokens if sum(tokens.values()) > 0 else requests
-        price = prices.gpu_price_at(prices.segment_start(int(seg)), kind)
-        for tenant, share in apportion(int(load_us), weights).items():
+        for tenant, share in apportion(load_us, weights).items():
             shares[(tenant, adapter, sha256, price)] += share
-    return [Share(*key, us) for key, us in sorted(shares.items())]
+    # A user that carries none of a load (no token where others had some) gets no share: a 0 us share made a line of zeros.
+    return [Share(*key, us) for key, us in sorted(shares.items()) if us > 0]
 
 
 def frozen_spread(session: Session, period: str, tenant_id: str | None = None) -> list[Share]:

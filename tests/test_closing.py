@@ -5,7 +5,8 @@ Runs on SQLite and the machine's PostgreSQL. PRICE makes one microsecond cost ex
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from dataclasses import replace
+from datetime import date, datetime, timezone
 from decimal import Decimal
 
 import pytest
@@ -19,6 +20,7 @@ from billing.invoice import build_invoice, period_invoices
 from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
 from billing.models import ClosedInvoice, ColdStartShare, Usage
+from billing.prices import set_gpu_price, set_token_price
 from tests.test_ledger import load_record, usage_record
 
 PRICE = Decimal("7.20")
@@ -184,3 +186,38 @@ def test_closing_a_month_that_cannot_be_billed_is_refused(october: Ledger, engin
         with pytest.raises(UnbillablePeriodError, match=f"period {period} cannot be billed"):
             close()
 
+
+
+def test_close_freezes_the_cold_start_spread_the_draft_showed(ledger: Ledger, engine: Engine) -> None:
+    """Closing changes no figure of the draft it freezes: the spread does not depend on price entries that change no GPU price.
+
+    Two 1 us loads of x@1, on the 5th and the 15th at one GPU price, used by acme and globex with 5 tokens each. A token
+    price set on the 10th cut the draft's spread into two groups, each of whose 1 us went to acme (ties go to the smaller
+    key): the draft billed acme 2 us and globex 0; the close, whose spread ignores token prices, 1 us each.
+    """
+    set_token_price(engine, "standard", Decimal(1), Decimal(1), date(2026, 10, 10))
+    ledger.record_usage([usage_record("r", tenant_id=tenant, created_at=oct_(20), adapter="x@1", adapter_sha256=S1, input_tokens=5)
+                         for tenant in ("acme", "globex")])
+    ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=1, created_at=oct_(day)) for day in (5, 15)])
+    drafts = period_invoices(engine, "2026-10", CONFIG, now=NOV_2)
+    assert [i.totals.cold_start_ms for i in drafts] == [Decimal("0.001"), Decimal("0.001")]
+    closed = close_period(engine, CONFIG, "2026-10", now=NOV_2)
+    assert [render_json(i) for i in closed] == [render_json(replace(i, status="closed")) for i in drafts]
+
+
+def test_a_tenant_whose_share_of_a_load_is_nothing_gets_no_line(ledger: Ledger, engine: Engine) -> None:
+    """A tenant whose requests of an adapter had no token while others' had some carries none of its load, and its invoice
+    shows no line for it: the spread stored a 0 us share, which made a line of zeros at the load's GPU price, in the draft
+    and frozen into the closed invoice."""
+    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10))
+    ledger.record_usage([
+        usage_record("a", created_at=oct_(20), adapter="x@1", adapter_sha256=S1, input_tokens=5),
+        usage_record("g", tenant_id="globex", created_at=oct_(20), adapter="x@1", adapter_sha256=S1, status="failed"),
+    ])
+    ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=40_000, created_at=oct_(5))])
+    for invoices in (period_invoices(engine, "2026-10", CONFIG, now=NOV_2), close_period(engine, CONFIG, "2026-10", now=NOV_2)):
+        acme, globex = invoices
+        assert [(line.gpu_price_per_hour, line.cold_start_ms) for line in acme.lines] == [(Decimal("3.60"), 0), (PRICE, Decimal("40.000"))]
+        assert [(line.gpu_price_per_hour, line.requests, line.cold_start_ms) for line in globex.lines] == [(Decimal("3.60"), 1, 0)]
+    with Session(engine) as session:
+        assert session.scalars(select(ColdStartShare.tenant_id)).all() == ["acme"]
