@@ -22,6 +22,7 @@ from sqlalchemy import Engine, func, inspect, select, tuple_
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from billing.billable import FIRST_YEAR, LAST_YEAR
 from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
@@ -238,7 +239,7 @@ class Ledger:
         tier = record.tier
         if tier is not None and (not tier.strip() or tier != tier.strip()):
             reject(what(), "tier", tier, "pass the tenant's registry tier (1 to 32 characters without surrounding spaces), or None")
-        row["period"] = period_of(record.created_at)
+        row["period"] = _billable_period(row, "created_at", what)
         return row
 
     def _load_row(self, record: AdapterLoadRecord) -> dict[str, Any]:
@@ -253,7 +254,7 @@ class Ledger:
         if not SHA256.fullmatch(record.adapter_sha256):
             reject(what(), "adapter_sha256", record.adapter_sha256, "pass the 64 lowercase hex digits of the adapter's sha256")
         _check_kind(row, what)
-        row["period"] = period_of(record.created_at)
+        row["period"] = _billable_period(row, "created_at", what)
         return row
 
     def _busy_row(self, record: BusyRecord) -> dict[str, Any]:
@@ -274,7 +275,7 @@ class Ledger:
         if record.busy_us > span_us + record.steps:
             reject(what(), "busy_us", record.busy_us, f"the GPU cannot be busy longer than the record's wall span of {span_us} us; "
                    "stamp started_at before the first step and ended_at after the last")
-        row["period"] = period_of(record.started_at)
+        row["period"] = _billable_period(row, "started_at", what)
         return row
 
     @contextmanager
@@ -326,6 +327,23 @@ def _check_kind(row: dict[str, Any], what: Callable[[], str]) -> None:
     kind = row["gpu_kind"]
     if kind is not None and (not kind.strip() or kind != kind.strip()):
         reject(what(), "gpu_kind", kind, "pass the worker's ledger.gpu_kind (1 to 64 characters without surrounding spaces), or None")
+
+
+def _billable_period(row: dict[str, Any], name: str, what: Callable[[], str]) -> str:
+    """The period of the instant row[name], which must fall in a month invoices can bill (billing/billable.py).
+
+    The ledger took any aware instant: a row of 0001-01 or 9999-12 (a clock or a parser gone wrong) was written, and the
+    request answered from it when resubmitted, but no invoice, close or report of its month could be made, so it was billed
+    to nobody; 0001-01-01 at +05:00 ended the write in an OverflowError instead of naming the field.
+    """
+    try:
+        period = period_of(row[name])
+    except OverflowError:  # the instant's UTC form is before year 1 or after 9999
+        period = None
+    if period is None or not FIRST_YEAR <= int(period[:4]) <= LAST_YEAR:
+        reject(what(), name, row[name], f"pass an instant from {FIRST_YEAR}-01 to {LAST_YEAR}-12 UTC, the months invoices bill; "
+               "check the clock of the worker that wrote it")
+    return period
 
 
 def _schema_fault(engine: Engine) -> str | None:

@@ -23,7 +23,7 @@ from billing.cost import gpu_cost
 from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
 from billing.ledger import Ledger
 from billing.models import AdapterLoad
-from billing.records import AdapterLoadRecord, UsageRecord
+from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
 
 PRICE = Decimal("2.50")
 JAN = datetime(2026, 1, 15, 12, 0, tzinfo=timezone.utc)
@@ -244,6 +244,10 @@ def test_empty_batches_write_nothing(ledger: Ledger) -> None:
         ({"adapter_sha256": "AB" * 32}, "adapter_sha256", "64 lowercase hex"),
         ({"tenant_id": "t" * 65}, "tenant_id", "at most 64"),
         ({"request_id": ""}, "request_id", "non-empty"),
+        # Instants no invoice can bill (billing/billable.py) were written, then billed to nobody; the last was an OverflowError
+        ({"created_at": datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)}, "created_at", "from 1970-01 to 9998-12 UTC"),
+        ({"created_at": datetime(9999, 1, 1, tzinfo=timezone.utc)}, "created_at", "from 1970-01 to 9998-12 UTC"),
+        ({"created_at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5)))}, "created_at", "from 1970-01 to 9998-12 UTC"),
     ],
 )
 def test_bad_record_fails_the_whole_batch(ledger: Ledger, fields: dict[str, object], field: str, hint: str) -> None:
@@ -270,6 +274,19 @@ def test_bad_adapter_load_is_refused(ledger: Ledger) -> None:
     """An adapter load without a name@version is refused with an error naming the field."""
     with pytest.raises(LedgerRecordError, match="adapter='summarize'.*name@version"):
         ledger.record_adapter_loads([load_record(adapter="summarize")])
+
+
+def test_records_of_months_no_invoice_bills_are_refused(ledger: Ledger) -> None:
+    """An adapter load or busy record whose instant lies outside 1970-01..9998-12 UTC is refused by name, as a usage row is:
+    no cold-start spread or reconciliation of its month can be made. The first and last billable instants are taken."""
+    for moment in (datetime(1969, 12, 31, 23, tzinfo=timezone.utc), datetime(9999, 12, 31, 20, tzinfo=timezone(-timedelta(hours=5)))):
+        with pytest.raises(LedgerRecordError, match=r"created_at=.* from 1970-01 to 9998-12 UTC"):
+            ledger.record_adapter_loads([load_record(created_at=moment)])
+        with pytest.raises(LedgerRecordError, match=r"started_at=.* from 1970-01 to 9998-12 UTC"):
+            ledger.record_busy([BusyRecord(worker_id="w0", gpu_kind="default", started_at=moment, ended_at=moment, busy_us=0, steps=0)])
+    first, last = datetime(1970, 1, 1, tzinfo=timezone.utc), datetime(9998, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)
+    assert ledger.record_usage([usage_record("first", created_at=first), usage_record("last", created_at=last)]) == 2
+    assert ledger.record_adapter_loads([load_record(created_at=first), load_record(created_at=last)]) == 2
 
 
 def test_unmigrated_database_says_to_migrate(db_url: str) -> None:
