@@ -208,7 +208,7 @@ def frozen_spread(session: Session, period: str, tenant_id: str | None = None) -
     """The cold-start spread stored when `period` was first closed."""
     statement = select(
         ColdStartShare.tenant_id, ColdStartShare.adapter, ColdStartShare.adapter_sha256, ColdStartShare.gpu_price_per_hour, ColdStartShare.share_us
-    ).where(ColdStartShare.period == period)
+    ).where(ColdStartShare.period == period, ColdStartShare.share_us > 0)  # spreads frozen before 0 us shares were left out kept them
     if tenant_id is not None:
         statement = statement.where(ColdStartShare.tenant_id == tenant_id)
     return [Share(*row) for row in session.execute(statement)]

@@ -221,3 +221,11 @@ def test_a_tenant_whose_share_of_a_load_is_nothing_gets_no_line(ledger: Ledger, 
         assert [(line.gpu_price_per_hour, line.requests, line.cold_start_ms) for line in globex.lines] == [(Decimal("3.60"), 1, 0)]
     with Session(engine) as session:
         assert session.scalars(select(ColdStartShare.tenant_id)).all() == ["acme"]
+
+
+def test_a_nothing_share_frozen_by_an_earlier_version_makes_no_line(october: Ledger, engine: Engine) -> None:
+    """A 0 us share that a spread frozen before this version stored makes no line on the drafts still read from it."""
+    close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    with Session(engine) as session, session.begin():
+        session.add(ColdStartShare(period="2026-10", tenant_id="globex", adapter="y@1", adapter_sha256=S1, gpu_price_per_hour=PRICE, share_us=0))
+    assert [line.adapter for line in build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2).lines] == ["x@1"]
