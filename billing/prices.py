@@ -10,7 +10,8 @@ LedgerConfig.gpu_kind. A tier with no entry in effect has no token price: its to
 counted as unpriced, never priced at a guess.
 
 Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
-the prices they were closed with; only drafts follow a change.
+the prices they were closed with; only drafts follow a change, and their cold-start lines only until the month's
+spread is frozen (at its first close: billing/closing.py), which keeps each share's price.
 """
 
 from __future__ import annotations
