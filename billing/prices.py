@@ -10,8 +10,9 @@ LedgerConfig.gpu_kind. A tier with no entry in effect has no token price: its to
 counted as unpriced, never priced at a guess.
 
 Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
-the prices they were closed with; only drafts follow a change, and their cold-start lines only until the month's
-spread is frozen (at its first close: billing/closing.py), which keeps each share's price.
+the prices they were closed with; only drafts follow a change. A GPU price that would reach a month closed for some
+tenants and not others is refused (its cold-start spread, frozen at its first close with each share's price, would
+leave the rest billing usage and cold start at two prices).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import bisect
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, time, timezone
+from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
 
 from sqlalchemy import ColumnElement, Engine, case, literal, select
@@ -28,7 +29,8 @@ from sqlalchemy.orm import Session
 
 from billing.db import dialect_insert, session_factory
 from billing.errors import PriceError, UnpricedGpuKindError
-from billing.models import GpuPrice, TokenPrice
+from billing.models import AdapterLoad, BillingPeriod, GpuPrice, TokenPrice
+from billing.periods import next_period, period_of, period_start
 
 _MAX_PLACES = 9  # prices are stored as Numeric(18, 9)
 
@@ -83,8 +85,36 @@ def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effect
         index_elements=[GpuPrice.gpu_kind, GpuPrice.effective_from], set_={"price_per_hour": statement.excluded.price_per_hour}
     )
     with session_factory(engine).begin() as session:
+        _refuse_a_split_month(session, entry)
         session.execute(statement)
     return entry
+
+
+def _refuse_a_split_month(session: Session, entry: GpuPriceEntry) -> None:
+    """Refuse a GPU price whose days would reach the cold-start spread of a month that is closed for some tenants and
+    not for others. That spread was frozen, with each share's price, at the month's first close: the other tenants'
+    drafts would bill their usage at the new price and their cold-start shares at the old one, and close so (measured:
+    after acme's close, 3.60 set for October left globex's draft with usage at 3.60 and its cold-start share at 7.20).
+    The days the entry prices run from its midnight to the kind's next entry; a frozen month is reached when they
+    overlap it, or when its spread holds a load of this kind (or of none recorded) made in them (a late load)."""
+    until = session.scalar(select(GpuPrice.effective_from).where(
+        GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
+    split = BillingPeriod.spread_frozen_at.is_not(None) & BillingPeriod.closed_at.is_(None)
+    in_days = BillingPeriod.period >= period_of(entry.effective_from)
+    if until is not None:
+        in_days &= BillingPeriod.period <= period_of(until - timedelta(microseconds=1))
+    late_load = (select(AdapterLoad.id).where(
+        AdapterLoad.invoice_period == BillingPeriod.period, AdapterLoad.created_at >= entry.effective_from,
+        (AdapterLoad.gpu_kind == entry.gpu_kind) | AdapterLoad.gpu_kind.is_(None),
+        *([AdapterLoad.created_at < until] if until is not None else [])).exists())
+    reached = session.scalars(select(BillingPeriod.period).where(split & (in_days | late_load)).order_by(BillingPeriod.period)).all()
+    if reached:
+        later = max(period_of(entry.effective_from), *reached)
+        raise PriceError(
+            f"a {entry.gpu_kind} price from {entry.effective_from.date()} would change {', '.join(reached)}, whose invoices "
+            f"are closed for some tenants and not yet for others (its cold-start spread was frozen with its prices at its "
+            f"first close): close the rest of {', '.join(reached)} first (`lorabatch invoice --close-period`), or set the "
+            f"price from {period_start(next_period(later)).date()}")
 
 
 def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, output_per_million: Decimal, effective_from: date) -> TokenPriceEntry:

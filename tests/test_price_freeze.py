@@ -1,0 +1,64 @@
+"""A GPU price may not reach a month closed for some tenants and not for others (billing.prices._refuse_a_split_month).
+
+The month's cold-start spread is frozen, with each share's GPU price, at its first close; a price set afterwards for
+its days made the other tenants' drafts bill their usage at the new price and their cold-start shares at the old one.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from billing.closing import close_invoice, close_period
+from billing.errors import PriceError
+from billing.invoice import build_invoice
+from billing.ledger import Ledger
+from billing.prices import gpu_price_list, set_gpu_price
+from tests.test_closing import CONFIG, DEC_2, NOV_2, PRICE, S1, ledger, nov, oct_, october  # noqa: F401  (fixtures)
+from tests.test_ledger import load_record, usage_record
+
+
+def _prices(engine: Engine) -> list:
+    with Session(engine) as session:
+        return [(e.effective_from.date(), e.price_per_hour) for e in gpu_price_list(session, "default")]
+
+
+def test_a_price_into_a_month_closed_for_one_tenant_is_refused(october: Ledger, engine: Engine) -> None:
+    close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    before = build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2)
+    for day in (date(2026, 10, 1), date(2026, 10, 10), date(2026, 9, 15)):  # its days reach October
+        with pytest.raises(PriceError, match=r"from 20\d\d-\d\d-\d\d would change 2026-10, whose invoices are closed for "
+                                             r"some tenants .*--close-period.*or set the price from 2026-11-01"):
+            set_gpu_price(engine, "default", Decimal("3.60"), day)
+    assert _prices(engine) == [] and build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2) == before
+    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 11, 1))  # from the next month: taken
+    assert _prices(engine) == [(date(2026, 11, 1), Decimal("3.60"))]
+
+
+def test_once_the_month_is_closed_for_everyone_a_price_for_its_days_is_taken(october: Ledger, engine: Engine) -> None:
+    """Every invoice of the month keeps what it was closed with: nothing left to split."""
+    closed = close_period(engine, CONFIG, "2026-10", now=NOV_2)
+    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10))
+    assert close_period(engine, CONFIG, "2026-10", now=NOV_2) == closed
+
+
+def test_a_price_whose_days_end_before_the_split_month_is_taken_unless_a_late_load_of_them_is_frozen_there(
+        ledger: Ledger, engine: Engine) -> None:
+    """October closed for everyone; a load of October 22 arrived after, so November's spread bills it; November closed
+    for acme only. A price for October 22-24 (the next entries on the 21st and 25th) reaches November through that
+    load alone; one for the 10th-20th reaches nothing still open."""
+    for day, price in ((1, PRICE), (21, Decimal("8.00")), (25, Decimal("9.00"))):
+        set_gpu_price(engine, "default", price, date(2026, 10, day))
+    ledger.record_usage([usage_record("o", created_at=oct_(3), adapter="x@1", adapter_sha256=S1, input_tokens=5)])
+    close_period(engine, CONFIG, "2026-10", now=NOV_2)
+    ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=9_000, created_at=oct_(22))])
+    ledger.record_usage([usage_record(r, tenant_id=t, created_at=nov(3), adapter="x@1", adapter_sha256=S1, input_tokens=5)
+                         for r, t in (("a", "acme"), ("g", "globex"))])
+    close_invoice(engine, CONFIG, "acme", "2026-11", now=DEC_2)
+    set_gpu_price(engine, "default", Decimal("1.00"), date(2026, 10, 10))
+    with pytest.raises(PriceError, match="from 2026-10-22 would change 2026-11, .*or set the price from 2026-12-01"):
+        set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 10, 22))
