@@ -241,7 +241,7 @@ class RoutingConfig(_Section):
         from urllib.parse import urlsplit
 
         parts = urlsplit(value)
-        shown = repr(value.replace(f":{parts.password}@", ":***@") if parts.password else value)
+        shown = repr(url_without_password(value))
         try:
             port = parts.port
         except ValueError as e:
@@ -298,15 +298,26 @@ class Settings(_Section):
 
 
 def url_without_password(url: str) -> str:
-    """`url` with the password of its user part (`scheme://user:PASSWORD@host...`) written `***`; the rest unchanged."""
+    """`url` with its passwords written `***`: the user part's (`scheme://user:PASSWORD@host...`) and a `password=` query
+    parameter's (libpq and redis-py take one; redis-py's `unix://` form has no other place); the rest unchanged.
+
+    The user part ends where either parser of these URLs ends it: SQLAlchemy's at the first @ after the user's colon,
+    slashes and ? included (a base64 secret holds /: `u:ab/cd@db` is password `ab/cd` there), redis-py's (urllib) at the
+    last @ before the first /, ? or #. The mask runs to the later of the two, so neither reading leaves a piece of it."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    authority, slash, path = rest.partition("/")
-    user, at, host = authority.rpartition("@")  # the last @ ends the user part: a password may hold @ itself
-    if not at or ":" not in user:
-        return url
-    return f"{scheme}://{user.split(':', 1)[0]}:***@{host}{slash}{path}"
+    ends = []
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if (at := netloc.rfind("@")) != -1 and ":" in netloc[:at]:
+        ends.append(at)
+    if (m := re.match(r"[^:/@]*:[^@]*@", rest)) is not None:
+        ends.append(m.end() - 1)
+    if ends:
+        colon = rest.index(":")
+        rest = f"{rest[:colon]}:***{rest[max(ends):]}"
+    rest = re.sub(r"([?&;](?:password|passwd|pwd)=)[^&;#]*", r"\1***", rest, flags=re.IGNORECASE)
+    return f"{scheme}://{rest}"
 
 
 def check_worker_fits(worker: WorkerConfig, engine: EngineConfig, *, only_set: bool = False) -> None:

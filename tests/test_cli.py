@@ -233,3 +233,27 @@ def test_tenants_list_loads_no_orm(config):
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "[]", done.stdout
     assert any("acme" in line for line in lines[:-1]), done.stdout
+
+
+@pytest.mark.parametrize("url, shown", [
+    # SQLAlchemy reads a password up to the first @, slashes and all (a base64 secret holds /): it was printed whole
+    ("postgresql+psycopg://billing:ab/cd+ef@db:5432/ledger", "postgresql+psycopg://billing:***@db:5432/ledger"),
+    ("postgresql+psycopg://billing:a/b?c@db/ledger", "postgresql+psycopg://billing:***@db/ledger"),
+    # a password as a query parameter (libpq's and redis-py's `password=`, redis-py's way for a unix socket)
+    ("postgresql+psycopg://billing@db/ledger?password=s3cret&sslmode=require",
+     "postgresql+psycopg://billing@db/ledger?password=***&sslmode=require"),
+    ("unix:///run/redis.sock?db=2&password=s3cret", "unix:///run/redis.sock?db=2&password=***"),
+    ("redis://cache:6379/0?Password=s3cret", "redis://cache:6379/0?Password=***"),
+    # an @ in the query does not move the user part past the host
+    ("redis://:s3cret@cache:6379?client_name=a@b", "redis://:***@cache:6379?client_name=a@b"),
+    ("redis://:s3@cret@[::1]:6379/0", "redis://:***@[::1]:6379/0"),
+    ("postgresql+psycopg://billing:s3cret@[::1]:5432/ledger", "postgresql+psycopg://billing:***@[::1]:5432/ledger"),
+    ("postgresql+psycopg://billing:s3cret@/ledger?host=/run/pg", "postgresql+psycopg://billing:***@/ledger?host=/run/pg"),
+])
+def test_a_password_anywhere_in_a_url_is_masked(url, shown):
+    """The masked URL never holds the password, wherever a parser of the URL would find it."""
+    from consumer.config import url_without_password
+
+    out = url_without_password(url)
+    assert "s3cret" not in out and "cd+ef" not in out and "s3@cret" not in out, out
+    assert out == shown

@@ -193,6 +193,8 @@ def test_an_empty_sasl_credential_is_named(tmp_path, monkeypatch, source):
 @pytest.mark.parametrize(("url", "says"), [
     ("redis://:secret@127.0.0.1:abc/0", "'redis://:***@127.0.0.1:abc/0' is not a Redis URL (Port could not be cast"),
     ("http://cache:6379/0", "'http://cache:6379/0' is not a Redis URL; write redis://HOST:PORT/DB"),
+    ("http://cache:6379/0?password=secret", "'http://cache:6379/0?password=***' is not a Redis URL"),
+    ("redis://:ab/secret@cache:abc/0", "is not a Redis URL"),
     ("redis://cache:99999/0", "is not a Redis URL (Port out of range"),
     ("redis://cache:0/0", "has port 0"),
 ])
