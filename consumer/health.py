@@ -16,6 +16,7 @@ but /readyz names the folder and what is wrong with it, where it said nothing (e
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+log = logging.getLogger("lorabatch.worker")
 
 LOOP_STALL_S = 15.0  # the event loop not turning this long: not live
 BEAT_S = 1.0  # how often the loop says it turns
@@ -133,9 +136,15 @@ def make_app(registry: CollectorRegistry, health: Health):
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path in ("/healthz", "/readyz"):
-            ok, body = health.live() if path == "/healthz" else health.ready()
+            try:
+                ok, body = health.live() if path == "/healthz" else health.ready()
+                status = "200 OK" if ok else "503 Service Unavailable"
+            except Exception as e:  # noqa: BLE001  (a check's bug is a 500 that says so, not wsgiref's text/plain page)
+                log.exception("the %s probe failed", path)
+                status, body = "500 Internal Server Error", {"live" if path == "/healthz" else "ready": False,
+                                                             "error": f"{type(e).__name__}: {e}"}
             data = json.dumps(body).encode()
-            start_response("200 OK" if ok else "503 Service Unavailable",
+            start_response(status,
                            [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
             return [data]
         if path in ("/", "/metrics"):

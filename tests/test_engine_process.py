@@ -334,3 +334,29 @@ def test_the_child_exits_when_its_parent_goes(demo_set, tmp_path):
             pytest.fail("the engine child outlived its parent")
     finally:
         parent.kill()
+
+
+def test_alive_reads_the_child_once_while_a_close_lets_it_go():
+    """`alive` is asked from /readyz's thread while the event loop's close sets the child's handle to None: it read the
+    handle twice (`is not None`, then `.is_alive()`), and a close between the two made the probe raise AttributeError
+    ('NoneType' object has no attribute 'is_alive'). It answers False there now."""
+
+    class _Child:
+        def is_alive(self) -> bool:
+            return True
+
+    class Closing(EngineProcess):
+        reads = 0
+
+        @property
+        def _proc(self):  # the close lands between the first read and the second
+            type(self).reads += 1
+            return _Child() if type(self).reads == 1 else None
+
+        @_proc.setter
+        def _proc(self, value) -> None:
+            pass
+
+    e = Closing.__new__(Closing)
+    e._dead = None
+    assert e.alive in (True, False)

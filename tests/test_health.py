@@ -126,3 +126,23 @@ def test_readyz_names_an_adapter_store_gone_from_under_the_worker(tmp_path, faul
     if fault == "moved":
         (tmp_path / "store.bak").rename(root)  # put back: all well again
         assert h.ready() == (True, {"ready": True, "phase": "serving", "engine": True, "degraded": []})
+
+
+def test_a_probe_that_raises_answers_500_with_a_json_body(served, caplog):
+    """A check that raises inside the probe's thread (an engine handle let go of mid-read) answered wsgiref's
+    text/plain 'A server error occurred.  Please contact the administrator.' with its traceback on bare stderr; it is a
+    500 whose JSON body names the error, as every other probe answer is JSON, and the traceback goes to the log."""
+    m, port = served
+    m.health.phase = "serving"
+
+    def boom() -> bool:
+        raise AttributeError("'NoneType' object has no attribute 'is_alive'")
+
+    m.health.engine_alive = boom
+    status, body = get(port, "/readyz")
+    assert status == 500, (status, body)
+    answer = json.loads(body)
+    assert answer["ready"] is False and "AttributeError" in answer["error"] and "is_alive" in answer["error"], answer
+    assert any("/readyz" in r.getMessage() for r in caplog.records), caplog.records
+    status, body = get(port, "/healthz")  # the other probe is untouched
+    assert status == 200 and json.loads(body)["live"] is True
