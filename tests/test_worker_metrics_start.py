@@ -102,3 +102,44 @@ async def test_metrics_say_the_worker_waits_for_its_broker(tmp_path, demo_set, c
         assert waiting.labels("broker")._value.get() == 1
         assert not rw.task.done()
     svc.close()
+
+
+@pytest.mark.parametrize("ends", ["stopped", "failed"])
+def test_the_phase_is_stopped_whichever_way_the_ledger_wait_ends(tmp_path, demo_set, monkeypatch, ends):
+    """A worker stopped (SIGTERM) or failed while it waited for its ledger left /readyz saying `stopping` or
+    `connecting` for as long as the process still ran (an engine child being closed: up to a minute), and its
+    heartbeat task running; every way out of the worker's loop now says `stopped`."""
+    import consumer.metrics
+    import consumer.waits
+    import engine.engine
+    from consumer.cli.worker import worker
+
+    made = []
+
+    class Metrics(consumer.metrics.WorkerMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    async def wait_for_ledger(s, stopping):
+        if ends == "stopped":
+            raise consumer.waits.Stopped()
+        raise RuntimeError("the ledger wait failed")
+
+    monkeypatch.setattr(consumer.metrics, "WorkerMetrics", Metrics)
+    monkeypatch.setattr(consumer.waits, "wait_for_ledger", wait_for_ledger)
+    monkeypatch.setattr(engine.engine, "Engine", lambda cfg: object())
+    monkeypatch.delenv("LORABATCH_CONFIG", raising=False)
+    cfg = tmp_path / "lorabatch.toml"
+    cfg.write_text(f'[engine]\nmodel_dir = "{demo_set["model"]}"\ndevice = "cpu"\n[worker]\nengine_process = false\n')
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if ends == "stopped":
+            worker(config=cfg)
+        else:
+            with pytest.raises(RuntimeError):
+                worker(config=cfg)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert made[0].health.phase == "stopped"

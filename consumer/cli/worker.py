@@ -77,22 +77,23 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
             loop.add_signal_handler(sig, stop)
         metrics.health.phase = "connecting"
         beat = asyncio.create_task(metrics.health.beat_forever(), name="health-beat")  # /healthz: the loop turns
-        if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
-            stop()
-        metrics.ledger_up.set(0)  # not known to take writes until it answers
-        metrics.waiting.labels("ledger").set(1)
-        try:
-            svc = await wait_for_ledger(s, stopping)
-        except Stopped:
-            log.info("stopped while waiting for the ledger; nothing was fetched")
-            return
-        metrics.ledger_up.set(1)
-        metrics.waiting.labels("ledger").set(0)
+        svc = None
+        try:  # every way out says `stopped` on /readyz: a stop or failure in the ledger's wait left `stopping`/`connecting`
+            if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
+                stop()
+            metrics.ledger_up.set(0)  # not known to take writes until it answers
+            metrics.waiting.labels("ledger").set(1)
+            try:
+                svc = await wait_for_ledger(s, stopping)
+            except Stopped:
+                log.info("stopped while waiting for the ledger; nothing was fetched")
+                return
+            metrics.ledger_up.set(1)
+            metrics.waiting.labels("ledger").set(0)
 
-        async def make_worker() -> Worker:
-            return Worker(s, engine, svc.registry, svc.ledger, metrics=metrics)
+            async def make_worker() -> Worker:
+                return Worker(s, engine, svc.registry, svc.ledger, metrics=metrics)
 
-        try:
             try:  # a spool whose disk is full is waited for, as the ledger is: exiting made a crash loop of it
                 w = await wait_for("space for the worker's spool", make_worker, stopping=stopping, retry=(SpoolNoSpace,),
                                    max_s=s.worker.wait_max_s, hint="free space on its disk, or set worker.spool_path "
@@ -108,7 +109,8 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         finally:
             metrics.health.phase = "stopped"
             beat.cancel()
-            svc.close()
+            if svc is not None:
+                svc.close()
 
     try:
         asyncio.run(main())
