@@ -193,7 +193,8 @@ class AsyncEngine(StepLoop):
     @property
     def alive(self) -> bool:
         """Whether the step loop runs; False once closed, or if it died (a bug: callers should stop)."""
-        return self._thread is not None and self._thread.is_alive()
+        thread = self._thread  # read once: /readyz asks from its own thread while a close on the loop sets it to None
+        return thread is not None and thread.is_alive()
 
     async def close(self, *, drain: bool = True) -> None:
         """Stop the step loop: after the requests in flight finish (drain), or aborting them."""

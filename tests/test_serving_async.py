@@ -196,3 +196,28 @@ async def test_the_resident_snapshot_follows_every_change_of_l1s_keys(engine, de
         assert "first" not in snap and "alias" in snap
         await ae.call(lambda e: e.adapters.offload())
         assert "alias" not in await settled(ae)
+
+
+def test_alive_reads_the_thread_once_while_a_close_lets_it_go():
+    """`alive` is asked from /readyz's thread while the event loop's close sets the step thread to None: it read it twice
+    (`is not None`, then `.is_alive()`), and a close between the two made the probe raise AttributeError. It answers
+    there now."""
+
+    class _Thread:
+        def is_alive(self) -> bool:
+            return True
+
+    class Closing(AsyncEngine):
+        reads = 0
+
+        @property
+        def _thread(self):  # the close lands between the first read and the second
+            type(self).reads += 1
+            return _Thread() if type(self).reads == 1 else None
+
+        @_thread.setter
+        def _thread(self, value) -> None:
+            pass
+
+    e = Closing.__new__(Closing)
+    assert e.alive in (True, False)
