@@ -78,7 +78,9 @@ def test_config_show_masks_the_passwords_in_its_urls(tmp_path):
 
 
 @pytest.mark.parametrize("url", ["sqlite:///.lorabatch/ledger.db", "postgresql+psycopg://billing@db/ledger",
-                                 "redis://127.0.0.1:6379/0", "unix:///run/redis.sock?db=2", "not a url"])
+                                 "redis://127.0.0.1:6379/0", "unix:///run/redis.sock?db=2", "not a url",
+                                 "redis://cache:6379/0?client_name=a@b", "redis://[::1]:6379/0?client_name=a@b",
+                                 "postgresql+psycopg://[::1]:5432/ledger", "postgresql+psycopg://billing@db/ledger?sslmode=require"])
 def test_a_url_without_a_password_is_shown_as_written(url):
     from consumer.config import url_without_password
 
