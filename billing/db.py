@@ -11,6 +11,7 @@ a command that reads through SQLAlchemy Core (`lorabatch tenants list`) never lo
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,9 +72,16 @@ def _resolve_url(url: str | URL) -> URL:
         # A bare postgresql:// would make SQLAlchemy pick psycopg2, which lorabatch does not install.
         return parsed.set(drivername="postgresql+psycopg")
     raise LedgerConfigError(
-        f"ledger url {parsed.render_as_string(hide_password=True)!r} uses driver {parsed.drivername!r}; "
+        f"ledger url {shown_url(parsed)!r} uses driver {parsed.drivername!r}; "
         f"the ledger runs on sqlite:///PATH/ledger.db or postgresql+psycopg://USER@HOST:PORT/DB, change the url to one of those"
     )
+
+
+def shown_url(url: URL) -> str:
+    """A database URL fit for a log line or an error: its user's password and a `password=` query parameter (libpq takes
+    one) written `***`."""
+    text = url.render_as_string(hide_password=True)
+    return re.sub(r"([?&;](?:password|passwd|pwd)=)[^&;#]*", r"\1***", text, flags=re.IGNORECASE)
 
 
 def _is_memory_sqlite(url: URL) -> bool:
@@ -173,7 +181,7 @@ def _migrate(command: Callable[..., None], url: str | URL, revision: str, script
             if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
                 raise
             if attempt == tries:
-                shown = config.attributes["url"].render_as_string(hide_password=True)
+                shown = shown_url(config.attributes["url"])
                 raise LedgerUnavailableError(  # one line, the fix first: the CLI prints a message's first 300 characters
                     f"migrating the ledger at {shown} waited {lock_timeout_s:g} s for a lock on its tables {tries} times, "
                     f"and changed nothing: run it again once the session holding it ends (a long query such as a finance "

@@ -27,7 +27,7 @@ from billing.checks import ADAPTER, SHA256, STATUSES, RowChecker, reject
 from billing.config import LedgerConfig
 from billing.cost import gpu_cost
 from billing.credit import kv_credit_us
-from billing.db import SCHEMA_REVISION, current_revision, dialect_insert, session_factory
+from billing.db import SCHEMA_REVISION, current_revision, dialect_insert, session_factory, shown_url
 from billing.errors import LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
 from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
@@ -286,7 +286,7 @@ class Ledger:
         whatever the failing statement raised: retrying cannot help. Otherwise a database that did not
         answer (refused, closed or lost connection, locked file) is the retriable LedgerUnavailableError.
         """
-        url = self._engine.url.render_as_string(hide_password=True)
+        url = shown_url(self._engine.url)
         try:
             yield
         except DBAPIError as exc:

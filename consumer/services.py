@@ -43,8 +43,10 @@ def shown_url(url: str) -> str:
     """A database URL fit for a log line or a message: its password masked."""
     from sqlalchemy.engine import make_url
 
+    from billing.db import shown_url as shown
+
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        return shown(make_url(url))
     except Exception:  # noqa: BLE001 - not a URL at all: show nothing of it that could be a secret
         return "(the configured ledger.url)"
 

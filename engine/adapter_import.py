@@ -74,7 +74,8 @@ class Imported:
 def import_adapter(path: Path, store: AdapterStore, checks: AdapterChecks) -> Imported:
     """Read, hash, check and store one adapter folder; raises AdapterError (what is wrong and the fix) or OSError."""
     config_path, weights_path = adapter_files(path, store.max_bytes)
-    config, weights = bytes(read_file(config_path, store.max_bytes)), read_file(weights_path, store.max_bytes)
+    config = bytes(read_file(config_path, store.max_bytes))
+    weights = read_file(weights_path, store.max_bytes - len(config))  # the limit is on both files together
     adapter = parse_adapter(config, weights, checks.model, max_lora_rank=checks.max_lora_rank,
                             sha256=content_sha256(config, weights), source=Path(path), base_fingerprint=checks.base_fingerprint)  # fmt: skip
     _check_alpha(adapter.alpha, config_path)  # before the store: a refused adapter leaves nothing behind

@@ -124,7 +124,8 @@ def read_validated(path: Path, registered: str | None, model: ModelConfig, max_a
     """(sha256, the validated adapter, or None when its content is not the `registered` sha256) of the folder at `path`:
     what a store read does before the page layout, in the engine's process or a reader process (engine.adapter_reader)."""
     config_path, weights_path = adapter_files(path, max_adapter_bytes)
-    config_bytes, weight_bytes = bytes(read_file(config_path, max_adapter_bytes)), read_file(weights_path, max_adapter_bytes)
+    config_bytes = bytes(read_file(config_path, max_adapter_bytes))
+    weight_bytes = read_file(weights_path, max_adapter_bytes - len(config_bytes))  # the limit is on both files together
     if registered is None or len(weight_bytes) < OVERLAP_HASH_BYTES:
         return read_validated_serial(path, config_bytes, weight_bytes, registered, model, max_lora_rank, fingerprint)
     # The registered content is expected: hash on a thread of its own (hashlib lets go of the GIL over the bytes) while

@@ -67,7 +67,8 @@ def load_adapter_dir(
 ) -> LoraAdapter:
     """Read, hash and validate a PEFT adapter folder against the base model `model`."""
     config_path, weights_path = adapter_files(path, max_bytes)
-    config_bytes, weight_bytes = bytes(read_file(config_path, max_bytes)), read_file(weights_path, max_bytes)
+    config_bytes = bytes(read_file(config_path, max_bytes))
+    weight_bytes = read_file(weights_path, max_bytes - len(config_bytes))  # the limit is on both files together
     return parse_adapter(
         config_bytes,
         weight_bytes,

@@ -62,8 +62,9 @@ def read_file(path: Path, max_bytes: int) -> bytearray:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
-            raise AdapterError(f"{path} takes {size} bytes, over the limit of {max_bytes} (engine.max_adapter_bytes); "
-                               "lower the adapter's rank or raise the limit", code="adapter_too_large")
+            raise AdapterError(f"{path} takes {size} bytes, over the {max_bytes} left to it of engine.max_adapter_bytes "
+                               "(the adapter's files together); lower the adapter's rank or raise the limit",
+                               code="adapter_too_large")
         buf = bytearray(size)
         got = f.readinto(buf)
     if got < len(buf):  # shrank meanwhile: what is left (read_safetensors refuses it as truncated)

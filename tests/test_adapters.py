@@ -175,6 +175,27 @@ def test_a_file_swapped_for_a_larger_one_after_the_size_check_is_refused_unread(
     assert e.value.code == "adapter_too_large" and str(64 * MB + 1) in str(e.value), e.value
 
 
+def test_the_limit_holds_for_both_files_together_when_one_grows_after_the_check(demo_set, tmp_path, monkeypatch):
+    """Each file under engine.max_adapter_bytes alone, both over it together once the config grew after the check."""
+    import engine.adapters as adapters_mod
+
+    model = read_model_config(demo_set["model"])
+    d = _copy(demo_set, tmp_path)
+    limit = sum(f.stat().st_size for f in d.iterdir()) + 10
+    checked = adapters_mod.adapter_files
+
+    def check_then_grow(path, max_bytes):
+        paths = checked(path, max_bytes)
+        with open(d / "adapter_config.json", "a") as f:
+            f.write(" " * 100)
+        return paths
+
+    monkeypatch.setattr(adapters_mod, "adapter_files", check_then_grow)
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=64, max_bytes=limit)
+    assert e.value.code == "adapter_too_large" and "adapter_model.safetensors" in str(e.value), e.value
+
+
 def test_too_large_and_escaping_symlinks_are_refused(demo_set, tmp_path):
     model = read_model_config(demo_set["model"])
     d = _copy(demo_set, tmp_path)

@@ -156,3 +156,17 @@ def test_config_show_prints_no_credential(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     assert 'security_protocol = "SASL_SSL"' in out.output and "sasl_password_env" in out.output
     assert SECRET not in out.output and "user-from-file-xyz" not in out.output
+
+
+def test_a_password_given_as_a_query_parameter_is_masked_in_what_the_ledger_says():
+    """libpq takes `?password=`; SQLAlchemy's hide_password masks only the user part's, and the ledger's errors and log
+    lines printed the parameter as written."""
+    from sqlalchemy.engine import make_url
+
+    from billing.db import shown_url
+    from consumer.services import shown_url as shown_by_the_worker
+
+    url = "postgresql+psycopg://billing:userpart@db:5432/ledger?sslmode=require&PassWord=q-secret&application_name=x"
+    for shown in (shown_url(make_url(url)), shown_by_the_worker(url)):
+        assert "q-secret" not in shown and "userpart" not in shown, shown
+        assert "PassWord=***" in shown and "sslmode=require" in shown and "application_name=x" in shown, shown
