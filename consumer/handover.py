@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 
 from consumer.delivery import STALL_S
 from consumer.feeder import Routed
+from consumer.kafka import membership_lost
 from consumer.scheduler import Pending
 
 if TYPE_CHECKING:
@@ -132,13 +133,15 @@ class Handover:
         except TimeoutError:
             log.warning("stopping: the engine did not give back its jobs within worker.revoke_deadline_s + 5 s")
 
-    async def on_revoked(self, revoked: set[TopicPartition], *, forget: bool = True) -> int:
+    async def on_revoked(self, revoked: set[TopicPartition], *, forget: bool = True, lost: bool = False) -> int:
         """Leave the revoked partitions' queued jobs to the new owner, let what runs for them finish within the deadline
         and commit it; abandon the rest (aborted in the engine, its results unpublished, its offsets uncommitted: the new
         owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets
-        and leaves their commit to the stop's last one, which covers what is delivered after. Returns how many jobs it
-        left (dropped or aborted)."""
-        deadline = time.monotonic() + self.w.s.worker.revoke_deadline_s
+        and leaves their commit to the stop's last one, which covers what is delivered after. `lost`: the group dropped
+        this worker (its session expired) and another member already runs these partitions from their committed offsets:
+        what runs is aborted at once and nothing is committed (the broker would refuse it). Returns how many jobs it left
+        (dropped or aborted)."""
+        deadline = time.monotonic() + (0.0 if lost else self.w.s.worker.revoke_deadline_s)
         self.revoked = set(revoked)
         # The queue first: a place in the engine freed while the running jobs finish must not take one of these.
         dropped = self.w.scheduler.drop(set(revoked))
@@ -147,7 +150,7 @@ class Handover:
             key = (item.job.tenant_id, item.job.request_id)
             item.abandoned = True
             await self.w.intake.orphaned(key, revoked)
-        if dropped:
+        if dropped and not lost:
             log.info("rebalance: %d queued jobs of revoked partitions left to their next owner", len(dropped))
 
         def revoked_running() -> list[Routed]:
@@ -161,10 +164,26 @@ class Handover:
         aborted = revoked_running()
         for item in aborted:  # all marked before the first abort's round trip
             item.abandoned = True
+        if lost:
+            # A worker frozen past its session (SIGSTOP, a paused VM, a starved host) wakes here, on its next heartbeat.
+            # Without this it gave what ran worker.revoke_deadline_s more, publishing and billing work that the
+            # partitions' new owner was already redoing, then logged the commit the broker refused as "the next commit
+            # retries". Said before the aborts: each is a round trip between engine steps (64 took 8 s on the CPU demo).
+            log.warning("lost partitions %s: the group dropped this worker (no heartbeat for kafka.session_timeout_ms = "
+                        "%.0f s: the process was frozen or starved) and gave them to another member; %d queued and %d "
+                        "running jobs left to it uncommitted (it runs and bills them), nothing committed for them; "
+                        "rejoining the group", ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(revoked)),
+                        self.w.s.kafka.session_timeout_ms / 1000, len(dropped), len(aborted))
+            self.w.metrics.partitions_lost.inc(len(revoked))
         for item, outcome in zip(aborted, await asyncio.gather(
                 *(self.w.aengine.abort(item.job.request_id, tenant_id=item.job.tenant_id) for item in aborted), return_exceptions=True)):  # fmt: skip
             if isinstance(outcome, Exception):  # a dead engine has failed its jobs already
                 log.warning("rebalance: aborting %s/%s failed: %s", item.job.tenant_id, item.job.request_id, outcome)
+        if lost:
+            if forget:
+                self.w.offsets.forget(revoked)
+                self.w.stages.forget(revoked)
+            return len(aborted) + len(dropped)
         if self.w.deliverer is not None:
             try:
                 drained = await asyncio.wait_for(self.w.deliverer.drain(stall_s=STALL_S),
@@ -186,7 +205,7 @@ class Rebalance(ConsumerRebalanceListener):
         self.handover = handover
 
     async def on_partitions_revoked(self, revoked):
-        await self.handover.on_revoked(set(revoked))
+        await self.handover.on_revoked(set(revoked), lost=membership_lost(self.handover.w.consumer))
 
     async def on_partitions_assigned(self, assigned):
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))

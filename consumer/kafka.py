@@ -117,6 +117,15 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
     )
 
 
+def membership_lost(consumer: AIOKafkaConsumer) -> bool:
+    """Whether the group coordinator no longer knows this consumer: its session expired (no heartbeat for
+    kafka.session_timeout_ms: the process was frozen or starved) and its partitions went to other members. aiokafka 0.14
+    then resets the member's generation (to OffsetCommitRequest.DEFAULT_GENERATION_ID, -1) before it rejoins and revokes
+    what it held; a plain rebalance keeps it. The broker refuses a commit made then (UnknownMemberId)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    return coordinator is not None and coordinator.generation < 0
+
+
 async def group_members(cfg: KafkaConfig) -> str:
     """Who holds the workers' group, in a line for the log of a join that hangs: its state and members' ids (a worker's
     id leads its member id). A member whose worker is gone holds the group until its session times out; the embedded

@@ -40,6 +40,8 @@ class WorkerMetrics:
                                        registry=r)
         self.engine_stalls = Counter("lorabatch_engine_stalls_total", "Engine processes killed for answering nothing for "
                                      "worker.engine_stall_s", registry=r)
+        self.partitions_lost = Counter("lorabatch_partitions_lost_total", "Partitions the group took from this worker "
+                                       "after its session expired (a frozen or starved process)", registry=r)
         self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)
         self.in_flight = Gauge("lorabatch_in_flight", "Jobs fetched and not yet committed", registry=r)
         self.batches = Counter("lorabatch_batches_total", "Engine batches run", registry=r)
