@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from types import SimpleNamespace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -24,7 +26,6 @@ from consumer.submit import produce_jobs
 from tests.db_fixtures import fresh_pg_schema
 from tests.service_fixtures import committed_vs_end, open_services, read_all, service_settings
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 N_JOBS = 80
 SESSION_MS = 6_000
@@ -65,6 +66,8 @@ def _assignments(log_path) -> list[str]:
     return [line for line in log_path.read_text().splitlines() if "assigned [" in line]
 
 
+@pytest.mark.slow
+@pytest.mark.postgres
 async def test_a_worker_frozen_past_its_session_loses_its_partitions_cleanly(broker, tmp_path, demo_set, pg_database):
     """Invariants: one usage row per job; duplicate results agree on who, what and the text; the woken worker commits no
     offset of a partition it lost (the group's offsets end at the log's end, nothing skipped) and says so in one line;
@@ -169,3 +172,62 @@ async def test_a_worker_frozen_past_its_session_loses_its_partitions_cleanly(bro
         lines = {line.item: line.us for line in report.lines}
         assert lines["unbilled_work"] > 0 and lines["unexplained_busy"] == 0, lines
         svc.close()
+
+
+class _DroppedMember:
+    """A consumer the group dropped: aiokafka reset its generation; a commit is recorded (the broker would refuse it)."""
+
+    def __init__(self, generation: int):
+        self._coordinator = SimpleNamespace(generation=generation)
+        self.commits: list[dict] = []
+
+    async def commit(self, offsets):
+        self.commits.append(dict(offsets))
+
+
+class _Engine:
+    def __init__(self):
+        self.aborted: list[tuple[str, str]] = []
+
+    async def abort(self, request_id, tenant_id=""):
+        self.aborted.append((tenant_id, request_id))
+
+
+async def test_lost_partitions_are_abandoned_at_once_and_not_committed(tmp_path, caplog):
+    """A revoke after the group dropped the worker (generation reset) aborts what runs without waiting for
+    worker.revoke_deadline_s (here an hour: the job never finishes), commits nothing, forgets the partitions and says so
+    in one line; `membership_lost` is false for a member in good standing (generation 0 on Tansu's first join)."""
+    from aiokafka import TopicPartition
+
+    from consumer.config import load_settings
+    from consumer.handover import Rebalance
+    from consumer.kafka import membership_lost
+    from consumer.registry import RegistrySnapshot
+    from consumer.worker import Worker
+    from engine.config import EngineConfig
+
+    assert not membership_lost(_DroppedMember(0)) and not membership_lost(_DroppedMember(7))
+    assert membership_lost(_DroppedMember(-1))
+    tp, kept = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    s = load_settings(None, {"worker.spool_path": str(tmp_path / "spool.sqlite"), "worker.revoke_deadline_s": 3600})
+    w = Worker(s, SimpleNamespace(config=EngineConfig(max_batch_size=32)),
+               SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path)),
+               ledger=None)
+    w.consumer = dropped = _DroppedMember(-1)
+    w.aengine = engine = _Engine()
+    for offset in (0, 1, 2):
+        w.offsets.fetched(tp, offset)
+    w.offsets.finished(tp, 0)  # done: committable, but not by a dropped member
+    running = SimpleNamespace(tp=tp, job=SimpleNamespace(tenant_id="acme", request_id="r1"), abandoned=False)
+    other = SimpleNamespace(tp=kept, job=SimpleNamespace(tenant_id="acme", request_id="r2"), abandoned=False)
+    w.handover.in_engine.update({1: (None, running), 2: (None, other)})
+    with caplog.at_level(logging.INFO, "lorabatch.worker"):
+        await asyncio.wait_for(Rebalance(w.handover).on_partitions_revoked({tp}), 30)
+    assert running.abandoned and not other.abandoned
+    assert engine.aborted == [("acme", "r1")]
+    assert dropped.commits == [], "a dropped member commits nothing"
+    assert tp not in w.offsets.partitions()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("lost partitions jobs:0:") for m in lines) == 1, lines
+    assert len(lines) == 1, lines
+    assert w.metrics.registry.get_sample_value("lorabatch_partitions_lost_total") == 1
