@@ -43,7 +43,7 @@ class _SilentCoordinator:
 def _worker(tmp_path, consumer) -> Worker:
     s = load_settings(None, {"worker.spool_path": str(tmp_path / "spool.sqlite")})
     engine = SimpleNamespace(config=EngineConfig(max_batch_size=32))
-    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=None)
+    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path))
     w = Worker(s, engine, registry, ledger=None)
     w.consumer = consumer
     w.offsets.finished(TP, 0, w.offsets.fetched(TP, 0))
