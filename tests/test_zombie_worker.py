@@ -157,7 +157,8 @@ async def test_a_worker_frozen_past_its_session_loses_its_partitions_cleanly(bro
         assert "Traceback" not in text_a, f"logs in {tmp_path}"
         woke = [line for line in text_a.splitlines() if "member_id was not recognized" in line]
         assert woke, f"A learnt on its next heartbeat that the group dropped it; logs in {tmp_path}"
-        assert all(c == 200 and body["phase"] == "serving" for _, c, body in ready_seen), ready_seen
+        # Answered at every probe after the wake, the worker serving (while it rejoins, 200 today); ready again after.
+        assert all(c in (200, 503) and body["phase"] == "serving" for _, c, body in ready_seen), ready_seen
         # A's abandoned engine time is named unbilled work; B bills the jobs; nothing is left unexplained.
         from billing.config import LedgerConfig
         from billing.db import make_engine
