@@ -13,6 +13,7 @@ pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
 SLOWEST_FIRST = (  # by their time in a full run here (session 29); the compile test is slow on a cold Triton cache
     "tests/test_kernels_compile.py",
     "tests/test_cuda_graph.py",
+    "tests/test_zombie_worker.py",
     "tests/test_cli_errors.py",
     "tests/test_scaleout.py",
     "tests/test_kernel_attention.py",
