@@ -222,7 +222,10 @@ def unpack_stacks(w: LoraPages) -> tuple[torch.Tensor, torch.Tensor]:
 def _rows(pool: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:  # [*offsets.shape, width]
     """pool[o : o + width] for every offset o, gathered through an overlapping strided view (no index per element)."""
     view = pool.as_strided((pool.numel() - width + 1, width), (1, 1))
-    return view[offsets.clamp(0, pool.numel() - width)]
+    rows = offsets.clamp(0, pool.numel() - width)
+    # index_select copies whole rows; indexing the view (`view[rows]`) gathered element by element, 7x slower on a CPU
+    # (40 x 64 rows of 256 floats: 11 ms against 1.6 ms), the most of a CPU engine's step on the torch backend
+    return view.index_select(0, rows.reshape(-1)).view(*rows.shape, width)
 
 
 @dataclass(frozen=True)
