@@ -292,8 +292,25 @@ def test_the_collector_runs_while_a_round_is_in_flight(short_engine, monkeypatch
     assert "garbage-collector pass between rounds raised" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def eager_chains(short_engine) -> tuple[list[GenerationRequest], int, list, int]:
+    """(requests, an EOS id, their results in eager steps with that EOS honoured, how many steps those took): the
+    reference of every decode_steps below, made once (the same requests, the same engine, the same tokens each time)."""
+    engine = short_engine
+    reqs = _chain_requests(6, 8)
+    with pytest.MonkeyPatch.context() as eager:
+        _eager(engine, eager)
+        single = engine.generate(reqs)  # batched as the rounds are: on a GPU a batch of one rounds differently
+        eos = single[0].output_ids[2]  # request 0 (greedy, EOS honoured) stops at its third token
+        eager.setattr(engine, "eos_ids", (eos,))
+        engine.pop_step_records()
+        want = engine.generate(reqs)
+        single_steps = len(engine.pop_step_records())
+    return reqs, eos, want, single_steps
+
+
 @pytest.mark.parametrize("decode_steps", [1, 4])
-def test_decode_chains_generate_what_single_steps_do(short_engine, monkeypatch, decode_steps):
+def test_decode_chains_generate_what_single_steps_do(short_engine, eager_chains, monkeypatch, decode_steps):
     engine = short_engine
     """Decode rounds of several graph replays (config decode_steps, engine.cuda_graphs "Chains"), or of one
     (decode_steps 1), each next round launched from the last one's tokens on the device before the host reads them,
@@ -301,15 +318,9 @@ def test_decode_chains_generate_what_single_steps_do(short_engine, monkeypatch, 
     cut to the fewest tokens left) and a request stopped early by EOS (its rows after the stop are charged to it, its
     tokens dropped). Every step is its own record, its shares sum to its time, and all records together are what the
     requests are charged."""
-    reqs = _chain_requests(6, 8)
-    with monkeypatch.context() as eager:
-        _eager(engine, eager)
-        single = engine.generate(reqs)  # batched as below: on a GPU a batch of one rounds differently
-        eos = single[0].output_ids[2]  # request 0 (greedy, EOS honoured) stops at its third token
-        monkeypatch.setattr(engine, "eos_ids", (eos,))
-        engine.pop_step_records()
-        want = engine.generate(reqs)
-        single_steps = len(engine.pop_step_records())
+    reqs, eos, want, single_steps = eager_chains
+    monkeypatch.setattr(engine, "eos_ids", (eos,))
+    engine.pop_step_records()
     assert want[0].finish_reason == "eos" and len(want[0].output_ids) <= 3
 
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"decode_steps": decode_steps}))
