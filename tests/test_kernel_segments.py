@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_segments import rows_of, segments_from_indices, segments_per_row
+from kernels.lora_segments import _rows, rows_of, segments_from_indices, segments_per_row
 
 CASES = [
     # (name, per-row slots, want start, want slot, want max_len)
@@ -51,3 +51,29 @@ def test_slots_below_minus_one_are_refused():
     """-1 means no adapter; anything lower is a caller's bug, caught before a kernel reads slot -2."""
     with pytest.raises(AssertionError, match="below -1"):
         segments_from_indices([0, -2], device="cpu")
+
+
+ROW_OFFSETS = [
+    # (name, offsets into a pool of 10, width)
+    ("one", [[3]], 4),
+    ("overlapping and repeated", [[0, 2], [2, 6]], 4),
+    ("past the end: the last full row", [[7, 9, 10**6]], 4),
+    ("before the start: the first", [[-1, -(10**6)]], 3),
+    ("the whole pool", [[0]], 10),
+    ("none", torch.empty(0, 5, dtype=torch.int64), 4),
+]
+
+
+@pytest.mark.parametrize(("name", "offsets", "width"), ROW_OFFSETS, ids=[c[0] for c in ROW_OFFSETS])
+def test_rows_gathers_pool_slices_clamped_into_the_pool(name, offsets, width):
+    """_rows (the references' page reads) gives pool[o : o + width] for every offset o, shaped [*offsets, width], an
+    offset outside the pool read at the nearest one inside, and a fresh tensor: writing it leaves the pool alone."""
+    pool = torch.arange(10, dtype=torch.float32)
+    offsets = torch.as_tensor(offsets, dtype=torch.int64)
+    got = _rows(pool, offsets, width)
+    assert got.shape == (*offsets.shape, width)
+    flat = [min(max(o, 0), 10 - width) for o in offsets.flatten().tolist()]
+    want = torch.stack([pool[o : o + width] for o in flat]) if flat else torch.empty(0, width)
+    assert torch.equal(got.reshape(-1, width), want), (got, want)
+    got.fill_(-1.0)
+    assert torch.equal(pool, torch.arange(10, dtype=torch.float32))
