@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
@@ -38,6 +40,18 @@ SLOWEST_FIRST = (  # by their time in a full run here (session 29); the compile 
     "tests/test_serving_prefix_cache.py",
     "tests/test_engine_numerics.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in each xdist worker and in the processes it starts (engine processes, CLI workers). The three
+    workers share two cores: at torch's default of two intra-op threads each, the threads spin waiting for one another
+    and every CPU forward crawls. Measured on this machine, tests/test_engine.py beside two other torch processes
+    (as in a suite run): 64 s at two threads each, 9.3 s at one (5.3 s alone on a quiet machine)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by torch at import, here and in every child process
+        import torch
+
+        torch.set_num_threads(1)  # torch may be imported already (plugins, the collection of an earlier file)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
