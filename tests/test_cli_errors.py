@@ -497,7 +497,7 @@ def test_a_spool_path_under_a_file_names_the_key(tmp_path):
     (tmp_path / "afile").write_text("")
     s = load_settings(None, {"worker.spool_path": str(tmp_path / "afile" / "spool.sqlite")})
     engine = SimpleNamespace(config=EngineConfig(max_batch_size=32))
-    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=None)
+    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path / "store"))
     with pytest.raises(ConfigError) as e:
         Worker(s, engine, registry, ledger=None)
     message = operational_message(e.value)
