@@ -112,7 +112,7 @@ class Worker:
         self.ledger = ledger
         self.metrics = metrics or WorkerMetrics()
         self.metrics.health.engine_alive = lambda: self.aengine.alive
-        self.metrics.health.store_root = registry.store.root
+        self.metrics.health.store_root = getattr(registry.store, "root", None)  # /readyz: the store's folder, if it has one
         self.worker_id = settings.worker.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         w, r = settings.worker, settings.routing
         try:

@@ -425,10 +425,10 @@ def test_a_failed_batch_fails_its_items_and_the_rest_go_on(tmp_path, demo_set, m
     entries = [e for name, path in folders for e in bulk.from_folder(name, path, bulk.Flags("acme"))]
     real_read = engine.adapter_import.read_file
 
-    def read(path):
+    def read(path, max_bytes):
         if path.parent.name == "locked":
             raise PermissionError(13, "Permission denied", str(path))
-        return real_read(path)
+        return real_read(path, max_bytes)
 
     monkeypatch.setattr(engine.adapter_import, "read_file", read)
     registry = _FlakyRegistry(AdapterStore(tmp_path / "store", max_bytes=10**9))
