@@ -9,6 +9,7 @@ The file is read as it is produced (submit.py), so what is held at once is a lin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,19 +90,56 @@ def read_lines(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: 
     except OSError as e:
         raise SubmitError(f"cannot read {path}: {e}") from e
     first_line: dict[str, int] = {}  # request_id -> the line that gave it first
+    limit = None if max_message_bytes is None else LINE_FACTOR * max_message_bytes
     n = 0
     with f:
-        while True:
-            try:
-                physical = f.readline()
-            except OSError as e:
-                raise SubmitError(f"cannot read {path} after line {n}: {e}") from e
-            if not physical:
-                return
-            pieces = physical.splitlines(keepends=True)  # a CR alone breaks a line too, as bytes.splitlines has it
-            for raw in pieces:
-                n += 1
+        for raw, size in _raw_lines(f, limit, lambda e: SubmitError(f"cannot read {path} after line {n}: {e}")):
+            n += 1
+            if raw is None:
+                yield Line(n, size, error=f"line {n}: {size} bytes long, over {LINE_FACTOR} times "
+                                          f"kafka.max_message_bytes={max_message_bytes}: no job fits a Kafka message from "
+                                          f"such a line, so it was skipped unread; shorten its prompt, or check that the file "
+                                          f"is JSON Lines (one object a line)")
+            else:
                 yield _read_line(n, raw, tenant_id, batch_id, first_line, max_message_bytes, key_by)
+
+
+# A line may be longer than the job it becomes (a "\u0061" escape is 6 bytes of the line and 1 of the job; OpenAI
+# fields such as `metadata` are dropped), but not 8 times longer: a longer line is read past, never held (a 200 MB line
+# was 1,040 MB of memory held whole, to be refused as over the 1 MB message limit).
+LINE_FACTOR = 8
+_BLOCK = 1 << 20  # bytes asked of the file a read
+_BREAK = re.compile(rb"\r\n?|\n")  # LF, CRLF or CR, as bytes.splitlines has them
+
+
+def _raw_lines(f, limit: int | None, failed) -> Iterator[tuple[bytes | None, int]]:
+    """(the line's bytes, its break included, or None where over `limit` bytes, its size) for each line of `f`: a
+    line over the limit is read past, not held. `failed(OSError)` is the exception to raise for a read that fails."""
+    buf = b""
+    skipped = 0  # bytes read so far of a line over the limit
+    while True:
+        try:
+            block = f.read1(_BLOCK)  # what is there: a pipe's lines are taken as they come, not once 1 MB has
+        except OSError as e:
+            raise failed(e) from e
+        buf += block
+        pos = 0
+        while (m := _BREAK.search(buf, pos)) is not None:
+            if block and m.end() == len(buf) and buf.endswith(b"\r"):
+                break  # the LF of a CRLF may be in the next block
+            line, pos = buf[pos:m.end()], m.end()
+            size = skipped + len(line)
+            yield (None if skipped or (limit is not None and size > limit) else line), size
+            skipped = 0
+        buf = buf[pos:]
+        if not block:
+            if buf or skipped:
+                size = skipped + len(buf)
+                yield (None if skipped or (limit is not None and size > limit) else buf), size
+            return
+        if limit is not None and len(buf) > limit:
+            skipped += len(buf)
+            buf = b""
 
 
 def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: dict[str, int], max_message_bytes: int | None,
@@ -113,7 +151,13 @@ def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: di
         text = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM (a Windows editor's, or a file's joined on) is no content
         if not text.strip():
             return out
-        data, repeated = load_json(text)
+        try:
+            data, repeated = load_json(text)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # Python's: "Exceeds the limit (4300 digits) for integer string conversion ..."
+            raise ValueError("a number of more than 4,300 digits, which no field takes; write numbers in the range their "
+                             "field takes (the README's \"Job and result contract\")") from None
         if repeated:
             raise ValueError(f"key {repeated[0][0]!r} is given twice in one object; give each key once")
         if not isinstance(data, dict):
@@ -145,9 +189,10 @@ def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: di
             out.record = record
         out.job, out.request = job, request
     except UnicodeDecodeError as e:
-        out.error = f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"
+        utf16 = " (it starts with a UTF-16 byte order mark)" if n == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        out.error = f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}){utf16}; save the file as UTF-8"
     except json.JSONDecodeError as e:
-        out.error = f"line {n}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); {_json_fix(e.msg)}"
+        out.error = f"line {n}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); {_json_fix(e.msg, e.doc)}"
     except RecursionError:
         out.error = f"line {n}: the JSON nests too deeply; send a flat job object (the README's \"Job and result contract\")"
     except ValidationError as e:
@@ -163,10 +208,14 @@ def _json_type(value: object) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
 
 
-def _json_fix(msg: str) -> str:
-    """What to do about a line the JSON decoder refused with `msg`."""
+def _json_fix(msg: str, text: str) -> str:
+    """What to do about a line `text` the JSON decoder refused with `msg`."""
     if msg.startswith("Invalid control character"):
         return "escape control characters inside strings (\\n, \\t, \\u0000)"
+    line = text.strip()
+    if line[:1] in ("[", "]") or (msg.startswith("Extra data") and line.endswith(",")):
+        # A JSON array written an element a line: "[", then "{...},", then "]".
+        return "a JSON array is not JSON Lines: write each of its objects on a line of its own, without the brackets and commas"
     return "write each line as one JSON object (JSON Lines: one object a line, no line break inside it)"
 
 
