@@ -225,7 +225,7 @@ class Deliverer:
                            request_id=r.request_id, tenant_id=r.tenant_id, batch_id=r.batch_id)
         if o.usage is not None:  # the GPU time was spent: the row keeps it, with the status the tenant saw
             o.usage = dataclasses.replace(o.usage, status="failed", error_code=code)
-        self.metrics.dlq.labels(code).inc()
+        self.metrics.dead_letter(code)
         log.error("result of %s/%s is undeliverable (%s); a failed result and a DLQ record go out instead",
                   r.tenant_id, r.request_id, why)
 
@@ -317,7 +317,7 @@ class Deliverer:
                             request_id=getattr(r, "request_id", None), tenant_id=getattr(r, "tenant_id", None),
                             batch_id=getattr(r, "batch_id", None))
         log.error("ledger refused %s: %s; sent to the DLQ", type(r).__name__, e)
-        self.metrics.dlq.labels("ledger_rejected").inc()
+        self.metrics.dead_letter("ledger_rejected")
         dead = Outcome(TopicPartition("ledger", -1), -1, dlq=record)
         await self._publish([dead])
 

@@ -163,7 +163,7 @@ class Intake:
                 # A failure of ours (routing_failed) is not an answer to keep: nothing ran, and a resend may route.
                 self.fail(tp, offset, epoch, job, route.info, now, route.info.code, keep=route.info.code != "routing_failed")
                 continue
-            self.metrics.route_decisions.labels(route.reason).inc()
+            self.metrics.route(route.reason)
             self.metrics.route_decision.observe(route.routing_us / 1e6)
             tokens = estimate_tokens(job)
             if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
@@ -255,7 +255,7 @@ class Intake:
     def fail(self, tp: TopicPartition, offset: int, epoch: int, job: Job, error: ErrorInfo, now: datetime, reason: str,
              keep: bool = True) -> None:
         if error.code not in ("quota_exceeded",):
-            self.metrics.route_decisions.labels(error.code).inc()
+            self.metrics.route(error.code)
         result, usage = failed_before_engine((job.request_id, job.tenant_id, job.batch_id), error, now, self.worker_id,
                                              route_reason=reason, bill=keep and job.tenant_id in self.snapshot.tenants,
                                              tier=self.tier_of(job.tenant_id))
@@ -271,7 +271,7 @@ class Intake:
         record = dlq_record(m.value, rej.error, topic=tp.topic, partition=tp.partition, offset=m.offset,
                             timestamp_ms=m.timestamp, worker_id=self.worker_id, max_bytes=self.s.kafka.max_message_bytes,
                             request_id=rej.request_id, tenant_id=rej.tenant_id, batch_id=rej.batch_id)
-        self.metrics.dlq.labels(rej.error.code).inc()
+        self.metrics.dead_letter(rej.error.code)
         self.dlq_log.note(rej.error.code, f"dlq {tp.topic}:{tp.partition}@{m.offset} {rej.error.message[:300]}")
         self.deliverer.emit(Outcome(tp, m.offset, dlq=record, epoch=epoch))
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of one worker (README.md, "Metrics"), on a registry of its own.
 
 Label values are bounded: tenants and adapters come from the registry (not from job payloads), and
-anything unregistered is counted under UNREGISTERED, which no tenant id can be.
+anything unregistered is counted under UNREGISTERED, which no tenant id can be; routing reasons and DLQ codes are the
+closed sets ROUTE_LABELS and DLQ_CODES, anything else counted under OTHER (`WorkerMetrics.route` and `.dead_letter`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,20 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from consumer.health import Health, serve
+from consumer.routing import REASONS
 
 # The tenant label of jobs whose tenant is not registered. Tenant ids start with a letter or digit: "unknown", the label
 # before, was one, and a tenant registered as `unknown` had every unregistered tenant's requests counted as its own.
 UNREGISTERED = "(unregistered)"
+# A label value outside its closed set (a code added without adding it here): one series, never one per value.
+OTHER = "(other)"
+# lora_route_decision_total{reason}: the routing reasons, and the codes of the jobs that could not be routed.
+ROUTE_ERRORS = ("unknown_tenant", "unknown_adapter", "adapter_forbidden", "no_adapter", "adapter_circuit_open", "routing_failed")
+ROUTE_LABELS = REASONS + ROUTE_ERRORS
+# lorabatch_dlq_total{code}: jobs that could not be read (intake), results the broker would not take (delivery), usage
+# rows the ledger refused.
+DLQ_CODES = ("malformed_json", "invalid_job", "message_too_large", "undecodable_batch", "unprocessable", "result_too_large",
+             "result_undeliverable", "ledger_rejected")
 
 
 class WorkerMetrics:
@@ -86,6 +97,14 @@ class WorkerMetrics:
         self.ledger_schema_ok.set(1)
         self.health = Health(r)  # /healthz and /readyz, served beside /metrics
         self.server = None
+
+    def route(self, reason: str) -> None:
+        """Count one routing decision (or failure) under its reason; one outside ROUTE_LABELS under OTHER."""
+        self.route_decisions.labels(reason if reason in ROUTE_LABELS else OTHER).inc()
+
+    def dead_letter(self, code: str) -> None:
+        """Count one DLQ record under its code; one outside DLQ_CODES under OTHER."""
+        self.dlq.labels(code if code in DLQ_CODES else OTHER).inc()
 
     def serve(self, port: int) -> None:
         """Serve /metrics, /healthz and /readyz (consumer.health) on `port`; a port that cannot be had is a ConfigError
