@@ -39,10 +39,21 @@ class Health:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.phase = "starting"  # starting -> connecting -> serving -> stopping -> stopped
+        self._phase = "starting"  # starting -> connecting -> serving -> stopping -> stopped
         self.engine_alive: Callable[[], bool] = lambda: True
         self.store_root: Path | None = None  # the adapter store's folder (store.adapter_dir), once the worker has one
         self._beat_at: float | None = None
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        """Move to `phase`; never out of "stopped" (a SIGTERM in the moment after the worker's loop ended said "stopping"
+        again, for a worker that had already stopped)."""
+        if self._phase != "stopped":
+            self._phase = phase
 
     def beat(self) -> None:
         self._beat_at = time.monotonic()

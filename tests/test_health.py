@@ -146,3 +146,13 @@ def test_a_probe_that_raises_answers_500_with_a_json_body(served, caplog):
     assert any("/readyz" in r.getMessage() for r in caplog.records), caplog.records
     status, body = get(port, "/healthz")  # the other probe is untouched
     assert status == 200 and json.loads(body)["live"] is True
+
+
+def test_a_stopped_worker_stays_stopped():
+    """A SIGTERM in the moment after the worker's loop ended set the phase back to "stopping"."""
+    h = WorkerMetrics().health
+    for phase in ("connecting", "serving", "stopping", "stopped"):
+        h.phase = phase
+        assert h.phase == phase
+    h.phase = "stopping"
+    assert h.phase == "stopped" and h.ready()[1]["reasons"] == ["the worker has stopped"]
