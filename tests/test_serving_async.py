@@ -102,7 +102,7 @@ async def test_duplicate_id_in_flight_and_engine_calls(engine, demo_set):
     """A second request with an id in flight fails alone; `call` runs engine methods in its thread, errors included."""
     async with AsyncEngine(engine) as ae:
         first = asyncio.create_task(ae.generate(req("dup", max_new_tokens=16)))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the first is submitted; the copy right behind it (16 tokens may finish within a fixed wait)
         second = await ae.generate(req("dup", max_new_tokens=2))
         assert second.error.code == "duplicate_request_id"
         assert (await first).ok
