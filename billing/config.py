@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -57,3 +58,27 @@ class LedgerConfig(BaseModel):
             return check_price("ledger.gpu_price_per_hour", value)
         except PriceError as e:
             raise ValueError(str(e)) from None
+
+
+def url_without_password(url: str) -> str:
+    """`url` with its passwords written `***`: the user part's (`scheme://user:PASSWORD@host...`) and a `password=` query
+    parameter's (libpq and redis-py take one; redis-py's `unix://` form has no other place); the rest unchanged.
+
+    The user part ends where either reading of the URL ends it: redis-py's (urllib) at the last @ before the first /, ?
+    or #; SQLAlchemy's at the first @ after the user's colon, slashes and ? included (a base64 secret holds /:
+    `u:ab/cd@db` is password `ab/cd` there). The mask runs to the later of the two, so neither leaves a piece of it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    ends = []
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if (at := netloc.rfind("@")) != -1 and ":" in netloc[:at]:
+        ends.append(at)
+    # SQLAlchemy's reading; for Redis only an @ before any ? or # (one in its query, `client_name=a@b`, is no user part)
+    if (m := re.match(r"[^:/@?#]*:[^@?#]*@" if scheme.startswith(("redis", "unix")) else r"[^:/@]*:[^@]*@", rest)) is not None:
+        ends.append(m.end() - 1)
+    if ends:
+        colon = rest.index(":")
+        rest = f"{rest[:colon]}:***{rest[max(ends):]}"
+    rest = re.sub(r"([?&;](?:password|passwd|pwd)=)[^&;#]*", r"\1***", rest, flags=re.IGNORECASE)
+    return f"{scheme}://{rest}"

@@ -11,7 +11,6 @@ a command that reads through SQLAlchemy Core (`lorabatch tenants list`) never lo
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import StaticPool
 
+from billing.config import url_without_password
 from billing.errors import LedgerConfigError, LedgerUnavailableError
 
 if TYPE_CHECKING:
@@ -80,8 +80,7 @@ def _resolve_url(url: str | URL) -> URL:
 def shown_url(url: URL) -> str:
     """A database URL fit for a log line or an error: its user's password and a `password=` query parameter (libpq takes
     one) written `***`."""
-    text = url.render_as_string(hide_password=True)
-    return re.sub(r"([?&;](?:password|passwd|pwd)=)[^&;#]*", r"\1***", text, flags=re.IGNORECASE)
+    return url_without_password(url.render_as_string(hide_password=False))
 
 
 def _is_memory_sqlite(url: URL) -> bool:

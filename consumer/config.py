@@ -19,7 +19,7 @@ from typing import Literal
 import tomli_w
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from billing.config import LedgerConfig
+from billing.config import LedgerConfig, url_without_password
 from engine.config import DEVICE_SIZED, EngineConfig
 
 DEFAULT_FILE = Path("lorabatch.toml")
@@ -295,30 +295,6 @@ class Settings(_Section):
             data["ledger"]["url"] = url_without_password(data["ledger"]["url"])
             data["routing"]["redis_url"] = url_without_password(data["routing"]["redis_url"])
         return tomli_w.dumps(data)
-
-
-def url_without_password(url: str) -> str:
-    """`url` with its passwords written `***`: the user part's (`scheme://user:PASSWORD@host...`) and a `password=` query
-    parameter's (libpq and redis-py take one; redis-py's `unix://` form has no other place); the rest unchanged.
-
-    The user part ends where either reading of the URL ends it: redis-py's (urllib) at the last @ before the first /, ?
-    or #; SQLAlchemy's at the first @ after the user's colon, slashes and ? included (a base64 secret holds /:
-    `u:ab/cd@db` is password `ab/cd` there). The mask runs to the later of the two, so neither leaves a piece of it."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    ends = []
-    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    if (at := netloc.rfind("@")) != -1 and ":" in netloc[:at]:
-        ends.append(at)
-    # SQLAlchemy's reading; for Redis only an @ before any ? or # (one in its query, `client_name=a@b`, is no user part)
-    if (m := re.match(r"[^:/@?#]*:[^@?#]*@" if scheme.startswith(("redis", "unix")) else r"[^:/@]*:[^@]*@", rest)) is not None:
-        ends.append(m.end() - 1)
-    if ends:
-        colon = rest.index(":")
-        rest = f"{rest[:colon]}:***{rest[max(ends):]}"
-    rest = re.sub(r"([?&;](?:password|passwd|pwd)=)[^&;#]*", r"\1***", rest, flags=re.IGNORECASE)
-    return f"{scheme}://{rest}"
 
 
 def check_worker_fits(worker: WorkerConfig, engine: EngineConfig, *, only_set: bool = False) -> None:

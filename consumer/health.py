@@ -5,8 +5,9 @@ a thread holding it) answers 503, so a liveness probe restarts a worker that wou
 silent, its heartbeats to the broker kept by aiokafka's own thread. Before the loop starts (the engine being built,
 minutes of model loading on a GPU) it answers 200: starting is not hung.
 
-/readyz answers 200 while the worker consumes: connected to its broker, its engine running, not stopping, and able to
-bill what it runs (the ledger takes rows or the spool does, and the ledger's schema is current). Otherwise 503. Both
+/readyz answers 200 while the worker consumes: joined to its group and not waiting for its broker, its engine running,
+not stopping, and able to bill what it runs (the ledger takes rows or the spool does, and the ledger's schema is
+current). Otherwise 503. Both
 answer a JSON body naming each check, and /readyz the dependencies it serves without (Redis, the ledger, while the
 spool takes their place; the adapter store, gone or unreadable under it) under "degraded". A store gone leaves the worker
 ready: jobs on the base model still run and each job for an adapter fails with the adapter's own code (adapter_missing),
@@ -15,6 +16,7 @@ but /readyz names the folder and what is wrong with it, where it said nothing (e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -60,8 +62,6 @@ class Health:
 
     async def beat_forever(self) -> None:
         """Beat every BEAT_S until cancelled: run it on the loop the worker runs on."""
-        import asyncio
-
         while True:
             self.beat()
             await asyncio.sleep(BEAT_S)

@@ -152,9 +152,8 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        """Whether the child runs and answers; False before start, once closed, or if it died."""
-        proc = self._proc  # read once: /readyz asks from its own thread while a close on the loop sets it to None
-        return proc is not None and self._dead is None and proc.is_alive()
+        """Whether the child runs and answers (its handle read once: /readyz asks while a close clears it)."""
+        return (proc := self._proc) is not None and self._dead is None and proc.is_alive()
 
     @property
     def died(self) -> bool:
