@@ -48,7 +48,14 @@ run, wherever that falls. Where no window is called (an engine with no decode ro
 test keeps it from looking), CPython takes the full pass itself a little later, so cyclic garbage is still freed. The
 engine process holds them only where decode rounds can run (CUDA graphs).
 
-Left alone: `gc.freeze`, a disabled collector or a threshold of 0 (the window does nothing), and Pythons
+Freezes. A full pass's time depends on what `gc.freeze` set aside, so the window forgets the last one's time when objects
+are frozen or thawed. It learns of that through this module's `freeze` and `unfreeze`, which the engine process and the
+benches call, not through `gc.get_freeze_count`: CPython 3.11-3.13 count the frozen objects by walking their list, 20-40
+ms at 2,000 adapters on an H200's host with every record frozen, and the window called it at every pass it ran (issue
+19's slowest decode calls: 8-step rounds whose window took 20-37 ms with under 1.5 ms of it collecting, engine/PERF.md,
+session 30). A `gc.freeze` made elsewhere goes unseen: the window keeps the last full pass's time until the next one.
+
+Left alone: a disabled collector or a threshold of 0 (the window does nothing), and Pythons
 whose collector is not CPython 3.11-3.13's three generations (3.14's incremental collector, free-threaded builds): there
 the window does nothing and the automatic collector runs as it does. Not handled: another thread that disables the
 collector while `deferred` has it off finds it on again when the body ends (the step loop's process runs no such
@@ -65,7 +72,7 @@ import time
 from collections.abc import Iterator
 
 FULL_AFTER = 10  # a full pass once this many times the third threshold of generation-1 passes have run since the last
-# A full pass's time before one ran here since the last gc.freeze or unfreeze (which change what a full pass walks: 78 ms
+# A full pass's time before one ran here since the last `freeze` or `unfreeze` (which change what a full pass walks: 78 ms
 # in the 2,000-adapter bench's warm-up on an H200, 6-7 ms after its freeze; the longest seen after one: 9.2 ms, an H100)
 FULL_GUESS_NS = 10_000_000
 DECAY = 0.9  # of `rise` per call: a burst of allocations is remembered for a few dozen calls
@@ -74,6 +81,21 @@ GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_G
 # a full pass only past the point where a window forces one (2 x FULL_AFTER), a backstop where no window is called
 HELD_FACTOR = 2 * FULL_AFTER + 1
 _held: tuple[int, int] | None = None  # (generation 2's own threshold, the one set) while held (`hold_full_passes`)
+_freezes = 0  # calls of `freeze` and `unfreeze` so far (module docstring, "Freezes")
+
+
+def freeze() -> None:
+    """gc.freeze, told to the windows: their last full pass's time no longer says what the next one walks."""
+    global _freezes
+    gc.freeze()
+    _freezes += 1
+
+
+def unfreeze() -> None:
+    """gc.unfreeze, told to the windows as `freeze` is."""
+    global _freezes
+    gc.unfreeze()
+    _freezes += 1
 
 
 def hold_full_passes() -> bool:
@@ -119,7 +141,7 @@ class CollectorWindow:
         self.ns = 0  # their time
         self.full_ns: int | None = None  # the last full pass's time (None: none ran here yet)
         self.full_put_off = 0  # calls that put a due full pass off, short of the round's end (`__call__`)
-        self._frozen = gc.get_freeze_count()  # the objects gc.freeze had set aside when `full_ns` was measured
+        self._frozen = _freezes  # the freezes and thaws before `full_ns` was measured (module docstring, "Freezes")
         self._holding = False  # inside `deferred`: the collector is off for the window's sake, not the caller's
 
     @contextlib.contextmanager
@@ -161,8 +183,8 @@ class CollectorWindow:
         self._last = c0
         if c0 + self.rise <= t0:
             return None
-        if gc.get_freeze_count() != self._frozen:  # objects frozen or thawed since the last full pass: its time says nothing
-            self.full_ns, self._frozen = None, gc.get_freeze_count()
+        if _freezes != self._frozen:  # objects frozen or thawed since the last full pass: its time says nothing
+            self.full_ns, self._frozen = None, _freezes
         start = time.perf_counter_ns()
         fits = until_ns is not None and start + (self.full_ns or FULL_GUESS_NS) <= until_ns
         generation = 1 if c1 > t1 else 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import math
 import statistics
@@ -36,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.admission import COALESCE_STEPS, AdmissionHold
-from engine.collector import hold_full_passes, release_full_passes
+from engine.collector import hold_full_passes, release_full_passes, unfreeze
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
 from engine.bench.instruments import Compiles, GcPauses, StallStacks
@@ -350,7 +349,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
             warm = _pass(engine, prompts, chosen, new, f"h{count}", batch, synced)
             warm_compiles = compiles.take()
         finally:
-            gc.unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
+            unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
             if held:
                 release_full_passes()
     host_loads = [e for e in warm["events"] + cold["events"] if e.tier == "host"]
