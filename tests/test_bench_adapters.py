@@ -266,3 +266,22 @@ def test_pass_shape_finds_the_first_full_batch_and_the_prompt_calls_device_time(
     assert pass_shape(timeline, 64) == {"full_batch_at_ms": 144.2, "device_ms": 150.3, "prompt_calls_device_ms": 127.7, "prompt_calls": 3}
     assert pass_shape(timeline, 65)["full_batch_at_ms"] is None
     assert pass_shape([], 4) == {"full_batch_at_ms": None, "device_ms": 0.0, "prompt_calls_device_ms": 0.0, "prompt_calls": 0}
+
+
+def test_phases_give_each_pass_its_slowest_calls_and_put_the_engine_back(tmp_path):
+    """--phases: each pass's slowest step() calls by phase (wall and CPU ms, the collector's pauses), the engine's methods
+    wrapped for the measured passes only."""
+    from engine.engine import Engine
+
+    step = Engine.step
+    rows = run("tiny", [3], [4], requests=6, batch=3, prompt=5, new=2, device="cpu", root=tmp_path, phases=True)
+    slow = rows[0]["slowest_calls_phases"]
+    for name in ("cold", "warm"):
+        assert 0 < len(slow[name]) <= 5, slow
+        walls = [c["wall_ms"] for c in slow[name]]
+        assert walls == sorted(walls, reverse=True)
+        first = slow[name][0]
+        assert "_run" in first["phases"] and first["gc_ms"] >= 0, first  # a prompt step: the CPU runs no rounds
+        assert all(w <= first["wall_ms"] + 0.01 for w, _ in first["phases"].values()), first
+    assert Engine.step is step  # put back
+    assert run("tiny", [3], [4], requests=3, batch=3, prompt=5, new=1, device="cpu", root=tmp_path)[0]["slowest_calls_phases"] == {"cold": None, "warm": None}

@@ -140,6 +140,8 @@ def bench_adapters(
                                                "graphs, as in the engine process (--no-gc-in-rounds for an A/B)")] = True,
     load_ahead_share: Annotated[str, typer.Option(help="engine.load_ahead_share: placements ahead of admission stop at this share "
                                                   "of the launched work's device time; none: unbounded")] = "0.5",
+    phases: Annotated[bool, typer.Option(help="time the engine's phases in each step() call and give each pass's slowest "
+                                         "calls by phase in its row (slowest_calls_phases)")] = False,
 ) -> None:
     """Many adapters: tokens/s cold and host-warm per adapter count, loads by tier, load time against the copy floor."""
     from engine.bench.adapters import READ_PROCESSES, READ_THREADS, parse_share, run
@@ -156,7 +158,7 @@ def bench_adapters(
     run(shape, [int(c) for c in counts.split(",")], [int(r) for r in ranks.split(",")], requests, batch, prompt=prompt, new=new,
         targets=tuple(targets.split(",")), gpu_bytes=gpu_bytes, device=device, read_threads=read_threads,
         read_processes=read_processes, timeline=timeline, gil_switch_s=gil_switch_ms / 1000, synced=not pipelined,
-        gc_in_rounds="held" if gc_in_rounds else "off", load_ahead_share=share)  # fmt: skip
+        gc_in_rounds="held" if gc_in_rounds else "off", load_ahead_share=share, phases=phases)  # fmt: skip
 
 
 def bench_mixed_steps(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import statistics
@@ -38,7 +39,7 @@ from engine.admission import COALESCE_STEPS, AdmissionHold
 from engine.collector import hold_full_passes, release_full_passes, unfreeze
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.build import SHAPES, _kv_blocks, _word_tokenizer, model_config, random_model, sync
-from engine.bench.instruments import Compiles, GcPauses, StallStacks
+from engine.bench.instruments import Compiles, GcPauses, StallStacks, StepPhases
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.engine_process import GIL_SWITCH_S, _freeze_gc
@@ -234,7 +235,7 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
         targets: tuple[str, ...] = ("q_proj", "v_proj"), gpu_bytes: int | None = None, device: str | None = None,
         root: Path | None = None, read_threads: int = READ_THREADS, read_processes: int = READ_PROCESSES,
         timeline: Path | None = None, gil_switch_s: float = GIL_SWITCH_S, synced: bool = True,
-        gc_in_rounds: str = "held", load_ahead_share: float | None = 0.5) -> list[dict]:  # fmt: skip
+        gc_in_rounds: str = "held", load_ahead_share: float | None = 0.5, phases: bool = False) -> list[dict]:  # fmt: skip
     """The bench (module docstring): one row per count; with `timeline`, each count's passes step by step go to
     timeline/timeline_<count>.json and the cold pass's steps with prompt tokens are printed. The engine runs on this
     thread with the GIL switch interval `gil_switch_s`, as in the engine process (engine.engine_process). `synced`
@@ -248,13 +249,13 @@ def run(shape: str, counts: list[int], ranks: list[int], requests: int, batch: i
     sys.setswitchinterval(gil_switch_s)
     try:
         return _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes, timeline,
-                    synced, gc_in_rounds, load_ahead_share)  # fmt: skip
+                    synced, gc_in_rounds, load_ahead_share, phases)  # fmt: skip
     finally:
         sys.setswitchinterval(previous)
 
 
 def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes, device, root, read_threads, read_processes,
-         timeline, synced, gc_in_rounds, load_ahead_share) -> list[dict]:  # fmt: skip
+         timeline, synced, gc_in_rounds, load_ahead_share, phases=False) -> list[dict]:  # fmt: skip
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = model_config(shape)
@@ -274,7 +275,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
         for count in counts:
             row = _one_count(cfg, shape, count, paths[:count], warm_paths, prompts, ranks, batch, new, dev, dtype, tmp,
                              gpu_bytes, host_bytes=file_bytes * elem // 2 + (256 << 20), read_threads=read_threads, read_processes=read_processes,
-                             synced=synced, gc_in_rounds=gc_in_rounds, load_ahead_share=load_ahead_share)  # fmt: skip
+                             synced=synced, gc_in_rounds=gc_in_rounds, load_ahead_share=load_ahead_share, phases=phases)  # fmt: skip
             passes = row.pop("timeline")
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
@@ -291,7 +292,7 @@ def _run(shape, counts, ranks, requests, batch, prompt, new, targets, gpu_bytes,
 
 
 def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new, dev, dtype, tmp, gpu_bytes, host_bytes, read_threads,
-               read_processes, synced=True, gc_in_rounds="held", load_ahead_share=0.5) -> dict:  # fmt: skip
+               read_processes, synced=True, gc_in_rounds="held", load_ahead_share=0.5, phases=False) -> dict:  # fmt: skip
     requests = len(prompts)
     max_rank = max(ranks)
     config = EngineConfig(
@@ -343,11 +344,12 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         held = gc_in_rounds == "held" and engine.runner.graphs is not None and hold_full_passes()  # as the engine process
         try:
             warmup_compiles = compiles.take()
-            cold = _pass(engine, prompts, chosen, new, f"c{count}", batch, synced)
-            cold_compiles = compiles.take()
-            engine.adapters.offload()  # the host-warm pass starts with every adapter in L2 and none in L1
-            warm = _pass(engine, prompts, chosen, new, f"h{count}", batch, synced)
-            warm_compiles = compiles.take()
+            with StepPhases() if phases else contextlib.nullcontext() as watch:  # the slowest calls' phases (--phases)
+                cold = _pass(engine, prompts, chosen, new, f"c{count}", batch, synced)
+                cold_compiles, slow = compiles.take(), {"cold": watch.take() if watch else None}
+                engine.adapters.offload()  # the host-warm pass starts with every adapter in L2 and none in L1
+                warm = _pass(engine, prompts, chosen, new, f"h{count}", batch, synced)
+                warm_compiles, slow["warm"] = compiles.take(), watch.take() if watch else None
         finally:
             unfreeze()  # this count's engine collectable again once dropped (the next count builds its own)
             if held:
@@ -417,6 +419,7 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # the slowest decode steps with a load: wall µs against the step's own measured µs (the rest is host time the
         # step() call spent outside the measured sections), the collector's pause in it, and the pass
         "stall_stacks": {"cold": cold["stall_stacks"], "warm": warm["stall_stacks"]}, "graphs_captured_after_warmup": captured,
+        "slowest_calls_phases": slow,  # with --phases: each pass's slowest step() calls by phase (instruments.StepPhases)
         "timeline": {"cold": cold["timeline"], "warm": warm["timeline"], "cold_reads": cold["reads"]},
         "slowest_decode_with_load": [{"wall_us": round(c[0]), "measured_us": round(c[3]), "gc_ms": c[4], "pass": c[5], "steps": c[6],
                                       "placed": c[7], "placing_us": c[8], "gc_longest_ms_gen": list(c[9]), "waited_us": c[10]}
@@ -561,6 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipelined", action="store_true",
                    help="do not synchronise the device after each engine.step() call: a call's wall time is then the interval "
                    "between call returns, as a serving loop sees it, its host work overlapped with the round in flight")  # fmt: skip
+    p.add_argument("--phases", action="store_true", help="time the engine's phases in each step() call (wall and CPU) and "
+                   "give each pass's slowest calls by phase in its row (slowest_calls_phases)")
     a = p.parse_args(argv)
     try:
         a.load_ahead_share = parse_share(a.load_ahead_share)
@@ -576,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     run(a.shape, [int(c) for c in a.counts.split(",")], [int(r) for r in a.ranks.split(",")], a.requests, a.batch, prompt=a.prompt,
         new=a.new, targets=tuple(a.targets.split(",")), gpu_bytes=a.gpu_bytes, device=a.device, read_threads=a.read_threads,
         read_processes=a.read_processes, timeline=a.timeline, gil_switch_s=a.gil_switch_ms / 1000, synced=not a.pipelined,
-        gc_in_rounds=a.gc_in_rounds, load_ahead_share=a.load_ahead_share)  # fmt: skip
+        gc_in_rounds=a.gc_in_rounds, load_ahead_share=a.load_ahead_share, phases=a.phases)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the benches watch a pass with, beside its own figures: the stacks of slow engine.step() calls, the garbage
-collector's pauses, and Triton's compiles (engine.bench.adapters, engine.bench.batch_sweep, consumer.bench.pipeline)."""
+"""What the benches watch a pass with, beside its own figures: the stacks of slow engine.step() calls, where their host
+time goes phase by phase, the garbage collector's pauses, and Triton's compiles (engine.bench.adapters, engine.bench.batch_sweep, consumer.bench.pipeline)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,78 @@ class Compiles:
         """Compiles since the last take."""
         n, self._n = self._n, 0
         return n if self._runtime is not None else None
+
+
+class StepPhases:
+    """Where each engine.step() call's host time goes, while entered: the wall and thread-CPU time of the engine's
+    phases (launching the next decode round, the load-ahead, the collector's window, booking the round read back, a
+    prompt step) and the collector's own pauses (gc.callbacks) in it. The Engine class's phase methods and
+    engine.engine's round functions are wrapped while entered and put back on exit. A phase whose wall time runs far
+    past its CPU time waited (the GIL, a blocking call); one whose CPU time is the collector's pauses collected."""
+
+    METHODS = ("step", "_next_round", "_under_round", "_load_ahead", "_collect", "_run", "_pop_done")
+    FUNCTIONS = ("launch_round", "book_round")
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self._cur: dict | None = None
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> StepPhases:
+        import engine.engine as module
+
+        for owner, names in ((module.Engine, self.METHODS), (module, self.FUNCTIONS)):
+            for name in names:
+                fn = getattr(owner, name)
+                self._saved.append((owner, name, fn))
+                setattr(owner, name, self._call(fn) if name == "step" else self._phase(name, fn))
+        gc.callbacks.append(self._gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._gc)
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+    def _call(self, fn):
+        def step(engine):
+            self._cur = cur = {"phases": {}, "gc_ns": 0}
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return fn(engine)
+            finally:
+                cur["wall_ns"], cur["cpu_ns"] = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+                self._cur = None
+                self.calls.append(cur)
+        return step
+
+    def _phase(self, name: str, fn):
+        def timed(*args, **kwargs):
+            cur = self._cur
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if cur is not None:
+                    wall, cpu = cur["phases"].get(name, (0, 0))
+                    cur["phases"][name] = (wall + time.perf_counter_ns() - t0, cpu + time.thread_time_ns() - c0)
+        return timed
+
+    def _gc(self, phase: str, info: dict) -> None:
+        cur = self._cur
+        if cur is None:
+            return
+        if phase == "start":
+            cur["gc_t0"] = time.perf_counter_ns()
+        elif "gc_t0" in cur:
+            cur["gc_ns"] += time.perf_counter_ns() - cur.pop("gc_t0")
+
+    def take(self, slowest: int = 5) -> list[dict]:
+        """The `slowest` calls since the last take, longest first, in ms: wall, CPU, the collector's pauses, and each
+        phase's [wall, CPU]."""
+        calls, self.calls = self.calls, []
+        ms = lambda ns: round(ns / 1e6, 2)  # noqa: E731
+        return [{"wall_ms": ms(c["wall_ns"]), "cpu_ms": ms(c["cpu_ns"]), "gc_ms": ms(c["gc_ns"]),
+                 "phases": {n: [ms(w), ms(p)] for n, (w, p) in sorted(c["phases"].items(), key=lambda x: -x[1][0])}}
+                for c in sorted(calls, key=lambda c: -c["wall_ns"])[:slowest]]  # fmt: skip
