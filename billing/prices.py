@@ -62,10 +62,12 @@ def check_price(what: str, value: Decimal) -> Decimal:
         raise PriceError(f"{what}={value!r} is not a price; pass a decimal number such as 2.50")
     if value < 0:
         raise PriceError(f"{what}={value} is negative; a price is 0 or more (credits go in as adjustments)")
-    if value != value.quantize(Decimal(1).scaleb(-_MAX_PLACES)):
-        raise PriceError(f"{what}={value} has more than {_MAX_PLACES} decimal places; round it to at most {_MAX_PLACES}")
+    # The size first: quantizing a value of 10^19 or more to 9 places passes the context's 28 digits and raises
+    # decimal.InvalidOperation (`prices set-gpu h100 1e30` ended in its traceback)
     if value >= 10**9:
         raise PriceError(f"{what}={value} is too large; prices are stored with 9 integer digits, pass less than 1000000000")
+    if value != value.quantize(Decimal(1).scaleb(-_MAX_PLACES)):
+        raise PriceError(f"{what}={value} has more than {_MAX_PLACES} decimal places; round it to at most {_MAX_PLACES}")
     return value
 
 

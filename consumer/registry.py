@@ -410,7 +410,9 @@ class Registry:
 
     def remove_rule(self, rule_id: int) -> None:
         with self.sessions.begin() as s:
-            row = s.get(RouteRuleRow, rule_id)
+            # Rule ids are the table's 32-bit keys: a larger one is no rule (SQLite raised OverflowError past 2^63,
+            # PostgreSQL a DataError past 2^31, each a traceback from `routes remove`)
+            row = s.get(RouteRuleRow, rule_id) if 1 <= rule_id <= 2**31 - 1 else None
             if row is None:
                 raise RegistryError(f"no route rule {rule_id}; `lorabatch routes list` shows their ids")
             s.delete(row)

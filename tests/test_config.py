@@ -48,6 +48,7 @@ def test_show_leaves_the_device_sized_engine_fields_unset(tmp_path):
         ("[engine]\nload_ahead_share = 'half'\n", "engine.load_ahead_share"),
         ("[worker]\nmax_batch_size = 64\n[engine]\nmax_batch_size = 8\n", "lower the first or raise the second"),
         ("[ledger]\ngpu_price_per_hour = -1\n", "ledger.gpu_price_per_hour"),
+        ("[ledger]\ngpu_price_per_hour = 1e30\n", "ledger.gpu_price_per_hour=1E+30 is too large"),
         ("[kafka]\nsession_timeout_ms = 3000\nheartbeat_interval_ms = 3000\n", "kafka.heartbeat_interval_ms = 3000 is not under"),
         ("[kafka]\nsession_timeout_ms = 10\n", "kafka.session_timeout_ms"),
         ("[worker]\nengine_stall_s = -1\n", "worker.engine_stall_s"),

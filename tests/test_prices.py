@@ -103,10 +103,12 @@ def test_setting_a_day_again_replaces_it(engine: Engine) -> None:
 
 @pytest.mark.parametrize(
     ("price", "hint"),
-    [(Decimal("-1"), "negative"), (Decimal("0.0000000001"), "more than 9 decimal places"), (Decimal("NaN"), "not a price"), (2.5, "not a price")],
+    [(Decimal("-1"), "negative"), (Decimal("0.0000000001"), "more than 9 decimal places"), (Decimal("NaN"), "not a price"), (2.5, "not a price"),
+     (Decimal("1e30"), "too large"), (Decimal("1E+400"), "too large"), (Decimal("-1E+400"), "negative")],
 )
 def test_bad_prices_are_refused(engine: Engine, price: Decimal, hint: str) -> None:
-    """A price that is negative, too precise or not a Decimal is refused with an error that says how to write it."""
+    """A price that is negative, too precise, too large or not a Decimal is refused with an error that says how to write it
+    (one of 10^28 or more, as `prices set-gpu h100 1e30` gives, ended the command in decimal.InvalidOperation)."""
     with pytest.raises(PriceError, match=hint):
         set_gpu_price(engine, "h100", price, date(2026, 1, 1))
     with pytest.raises(PriceError, match="cannot name a price list"):

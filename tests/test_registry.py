@@ -90,6 +90,9 @@ def test_limits_and_rules(registry, demo_set):
         registry.add_rule("acme", "regex", "(", "x")
     with pytest.raises(RegistryError, match="no route rule"):
         registry.remove_rule(999)
+    for beyond in (-1, 0, 2**31, 2**63, 10**20):  # no rule has such an id; SQLite raised OverflowError past 2^63
+        with pytest.raises(RegistryError, match="no route rule"):
+            registry.remove_rule(beyond)
     with pytest.raises(RegistryError, match="out of range"):
         registry.set_limits("acme", weight=0)
 
