@@ -20,7 +20,7 @@ import tomli_w
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from billing.config import LedgerConfig, url_without_password
-from engine.config import DEVICE_SIZED, EngineConfig
+from engine.config import DEVICE_SIZED, EngineConfig, no_bool_for_number
 
 DEFAULT_FILE = Path("lorabatch.toml")
 ENV_VAR = "LORABATCH_CONFIG"
@@ -34,6 +34,7 @@ class ConfigError(Exception):
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _no_bool_for_number = field_validator("*", mode="before")(no_bool_for_number)
 
 
 # Kafka's own rule for topic names (kafka.common.internals.Topic): a broker refuses any other, and the worker then waited

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # The fields a CUDA engine derives from its device when the configuration leaves them unset (engine.sizing): a
 # configuration written out should leave them unset too, or the file fixes the CPU demo's values on a GPU.
@@ -15,8 +15,19 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+def no_bool_for_number(cls: type[BaseModel], value: object, info: ValidationInfo) -> object:
+    """A configuration field's before-validator: TOML's true or false where a number goes is refused. Pydantic's lax
+    mode read them as 1 and 0, so `max_new_tokens = true` served every job one token, silently."""
+    if isinstance(value, bool) and info.field_name is not None:
+        annotation = cls.model_fields[info.field_name].annotation
+        if bool not in (annotation, *get_args(annotation)) and {int, float} & {annotation, *get_args(annotation)}:
+            raise ValueError(f"{str(value).lower()} is a boolean, not a number; write the number")
+    return value
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _no_bool_for_number = field_validator("*", mode="before")(no_bool_for_number)
 
     model_dir: str = Field(".lorabatch/demo-model", min_length=1, description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible, else cpu")

@@ -65,6 +65,36 @@ def test_bad_config_names_the_key(tmp_path, text, says):
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[engine]\nmax_new_tokens = true\n", "engine.max_new_tokens"),  # was 1: every job cut at one token
+        ("[worker]\nmax_batch_size = true\n", "worker.max_batch_size"),  # was 1
+        ("[worker]\nanswered_cache = false\n", "worker.answered_cache"),  # was 0: the answer cache off
+        ("[worker]\nengine_queue_jobs = false\n", "worker.engine_queue_jobs"),
+        ("[kafka]\npartitions = true\n", "kafka.partitions"),
+        ("[routing]\nbreaker_failure_rate = true\n", "routing.breaker_failure_rate"),  # was 1.0
+        ("[engine]\nadmission_hold_ms = false\n", "engine.admission_hold_ms"),
+    ],
+)
+def test_a_boolean_is_no_number(tmp_path, text, key):
+    """TOML's true and false are refused where a number goes, naming the key: pydantic's lax mode read them as 1 and 0,
+    so `max_new_tokens = true` served every job one token and `answered_cache = false` turned the cache off, silently."""
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(p)
+    assert f"{key}: " in str(e.value) and "a boolean, not a number" in str(e.value), str(e.value)
+
+
+def test_booleans_still_set_flags(tmp_path):
+    """The flags themselves take true and false as before."""
+    p = tmp_path / "c.toml"
+    p.write_text("[worker]\nengine_process = false\nstatic_membership = false\n[engine]\nenable_prefix_caching = false\n")
+    s = load_settings(p)
+    assert (s.worker.engine_process, s.worker.static_membership, s.engine.enable_prefix_caching) == (False, False, False)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "nope.toml")
