@@ -76,7 +76,9 @@ class KafkaConfig(_Section):
     partition_key: Literal["tenant", "adapter", "adapter-balanced", "request"] = Field(
         "tenant", description="what `lorabatch submit` keys jobs by (see README: partition keys)"
     )
-    max_message_bytes: int = Field(1_000_000, ge=1024, description="jobs larger than this go to the DLQ")
+    # At most 256 MiB: the consumer fetches four times this, and Kafka's fetch sizes are 32-bit (2 GiB)
+    max_message_bytes: int = Field(1_000_000, ge=1024, le=256 << 20, description="jobs larger than this go to the DLQ "
+                                   "(at most 268435456, 256 MiB: fetches take four times this, and Kafka's fetch sizes stop at 2 GiB)")
     session_timeout_ms: int = Field(10_000, ge=1000, description="a worker that sends no heartbeat this long leaves the "
                                     "group, and its partitions go to the others (the broker's group.min/max.session."
                                     "timeout.ms bound it)")
