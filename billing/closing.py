@@ -8,20 +8,22 @@ stored as computed; reading it later reads those rows. Usage that arrives for it
 on the tenant's next open period (billing/filing.py).
 
 A period closes only once it has ended (its last UTC instant has passed): before that its usage is
-still arriving. Closing what is already closed changes nothing and returns the frozen invoice.
+still arriving. Closing what is already closed changes nothing and returns the frozen invoice. A period's
+first close fixes its currency: the rest of its invoices close in the currency of those already closed, or
+not at all (MixedCurrencyError), so that the month's finance report can always add them up.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from billing.billable import check_known_tenant, check_period_range
 from billing.config import LedgerConfig
 from billing.db import session_factory
-from billing.errors import PeriodNotEndedError
+from billing.errors import MixedCurrencyError, PeriodNotEndedError
 from billing.filing import lock_periods
 from billing.invoice import Invoice, build_invoice, draft_invoices, read_closed, tune_aggregates
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine, ColdStartShare
@@ -51,6 +53,7 @@ def close_invoice(engine: Engine, config: LedgerConfig, tenant_id: str, period: 
         tune_aggregates(session)
         if state.closed or read_closed(session, period, tenant_id):
             return build_invoice(session, tenant_id, period, config)
+        _check_currency(session, period, config)
         _freeze_spread(session, period, config, closed_at, state.spread_frozen)
         _store(session, draft_invoices(session, period, config, tenant_id)[tenant_id], closed_at)
         return read_closed(session, period, tenant_id)[tenant_id]
@@ -65,12 +68,26 @@ def close_period(engine: Engine, config: LedgerConfig, period: str, *, now: date
         if not state.closed:
             _freeze_spread(session, period, config, closed_at, state.spread_frozen)
             done = read_closed(session, period)
-            for tenant, draft in draft_invoices(session, period, config).items():
-                if tenant not in done:
-                    _store(session, draft, closed_at)
+            drafts = {tenant: draft for tenant, draft in draft_invoices(session, period, config).items() if tenant not in done}
+            if drafts:
+                _check_currency(session, period, config)
+            for draft in drafts.values():
+                _store(session, draft, closed_at)
             session.execute(update(BillingPeriod).where(BillingPeriod.period == period).values(closed_at=closed_at))
         invoices = read_closed(session, period)
         return [invoices[tenant] for tenant in sorted(invoices)]
+
+
+def _check_currency(session: Session, period: str, config: LedgerConfig) -> None:
+    """MixedCurrencyError when invoices of `period` were closed in a currency other than config.currency: closing the
+    rest would leave the month in two currencies for good (measured: acme closed in USD, then `--close-period` under
+    EUR froze globex in EUR, and the month's finance report was refused whatever ledger.currency said)."""
+    closed_in = sorted(set(session.scalars(select(ClosedInvoice.currency).where(ClosedInvoice.period == period))) - {config.currency})
+    if closed_in:
+        raise MixedCurrencyError(
+            f"period {period} has invoices closed in {', '.join(closed_in)} and ledger.currency is {config.currency}: closing "
+            f"the rest in {config.currency} would leave the month in two currencies, which no report can add up; close it "
+            f"with ledger.currency = \"{closed_in[0]}\"")
 
 
 def _freeze_spread(session: Session, period: str, config: LedgerConfig, at: datetime, frozen: bool) -> None:

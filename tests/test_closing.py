@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 
 from billing.closing import close_invoice, close_period
 from billing.config import LedgerConfig
-from billing.errors import PeriodNotEndedError, UnbillablePeriodError, UnknownTenantError
+from billing.errors import MixedCurrencyError, PeriodNotEndedError, UnbillablePeriodError, UnknownTenantError
+from billing.finance import finance_report
 from billing.invoice import build_invoice, period_invoices
 from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
@@ -229,3 +230,22 @@ def test_a_nothing_share_frozen_by_an_earlier_version_makes_no_line(october: Led
     with Session(engine) as session, session.begin():
         session.add(ColdStartShare(period="2026-10", tenant_id="globex", adapter="y@1", adapter_sha256=S1, gpu_price_per_hour=PRICE, share_us=0))
     assert [line.adapter for line in build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2).lines] == ["x@1"]
+
+
+def test_a_month_is_closed_in_one_currency(october: Ledger, engine: Engine) -> None:
+    """Once an invoice of a month is closed, the rest of the month closes in its currency or not at all.
+
+    acme closed in USD, then ledger.currency set to EUR: `--close-period` froze globex in EUR beside it, and the month's
+    finance report was refused for good (closed invoices never change; its advice, set ledger.currency, could not help).
+    """
+    eur = CONFIG.model_copy(update={"currency": "EUR"})
+    close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    for close in (lambda: close_period(engine, eur, "2026-10", now=NOV_2), lambda: close_invoice(engine, eur, "globex", "2026-10", now=NOV_2)):
+        with pytest.raises(MixedCurrencyError, match=r"2026-10 .*closed in USD.*ledger.currency is EUR.*currency = \"USD\""):
+            close()
+    with Session(engine) as session:
+        assert session.scalars(select(ClosedInvoice.tenant_id)).all() == ["acme"]
+    assert close_invoice(engine, eur, "acme", "2026-10", now=NOV_2).currency == "USD"  # already closed: returned as frozen
+    assert [(i.tenant, i.currency) for i in close_period(engine, CONFIG, "2026-10", now=NOV_2)] == [("acme", "USD"), ("globex", "USD")]
+    assert [i.currency for i in close_period(engine, eur, "2026-10", now=NOV_2)] == ["USD", "USD"]  # closed: nothing to freeze
+    assert finance_report(engine, "2026-10", eur).currency == "USD"
