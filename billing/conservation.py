@@ -7,8 +7,10 @@ For a period P (a UTC month), exactly:
      time is split over its requests to the microsecond by the engine (engine/timing.py; billing
      takes the sums as plain records and imports nothing of it) and a busy record sums the same
      steps, so the two agree whenever each engine batch's busy record and its requests fall in the
-     same month; a batch that straddles a month's first instant moves its microseconds between
-     the two months, and `unattributed_us` (busy - attributed) shows it.
+     same month. A request's month is the instant its GPU work finished, so the busy time that requests
+     running over a month's end took in the old month is carried to the new one: `carried_out_us` of the
+     old month, `carried_in_us` of the new (gpu_busy.carried_us and carried_to), and `unattributed_us`
+     (busy + carried in - carried out - attributed) shows what is left.
   2. cold_start_us == load_us, where cold_start_us is the sum of the cold-start time on every invoice
      of P and load_us the sum of load_us over the loads billed to P whose adapter (name@version and
      content) has at least one request billed to P -- once P's spread is frozen (its first close), at
@@ -43,10 +45,12 @@ class Conservation:
     unbilled_load_us: int  # load time billed to the period, of adapters without any
     cold_start_us: int  # cold-start time on the period's invoices
     unbilled_us: int = 0  # busy time the workers named as taken by requests no usage row bills (gpu_busy.unbilled_us)
+    carried_in_us: int = 0  # busy time of earlier months that requests of this one took (gpu_busy.carried_to)
+    carried_out_us: int = 0  # busy time of this month that requests of later ones took (gpu_busy.carried_us)
 
     @property
     def unattributed_us(self) -> int:
-        return self.busy_us - self.attributed_us
+        return self.busy_us + self.carried_in_us - self.carried_out_us - self.attributed_us
 
 
 def _int(value: object) -> int:
@@ -59,7 +63,9 @@ def period_conservation(db: Engine | Session, period: str, config: LedgerConfig)
     session = db if isinstance(db, Session) else read_snapshot(db)
     try:
         attributed = session.scalar(select(func.sum(Usage.base_us + Usage.lora_us)).where(Usage.period == period))
-        busy, unbilled = session.execute(select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one()
+        busy, unbilled, carried_out = session.execute(
+            select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us), func.sum(Busy.carried_us)).where(Busy.period == period)).one()
+        carried_in = session.scalar(select(func.sum(Busy.carried_us)).where(Busy.carried_to == period))
         loads = session.execute(
             select(AdapterLoad.adapter, AdapterLoad.adapter_sha256, func.sum(AdapterLoad.load_us))
             .where(AdapterLoad.invoice_period == period)
@@ -79,7 +85,8 @@ def period_conservation(db: Engine | Session, period: str, config: LedgerConfig)
         billed = sum(_int(us) for adapter, sha, us in loads if (adapter, sha) in used or (adapter, None) in used)
         total_load = sum(_int(us) for *_, us in loads)
         cold = sum(int(invoice.totals.cold_start_ms * 1000) for invoice in period_invoices(session, period, config))
-        return Conservation(period, _int(attributed), _int(busy), billed, total_load - billed, cold, _int(unbilled))
+        return Conservation(period, _int(attributed), _int(busy), billed, total_load - billed, cold, _int(unbilled),
+                            _int(carried_in), _int(carried_out))
     finally:
         if session is not db:
             session.close()

@@ -54,7 +54,7 @@ _VERSION_TABLE = "alembic_version"
 # The schema revision billing.models describes: the head of migrations/versions. A worker or command refuses a ledger at
 # any other revision (`current_revision` reads it); a new migration moves this with it (tests/test_migrations.py checks
 # the two agree). Here rather than in billing.models so that reading it loads no ORM.
-SCHEMA_REVISION = "0010"
+SCHEMA_REVISION = "0011"
 
 
 def _resolve_url(url: str | URL) -> URL:

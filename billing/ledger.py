@@ -276,6 +276,12 @@ class Ledger:
             reject(what(), "busy_us", record.busy_us, f"the GPU cannot be busy longer than the record's wall span of {span_us} us; "
                    "stamp started_at before the first step and ended_at after the last")
         row["period"] = _billable_period(row, "started_at", what)
+        row["carried_to"] = None
+        if record.carried_us:
+            row["carried_to"] = _billable_period(row, "ended_at", what)
+            if row["carried_to"] == row["period"]:
+                reject(what(), "carried_us", record.carried_us, "carry busy time only on a record whose ended_at is in a "
+                       "later month than its started_at (the month's last record)")
         return row
 
     @contextmanager

@@ -206,6 +206,7 @@ class Busy(Base):
     __table_args__ = (
         UniqueConstraint("worker_id", "started_at"),  # idempotency: a retried flush adds no second record
         Index(None, "period", "worker_id"),
+        Index(None, "carried_to"),  # a month's busy time carried in from the month before: reconcile
     )
 
     id: Mapped[int] = mapped_column(_ROW_ID, primary_key=True)
@@ -218,6 +219,10 @@ class Busy(Base):
     period: Mapped[str] = mapped_column(CHAR(7))  # the UTC month of started_at
     # Of the busy time measured so far, what requests that no usage row bills took (billing.records.BusyRecord)
     unbilled_us: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Of the busy time measured in `period`, what requests billed in a later month took (billing.records.BusyRecord):
+    # non-zero only on a month's last record, and owed by `carried_to`, the month of ended_at (NULL when nothing is).
+    carried_us: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    carried_to: Mapped[str | None] = mapped_column(CHAR(7))
 
 
 class GpuPrice(Base):

@@ -2,7 +2,7 @@
 
 Three identities, each exact in integer microseconds; whatever does not fit is a named residue line.
 
-  busy      = base + lora + billed_later + redelivered_work + unbilled_work + unexplained_busy
+  busy + carried_in = base + lora + billed_later + redelivered_work + unbilled_work + carried_out + unexplained_busy
   loads     = cold_start_spread + unused_loads
   invoiced  = base + lora + routing_decisions - kv_credit + cold_start_spread + late_usage + invoice_difference
 
@@ -16,9 +16,12 @@ Three identities, each exact in integer microseconds; whatever does not fit is a
 - unbilled_work: what the workers named on their busy records as taken by requests no usage row bills: the
   requests an engine process was running when it died (answered engine_failed, charged nothing) and jobs
   abandoned on a partition revoke (their new owner runs and bills them).
-- unexplained_busy: what is left, zero when every engine batch's busy record and its requests fall in
-  one month; a batch that straddles a month's first instant moves microseconds between two months, and
-  work whose usage rows never reached the ledger stays here too.
+- carried_out: of P's busy time, what requests billed in a later month took (a request's month is the instant its
+  GPU work finished): those still running when P's last busy record of a worker ended, and those that finished
+  between P's end and that record's end, as the worker named it (gpu_busy.carried_us). carried_in: the same time
+  of earlier months' records owed by P (gpu_busy.carried_to).
+- unexplained_busy: what is left: work whose usage rows never reached the ledger (a worker killed outright, a
+  record lost), or a worker clock that stepped back over a month's end.
 - loads: adapter load time billed to P (its own loads, and later-arriving loads of months whose spread
   was frozen). unused_loads: loads of adapters no request billed to P used.
 - routing_decisions and kv_credit (billing/credit.py) are per-request amounts on top of busy time.
@@ -90,7 +93,8 @@ def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *,
     session = db if isinstance(db, Session) else read_snapshot(db)
     try:
         check_billable_period(session, period, now)
-        busy, unbilled = _sums(session, Busy.busy_us, Busy.unbilled_us, where=Busy.period == period)
+        busy, unbilled, carried_out = _sums(session, Busy.busy_us, Busy.unbilled_us, Busy.carried_us, where=Busy.period == period)
+        carried_in, = _sums(session, Busy.carried_us, where=Busy.carried_to == period)
         idle = sum(int(w.idle_s * 1_000_000) for w in worker_times(session, period))
         base, lora = _sums(session, Usage.base_us, Usage.lora_us, where=(Usage.period == period) & (Usage.invoice_period == period))
         later_base, later_lora = _sums(session, Usage.base_us, Usage.lora_us, where=(Usage.period == period) & (Usage.invoice_period != period))
@@ -105,6 +109,7 @@ def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *,
         billed_later = later_base + later_lora
         lines = (
             ReconcileLine("gpu_busy", "measured", busy, "busy records started in the month: the engine steps' measured time"),
+            ReconcileLine("carried_in", "measured", carried_in, "busy time of earlier months' records that requests billed in this month took"),
             ReconcileLine("gpu_idle", "measured", idle, "each worker's wall span less its busy time: charged to nobody"),
             ReconcileLine("adapter_loads", "measured", cons.load_us + cons.unbilled_load_us, "adapter load time billed to the month's cold-start spread"),
             ReconcileLine("base", "attributed", base, "the month's requests on its invoices: token share of each step's base time"),
@@ -118,8 +123,9 @@ def reconcile_report(db: Engine | Session, period: str, config: LedgerConfig, *,
             ReconcileLine("redelivered_work", "residue", redelivered, "copies that ran again after the request's row was written: measured, billed to nobody"),
             ReconcileLine("unused_loads", "residue", cons.unbilled_load_us, "loads of adapters that no request billed to the month used"),
             ReconcileLine("unbilled_work", "residue", unbilled, "requests an engine crash failed, or a revoke abandoned to their new owner: measured, billed to nobody"),
-            ReconcileLine("unexplained_busy", "residue", busy - base - lora - billed_later - redelivered - unbilled,
-                          "busy time no row explains: batches straddling a month boundary, or rows that never reached the ledger"),
+            ReconcileLine("carried_out", "residue", carried_out, "the month's busy time that requests finishing after it took: billed in a later month"),
+            ReconcileLine("unexplained_busy", "residue", busy + carried_in - base - lora - billed_later - redelivered - unbilled - carried_out,
+                          "busy time no row explains: rows that never reached the ledger (a worker killed outright)"),
             ReconcileLine("invoice_difference", "residue", invoiced - (base + lora + routing - credit + cold + late),
                           "invoices against the rows they bill: invoices closed under an earlier rule"),
         )

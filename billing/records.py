@@ -13,7 +13,7 @@ class UsageRecord:
     tenant_id: str
     request_id: str
     status: str  # "succeeded" | "failed"
-    created_at: datetime  # timezone-aware UTC; decides the billing period
+    created_at: datetime  # timezone-aware UTC: when its GPU work finished (its result reached the worker); decides its month and prices
     adapter: str | None = None  # resolved "name@version", None for the base model
     adapter_sha256: str | None = None
     batch_id: str | None = None
@@ -86,6 +86,11 @@ class BusyRecord:
     which no usage row bills, as the worker learned of it by ended_at: the requests an engine process was running
     when it died (answered engine_failed, with no time charged) and jobs abandoned when their partition was
     revoked (the new owner runs and bills them again).
+
+    carried_us, on the last record of started_at's month (one whose ended_at is in a later month), is the busy time the
+    worker measured in that month (this record's and its earlier ones') that no row of the month bills: requests still
+    running at ended_at, and those that finished between the month's end and ended_at. Their rows are stamped when they
+    finish, in ended_at's month or later, so reconcile moves that time to ended_at's month.
     """
 
     worker_id: str
@@ -95,3 +100,4 @@ class BusyRecord:
     busy_us: int  # sum of the steps' measured device time, integer microseconds
     steps: int  # engine steps measured
     unbilled_us: int = 0  # measured busy time of requests no usage row bills (above)
+    carried_us: int = 0  # the month's busy time that rows of a later month bill (above)

@@ -6,8 +6,9 @@ GPU time (decision + LoRA over base + LoRA + decision), KV savings, cold starts 
 how many and how long) and latency percentiles of total and first-token time. Per worker, from its
 busy records: busy time, the wall span from its first record's start to its last one's end, and the
 idle time between (span - busy), which no request is charged. The totals compare the busy time with
-the attributed time (billing/conservation.py): `unattributed_s`, what is left once the redelivered and unbilled
-work that reconcile names is taken out too, should be zero.
+the attributed time (billing/conservation.py): `unattributed_s`, what is left once the redelivered, unbilled and
+carried work that reconcile names is taken out too (busy time carried over a month's end to the requests that
+finished after it), should be zero.
 
 Percentiles are nearest-rank (the smallest value with at least p% of the values at or below it),
 computed in Python from the rows, so both backends give the same answer.
@@ -91,7 +92,7 @@ class SreReport:
     workers: tuple[WorkerSre, ...]
     busy_s: Decimal
     attributed_s: Decimal  # base + lora of the period's requests
-    unattributed_s: Decimal  # busy - attributed - redelivered and unbilled work (reconcile names both): zero when every step's time is accounted
+    unattributed_s: Decimal  # busy + carried in - carried out - attributed - redelivered and unbilled work (as reconcile): zero when every step's time is accounted
     idle_s: Decimal
     unused_load_s: Decimal  # load time of adapters with no request in the period
 
@@ -180,8 +181,9 @@ def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None
                 ttft_ms=tuple(us_to_ms(nearest_rank(ttft, p)) for p in PERCENTILES),
             ))
         workers = worker_times(session, period)
-        busy_us, unbilled_us = (int(v or 0) for v in session.execute(
-            select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us)).where(Busy.period == period)).one())
+        busy_us, unbilled_us, carried_out_us = (int(v or 0) for v in session.execute(
+            select(func.sum(Busy.busy_us), func.sum(Busy.unbilled_us), func.sum(Busy.carried_us)).where(Busy.period == period)).one())
+        carried_in_us = int(session.scalar(select(func.sum(Busy.carried_us)).where(Busy.carried_to == period)) or 0)
         attributed_us = sum(s["base_us"] + s["lora_us"] for s in sums.values())
         # A rerun of a request that already had its row: measured in busy, billed to nobody (billing/reconcile.py).
         redelivered_us = int(session.scalar(select(func.sum(UsageRedelivery.base_us + UsageRedelivery.lora_us))
@@ -189,7 +191,7 @@ def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None
         unused_us = sum(us for adapter, (_, us) in loads.items() if adapter not in sums)
         return SreReport(
             period=period, adapters=tuple(adapters), workers=tuple(workers), busy_s=us_to_s(busy_us), attributed_s=us_to_s(attributed_us),
-            unattributed_s=us_to_s(busy_us - attributed_us - redelivered_us - unbilled_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
+            unattributed_s=us_to_s(busy_us + carried_in_us - carried_out_us - attributed_us - redelivered_us - unbilled_us), idle_s=sum((w.idle_s for w in workers), Decimal("0.000000")),
             unused_load_s=us_to_s(unused_us),
         )
     finally:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from aiokafka import TopicPartition
 
+from billing.periods import period_of
 from billing.records import AdapterLoadRecord, BusyRecord
 from consumer.delivery import Outcome
 from consumer.outcomes import Served, succeeded_or_failed, to_request
@@ -39,7 +41,7 @@ class Routed:
     route: Route
     tp: TopicPartition
     offset: int
-    received_at: datetime
+    received_at: datetime  # when the worker took the job from its partition (its queue time starts there)
     received_mono_us: int
     abandoned: bool = False  # its partition was revoked: its result must not be published
     epoch: int | None = None  # of its partition's log (consumer/offsets.py)
@@ -47,17 +49,35 @@ class Routed:
     tier: str | None = None  # its tenant's tier in the registry snapshot it was routed with: its row's token price list
 
 
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
 class EngineFeeder:
+    """Runs routed jobs on the engine and turns what it measured into ledger records.
+
+    A request's usage row is stamped with the instant its result reached the worker (its GPU work finished): that
+    instant's month bills it, at that instant's prices. A busy record belongs to its started_at's month, so the busy
+    time of requests still running when a record crosses a month's end is measured in one month and billed in a later
+    one. The feeder keeps, per month, the busy time it recorded less the time of the rows it stamped in that month
+    (and the unbilled time it named there); what is left when a record crosses into a new month is that carried time,
+    named on the record (BusyRecord.carried_us) and owed by the month of its ended_at, where those requests finish.
+    """
+
     def __init__(self, aengine: AsyncEngine | EngineProcess, store: AdapterStore, worker_id: str, gpu_kind: str,
-                 slo_tiers: dict[str, str] | None = None):
+                 slo_tiers: dict[str, str] | None = None, clock: Callable[[], datetime] = _utc_now):
         self.aengine = aengine
         self.store = store
         self.worker_id = worker_id
         self.gpu_kind = gpu_kind
         self._registered: dict[str, str] = {}  # adapter_key -> sha256
         self._adapters: dict[str, AdapterView] = {}
-        self._since = datetime.now(UTC)
+        self._clock = clock  # the worker's wall clock, UTC: stamps finished requests
+        self._since = clock()
         self._unbilled_us = 0  # measured time of jobs abandoned on a revoke: on the next busy record, as unbilled
+        # Month -> busy µs recorded (or carried) into it less the µs of the rows stamped in it and the unbilled µs named
+        # there: the current record's month and any later one a row was stamped in before a record reached it.
+        self._owed: dict[str, int] = {}
         self.slo_tiers = slo_tiers or {}
 
     async def register(self, a: AdapterView, slo_tier: str) -> None:
@@ -101,10 +121,15 @@ class EngineFeeder:
         label = item.route.label
         if a is not None and fell_back:
             label = f"base_fallback ({a.adapter} failed to load)"
+        # Never before the open busy record's start (an engine process's record may end a decode round's head start,
+        # µs, past the clock; a host clock may step back): a row is never stamped in a month already carried. No await
+        # from here to the tally: a drain never runs between the two.
+        finished_at = max(self._clock(), self._since)
         result, usage = succeeded_or_failed(
             item.job, res, self.worker_id, adapter=ran_on.adapter if ran_on else None, adapter_sha256=ran_on.sha256 if ran_on else None,
-            route_reason=label, routing_us=item.route.routing_us, received_at=item.received_at, tier=item.tier,
+            route_reason=label, routing_us=item.route.routing_us, finished_at=finished_at, tier=item.tier,
         )
+        self._bill(finished_at, charged_us(res))
         return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
@@ -123,18 +148,42 @@ class EngineFeeder:
                                            gpu_kind=self.gpu_kind))
         busy = None
         now = max(now, self._since)  # a host's clock stands still while no step is reported: never step back
-        if not steps and unbilled_us:  # no step since the last record: its clock may be that record's; 1 µs on keeps
-            now = self._since + timedelta(microseconds=1)  # (worker_id, started_at), the key, unique
-        if steps or unbilled_us:
+        month = period_of(self._since)
+        self._owed[month] = owed = self._owed.get(month, 0) + busy_us - unbilled_us
+        crossing = period_of(now) != month  # (then now is past the record's start: no 1 µs rule below)
+        if not steps and unbilled_us and not crossing:  # no step since the last record: its clock may be that record's;
+            now = self._since + timedelta(microseconds=1)  # 1 µs on keeps (worker_id, started_at), the key, unique
+        carried_us = 0
+        if steps or unbilled_us or (crossing and owed):
             # An engine process leaves a decode round running past the clock it reports (EngineProcess.pop_gpu_time),
             # so a record's steps may pass its wall span by that round's head start (a read-back's host time). Such a
             # record ends that much later (the next one starts there): no record claims more busy time than its span,
             # which the ledger refuses, and no µs is moved or lost.
             now = max(now, self._since + timedelta(microseconds=max(busy_us, 1)))  # 1 µs on at least: keys stay unique
+            if period_of(now) != month:  # the month's last record: what the month's rows do not bill is carried
+                carried_us = self._carry(month, period_of(now))
             busy = BusyRecord(worker_id=self.worker_id, gpu_kind=self.gpu_kind, started_at=self._since, ended_at=now,
-                              busy_us=busy_us, steps=steps, unbilled_us=unbilled_us)
+                              busy_us=busy_us, steps=steps, unbilled_us=unbilled_us, carried_us=carried_us)
+        elif crossing:
+            self._carry(month, period_of(now))  # nothing owed: no record needed to say so
         self._since = now
         return loads, busy
+
+    def _bill(self, finished_at: datetime, charged: int) -> None:
+        """A usage row stamped `finished_at` bills `charged` µs of busy time to its month."""
+        month = period_of(finished_at)
+        self._owed[month] = self._owed.get(month, 0) - charged
+
+    def _carry(self, month: str, into: str) -> int:
+        """Close `month` off: its busy time that its rows do not bill (requests still running, and those finished
+        since it ended) moves to `into`, the month of the record's end. Returns the µs carried."""
+        owed = self._owed.pop(month, 0)
+        if owed < 0:  # more billed than measured: a result whose steps were not drained yet (an engine host's fault)
+            log.warning("month %s: the rows stamped in it bill %d us more than its busy records measured; report "
+                        "reconcile will show it unexplained", month, -owed)
+            owed = 0
+        self._owed[into] = self._owed.get(into, 0) + owed
+        return owed
 
 
 # The engine-side half of `register`: module-level, so that it pickles to an engine in its own process

@@ -73,10 +73,11 @@ def engine_error_field(code: str, message: str, job: Job) -> str | None:
 
 
 def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adapter: str | None, adapter_sha256: str | None,
-                        route_reason: str, routing_us: int, received_at: datetime,
+                        route_reason: str, routing_us: int, finished_at: datetime,
                         tier: str | None = None) -> tuple[Result, UsageRecord]:
     """The result and ledger row of a job the engine ran: `adapter` is the `name@version` it ran on (None: the
-    base model), `routing_us` the routing decision, `tier` its tenant's tier as routed (None: not registered). The
+    base model), `routing_us` the routing decision, `finished_at` the instant its result reached the worker (its
+    row's month and prices), `tier` its tenant's tier as routed (None: not registered). The
     row keeps the KV saving the engine measured; the result's `kv_saved_ms` is the credit billed for it
     (billing.credit), never more than the request's base + LoRA time."""
     t = out.timings
@@ -107,7 +108,7 @@ def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adap
         tenant_id=job.tenant_id,
         request_id=job.request_id,
         status=result.status,
-        created_at=received_at,
+        created_at=finished_at,
         adapter=adapter,
         adapter_sha256=adapter_sha256,
         batch_id=job.batch_id,
@@ -130,13 +131,14 @@ def succeeded_or_failed(job: Job, out: GenerationResult, worker_id: str, *, adap
 
 
 def failed_before_engine(
-    job_ids: tuple[str, str, str | None], error: ErrorInfo, received_at: datetime, worker_id: str,
+    job_ids: tuple[str, str, str | None], error: ErrorInfo, answered_at: datetime, worker_id: str,
     route_reason: str = "", routing_us: int = 0, bill: bool = True, adapter: AdapterView | None = None, tier: str | None = None,
 ) -> tuple[Result, UsageRecord | None]:
     """A job that never reached the engine: a failed result and, for a known tenant, a row of no GPU time (its routing
     decision alone). `adapter`: the adapter chosen for it whose own fault failed it, named by the result and the row
     (its invoice line, as when the engine finds the fault), else None (the `base` line: no adapter was chosen). `tier`:
-    the tenant's tier in the registry snapshot the worker went by (None: not registered), on the row."""
+    the tenant's tier in the registry snapshot the worker went by (None: not registered), on the row. `answered_at`: when
+    the worker answered it, its row's month."""
     request_id, tenant_id, batch_id = job_ids
     result = Result(
         request_id=request_id, tenant_id=tenant_id, batch_id=batch_id, adapter=adapter.adapter if adapter else None,
@@ -145,7 +147,7 @@ def failed_before_engine(
     usage = None
     if bill:
         usage = UsageRecord(
-            tenant_id=tenant_id, request_id=request_id, status="failed", created_at=received_at,
+            tenant_id=tenant_id, request_id=request_id, status="failed", created_at=answered_at,
             adapter=adapter.adapter if adapter else None, adapter_sha256=adapter.sha256 if adapter else None,
             batch_id=batch_id, route_reason=route_reason, error_code=error.code, routing_us=routing_us, worker_id=worker_id,
             tier=tier,

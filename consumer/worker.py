@@ -27,6 +27,7 @@ import socket
 import sqlite3
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka.errors import KafkaError
@@ -456,7 +457,7 @@ class Worker:
             elif item.route.view is not None:  # no verdict on the adapter: a half-open probe lets the next job probe
                 self.breakers.no_verdict(item.route.view.adapter_key)
             result, usage = failed_before_engine((item.job.request_id, item.job.tenant_id, item.job.batch_id), error,
-                                                 item.received_at, self.worker_id, route_reason=item.route.label,
+                                                 datetime.now(UTC), self.worker_id, route_reason=item.route.label,
                                                  routing_us=item.route.routing_us, bill=keep, adapter=at_fault,
                                                  tier=item.tier)  # fmt: skip
             if not item.abandoned:

@@ -26,7 +26,7 @@ def test_cost_splits_lora_from_the_routing_decision(base_us: int, lora_us: int, 
     out = GenerationResult(request_id="r1", adapter_key="acme/support@2", tenant_id="acme", output_ids=[5, 6], prompt_tokens=3,
                            timings=RequestTimings(base_us=base_us, lora_us=lora_us, kv_saved_us=kv_saved_us))
     result, usage = succeeded_or_failed(JOB, out, "w0", adapter="support@2", adapter_sha256="ab" * 32, route_reason="explicit",
-                                        routing_us=routing_us, received_at=AT)
+                                        routing_us=routing_us, finished_at=AT)
     assert (result.adapter, usage.adapter) == ("support@2", "support@2")
     assert (usage.base_us, usage.lora_us, usage.routing_us, usage.kv_saved_us) == (base_us, lora_us, routing_us, kv_saved_us)
     cost = result.cost
@@ -54,7 +54,7 @@ def test_the_published_kv_credit_is_the_one_billed(timings: dict, prompt_tokens:
     out = GenerationResult(request_id="r1", adapter_key="acme/support@2", tenant_id="acme", output_ids=output_ids,
                            prompt_tokens=prompt_tokens, timings=RequestTimings(**timings))
     result, usage = succeeded_or_failed(JOB, out, "w0", adapter="support@2", adapter_sha256="ab" * 32, route_reason="explicit",
-                                        routing_us=0, received_at=AT)
+                                        routing_us=0, finished_at=AT)
     assert usage.kv_saved_us == timings["kv_saved_us"]  # the measurement
     assert result.cost.kv_saved_ms == credit_us / 1000 <= result.cost.base_ms + result.cost.lora_ms
     again = stored_result(("acme", "r1"), None, SimpleNamespace(**dataclasses.asdict(usage)))

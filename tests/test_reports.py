@@ -154,10 +154,10 @@ def test_reconcile_by_hand(october: Engine) -> None:
     report = reconcile_report(october, "2026-10", CONFIG)
     figures = {line.item: line.us for line in report.lines}
     assert figures == {
-        "gpu_busy": 3_900_000, "gpu_idle": 1_100_000, "adapter_loads": 200_000,
+        "gpu_busy": 3_900_000, "carried_in": 0, "gpu_idle": 1_100_000, "adapter_loads": 200_000,
         "base": 3_000_000, "lora": 900_000, "routing_decisions": 150_000, "kv_credit": -50_000, "cold_start_spread": 200_000,
         "late_usage": 0, "invoiced": 4_200_000,
-        "billed_later": 0, "redelivered_work": 0, "unused_loads": 0, "unbilled_work": 0, "unexplained_busy": 0, "invoice_difference": 0,
+        "billed_later": 0, "redelivered_work": 0, "unused_loads": 0, "unbilled_work": 0, "carried_out": 0, "unexplained_busy": 0, "invoice_difference": 0,
     }
     assert report.conserved and report.residue_us == 0 and (report.invoices, report.closed_invoices) == (2, 0)
 
