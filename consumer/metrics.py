@@ -51,6 +51,8 @@ class WorkerMetrics:
                                        registry=r)
         self.engine_stalls = Counter("lorabatch_engine_stalls_total", "Engine processes killed for answering nothing for "
                                      "worker.engine_stall_s", registry=r)
+        self.worker_id_conflicts = Counter("lorabatch_worker_id_conflicts_total", "Refreshes of this worker's id lease "
+                                           "that found another worker holding the id", registry=r)
         self.partitions_lost = Counter("lorabatch_partitions_lost_total", "Partitions the group took from this worker "
                                        "after its session expired (a frozen or starved process)", registry=r)
         self.queue_depth = Gauge("lorabatch_queue_depth", "Jobs waiting for the engine, per tenant", ["tenant"], registry=r)

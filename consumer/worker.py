@@ -55,6 +55,7 @@ from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
+from consumer.worker_lease import WorkerIdLease
 from engine.api import ADAPTER_ERROR_CODES, EngineError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
@@ -145,6 +146,12 @@ class Worker:
             why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
             raise ConfigError(f"the spool file {spool_path} cannot be opened ({why}); set {key} to a file in a writable "
                               f"folder") from e
+        # An id set by hand is held while the worker runs, so that a second worker under it refuses to start (a default
+        # id, hostname-pid, is no other process's): on this host beside the spool, across hosts in Redis where routing
+        # uses it (consumer.worker_lease).
+        self.lease = WorkerIdLease(w.worker_id, settings.kafka.group_id, Path(spool_path).parent,
+                                   redis_url=r.redis_url if r.cache == "redis" else None, prefix=r.redis_prefix,
+                                   conflicts=self.metrics.worker_id_conflicts) if w.worker_id else None
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._registry_outage = Outage("registry refresh", log, "routing on the previous snapshot")
@@ -204,6 +211,8 @@ class Worker:
             waiting.labels("redis").set(1)
             await wait_for_redis(self.router.cache, self.s, self._stopping)
             waiting.labels("redis").set(0)
+            if self.lease is not None:  # before joining the group: a second member under one id fences the first
+                await self.lease.acquire(self._stopping)  # WorkerIdTaken: another live worker holds the id
             waiting.labels("broker").set(1)
             self.consumer = await connect(self._make_consumer, self.s, self._stopping,
                                           explain=lambda: group_members(self.s.kafka))
@@ -239,6 +248,8 @@ class Worker:
                 await self.handover.leave()
             if producer is not None:
                 await close_producer(producer)
+            if self.lease is not None:  # out of the group: the id is free for a restart
+                await self.lease.release()
             self.spool.close()
             self.ledger_calls.close()
             close = getattr(self.router.cache, "close", None)
@@ -293,6 +304,9 @@ class Worker:
         flush = asyncio.create_task(self.deliverer.flush_spool(), name="spool-flush")
         gauges = asyncio.create_task(self._gauges_loop(), name="gauges")
         tasks = [fetch, dispatch, deliver, commit, gpu_time, flush, gauges]
+        if self.lease is not None:
+            tasks.append(asyncio.create_task(self.lease.refresh_forever(), name="worker-id-lease"))
+        loops = {deliver, gpu_time, flush, gauges} | set(tasks[7:])  # never end on their own: one that does failed
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
             # The others never end on their own: if one does, it failed, and so does the worker.
@@ -307,7 +321,7 @@ class Worker:
                                else left_at + self.s.worker.revoke_deadline_s + 5) - time.monotonic()
                     if left_at is None:  # looked at each second: answers the broker takes none of end the wait for the queue
                         timeout = min(timeout, 1.0)
-                done, _ = await asyncio.wait(running | {deliver, gpu_time, flush, gauges} | ({stop} if not stop.done() else set()),
+                done, _ = await asyncio.wait(running | loops | ({stop} if not stop.done() else set()),
                                              timeout=max(0.0, timeout) if timeout is not None else None,
                                              return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 woken = stop in done
@@ -332,7 +346,7 @@ class Worker:
                     t.result()
                     if t is deliver and self.deliverer.gave_up:
                         running.clear()  # stopping, and what is left can be delivered nowhere (it said so)
-                    elif t in (deliver, gpu_time, flush, gauges):
+                    elif t in loops:
                         raise RuntimeError(f"the {t.get_name()} task stopped")
                 running -= done
             await self._record_gpu_time()

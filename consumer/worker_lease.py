@@ -1,0 +1,222 @@
+"""One live worker per worker id: a worker refuses an id that another running worker holds.
+
+A worker id (`--worker-id`) is the Kafka group.instance.id and names the worker's spool file. Two workers started
+under one id both ran every job over the embedded broker (92 results for 60 jobs, GPU work doubled, no line in either
+log); on Kafka the second join fences the first and the two knock each other out. A restart under the same id after
+a crash must still work at once: that is what static membership is for.
+
+Two holds, both taken before the worker joins its group, both given back as it exits:
+- on this host, an exclusive `flock` on `<spool folder>/<worker id>.worker.lock`, holding the holder's host and pid:
+  the kernel frees a killed worker's lock, so a restart after kill -9 takes it at once; it needs no Redis, which the
+  embedded defaults (routing.cache = "lru") have none of;
+- across hosts, where routing.cache = "redis", a lease in Redis, `<routing.redis_prefix>:worker:<group>:<worker id>`,
+  set with NX and a TTL of LEASE_TTL_S to a value naming a random token, the host and the pid, and refreshed every
+  REFRESH_S while the worker runs. A crashed worker's lease lapses within LEASE_TTL_S.
+At start a hold taken by another is waited for up to LEASE_TTL_S (a predecessor killed or still draining lets go
+within it); one still held then ends the start with WorkerIdTaken, naming the id, the holder and the fix. A refresh
+that finds the lease taken by another (this worker was frozen past the TTL and another took the id) says so loudly
+and counts `lorabatch_worker_id_conflicts_total`. Redis that cannot be reached costs the check across hosts, never
+the worker: said once, and the lease is taken when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+
+from consumer.logs import Throttle
+
+log = logging.getLogger("lorabatch.worker")
+
+# 10 s: Kafka's default session timeout, the time after which the group itself counts a silent member as gone; a
+# restart after a crash waits at most this long. Refreshed every 2 s, so four refreshes in a row may fail (a slow Redis,
+# a loop held by a long call) before a live worker's lease lapses.
+LEASE_TTL_S = 10.0
+REFRESH_S = 2.0
+REDIS_TIMEOUT_S = 1.0  # a lease call slower than this counts as Redis away (it runs off the jobs' path)
+RETRY_S = 0.5  # how often a hold that another has is tried again at start
+
+# Take the lease when it is free or ours, and return what it holds now (ours, or the other holder's value).
+_TAKE = """
+local v = redis.call('GET', KEYS[1])
+if v == false or v == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
+end
+return v
+"""
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class WorkerIdTaken(Exception):
+    """Another live worker holds this worker id; waiting does not end it."""
+
+    retriable = False
+
+
+def describe(value: bytes | str | None) -> str:
+    """The holder named by a lease or lock file's value: "host H, pid P", or the raw text when it is no such value."""
+    if value is None:
+        return "an unknown holder"
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    try:
+        d = json.loads(text)
+        return f"host {d['host']}, pid {d['pid']}"
+    except (ValueError, KeyError, TypeError):
+        return f"an unknown holder ({text[:100]!r})"
+
+
+class WorkerIdLease:
+    def __init__(self, worker_id: str, group_id: str, lock_dir: Path, *, redis_url: str | None = None,
+                 prefix: str = "lorabatch:route", ttl_s: float = LEASE_TTL_S, refresh_s: float = REFRESH_S,
+                 conflicts=None):
+        """`redis_url`: where the lease across hosts lives (None: on this host only). `conflicts`: a Prometheus
+        counter, counted at each refresh that finds the lease another's."""
+        assert 0 < refresh_s < ttl_s, (refresh_s, ttl_s)
+        self.worker_id, self.group_id = worker_id, group_id
+        self.lock_path = Path(lock_dir) / f"{worker_id}.worker.lock"
+        self.key = f"{prefix}:worker:{group_id}:{worker_id}"
+        self.ttl_s, self.refresh_s = ttl_s, refresh_s
+        self.value = json.dumps({"token": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid()})
+        self._conflicts = conflicts
+        self._fd: int | None = None
+        self._redis = None
+        if redis_url is not None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                                  socket_connect_timeout=REDIS_TIMEOUT_S, retry_on_timeout=False)
+        self.held = False  # the Redis lease, as of the last call that reached Redis
+        self._unchecked = False  # said that Redis could not be reached, not yet that it answers again
+        self._conflict_throttle = Throttle(60.0)
+        self._other: str | None = None  # the other holder last said
+
+    # ---------------------------------------------------------------- start
+
+    async def acquire(self, stopping: asyncio.Event | None = None) -> None:
+        """Hold the id, on this host and in Redis; wait up to the TTL for a holder to let go; WorkerIdTaken if none
+        does. Returns at once when `stopping` is set (the caller stops anyway)."""
+        deadline = time.monotonic() + self.ttl_s + RETRY_S
+        said = None
+        while True:
+            holder = self._lock_here()
+            if holder is None:
+                holder = await self._take()
+            if holder is None:
+                if said is not None:
+                    log.info("worker id %s is free now (%s let go); starting", self.worker_id, said)
+                return
+            if said != holder:
+                said = holder
+                log.warning("worker id %s is held by %s (another worker running, or one that died: its hold lapses within "
+                            "%.0f s); waiting for it", self.worker_id, holder, self.ttl_s)
+            if time.monotonic() >= deadline:
+                self.close_lock()
+                raise WorkerIdTaken(
+                    f"worker id {self.worker_id} is held by a live worker ({holder}) of group {self.group_id}: it has "
+                    f"held it for the {self.ttl_s:.0f} s waited; start this worker with another --worker-id "
+                    f"(worker.worker_id), or stop that worker first")
+            if stopping is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), RETRY_S)
+                if stopping.is_set():
+                    self.close_lock()
+                    return
+            else:
+                await asyncio.sleep(RETRY_S)
+
+    def _lock_here(self) -> str | None:
+        """Take the lock file of the id on this host; None when taken (or held already), else its holder."""
+        if self._fd is not None:
+            return None
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return describe(os.pread(fd, 4096, 0)) + " on this host"
+            finally:
+                os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self.value.encode(), 0)
+        self._fd = fd
+        return None
+
+    async def _take(self) -> str | None:
+        """Take or renew the Redis lease; None when it is ours (or cannot be checked), else its holder."""
+        if self._redis is None:
+            return None
+        from redis.exceptions import RedisError
+
+        try:
+            now = await self._redis.eval(_TAKE, 1, self.key, self.value, int(self.ttl_s * 1000))
+        except (RedisError, OSError) as e:
+            from consumer.route_cache import explain
+
+            self.held = False
+            if not self._unchecked:
+                self._unchecked = True
+                log.warning("worker id %s could not be checked in Redis (%s): running without the check that no other "
+                            "host runs a worker under this id; it is taken when Redis answers", self.worker_id, explain(e))
+            return None
+        if self._unchecked:
+            self._unchecked = False
+            log.warning("Redis answers again: worker id %s is checked there", self.worker_id)
+        self.held = now == self.value.encode()
+        return None if self.held else describe(now)
+
+    # ---------------------------------------------------------------- while running
+
+    async def refresh(self) -> bool:
+        """Renew the lease; False when another holds it (said in the log, counted)."""
+        holder = await self._take()
+        if holder is None:
+            self._other = None
+            return True
+        if self._conflicts is not None:
+            self._conflicts.inc()
+        changed = holder != self._other
+        if self._conflict_throttle.due() or changed:  # a line when the holder changes, else one a minute
+            self._other = holder
+            log.error("worker id %s is now held by %s, not by this worker (host %s, pid %d): two workers run under one id "
+                      "and may both run the same jobs (lorabatch_worker_id_conflicts_total); stop one, or give it another "
+                      "--worker-id", self.worker_id, holder, socket.gethostname(), os.getpid())
+        return False
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    # ---------------------------------------------------------------- stop
+
+    async def release(self) -> None:
+        """Give the id back (the Redis lease only where it is still ours) and close the Redis client."""
+        self.close_lock()
+        if self._redis is None:
+            return
+        from redis.exceptions import RedisError
+
+        try:
+            if self.held:
+                await self._redis.eval(_RELEASE, 1, self.key, self.value)
+        except (RedisError, OSError) as e:  # it lapses within the TTL anyway
+            log.warning("worker id %s: its Redis lease could not be given back (%s); it lapses within %.0f s",
+                        self.worker_id, e, self.ttl_s)
+        finally:
+            self.held = False
+            await self._redis.aclose()
+
+    def close_lock(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
