@@ -12,7 +12,7 @@ pytest_plugins = ("tests.db_fixtures", "tests.service_fixtures")
 # pytest-xdist hands whole files to its workers in collection order (pyproject: `--dist loadfile
 # --no-loadscope-reorder`), so these start first and the many short files fill in at the end; its own default order
 # (most tests first) left the compile check (270 s on a cold Triton cache) to start last and run alone for minutes.
-SLOWEST_FIRST = (  # by their time in a full run here (session 29, three workers); the compile test is slow on a cold Triton cache
+SLOWEST_FIRST = (  # by their time in a full run here (sessions 29-30, three workers); the compile test is slow on a cold Triton cache
     "tests/test_kernels_compile.py",
     "tests/test_cli_errors.py",
     "tests/test_kernel_attention.py",
@@ -21,6 +21,7 @@ SLOWEST_FIRST = (  # by their time in a full run here (session 29, three workers
     "tests/adversarial/test_broker_outage.py",
     "tests/adversarial/test_ledger_outage.py",
     "tests/test_scaleout.py",
+    "tests/test_worker_lease.py",
     "tests/test_chaos.py",
     "tests/adversarial/test_redis_bad_day.py",
     "tests/adversarial/test_request_ids.py",
