@@ -74,6 +74,7 @@ class EngineFeeder:
         self._adapters: dict[str, AdapterView] = {}
         self._clock = clock  # the worker's wall clock, UTC: stamps finished requests
         self._since = clock()
+        self._stamped = self._since  # the latest instant a row was stamped with (see drain_gpu_time)
         self._unbilled_us = 0  # measured time of jobs abandoned on a revoke: on the next busy record, as unbilled
         # Month -> busy µs recorded (or carried) into it less the µs of the rows stamped in it and the unbilled µs named
         # there: the current record's month and any later one a row was stamped in before a record reached it.
@@ -130,6 +131,7 @@ class EngineFeeder:
             route_reason=label, routing_us=item.route.routing_us, finished_at=finished_at, tier=item.tier,
         )
         self._bill(finished_at, charged_us(res))
+        self._stamped = max(self._stamped, finished_at)
         return Served(Outcome(item.tp, item.offset, result=result, usage=usage, epoch=item.epoch, stamps=item.stamps), adapter_key, ok)
 
     async def drain_gpu_time(self) -> tuple[list[AdapterLoadRecord], BusyRecord | None]:
@@ -148,6 +150,12 @@ class EngineFeeder:
                                            gpu_kind=self.gpu_kind))
         busy = None
         now = max(now, self._since)  # a host's clock stands still while no step is reported: never step back
+        if period_of(self._stamped) != period_of(now):
+            # A result reached the worker in a later month than the host's clock reads: an engine process's clock is
+            # its last pass's, and stands still while no step runs, so a result of a pass just before midnight is
+            # stamped after it while every record that follows would end before it, and the month's busy time the
+            # row bills would never be carried. The record ends at the row's stamp instead: it crosses, and carries.
+            now = max(now, self._stamped)
         month = period_of(self._since)
         self._owed[month] = owed = self._owed.get(month, 0) + busy_us - unbilled_us
         crossing = period_of(now) != month  # (then now is past the record's start: no 1 µs rule below)

@@ -177,3 +177,27 @@ async def test_a_record_pushed_past_midnight_by_its_steps_carries_and_later_rows
     clock.now, stub.charged = _at(-20), {"r1": (1_000_100, 0)}
     served = await feeder.serve(_item("r1", _at(-999_000)), "standard")
     assert served.outcome.usage.created_at == _at(100)
+
+
+async def test_a_result_after_midnight_from_an_engine_clock_that_stands_before_it_is_carried(engine: Engine) -> None:
+    """An engine process's clock is the one its last pass sent (it stands still while no step runs): a result of its
+    last pass before midnight that reaches the worker after it is a February row, and the records that follow, ending at
+    that clock, stay January's. The worker's next record must still carry the request's January busy time, or January
+    shows it unexplained and February bills it with no busy time, for good once the worker stops."""
+    ledger = Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
+    stub, clock = _Engine(), _Clock(_at(-1_000_000))
+    feeder = EngineFeeder(stub, store=None, worker_id="w0", gpu_kind="h100", clock=clock)
+    stub.charged = {"r1": (500, 0)}
+    clock.now = _at(200)
+    served = await feeder.serve(_item("r1", _at(-900_000)), "standard")
+    assert served.outcome.usage.created_at == _at(200)
+    records = []
+    for engine_clock, busy_us, steps, worker_clock in ((_at(-50), 500, 2, _at(300)), (_at(-50), 0, 0, _at(1_000_000))):
+        stub.gpu, clock.now = ([], busy_us, steps, engine_clock, 0), worker_clock
+        records.append((await feeder.drain_gpu_time())[1])  # the last drain: the worker's stop
+    ledger.record_usage([served.outcome.usage])
+    ledger.record_busy([r for r in records if r is not None])
+    january = reconcile_report(engine, "2027-01", CONFIG, now=LATER)
+    february = reconcile_report(engine, "2027-02", CONFIG, now=LATER)
+    assert (january.us("unexplained_busy"), february.us("unexplained_busy")) == (0, 0)
+    assert january.us("carried_out") == february.us("carried_in") == 500
