@@ -149,6 +149,7 @@ class Worker:
         # An id set by hand is held while the worker runs, so that a second worker under it refuses to start (a default
         # id, hostname-pid, is no other process's): on this host beside the spool, across hosts in Redis where routing
         # uses it (consumer.worker_lease).
+        self._lease_refresh: asyncio.Task | None = None  # acquiring to release: the broker's wait and the stop outlast its TTL
         self.lease = WorkerIdLease(w.worker_id, settings.kafka.group_id, Path(spool_path).parent,
                                    redis_url=r.redis_url if r.cache == "redis" else None, prefix=r.redis_prefix,
                                    conflicts=self.metrics.worker_id_conflicts) if w.worker_id else None
@@ -213,6 +214,7 @@ class Worker:
             waiting.labels("redis").set(0)
             if self.lease is not None:  # before joining the group: a second member under one id fences the first
                 await self.lease.acquire(self._stopping)  # WorkerIdTaken: another live worker holds the id
+                self._lease_refresh = asyncio.create_task(self.lease.refresh_forever(), name="worker-id-lease")
             waiting.labels("broker").set(1)
             self.consumer = await connect(self._make_consumer, self.s, self._stopping,
                                           explain=lambda: group_members(self.s.kafka))
@@ -248,7 +250,8 @@ class Worker:
                 await self.handover.leave()
             if producer is not None:
                 await close_producer(producer)
-            if self.lease is not None:  # out of the group: the id is free for a restart
+            if self.lease is not None:  # out of the group: the id is free for a restart; no refresh takes it again after
+                await end_tasks([t for t in (self._lease_refresh,) if t is not None])
                 await self.lease.release()
             self.spool.close()
             self.ledger_calls.close()
@@ -304,12 +307,10 @@ class Worker:
         flush = asyncio.create_task(self.deliverer.flush_spool(), name="spool-flush")
         gauges = asyncio.create_task(self._gauges_loop(), name="gauges")
         tasks = [fetch, dispatch, deliver, commit, gpu_time, flush, gauges]
-        if self.lease is not None:
-            tasks.append(asyncio.create_task(self.lease.refresh_forever(), name="worker-id-lease"))
-        loops = {deliver, gpu_time, flush, gauges} | set(tasks[7:])  # never end on their own: one that does failed
+        loops = {deliver, gpu_time, flush, gauges} | ({self._lease_refresh} if self._lease_refresh is not None else set())
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
-            # The others never end on their own: if one does, it failed, and so does the worker.
+            # The others (the lease's refresh too) never end on their own: if one does, it failed, and so does the worker.
             running = {fetch, dispatch}
             left_at: float | None = None  # when the queue was left to the next owners (the stop's deadline passed)
             stop = asyncio.create_task(self._stopping.wait(), name="stop")  # wakes the wait below: the deadline starts

@@ -187,6 +187,57 @@ async def test_a_refresh_that_finds_the_id_taken_says_so_and_counts(tmp_path, sh
     assert len(errors) == 1 and "worker id gpu-0 is now held by host" in errors[0], errors
 
 
+class _KafkaClient:
+    """A Kafka client whose start waits until `answers` is set: a broker that does not answer yet, or a long group join."""
+
+    def __init__(self, answers: asyncio.Event):
+        self.answers = answers
+
+    async def start(self) -> None:
+        await self.answers.wait()
+
+    async def stop(self) -> None:
+        pass
+
+
+async def test_the_lease_is_refreshed_while_the_worker_waits_to_join_its_group(tmp_path, shared_redis, monkeypatch):
+    """The id is taken before the worker joins its group, and the broker may be waited for as long as it takes: the
+    lease must not lapse meanwhile, or a second worker under the id takes it and both join. The stop gives it back."""
+    from types import SimpleNamespace
+
+    import consumer.worker as worker_module
+    from consumer.config import load_settings
+    from consumer.registry import RegistrySnapshot
+    from engine.config import EngineConfig
+
+    answered = asyncio.Event()
+    answered.set()
+    monkeypatch.setattr(worker_module, "make_producer", lambda *a, **kw: _KafkaClient(answered))
+    settings = load_settings(None, {"worker.spool_path": str(tmp_path / "host-a" / "spool.sqlite"), "worker.worker_id": "gpu-0",
+                                    "routing.cache": "redis", "routing.redis_url": REDIS_URL, "routing.redis_prefix": shared_redis,
+                                    "kafka.group_id": "workers"})
+    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path))
+    worker = worker_module.Worker(settings, SimpleNamespace(config=EngineConfig(max_batch_size=32)), registry, ledger=None)
+    worker.lease.ttl_s, worker.lease.refresh_s = TTL_S, REFRESH_S
+    worker._make_consumer = lambda: _KafkaClient(asyncio.Event())  # the group is never joined
+    client = redis.Redis.from_url(REDIS_URL)
+    task = asyncio.create_task(worker.run())
+    try:
+        for _ in range(200):
+            if client.get(worker.lease.key) is not None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(3 * TTL_S)  # three TTLs waiting for the broker
+        assert client.get(worker.lease.key) == worker.lease.value.encode()
+        with pytest.raises(WorkerIdTaken):
+            await _lease(tmp_path / "host-b", shared_redis).acquire()
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+    assert client.get(worker.lease.key) is None
+    client.close()
+
+
 def test_the_lock_file_is_none_of_the_spool_sweeper_s():
     """The lock beside the spool files matches neither glob that the spool sweeper deletes by."""
     from pathlib import PurePath
