@@ -65,7 +65,7 @@ class Ledger:
         """Write `records` in one transaction (binary COPY on PostgreSQL, multi-row INSERTs on SQLite); return how many rows are new.
 
         A record whose (tenant_id, request_id) is already in the ledger, or earlier in `records`, adds
-        no row; if another run measured it (another worker or receipt), it is kept as redelivered work.
+        no row; if another run measured it (another worker, or another run's finish instant), it is kept as redelivered work.
         Every record is checked before anything is written, so a bad one fails the whole batch with
         LedgerRecordError and leaves the ledger untouched. Each row's `cost` is its net GPU time (less
         the KV credit as billed, billing/credit.py) at the price of its gpu_kind in effect at its created_at
@@ -111,7 +111,7 @@ class Ledger:
     def _keep_redeliveries(self, session: Session, rows: list[dict[str, Any]]) -> None:
         """Keep the copies in `rows` that a second run measured (billing.models.UsageRedelivery).
 
-        Read only when some row was not new. A copy whose worker and receipt (created_at) are those of the
+        Read only when some row was not new. A copy whose worker and finish instant (created_at) are those of the
         stored row is the same run written again (a retried flush, the spool): nothing to keep.
         """
         keys = sorted({(row["tenant_id"], row["request_id"]) for row in rows})

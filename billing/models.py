@@ -151,7 +151,7 @@ class UsageRedelivery(Base):
     """A copy of a request that ran again after its usage row was written: GPU busy time billed to nobody.
 
     The usage row that was written first bills the request; a later copy measured by another run (another
-    worker, or another receipt of the job) adds no usage row, and is kept here so that the busy time it
+    worker, or another run of the job, finished at another instant) adds no usage row, and is kept here so that the busy time it
     took is named as redelivered work (billing/reconcile.py). A retried write of the same copy adds nothing.
     """
 
@@ -165,7 +165,7 @@ class UsageRedelivery(Base):
     tenant_id: Mapped[str] = mapped_column(String(64))
     request_id: Mapped[str] = mapped_column(String(256))
     worker_id: Mapped[str] = mapped_column(String(128))
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # the copy's own receipt
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # when the copy's run finished (its result reached its worker)
     period: Mapped[str] = mapped_column(CHAR(7))  # the UTC month of created_at
     adapter: Mapped[str | None] = mapped_column(String(200))
     base_us: Mapped[int] = mapped_column(BigInteger)
