@@ -52,11 +52,21 @@ def render_json(invoice: Invoice) -> str:
     return json.dumps(invoice_document(invoice), indent=2)
 
 
+CSV_COLUMNS = ("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS, "unpriced_requests")
+
+
+def csv_header() -> str:
+    """The CSV's header line alone: what a month with no invoice to close prints, so a reader still finds its columns."""
+    out = io.StringIO()
+    csv.writer(out).writerow(CSV_COLUMNS)
+    return out.getvalue()
+
+
 def render_csv(invoice: Invoice) -> str:
     """One row per line and a final TOTAL row (with the unpriced requests), each with the tenant, period, status and currency."""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS, "unpriced_requests"))
+    writer.writerow(CSV_COLUMNS)
     head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
     for line in invoice.lines:
         writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), ""))

@@ -224,8 +224,9 @@ class RoutingConfig(_Section):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when cache = \"redis\"")
     redis_prefix: str = Field("lorabatch:route", description="key prefix, so several deployments can share a Redis")
     cache_entries: int = Field(100_000, ge=1, description="bound per tenant and level (Redis) or in all (LRU)")
-    cache_ttl_s: float = Field(3600.0, gt=0, le=10 * 365 * 86400,
-                               description="a user's or session's adapter is forgotten after this (at most 10 years: Redis "
+    cache_ttl_s: float = Field(3600.0, ge=0.001, le=10 * 365 * 86400,
+                               description="a user's or session's adapter is forgotten after this (at least 1 ms, Redis's "
+                                           "unit: less was an expiry of 0 ms, which Redis refuses; at most 10 years: Redis "
                                            "refuses an expiry past 2^63 ms)")
     redis_timeout_ms: float = Field(50.0, gt=0, description="a Redis call slower than this counts as Redis down")
     redis_backoff_s: float = Field(1.0, gt=0, description="after a Redis error, route without it for this long")

@@ -62,6 +62,15 @@ def test_prices_then_invoice_then_close(cli: tuple[CliRunner, Path]) -> None:
     assert [i["tenant"] for i in everything] == ["acme"]
 
 
+def test_closing_an_empty_month_as_csv_prints_the_columns(cli: tuple[CliRunner, Path]) -> None:
+    """A month with no usage closes no invoice: --format csv still prints the header (it printed nothing), json `[]`."""
+    out = run(cli, "invoice", "--close-period", "2025-09", "--format", "csv")
+    assert out.splitlines() == [out.strip()] and out.startswith("tenant,period,status,currency,adapter"), out
+    one = run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--format", "csv")
+    assert one.splitlines()[0] == out.strip()  # the same columns as an invoice's
+    assert json.loads(run(cli, "invoice", "--close-period", "2025-09", "--format", "json")) == []
+
+
 def test_invoice_errors_say_what_to_do(cli: tuple[CliRunner, Path]) -> None:
     """Bad input fails with exit code 2 and a message naming the fix."""
     runner, config = cli

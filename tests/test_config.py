@@ -54,6 +54,7 @@ def test_show_leaves_the_device_sized_engine_fields_unset(tmp_path):
         ("[worker]\nengine_stall_s = -1\n", "worker.engine_stall_s"),
         ("[kafka]\nfetch_max_wait_ms = 0\n", "kafka.fetch_max_wait_ms"),
         ("[kafka]\nmax_message_bytes = 9223372036854775807\n", "kafka.max_message_bytes"),  # the fetch size overflowed int32
+        ("[routing]\ncache_ttl_s = 1e-300\n", "routing.cache_ttl_s"),  # was a Redis expiry of 0 ms, which Redis refuses
         ("[engine]\nweight_dtype = 'int4'\n", "engine.weight_dtype"),
         ("not toml [", "not valid TOML"),
     ],

@@ -26,7 +26,7 @@ def invoice(
     from billing.closing import close_period as close_month
     from billing.errors import LedgerError
     from billing.invoice import build_invoice
-    from billing.invoice_render import render_csv, render_json, render_table
+    from billing.invoice_render import csv_header, render_csv, render_json, render_table
 
     renderers = {"table": render_table, "json": render_json, "csv": render_csv}
     if fmt not in renderers:
@@ -57,6 +57,8 @@ def invoice(
         svc.close()
     if fmt == "json" and close_period is not None:
         typer.echo("[" + ",\n".join(render_json(i) for i in invoices) + "]")
+    elif fmt == "csv" and not invoices:  # a month with nothing to close: its columns still, for whatever reads them
+        typer.echo(csv_header(), nl=False)
     elif fmt == "csv" and len(invoices) > 1:
         typer.echo(renderers["csv"](invoices[0]) + "".join(renderers["csv"](i).split("\n", 1)[1] for i in invoices[1:]), nl=False)
     else:
