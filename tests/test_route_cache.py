@@ -168,7 +168,9 @@ async def test_a_write_back_costs_three_round_trips_at_most(redis_server, monkey
     import redis as sync_redis
     from redis.asyncio.connection import AbstractConnection
 
-    cache = RedisRouteCache(redis_server.url, max_entries=1, ttl_s=60, prefix="rt")
+    # (a timeout of seconds: this counts round trips, and the 50 ms default failed the first write-back after the
+    # connection's setup in a process that had run tests/test_config.py first)
+    cache = RedisRouteCache(redis_server.url, max_entries=1, ttl_s=60, prefix="rt", timeout_s=5.0)
     r = sync_redis.Redis.from_url(redis_server.url)
     sent = [0]
     send = AbstractConnection.send_packed_command
