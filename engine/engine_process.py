@@ -47,8 +47,7 @@ from typing import Any, Self, TypeVar
 
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError
 from engine.async_engine import StepLoop, charged_us
-from engine import collector
-from engine.collector import hold_full_passes
+from engine.collector import freeze, hold_full_passes
 from engine.config import EngineConfig
 from engine.host_arena import reap, release_segments
 
@@ -491,7 +490,7 @@ def _freeze_gc() -> None:
     11.97-14.11 ms before in a child, and 10.44 against 11.19 in one process. The child freezes after building its
     engine and after each new decode graph (a bounded number); objects made later are collected as usual."""
     gc.collect()
-    collector.freeze()  # (told to the collector's windows: engine.collector, "Freezes")
+    freeze()  # gc.freeze, told to the collector's windows (engine.collector, "Freezes")
 
 
 class _ChildHost(StepLoop):
