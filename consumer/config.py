@@ -210,6 +210,10 @@ class WorkerConfig(_Section):
     log_check_s: float = Field(2.0, gt=0, description="how often the partitions' log ends and committed offsets are "
                                "checked against the worker's marks (a broker restart, a recreated topic)")
 
+    def spool_file(self) -> Path:
+        """The spool's path: `spool_path`, or its default, stable across restarts (a new pid finds what was spooled)."""
+        return Path(self.spool_path) if self.spool_path else Path(".lorabatch/spool") / f"{self.worker_id or 'worker'}.sqlite"
+
     @field_validator("worker_id")
     @classmethod
     def _check_worker_id(cls, value: str) -> str:

@@ -28,7 +28,6 @@ import sqlite3
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 from aiokafka.errors import KafkaError
 
@@ -55,7 +54,7 @@ from consumer.spool import Spool
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
-from consumer.worker_lease import WorkerIdLease
+from consumer.worker_lease import WorkerIdLease, lease_for
 from engine.api import ADAPTER_ERROR_CODES, EngineError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
@@ -100,7 +99,8 @@ async def end_tasks(tasks: list[asyncio.Task], *, wait_s: float = 1.0, rounds: i
 
 class Worker:
     def __init__(self, settings: Settings, engine: Engine | EngineProcess, registry: Registry, ledger, *,
-                 metrics: WorkerMetrics | None = None, route_cache: RouteCache | None = None, keep_stages: int = 0):
+                 metrics: WorkerMetrics | None = None, route_cache: RouteCache | None = None, keep_stages: int = 0,
+                 lease: WorkerIdLease | None = None):
         """`engine`: an Engine, which the worker steps on a thread of its own (AsyncEngine), or a started EngineProcess.
         `keep_stages`: keep the stage stamps of the last this many committed jobs in `stages.kept` (the bench)."""
         self.s = settings
@@ -136,7 +136,7 @@ class Worker:
         self.feeder = EngineFeeder(self.aengine, registry.store, self.worker_id, settings.ledger.gpu_kind)
         # A stable default path: a restarted worker (a new pid) finds what its predecessor spooled.
         # Stamped with its ledger, so a worker beside it flushes what it leaves only into that ledger (Deliverer.flush_others).
-        spool_path = w.spool_path or Path(".lorabatch/spool") / f"{w.worker_id or 'worker'}.sqlite"
+        spool_path = w.spool_file()
         try:
             self.spool = Spool(spool_path, w.spool_max_records, ledger=shown_url(settings.ledger.url))
         except (OSError, sqlite3.Error) as e:
@@ -146,13 +146,10 @@ class Worker:
             why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
             raise ConfigError(f"the spool file {spool_path} cannot be opened ({why}); set {key} to a file in a writable "
                               f"folder") from e
-        # An id set by hand is held while the worker runs, so that a second worker under it refuses to start (a default
-        # id, hostname-pid, is no other process's): on this host beside the spool, across hosts in Redis where routing
-        # uses it (consumer.worker_lease).
-        self._lease_refresh: asyncio.Task | None = None  # acquiring to release: the broker's wait and the stop outlast its TTL
-        self.lease = WorkerIdLease(w.worker_id, settings.kafka.group_id, Path(spool_path).parent,
-                                   redis_url=r.redis_url if r.cache == "redis" else None, prefix=r.redis_prefix,
-                                   conflicts=self.metrics.worker_id_conflicts) if w.worker_id else None
+        # An id set by hand is held while the worker runs, so that a second worker under it refuses to start: on this
+        # host beside the spool, across hosts in Redis where routing uses it (consumer.worker_lease). `lease`: one the
+        # caller took already (the command, before building the engine); the worker releases it as it exits.
+        self.lease = lease or lease_for(settings, conflicts=self.metrics.worker_id_conflicts)
         self._work_event = asyncio.Event()
         self._stopping = asyncio.Event()
         self._registry_outage = Outage("registry refresh", log, "routing on the previous snapshot")
@@ -212,9 +209,9 @@ class Worker:
             waiting.labels("redis").set(1)
             await wait_for_redis(self.router.cache, self.s, self._stopping)
             waiting.labels("redis").set(0)
-            if self.lease is not None:  # before joining the group: a second member under one id fences the first
-                await self.lease.acquire(self._stopping)  # WorkerIdTaken: another live worker holds the id
-                self._lease_refresh = asyncio.create_task(self.lease.refresh_forever(), name="worker-id-lease")
+            if self.lease is not None:  # before joining the group: a second member under one id fences the first; taken
+                await self.lease.acquire(self._stopping)  # already, checked again now that Redis answers. WorkerIdTaken:
+                self.lease.start_refreshing()  # another live worker holds the id
             waiting.labels("broker").set(1)
             self.consumer = await connect(self._make_consumer, self.s, self._stopping,
                                           explain=lambda: group_members(self.s.kafka))
@@ -251,7 +248,7 @@ class Worker:
             if producer is not None:
                 await close_producer(producer)
             if self.lease is not None:  # out of the group: the id is free for a restart; no refresh takes it again after
-                await end_tasks([t for t in (self._lease_refresh,) if t is not None])
+                await end_tasks([t for t in (self.lease.refreshing,) if t is not None])
                 await self.lease.release()
             self.spool.close()
             self.ledger_calls.close()
@@ -307,7 +304,8 @@ class Worker:
         flush = asyncio.create_task(self.deliverer.flush_spool(), name="spool-flush")
         gauges = asyncio.create_task(self._gauges_loop(), name="gauges")
         tasks = [fetch, dispatch, deliver, commit, gpu_time, flush, gauges]
-        loops = {deliver, gpu_time, flush, gauges} | ({self._lease_refresh} if self._lease_refresh is not None else set())
+        refresh = self.lease.refreshing if self.lease is not None else None
+        loops = {deliver, gpu_time, flush, gauges} | ({refresh} if refresh is not None else set())
         try:
             # The fetch loop ends on stop; the dispatcher then drains the queue, the deliverer the outbox.
             # The others (the lease's refresh too) never end on their own: if one does, it failed, and so does the worker.

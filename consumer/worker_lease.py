@@ -5,6 +5,10 @@ under one id both ran every job over the embedded broker (92 results for 60 jobs
 log); on Kafka the second join fences the first and the two knock each other out. A restart under the same id after
 a crash must still work at once: that is what static membership is for.
 
+The `lorabatch worker` command takes the id before it builds its engine: a model on a GPU takes minutes to load, and a
+worker refused its id loaded it for nothing. The lease is refreshed from then on, through the engine's build, and the
+worker checks it again once Redis answers (`Worker.run`), before it joins its group.
+
 Two holds, both taken before the worker joins its group, both given back as it exits:
 - on this host, an exclusive `flock` on `<spool folder>/<worker id>.worker.lock`, holding the holder's host and pid:
   the kernel frees a killed worker's lock, so a restart after kill -9 takes it at once; it needs no Redis, which the
@@ -31,8 +35,12 @@ import secrets
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from consumer.logs import Throttle
+
+if TYPE_CHECKING:
+    from consumer.config import Settings
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -62,6 +70,12 @@ class WorkerIdTaken(Exception):
     retriable = False
 
 
+class LockUnusable(Exception):
+    """The lock file of the id cannot be made beside the spool (its folder is a file, or not writable)."""
+
+    retriable = False
+
+
 def describe(value: bytes | str | None) -> str:
     """The holder named by a lease or lock file's value: "host H, pid P", or the raw text when it is no such value."""
     if value is None:
@@ -72,6 +86,17 @@ def describe(value: bytes | str | None) -> str:
         return f"host {d['host']}, pid {d['pid']}"
     except (ValueError, KeyError, TypeError):
         return f"an unknown holder ({text[:100]!r})"
+
+
+def lease_for(settings: Settings, conflicts=None) -> WorkerIdLease | None:
+    """The lease of the worker id that `settings` set by hand, beside its spool file (None for a default id,
+    hostname-pid, which is no other process's)."""
+    w, r = settings.worker, settings.routing
+    if not w.worker_id:
+        return None
+    return WorkerIdLease(w.worker_id, settings.kafka.group_id, w.spool_file().parent,
+                         redis_url=r.redis_url if r.cache == "redis" else None, prefix=r.redis_prefix,
+                         ttl_s=LEASE_TTL_S, refresh_s=REFRESH_S, conflicts=conflicts)
 
 
 class WorkerIdLease:
@@ -98,6 +123,8 @@ class WorkerIdLease:
         self._unchecked = False  # said that Redis could not be reached, not yet that it answers again
         self._conflict_throttle = Throttle(60.0)
         self._other: str | None = None  # the other holder last said
+        self.refreshing: asyncio.Task | None = None  # refresh_forever, from start_refreshing() to release()
+        self._released = False
 
     # ---------------------------------------------------------------- start
 
@@ -137,8 +164,13 @@ class WorkerIdLease:
         """Take the lock file of the id on this host; None when taken (or held already), else its holder."""
         if self._fd is not None:
             return None
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # taken before the spool is opened: named by the key that sets the folder, as the spool is
+            why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+            raise LockUnusable(f"the worker id's lock file {self.lock_path} cannot be opened ({why}); set "
+                               f"worker.spool_path to a file in a writable folder (the lock lies beside it)") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -197,10 +229,23 @@ class WorkerIdLease:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
 
+    def start_refreshing(self) -> None:
+        """Refresh the lease on a task of its own until release() (the engine's build and the broker's wait both outlast
+        the TTL); once only."""
+        if self.refreshing is None:
+            self.refreshing = asyncio.create_task(self.refresh_forever(), name="worker-id-lease")
+
     # ---------------------------------------------------------------- stop
 
     async def release(self) -> None:
-        """Give the id back (the Redis lease only where it is still ours) and close the Redis client."""
+        """Stop refreshing, give the id back (the Redis lease only where it is still ours) and close the Redis client.
+        Once: a second call does nothing (the command releases what a worker that never ran leaves held)."""
+        if self._released:
+            return
+        self._released = True
+        if self.refreshing is not None and not self.refreshing.done():
+            self.refreshing.cancel()
+            await asyncio.wait([self.refreshing], timeout=2 * REDIS_TIMEOUT_S)  # a Redis call ends within its timeout
         self.close_lock()
         if self._redis is None:
             return

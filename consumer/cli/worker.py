@@ -2,11 +2,15 @@
 
 Started before its ledger, broker or Redis, the worker waits for each (one log line per attempt, backoff
 capped at worker.wait_max_s) instead of exiting; SIGTERM during a wait ends it cleanly.
+
+A `--worker-id` that another live worker holds ends the start (exit status 2) before the engine is built: a refused
+GPU worker loaded its model (minutes) for nothing. The id is held, and its lease refreshed, from then to the exit.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -21,15 +25,13 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     import asyncio
     import logging
     import signal
-    import threading
 
     from consumer.config import WORKER_ID_RULE, worker_id_ok
     from consumer.metrics import WorkerMetrics
     from consumer.spool import SpoolNoSpace
     from consumer.waits import Stopped, wait_for, wait_for_ledger
     from consumer.worker import Worker
-    from engine.api import EngineError
-    from engine.engine import Engine
+    from consumer.worker_lease import lease_for
     from engine.engine_process import EngineProcess
 
     if worker_id is not None and not worker_id_ok(worker_id):  # named as the option, before the config's check names the key
@@ -50,19 +52,10 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
-    if s.worker.engine_process:  # the step loop in a child: no Python of this process delays its launches
-        engine = EngineProcess(s.engine, initializer=functools.partial(_child_setup, log_level))
-        try:
-            engine.start(stop_requested)  # blocks while the child builds its engine; a stop request kills the child
-        except EngineError:
-            if not stop_requested.is_set():
-                raise
-            log.info("stopped while the engine process was building its engine; nothing was fetched")
-            return
-    else:
-        engine = Engine(s.engine)
+    engine = None
 
     async def main() -> None:
+        nonlocal engine
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         running: list[Worker] = []
@@ -70,6 +63,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         def stop() -> None:
             metrics.health.phase = "stopping"
             stopping.set()
+            stop_requested.set()  # an engine process being built is killed
             for w in running:
                 w.stop()
 
@@ -78,8 +72,22 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         metrics.health.phase = "connecting"
         beat = asyncio.create_task(metrics.health.beat_forever(), name="health-beat")  # /healthz: the loop turns
         svc = None
+        # The id first (WorkerIdTaken: exit status 2), refreshed on this loop while a thread builds the engine.
+        lease = lease_for(s, conflicts=metrics.worker_id_conflicts)
         try:  # every way out says `stopped` on /readyz: a stop or failure in the ledger's wait left `stopping`/`connecting`
-            if stop_requested.is_set():  # asked while the engine was built (on a thread of this process, not stoppable)
+            if stop_requested.is_set():  # asked before the loop's handlers took over
+                stop()
+            if lease is not None:
+                await lease.acquire(stopping)
+                if stopping.is_set():
+                    log.info("stopped while waiting for worker id %s; nothing was fetched", lease.worker_id)
+                    return
+                lease.start_refreshing()
+            engine = await asyncio.to_thread(build_engine, s, stop_requested, log_level)
+            if engine is None:
+                log.info("stopped while the engine process was building its engine; nothing was fetched")
+                return
+            if stop_requested.is_set():  # asked while the engine was built (on a thread, not stoppable)
                 stop()
             metrics.ledger_up.set(0)  # not known to take writes until it answers
             metrics.waiting.labels("ledger").set(1)
@@ -92,7 +100,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
             metrics.waiting.labels("ledger").set(0)
 
             async def make_worker() -> Worker:
-                return Worker(s, engine, svc.registry, svc.ledger, metrics=metrics)
+                return Worker(s, engine, svc.registry, svc.ledger, metrics=metrics, lease=lease)
 
             try:  # a spool whose disk is full is waited for, as the ledger is: exiting made a crash loop of it
                 w = await wait_for("space for the worker's spool", make_worker, stopping=stopping, retry=(SpoolNoSpace,),
@@ -109,6 +117,8 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
         finally:
             metrics.health.phase = "stopped"
             beat.cancel()
+            if lease is not None:  # the worker gave it back when it ran; not when the start ended before it did
+                await lease.release()
             if svc is not None:
                 svc.close()
 
@@ -117,6 +127,25 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     finally:
         if isinstance(engine, EngineProcess):  # the worker closes it when it ran; not when it stopped while waiting
             asyncio.run(engine.close(drain=False))
+
+
+def build_engine(s, stop_requested: threading.Event, log_level: str):
+    """The worker's engine, built as configured (minutes for a model on a GPU); None when a stop request ended an engine
+    process's build."""
+    from engine.api import EngineError
+    from engine.engine import Engine
+    from engine.engine_process import EngineProcess
+
+    if not s.worker.engine_process:
+        return Engine(s.engine)
+    engine = EngineProcess(s.engine, initializer=functools.partial(_child_setup, log_level))  # the step loop in a child:
+    try:  # no Python of this process delays its launches
+        engine.start(stop_requested)  # blocks while the child builds its engine; a stop request kills the child
+    except EngineError:
+        if not stop_requested.is_set():
+            raise
+        return None
+    return engine
 
 
 def _child_setup(log_level: str) -> None:
