@@ -9,7 +9,9 @@ The file is read as it is produced (submit.py), so what is held at once is a lin
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +91,12 @@ def read_lines(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: 
         f = path.open("rb")
     except OSError as e:
         raise SubmitError(f"cannot read {path}: {e}") from e
+    mode = os.fstat(f.fileno()).st_mode
+    if stat.S_ISBLK(mode) or stat.S_ISCHR(mode) and not f.isatty():
+        # A pipe or a terminal ends when its writer does; /dev/zero never does (its one line, read past, never ended).
+        f.close()
+        raise SubmitError(f"{path} is a device, not a batch file: reading it might never end; give a JSON lines file, "
+                          f"or pipe the lines in (`... | lorabatch submit /dev/stdin ...`)")
     first_line: dict[str, int] = {}  # request_id -> the line that gave it first
     limit = None if max_message_bytes is None else LINE_FACTOR * max_message_bytes
     n = 0

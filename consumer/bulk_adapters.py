@@ -31,6 +31,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError
 
+from consumer.files import FileUnfit, read_bounded, shown_size
 from consumer.registry import (AdapterView, Registration, Registry, RegistryError, canary_problem, name_problem,
                                public_name_problem)
 from engine.adapter_import import AdapterChecks, Imported, import_adapters
@@ -39,6 +40,9 @@ from engine.api import AdapterError
 BATCH = 500  # adapters a transaction: 2,000 in 4 (a statement's bind parameters stay far under SQLite's 32,766)
 MANIFEST_KEYS = ("name", "path", "tenant", "default", "public", "canary")
 _MANIFEST_EXAMPLE = '{"name": "support", "path": "adapters/support", "default": true}'
+# A manifest line is about 100-200 bytes: 64 MiB holds some 300,000 adapters, and a larger file is split (--manifest
+# repeats). Read whole, so /dev/zero was read until memory ran out.
+MANIFEST_MAX_BYTES = 64 << 20
 _SHOWN = reprlib.Repr()  # a wrong value as reports show it: a line's nested or long value is cut, not printed whole
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 80, 80
 
@@ -123,7 +127,12 @@ def from_manifest(file: Path, flags: Flags) -> list[Entry]:
     """One item per JSON line of `file`; a line that is not a valid one is a failure in its place."""
     file = Path(file)
     try:
-        text = file.read_text(encoding="utf-8-sig")  # a byte order mark, as some editors write, is no part of line 1
+        text = read_bounded(file, what="--manifest", limit=MANIFEST_MAX_BYTES,
+                            fix=f"give a regular JSON lines file of at most {shown_size(MANIFEST_MAX_BYTES)}, and split a "
+                                f"larger one into several (--manifest may be given more than once)").decode("utf-8-sig")
+        # utf-8-sig: a byte order mark, as some editors write, is no part of line 1
+    except FileUnfit as e:
+        raise BulkError(str(e)) from e
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BulkError(f"--manifest {file} cannot be read ({why}); give a JSON lines file, one adapter a line: "

@@ -20,6 +20,7 @@ import tomli_w
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from billing.config import LedgerConfig, url_without_password
+from consumer.files import FileUnfit, read_bounded, shown_size
 from engine.config import DEVICE_SIZED, EngineConfig, no_bool_for_number
 
 DEFAULT_FILE = Path("lorabatch.toml")
@@ -352,6 +353,12 @@ def _unknown_key(loc: tuple) -> str:
     return f"not {what}: {listed}"
 
 
+# Files read whole at start (consumer.files): every key's default written out is some 10 KiB of TOML, a credential a
+# line. A device or a FIFO named there is refused, not read for ever.
+CONFIG_MAX_BYTES = 1 << 20
+CREDENTIAL_MAX_BYTES = 64 << 10
+
+
 def load_settings(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Settings:
     """Read, merge and validate the configuration once; raise ConfigError naming the bad key."""
     if path is None:
@@ -363,12 +370,15 @@ def load_settings(path: str | os.PathLike | None = None, overrides: dict | None 
         source = str(p)
         if p.is_dir():
             raise ConfigError(f"config file {p} is a directory; pass --config with a TOML file (such as {p / 'lorabatch.toml'})")
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"config file {p} does not exist; pass --config with an existing TOML file")
         try:
             # TOML is UTF-8 by definition; read as bytes and decoded here, so a file in another encoding is named as
             # such rather than ending the command in a UnicodeDecodeError.
-            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+            data = tomllib.loads(read_bounded(p, what="config file", limit=CONFIG_MAX_BYTES, fix=(
+                f"pass --config with a TOML file of at most {shown_size(CONFIG_MAX_BYTES)}")).decode("utf-8"))
+        except FileUnfit as e:
+            raise ConfigError(str(e)) from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                               f"save it as UTF-8, as TOML requires") from e
@@ -408,7 +418,13 @@ def _read_credentials(kafka: dict, source: str) -> None:
         path = kafka.get(f"sasl_{name}_file")
         if value is None and isinstance(path, str) and path:
             try:
-                value = Path(path).read_text().strip()
+                value = read_bounded(path, what=f"kafka.sasl_{name}_file =", limit=CREDENTIAL_MAX_BYTES, fix=(
+                    f"point it at a regular file holding only the SASL {name}, or set ${env}")).decode("utf-8").strip()
+            except FileUnfit as e:
+                raise ConfigError(str(e)) from e
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"kafka.sasl_{name}_file = {path!r} is not UTF-8 text; point it at a file holding "
+                                  f"the SASL {name}, or set ${env}") from e
             except OSError as e:
                 raise ConfigError(f"kafka.sasl_{name}_file = {path!r} cannot be read ({e.strerror}); "
                                   f"point it at a file holding the SASL {name}, or set ${env}") from e

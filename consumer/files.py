@@ -1,0 +1,59 @@
+"""Small files a command reads whole (a config, a manifest, a credential), read with a bound.
+
+`--manifest /dev/zero` read for ever, growing its buffer until memory ran out, and a FIFO with no writer blocked the
+command in its open. A file read whole must be a regular file (a device or a FIFO may never end) of at most `limit`
+bytes; the error names the option or key that gave the path, the limit and the fix. The size is checked against the
+bytes read too, not only the stat: a file that grows while it is read is cut off there.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+class FileUnfit(ValueError):
+    """The file is not a regular file, or is over its limit; the message says which, and the fix."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO (a named pipe)"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return "special file"
+
+
+def shown_size(n: int) -> str:
+    """`n` bytes as a limit is written: 64 MiB, 64 KiB, else a count of bytes."""
+    if n >= MIB and n % MIB == 0:
+        return f"{n // MIB} MiB"
+    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n:,} bytes"
+
+
+def read_bounded(path: Path | str, *, what: str, limit: int, fix: str) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them. `what` names where the path came from (`--manifest`,
+    `kafka.sasl_password_file`), `fix` what to do instead. FileUnfit for a file that is no regular one or is too large;
+    OSError for one that cannot be opened or read."""
+    assert limit > 0, limit
+    # O_NONBLOCK: opening a FIFO with no writer returns at once (to be refused below) instead of waiting for one.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileUnfit(f"{what} {path} is a {_kind(st.st_mode)}, not a regular file: it is read whole, and reading "
+                            f"it might never end; {fix}")
+        data = f.read(limit + 1) if st.st_size <= limit else b""
+        if st.st_size > limit or len(data) > limit:
+            size = f"{shown_size(st.st_size)}" if st.st_size > limit else f"over {shown_size(limit)}"
+            raise FileUnfit(f"{what} {path} is {size}, over the {shown_size(limit)} limit for it; {fix}")
+    return data
