@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from dataclasses import fields
+from datetime import UTC, datetime
 from decimal import Decimal
 
 from billing.credit import KV_CREDIT_RULE
@@ -26,18 +27,30 @@ def price_text(value: Decimal) -> str:
     return decimal_text(value.quantize(Decimal(1).scaleb(min(exponent, -2))))
 
 
+def instant_text(value: datetime) -> str:
+    """A UTC instant as the invoice writes it, to the second: "2026-04-01T00:00:05Z" (stored instants are UTC)."""
+    return (value.astimezone(UTC) if value.tzinfo is not None else value).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _closed_at(invoice: Invoice) -> str | None:
+    return None if invoice.closed_at is None else instant_text(invoice.closed_at)
+
+
 def _amounts(amounts: InvoiceAmounts) -> dict[str, int | str]:
     values = {key: getattr(amounts, key) for key in AMOUNT_KEYS}
     return {key: decimal_text(v) if isinstance(v, Decimal) else v for key, v in values.items()}
 
 
 def invoice_document(invoice: Invoice) -> dict[str, object]:
-    """The invoice as plain JSON values: tenant, period, status, currency, lines, totals, and the rule its KV credit follows."""
+    """The invoice as plain JSON values: tenant, period, status, when it was closed (null for a draft), currency, the
+    tiers its tokens were priced at, lines, totals, and the rule its KV credit follows."""
     return {
         "tenant": invoice.tenant,
         "period": invoice.period,
         "status": invoice.status,
+        "closed_at": _closed_at(invoice),
         "currency": invoice.currency,
+        "tiers_billed": list(invoice.tiers_billed),
         "lines": [
             {"adapter": line.adapter, "adjustment_for": line.adjustment_for, "gpu_price_per_hour": price_text(line.gpu_price_per_hour), **_amounts(line)}
             for line in invoice.lines
@@ -52,7 +65,9 @@ def render_json(invoice: Invoice) -> str:
     return json.dumps(invoice_document(invoice), indent=2)
 
 
-CSV_COLUMNS = ("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS, "unpriced_requests")
+# Columns are only ever appended (a reader may take them by position): closed_at and tiers_billed came last.
+CSV_COLUMNS = ("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", *AMOUNT_KEYS,
+               "unpriced_requests", "closed_at", "tiers_billed")
 
 
 def csv_header() -> str:
@@ -63,21 +78,24 @@ def csv_header() -> str:
 
 
 def render_csv(invoice: Invoice) -> str:
-    """One row per line and a final TOTAL row (with the unpriced requests), each with the tenant, period, status and currency."""
+    """One row per line and a final TOTAL row (with the unpriced requests), each with the tenant, period, status and
+    currency, and at its end when the invoice was closed (empty for a draft) and the tiers its tokens were priced at
+    (a JSON array: a tier's name may hold spaces or commas)."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
     head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
+    tail = (_closed_at(invoice) or "", json.dumps(list(invoice.tiers_billed)))
     for line in invoice.lines:
-        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), ""))
-    writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values(), invoice.unpriced_requests))
+        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), "", *tail))
+    writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values(), invoice.unpriced_requests, *tail))
     return out.getvalue()
 
 
 def _title(invoice: Invoice) -> str:
     status = invoice.status
     if invoice.closed_at is not None:
-        status += " " + invoice.closed_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+        status += " " + instant_text(invoice.closed_at)
     prices = sorted({line.gpu_price_per_hour for line in invoice.lines})
     at = f" at {', '.join(map(price_text, prices))} per GPU hour" if prices else ""
     return f"Invoice {invoice.tenant} {invoice.period} ({status}), {invoice.currency}{at}"

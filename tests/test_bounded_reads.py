@@ -53,8 +53,8 @@ def _big(tmp_path: Path, size: int, name: str = "big") -> Path:
 def test_config_file_bounded(tmp_path, fifo, case):
     """--config: a device, a FIFO and a file over CONFIG_MAX_BYTES are each one ConfigError naming the file, what is
     wrong (or the limit) and the fix."""
-    path = {"dev-zero": Path("/dev/zero"), "fifo": fifo,
-            "too-large": _big(tmp_path, config.CONFIG_MAX_BYTES + 1, "big.toml")}[case]
+    path = {"dev-zero": lambda: Path("/dev/zero"), "fifo": lambda: fifo,
+            "too-large": lambda: _big(tmp_path, config.CONFIG_MAX_BYTES + 1, "big.toml")}[case]()
     e = _ends(lambda: load_settings(path))
     assert isinstance(e, ConfigError), repr(e)
     said = str(e)
@@ -66,8 +66,8 @@ def test_config_file_bounded(tmp_path, fifo, case):
 def test_sasl_credential_file_bounded(tmp_path, fifo, case):
     """kafka.sasl_password_file is read whole: a device, a FIFO or a file over CREDENTIAL_MAX_BYTES is a ConfigError
     naming the key and the fix."""
-    path = {"dev-zero": Path("/dev/zero"), "fifo": fifo,
-            "too-large": _big(tmp_path, config.CREDENTIAL_MAX_BYTES + 1)}[case]
+    path = {"dev-zero": lambda: Path("/dev/zero"), "fifo": lambda: fifo,
+            "too-large": lambda: _big(tmp_path, config.CREDENTIAL_MAX_BYTES + 1)}[case]()
     cfg = tmp_path / "lorabatch.toml"
     cfg.write_text(f'[kafka]\nsasl_password_env = "LORABATCH_TEST_UNSET_{os.getpid()}"\nsasl_password_file = "{path}"\n')
     e = _ends(lambda: load_settings(cfg))
@@ -81,12 +81,15 @@ def test_sasl_credential_file_bounded(tmp_path, fifo, case):
 def test_manifest_bounded(tmp_path, fifo, monkeypatch, case):
     """adapters add --manifest: a device, a FIFO or a file over MANIFEST_MAX_BYTES is a BulkError naming --manifest,
     the limit and the fix (split it: the option repeats); nothing is registered."""
-    monkeypatch.setattr(bulk, "MANIFEST_MAX_BYTES", 1 << 20)  # the same check, with a smaller file to write
-    path = {"dev-zero": Path("/dev/zero"), "fifo": fifo, "too-large": _big(tmp_path, (1 << 20) + 1)}[case]
+    if case == "too-large":
+        monkeypatch.setattr(bulk, "MANIFEST_MAX_BYTES", 1 << 20)  # the same check, with a smaller file to write
+    path = {"dev-zero": Path("/dev/zero"), "fifo": fifo, "too-large": tmp_path / "big"}[case]
+    if case == "too-large":
+        _big(tmp_path, (1 << 20) + 1)
     e = _ends(lambda: bulk.from_manifest(path, bulk.Flags("acme", False, None)))
     assert isinstance(e, bulk.BulkError), repr(e)
     said = str(e)
-    assert f"--manifest {path} " in said and "of at most 1 MiB" in said and "--manifest may be given more" in said, said
+    assert f"--manifest {path} " in said and f"of at most {1 if case == 'too-large' else 64} MiB" in said and "--manifest may be given more" in said, said
     assert ("over the 1 MiB limit" if case == "too-large" else "not a regular file") in said, said
 
 

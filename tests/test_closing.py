@@ -203,7 +203,8 @@ def test_close_freezes_the_cold_start_spread_the_draft_showed(ledger: Ledger, en
     drafts = period_invoices(engine, "2026-10", CONFIG, now=NOV_2)
     assert [i.totals.cold_start_ms for i in drafts] == [Decimal("0.001"), Decimal("0.001")]
     closed = close_period(engine, CONFIG, "2026-10", now=NOV_2)
-    assert [render_json(i) for i in closed] == [render_json(replace(i, status="closed")) for i in drafts]
+    assert [render_json(i) for i in closed] == [render_json(replace(i, status="closed", closed_at=c.closed_at))
+                                                for i, c in zip(drafts, closed, strict=True)]
 
 
 def test_a_tenant_whose_share_of_a_load_is_nothing_gets_no_line(ledger: Ledger, engine: Engine) -> None:

@@ -97,7 +97,9 @@ ACME_MARCH_JSON = {
     "tenant": "acme",
     "period": "2026-03",
     "status": "draft",
+    "closed_at": None,  # a draft
     "currency": "USD",
+    "tiers_billed": [],  # acme's rows record no tier, and the registry holds no acme: no tier priced its tokens
     "lines": [
         {   # a1: gpu = 40_000 + 0 + 1_000 = 41_000 us
             "adapter": "base", "adjustment_for": None, "gpu_price_per_hour": "7.20", "requests": 1, "failed": 0, "input_tokens": 100, "output_tokens": 50, "cached_tokens": 0,
@@ -210,9 +212,11 @@ def test_period_is_the_utc_month(ledger: Ledger, engine: Engine) -> None:
 
 
 def test_render_json_has_exactly_the_contract_keys(march: Ledger, engine: Engine) -> None:
-    """The JSON carries tenant, period, status, currency, lines, totals, the KV credit rule and nothing else; every decimal is a string."""
+    """The JSON carries tenant, period, status, closed_at, currency, tiers_billed, lines, totals, the KV credit rule and
+    nothing else; every decimal is a string."""
     document = json.loads(render_json(build_invoice(engine, "acme", "2026-03", CONFIG)))
-    assert list(document) == ["tenant", "period", "status", "currency", "lines", "totals", "kv_credit_rule"]
+    assert list(document) == ["tenant", "period", "status", "closed_at", "currency", "tiers_billed", "lines", "totals",
+                              "kv_credit_rule"]
     amount_keys = ["requests", "failed", "input_tokens", "output_tokens", "cached_tokens", "base_ms", "lora_ms",
                    "routing_ms", "kv_saved_ms", "cold_start_ms", "gpu_ms", "cost", "revenue"]  # fmt: skip
     assert all(list(line) == ["adapter", "adjustment_for", "gpu_price_per_hour", *amount_keys] for line in document["lines"])
@@ -236,6 +240,7 @@ def test_render_csv(march: Ledger, engine: Engine) -> None:
     for row, want in zip(rows, expected):
         want = {key: "" if value is None else str(value) for key, value in want.items() if key != "unpriced_requests"}
         assert {key: row[key] for key in want} == want
+        assert (row["closed_at"], row["tiers_billed"]) == ("", "[]")  # a draft; no tier priced acme's tokens
 
 
 def test_render_table_is_aligned(march: Ledger, engine: Engine) -> None:
