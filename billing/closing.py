@@ -93,7 +93,7 @@ def _check_currency(session: Session, period: str, config: LedgerConfig) -> None
 def _freeze_spread(session: Session, period: str, config: LedgerConfig, at: datetime, frozen: bool) -> None:
     if frozen:
         return
-    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour, tokens=False)
+    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour, config.currency, tokens=False)
     shares = live_spread(session, period, prices)
     if shares:
         session.execute(

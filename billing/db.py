@@ -54,7 +54,7 @@ _VERSION_TABLE = "alembic_version"
 # The schema revision billing.models describes: the head of migrations/versions. A worker or command refuses a ledger at
 # any other revision (`current_revision` reads it); a new migration moves this with it (tests/test_migrations.py checks
 # the two agree). Here rather than in billing.models so that reading it loads no ORM.
-SCHEMA_REVISION = "0011"
+SCHEMA_REVISION = "0012"
 
 
 def _resolve_url(url: str | URL) -> URL:
@@ -169,13 +169,14 @@ def alembic_config(url: str | URL, script_location: str) -> Config:
     return config
 
 
-def upgrade(url: str | URL, revision: str = "head", *, script_location: str,
+def upgrade(url: str | URL, revision: str = "head", *, script_location: str, currency: str | None = None,
             lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S, tries: int = MIGRATION_LOCK_TRIES) -> None:
     """Migrate the ledger at `url` up to `revision` (default: the newest) with the scripts at `script_location`; each
-    lock within `lock_timeout_s`, `tries` times (MIGRATION_LOCK_TIMEOUT_S), else LedgerUnavailableError."""
+    lock within `lock_timeout_s`, `tries` times (MIGRATION_LOCK_TIMEOUT_S), else LedgerUnavailableError. `currency`
+    (the caller's ledger.currency) labels price-list entries written before revision 0012, which refuses to guess one."""
     from alembic import command
 
-    _migrate(command.upgrade, url, revision, script_location, lock_timeout_s, tries)
+    _migrate(command.upgrade, url, revision, script_location, lock_timeout_s, tries, currency)
 
 
 def downgrade(url: str | URL, revision: str, *, script_location: str,
@@ -187,10 +188,12 @@ def downgrade(url: str | URL, revision: str, *, script_location: str,
 
 
 def _migrate(command: Callable[..., None], url: str | URL, revision: str, script_location: str, lock_timeout_s: float,
-             tries: int) -> None:
+             tries: int, currency: str | None = None) -> None:
     assert lock_timeout_s > 0 and tries >= 1, (lock_timeout_s, tries)
     config = alembic_config(url, script_location)
     config.attributes["lock_timeout_s"] = lock_timeout_s
+    if currency is not None:
+        config.attributes["currency"] = currency
     for attempt in range(1, tries + 1):
         try:
             command(config, revision)

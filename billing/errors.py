@@ -35,6 +35,10 @@ class PriceError(LedgerError, ValueError):
     """A price-list entry cannot be written as given (negative, too precise, bad name)."""
 
 
+class PriceCurrencyError(LedgerError, ValueError):
+    """Usage would be priced with a price-list entry set in a currency other than the invoice's (ledger.currency)."""
+
+
 class UnpricedGpuKindError(LedgerError, ValueError):
     """Usage or a load ran on a GPU kind with no price in effect for it: billing it at another kind's price would be a guess."""
 

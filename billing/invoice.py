@@ -173,7 +173,7 @@ def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: Led
 
 def draft_invoices(session: Session, period: str, config: LedgerConfig, tenant_id: str | None = None) -> dict[str, Invoice]:
     """Draft invoices computed from the ledger now: of one tenant (always returned), or of every tenant billed in `period`."""
-    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour)
+    prices = PriceBook.load(session, config.gpu_kind, config.gpu_price_per_hour, config.currency)
     tallies = usage_tallies(session, period, prices, tenant_id)
     frozen = session.scalar(select(BillingPeriod.spread_frozen_at).where(BillingPeriod.period == period)) is not None
     if frozen:

@@ -88,7 +88,7 @@ class Ledger:
         )
         with self._database_errors(), self._sessions.begin() as session:
             filed = file_usage(session, {(row["tenant_id"], row["period"]) for row in rows})
-            prices = PriceBook.load(session, self._config.gpu_kind, self._config.gpu_price_per_hour, tokens=False)
+            prices = PriceBook.load(session, self._config.gpu_kind, self._config.gpu_price_per_hour, self._config.currency, tokens=False)
             for row in rows:
                 row["invoice_period"] = filed[(row["tenant_id"], row["period"])]
                 credit = kv_credit_us(kv_saved_us=row["kv_saved_us"], base_us=row["base_us"], lora_us=row["lora_us"],

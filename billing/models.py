@@ -235,6 +235,7 @@ class GpuPrice(Base):
     gpu_kind: Mapped[str] = mapped_column(String(64))
     effective_from: Mapped[datetime] = mapped_column(UTCDateTime)  # midnight UTC of the first day it applies
     price_per_hour: Mapped[Decimal] = mapped_column(Money)
+    currency: Mapped[str] = mapped_column(CHAR(3))  # the ledger.currency it was set in (revision 0012)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
 
 
@@ -249,6 +250,7 @@ class TokenPrice(Base):
     effective_from: Mapped[datetime] = mapped_column(UTCDateTime)
     input_per_million: Mapped[Decimal] = mapped_column(Money)
     output_per_million: Mapped[Decimal] = mapped_column(Money)
+    currency: Mapped[str] = mapped_column(CHAR(3))  # as GpuPrice.currency
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
 
 

@@ -12,7 +12,13 @@ counted as unpriced, never priced at a guess.
 Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
 the prices they were closed with; only drafts follow a change. A GPU price that would reach a month closed for some
 tenants and not others is refused (its cold-start spread, frozen at its first close with each share's price, would
-leave the rest billing usage and cold start at two prices).
+leave the rest billing usage and cold start at two prices), and so is any price whose days reach a month closed for
+everyone: that month's late usage is billed on an open month's adjustment lines at the prices the month was closed
+with, and a price set afterwards would reprice those lines alone.
+
+Each entry is in the currency it was set in (revision 0012; the ledger.currency of the process that set it). An
+invoice is priced only with entries of its own currency: usage that the entry in effect would price in another one is
+refused (PriceCurrencyError), never priced with one currency's numbers and labelled with another's.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from sqlalchemy import ColumnElement, Engine, case, literal, select
 from sqlalchemy.orm import Session
 
 from billing.db import dialect_insert, session_factory
-from billing.errors import PriceError, UnpricedGpuKindError
+from billing.errors import PriceCurrencyError, PriceError, UnpricedGpuKindError
 from billing.models import AdapterLoad, BillingPeriod, GpuPrice, TokenPrice
 from billing.periods import next_period, period_of, period_start
 
@@ -40,6 +46,7 @@ class GpuPriceEntry:
     gpu_kind: str
     effective_from: datetime
     price_per_hour: Decimal
+    currency: str
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class TokenPriceEntry:
     effective_from: datetime
     input_per_million: Decimal
     output_per_million: Decimal
+    currency: str
 
 
 def _midnight(day: date) -> datetime:
@@ -77,34 +85,66 @@ def _check_name(what: str, value: str, limit: int) -> str:
     return value
 
 
-def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date) -> GpuPriceEntry:
-    """Make `price_per_hour` the price of one hour of `gpu_kind` from midnight UTC of `effective_from` on."""
-    entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), check_price("price_per_hour", price_per_hour))
+def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date, *, currency: str) -> GpuPriceEntry:
+    """Make `price_per_hour`, in `currency` (the setter's ledger.currency), the price of one hour of `gpu_kind` from
+    midnight UTC of `effective_from` on."""
+    entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), check_price("price_per_hour", price_per_hour),
+                          _check_currency(currency))
     statement = dialect_insert(engine.dialect.name)(GpuPrice).values(
-        gpu_kind=entry.gpu_kind, effective_from=entry.effective_from, price_per_hour=entry.price_per_hour
+        gpu_kind=entry.gpu_kind, effective_from=entry.effective_from, price_per_hour=entry.price_per_hour, currency=entry.currency
     )
     statement = statement.on_conflict_do_update(
-        index_elements=[GpuPrice.gpu_kind, GpuPrice.effective_from], set_={"price_per_hour": statement.excluded.price_per_hour}
+        index_elements=[GpuPrice.gpu_kind, GpuPrice.effective_from],
+        set_={"price_per_hour": statement.excluded.price_per_hour, "currency": statement.excluded.currency},
     )
     with session_factory(engine).begin() as session:
-        _refuse_a_split_month(session, entry)
+        until = session.scalar(select(GpuPrice.effective_from).where(
+            GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
+        _refuse_a_closed_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until,
+                               f"lorabatch prices set-gpu {entry.gpu_kind} PRICE --from DAY")
+        _refuse_a_split_month(session, entry, until)
         session.execute(statement)
     return entry
 
 
-def _refuse_a_split_month(session: Session, entry: GpuPriceEntry) -> None:
+def _check_currency(currency: str) -> str:
+    assert isinstance(currency, str) and len(currency) == 3 and currency.isascii() and currency.isalpha() and currency.isupper(), currency
+    return currency
+
+
+def _days_reach(effective_from: datetime, until: datetime | None) -> ColumnElement[bool]:
+    """SQL: BillingPeriod.period is a month of the days from `effective_from` to `until` (the next entry; None: none)."""
+    reached = BillingPeriod.period >= period_of(effective_from)
+    if until is not None:
+        reached &= BillingPeriod.period <= period_of(until - timedelta(microseconds=1))
+    return reached
+
+
+def _refuse_a_closed_month(session: Session, what: str, effective_from: datetime, until: datetime | None, command: str) -> None:
+    """Refuse a price whose days (from its midnight to the next entry of its kind or tier) reach a month closed for every
+    tenant. Its invoices keep the prices they were closed with; what the new price would change is only that month's late
+    usage (and late adapter loads), billed on the next open month's adjustment lines at the prices of the days it ran:
+    measured, a price set for October 10 after October's close left every October invoice as closed and repriced only
+    the November line "adjustment for 2026-10". A closed month's prices are final, as its invoices are."""
+    closed = session.scalars(select(BillingPeriod.period).where(BillingPeriod.closed_at.is_not(None), _days_reach(effective_from, until))
+                             .order_by(BillingPeriod.period)).all()
+    if closed:
+        raise PriceError(
+            f"{what} from {effective_from.date()} would change the prices of {', '.join(closed)}, which "
+            f"{'is' if len(closed) == 1 else 'are'} closed (every invoice of it frozen): a closed month's prices are final, and "
+            f"its late usage is billed on the next open month's adjustment lines at them. Put a correction in an open month: "
+            f"set the price from {period_start(next_period(closed[-1])).date()} or later (`{command}`)")
+
+
+def _refuse_a_split_month(session: Session, entry: GpuPriceEntry, until: datetime | None) -> None:
     """Refuse a GPU price whose days would reach the cold-start spread of a month that is closed for some tenants and
     not for others. That spread was frozen, with each share's price, at the month's first close: the other tenants'
     drafts would bill their usage at the new price and their cold-start shares at the old one, and close so (measured:
     after acme's close, 3.60 set for October left globex's draft with usage at 3.60 and its cold-start share at 7.20).
     The days the entry prices run from its midnight to the kind's next entry; a frozen month is reached when they
     overlap it, or when its spread holds a load of this kind (or of none recorded) made in them (a late load)."""
-    until = session.scalar(select(GpuPrice.effective_from).where(
-        GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
     split = BillingPeriod.spread_frozen_at.is_not(None) & BillingPeriod.closed_at.is_(None)
-    in_days = BillingPeriod.period >= period_of(entry.effective_from)
-    if until is not None:
-        in_days &= BillingPeriod.period <= period_of(until - timedelta(microseconds=1))
+    in_days = _days_reach(entry.effective_from, until)
     late_load = (select(AdapterLoad.id).where(
         AdapterLoad.invoice_period == BillingPeriod.period, AdapterLoad.created_at >= entry.effective_from,
         (AdapterLoad.gpu_kind == entry.gpu_kind) | AdapterLoad.gpu_kind.is_(None),
@@ -119,21 +159,28 @@ def _refuse_a_split_month(session: Session, entry: GpuPriceEntry) -> None:
             f"price from {period_start(next_period(later)).date()}")
 
 
-def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, output_per_million: Decimal, effective_from: date) -> TokenPriceEntry:
-    """Make these the prices per million input and output tokens of `tier` from midnight UTC of `effective_from` on."""
+def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, output_per_million: Decimal, effective_from: date, *,
+                    currency: str) -> TokenPriceEntry:
+    """Make these, in `currency` (the setter's ledger.currency), the prices per million input and output tokens of `tier`
+    from midnight UTC of `effective_from` on."""
     entry = TokenPriceEntry(
         _check_name("tier", tier, 32), _midnight(effective_from),
-        check_price("input_per_million", input_per_million), check_price("output_per_million", output_per_million),
+        check_price("input_per_million", input_per_million), check_price("output_per_million", output_per_million), _check_currency(currency),
     )
     statement = dialect_insert(engine.dialect.name)(TokenPrice).values(
         tier=entry.tier, effective_from=entry.effective_from,
-        input_per_million=entry.input_per_million, output_per_million=entry.output_per_million,
+        input_per_million=entry.input_per_million, output_per_million=entry.output_per_million, currency=entry.currency,
     )
     statement = statement.on_conflict_do_update(
         index_elements=[TokenPrice.tier, TokenPrice.effective_from],
-        set_={"input_per_million": statement.excluded.input_per_million, "output_per_million": statement.excluded.output_per_million},
+        set_={"input_per_million": statement.excluded.input_per_million, "output_per_million": statement.excluded.output_per_million,
+              "currency": statement.excluded.currency},
     )
     with session_factory(engine).begin() as session:
+        until = session.scalar(select(TokenPrice.effective_from).where(
+            TokenPrice.tier == entry.tier, TokenPrice.effective_from > entry.effective_from).order_by(TokenPrice.effective_from).limit(1))
+        _refuse_a_closed_month(session, f"a {entry.tier} token price", entry.effective_from, until,
+                               f"lorabatch prices set-tokens {entry.tier} --input P --output P --from DAY")
         session.execute(statement)
     return entry
 
@@ -143,13 +190,13 @@ def gpu_price_list(session: Session, gpu_kind: str | None = None) -> list[GpuPri
     statement = select(GpuPrice).order_by(GpuPrice.gpu_kind, GpuPrice.effective_from)
     if gpu_kind is not None:
         statement = statement.where(GpuPrice.gpu_kind == gpu_kind)
-    return [GpuPriceEntry(p.gpu_kind, p.effective_from, p.price_per_hour) for p in session.scalars(statement)]
+    return [GpuPriceEntry(p.gpu_kind, p.effective_from, p.price_per_hour, p.currency) for p in session.scalars(statement)]
 
 
 def token_price_list(session: Session) -> list[TokenPriceEntry]:
     """Token price entries of every tier, by tier and date."""
     statement = select(TokenPrice).order_by(TokenPrice.tier, TokenPrice.effective_from)
-    return [TokenPriceEntry(p.tier, p.effective_from, p.input_per_million, p.output_per_million) for p in session.scalars(statement)]
+    return [TokenPriceEntry(p.tier, p.effective_from, p.input_per_million, p.output_per_million, p.currency) for p in session.scalars(statement)]
 
 
 def _entry_at(starts: Sequence[datetime], moment: datetime | None) -> int | None:
@@ -169,12 +216,15 @@ class PriceBook:
     GPU kind) in SQL and priced once per sum.
 
     `gpu_kind` is the kind `fallback_per_hour` prices (LedgerConfig.gpu_kind), and the kind of rows that
-    record none (written before revision 0009).
+    record none (written before revision 0009). `currency` is the one every price it gives is in (LedgerConfig.currency,
+    the fallback's too): an entry of another currency in effect where a price is asked for is refused, not converted.
     """
 
-    def __init__(self, gpu: Sequence[GpuPriceEntry], tokens: Sequence[TokenPriceEntry], fallback_per_hour: Decimal, gpu_kind: str):
+    def __init__(self, gpu: Sequence[GpuPriceEntry], tokens: Sequence[TokenPriceEntry], fallback_per_hour: Decimal, gpu_kind: str,
+                 currency: str):
         assert isinstance(fallback_per_hour, Decimal), fallback_per_hour
         assert gpu_kind, gpu_kind
+        self.currency = _check_currency(currency)
         self._gpu: dict[str, list[GpuPriceEntry]] = defaultdict(list)
         for gpu_entry in sorted(gpu, key=lambda e: (e.gpu_kind, e.effective_from)):
             self._gpu[gpu_entry.gpu_kind].append(gpu_entry)
@@ -187,9 +237,17 @@ class PriceBook:
         self.boundaries: tuple[datetime, ...] = tuple(sorted({e.effective_from for e in (*gpu, *tokens)}))
 
     @classmethod
-    def load(cls, session: Session, gpu_kind: str, fallback_per_hour: Decimal, *, tokens: bool = True) -> PriceBook:
+    def load(cls, session: Session, gpu_kind: str, fallback_per_hour: Decimal, currency: str, *, tokens: bool = True) -> PriceBook:
         """Every GPU kind's list (and every tier's, unless `tokens` is False); `gpu_kind`: the fallback's kind."""
-        return cls(gpu_price_list(session), token_price_list(session) if tokens else (), fallback_per_hour, gpu_kind)
+        return cls(gpu_price_list(session), token_price_list(session) if tokens else (), fallback_per_hour, gpu_kind, currency)
+
+    def _in_currency(self, entry: GpuPriceEntry | TokenPriceEntry, what: str, command: str) -> None:
+        if entry.currency != self.currency:
+            raise PriceCurrencyError(
+                f"the {what} in effect from {entry.effective_from.date()} was set in {entry.currency}, and this invoice is in "
+                f"ledger.currency {self.currency}: its usage would be priced in {entry.currency} and labelled {self.currency}. "
+                f"Set {self.currency} prices for the days of that usage (`{command}`, DAY on or before its first day, under "
+                f"ledger.currency = \"{self.currency}\"), or invoice it with ledger.currency = \"{entry.currency}\"")
 
     def gpu_price_at(self, moment: datetime | None, kind: str | None = None) -> Decimal:
         """Price per hour of GPU `kind` (None: a row from before revision 0009, priced as self.gpu_kind) in effect at
@@ -198,6 +256,7 @@ class PriceBook:
         entries = self._gpu.get(kind, [])
         i = _entry_at(self._gpu_starts.get(kind, []), moment)
         if i is not None:
+            self._in_currency(entries[i], f"{kind} GPU price", f"lorabatch prices set-gpu {kind} PRICE --from DAY")
             return entries[i].price_per_hour
         if kind == self.gpu_kind:
             return self._fallback
@@ -210,17 +269,21 @@ class PriceBook:
 
     def gpu_price_or_fallback(self, moment: datetime | None, kind: str | None) -> Decimal:
         """gpu_price_at, but the fallback for a kind with no price: only for a row's informational cost at insert, which a
-        worker must be able to write whatever the price lists hold (invoices price the sums, and refuse such a row)."""
+        worker must be able to write whatever the price lists hold (invoices price the sums, and refuse such a row, or one
+        whose price is in another currency)."""
         try:
             return self.gpu_price_at(moment, kind)
-        except UnpricedGpuKindError:
+        except (UnpricedGpuKindError, PriceCurrencyError):
             return self._fallback
 
     def token_price_at(self, tier: str | None, moment: datetime | None) -> TokenPriceEntry | None:
         """The tier's token prices in effect at `moment`; None when the tier has none then."""
         entries = self._tiers.get(tier or "", [])
         i = _entry_at([e.effective_from for e in entries], moment)
-        return None if i is None else entries[i]
+        if i is None:
+            return None
+        self._in_currency(entries[i], f"{tier} token price", f"lorabatch prices set-tokens {tier} --input P --output P --from DAY")
+        return entries[i]
 
     def segment_start(self, segment: int) -> datetime | None:
         assert 0 <= segment <= len(self.boundaries), segment

@@ -69,12 +69,12 @@ def prepare_registry(settings: Settings, home: Path, console: Console) -> dict[s
         console.print(f"writing the tiny model and 8 adapters to {set_dir}")
         write_demo_set(set_dir, seed=0)
     paths = {p.name: p for p in sorted((set_dir / "adapters").iterdir()) if p.is_dir()}
-    upgrade(settings.ledger.url, script_location=SCRIPT_LOCATION)
+    upgrade(settings.ledger.url, script_location=SCRIPT_LOCATION, currency=settings.ledger.currency)
     svc = open_services(settings)
     month_start = datetime.now(UTC).date().replace(day=1)
     # Revenue side: what the tiers pay per million input/output tokens (the cost side is the GPU price).
-    set_token_price(svc.db, "standard", Decimal("0.20"), Decimal("0.60"), month_start)
-    set_token_price(svc.db, "premium", Decimal("0.50"), Decimal("1.50"), month_start)
+    set_token_price(svc.db, "standard", Decimal("0.20"), Decimal("0.60"), month_start, currency=settings.ledger.currency)
+    set_token_price(svc.db, "premium", Decimal("0.50"), Decimal("1.50"), month_start, currency=settings.ledger.currency)
     names = sorted(paths)
     owned = {t: names[i::len(TENANTS)] for i, t in enumerate(TENANTS)}  # 3 / 3 / 2 adapters
     checks = AdapterChecks.for_model_dir(Path(settings.engine.model_dir), settings.engine.max_lora_rank)

@@ -136,8 +136,8 @@ def _fresh(engine: Engine) -> Ledger:
         for name in TABLES:
             connection.execute(delete(Base.metadata.tables[name]))
         connection.execute(text("INSERT INTO tenants (id, display_name, tier) VALUES ('t0', 'T0', 'standard'), ('t1', 'T1', 'premium')"))
-    set_token_price(engine, "standard", Decimal("0.20"), Decimal("0.60"), date(2026, 1, 1))
-    set_token_price(engine, "premium", Decimal("0.50"), Decimal("1.50"), date(2026, 1, 1))
+    set_token_price(engine, "standard", Decimal("0.20"), Decimal("0.60"), date(2026, 1, 1), currency="USD")
+    set_token_price(engine, "premium", Decimal("0.50"), Decimal("1.50"), date(2026, 1, 1), currency="USD")
     return Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
 
 

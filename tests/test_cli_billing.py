@@ -51,7 +51,7 @@ def test_prices_then_invoice_then_close(cli: tuple[CliRunner, Path]) -> None:
     assert "h100: 7.20" in run(cli, "prices", "set-gpu", "h100", "7.20", "--from", "2025-10-01")
     run(cli, "prices", "set-tokens", "gold", "--input", "1.5", "--output", "2", "--from", "2025-10-01")
     listed = json.loads(run(cli, "prices", "list", "--format", "json"))
-    assert listed["gpu"] == [{"gpu_kind": "h100", "from": "2025-10-01", "price_per_hour": "7.20"}]
+    assert listed["gpu"] == [{"gpu_kind": "h100", "from": "2025-10-01", "price_per_hour": "7.20", "currency": "USD"}]
     assert listed["tokens"][0]["input_per_million"] == "1.50"
     draft = json.loads(run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--format", "json"))
     assert (draft["status"], draft["totals"]["cost"], draft["totals"]["revenue"]) == ("draft", "0.007200000", "3.500000000")

@@ -196,7 +196,7 @@ def test_close_freezes_the_cold_start_spread_the_draft_showed(ledger: Ledger, en
     price set on the 10th cut the draft's spread into two groups, each of whose 1 us went to acme (ties go to the smaller
     key): the draft billed acme 2 us and globex 0; the close, whose spread ignores token prices, 1 us each.
     """
-    set_token_price(engine, "standard", Decimal(1), Decimal(1), date(2026, 10, 10))
+    set_token_price(engine, "standard", Decimal(1), Decimal(1), date(2026, 10, 10), currency="USD")
     ledger.record_usage([usage_record("r", tenant_id=tenant, created_at=oct_(20), adapter="x@1", adapter_sha256=S1, input_tokens=5)
                          for tenant in ("acme", "globex")])
     ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=1, created_at=oct_(day)) for day in (5, 15)])
@@ -211,7 +211,7 @@ def test_a_tenant_whose_share_of_a_load_is_nothing_gets_no_line(ledger: Ledger, 
     """A tenant whose requests of an adapter had no token while others' had some carries none of its load, and its invoice
     shows no line for it: the spread stored a 0 us share, which made a line of zeros at the load's GPU price, in the draft
     and frozen into the closed invoice."""
-    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10))
+    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10), currency="USD")
     ledger.record_usage([
         usage_record("a", created_at=oct_(20), adapter="x@1", adapter_sha256=S1, input_tokens=5),
         usage_record("g", tenant_id="globex", created_at=oct_(20), adapter="x@1", adapter_sha256=S1, status="failed"),

@@ -47,8 +47,8 @@ FINANCE = LedgerConfig(gpu_kind="finance-laptop", gpu_price_per_hour=Decimal("99
 
 
 def _prices(engine: Engine) -> None:
-    set_gpu_price(engine, "h100", Decimal("3.60"), date(2026, 3, 1))
-    set_gpu_price(engine, "h200", Decimal("7.20"), date(2026, 3, 1))
+    set_gpu_price(engine, "h100", Decimal("3.60"), date(2026, 3, 1), currency="USD")
+    set_gpu_price(engine, "h200", Decimal("7.20"), date(2026, 3, 1), currency="USD")
 
 
 def _two_kinds(engine: Engine) -> None:
@@ -116,7 +116,7 @@ def test_a_kind_without_a_price_is_refused_naming_it(engine: Engine, unpriced: s
     with Session(engine) as session:
         assert read_closed(session, "2026-03") == {}
         assert session.scalar(select(BillingPeriod.spread_frozen_at).where(BillingPeriod.period == "2026-03")) is None
-    set_gpu_price(engine, "a10", Decimal("1.80"), date(2026, 3, 1))
+    set_gpu_price(engine, "a10", Decimal("1.80"), date(2026, 3, 1), currency="USD")
     lines = _lines(build_invoice(engine, "acme", "2026-03", FINANCE, now=APRIL_2))
     assert ("base", Decimal("99"), Decimal("1000.000"), Decimal("0.0275")) in lines  # finance-laptop: the fallback
 

@@ -54,9 +54,9 @@ def closed_october(migrated_url: str) -> tuple[str, dict[str, Invoice]]:
     2nd (a line of cold start alone at 7.20)."""
     engine = db.make_engine(migrated_url)
     try:
-        set_gpu_price(engine, "h100", Decimal("10.80"), date(2026, 10, 10))
-        set_gpu_price(engine, "h100", Decimal("3.60"), date(2026, 10, 20))
-        set_gpu_price(engine, "a10", Decimal("1.00"), date(2026, 10, 5))  # another kind: its list reproduces nothing
+        set_gpu_price(engine, "h100", Decimal("10.80"), date(2026, 10, 10), currency="USD")
+        set_gpu_price(engine, "h100", Decimal("3.60"), date(2026, 10, 20), currency="USD")
+        set_gpu_price(engine, "a10", Decimal("1.00"), date(2026, 10, 5), currency="USD")  # another kind: its list reproduces nothing
         ledger = Ledger(engine, CONFIG.model_copy(update={"url": migrated_url}))
         ledger.record_usage([
             usage_record("a1", created_at=oct_(3), adapter="x@1", adapter_sha256=S1, output_tokens=10, base_us=10_000, lora_us=2_000, routing_us=300),
@@ -98,7 +98,7 @@ def test_closed_invoices_split_again_as_they_were_closed(closed_october: tuple[s
         assert "lora_us" not in {c["name"] for c in inspect(engine).get_columns("invoice_lines")}
         merged = _frozen_columns(engine)
         assert [routing for *_, routing in merged] == [400, 750, 4_000, 4_100, 0, 610, 0, 5_900]
-        db.upgrade(url, script_location=SCRIPT_LOCATION)
+        db.upgrade(url, script_location=SCRIPT_LOCATION, currency="USD")  # its prices were set in USD
         engine.dispose()
         again = _closed(engine)
         assert again == closed
@@ -118,7 +118,7 @@ def test_lines_that_no_longer_match_keep_their_merged_time(closed_october: tuple
     try:
         with engine.begin() as connection:
             connection.execute(text("UPDATE usage SET lora_us = lora_us + 1 WHERE request_id IN ('a3', 'g1')"))
-        db.upgrade(url, script_location=SCRIPT_LOCATION)
+        db.upgrade(url, script_location=SCRIPT_LOCATION, currency="USD")  # its prices were set in USD
         engine.dispose()
         again = _closed(engine)
     finally:

@@ -120,10 +120,10 @@ async def test_work_straddling_midnight_reconciles_in_both_months(engine: Engine
 async def test_a_request_is_billed_in_the_month_and_at_the_prices_of_when_it_ran(engine: Engine) -> None:
     """r2 and r3 were received in January and ran past midnight: February requests, at February's GPU and token
     prices; r1, which finished in January, keeps January's."""
-    set_gpu_price(engine, "h100", Decimal("2.00"), date(2027, 1, 1))
-    set_gpu_price(engine, "h100", Decimal("3.60"), date(2027, 2, 1))
-    set_token_price(engine, "standard", Decimal("0.10"), Decimal("0.30"), date(2027, 1, 1))
-    set_token_price(engine, "standard", Decimal("1.00"), Decimal("3.00"), date(2027, 2, 1))
+    set_gpu_price(engine, "h100", Decimal("2.00"), date(2027, 1, 1), currency="USD")
+    set_gpu_price(engine, "h100", Decimal("3.60"), date(2027, 2, 1), currency="USD")
+    set_token_price(engine, "standard", Decimal("0.10"), Decimal("0.30"), date(2027, 1, 1), currency="USD")
+    set_token_price(engine, "standard", Decimal("1.00"), Decimal("3.00"), date(2027, 2, 1), currency="USD")
     await _midnight_run(engine)
     with session_factory(engine)() as session:
         rows = {u.request_id: u for u in session.scalars(select(Usage))}

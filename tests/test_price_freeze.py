@@ -33,32 +33,36 @@ def test_a_price_into_a_month_closed_for_one_tenant_is_refused(october: Ledger, 
     for day in (date(2026, 10, 1), date(2026, 10, 10), date(2026, 9, 15)):  # its days reach October
         with pytest.raises(PriceError, match=r"from 20\d\d-\d\d-\d\d would change 2026-10, whose invoices are closed for "
                                              r"some tenants .*--close-period.*or set the price from 2026-11-01"):
-            set_gpu_price(engine, "default", Decimal("3.60"), day)
+            set_gpu_price(engine, "default", Decimal("3.60"), day, currency="USD")
     assert _prices(engine) == [] and build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2) == before
-    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 11, 1))  # from the next month: taken
+    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 11, 1), currency="USD")  # from the next month: taken
     assert _prices(engine) == [(date(2026, 11, 1), Decimal("3.60"))]
 
 
-def test_once_the_month_is_closed_for_everyone_a_price_for_its_days_is_taken(october: Ledger, engine: Engine) -> None:
-    """Every invoice of the month keeps what it was closed with: nothing left to split."""
+def test_once_the_month_is_closed_for_everyone_a_price_for_its_days_is_refused(october: Ledger, engine: Engine) -> None:
+    """Every invoice of the month keeps what it was closed with; a price for its days was taken and repriced only its late
+    usage's adjustment lines on the next open month: a closed month's prices are final (tests/test_price_currency.py)."""
     closed = close_period(engine, CONFIG, "2026-10", now=NOV_2)
-    set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10))
+    with pytest.raises(PriceError, match="would change the prices of 2026-10, which is closed"):
+        set_gpu_price(engine, "default", Decimal("3.60"), date(2026, 10, 10), currency="USD")
     assert close_period(engine, CONFIG, "2026-10", now=NOV_2) == closed
 
 
-def test_a_price_whose_days_end_before_the_split_month_is_taken_unless_a_late_load_of_them_is_frozen_there(
-        ledger: Ledger, engine: Engine) -> None:
+def test_a_late_load_frozen_in_a_split_month_keeps_its_price(ledger: Ledger, engine: Engine) -> None:
     """October closed for everyone; a load of October 22 arrived after, so November's spread bills it; November closed
-    for acme only. A price for October 22-24 (the next entries on the 21st and 25th) reaches November through that
-    load alone; one for the 10th-20th reaches nothing still open."""
+    for acme only. A price for October 22-24 (the next entries on the 21st and 25th) would reach November through that
+    load: it is refused, as every price for October's days is now, October being closed (before, one for the 10th-20th
+    was taken, and one for the 22nd refused naming November)."""
     for day, price in ((1, PRICE), (21, Decimal("8.00")), (25, Decimal("9.00"))):
-        set_gpu_price(engine, "default", price, date(2026, 10, day))
+        set_gpu_price(engine, "default", price, date(2026, 10, day), currency="USD")
     ledger.record_usage([usage_record("o", created_at=oct_(3), adapter="x@1", adapter_sha256=S1, input_tokens=5)])
     close_period(engine, CONFIG, "2026-10", now=NOV_2)
     ledger.record_adapter_loads([load_record(adapter="x@1", adapter_sha256=S1, load_us=9_000, created_at=oct_(22))])
     ledger.record_usage([usage_record(r, tenant_id=t, created_at=nov(3), adapter="x@1", adapter_sha256=S1, input_tokens=5)
                          for r, t in (("a", "acme"), ("g", "globex"))])
     close_invoice(engine, CONFIG, "acme", "2026-11", now=DEC_2)
-    set_gpu_price(engine, "default", Decimal("1.00"), date(2026, 10, 10))
-    with pytest.raises(PriceError, match="from 2026-10-22 would change 2026-11, .*or set the price from 2026-12-01"):
-        set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 10, 22))
+    for day in (10, 22):
+        with pytest.raises(PriceError, match=f"from 2026-10-{day} would change the prices of 2026-10, which is closed"):
+            set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 10, day), currency="USD")
+    with pytest.raises(PriceError, match="from 2026-11-01 would change 2026-11, .*or set the price from 2026-12-01"):
+        set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 11, 1), currency="USD")

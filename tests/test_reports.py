@@ -18,7 +18,7 @@ from sqlalchemy import Engine, text
 
 from billing.closing import close_invoice, close_period
 from billing.config import LedgerConfig
-from billing.errors import MixedCurrencyError
+from billing.errors import MixedCurrencyError, PriceCurrencyError
 from billing.finance import finance_report
 from billing.ledger import Ledger
 from billing.prices import set_token_price
@@ -48,8 +48,8 @@ def october(engine: Engine) -> Engine:
     """
     with engine.begin() as connection:
         connection.execute(text("INSERT INTO tenants (id, display_name, tier) VALUES ('acme', 'Acme', 'premium'), ('globex', 'Globex', 'standard')"))
-    set_token_price(engine, "premium", Decimal("2.00"), Decimal("0"), date(2026, 1, 1))
-    set_token_price(engine, "standard", Decimal("0.50"), Decimal("0"), date(2026, 1, 1))
+    set_token_price(engine, "premium", Decimal("2.00"), Decimal("0"), date(2026, 1, 1), currency="USD")
+    set_token_price(engine, "standard", Decimal("0.50"), Decimal("0"), date(2026, 1, 1), currency="USD")
     ledger = Ledger(engine, CONFIG.model_copy(update={"url": str(engine.url)}))
     ledger.record_usage([
         usage_record("a1", created_at=oct_(3), input_tokens=10**6, base_us=1_000_000, total_us=1_500_000, ttft_us=100_000),
@@ -85,13 +85,20 @@ def test_finance_report_is_in_its_invoices_currency(october: Engine) -> None:
     """The report names the currency its invoices are in, never ledger.currency's relabel of them; two currencies are refused.
 
     Closed in USD, the month's report under a config saying EUR said "EUR" over the USD amounts; acme closed in USD
-    beside globex's EUR draft were added up into one total.
+    beside globex's EUR draft were added up into one total. globex's draft under EUR is refused first now: its tokens
+    would be priced with the USD entries (billing/prices.py); with EUR entries, the two currencies are (MixedCurrencyError).
     """
     nov = datetime(2026, 11, 2, tzinfo=timezone.utc)
     eur = CONFIG.model_copy(update={"currency": "EUR"})
     close_invoice(october, CONFIG, "acme", "2026-10", now=nov)
+    with pytest.raises(PriceCurrencyError, match=r"set in USD, and this invoice is in ledger.currency EUR"):
+        finance_report(october, "2026-10", eur)
+    for tier in ("premium", "standard"):
+        set_token_price(october, tier, Decimal("1"), Decimal("0"), date(2026, 10, 1), currency="EUR")
     with pytest.raises(MixedCurrencyError, match=r"2 currencies \(EUR: globex \(draft\); USD: acme \(closed\)\).*ledger.currency"):
         finance_report(october, "2026-10", eur)
+    for tier, price in (("premium", "2.00"), ("standard", "0.50")):
+        set_token_price(october, tier, Decimal(price), Decimal("0"), date(2026, 10, 1), currency="USD")
     close_period(october, CONFIG, "2026-10", now=nov)
     report = finance_report(october, "2026-10", eur)
     assert report.currency == "USD" and report.cost == finance_report(october, "2026-10", CONFIG).cost

@@ -57,8 +57,8 @@ M = 1_000_000
 
 
 def _prices(engine: Engine) -> None:
-    set_token_price(engine, "standard", Decimal("1.00"), Decimal("2.00"), date(2026, 3, 1))
-    set_token_price(engine, "premium", Decimal("10.00"), Decimal("20.00"), date(2026, 3, 1))
+    set_token_price(engine, "standard", Decimal("1.00"), Decimal("2.00"), date(2026, 3, 1), currency="USD")
+    set_token_price(engine, "premium", Decimal("10.00"), Decimal("20.00"), date(2026, 3, 1), currency="USD")
 
 
 def _set_tier(engine: Engine, tier: str) -> None:
@@ -214,6 +214,8 @@ def test_0010_adds_tier_and_keeps_old_rows(db_url: str) -> None:
         engine.dispose()
         with engine.connect() as connection:
             assert connection.execute(text("SELECT request_id, tier FROM usage")).all() == [("old", None)]
+        db.upgrade(db_url, script_location=SCRIPT_LOCATION)  # the prices below are written as this code writes them
+        engine.dispose()
         _prices(engine)
         _set_tier(engine, "premium")
         _ledger(engine).record_usage([usage_record("new", created_at=MARCH_2, input_tokens=M, tier="standard")])

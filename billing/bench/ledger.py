@@ -102,14 +102,14 @@ def _busy_and_loads(records: list[UsageRecord], seq: int) -> tuple[list[BusyReco
     return [busy_record], loads
 
 
-def _setup(engine: Engine, fleet: _Fleet) -> None:
+def _setup(engine: Engine, fleet: _Fleet, currency: str) -> None:
     with Session(engine) as session, session.begin():
         tiers = list(TIERS)
         session.add_all(Tenant(id=t, display_name=t, tier=tiers[i % len(tiers)]) for i, t in enumerate(fleet.tenants))
-    set_gpu_price(engine, GPU_KIND, Decimal("2.40"), date(2025, 1, 1))
-    set_gpu_price(engine, GPU_KIND, Decimal("2.10"), date(2026, 1, 16))  # a price cut mid-month: two lines per adapter
+    set_gpu_price(engine, GPU_KIND, Decimal("2.40"), date(2025, 1, 1), currency=currency)
+    set_gpu_price(engine, GPU_KIND, Decimal("2.10"), date(2026, 1, 16), currency=currency)  # a price cut mid-month: two lines per adapter
     for tier, (inp, out) in TIERS.items():
-        set_token_price(engine, tier, inp, out, date(2025, 1, 1))
+        set_token_price(engine, tier, inp, out, date(2025, 1, 1), currency=currency)
 
 
 def bench_ledger(url: str, rows: int, *, script_location: str, json_only: bool = False, batch: int = 2_000) -> dict[str, object]:
@@ -124,7 +124,7 @@ def bench_ledger(url: str, rows: int, *, script_location: str, json_only: bool =
             config = LedgerConfig(url=scratch, gpu_kind=GPU_KIND)
             ledger = Ledger(engine, config)
             fleet = _Fleet.make()
-            _setup(engine, fleet)
+            _setup(engine, fleet, config.currency)
             generate_s = insert_s = 0.0
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                 console=console, disable=json_only)

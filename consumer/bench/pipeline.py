@@ -334,7 +334,7 @@ def bench_pipeline(jobs: int = 400, redis_url: str | None = None, json_only: boo
     broker = EmbeddedBroker(port, log_path=home / "broker.log")
     broker.start([k.jobs_topic, k.results_topic, k.dlq_topic, k.batches_topic], k.partitions)
     try:
-        upgrade(s.ledger.url, script_location=SCRIPT_LOCATION)
+        upgrade(s.ledger.url, script_location=SCRIPT_LOCATION, currency=s.ledger.currency)
         svc = open_services(s)
         checks = AdapterChecks.for_model_dir(Path(s.engine.model_dir), s.engine.max_lora_rank)
         for tenant, owned in load.adapters.items():

@@ -138,7 +138,7 @@ def bench_scaleout(shape: str = "tiny", workers: int = 2, gpus: str | None = Non
     rows = []
     try:
         s0 = load_settings(None, base)
-        upgrade(s0.ledger.url, script_location=SCRIPT_LOCATION)
+        upgrade(s0.ledger.url, script_location=SCRIPT_LOCATION, currency=s0.ledger.currency)
         svc = open_services(s0)
         svc.registry.add_tenant("bench")
         names = []

@@ -26,7 +26,7 @@ def upgrade(
     s = settings_from(config)
     _check_known(s.ledger.url)
     _check_revision(revision, SCRIPT_LOCATION)
-    _migrate(migrate_up, s.ledger.url, revision, SCRIPT_LOCATION)
+    _migrate(migrate_up, s.ledger.url, revision, SCRIPT_LOCATION, currency=s.ledger.currency)
     typer.echo(f"ledger at {shown_url(s.ledger.url)}: upgraded to {revision}")
 
 
@@ -84,7 +84,7 @@ def _check_revision(revision: str, script_location: str) -> None:
         _revision_error(revision, e, script_location)
 
 
-def _migrate(migrate, url: str, revision: str, script_location: str) -> None:
+def _migrate(migrate, url: str, revision: str, script_location: str, **options: str) -> None:
     """`migrate` (billing.db's upgrade or downgrade) to `revision`; a revision Alembic cannot resolve or reach from
     the ledger's (a step past either end, a downgrade "to" a later one) ends the command naming the valid ones."""
     from alembic.util import CommandError
@@ -92,7 +92,7 @@ def _migrate(migrate, url: str, revision: str, script_location: str) -> None:
     from billing.db import current_revision, make_engine
 
     try:
-        migrate(url, revision, script_location=script_location)
+        migrate(url, revision, script_location=script_location, **options)
     except CommandError as e:
         db = make_engine(url)
         try:

@@ -35,7 +35,7 @@ def set_gpu(kind: Annotated[str, typer.Argument(help="GPU kind, as in ledger.gpu
     value, day = parse_decimal("PRICE", price), parse_day(effective_from)
     svc = open_services(s)
     try:
-        entry = set_gpu_price(svc.db, kind, value, day)
+        entry = set_gpu_price(svc.db, kind, value, day, currency=s.ledger.currency)
     except LedgerError as e:
         fail(str(e))
     finally:
@@ -55,7 +55,7 @@ def set_tokens(tier: Annotated[str, typer.Argument(help="tenant tier, as in `lor
     inp, out, day = parse_decimal("--input", input_price), parse_decimal("--output", output_price), parse_day(effective_from)
     svc = open_services(s)
     try:
-        entry = set_token_price(svc.db, tier, inp, out, day)
+        entry = set_token_price(svc.db, tier, inp, out, day, currency=s.ledger.currency)
     except LedgerError as e:
         fail(str(e))
     finally:
@@ -85,19 +85,20 @@ def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = 
     if fmt == "json":
         typer.echo(json.dumps({
             "currency": s.ledger.currency, "gpu_kind": s.ledger.gpu_kind, "fallback_gpu_price_per_hour": price_text(s.ledger.gpu_price_per_hour),
-            "gpu": [{"gpu_kind": g.gpu_kind, "from": g.effective_from.date().isoformat(), "price_per_hour": price_text(g.price_per_hour)} for g in gpu],
+            "gpu": [{"gpu_kind": g.gpu_kind, "from": g.effective_from.date().isoformat(), "price_per_hour": price_text(g.price_per_hour), "currency": g.currency} for g in gpu],
             "tokens": [{"tier": t.tier, "from": t.effective_from.date().isoformat(), "input_per_million": price_text(t.input_per_million),
-                        "output_per_million": price_text(t.output_per_million)} for t in tokens],
+                        "output_per_million": price_text(t.output_per_million), "currency": t.currency} for t in tokens],
         }, indent=2))
         return
-    typer.echo(f"GPU prices per hour ({s.ledger.currency}); usage is billed at the list of the gpu_kind that ran it; "
+    typer.echo(f"GPU prices per hour, each in the currency it was set in (invoices are in ledger.currency {s.ledger.currency} and "
+               f"price only with entries in it); usage is billed at the list of the gpu_kind that ran it; "
                f"gpu_kind {s.ledger.gpu_kind!r} (and usage recorded before kinds were) at {price_text(s.ledger.gpu_price_per_hour)} "
-               f"where no entry applies, any other kind not at all")
+               f"{s.ledger.currency} where no entry applies, any other kind not at all")
     for g in gpu:
-        typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from:%Y-%m-%d}  {price_text(g.price_per_hour):>14}")
-    typer.echo(f"Token prices per million ({s.ledger.currency}): input / output")
+        typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from:%Y-%m-%d}  {price_text(g.price_per_hour):>14} {g.currency}")
+    typer.echo("Token prices per million: input / output")
     for t in tokens:
-        typer.echo(f"  {t.tier:<20} from {t.effective_from:%Y-%m-%d}  {price_text(t.input_per_million):>14} / {price_text(t.output_per_million)}")
+        typer.echo(f"  {t.tier:<20} from {t.effective_from:%Y-%m-%d}  {price_text(t.input_per_million):>14} / {price_text(t.output_per_million)} {t.currency}")
     if not tokens:
         typer.echo("  (none: invoices earn no revenue until a tier has one; `lorabatch prices set-tokens TIER --input P --output P --from DAY`)")
 
