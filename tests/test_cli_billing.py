@@ -62,6 +62,23 @@ def test_prices_then_invoice_then_close(cli: tuple[CliRunner, Path]) -> None:
     assert [i["tenant"] for i in everything] == ["acme"]
 
 
+def test_prices_are_set_in_ledger_currency_and_a_switch_is_refused_not_relabelled(cli: tuple[CliRunner, Path]) -> None:
+    """set-gpu under EUR records EUR (list shows it); the invoice under USD then ends with one error line naming both
+    currencies and the fix, status 2, instead of a USD draft priced with the EUR numbers; set-gpu for a day of a closed
+    month is refused naming it."""
+    runner, config = cli
+    eur = config.with_name("eur.toml")
+    eur.write_text(config.read_text().replace("[ledger]\n", '[ledger]\ncurrency = "EUR"\n'))
+    assert "h100: 7.20 EUR per hour" in run((runner, eur), "prices", "set-gpu", "h100", "7.20", "--from", "2025-10-01")
+    assert "7.20 EUR" in run(cli, "prices", "list")
+    result = runner.invoke(app, ["invoice", "--tenant", "acme", "--period", "2025-10", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "set in EUR, and this invoice is in ledger.currency USD" in result.output and "prices set-gpu h100 PRICE" in result.output
+    run((runner, eur), "invoice", "--close-period", "2025-10")
+    result = runner.invoke(app, ["prices", "set-gpu", "h100", "3", "--from", "2025-10-15", "--config", str(eur)])
+    assert result.exit_code == 2 and "2025-10, which is closed" in result.output, result.output
+
+
 def test_closing_an_empty_month_as_csv_prints_the_columns(cli: tuple[CliRunner, Path]) -> None:
     """A month with no usage closes no invoice: --format csv still prints the header (it printed nothing), json `[]`."""
     out = run(cli, "invoice", "--close-period", "2025-09", "--format", "csv")
