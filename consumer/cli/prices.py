@@ -85,7 +85,8 @@ def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = 
     if fmt == "json":
         typer.echo(json.dumps({
             "currency": s.ledger.currency, "gpu_kind": s.ledger.gpu_kind, "fallback_gpu_price_per_hour": price_text(s.ledger.gpu_price_per_hour),
-            "gpu": [{"gpu_kind": g.gpu_kind, "from": g.effective_from.date().isoformat(), "price_per_hour": price_text(g.price_per_hour), "currency": g.currency} for g in gpu],
+            "gpu": [{"gpu_kind": g.gpu_kind, "from": g.effective_from.date().isoformat(), "price_per_hour": price_text(g.price_per_hour),
+                     "currency": g.currency} for g in gpu],
             "tokens": [{"tier": t.tier, "from": t.effective_from.date().isoformat(), "input_per_million": price_text(t.input_per_million),
                         "output_per_million": price_text(t.output_per_million), "currency": t.currency} for t in tokens],
         }, indent=2))
@@ -98,7 +99,8 @@ def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = 
         typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from:%Y-%m-%d}  {price_text(g.price_per_hour):>14} {g.currency}")
     typer.echo("Token prices per million: input / output")
     for t in tokens:
-        typer.echo(f"  {t.tier:<20} from {t.effective_from:%Y-%m-%d}  {price_text(t.input_per_million):>14} / {price_text(t.output_per_million)} {t.currency}")
+        typer.echo(f"  {t.tier:<20} from {t.effective_from:%Y-%m-%d}  {price_text(t.input_per_million):>14} / "
+                   f"{price_text(t.output_per_million)} {t.currency}")
     if not tokens:
         typer.echo("  (none: invoices earn no revenue until a tier has one; `lorabatch prices set-tokens TIER --input P --output P --from DAY`)")
 
