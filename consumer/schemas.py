@@ -309,6 +309,17 @@ def _str_or_none(value: object) -> str | None:
     return value if isinstance(value, str) and _ECHOABLE.fullmatch(value) else None
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:@/\-]{1,128}")  # Ident and TenantId, for the paths that answer before validating
+_TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def _usable(ids: dict[str, str | None]) -> bool:
+    """Whether the identity read from a job that failed before validation is one the contract answers (a request id of
+    129..256 characters is echoable, not usable: the validating path sends such a job to the DLQ)."""
+    rid, tid = ids["request_id"], ids["tenant_id"]
+    return rid is not None and tid is not None and bool(_REQUEST_ID.fullmatch(rid)) and bool(_TENANT_ID.fullmatch(tid))
+
+
 def load_json(text: str) -> tuple[object, list[tuple[str, dict]]]:
     """json.loads, and each key an object of it gives twice, with that object (json.loads alone keeps the last value,
     where another reader of the same bytes, a gateway say, may have gone by the first)."""
@@ -360,15 +371,14 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
             ids[key] = None
         info = ErrorInfo(code="invalid_job", field=field, message=f"{field}: given twice in one object (JSON readers "
                          f"differ on which value counts); give each field once")
-        return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and ids["request_id"] is not None
-                         and ids["tenant_id"] is not None, **ids)
+        return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and _usable(ids), **ids)
     try:
         return Job.model_validate(data)
     except ValidationError as e:
         errors = e.errors(include_input=False, include_url=False)
     except RecursionError:
         return Rejection(ErrorInfo(code="invalid_job", message="the job nests values too deeply; send the fields "
-                                   "the README's \"Job and result contract\" lists"), ids["request_id"] is not None and ids["tenant_id"] is not None, **ids)
+                                   "the README's \"Job and result contract\" lists"), _usable(ids), **ids)
     identity = [err for err in errors if err["loc"] and str(err["loc"][0]) in ("request_id", "tenant_id", "v")]
     info = describe((identity or errors)[0], len(errors))
     addressable = not identity and ids["request_id"] is not None and ids["tenant_id"] is not None
