@@ -87,6 +87,11 @@ class KafkaConfig(_Section):
                                    "(Kafka answers as soon as any arrive; the embedded broker delivered a record 115 ms "
                                    "after it was produced with Kafka's default 500, 16 ms with 100: the latency of a "
                                    "job's way in and of its result's way out)")
+    metadata_max_age_ms: int = Field(10_000, ge=500, le=3_600_000, description="how often a worker's consumer reads the "
+                                     "topics' partitions anew: partitions added to the jobs topic, or the topic recreated "
+                                     "with more of them (a memory-only broker restarted, the topic made again by a "
+                                     "producer), are read within this (the Kafka client's default of 5 minutes left their "
+                                     "jobs unread that long, without a word)")
     heartbeat_interval_ms: int = Field(3_000, ge=100, description="how often a worker heartbeats; a rebalance reaches "
                                        "the members within one interval, so a shorter one lets a joining or leaving "
                                        "worker take effect sooner (keep it under a third of session_timeout_ms)")

@@ -113,6 +113,7 @@ def make_consumer(cfg: KafkaConfig, *topics: str, group_id: str | None, client_i
         heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         fetch_max_bytes=max(cfg.max_message_bytes * 4, 4 * 1_048_576),
         max_partition_fetch_bytes=fetch_bytes,
+        metadata_max_age_ms=cfg.metadata_max_age_ms,
         **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **kw},
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -36,3 +37,58 @@ def test_a_job_with_a_usable_identity_and_a_field_given_twice_is_answered():
     rej = parse_job(_raw("r" * 128, "acme", '"prompt": "a", "prompt": "b"'))
     assert rej.addressable and rej.error.field == "prompt", rej
     assert (rej.request_id, rej.tenant_id) == ("r" * 128, "acme")
+
+
+# ---------------------------------------------------------------- a memory-only broker restarted under a worker
+
+
+def _jobs(tag: str, n: int) -> list[dict]:
+    return [{"request_id": f"{tag}-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": f"{tag} job {i}", "max_new_tokens": 2}
+            for i in range(n)]
+
+
+@pytest.mark.slow
+async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_read_whole(tmp_path, demo_set):
+    """The broker (memory-only) is killed and started again on its port; nobody recreates the topics: the first producer
+    makes the jobs topic again with the broker's default partitions (more than the worker had). Every job on the new log
+    is answered once and billed once, the worker alive. Before, the jobs on the partitions the worker had not known of
+    waited for the Kafka client's metadata refresh (5 minutes), unread and unsaid."""
+    from billing import db
+    from consumer.broker import EmbeddedBroker, free_port
+    from migrations import SCRIPT_LOCATION
+    from tests.adversarial.accounting import account, wait_rows
+    from tests.adversarial.harness import Collector, adversarial_settings, job_message, live_worker, produce, register_two_tenants
+    from tests.service_fixtures import open_services
+
+    port = free_port()
+    first = EmbeddedBroker(port, log_path=tmp_path / "tansu-1.log")
+    await asyncio.to_thread(first.start, [], 1)
+    second = EmbeddedBroker(port, log_path=tmp_path / "tansu-2.log")
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    db.upgrade(url, script_location=SCRIPT_LOCATION)
+    s = await adversarial_settings(first, tmp_path, url, demo_set["model"], **{"kafka.metadata_max_age_ms": 1000})
+    svc = open_services(s)
+    register_two_tenants(svc, demo_set)
+    try:
+        async with live_worker(s, svc) as lw:
+            async with Collector(s) as col:
+                sent1 = await produce(s, [job_message(j) for j in _jobs("before", 4)])
+                assert await col.until(lambda c: c.answered(sent1), 20)
+            first.process.kill()
+            first.process.wait(10)
+            await asyncio.to_thread(second.start, [], 1)
+            sent2 = await produce(s, [job_message(j) for j in _jobs("after", 8)])
+            assert {m.partition for m in sent2} - set(range(s.kafka.partitions)), "the new topic has more partitions"
+            async with Collector(s) as col2:
+                await col2.until(lambda c: c.answered(sent2) or not lw.alive(), 15)
+                await col2.settle(0.5)
+            acct = account(sent2, col2)
+            assert lw.alive(), lw.death()
+            assert not acct.lost and not acct.extra and not col2.dlq, (acct.lost, acct.extra, col2.dlq)
+            assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs)
+            rows = await wait_rows(svc.db, [m.identity for m in sent1 + sent2], 10)
+            assert all(len(v) == 1 for v in rows.values()), {k: len(v) for k, v in rows.items()}
+    finally:
+        svc.close()
+        second.stop()
+        first.stop()
