@@ -170,7 +170,8 @@ class Handover:
             # partitions' new owner was already redoing, then logged the commit the broker refused as "the next commit
             # retries". Said before the aborts: each is a round trip between engine steps (64 took 8 s on the CPU demo).
             log.warning("lost partitions %s: the group dropped this worker (no heartbeat for kafka.session_timeout_ms = "
-                        "%.0f s: the process was frozen or starved) and gave them to another member; %d queued and %d "
+                        "%.0f s: the process was frozen or starved; or the broker restarted and forgot the group) and gave "
+                        "them to another member; %d queued and %d "
                         "running jobs left to it uncommitted (it runs and bills them), nothing committed for them; "
                         "rejoining the group", ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(revoked)),
                         self.w.s.kafka.session_timeout_ms / 1000, len(dropped), len(aborted))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -48,11 +49,13 @@ def _jobs(tag: str, n: int) -> list[dict]:
 
 
 @pytest.mark.slow
-async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_read_whole(tmp_path, demo_set):
+async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_read_whole(tmp_path, demo_set, caplog):
     """The broker (memory-only) is killed and started again on its port; nobody recreates the topics: the first producer
     makes the jobs topic again with the broker's default partitions (more than the worker had). Every job on the new log
     is answered once and billed once, the worker alive. Before, the jobs on the partitions the worker had not known of
-    waited for the Kafka client's metadata refresh (5 minutes), unread and unsaid."""
+    waited for the Kafka client's metadata refresh (5 minutes), unread and unsaid. The line about the partitions the
+    restarted broker took back names the restart as a cause, not only a frozen worker."""
+    caplog.set_level(logging.WARNING, logger="lorabatch.worker")
     from billing import db
     from consumer.broker import EmbeddedBroker, free_port
     from migrations import SCRIPT_LOCATION
@@ -88,6 +91,8 @@ async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_rea
             assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs)
             rows = await wait_rows(svc.db, [m.identity for m in sent1 + sent2], 10)
             assert all(len(v) == 1 for v in rows.values()), {k: len(v) for k, v in rows.items()}
+            lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lost partitions")]
+            assert all("broker restarted" in line for line in lost), lost
     finally:
         svc.close()
         second.stop()
