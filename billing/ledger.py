@@ -48,6 +48,9 @@ _READ_ONLY = "25006"
 # SQLSTATEs lock_not_available (lock_timeout) and query_canceled (statement_timeout): told "check that it is running
 # and reachable", an operator looked at a server that ran, when a lock on the ledger's tables was what to find.
 _CANCELLED = ("55P03", "57014")
+# SQLSTATE insufficient_privilege: a role that lost its grants (a permissions change, a role rotated to one without them)
+# was psycopg's ProgrammingError, unmapped: a traceback and "the ledger is unavailable" with nothing on what to grant.
+_NO_PRIVILEGE = "42501"
 
 class Ledger:
     """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
@@ -312,6 +315,14 @@ class Ledger:
                     f"primary elsewhere) or has default_transaction_read_only on; point ledger.url at the writable "
                     f"primary, or make this one writable again (ALTER DATABASE ... SET default_transaction_read_only = "
                     f"off), then retry (ledger writes are idempotent, a retry adds no duplicate row)"
+                ) from exc
+            if getattr(exc.orig, "sqlstate", None) == _NO_PRIVILEGE:
+                role = self._engine.url.username or "the role ledger.url connects as"
+                raise LedgerUnavailableError(
+                    f"the ledger database at {url} refused {role} ({str(exc.orig).splitlines()[0]}): the role lacks a "
+                    f"privilege on the ledger's tables; run, as their owner, GRANT SELECT, INSERT, UPDATE, DELETE ON ALL "
+                    f"TABLES IN SCHEMA <the ledger's schema> TO {role} (and GRANT USAGE ON ALL SEQUENCES IN SCHEMA ... "
+                    f"TO {role}), then retry (ledger writes are idempotent, a retry adds no duplicate row)"
                 ) from exc
             if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise

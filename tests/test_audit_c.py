@@ -97,3 +97,61 @@ async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_rea
         svc.close()
         second.stop()
         first.stop()
+
+
+# ---------------------------------------------------------------- the ledger's role loses its grants
+
+
+@pytest.mark.postgres
+async def test_a_ledger_role_without_its_grants_spools_says_which_grant_and_bills_once_when_given_back(tmp_path, caplog):
+    """The ledger's role loses INSERT on its tables (a permissions change, a role rotated to one without grants): writes
+    and the ping fail with a retriable LedgerUnavailableError naming the missing privilege and the GRANT to run, the
+    worker spools without a traceback, and once the grant is back each record lands once. It was psycopg's
+    InsufficientPrivilege unmapped: 'ledger write ... failed unexpectedly' with a traceback, and 'the ledger is
+    unavailable' with nothing on what to do."""
+    import secrets
+
+    from sqlalchemy import create_engine
+
+    from billing import db
+    from billing.config import LedgerConfig
+    from billing.errors import LedgerUnavailableError
+    from billing.ledger import Ledger
+    from migrations import SCRIPT_LOCATION
+    from tests.db_fixtures import PG_ADMIN_URL
+    from tests.test_ledger_bad_day import _admin, _deliverer, _outcome, _usage
+
+    name, role = f"lorabatch_fixc_{secrets.token_hex(4)}", f"fixc_{secrets.token_hex(4)}"
+    _admin(f'CREATE DATABASE "{name}"', f'CREATE ROLE "{role}" LOGIN')
+    owner_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    url = f"postgresql+psycopg://{role}@127.0.0.1:5432/{name}"
+    engine = None
+    try:
+        db.upgrade(owner_url, script_location=SCRIPT_LOCATION)
+        grant = (f'GRANT ALL ON ALL TABLES IN SCHEMA public TO "{role}"', f'GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO "{role}"')
+        _admin(*grant, url=owner_url)
+        engine = db.make_engine(url)
+        ledger = Ledger(engine, LedgerConfig(url=url))
+        assert ledger.record_usage([_usage(0)]) == 1
+        _admin(f'REVOKE INSERT ON ALL TABLES IN SCHEMA public FROM "{role}"', url=owner_url)
+        for call in (lambda: ledger.record_usage([_usage(1)]), ledger.ping):
+            with pytest.raises(LedgerUnavailableError, match=f"permission denied.*GRANT .* TO {role}") as e:
+                call()
+            assert e.value.retriable
+
+        d, offsets, spool = _deliverer(ledger, tmp_path, 3)
+        caplog.set_level(logging.WARNING, logger="lorabatch.worker")
+        await d.deliver([_outcome(1), _outcome(2)])
+        assert len(spool) == 2
+        assert not [r for r in caplog.records if r.exc_info], "no traceback for a missing grant"
+        assert any("GRANT" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        _admin(*grant, url=owner_url)
+        await d.flush_once()
+        assert len(spool) == 0 and ledger.count_usage() == 3
+        await d.flush_once()
+        assert ledger.count_usage() == 3
+    finally:
+        if engine is not None:
+            engine.dispose()
+        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'DROP ROLE IF EXISTS "{role}"')
+        assert PG_ADMIN_URL
