@@ -140,7 +140,8 @@ def invoice_from_json(text: str) -> InvoiceRows:
 def invoice_from_csv(text: str) -> InvoiceRows:
     rows: InvoiceRows = []
     for row in csv.DictReader(io.StringIO(text)):
-        keys = [k for k in row if k not in ("tenant", "period", "status", "currency", "adapter", "adjustment_for", "gpu_price_per_hour", "unpriced_requests")]
+        invoice_wide = ("tenant", "period", "status", "currency", "closed_at", "tiers_billed")  # on every row, not amounts
+        keys = [k for k in row if k not in (*invoice_wide, "adapter", "adjustment_for", "gpu_price_per_hour", "unpriced_requests")]
         if row["adapter"] == "TOTAL":
             rows.append(("total", "", *(row[k] for k in keys), row["unpriced_requests"]))
         else:
