@@ -161,10 +161,11 @@ def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: Led
         closed = read_closed(session, period, tenant_id)
         if tenant_id in closed:
             return closed[tenant_id]
-        if session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period)) is not None:
-            # Closed with the period but never billed anything: an empty closed invoice.
+        period_closed_at = session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period))
+        if period_closed_at is not None:
+            # Closed with the period but never billed anything: an empty closed invoice, closed with the month.
             tier = tenant_tiers(session, {tenant_id})[tenant_id]
-            return replace(assemble(tenant_id, period, tier, config.currency, {}), status="closed")
+            return replace(assemble(tenant_id, period, tier, config.currency, {}), status="closed", closed_at=period_closed_at)
         return draft_invoices(session, period, config, tenant_id)[tenant_id]
     finally:
         if session is not db:

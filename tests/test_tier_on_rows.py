@@ -138,6 +138,21 @@ def test_json_and_csv_say_what_the_table_says(engine: Engine) -> None:
         assert json.loads(rows[-1][-1]) == list(invoice.tiers_billed)
 
 
+def test_a_tenant_with_nothing_in_a_closed_month_has_the_months_closed_at(engine: Engine) -> None:
+    """A tenant the registry knows that billed nothing in a month closed with --close-period gets an empty closed
+    invoice: its json and csv say when it was closed (the month's close), as every closed invoice's do, not null as a
+    draft's."""
+    _month_with_a_tier_change(engine)
+    with Session(engine) as session, session.begin():
+        session.add(Tenant(id="globex", display_name="Globex", tier="standard"))
+    close_period(engine, CONFIG, "2026-03", now=APRIL_2)
+    empty = build_invoice(engine, "globex", "2026-03", CONFIG, now=APRIL_2)
+    assert (empty.status, empty.totals.requests) == ("closed", 0)
+    assert json.loads(render_json(empty))["closed_at"] == "2026-04-02T00:00:00Z"
+    assert all(row["closed_at"] == "2026-04-02T00:00:00Z" for row in csv.DictReader(io.StringIO(render_csv(empty))))
+    assert "(closed 2026-04-02T00:00:00Z)" in render_table(empty).splitlines()[0]
+
+
 def test_rows_without_a_tier_are_priced_at_the_tenants_tier_now(engine: Engine) -> None:
     """A row that records no tier (written before revision 0010) is priced at the tenant's tier at invoice time, as
     every row was before; the rows that record one keep theirs. Succeeded requests of a tier with no price are counted
