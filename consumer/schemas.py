@@ -313,11 +313,14 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:@/\-]{1,128}")  # Ident and TenantId, fo
 _TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
-def _usable(ids: dict[str, str | None]) -> bool:
-    """Whether the identity read from a job that failed before validation is one the contract answers (a request id of
-    129..256 characters is echoable, not usable: the validating path sends such a job to the DLQ)."""
-    rid, tid = ids["request_id"], ids["tenant_id"]
-    return rid is not None and tid is not None and bool(_REQUEST_ID.fullmatch(rid)) and bool(_TENANT_ID.fullmatch(tid))
+def _usable(ids: dict[str, str | None], data: dict) -> bool:
+    """Whether the identity read from a job that failed before (or beside) its fields' validation is one the contract
+    answers (a request id of 129..256 characters is echoable, not usable: the validating path sends such a job to the
+    DLQ), in the contract's version (`v` absent, or the JSON integer 1: any other goes to the DLQ, whatever else is
+    wrong)."""
+    rid, tid, v = ids["request_id"], ids["tenant_id"], data.get("v", CONTRACT_VERSION)
+    return (rid is not None and tid is not None and bool(_REQUEST_ID.fullmatch(rid)) and bool(_TENANT_ID.fullmatch(tid))
+            and type(v) is int and v == CONTRACT_VERSION)
 
 
 def load_json(text: str) -> tuple[object, list[tuple[str, dict]]]:
@@ -371,17 +374,18 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
             ids[key] = None
         info = ErrorInfo(code="invalid_job", field=field, message=f"{field}: given twice in one object (JSON readers "
                          f"differ on which value counts); give each field once")
-        return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and _usable(ids), **ids)
+        return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and _usable(ids, data), **ids)
     try:
         return Job.model_validate(data)
     except ValidationError as e:
         errors = e.errors(include_input=False, include_url=False)
     except RecursionError:
         return Rejection(ErrorInfo(code="invalid_job", message="the job nests values too deeply; send the fields "
-                                   "the README's \"Job and result contract\" lists"), _usable(ids), **ids)
+                                   "the README's \"Job and result contract\" lists"), _usable(ids, data), **ids)
     identity = [err for err in errors if err["loc"] and str(err["loc"][0]) in ("request_id", "tenant_id", "v")]
     info = describe((identity or errors)[0], len(errors))
-    addressable = not identity and ids["request_id"] is not None and ids["tenant_id"] is not None
+    # _usable too: a model validator's error (adapter_ref against adapter) is the only one reported, the identity's unchecked
+    addressable = not identity and _usable(ids, data)
     return Rejection(info, addressable, **ids)
 
 

@@ -40,6 +40,30 @@ def test_a_job_with_a_usable_identity_and_a_field_given_twice_is_answered():
     assert (rej.request_id, rej.tenant_id) == ("r" * 128, "acme")
 
 
+@pytest.mark.parametrize("version", ["2", "true", "1.0", '"1"', "null"])
+@pytest.mark.parametrize("tail", [
+    '"prompt": "a", "prompt": "b"',
+    '"messages": [{"role": "user", "content": "a", "content": "b"}]',
+])
+def test_a_job_of_another_contract_version_is_dead_lettered_whatever_else_is_wrong(version, tail):
+    """A `v` other than the JSON integer 1 goes to the DLQ (README), as a validation error on it does: a job that also
+    gave a field twice was answered with a failed result (and a ledger row) under a contract it does not speak."""
+    rej = parse_job(_raw("ok", "acme", f'"v": {version}, {tail}'))
+    assert not rej.addressable, rej
+    assert parse_job(_raw("ok", "acme", f'"v": 1, {tail}')).addressable
+
+
+@pytest.mark.parametrize("request_id, tenant_id, version", [
+    ("r" * 129, "acme", 1), ("ok", "-acme", 1), ("ok", "ac:me", 1), ("ok", "acme", 2), ("ok", "acme", "true")])
+def test_an_unusable_identity_is_dead_lettered_when_adapter_and_adapter_ref_differ(request_id, tenant_id, version):
+    """adapter_ref against adapter is checked before the fields (a model validator), and its error is then the only one
+    pydantic reports: the identity's and the version's went unchecked, and the job was answered under them."""
+    tail = '"v": %s, "prompt": "a", "adapter_ref": "a", "adapter": "b"' % version
+    rej = parse_job(_raw(request_id, tenant_id, tail))
+    assert rej.error.field == "adapter_ref" and not rej.addressable, rej
+    assert parse_job(_raw("r" * 128, "acme", tail.replace(f'"v": {version}', '"v": 1'))).addressable
+
+
 # ---------------------------------------------------------------- a memory-only broker restarted under a worker
 
 
