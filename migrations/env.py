@@ -60,6 +60,12 @@ def _run_on(connection: Connection) -> None:
         # only takes effect outside a transaction, hence before begin_transaction().
         connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
     _configure(dialect, connection=connection)
+    if dialect == "sqlite" and not connection.connection.driver_connection.in_transaction:
+        # pysqlite opens a transaction before INSERT/UPDATE/DELETE only: each CREATE, DROP and ALTER run before one
+        # was committed on its own, so an upgrade that stopped part-way (killed, or refused by 0012) left a batch
+        # rebuild's `_alembic_tmp_` table behind, and every later `db upgrade` failed on it ("table ... already
+        # exists"). An explicit BEGIN makes the whole upgrade one transaction, as it is on PostgreSQL.
+        connection.exec_driver_sql("BEGIN")
     with context.begin_transaction():
         if dialect == "postgresql":
             # Workers of a fleet start together; the lock makes the second wait and then find the schema

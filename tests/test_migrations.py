@@ -277,3 +277,55 @@ def test_0008_widens_invoice_amounts_and_keeps_rows(db_url: str) -> None:
             assert [str(c) for c in connection.execute(text("SELECT cost FROM invoices")).scalars()] == ["999999999.999999999"]
     finally:
         engine.dispose()
+
+
+def _kill_upgrade_at(url: str, statement: int) -> int:
+    """Run `db.upgrade(url)` in a child that dies (os._exit, as kill -9 would) before its `statement`-th SQL statement."""
+    script = (
+        "import os, sys\n"
+        "from sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
+        "from billing import db\nfrom migrations import SCRIPT_LOCATION\n"
+        "seen = [0]\n"
+        "@event.listens_for(Engine, 'before_cursor_execute')\n"
+        "def _die(*_a):\n"
+        "    seen[0] += 1\n"
+        f"    if seen[0] == {statement}:\n"
+        "        os._exit(9)\n"
+        f"db.upgrade({url!r}, script_location=SCRIPT_LOCATION, currency='EUR')\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                          capture_output=True, text=True, timeout=60).returncode
+
+
+@pytest.mark.parametrize("start, statement", [("base", 20), ("0005", 20)])
+def test_an_upgrade_killed_part_way_is_undone_whole_and_runs_again(db_url: str, start: str, statement: int) -> None:
+    """An upgrade killed mid-way leaves the ledger at the revision it started from, and `db upgrade` finishes it. On
+    SQLite each CREATE/DROP ran outside the migration's transaction, so a kill left the tables (or a batch rebuild's
+    `_alembic_tmp_` table) of a revision never recorded, and every later upgrade failed on "table ... already exists"."""
+    if start != "base":
+        db.upgrade(db_url, start, script_location=SCRIPT_LOCATION)
+    before = _tables(db_url) if start != "base" else set()
+    assert _kill_upgrade_at(db_url, statement) == 9
+    assert _revision(db_url) == (None if start == "base" else start)
+    assert _tables(db_url) - {"alembic_version"} == before - {"alembic_version"}
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION, currency="EUR")
+    assert _revision(db_url) == db.head_revision(SCRIPT_LOCATION)
+
+
+def test_an_upgrade_refused_by_0012_changes_nothing_and_runs_again(db_url: str) -> None:
+    """0012's refusal (prices, no currency named) says "nothing was changed": on SQLite a batch rebuild of 0006 had
+    already committed its `_alembic_tmp_invoices` table, and the upgrade with the currency then failed on it."""
+    db.upgrade(db_url, "0005", script_location=SCRIPT_LOCATION)
+    engine = db.make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO gpu_prices (gpu_kind, effective_from, price_per_hour) "
+                                    "VALUES ('H100', '2026-01-01 00:00:00', '2')"))
+    finally:
+        engine.dispose()
+    before = _tables(db_url)
+    with pytest.raises(LedgerConfigError, match="nothing was changed"):
+        db.upgrade(db_url, script_location=SCRIPT_LOCATION)
+    assert (_revision(db_url), _tables(db_url)) == ("0005", before)
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION, currency="EUR")
+    assert _revision(db_url) == db.head_revision(SCRIPT_LOCATION)
