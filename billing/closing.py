@@ -24,7 +24,7 @@ from billing.billable import check_known_tenant, check_period_range
 from billing.config import LedgerConfig
 from billing.db import session_factory
 from billing.errors import MixedCurrencyError, PeriodNotEndedError
-from billing.filing import lock_periods
+from billing.filing import lock_periods, lock_price_lists
 from billing.invoice import Invoice, build_invoice, draft_invoices, read_closed, tune_aggregates
 from billing.models import BillingPeriod, ClosedInvoice, ClosedInvoiceLine, ColdStartShare
 from billing.periods import period_end
@@ -48,6 +48,7 @@ def close_invoice(engine: Engine, config: LedgerConfig, tenant_id: str, period: 
     """Close `tenant_id`'s invoice of `period` and return it as frozen (at once, if it already was)."""
     closed_at = _check_ended(period, now)
     with session_factory(engine).begin() as session:
+        lock_price_lists(session, exclusive=False)  # a price being set commits before this close reads the prices
         check_known_tenant(session, tenant_id)  # before anything is locked or stored: an unknown id gets no closed invoice
         state = lock_periods(session, [period], exclusive=True)[period]
         tune_aggregates(session)
@@ -63,6 +64,7 @@ def close_period(engine: Engine, config: LedgerConfig, period: str, *, now: date
     """Close every tenant's invoice of `period` and the period itself; return the period's invoices, by tenant."""
     closed_at = _check_ended(period, now)
     with session_factory(engine).begin() as session:
+        lock_price_lists(session, exclusive=False)
         state = lock_periods(session, [period], exclusive=True)[period]
         tune_aggregates(session)
         if not state.closed:

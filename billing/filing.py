@@ -19,12 +19,35 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import select, text, tuple_
 from sqlalchemy.orm import Session
 
 from billing.db import dialect_insert
 from billing.models import BillingPeriod, ClosedInvoice
 from billing.periods import next_period
+
+
+# PostgreSQL advisory lock key ordering price-list changes against closes ("lbpr").
+_PG_PRICE_LISTS_LOCK = 0x6C62_7072
+
+
+def lock_price_lists(session: Session, *, exclusive: bool) -> None:
+    """Order this transaction against closes and price-list changes: `exclusive` for a price setter, shared for a closer.
+    Call it first in the transaction.
+
+    A setter checks that the days of its entry reach no closed month, then writes it. A close committed between the
+    two (measured: one run in that gap, tests/test_price_close_race.py) froze the month at the old price and the new
+    entry landed on a closed month, which README's Billing says is refused. Taken first, the lock makes a close wait
+    for the setter's commit (and price with its entry) or the setter wait for the close (and refuse). Closes of
+    different months share it. SQLite has one write lock: both take it at BEGIN IMMEDIATE (pysqlite opens no
+    transaction for a SELECT, so the setter's checks read outside any, and the close's write slipped between them).
+    """
+    connection = session.connection()
+    if connection.dialect.name == "postgresql":
+        function = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+        session.execute(text(f"SELECT {function}(:key)"), {"key": _PG_PRICE_LISTS_LOCK})
+    elif connection.dialect.name == "sqlite" and not connection.connection.driver_connection.in_transaction:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class PeriodState(NamedTuple):

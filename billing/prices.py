@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from billing.db import dialect_insert, session_factory
 from billing.errors import PriceCurrencyError, PriceError, UnpricedGpuKindError
+from billing.filing import lock_price_lists
 from billing.models import AdapterLoad, BillingPeriod, GpuPrice, TokenPrice
 from billing.periods import next_period, period_of, period_start
 
@@ -98,6 +99,7 @@ def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effect
         set_={"price_per_hour": statement.excluded.price_per_hour, "currency": statement.excluded.currency},
     )
     with session_factory(engine).begin() as session:
+        lock_price_lists(session, exclusive=True)  # no close commits between the checks and the write
         until = session.scalar(select(GpuPrice.effective_from).where(
             GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
         _refuse_a_closed_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until,
@@ -177,6 +179,7 @@ def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, outpu
               "currency": statement.excluded.currency},
     )
     with session_factory(engine).begin() as session:
+        lock_price_lists(session, exclusive=True)  # no close commits between the checks and the write
         until = session.scalar(select(TokenPrice.effective_from).where(
             TokenPrice.tier == entry.tier, TokenPrice.effective_from > entry.effective_from).order_by(TokenPrice.effective_from).limit(1))
         _refuse_a_closed_month(session, f"a {entry.tier} token price", entry.effective_from, until,
