@@ -502,3 +502,23 @@ def test_a_spool_path_under_a_file_names_the_key(tmp_path):
         Worker(s, engine, registry, ledger=None)
     message = operational_message(e.value)
     assert "afile/spool.sqlite cannot be opened" in message and "set worker.spool_path to a file in a writable folder" in message
+
+
+def test_a_sqlite_ledger_fault_is_said_as_what_it_is_not_as_unreachable(tmp_path):
+    """A SQLite ledger's file that this user cannot write, a table missing from it: sqlite3 raises OperationalError for
+    both, and both were said as "the ledger database cannot be reached (...); start it, or set ledger.url to a running
+    one", which a file cannot be. Each now names its own fix."""
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    path = tmp_path / "ledger.db"
+    sqlite3.connect(path).close()
+    said = []
+    for uri, statement in ((f"file:{path}?mode=ro", "CREATE TABLE t (x)"), (f"file:{path}", "SELECT * FROM usage")):
+        with pytest.raises(sqlite3.OperationalError) as e:
+            sqlite3.connect(uri, uri=True).execute(statement)
+        said.append(operational_message(OperationalError(statement, {}, e.value)))
+    assert not any("cannot be reached" in x or "start it" in x for x in said), said
+    assert "readonly database" in said[0] and "write access to the ledger file and its folder" in said[0]
+    assert "no such table: usage" in said[1] and "run `lorabatch db upgrade`" in said[1]

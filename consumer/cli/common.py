@@ -100,6 +100,8 @@ def operational_message(e: BaseException) -> str | None:
                                                                                   str(getattr(e, "orig", None) or e)):
             return (f"the ledger database does not exist ({_brief(getattr(e, 'orig', None) or e)}); create it "
                     f"(`createdb NAME`, then `lorabatch db upgrade`), or set ledger.url to one that exists")
+        if isinstance(e, sa.DBAPIError) and (said := _sqlite_fault(getattr(e, "orig", None))) is not None:
+            return said
         if isinstance(e, (sa.OperationalError, sa.InterfaceError)):
             return (f"the ledger database cannot be reached ({_brief(getattr(e, 'orig', None) or e)}); start it, "
                     f"or set ledger.url to a running one, then run the command again")
@@ -129,6 +131,28 @@ def operational_message(e: BaseException) -> str | None:
         what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else _brief(e)
         return f"{what}; check the path and its permissions"
     return None
+
+
+def _sqlite_fault(e: BaseException | None) -> str | None:
+    """What a SQLite ledger's own error means, and the fix. sqlite3 raises OperationalError for a read-only file, a full
+    disk, a lock held past the busy timeout and a missing table alike, and each was said as "the ledger database cannot
+    be reached (attempt to write a readonly database); start it, or set ledger.url to a running one": a file has nothing
+    to start."""
+    sqlite3 = sys.modules.get("sqlite3")
+    if sqlite3 is None or not isinstance(e, sqlite3.Error):
+        return None
+    text = str(e).lower()
+    if "readonly" in text or "read-only" in text:
+        fix = "give the user running lorabatch write access to the ledger file and its folder (SQLite writes beside it)"
+    elif "disk is full" in text or "disk i/o" in text:
+        fix = "free space on the ledger file's disk (or check the disk), then run the command again"
+    elif "locked" in text or "busy" in text:
+        fix = "another process held its write lock past the busy timeout (a `db upgrade`, a long close); run the command again once it ends"
+    elif "unable to open" in text:
+        fix = "check that ledger.url names a file in a folder this user can read and write"
+    else:
+        fix = "if its schema is behind or was changed by hand, run `lorabatch db upgrade`"
+    return f"the SQLite ledger database failed a statement ({_brief(e)}); {fix}"
 
 
 def _login_refused(e: BaseException) -> bool:
