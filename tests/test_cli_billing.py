@@ -174,3 +174,22 @@ def test_bench_ledger_prints_a_table_then_one_json_line(tmp_path: Path, capsys: 
     assert figures["closed_invoices"] > 0
     assert list(tmp_path.iterdir()) == []
     assert Decimal(str(figures["insert_s"])) > 0
+
+
+def test_a_report_and_a_close_show_a_spinner_on_a_terminal_and_nothing_elsewhere(cli: tuple[CliRunner, Path],
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report over a million-row month ran 9 to 27 s and a close as long with nothing on the screen; on a terminal each
+    now shows what it reads with the time elapsed, on stderr, gone at its end; off a terminal stdout is the output alone."""
+    import io
+
+    from rich.console import Console
+
+    import consumer.cli.common as common
+
+    plain = run(cli, "report", "finance", "--period", "2025-10", "--format", "csv")
+    screen = io.StringIO()
+    monkeypatch.setattr(common, "console", Console(file=screen, force_terminal=True, width=120))
+    assert run(cli, "report", "finance", "--period", "2025-10", "--format", "csv") == plain
+    run(cli, "invoice", "--close-period", "2025-10")
+    assert "reading the ledger for the finance report of 2025-10" in screen.getvalue()
+    assert "closing 2025-10" in screen.getvalue()

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, current_month, fail, open_services, settings_from
+from consumer.cli.common import ConfigOpt, current_month, fail, open_services, settings_from, working
 
 
 def invoice(
@@ -45,12 +45,13 @@ def invoice(
     s = settings_from(config)
     svc = open_services(s)
     try:
-        if close_period is not None:
-            invoices = close_month(svc.db, s.ledger, close_period)
-        elif close:
-            invoices = [close_invoice(svc.db, s.ledger, tenant, period)]  # type: ignore[arg-type]
-        else:
-            invoices = [build_invoice(svc.db, tenant, period, s.ledger)]  # type: ignore[arg-type]
+        with working(f"closing {close_period}" if close_period is not None else f"reading {tenant}'s invoice of {period}"):
+            if close_period is not None:
+                invoices = close_month(svc.db, s.ledger, close_period)
+            elif close:
+                invoices = [close_invoice(svc.db, s.ledger, tenant, period)]  # type: ignore[arg-type]
+            else:
+                invoices = [build_invoice(svc.db, tenant, period, s.ledger)]  # type: ignore[arg-type]
     except LedgerError as e:
         fail(str(e))
     finally:

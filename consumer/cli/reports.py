@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from consumer.cli.common import ConfigOpt, current_month, fail, open_services, parse_decimal, settings_from
+from consumer.cli.common import ConfigOpt, current_month, fail, open_services, parse_decimal, settings_from, working
 
 PeriodOpt = Annotated[Optional[str], typer.Option("--period", help="YYYY-MM (a UTC month; default: this month)")]
 OutOpt = Annotated[Optional[Path], typer.Option("-o", "--output", help="write here instead of stdout")]
@@ -42,12 +42,13 @@ def run_report(kind: str, period: str | None, fmt: str, output: Path | None, con
             fail(f"--flag-factor {flag_factor}: pass a factor above 0 and at most {MAX_FLAG_FACTOR}, e.g. 1.5")
     svc = open_services(s)
     try:
-        if kind == "finance":
-            report = finance_report(svc.db, period, s.ledger, factor)
-        elif kind == "sre":
-            report = sre_report(svc.db, period)
-        else:
-            report = reconcile_report(svc.db, period, s.ledger)
+        with working(f"reading the ledger for the {kind} report of {period}"):
+            if kind == "finance":
+                report = finance_report(svc.db, period, s.ledger, factor)
+            elif kind == "sre":
+                report = sre_report(svc.db, period)
+            else:
+                report = reconcile_report(svc.db, period, s.ledger)
     except LedgerError as e:
         fail(str(e))
     finally:
