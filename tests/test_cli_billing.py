@@ -131,6 +131,19 @@ def test_closing_a_month_is_refused_for_one_tenant(cli: tuple[CliRunner, Path]) 
     assert result.exit_code == 0 and "closed: 1 invoices frozen" in result.stderr  # acme's: globex used nothing
 
 
+def test_a_second_close_of_a_month_says_it_changed_nothing(cli: tuple[CliRunner, Path]) -> None:
+    """`--close-period` counts apart the invoices closed before it (one tenant's own close, or a first close of the
+    month) and says since when: it said "N invoices frozen" of them, as if it had closed them."""
+    runner, config = cli
+    run(cli, "tenants", "add", "acme")
+    run(cli, "invoice", "--tenant", "acme", "--period", "2025-10", "--close")
+    result = runner.invoke(app, ["invoice", "--close-period", "2025-10", "--config", str(config)])
+    assert result.exit_code == 0 and "closed: 0 invoices frozen now, 1 closed before (from 20" in result.stderr, result.stderr
+    again = runner.invoke(app, ["invoice", "--close-period", "2025-10", "--config", str(config)])
+    assert again.exit_code == 0 and again.stdout == result.stdout
+    assert "closed: 0 invoices frozen now, 1 closed before" in again.stderr, again.stderr
+
+
 def test_a_config_price_the_ledger_cannot_store_is_refused_at_load(cli: tuple[CliRunner, Path]) -> None:
     """ledger.gpu_price_per_hour follows `prices set-gpu`'s rules: refused when the config loads (exit 2, one line
     naming the key), not by the first close's insert."""

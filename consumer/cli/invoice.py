@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from typing import Annotated, Optional
 
 import typer
@@ -42,6 +44,7 @@ def invoice(
     if close and period is None:
         fail("--close freezes an invoice for good: name its month with --period YYYY-MM")
     period = period or current_month()
+    started = datetime.now(timezone.utc)
     s = settings_from(config)
     svc = open_services(s)
     try:
@@ -65,7 +68,20 @@ def invoice(
     else:
         typer.echo("\n".join(renderers[fmt](i) for i in invoices), nl=fmt == "json")
     if close_period is not None:
-        typer.echo(f"period {close_period} closed: {len(invoices)} invoices frozen", err=True)
+        typer.echo(_closed_line(close_period, invoices, started), err=True)
+
+
+def _closed_line(period: str, invoices: list, started: datetime) -> str:
+    """What `--close-period` did: the invoices it froze now, and those closed before it (a second close changes nothing)."""
+    def utc(at: datetime) -> datetime:
+        return at if at.utcoffset() is not None else at.replace(tzinfo=timezone.utc)  # SQLite hands back naive UTC
+
+    before = [i for i in invoices if i.closed_at is not None and utc(i.closed_at) < started]
+    now = len(invoices) - len(before)
+    if not before:
+        return f"period {period} closed: {now} invoices frozen"
+    earliest = min(utc(i.closed_at) for i in before)
+    return f"period {period} closed: {now} invoices frozen now, {len(before)} closed before (from {earliest:%Y-%m-%dT%H:%M:%SZ})"
 
 
 def register(app: typer.Typer) -> None:
