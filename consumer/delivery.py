@@ -254,11 +254,19 @@ class Deliverer:
             if waiting is not None:
                 self.metrics.waiting.labels("broker").set(1)
                 self.metrics.retries.labels("publish").inc()
-                log.warning("waiting for the broker to publish %d outcomes for %.0fs (%s); retrying in %.1fs",
-                            len([o for o in batch if not o.published]), time.monotonic() - started, waiting, delay)
+                log.warning("waiting for the broker to publish %d outcomes to %s for %.0fs (%s); retrying in %.1fs",
+                            len([o for o in batch if not o.published]), self._topics_of(todo), time.monotonic() - started,
+                            waiting, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         self.metrics.waiting.labels("broker").set(0)
+
+    def _topics_of(self, todo: list[Outcome]) -> str:
+        """The topics the outcomes still to send go to: a results or DLQ topic the cluster lacks (auto-creation off) is
+        the usual cause of a wait that never ends, and the line names it."""
+        topics = {self.k.results_topic for o in todo if o.result is not None and "result" not in o.sent}
+        topics |= {self.k.dlq_topic for o in todo if o.dlq is not None and "dlq" not in o.sent}
+        return ", ".join(sorted(topics)) or self.k.results_topic
 
     async def _send(self, o: Outcome) -> None:
         """Send what of the outcome the broker has not taken yet; each part is sent once."""

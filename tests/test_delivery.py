@@ -208,6 +208,21 @@ async def test_broker_refusals_are_bounded_and_retries_send_each_part_once(rig):
     assert svc.ledger.count_usage() == 3
 
 
+async def test_a_wait_for_the_broker_names_the_topic_it_waits_on(rig, caplog):
+    """The line a publish wait logs names the topic the outcomes go to: on a cluster with topic auto-creation off, a
+    results topic nobody made is a wait that never ends (UnknownTopicOrPartition, retriable), and the line said only
+    how many outcomes waited."""
+    from aiokafka.errors import UnknownTopicOrPartitionError
+
+    s, svc, d, counting, ledger, offsets, spool = rig
+    counting.fail = [UnknownTopicOrPartitionError("no such topic")]
+    with caplog.at_level("WARNING", logger="lorabatch.worker"):
+        await d.deliver([_outcome(0)])
+    waits = [r.getMessage() for r in caplog.records if "waiting for the broker to publish" in r.getMessage()]
+    assert waits and s.kafka.results_topic in waits[0], waits
+    assert len(_results(counting)) == 1
+
+
 async def test_stopping_with_neither_ledger_nor_spool_gives_up_leaving_offsets_uncommitted(rig, monkeypatch):
     """The ledger away and the spool's disk full: while serving, the deliverer waits for space (nothing else can be
     done); once the worker stops, it gives up at the first failed write instead of outlasting every stop deadline
