@@ -80,6 +80,31 @@ def test_0012_labels_existing_prices_with_the_upgrading_currency(db_url: str) ->
         engine.dispose()
 
 
+def test_0012_downgrade_is_refused_while_prices_are_in_two_currencies(db_url: str) -> None:
+    """Below 0012 an entry has no currency and a draft prices every entry in its ledger.currency: a downgrade with
+    entries in EUR and USD would price the EUR numbers as USD (it dropped the labels and said nothing). It is refused,
+    changing nothing; with the entries in one currency it runs."""
+    _at_0011_with_prices(db_url)
+    db.upgrade(db_url, script_location=SCRIPT_LOCATION, currency="EUR")
+    engine = db.make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE token_prices SET currency = 'USD'"))
+    finally:
+        engine.dispose()
+    with pytest.raises(LedgerConfigError, match=r"entries in EUR, USD.*nothing was changed"):
+        db.downgrade(db_url, "0011", script_location=SCRIPT_LOCATION)
+    assert _revision(db_url) == "0012" and sorted(_rows(db_url)) == [("h100", "EUR"), ("standard", "USD")]
+    engine = db.make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE token_prices SET currency = 'EUR'"))
+    finally:
+        engine.dispose()
+    db.downgrade(db_url, "0011", script_location=SCRIPT_LOCATION)
+    assert _revision(db_url) == "0011"
+
+
 def test_0012_on_an_empty_price_list_needs_no_currency(db_url: str) -> None:
     db.upgrade(db_url, "0011", script_location=SCRIPT_LOCATION)
     db.upgrade(db_url, script_location=SCRIPT_LOCATION)

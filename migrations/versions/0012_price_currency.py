@@ -10,7 +10,8 @@ currency every draft priced them in until now (a draft took the invoicing proces
 changes no amount and no label. Where price rows exist and no currency was named, the upgrade stops and changes
 nothing rather than guess one; with no price rows there is nothing to label. The offline script (`--sql`) writes the
 UPDATE only when `-x currency=` is given; without it, its NOT NULL step fails on a ledger that has price rows. The
-downgrade drops both columns and keeps the rows.
+downgrade drops both columns and keeps the rows; it is refused while the entries are in more than one currency, which
+the columns' loss would make one (the offline script does not check).
 
 Revision ID: 0012
 Revises: 0011
@@ -63,6 +64,14 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    if not context.is_offline_mode():
+        bind = op.get_bind()
+        held = sorted({c for table in _TABLES for c in bind.execute(sa.text(f"SELECT DISTINCT currency FROM {table}")).scalars()})
+        if len(held) > 1:
+            raise LedgerConfigError(
+                f"the price lists hold entries in {', '.join(held)}: below revision 0012 prices carry no currency, and every "
+                f"draft would price them all as one, its ledger.currency; set the entries you keep in one currency (or "
+                f"leave the ledger at 0012); nothing was changed")
     for table in _TABLES:
         with op.batch_alter_table(table) as batch:
             batch.drop_column("currency")
