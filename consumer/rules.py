@@ -27,6 +27,15 @@ MATCH_CHARS = 4096
 # package, whose matching stops at a timeout; a rule that reaches it matches nothing and is skipped from then on, with
 # a warning naming it. Keyword and prefix rules are escaped text and never take long.
 MATCH_TIMEOUT_S = 0.05
+# Nor can a rule take the worker's memory or its event loop as it is compiled (each worker compiles every rule at start and
+# at each rule change). The regex package builds a counted repeat out in full: `x{100000000}` asked for gigabytes (the
+# kernel killed `routes add`, and would kill each worker over a stored rule), `x{1000000}` 270 MB and 0.4 s, and a 2 MB
+# keyword took 6 s. A rule is matched against a prompt's first MATCH_CHARS characters, so a pattern longer than that, or
+# whose counted repeats ask for more characters than that ({n} and {n,} counts multiplied through their groups), cannot
+# match anything a rule reads anyway: it is refused.
+MAX_PATTERN_CHARS = MATCH_CHARS
+_COUNT = regex.compile(r"\{([0-9]*)(?:,([0-9]*))?\}")
+_GROUP_HEAD = regex.compile(r"\(\?(?:P?<[A-Za-z_][A-Za-z0-9_]*>|<[=!]|[=!>|:]|[A-Za-z^-]*[:)])")  # (?:, (?P<n>, (?<=, (?i)
 
 
 class RuleError(ValueError):
@@ -49,14 +58,88 @@ def compile_rule(rule: RouteRule) -> regex.Pattern:
         raise RuleError(f"rule kind {rule.kind!r} is unknown; use one of {', '.join(KINDS)}")
     if not rule.pattern:
         raise RuleError("rule pattern is empty; give the keyword, prefix or regex to match")
+    if len(rule.pattern) > MAX_PATTERN_CHARS:
+        raise RuleError(f"rule pattern is {len(rule.pattern)} characters long; rules read a prompt's first {MATCH_CHARS} "
+                        f"characters, so give at most {MAX_PATTERN_CHARS}")
     if rule.kind == "keyword":
         return regex.compile(rf"(?<!\w){regex.escape(rule.pattern)}(?!\w)", regex.IGNORECASE)
     if rule.kind == "prefix":
         return regex.compile(rf"\s*{regex.escape(rule.pattern)}", regex.IGNORECASE)
+    if (wants := repeated_chars(rule.pattern)) > MATCH_CHARS:
+        raise RuleError(f"regex {rule.pattern[:80]!r} repeats its way to {wants} characters at least ({{n}} counts multiplied "
+                        f"through their groups), and rules read a prompt's first {MATCH_CHARS}; lower the counts")
     try:
         return regex.compile(rule.pattern)
-    except (regex.error, OverflowError, RecursionError, ValueError) as e:
-        raise RuleError(f"regex {rule.pattern!r} does not compile: {e}; fix the pattern") from e
+    except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as e:
+        raise RuleError(f"regex {rule.pattern[:200]!r} does not compile: {e}; fix the pattern") from e
+
+
+def repeated_chars(pattern: str) -> int:
+    """How many pattern items a regex's counted repeats build out to, from the pattern's text: each item counts 1, a group
+    the sum of its items (all branches: each is compiled), and `{n}` or `{n,...}` after an item multiplies it by n. An
+    upper bound of the shortest match for patterns without alternation, and what the regex package's compile grows with;
+    `*`, `+`, `?` and `{0,n}` add nothing to it. Over-counts rather than under-counts where the text is ambiguous
+    (comments in verbose mode, a brace that is a literal)."""
+    stack = [[0, 0]]  # per open group: [total so far, cost of its last item]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        frame = stack[-1]
+        if c == "\\":
+            i += 2
+            if i < n and pattern[i - 1] in "pPNxg" and pattern[i] == "{":  # \p{..}, \x{..}, \N{..}, \g{..}
+                end = pattern.find("}", i)
+                i = n if end < 0 else end + 1
+            frame[0], frame[1] = frame[0] + 1, 1
+            continue
+        if c == "[":  # a set, nested sets included: one item
+            depth, i = 1, i + 1
+            if i < n and pattern[i] == "^":
+                i += 1
+            if i < n and pattern[i] == "]":
+                i += 1
+            while i < n and depth:
+                if pattern[i] == "\\":
+                    i += 1
+                elif pattern[i] == "[":
+                    depth += 1
+                elif pattern[i] == "]":
+                    depth -= 1
+                i += 1
+            frame[0], frame[1] = frame[0] + 1, 1
+            continue
+        if c == "(":
+            if pattern.startswith("(?#", i):
+                end = pattern.find(")", i)
+                i = n if end < 0 else end + 1
+                continue
+            head = _GROUP_HEAD.match(pattern, i)
+            if head is not None and head.group().endswith(")"):  # (?i): flags, no group
+                i = head.end()
+                continue
+            stack.append([0, 0])
+            i = head.end() if head is not None else i + 1
+            continue
+        elif c == ")":
+            if len(stack) > 1:
+                group = stack.pop()[0]
+                stack[-1][0] += group
+                stack[-1][1] = group
+        elif c == "{" and (count := _COUNT.match(pattern, i)) is not None and count.group(1):
+            times = int(count.group(1))
+            frame[0] += frame[1] * (times - 1) if times else 0
+            frame[1] *= max(times, 1)
+            i = count.end()
+            continue
+        elif c in "|*+?":
+            pass
+        else:
+            frame[0], frame[1] = frame[0] + 1, 1
+        i += 1
+    while len(stack) > 1:
+        group = stack.pop()[0]
+        stack[-1][0] += group
+    return stack[0][0]
 
 
 class Classifier(Protocol):
