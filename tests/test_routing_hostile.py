@@ -48,3 +48,44 @@ def test_a_stored_rule_past_the_bound_is_skipped_and_named(caplog):
     assert classifier.classify("acme", "help me").id == 6
     said = [r.getMessage() for r in caplog.records if "routing rule 5" in r.getMessage()]
     assert len(said) == 1 and "lorabatch routes remove 5" in said[0]
+
+
+class _Clock:
+    """perf_counter for a classifier: each match of rule `slow_rule` takes `took` seconds, others nothing."""
+
+    def __init__(self, took: float):
+        self.now, self.took, self.calls = 1000.0, took, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the reading after a match
+            self.now += self.took
+        return self.now
+
+
+def test_a_rule_kept_just_under_the_timeout_is_skipped_once_it_has_cost_the_timeout(caplog):
+    """`(a|aa)+$` over 22 a's and a '!' takes 29 ms, under MATCH_TIMEOUT_S: a producer sending such prompts held the
+    event loop 29 ms a job, for ever. Now matches over SLOW_MATCH_S add up; at MATCH_TIMEOUT_S the rule is skipped as a
+    timed-out one is, named in the log; the tenant's other rules still match."""
+    clock = _Clock(0.029)
+    classifier = RuleClassifier((RouteRule(7, "acme", "regex", "(a|aa)+$", "legal", 0),), clock=clock)
+    text = "a" * 22 + "!"
+    assert classifier.classify("acme", text) is None and classifier.slow == set()
+    assert classifier.classify("acme", text) is None and classifier.slow == {7}
+    calls = clock.calls
+    assert classifier.classify("acme", text) is None and clock.calls == calls  # not tried again
+    said = [r.getMessage() for r in caplog.records if "routing rule 7" in r.getMessage()]
+    assert len(said) == 1 and "lorabatch routes remove 7" in said[0] and "29 ms" in said[0], said
+
+
+def test_fast_matches_and_rare_slow_ones_never_skip_a_rule():
+    """A rule's matches take microseconds: those never count; nor do a few slow ones (a pause of the process) spread over
+    time, as the count drains."""
+    classifier = RuleClassifier((RouteRule(8, "acme", "keyword", "help", "billing", 0),), clock=_Clock(0.001))
+    assert all(classifier.classify("acme", "help me").id == 8 for _ in range(1000))
+    clock = _Clock(0.03)
+    classifier = RuleClassifier((RouteRule(8, "acme", "keyword", "help", "billing", 0),), clock=clock)
+    for _ in range(20):
+        assert classifier.classify("acme", "help me").id == 8
+        clock.now += 3600.0  # an hour between two such pauses
+    assert classifier.slow == set()
