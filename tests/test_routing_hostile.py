@@ -78,6 +78,28 @@ def test_a_rule_kept_just_under_the_timeout_is_skipped_once_it_has_cost_the_time
     assert len(said) == 1 and "lorabatch routes remove 7" in said[0] and "29 ms" in said[0], said
 
 
+class _Paused:
+    """perf_counter for a classifier whose first match is caught by a pause of `pause` seconds; later matches (and the
+    same match timed again) take microseconds."""
+
+    def __init__(self, pause: float):
+        self.now, self.pause, self.calls = 1000.0, pause, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        self.now += self.pause if self.calls == 2 else 1e-5
+        return self.now
+
+
+def test_one_match_caught_by_a_pause_is_timed_again_and_does_not_skip_the_rule():
+    """A 300 ms pause of the process (a full collection over a large heap) during one match of a rule that matches in
+    microseconds: that one match alone counted 300 ms against the rule and skipped it for good, changing the tenant's
+    routing. The slow match is timed again, and only a match slow twice counts."""
+    classifier = RuleClassifier((RouteRule(9, "acme", "keyword", "help", "billing", 0),), clock=_Paused(0.3))
+    assert classifier.classify("acme", "help me").id == 9
+    assert classifier.slow == set() and classifier.classify("acme", "help me").id == 9
+
+
 def test_fast_matches_and_rare_slow_ones_never_skip_a_rule():
     """A rule's matches take microseconds: those never count; nor do a few slow ones (a pause of the process) spread over
     time, as the count drains."""
