@@ -20,12 +20,13 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -33,6 +34,12 @@ log = logging.getLogger("lorabatch.worker")
 
 LOOP_STALL_S = 15.0  # the event loop not turning this long: not live
 BEAT_S = 1.0  # how often the loop says it turns
+# Each connection is a thread: without a bound, 400 idle connections (a slowloris, a scraper that never closes) held
+# 400 threads for good and slowed accepting to one a second for everyone, probes included. A scrape or probe needs a
+# few milliseconds of one connection; Prometheus and an orchestrator hold a handful at once.
+HTTP_MAX_CONNECTIONS = 32  # served at once; one more is answered 503 and closed at once
+HTTP_DEADLINE_S = 10.0  # a connection still open this long (its request read and its answer written) is closed
+ALLOWED = ("GET", "HEAD")
 
 
 class Health:
@@ -132,20 +139,107 @@ class Health:
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `max_connections` at once (the next is answered 503 and closed without a
+    thread), each closed `deadline_s` after it was accepted whatever it does (a slowloris that sends a byte a second
+    keeps no thread); `dropped(why)` counts each, `why` "busy" or "deadline"."""
+
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 dropped SYNs under a burst of connections)
+
+    def __init__(self, address: tuple[str, int], max_connections: int, deadline_s: float,
+                 dropped: Callable[[str], None]) -> None:
+        super().__init__(address, _QuietHandler)
+        self.deadline_s = deadline_s
+        self.dropped = dropped
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: dict[socket.socket, float] = {}  # connection -> its deadline (time.monotonic)
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.dropped("busy")
+            try:
+                request.setblocking(False)  # a fresh socket's buffer takes these bytes; never wait on this client
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self._open_lock:
+            self._open[request] = time.monotonic() + self.deadline_s
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again (the caller closes the socket)
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request) -> None:
+        with self._open_lock:
+            if self._open.pop(request, None) is not None:
+                self._slots.release()
+
+    def service_actions(self) -> None:
+        """Called by serve_forever every poll (0.5 s): connections past their deadline are shut, which ends their
+        thread's read or write at once."""
+        now = time.monotonic()
+        with self._open_lock:
+            late = [r for r, deadline in self._open.items() if deadline <= now]
+            for r in late:
+                self._open[r] = float("inf")  # shut once, counted once
+        for r in late:
+            self.dropped("deadline")
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+_BUSY_TEXT = b"too many connections to this worker's metrics port at once\n"
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = 2 * self.server.deadline_s  # a backstop: the server's poll shuts the connection at its deadline
+        super().setup()
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # the client went, or its deadline came (a timeout, or the socket shut): no traceback on stderr
+            pass
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (a probe every few seconds is no log line)
         pass
 
 
 def make_app(registry: CollectorRegistry, health: Health):
-    """/metrics from `registry`; /healthz and /readyz from `health`; 404 for the rest."""
+    """/metrics from `registry`; /healthz and /readyz from `health`; 404 for the rest. Each answers GET and HEAD (the
+    same status and headers, no body); any other method is 405: a POST to /healthz answered 200 as to a GET, and a
+    HEAD to /metrics 405, where /healthz took it."""
     metrics = make_wsgi_app(registry)
 
     def app(environ, start_response):
+        body = route(environ, start_response)
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            return []  # Content-Length stays that of the GET's body
+        return body
+
+    def route(environ, start_response):
         path = environ.get("PATH_INFO", "")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path in ("/", "/metrics", "/healthz", "/readyz") and method not in ALLOWED:
+            data = f"method {method[:20]} not allowed: {path} answers GET and HEAD\n".encode("ascii", "replace")
+            start_response("405 Method Not Allowed", [("Allow", ", ".join(ALLOWED)), ("Content-Type", "text/plain"),
+                                                      ("Content-Length", str(len(data)))])
+            return [data]
         if path in ("/healthz", "/readyz"):
             try:
                 ok, body = health.live() if path == "/healthz" else health.ready()
@@ -159,7 +253,7 @@ def make_app(registry: CollectorRegistry, health: Health):
                            [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
             return [data]
         if path in ("/", "/metrics"):
-            return metrics(environ, start_response)
+            return metrics({**environ, "REQUEST_METHOD": "GET"}, start_response)  # prometheus_client answers HEAD 405
         data = b"not found: this worker serves /metrics, /healthz and /readyz\n"
         start_response("404 Not Found", [("Content-Type", "text/plain"), ("Content-Length", str(len(data)))])
         return [data]
@@ -167,8 +261,11 @@ def make_app(registry: CollectorRegistry, health: Health):
     return app
 
 
-def serve(port: int, registry: CollectorRegistry, health: Health, addr: str = "0.0.0.0") -> WSGIServer:
-    """Serve /metrics, /healthz and /readyz on `port` from a daemon thread; OSError if the port cannot be had."""
-    server = make_server(addr, port, make_app(registry, health), _Server, handler_class=_QuietHandler)
+def serve(port: int, registry: CollectorRegistry, health: Health, addr: str = "0.0.0.0",
+          dropped: Callable[[str], None] = lambda why: None) -> WSGIServer:
+    """Serve /metrics, /healthz and /readyz on `port` from a daemon thread; OSError if the port cannot be had.
+    `dropped(why)`: a connection closed unanswered, `why` "busy" (HTTP_MAX_CONNECTIONS open) or "deadline"."""
+    server = _Server((addr, port), HTTP_MAX_CONNECTIONS, HTTP_DEADLINE_S, dropped)
+    server.set_app(make_app(registry, health))
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

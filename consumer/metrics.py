@@ -94,6 +94,9 @@ class WorkerMetrics:
                                      registry=r)
         self.gpu_idle = Gauge("lorabatch_gpu_idle_share", "Share of the time the engine held jobs in which its steps "
                               "computed nothing, over the last busy-time window", registry=r)
+        self.http_dropped = Counter("lorabatch_http_connections_dropped_total", "Connections to this port closed "
+                                    "unanswered: busy (too many open at once) or deadline (open too long)", ["why"],
+                                    registry=r)
         self.ledger_up.set(1)
         self.spool_up.set(1)
         self.ledger_schema_ok.set(1)
@@ -108,11 +111,14 @@ class WorkerMetrics:
         """Count one DLQ record under its code; one outside DLQ_CODES under OTHER."""
         self.dlq.labels(code if code in DLQ_CODES else OTHER).inc()
 
+    def _dropped(self, why: str) -> None:
+        self.http_dropped.labels(why if why in ("busy", "deadline") else OTHER).inc()
+
     def serve(self, port: int) -> None:
         """Serve /metrics, /healthz and /readyz (consumer.health) on `port`; a port that cannot be had is a ConfigError
         naming it and the key that sets it."""
         try:
-            self.server = serve(port, self.registry, self.health)
+            self.server = serve(port, self.registry, self.health, dropped=self._dropped)
         except OSError as e:
             from consumer.config import ConfigError
 
