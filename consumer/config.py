@@ -10,6 +10,7 @@ exists, else the defaults alone.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -179,7 +180,21 @@ class WorkerConfig(_Section):
     max_queued_jobs: int = Field(2048, ge=1, description="partitions pause while more jobs than this wait")
     commit_interval_ms: int = Field(200, ge=0, description="how often finished offsets are committed")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 disables the server")
+    metrics_host: str = Field("0.0.0.0", description="the address /metrics, /healthz and /readyz listen on: 0.0.0.0 every "
+                              "IPv4 interface, :: every interface (IPv6 and IPv4), 127.0.0.1 this host only, or one "
+                              "interface's address")
     registry_refresh_s: float = Field(5.0, gt=0, description="how often the adapter registry is re-read")
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _check_metrics_host(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address; write one, such as 0.0.0.0 (every IPv4 interface), :: "
+                             f"(every interface) or 127.0.0.1 (this host only)") from None
+        return value
+
     max_queued_tokens: int = Field(1_000_000, ge=1, description="partitions pause while more tokens than this wait")
     affinity_slack_tokens: float = Field(512.0, ge=0, description="fairness slack within which a batch prefers resident adapters")
     max_defer_ms: float = Field(250.0, ge=0, description="longest a job is passed over for adapter affinity")

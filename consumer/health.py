@@ -148,6 +148,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def __init__(self, address: tuple[str, int], max_connections: int, deadline_s: float,
                  dropped: Callable[[str], None]) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, _QuietHandler)
         self.deadline_s = deadline_s
         self.dropped = dropped

@@ -114,13 +114,14 @@ class WorkerMetrics:
     def _dropped(self, why: str) -> None:
         self.http_dropped.labels(why if why in ("busy", "deadline") else OTHER).inc()
 
-    def serve(self, port: int) -> None:
-        """Serve /metrics, /healthz and /readyz (consumer.health) on `port`; a port that cannot be had is a ConfigError
-        naming it and the key that sets it."""
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serve /metrics, /healthz and /readyz (consumer.health) on `host`:`port`; an address that cannot be had is a
+        ConfigError naming it and the keys that set it."""
         try:
-            self.server = serve(port, self.registry, self.health, dropped=self._dropped)
+            self.server = serve(port, self.registry, self.health, addr=host, dropped=self._dropped)
         except OSError as e:
             from consumer.config import ConfigError
 
-            raise ConfigError(f"cannot serve metrics on port {port} ({e.strerror or e}); set worker.metrics_port (or "
-                              f"--metrics-port) to a free port, or 0 for none") from e
+            raise ConfigError(f"cannot serve metrics on port {port} of {host} ({e.strerror or e}); set "
+                              f"worker.metrics_port (or --metrics-port) to a free port, or 0 for none, and "
+                              f"worker.metrics_host to an address of this host") from e

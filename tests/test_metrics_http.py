@@ -106,3 +106,44 @@ def test_a_trickling_client_is_closed_at_its_deadline(served):
             break
     s.close()
     assert closed and _dropped(m, "deadline") == 1
+
+
+@pytest.mark.parametrize("host, family", [("127.0.0.1", socket.AF_INET), ("::1", socket.AF_INET6)])
+def test_the_metrics_host_is_the_address_listened_on(host, family):
+    """worker.metrics_host picks the address (every IPv4 interface, 0.0.0.0, was the only choice: no way to keep the
+    port to this host, nor to serve an IPv6 network); the port is answered there."""
+    from consumer.config import load_settings
+
+    s = load_settings(None, {"worker.metrics_host": host})
+    m = WorkerMetrics()
+    port = free_port()
+    m.serve(port, s.worker.metrics_host)
+    try:
+        assert m.server.socket.family == family and m.server.server_address[0] == host
+        c = http.client.HTTPConnection(host, port, timeout=10)
+        c.request("GET", "/healthz")
+        assert c.getresponse().status == 200
+        c.close()
+    finally:
+        m.server.shutdown()
+        m.server.server_close()
+
+
+@pytest.mark.parametrize("bad", ["localhost", "0.0.0.0:9100", "", "256.1.1.1"])
+def test_a_metrics_host_that_is_no_address_is_refused_naming_the_key(bad):
+    from consumer.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=r"worker.metrics_host.*is not an IP address"):
+        load_settings(None, {"worker.metrics_host": bad})
+
+
+def test_an_address_taken_names_the_port_the_host_and_the_keys():
+    from consumer.config import ConfigError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"port {port} of 0.0.0.0 \(Address already in use\).*worker.metrics_port "
+                                              rf"\(or --metrics-port\).*worker.metrics_host"):
+            WorkerMetrics().serve(port)

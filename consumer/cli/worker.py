@@ -45,7 +45,7 @@ def worker(config: ConfigOpt = None, log_level: str = "INFO",
     # loading on a GPU) and its ledger found; and a worker waiting for its ledger says so there.
     metrics = WorkerMetrics()
     if s.worker.metrics_port:
-        metrics.serve(s.worker.metrics_port)
+        metrics.serve(s.worker.metrics_port, s.worker.metrics_host)
     # A SIGTERM or ^C before the event loop's handlers take over is kept here, not left to Python's defaults: one during
     # the engine's start killed the worker at once, without a log line, and left its child building an engine (a model
     # on a GPU: minutes) that then died with a traceback on the closed pipe.
