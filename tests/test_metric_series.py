@@ -57,3 +57,14 @@ def test_unregistered_tenants_never_share_a_registered_tenants_label(registered,
     Deliverer._count(counter, Result(request_id="r1", tenant_id=tenant, status="failed"))
     (family,) = [m for m in metrics.registry.collect() if m.name == "lora_request"]
     assert [(s.labels["tenant"], s.value) for s in family.samples if s.name == "lora_request_total"] == [(label, 1.0)]
+
+
+def test_every_metric_the_worker_serves_is_named_in_the_readme():
+    """An SRE reads the README for what a series means: six of them (lorabatch_batches_total, lorabatch_batch_size,
+    lorabatch_replayed_results_total, lorabatch_fetch_errors_total, lorabatch_undeliverable_total,
+    lora_adapter_circuits_open) were served and named nowhere."""
+    from pathlib import Path
+
+    readme = Path(__file__).parent.parent.joinpath("README.md").read_text()
+    served = {f.name + ("_total" if f.type == "counter" else "") for f in WorkerMetrics().registry.collect()}
+    assert {n for n in served if f"`{n}`" not in readme and f"`{n}{{" not in readme} == set()
