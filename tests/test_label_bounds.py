@@ -171,3 +171,46 @@ def test_a_value_outside_its_closed_set_is_counted_once_as_other(count, value, l
     family = "lora_route_decision" if count == "route" else "lorabatch_dlq"
     (samples,) = [[s for s in m.samples if s.name.endswith("_total")] for m in metrics.registry.collect() if m.name == family]
     assert [(next(iter(s.labels.values())), s.value) for s in samples] == [(label, 3.0)]
+
+
+def test_twenty_thousand_distinct_values_leave_metrics_and_their_memory_as_they_were():
+    """20,000 results, routing reasons and DLQ codes, each with a tenant id, adapter reference, reason and code of its
+    own, through the counting calls the worker makes (Deliverer._count, WorkerMetrics.route and .dead_letter): the
+    series after 20,000 are those after 1,000, /metrics grows by the digits of its counts only, and prometheus_client
+    holds no more memory (one more series is ~1 kB)."""
+    import gc
+    import tracemalloc
+
+    from prometheus_client import generate_latest
+
+    from consumer.schemas import Cost, Result, Timings
+
+    metrics = WorkerMetrics()
+    counter = SimpleNamespace(metrics=metrics, known_tenant=lambda t: t == "acme")
+
+    def push(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            Deliverer._count(counter, Result(request_id=f"r{i}", tenant_id=f"t{i}", status="failed", route=f"x{i}",
+                                             worker_id="w"))
+            Deliverer._count(counter, Result(request_id=f"s{i}", tenant_id="acme", status="succeeded", route="l1_user",
+                                             worker_id="w", timings=Timings(total_ms=i % 5000),
+                                             cost=Cost(routing_ms=1, lora_ms=2)))
+            metrics.route(f"reason{i}")
+            metrics.dead_letter(f"code{i}")
+
+    push(0, 1_000)
+    size, series = len(generate_latest(metrics.registry)), _series(metrics)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        push(1_000, 20_000)
+        gc.collect()
+        only = [tracemalloc.Filter(True, "*prometheus_client*")]
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().filter_traces(only).compare_to(
+            before.filter_traces(only), "filename"))
+    finally:
+        tracemalloc.stop()
+    assert _series(metrics) == series
+    assert len(generate_latest(metrics.registry)) - size < 100
+    assert grown < 4_096, grown
