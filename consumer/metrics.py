@@ -33,7 +33,8 @@ class WorkerMetrics:
         self.requests = Counter("lora_request_total", "Requests finished", ["tenant", "adapter", "status"], registry=r)
         self.duration = Histogram(
             "lora_request_duration_seconds", "Arrival to result, per request", ["tenant"], registry=r,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            # to an hour: a batch job queued behind a backlog waits minutes, and its p99 must stay readable
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
         )
         self.route_decisions = Counter("lora_route_decision_total", "Routing decisions", ["reason"], registry=r)
         self.routing_cost = Counter("lora_routing_ms_total", "Routing decision ms of succeeded requests", ["tenant"], registry=r)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from prometheus_client import generate_latest
+
 import pytest
 from aiokafka import TopicPartition
 
@@ -68,3 +70,14 @@ def test_every_metric_the_worker_serves_is_named_in_the_readme():
     readme = Path(__file__).parent.parent.joinpath("README.md").read_text()
     served = {f.name + ("_total" if f.type == "counter" else "") for f in WorkerMetrics().registry.collect()}
     assert {n for n in served if f"`{n}`" not in readme and f"`{n}{{" not in readme} == set()
+
+
+def test_request_durations_of_a_backlog_stay_in_buckets_up_to_an_hour() -> None:
+    """A job that waited 5 or 20 minutes behind a backlog lands in a bucket of its own: the histogram stopped at 120 s,
+    so every wait past two minutes was one +Inf count and a backlog's p99 could not be read."""
+    m = WorkerMetrics()
+    for seconds in (200, 500, 1200, 3000):
+        m.duration.labels("acme").observe(seconds)
+    text = generate_latest(m.registry).decode()
+    for le, count in (("120.0", 0), ("300.0", 1), ("600.0", 2), ("1800.0", 3), ("3600.0", 4)):
+        assert f'lora_request_duration_seconds_bucket{{le="{le}",tenant="acme"}} {count}.0' in text, (le, text)
