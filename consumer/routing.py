@@ -165,7 +165,9 @@ class Router:
         if tenant not in snapshot.tenants:
             raise RouteError("unknown_tenant", f"tenant {tenant!r} is not registered; add it with "
                                                f"`lorabatch tenants add {tenant}`", "tenant_id")
-        view, reason, detail = None, "", "" if cache_ok else "cache unavailable"
+        # said of the jobs whose routing the cache had a say in: one naming its adapter, or with no user or session, lost nothing
+        consulted = job.adapter_ref is None and bool(job.user_id or job.session_id)
+        view, reason, detail = None, "", "" if cache_ok or not consulted else "cache unavailable"
         if job.adapter_ref is not None:
             view, reason = resolve_ref(snapshot, tenant, job.adapter_ref, job.request_id), "explicit"
         else:

@@ -117,6 +117,25 @@ async def test_stale_cache_entry_falls_through():
     assert r.reason == "tenant_default"
 
 
+class _Away(LruRouteCache):
+    """A route cache whose store is away: reads answer None, as RedisRouteCache's do while Redis is down."""
+
+    async def get_many(self, keys):
+        return None
+
+
+async def test_only_jobs_the_cache_had_a_say_in_are_routed_cache_unavailable():
+    """With the cache away, a job with a user or session id routed without it says so; one naming its adapter, or with
+    neither id, lost nothing to the outage, and its route said "cache unavailable" all the same (on its result and its
+    ledger row), which made an outage look wider than it was."""
+    snap = snapshot()
+    jobs = [job(request_id="r1", user_id="u1"), job(request_id="r2", adapter="legal", user_id="u1"), job(request_id="r3"),
+            job(request_id="r4", session_id="s1", prompt="a lawsuit")]
+    routes = await Router(_Away(100, 60)).route_batch(snap, RuleClassifier(snap.rules), jobs)
+    assert [(r.reason, r.detail) for r in routes] == [("tenant_default", "cache unavailable"), ("explicit", ""),
+                                                     ("tenant_default", ""), ("l3_rule", "rule 1 keyword, cache unavailable")]
+
+
 async def test_lru_cache_is_bounded_and_expires():
     now = [0.0]
     cache = LruRouteCache(2, 10, clock=lambda: now[0])
