@@ -58,6 +58,11 @@ def explain(e: BaseException) -> str:
         return f"{brief}; {FIXES[code]}"
     if isinstance(e, RedisTimeout):
         return f"{brief}; Redis answered slower than routing.redis_timeout_ms: it is overloaded or blocked (its SLOWLOG)"
+    if "DB index is out of range" in text:
+        return (f"{brief}; the database number in routing.redis_url is past the server's `databases` setting: use a lower "
+                f"one (redis://host:port/0) or raise `databases`")
+    if isinstance(e, ResponseError):  # Redis is up and answered: starting it is no fix
+        return f"{brief}; Redis refused the call: fix routing.redis_url or the server's configuration"
     return f"{brief}; start it, or fix routing.redis_url"
 
 

@@ -189,3 +189,26 @@ async def test_a_write_back_costs_three_round_trips_at_most(redis_server, monkey
     finally:
         r.close()
         await cache.close()
+
+
+def test_a_database_number_past_the_servers_is_said_as_such_not_start_it() -> None:
+    """routing.redis_url naming database 999 on a server of 16: Redis is up and refuses the SELECT, and the log said
+    "start it", as for a Redis that is down. It names the database number and the fix; any other refusal of a running
+    Redis no longer says "start it" either."""
+    import redis as redis_sync
+    from redis.exceptions import ResponseError
+
+    from consumer.route_cache import explain
+
+    client = redis_sync.Redis.from_url("redis://127.0.0.1:6379/999", socket_timeout=5)
+    try:
+        client.ping()
+    except ResponseError as e:
+        said = explain(e)
+    else:
+        raise AssertionError("the server took database 999")
+    finally:
+        client.close()
+    assert "database number in routing.redis_url" in said and "start it" not in said, said
+    assert "start it" not in explain(ResponseError("ERR unknown command 'ZPOPMIN'"))
+    assert "start it" in explain(ConnectionError("Connection refused"))
