@@ -34,6 +34,7 @@ from engine.store import adapter_files, content_sha256, read_file
 # PEFT's saved key for one LoRA matrix of a Llama projection (the adapter name is stripped on save).
 _KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_F32_MAX = torch.finfo(torch.float32).max
 # safetensors' dtype names, to torch's (those this torch has); a name not here makes the file unreadable
 _ST_DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"), ("I32", "int32"),
@@ -123,7 +124,8 @@ def parse_adapter(
         if module not in targets:
             raise invalid(f"{name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}")
         if tensor.dtype not in _FLOAT_DTYPES:
-            raise invalid(f"{name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16 or float32")
+            raise invalid(f"{name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16, float32 "
+                          "or float64")
         if shapes is None:  # no base at hand: the rank dimension alone
             if tensor.dim() != 2 or tensor.shape[0 if which == "A" else 1] != rank:
                 want = "[r, in]" if which == "A" else "[out, r]"
@@ -139,9 +141,10 @@ def parse_adapter(
         parts.setdefault((layer, module), {})[which] = tensor
     if not _all_finite(list(tensors.values())):
         for key, tensor in sorted(tensors.items()):  # name the first, in the order above
-            if not torch.isfinite(tensor).all():
+            if not _all_finite([tensor]):
                 m = _KEY_RE.match(key)
-                raise invalid(f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)} lora_{m.group(4)} holds NaN or infinite values; "
+                raise invalid(f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)} lora_{m.group(4)} holds NaN or infinite values "
+                              f"(or, in float64, values past float32's ±{_F32_MAX:.4g}, infinite once served); "
                               "retrain or re-export the adapter")  # fmt: skip
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -173,9 +176,11 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, ts in by_dtype.items():
+        # float64 is served in float32 or narrower (adapter_pages): a finite 1e300 there is inf in the engine
+        limit = _F32_MAX if dtype == torch.float64 else math.inf
         whole = _one_view(ts)
         for t in [whole] if whole is not None else ts:
-            if t.numel() and not all(math.isfinite(v) for v in torch.aminmax(t.reshape(-1))):
+            if t.numel() and not all(math.isfinite(v) and abs(v) <= limit for v in torch.aminmax(t.reshape(-1))):
                 return False
     return True
 

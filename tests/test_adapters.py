@@ -438,3 +438,29 @@ def test_a_non_finite_value_anywhere_is_found_and_named(demo_set, tmp_path, bad,
     with pytest.raises(AdapterError) as e:
         load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
     assert e.value.code == "adapter_invalid" and f"layers.{model.num_layers - 1}.self_attn.v_proj lora_B" in str(e.value)
+
+
+@pytest.mark.parametrize("big", [1e300, -1e39])
+def test_a_float64_value_past_float32s_range_is_refused_and_named(demo_set, tmp_path, big):
+    """float64 weights are served in float32 or narrower, where 1e300 (or -1e39) is infinite: refused like an infinity,
+    naming the layer and matrix (it was registered, and its jobs ran on infinities). Values within range still load."""
+    d = _copy(demo_set, tmp_path)
+    model = read_model_config(demo_set["model"])
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+
+    def widen(w):
+        for k in w:
+            w[k] = w[k].double()
+
+    _edit_weights(d, widen)
+    assert load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB).weights  # float64 within range loads
+
+    def poison(w):
+        widen(w)
+        w[key][0, 0] = big
+
+    _edit_weights(d, poison)
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert e.value.code == "adapter_invalid" and "layers.1.self_attn.q_proj lora_A" in str(e.value), e.value
+    assert "float32" in str(e.value), e.value
