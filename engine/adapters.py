@@ -97,7 +97,7 @@ def parse_adapter(
     checks everything but what needs the base, its layer count and projection sizes (of each tensor only the rank
     dimension is checked): for a registration where the base model is not at hand (`lorabatch adapters add` says so)."""
     cfg = _parse_config(config_bytes, source / "adapter_config.json", max_lora_rank)
-    rank, alpha, rslora, targets, config_fp = cfg
+    rank, alpha, rslora, targets, config_fp, layers = cfg
     tensors, metadata = read_safetensors(weight_bytes, source / "adapter_model.safetensors")
     if base_fingerprint is not None:
         _check_fingerprint(config_fp, metadata.get(FINGERPRINT_KEY), base_fingerprint, source)
@@ -123,6 +123,9 @@ def parse_adapter(
             raise invalid(f"{name} is past the base model's {model.num_layers} layers; the adapter was trained for another base")
         if module not in targets:
             raise invalid(f"{name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}")
+        if layers is not None and layer not in layers:  # PEFT leaves such a layer's weights unloaded: so would the answer
+            raise invalid(f"{name} has weights but adapter_config.json layers_to_transform {sorted(layers)} does not list "
+                          f"layer {layer}; drop its weights or list the layer")
         if tensor.dtype not in _FLOAT_DTYPES:
             raise invalid(f"{name} lora_{which} has dtype {tensor.dtype}; LoRA weights must be float16, bfloat16, float32 "
                           "or float64")
@@ -273,8 +276,10 @@ def _check_fingerprint(in_config: str | None, in_weights: str | None, base: str,
         )
 
 
-def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, float, bool, tuple[str, ...], str | None]:
-    """(rank, alpha, use_rslora, target_modules, base fingerprint or None) of a LoRA adapter_config.json this engine can run."""
+def _parse_config(data: bytes, path: Path, max_lora_rank: int
+                  ) -> tuple[int, float, bool, tuple[str, ...], str | None, frozenset[int] | None]:
+    """(rank, alpha, use_rslora, target_modules, base fingerprint or None, layers_to_transform or None: every layer) of
+    a LoRA adapter_config.json this engine can run."""
     try:
         cfg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -338,4 +343,10 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int) -> tuple[int, flo
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):  # bool() of the string "false" is True: a wrong scaling, silently
         raise refuse(f"use_rslora={rslora!r}; it must be true or false (a JSON boolean)")
-    return rank, float(alpha), rslora, tuple(raw), fingerprint
+    layers = cfg.get("layers_to_transform")
+    if layers is not None:
+        listed = [layers] if isinstance(layers, int) else layers
+        if not isinstance(listed, list) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in listed):
+            raise refuse(f"layers_to_transform={layers!r}; it must be a layer index or a list of them (or null: every layer)")
+        layers = frozenset(listed)
+    return rank, float(alpha), rslora, tuple(raw), fingerprint, layers

@@ -464,3 +464,22 @@ def test_a_float64_value_past_float32s_range_is_refused_and_named(demo_set, tmp_
         load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
     assert e.value.code == "adapter_invalid" and "layers.1.self_attn.q_proj lora_A" in str(e.value), e.value
     assert "float32" in str(e.value), e.value
+
+
+def test_weights_of_a_layer_layers_to_transform_leaves_out_are_refused(demo_set, tmp_path):
+    """PEFT adapts only the layers of layers_to_transform and leaves the file's weights of the others unloaded: served
+    all the same, the adapter answered otherwise than PEFT does. Refused, naming the layer; weights of the listed layers
+    alone load (the other layers unadapted), and a malformed value is refused by its field."""
+    d = _copy(demo_set, tmp_path)
+    model = read_model_config(demo_set["model"])
+    _edit_config(d, layers_to_transform=[0, 2])
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert e.value.code == "adapter_invalid" and "layers.1.self_attn" in str(e.value), e.value
+    assert "layers_to_transform [0, 2] does not list layer 1" in str(e.value), e.value
+    _edit_weights(d, lambda w: [w.pop(k) for k in list(w) if ".layers.1." in k or ".layers.3." in k])
+    assert {layer for layer, _ in load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB).weights} == {0, 2}
+    for bad in ("0", [0, -1], [True]):
+        _edit_config(d, layers_to_transform=bad)
+        with pytest.raises(AdapterError, match="layers_to_transform="):
+            load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
