@@ -97,7 +97,7 @@ def parse_adapter(
     checks everything but what needs the base, its layer count and projection sizes (of each tensor only the rank
     dimension is checked): for a registration where the base model is not at hand (`lorabatch adapters add` says so)."""
     cfg = _parse_config(config_bytes, source / "adapter_config.json", max_lora_rank)
-    rank, alpha, rslora, targets, config_fp, layers = cfg
+    rank, alpha, rslora, targets, config_fp, layers, excluded = cfg
     tensors, metadata = read_safetensors(weight_bytes, source / "adapter_model.safetensors")
     if base_fingerprint is not None:
         _check_fingerprint(config_fp, metadata.get(FINGERPRINT_KEY), base_fingerprint, source)
@@ -121,6 +121,9 @@ def parse_adapter(
         name = f"layers.{layer}.{m.group(2)}.{module}"
         if model is not None and layer >= model.num_layers:
             raise invalid(f"{name} is past the base model's {model.num_layers} layers; the adapter was trained for another base")
+        if module in excluded:  # PEFT adapts no module exclude_modules names and leaves its weights unloaded
+            raise invalid(f"{name} has weights but adapter_config.json exclude_modules {sorted(excluded)} excludes {module}; "
+                          f"drop its weights or its exclusion")
         if module not in targets:
             raise invalid(f"{name} has weights but adapter_config.json target_modules {list(targets)} does not list {module}")
         if layers is not None and layer not in layers:  # PEFT leaves such a layer's weights unloaded: so would the answer
@@ -277,9 +280,9 @@ def _check_fingerprint(in_config: str | None, in_weights: str | None, base: str,
 
 
 def _parse_config(data: bytes, path: Path, max_lora_rank: int
-                  ) -> tuple[int, float, bool, tuple[str, ...], str | None, frozenset[int] | None]:
-    """(rank, alpha, use_rslora, target_modules, base fingerprint or None, layers_to_transform or None: every layer) of
-    a LoRA adapter_config.json this engine can run."""
+                  ) -> tuple[int, float, bool, tuple[str, ...], str | None, frozenset[int] | None, frozenset[str]]:
+    """(rank, alpha, use_rslora, target_modules less exclude_modules, base fingerprint or None, layers_to_transform or
+    None: every layer, exclude_modules) of a LoRA adapter_config.json this engine can run."""
     try:
         cfg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -337,6 +340,14 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
     unknown = [t for t in raw if t not in PROJECTION_PARENT]
     if unknown:
         raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
+    excluded = cfg.get("exclude_modules") or []  # PEFT 0.14+: modules of target_modules left unadapted
+    names = [excluded] if isinstance(excluded, str) and excluded in PROJECTION_PARENT else excluded
+    if not isinstance(names, list) or any(not isinstance(n, str) or n not in PROJECTION_PARENT for n in names):
+        raise refuse(f"exclude_modules={excluded!r}; only whole projection names ({', '.join(LORA_TARGETS)}) can be "
+                     f"excluded here, not patterns or single layers' paths: drop them from target_modules instead")
+    raw = [t for t in raw if t not in names]
+    if not raw:
+        raise refuse(f"exclude_modules={excluded!r} excludes every module of target_modules: the adapter adapts nothing")
     fingerprint = cfg.get(FINGERPRINT_KEY)
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise refuse(f"{FINGERPRINT_KEY}={fingerprint!r}; it must be the base fingerprint, a hex string")
@@ -349,4 +360,4 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
         if not isinstance(listed, list) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in listed):
             raise refuse(f"layers_to_transform={layers!r}; it must be a layer index or a list of them (or null: every layer)")
         layers = frozenset(listed)
-    return rank, float(alpha), rslora, tuple(raw), fingerprint, layers
+    return rank, float(alpha), rslora, tuple(raw), fingerprint, layers, frozenset(names)

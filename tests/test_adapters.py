@@ -483,3 +483,23 @@ def test_weights_of_a_layer_layers_to_transform_leaves_out_are_refused(demo_set,
         _edit_config(d, layers_to_transform=bad)
         with pytest.raises(AdapterError, match="layers_to_transform="):
             load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+
+
+def test_weights_of_a_module_exclude_modules_names_are_refused(demo_set, tmp_path):
+    """PEFT (0.14+) adapts no module that exclude_modules names and leaves its weights unloaded; the key was ignored
+    and those weights served, so the adapter answered otherwise than PEFT does. Refused, naming the module; without
+    them the adapter loads with the module left out of its targets. Patterns and single layers' paths (which PEFT also
+    takes) are refused by the field, as is an exclusion of every target."""
+    d = _copy(demo_set, tmp_path)
+    model = read_model_config(demo_set["model"])
+    _edit_config(d, exclude_modules=["v_proj"])
+    with pytest.raises(AdapterError) as e:
+        load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert e.value.code == "adapter_invalid" and "exclude_modules ['v_proj'] excludes v_proj" in str(e.value), e.value
+    _edit_weights(d, lambda w: [w.pop(k) for k in list(w) if ".v_proj." in k])
+    loaded = load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
+    assert loaded.target_modules == ("q_proj", "k_proj", "o_proj"), loaded.target_modules
+    for bad in ("v_.*", ["model.layers.0.self_attn.q_proj"], [1], {"v_proj": True}, ["q_proj", "k_proj", "v_proj", "o_proj"]):
+        _edit_config(d, exclude_modules=bad)
+        with pytest.raises(AdapterError, match="exclude_modules="):
+            load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
