@@ -341,7 +341,7 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
     if unknown:
         raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
     excluded = cfg.get("exclude_modules") or []  # PEFT 0.14+: modules of target_modules left unadapted
-    names = [excluded] if isinstance(excluded, str) and excluded in PROJECTION_PARENT else excluded
+    names = excluded  # PEFT reads a string as a regex over the whole module path: refused with the patterns
     if not isinstance(names, list) or any(not isinstance(n, str) or n not in PROJECTION_PARENT for n in names):
         raise refuse(f"exclude_modules={excluded!r}; only whole projection names ({', '.join(LORA_TARGETS)}) can be "
                      f"excluded here, not patterns or single layers' paths: drop them from target_modules instead")

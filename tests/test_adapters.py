@@ -499,7 +499,7 @@ def test_weights_of_a_module_exclude_modules_names_are_refused(demo_set, tmp_pat
     _edit_weights(d, lambda w: [w.pop(k) for k in list(w) if ".v_proj." in k])
     loaded = load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
     assert loaded.target_modules == ("q_proj", "k_proj", "o_proj"), loaded.target_modules
-    for bad in ("v_.*", ["model.layers.0.self_attn.q_proj"], [1], {"v_proj": True}, ["q_proj", "k_proj", "v_proj", "o_proj"]):
+    for bad in ("v_.*", "v_proj", ["model.layers.0.self_attn.q_proj"], [1], {"v_proj": True}, ["q_proj", "k_proj", "v_proj", "o_proj"]):
         _edit_config(d, exclude_modules=bad)
         with pytest.raises(AdapterError, match="exclude_modules="):
             load_adapter_dir(d, model, max_lora_rank=32, max_bytes=64 * MB)
