@@ -13,6 +13,9 @@ Two holds, both taken before the worker joins its group, both given back as it e
 - on this host, an exclusive `flock` on `<spool folder>/<worker id>.worker.lock`, holding the holder's host and pid:
   the kernel frees a killed worker's lock, so a restart after kill -9 takes it at once; it needs no Redis, which the
   embedded defaults (routing.cache = "lru") have none of;
+- beside the adapter store, an exclusive `flock` on `<store.adapter_dir>/.workers/<group>.<worker id>.lock` (the group
+  hashed): two workers on one host with the same id but different spool folders (two config files) share the store, so
+  the second is refused there; a store the worker cannot write to (mounted read-only) goes without it, said once;
 - across hosts, where routing.cache = "redis", a lease in Redis, `<routing.redis_prefix>:worker:<group>:<worker id>`,
   set with NX and a TTL of LEASE_TTL_S to a value naming a random token, the host and the pid, and refreshed every
   REFRESH_S while the worker runs. A crashed worker's lease lapses within LEASE_TTL_S.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -96,18 +100,23 @@ def lease_for(settings: Settings, conflicts=None) -> WorkerIdLease | None:
         return None
     return WorkerIdLease(w.worker_id, settings.kafka.group_id, w.spool_file().parent,
                          redis_url=r.redis_url if r.cache == "redis" else None, prefix=r.redis_prefix,
-                         ttl_s=LEASE_TTL_S, refresh_s=REFRESH_S, conflicts=conflicts)
+                         ttl_s=LEASE_TTL_S, refresh_s=REFRESH_S, conflicts=conflicts,
+                         store_dir=Path(settings.store.adapter_dir))
 
 
 class WorkerIdLease:
     def __init__(self, worker_id: str, group_id: str, lock_dir: Path, *, redis_url: str | None = None,
                  prefix: str = "lorabatch:route", ttl_s: float = LEASE_TTL_S, refresh_s: float = REFRESH_S,
-                 conflicts=None):
+                 conflicts=None, store_dir: Path | None = None):
         """`redis_url`: where the lease across hosts lives (None: on this host only). `conflicts`: a Prometheus
-        counter, counted at each refresh that finds the lease another's."""
+        counter, counted at each refresh that finds the lease another's. `store_dir`: the adapter store, beside which
+        the id's second lock lies (None: the spool folder's lock only)."""
         assert 0 < refresh_s < ttl_s, (refresh_s, ttl_s)
         self.worker_id, self.group_id = worker_id, group_id
         self.lock_path = Path(lock_dir) / f"{worker_id}.worker.lock"
+        group = hashlib.sha256(group_id.encode()).hexdigest()[:16]  # a group id may hold any character
+        self.store_lock_path = None if store_dir is None else Path(store_dir) / ".workers" / f"{group}.{worker_id}.lock"
+        self._store_fd: int | None = None
         self.key = f"{prefix}:worker:{group_id}:{worker_id}"
         self.ttl_s, self.refresh_s = ttl_s, refresh_s
         self.value = json.dumps({"token": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid()})
@@ -135,6 +144,8 @@ class WorkerIdLease:
         said = None
         while True:
             holder = self._lock_here()
+            if holder is None:
+                holder = self._lock_at_store()
             if holder is None:
                 holder = await self._take()
             if holder is None:
@@ -181,6 +192,32 @@ class WorkerIdLease:
         os.ftruncate(fd, 0)
         os.pwrite(fd, self.value.encode(), 0)
         self._fd = fd
+        return None
+
+    def _lock_at_store(self) -> str | None:
+        """Take the id's lock beside the adapter store; None when taken (or held already, or the store has no room for
+        it), else its holder."""
+        if self._store_fd is not None or self.store_lock_path is None:
+            return None
+        try:
+            self.store_lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.store_lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:  # a store mounted read-only for the workers: the spool folder's lock still holds
+            log.warning("worker id %s: its lock beside the adapter store cannot be made (%s: %s); two workers on this host "
+                        "under this id with different spool folders would not be told apart", self.worker_id,
+                        e.strerror or e, self.store_lock_path)
+            self.store_lock_path = None
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return describe(os.pread(fd, 4096, 0)) + " (its lock beside the adapter store)"
+            finally:
+                os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self.value.encode(), 0)
+        self._store_fd = fd
         return None
 
     async def _take(self) -> str | None:
@@ -262,6 +299,7 @@ class WorkerIdLease:
             await self._redis.aclose()
 
     def close_lock(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for name in ("_fd", "_store_fd"):
+            if (fd := getattr(self, name)) is not None:
+                os.close(fd)
+                setattr(self, name, None)

@@ -307,3 +307,31 @@ async def test_two_worker_processes_under_one_id(broker, tmp_path, demo_set, sha
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+async def test_two_spool_folders_on_one_host_share_the_stores_lock(tmp_path):
+    """Two workers on one host under one id with different spool folders (two config files), no Redis: each took the
+    lock beside its own spool and both ran every job. The lock beside the adapter store they share refuses the second,
+    naming it; once the first lets go, the second takes the id. A store the worker cannot write to goes without it."""
+    store = tmp_path / "store"
+    first = _lease(tmp_path / "spool-a", None, store_dir=store)
+    await first.acquire()
+    second = _lease(tmp_path / "spool-b", None, store_dir=store, ttl_s=0.6, refresh_s=0.2)
+    try:
+        with pytest.raises(WorkerIdTaken) as taken:
+            await second.acquire()
+        assert "beside the adapter store" in str(taken.value) and f"pid {os.getpid()}" in str(taken.value), taken.value
+        other_group = WorkerIdLease("gpu-0", "other-workers", tmp_path / "spool-c", store_dir=store, ttl_s=TTL_S,
+                                    refresh_s=REFRESH_S)
+        await other_group.acquire()  # the same id in another group is another member: not refused
+        await other_group.release()
+    finally:
+        await first.release()
+    await second.acquire()
+    await second.release()
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")
+    alone = _lease(tmp_path / "spool-d", None, store_dir=blocked)
+    await alone.acquire()  # its store lock cannot be made: the spool folder's lock alone
+    assert alone.store_lock_path is None
+    await alone.release()
