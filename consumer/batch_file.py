@@ -8,6 +8,7 @@ The file is read as it is produced (submit.py), so what is held at once is a lin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from consumer.kafka import record_size
 from consumer.openai_batch import body_field, from_openai_line, is_openai_line
-from consumer.schemas import Ident, Job, OpenAIRequest, TenantId, describe, error_field, load_json
+from consumer.schemas import BatchManifest, Ident, Job, OpenAIRequest, TenantId, describe, error_field, load_json
 
 
 class SubmitError(Exception):
@@ -38,6 +39,12 @@ class Line:
     request: OpenAIRequest | None = None
     error: str | None = None  # "line N: field: what to fix"
     record: tuple[bytes, bytes] | None = None  # (key, value) of its Kafka message, when sized against the limit
+    digest: str | None = None  # job_digest of its job
+
+
+def job_digest(value: bytes) -> str:
+    """What a batch's manifest keeps of a job's Kafka value: 16 hex digits of its sha256."""
+    return hashlib.sha256(value).hexdigest()[:16]
 
 
 @dataclass
@@ -79,12 +86,14 @@ def prepare(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int
 
 
 def read_lines(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: int | None = None,
-               key_by: str = "tenant") -> Iterator[Line]:
+               key_by: str = "tenant", submitted: BatchManifest | None = None) -> Iterator[Line]:
     """Parse and validate the file's lines one at a time, as they are read; bad lines are reported, not sent.
 
     Only the request ids seen so far are kept (to refuse one given twice), so a file of a million lines is read in
     the memory of its ids, not of its jobs. With `max_message_bytes` (kafka.max_message_bytes), a line whose job
     would be a Kafka message larger than that (keyed by `key_by`) is a bad line too. A line break is LF, CRLF or CR.
+    `submitted`, the manifest of what was submitted under this batch id before: a line whose request id it holds with
+    another job's digest is a bad line (the id is answered once, so it would be given the other job's result).
     """
     check_ids(tenant_id, batch_id)
     try:
@@ -109,7 +118,10 @@ def read_lines(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: 
                                           f"such a line, so it was skipped unread; shorten its prompt, or check that the file "
                                           f"is JSON Lines (one object a line)")
             else:
-                yield _read_line(n, raw, tenant_id, batch_id, first_line, max_message_bytes, key_by)
+                line = _read_line(n, raw, tenant_id, batch_id, first_line, max_message_bytes, key_by)
+                if line.job is not None and submitted is not None:
+                    _check_resubmitted(line, batch_id, submitted)
+                yield line
 
 
 # A line may be longer than the job it becomes (a "\u0061" escape is 6 bytes of the line and 1 of the job; OpenAI
@@ -189,8 +201,9 @@ def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: di
         data.setdefault("batch_id", batch_id)
         data.setdefault("request_id", rid)
         job = Job.model_validate(data)
+        record = job_message(job, key_by)
+        out.digest = job_digest(record[1])
         if max_message_bytes is not None:
-            record = job_message(job, key_by)
             if (size := record_size(*record)) > max_message_bytes:
                 raise ValueError(f"the job is {size} bytes as a Kafka message, over kafka.max_message_bytes={max_message_bytes}; "
                                  f"shorten its prompt (workers dead-letter larger messages) or raise the limit")
@@ -210,6 +223,24 @@ def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: di
     except ValueError as e:
         out.error = f"line {n}: {e}"
     return out
+
+
+def _check_resubmitted(line: Line, batch_id: str, submitted: BatchManifest) -> None:
+    """Refuse `line` (its job set) when batch `batch_id` already holds its request id for another job."""
+    rid = line.job.request_id
+    before = submitted.digests.get(rid)
+    if before is None or before == line.digest:
+        return
+    if line.request is not None:
+        what = f"custom_id {line.request.custom_id!r}"
+    elif rid == f"{batch_id}-{line.number}":
+        what = f"request id {rid!r} (made from the line's number)"
+    else:
+        what = f"request_id {rid!r}"
+    line.error = (f"line {line.number}: {what} was submitted in batch {batch_id!r} before, with another job (from "
+                  f"{submitted.source or 'another file'}); it would be answered with that job's result, not run: give the "
+                  f"line an id of its own, or submit this file under another --batch-id")
+    line.job = line.request = line.record = None
 
 
 def _json_type(value: object) -> str:

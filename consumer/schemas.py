@@ -215,6 +215,9 @@ class BatchManifest(BaseModel):
     # A submission that produces a file as it reads it opens it with a part of False and closes it with one of True;
     # the parts between (and a batch written at once) carry None. read_manifest gives the last one that is not None.
     complete: bool | None = None
+    # request id -> 16 hex digits of the sha256 of its job's Kafka value (`lorabatch submit` writes them): a later file
+    # submitted under the same batch id whose line has that id but other content is refused, not answered with this one
+    digests: dict[str, str] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -38,19 +38,23 @@ log = logging.getLogger("lorabatch.submit")
 
 
 def manifest_parts(batch_id: str, tenant_id: str, request_ids: list[str], source: str, max_message_bytes: int,
-                   created_at: str | None = None) -> list[BatchManifest]:
+                   created_at: str | None = None, digests: dict[str, str] | None = None) -> list[BatchManifest]:
     """The batch's manifest as messages of at most `max_message_bytes` each; `read_manifest` merges them.
 
     One part unless the ids do not fit: at the default 1,000,000-byte limit a part holds ~7,600 ids of
-    the longest kind (128 characters), ~40,000 of the generated `batch_<16 hex>-<line>` kind.
+    the longest kind (128 characters), ~40,000 of the generated `batch_<16 hex>-<line>` kind (about half as many
+    with `digests`, request id -> job_digest, which go in the part that names the id).
     """
     created_at = created_at or _now()  # every part of a batch (of each chunk of a file) carries the first one's time
     empty = BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=[], source=source, created_at=created_at)
     budget = max_message_bytes - record_size(batch_id.encode(), empty.model_dump_json().encode())
+    digests = digests or {}
     parts: list[list[str]] = [[]]
     used = 0
     for rid in request_ids:
         cost = len(json.dumps(rid)) + 1  # ASCII-escaped, so never shorter than pydantic's UTF-8; the comma
+        if rid in digests:
+            cost += len(json.dumps(rid)) + len(json.dumps(digests[rid])) + 2  # "rid":"digest",
         if cost > budget:
             raise SubmitError(f"kafka.max_message_bytes={max_message_bytes} leaves no room in a batch manifest for request id {rid!r} "
                               f"(source {source!r}); raise the limit or shorten the source path and ids")
@@ -59,7 +63,8 @@ def manifest_parts(batch_id: str, tenant_id: str, request_ids: list[str], source
             used = 0
         parts[-1].append(rid)
         used += cost
-    return [empty.model_copy(update={"request_ids": ids}) for ids in parts]
+    return [empty.model_copy(update={"request_ids": ids, "digests": {rid: digests[rid] for rid in ids if rid in digests}})
+            for ids in parts]
 
 
 def job_weight(job: Job) -> int:
@@ -148,7 +153,8 @@ async def produce_lines(cfg: KafkaConfig, lines: Iterable[Line], batch_id: str, 
             jobs = [line.job for line in chunk]
             records = _sized_records(cfg, jobs, [line.record or job_message(line.job, key_by) for line in chunk])
             openai = {line.job.request_id: line.request for line in chunk if line.request is not None}
-            manifests = _manifests(cfg, jobs, batch_id, tenant_id, source, openai, created_at)
+            digests = {line.job.request_id: line.digest for line in chunk if line.digest is not None}
+            manifests = _manifests(cfg, jobs, batch_id, tenant_id, source, openai, created_at, digests)
             if producer is None:
                 producer = make_producer(cfg, client_id="lorabatch-submit")
                 await producer.start()  # inside: a start that fails (broker down) still closes what it opened
@@ -201,8 +207,9 @@ def _sized_records(cfg: KafkaConfig, jobs: list[Job], records: list[tuple[bytes,
 
 
 def _manifests(cfg: KafkaConfig, jobs: list[Job], batch_id: str, tenant_id: str, source: str, openai: dict[str, OpenAIRequest],
-               created_at: str) -> list[BatchManifest]:
-    manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes, created_at)
+               created_at: str, digests: dict[str, str] | None = None) -> list[BatchManifest]:
+    manifests = manifest_parts(batch_id, tenant_id, [j.request_id for j in jobs], source, cfg.max_message_bytes, created_at,
+                               digests)
     try:
         return manifests + index_parts(batch_id, tenant_id, openai, source, created_at, cfg.max_message_bytes)
     except ValueError as e:
@@ -304,11 +311,14 @@ async def read_manifest(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout
     # The same batch id submitted again, or a manifest written in parts, adds its new request ids.
     ids = list(dict.fromkeys(rid for manifest in found for rid in manifest.request_ids))
     openai: dict[str, OpenAIRequest] = {}
+    digests: dict[str, str] = {}
     for manifest in found:  # the first submission's line of a request id is the one answered
         for rid, request in manifest.openai.items():
             openai.setdefault(rid, request)
+        for rid, digest in manifest.digests.items():
+            digests.setdefault(rid, digest)
     complete = next((m.complete for m in reversed(found) if m.complete is not None), True)
-    return found[0].model_copy(update={"request_ids": ids, "openai": openai, "complete": complete})
+    return found[0].model_copy(update={"request_ids": ids, "openai": openai, "complete": complete, "digests": digests})
 
 
 async def manifest_from_jobs(cfg: KafkaConfig, tenant_id: str, batch_id: str, timeout_s: float = 60.0) -> BatchManifest | None:

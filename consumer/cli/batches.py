@@ -36,7 +36,7 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
     from rich.markup import escape
 
     from consumer.batch_file import SubmitError, check_ids, read_lines
-    from consumer.submit import new_batch_id, produce_lines
+    from consumer.submit import new_batch_id, produce_lines, read_manifest
 
     if key is not None and key not in PARTITION_KEYS:
         fail(f"--key {key!r}: use {', '.join(PARTITION_KEYS)}")
@@ -51,6 +51,12 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
         size = file.stat().st_size or None  # a pipe has none: the bar then counts bytes without a total
     except OSError as e:
         fail(f"cannot read {file}: {e}")
+    submitted = None
+    if batch_id is not None:  # what this batch id holds already: a line whose id it holds for another job is refused
+        try:
+            submitted = asyncio.run(read_manifest(s.kafka, tenant, bid))
+        except KafkaError as e:
+            fail(broker_failed(s, e, f"submit again with --batch-id {bid}"))
 
     def shown(lines):
         """The lines as read: each bad one printed, the bar moved on by its bytes."""
@@ -71,7 +77,7 @@ def submit(file: Path, tenant: Annotated[str, typer.Option(help="tenant the jobs
         task = bar.add_task(f"submitting {file.name}", total=size, sent=0, rejected=0)
         try:
             asyncio.run(produce_lines(s.kafka, shown(read_lines(file, tenant, bid, max_message_bytes=s.kafka.max_message_bytes,
-                                                                key_by=s.kafka.partition_key)),
+                                                                key_by=s.kafka.partition_key, submitted=submitted)),
                                       bid, tenant, str(file), s.kafka.partition_key, sent=sent))
         except SubmitError as e:
             fail(str(e) + (f"; the {seen['sent']} jobs produced before it are kept: submit again with --batch-id {bid}" if seen["sent"] else ""))

@@ -1,0 +1,54 @@
+"""`lorabatch submit` and `lorabatch results` used clumsily: a batch id given to a second, different file, and the like.
+
+Every line of a file produces exactly one job or is reported by its number with the field and the fix; a job's answer is
+that job's, never another line's.
+"""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from consumer.cli import build_app
+from tests.test_submit_results import _config_file, _settings
+
+app = build_app()
+runner = CliRunner()
+
+
+def _chat(custom_id: str, text: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "support", "messages": [{"role": "user", "content": text}]}}
+
+
+def _submit(tmp_path, config: str, name: str, lines: list[dict], *extra: str):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return runner.invoke(app, ["submit", str(path), "--tenant", "acme", "--batch-id", "b1", "--config", config, *extra])
+
+
+def _summary(out) -> dict:
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_a_second_file_under_a_batch_id_cannot_take_the_first_files_answers(broker, tmp_path):
+    """A request id is answered once: a second file under the same --batch-id whose line 2 (its id made from the line's
+    number) or whose custom_id `q1` is another job than the first file's was produced and answered with the first file's
+    result, silently. Such lines are refused by number, naming the id and the fix; lines the same as before, and new
+    ids, are submitted (the same file again still completes a batch cut short)."""
+    _, overrides = _settings(broker)
+    config = _config_file(tmp_path, overrides)
+    first = [{"prompt": "one"}, {"prompt": "two"}, _chat("q1", "where is my order?")]
+    out = _submit(tmp_path, config, "first.jsonl", first)
+    assert out.exit_code == 0 and _summary(out) == {"batch_id": "b1", "submitted": 3, "rejected": 0}, out.output
+    again = _submit(tmp_path, config, "first.jsonl", first)
+    assert again.exit_code == 0 and _summary(again)["rejected"] == 0, again.output
+
+    second = [{"prompt": "one"}, {"prompt": "something else"}, _chat("q1", "cancel my order"), _chat("q2", "new")]
+    out = _submit(tmp_path, config, "second.jsonl", second, "--key", "request")
+    said = " ".join(out.output.split())
+    assert out.exit_code == 1 and _summary(out) == {"batch_id": "b1", "submitted": 2, "rejected": 2}, out.output
+    assert "line 2: request id 'b1-2' (made from the line's number) was submitted in batch 'b1' before, with another job" in said
+    assert "line 3: custom_id 'q1' was submitted in batch 'b1' before" in said
+    assert "first.jsonl" in said and "submit this file under another --batch-id" in said
