@@ -232,7 +232,7 @@ def _check_resubmitted(line: Line, batch_id: str, submitted: BatchManifest) -> N
     if before is None or before == line.digest:
         return
     if line.request is not None:
-        what = f"custom_id {line.request.custom_id!r}"
+        what = f"custom_id {line.request.custom_id[:80]!r}"
     elif rid == f"{batch_id}-{line.number}":
         what = f"request id {rid!r} (made from the line's number)"
     else:

@@ -52,3 +52,40 @@ def test_a_second_file_under_a_batch_id_cannot_take_the_first_files_answers(brok
     assert "line 2: request id 'b1-2' (made from the line's number) was submitted in batch 'b1' before, with another job" in said
     assert "line 3: custom_id 'q1' was submitted in batch 'b1' before" in said
     assert "first.jsonl" in said and "submit this file under another --batch-id" in said
+
+
+def test_results_that_fail_while_written_leave_the_file_there_before_as_it_was(tmp_path, monkeypatch):
+    """-o names a file a first collection wrote; a second one that fails half way through writing (here: the disk full
+    at its second line) fails with the OSError and leaves that file as it was, with no part file beside it: the file was
+    opened with truncation before the first line, so it held one line of the two."""
+    import errno
+
+    from consumer import openai_batch, submit
+    from consumer.broker import free_port
+    from consumer.schemas import BatchManifest, Result
+
+    async def manifest(*args, **kwargs):
+        return BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1", "r2"])
+
+    async def collected(cfg, manifest, timeout_s, progress=None):
+        return {rid: Result(request_id=rid, tenant_id="acme", batch_id="b1", status="succeeded", text=rid) for rid in ("r1", "r2")}, {}
+
+    written = openai_batch.to_openai_line
+
+    def disk_full(result, *args):
+        if result.request_id == "r2":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return written(result, *args)
+
+    monkeypatch.setattr(submit, "read_manifest", manifest)
+    monkeypatch.setattr(submit, "collect_results", collected)
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    target = tmp_path / "out.jsonl"
+    args = ["results", "--tenant", "acme", "--batch-id", "b1", "--format", "openai", "-o", str(target), "--config", config]
+    assert runner.invoke(app, args).exit_code == 0
+    before = target.read_text()
+    assert [json.loads(line)["custom_id"] for line in before.splitlines()] == ["r1", "r2"]
+    monkeypatch.setattr(openai_batch, "to_openai_line", disk_full)
+    out = runner.invoke(app, args)
+    assert out.exit_code != 0 and isinstance(out.exception, OSError)
+    assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["lorabatch.toml", "out.jsonl"]

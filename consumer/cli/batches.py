@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -143,7 +143,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
                  f"the results stay on {s.kafka.results_topic}: run the same command again to collect them", 130)
     created = created_of(manifest)
     written = 0
-    with (output.open("w", encoding="utf-8") if output is not None else nullcontext(sys.stdout)) as out:
+    with (replacing(output) if output is not None else nullcontext(sys.stdout)) as out:
         for rid in manifest.request_ids:
             asked = manifest.openai.get(rid)
             if rid in got:
@@ -167,6 +167,34 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
 
 _UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is still producing it, or was cut short): "
                "once it has, or once the file is submitted again with --batch-id {batch_id}, run this command again for the rest")
+
+
+@contextmanager
+def replacing(path: Path):
+    """`path` (a link's target) opened to be written whole: written beside it and moved over it once complete, so a
+    write that fails (a full disk, an error) leaves the file there before as it was, never cut short. A device or a
+    FIFO (`-o /dev/stdout`) is written to directly."""
+    import os
+    import stat
+
+    real = Path(os.path.realpath(path))
+    try:
+        mode = real.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with real.open("w", encoding="utf-8") as out:
+            yield out
+        return
+    part = real.with_name(f".{real.name}.{os.getpid()}.part")
+    try:
+        with part.open("w", encoding="utf-8") as out:
+            yield out
+        if mode is not None:
+            os.chmod(part, stat.S_IMODE(mode))
+        os.replace(part, real)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def writable(path: Path) -> None:
