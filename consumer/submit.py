@@ -232,6 +232,11 @@ async def _send(producer, cfg: KafkaConfig, jobs: list[Job], records: list[tuple
         await producer.send_and_wait(cfg.batches_topic, manifest.model_dump_json().encode(), key=manifests[0].batch_id.encode())
 
 
+def retried(result: Result) -> bool:
+    """A failure the workers do not keep as the request's answer: the request sent again is run again."""
+    return result.status == "failed" and result.error is not None and result.error.retriable
+
+
 def new_batch_id() -> str:
     return "batch_" + uuid.uuid4().hex[:16]
 
@@ -240,13 +245,14 @@ STALL_S = 30.0  # a topic that sends nothing for this long while records are sti
 
 
 async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, timeout_s: float,
-                       started: asyncio.Event | None = None) -> None:  # fmt: skip
+                       started: asyncio.Event | None = None, caught_up=None) -> None:  # fmt: skip
     """Read whole topics from the beginning without a group, handing each message to its topic's handler, until `stop()`
     or, once every record the topics held at the start has been read, at their end (`until_end`) or at `timeout_s`
     from the start. What the topics held is always read whole, however long it takes: cut at the timeout, a manifest
     read behind other batches' parts named a part of its batch (430,000 of a million request ids) as the whole of it.
     KafkaTimeoutError when the topics send nothing for STALL_S seconds with records still ahead. `started` is set once
-    the consumer is assigned and about to read."""
+    the consumer is assigned and about to read; `caught_up()` is called once every record the topics held at the start
+    has been read (before `stop()` is asked)."""
     consumer = make_consumer(cfg, group_id=None, client_id="lorabatch-results")
     try:
         await consumer.start()  # inside: a start that fails (broker down) still closes what it opened
@@ -274,6 +280,9 @@ async def _read_topics(cfg: KafkaConfig, handlers: dict, until_end: bool, stop, 
                     except ValueError as e:  # pydantic's ValidationError too: someone else's record, not ours
                         log.warning("skipping %s:%s@%s, which is not a lorabatch record: %s", tp.topic, tp.partition,
                                     m.offset, str(e).splitlines()[0][:200])
+            if caught_up is not None and all([await consumer.position(tp) >= end[tp] for tp in tps]):
+                caught_up()
+                caught_up = None
             if stop():
                 return
             now = time.monotonic()
@@ -348,19 +357,28 @@ async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: 
 
     Only the manifest's tenant's records count. A result is the answer to its (tenant, request id)
     whatever batch it was published for (a resubmitted request is answered with its first result),
-    and the first one read is kept: a replayed result is the same answer again. A DLQ record is of one
-    message, so it must be of this batch.
+    and the first one read is kept: a replayed result is the same answer again. A failure the result calls retriable
+    (quota_exceeded under on_quota=fail, engine_error, ...) is not kept by the workers, so the request sent again runs
+    again: a later result of it is the answer, and what the topics held at the start is read whole before such a
+    failure is taken as the last word. A DLQ record is of one message, so it must be of this batch.
     """
     tenant_id, wanted = manifest.tenant_id, set(manifest.request_ids)
     results: dict[str, Result] = {}
     dlq: dict[str, DlqRecord] = {}
 
+    read_whole = [False]  # every record there at the start has been read
+
     def take_result(key, value):
         r = Result.model_validate_json(value)
-        if r.tenant_id == tenant_id and r.request_id in wanted and r.request_id not in results:
-            results[r.request_id] = r
-            if progress is not None and r.request_id not in dlq:
-                progress(1)
+        if r.tenant_id != tenant_id or r.request_id not in wanted:
+            return
+        if (held := results.get(r.request_id)) is not None:
+            if retried(held):  # the request was sent again and answered again
+                results[r.request_id] = r
+            return
+        results[r.request_id] = r
+        if progress is not None and r.request_id not in dlq:
+            progress(1)
 
     def take_dlq(key, value):
         d = DlqRecord.model_validate_json(value)
@@ -371,7 +389,11 @@ async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: 
                 progress(1)
 
     def complete() -> bool:
-        return len(wanted - results.keys() - dlq.keys()) == 0
+        return len(wanted - results.keys() - dlq.keys()) == 0 and (read_whole[0] or not any(map(retried, results.values())))
 
-    await _read_topics(cfg, {cfg.results_topic: take_result, cfg.dlq_topic: take_dlq}, False, complete, timeout_s)
+    def caught_up() -> None:
+        read_whole[0] = True
+
+    await _read_topics(cfg, {cfg.results_topic: take_result, cfg.dlq_topic: take_dlq}, False, complete, timeout_s,
+                       caught_up=caught_up)
     return results, dlq

@@ -89,3 +89,29 @@ def test_results_that_fail_while_written_leave_the_file_there_before_as_it_was(t
     out = runner.invoke(app, args)
     assert out.exit_code != 0 and isinstance(out.exception, OSError)
     assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["lorabatch.toml", "out.jsonl"]
+
+
+def test_a_request_failed_for_a_retry_and_sent_again_is_collected_with_its_new_answer(broker):
+    """quota_exceeded (on_quota=fail) says "retry later" and is not kept by the workers: the file submitted again under its
+    batch id runs the request again. `results` kept the first result it read, so the batch was collected with the
+    quota failure for good. A retriable failure gives way to a later result of its request; any other result stays the
+    first read (r2's invalid_job, then a stray success, is still invalid_job)."""
+    import asyncio
+
+    from consumer.schemas import BatchManifest, ErrorInfo, Result
+    from consumer.submit import collect_results
+    from tests.test_submit_results import _produce
+
+    s, _ = _settings(broker)
+
+    def result(rid: str, code: str | None = None, retriable: bool = False) -> bytes:
+        error = None if code is None else ErrorInfo(code=code, message=code, retriable=retriable)
+        return Result(request_id=rid, tenant_id="acme", batch_id="b1", status="failed" if error else "succeeded",
+                      text="" if error else f"{rid} ran", error=error).model_dump_json().encode()
+
+    asyncio.run(_produce(s, s.kafka.results_topic, [result("r1", "quota_exceeded", retriable=True), result("r2", "invalid_job"),
+                                                     result("r3"), result("r1"), result("r2")], key=b"acme"))
+    manifest = BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1", "r2", "r3"])
+    got, dlq = asyncio.run(collect_results(s.kafka, manifest, 20))
+    assert {rid: (r.status, r.error and r.error.code, r.text) for rid, r in got.items()} == {
+        "r1": ("succeeded", None, "r1 ran"), "r2": ("failed", "invalid_job", ""), "r3": ("succeeded", None, "r3 ran")}
