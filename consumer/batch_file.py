@@ -106,7 +106,7 @@ def read_lines(path: Path, tenant_id: str, batch_id: str, *, max_message_bytes: 
         f.close()
         raise SubmitError(f"{path} is a device, not a batch file: reading it might never end; give a JSON lines file, "
                           f"or pipe the lines in (`... | lorabatch submit /dev/stdin ...`)")
-    first_line: dict[str, int] = {}  # request_id -> the line that gave it first
+    first_line: dict[str, int] = {}  # request_id -> the line that gave it first (negative: submit made it from the number)
     limit = None if max_message_bytes is None else LINE_FACTOR * max_message_bytes
     n = 0
     with f:
@@ -185,13 +185,18 @@ def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: di
         if is_openai_line(data):
             line = from_openai_line(data, batch_id)
             data, request, names = line.job, line.request, line.names
+        made = "request_id" not in data
         rid = data.get("request_id", f"{batch_id}-{n}")
         if isinstance(rid, str):
             if rid in first_line:  # whether or not that line was good: which of the two was meant cannot be told
                 what = (f"custom_id {request.custom_id!r}", "custom ids are unique per batch") if request is not None \
                     else (f"request_id {rid!r}", "request ids are unique per tenant")
-                raise ValueError(f"{what[0]} appears twice (first on line {first_line[rid]}); {what[1]}")
-            first_line[rid] = n
+                first = first_line[rid]
+                if first < 0:  # the first line gave none: the id is the one submit made for it, which its user never wrote
+                    raise ValueError(f"{what[0]} is the id submit made for line {-first}, which gives no request_id; give this "
+                                     f"line another request_id, or line {-first} one of its own")
+                raise ValueError(f"{what[0]} appears twice (first on line {first}); {what[1]}")
+            first_line[rid] = -n if made else n
         if data.get("tenant_id", tenant_id) != tenant_id:
             raise ValueError(f"tenant_id: {data['tenant_id']!r} differs from --tenant {tenant_id!r}; drop it or fix it")
         if isinstance(data.get("batch_id"), str) and data["batch_id"] != batch_id:  # its DLQ record would name the other batch

@@ -115,3 +115,18 @@ def test_a_request_failed_for_a_retry_and_sent_again_is_collected_with_its_new_a
     got, dlq = asyncio.run(collect_results(s.kafka, manifest, 20))
     assert {rid: (r.status, r.error and r.error.code, r.text) for rid, r in got.items()} == {
         "r1": ("succeeded", None, "r1 ran"), "r2": ("failed", "invalid_job", ""), "r3": ("succeeded", None, "r3 ran")}
+
+
+def test_an_id_that_submit_made_for_an_earlier_line_is_named_as_such(tmp_path):
+    """Line 1 gives no request_id (submit makes b1-1) and line 3 gives request_id b1-1: line 3 was refused as "appears
+    twice (first on line 1)", a line that holds no such id. It is refused naming the made id and both fixes."""
+    from consumer.batch_file import prepare
+
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"prompt": "a"}\n{"request_id": "x", "prompt": "b"}\n{"request_id": "b1-1", "prompt": "c"}\n'
+                    '{"request_id": "x", "prompt": "d"}\n')
+    out = prepare(path, "acme", "b1")
+    assert [j.request_id for j in out.jobs] == ["b1-1", "x"]
+    assert out.errors == ["line 3: request_id 'b1-1' is the id submit made for line 1, which gives no request_id; give this line "
+                          "another request_id, or line 1 one of its own",
+                          "line 4: request_id 'x' appears twice (first on line 2); request ids are unique per tenant"]
