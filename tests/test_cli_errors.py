@@ -68,6 +68,17 @@ def test_results_with_the_broker_down(tmp_path):
     assert "failed (KafkaConnectionError" in line and "then run the command again" in line
 
 
+@pytest.mark.parametrize(("option", "args"), [("--tenant", ["--tenant", "-acme", "--batch-id", "b1"]),
+                                              ("--batch-id", ["--tenant", "acme", "--batch-id", "b" * 300])])
+def test_results_of_an_id_no_job_can_carry_is_refused_before_the_broker(tmp_path, option, args):
+    """`results` for a tenant or batch id the job contract refuses: no job can hold it, and the command read the whole
+    jobs topic before saying "no batch ..."; with the broker down it reported the broker instead. Said first, naming the
+    option and the rule, as `submit` does."""
+    cfg = _config(tmp_path, f'[kafka]\nbootstrap_servers = "127.0.0.1:{_free_port()}"\n')
+    line = _one_error_line(_lorabatch(tmp_path, "results", *args, "-c", cfg))
+    assert line.startswith(f"error: {option} ") and "is not usable: write" in line and "Kafka" not in line, line
+
+
 @pytest.mark.parametrize("args", [["invoice", "--tenant", "acme", "--period", "2026-01"], ["report", "finance"], ["tenants", "list"]])
 def test_ledger_unreachable(tmp_path, args):
     cfg = _config(tmp_path, f'[ledger]\nurl = "postgresql+psycopg://nobody@127.0.0.1:{_free_port()}/test"\n')

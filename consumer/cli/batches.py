@@ -107,9 +107,14 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
 
     from aiokafka.errors import KafkaError
 
+    from consumer.batch_file import SubmitError, check_ids
     from consumer.openai_batch import created_of, to_openai_dlq_line, to_openai_line
     from consumer.submit import collect_results, manifest_from_jobs, read_manifest
 
+    try:
+        check_ids(tenant, batch_id)  # an id no job can carry: said now, not after reading the whole jobs topic for it
+    except SubmitError as e:
+        fail(str(e))
     if fmt not in ("native", "openai"):
         fail(f"--format {fmt!r}: use native or openai")
     if not math.isfinite(timeout) or timeout < 0:
