@@ -104,6 +104,23 @@ def lease_for(settings: Settings, conflicts=None) -> WorkerIdLease | None:
                          store_dir=Path(settings.store.adapter_dir))
 
 
+def _flock(path: Path, value: str) -> tuple[int | None, str | None]:
+    """Open `path` (its folder made) and take its exclusive flock without waiting: (its fd, None) with `value` written
+    into it, or (None, the holder its value names) when another holds it. Opening's OSError is the caller's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            return None, describe(os.pread(fd, 4096, 0))
+        finally:
+            os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, value.encode(), 0)
+    return fd, None
+
+
 class WorkerIdLease:
     def __init__(self, worker_id: str, group_id: str, lock_dir: Path, *, redis_url: str | None = None,
                  prefix: str = "lorabatch:route", ttl_s: float = LEASE_TTL_S, refresh_s: float = REFRESH_S,
@@ -176,23 +193,12 @@ class WorkerIdLease:
         if self._fd is not None:
             return None
         try:
-            self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fd, holder = _flock(self.lock_path, self.value)
         except OSError as e:  # taken before the spool is opened: named by the key that sets the folder, as the spool is
             why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
             raise LockUnusable(f"the worker id's lock file {self.lock_path} cannot be opened ({why}); set "
                                f"worker.spool_path to a file in a writable folder (the lock lies beside it)") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                return describe(os.pread(fd, 4096, 0)) + " on this host"
-            finally:
-                os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self.value.encode(), 0)
-        self._fd = fd
-        return None
+        return holder and holder + " on this host"
 
     def _lock_at_store(self) -> str | None:
         """Take the id's lock beside the adapter store; None when taken (or held already, or the store has no room for
@@ -200,25 +206,14 @@ class WorkerIdLease:
         if self._store_fd is not None or self.store_lock_path is None:
             return None
         try:
-            self.store_lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.store_lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._store_fd, holder = _flock(self.store_lock_path, self.value)
         except OSError as e:  # a store mounted read-only for the workers: the spool folder's lock still holds
             log.warning("worker id %s: its lock beside the adapter store cannot be made (%s: %s); two workers on this host "
                         "under this id with different spool folders would not be told apart", self.worker_id,
                         e.strerror or e, self.store_lock_path)
             self.store_lock_path = None
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                return describe(os.pread(fd, 4096, 0)) + " (its lock beside the adapter store)"
-            finally:
-                os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self.value.encode(), 0)
-        self._store_fd = fd
-        return None
+        return holder and holder + " (its lock beside the adapter store)"
 
     async def _take(self) -> str | None:
         """Take or renew the Redis lease; None when it is ours (or cannot be checked), else its holder."""
