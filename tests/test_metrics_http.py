@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import time
 
 import pytest
 
@@ -82,7 +83,12 @@ def test_idle_connections_are_bounded_closed_and_counted(served):
         assert _closed_by_server(s) == b""  # closed unanswered at its deadline
         s.close()
     assert _dropped(m, "deadline") == 4
-    assert ask(port, "GET", "/healthz")[0] == 200
+    # the client sees its connection shut before the server's thread gives the slot back: the port answers again soon
+    for _ in range(50):
+        if (status := ask(port, "GET", "/healthz")[0]) == 200:
+            break
+        time.sleep(0.05)
+    assert status == 200
 
 
 def test_a_trickling_client_is_closed_at_its_deadline(served):
