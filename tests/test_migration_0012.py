@@ -16,6 +16,7 @@ from sqlalchemy import inspect, text
 from billing import db
 from billing.errors import LedgerConfigError
 from migrations import SCRIPT_LOCATION
+from tests.test_migrations import _revision
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _GPU = "INSERT INTO gpu_prices (gpu_kind, effective_from, price_per_hour) VALUES ('h100', '2026-10-01 00:00:00+00', '3.60')"
@@ -40,14 +41,6 @@ def _rows(url: str) -> list[tuple]:
         with engine.connect() as connection:
             return [tuple(row) for table, what in (("gpu_prices", "gpu_kind"), ("token_prices", "tier"))
                     for row in connection.execute(text(f"SELECT {what}, currency FROM {table}"))]
-    finally:
-        engine.dispose()
-
-
-def _revision(url: str) -> str | None:
-    engine = db.make_engine(url)
-    try:
-        return db.current_revision(engine)
     finally:
         engine.dispose()
 
