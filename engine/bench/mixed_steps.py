@@ -9,6 +9,10 @@ step after it. The prompt step's cost beyond a decode step, against how many row
 hold weighs (engine.admission).
 
 Prints one line per (adapters or base, k), then a JSON line. A probe of where time goes, not a target's bench.
+
+`--profile OUT` also runs each first measured step (adapters, k) under torch.profiler with the host's activities: it
+prints the host ops by their own CPU time and the launches the step made, and writes the chrome trace to OUT. An eager
+step's device span is mostly the GPU waiting for the host's launches (PERF.md, session 16), and this shows for which.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from engine.api import GenerationRequest, SamplingParams
 from engine.bench.adapters import write_adapters
@@ -51,7 +56,8 @@ def _drain(engine: Engine) -> None:
 
 
 def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, ranks: tuple[int, ...] = (8, 16, 32, 64),
-        targets: tuple[str, ...] = ("q_proj", "v_proj"), device: str | None = None, repeats: int = 3) -> list[dict]:  # fmt: skip
+        targets: tuple[str, ...] = ("q_proj", "v_proj"), device: str | None = None, repeats: int = 3,
+        profile_dir: Path | None = None) -> list[dict]:  # fmt: skip
     """One dict per (adapters or base, prompt rows k): the admitting step's device and wall µs (medians of `repeats`)
     and a whole-batch decode step's device µs."""
     assert all(0 < k <= batch for k in rows), rows
@@ -94,7 +100,10 @@ def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, rank
                     engine.pop_step_records()
                     reqs.add(engine, k, kk)
                     t0 = time.perf_counter()
-                    engine.step()
+                    if profile_dir is not None and not device_us and label == "adapters":
+                        _profiled(engine, dev, profile_dir / f"mixed-{shape}-{k}.json", k)
+                    else:
+                        engine.step()
                     sync(dev)
                     wall_us.append((time.perf_counter() - t0) * 1e6)
                     admitted = [r for r in engine.pop_step_records() if any(s.tokens > 1 for s in r.shares)]
@@ -112,6 +121,22 @@ def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, rank
     return out
 
 
+def _profiled(engine: Engine, dev: torch.device, trace: Path, k: int) -> None:
+    """One engine step under torch.profiler: the host ops by their own CPU time, and the kernel launches."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.step()
+        sync(dev)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"profile, {k} prompt rows: {launches} kernel launches, {total / 1e3:,.1f} ms of host ops' own time", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:30]:
+        print(f"  {e.key[:60]:60} {e.count:6} calls {e.self_cpu_time_total / 1e3:9.2f} ms own {e.cpu_time_total / 1e3:9.2f} ms", flush=True)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine.bench.mixed_steps", description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -119,8 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--device", default=None)
+    p.add_argument("--profile", type=Path, default=None, metavar="OUT", help="profile each k's first step; chrome traces to OUT")
     a = p.parse_args(argv)
-    rows = run(a.shape, [int(k) for k in a.prompt_rows.split(",")], batch=a.batch, prompt=a.prompt, device=a.device)
+    rows = run(a.shape, [int(k) for k in a.prompt_rows.split(",")], batch=a.batch, prompt=a.prompt, device=a.device,
+               profile_dir=a.profile)
     print(json.dumps({"shape": a.shape, "batch": a.batch, "prompt": a.prompt, "rows": rows}))
 
 
