@@ -257,40 +257,51 @@ class DecodeGraphs:
     def _capture(self, b: int, lora: bool) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
         if not self.capture:
             return None, None
-        # Warm up on a side stream first, as torch.cuda.graphs asks: Triton compiles each kernel at its first
-        # call, the expand builds its slice table, cuBLAS picks its kernels; none of that may happen in capture.
-        # The warm-up writes this step's K/V at this step's slots, which the real replay writes again.
-        stream = torch.cuda.Stream(self.lora.device)
-        stream.wait_stream(torch.cuda.current_stream(self.lora.device))
-        with torch.cuda.stream(stream):
-            self._forward(b, lora)
-        torch.cuda.current_stream(self.lora.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        self.lora.timed = False
-        try:
-            # Thread-local capture: the adapter pool's read-ahead threads pin host memory (cudaHostAlloc) at any time,
-            # and in the default global mode such a call from another thread during a capture invalidates it
-            # ("operation not permitted when stream is capturing"; seen on the H200 in issue 19's bench). The
-            # capturing thread's own unsafe calls are still refused.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward(b, lora)
-        finally:
-            self.lora.timed = True
-        return graph, out
+        return capture(lambda: self._forward(b, lora), self.lora, self._pool)
 
     def _calibrate(self, b: int) -> int:
-        """µs the LoRA ops add to a replay of bucket b: median with-LoRA minus median without (module docstring).
-        Both graphs run this step's inputs; the real replay comes after, so its K/V are the ones that stay."""
+        """µs the LoRA ops add to a replay of bucket b (module docstring, "Timing")."""
         with_lora, without = self._graphs[(b, True)][0], self._graphs[(b, False)][0]
         assert with_lora is not None and without is not None
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for rep in range(_CALIBRATION_WARMUP + _CALIBRATION_REPS):
-            for flag, graph in ((True, with_lora), (False, without)):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                if rep >= _CALIBRATION_WARMUP:
-                    times[flag].append(start.elapsed_time(end))
-        return max(0, round((statistics.median(times[True]) - statistics.median(times[False])) * 1000))
+        return lora_share_us(with_lora, without)
+
+
+def capture(forward: Callable[[], torch.Tensor], lora: LoraState, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `forward` on the static buffers it reads, and its output tensor (in the graph's pool)."""
+    # Warm up on a side stream first, as torch.cuda.graphs asks: Triton compiles each kernel at its first
+    # call, the expand builds its slice table, cuBLAS picks its kernels; none of that may happen in capture.
+    # The warm-up writes this step's K/V at this step's slots, which the real replay writes again.
+    device = lora.device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    lora.timed = False
+    try:
+        # Thread-local capture: the adapter pool's read-ahead threads pin host memory (cudaHostAlloc) at any time,
+        # and in the default global mode such a call from another thread during a capture invalidates it
+        # ("operation not permitted when stream is capturing"; seen on the H200 in issue 19's bench). The
+        # capturing thread's own unsafe calls are still refused.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = forward()
+    finally:
+        lora.timed = True
+    return graph, out
+
+
+def lora_share_us(with_lora: torch.cuda.CUDAGraph, without: torch.cuda.CUDAGraph) -> int:
+    """µs the LoRA ops add to a replay: median with-LoRA minus median without, at least 0. Both graphs run the inputs
+    staged now; the step's real replay comes after, so its K/V are the ones that stay."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(_CALIBRATION_WARMUP + _CALIBRATION_REPS):
+        for flag, graph in ((True, with_lora), (False, without)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if rep >= _CALIBRATION_WARMUP:
+                times[flag].append(start.elapsed_time(end))
+    return max(0, round((statistics.median(times[True]) - statistics.median(times[False])) * 1000))

@@ -55,6 +55,7 @@ def build_runner(model: LlamaForCausalLM, config: EngineConfig, tenant_quota_blo
         tenant_quota_blocks=tenant_quota_blocks,
         backend=backend,
         graph_sizes=graphs,
+        prompt_graph_tokens=min(config.cuda_graph_prompt_tokens, config.max_num_batched_tokens) if graphs else 0,
         max_blocks_per_seq=config.blocks_per_sequence,
         max_chain=config.decode_steps,
         decode_lora_in_ops=tuple(config.decode_lora_in_ops),
@@ -66,6 +67,8 @@ def build_runner(model: LlamaForCausalLM, config: EngineConfig, tenant_quota_blo
         what = "torch reference ops (gathered multi-LoRA, per-sequence SDPA)"
     if graphs:
         how = f"decode steps of up to {graphs[-1]} requests replay CUDA graphs (buckets {', '.join(map(str, graphs))})"
+        if runner.mixed is not None:
+            how += f", and so do steps with prompt tokens of up to {runner.mixed.tokens[-1]} tokens"
     elif backend.triton and device.type == "cuda":
         how = "CUDA graphs off (engine.cuda_graph_max_batch=0): every step eager"
     else:

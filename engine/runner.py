@@ -4,7 +4,8 @@ It owns the device state (model with LoRA slots, KV pools, block tables, decode 
 requests, sampling or scheduling, so tests can drive the exact forward the engine runs.
 
 Two paths: a decode step (every item one new token) that fits a CUDA-graph bucket replays a graph
-(engine.cuda_graphs); anything else runs eagerly, its metadata built on the host in a few vectorised
+(engine.cuda_graphs), and so does a step with prompt tokens of up to `prompt_graph_tokens` tokens (engine.
+mixed_graphs); anything else runs eagerly, its metadata built on the host in a few vectorised
 ops and copied to the device in ONE transfer. Neither waits on the device: the one sync of a step is
 the engine reading the sampled tokens.
 """
@@ -24,6 +25,7 @@ from engine.backend import KernelBackend
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
+from engine.mixed_graphs import MixedGraphs
 from engine.lora import apply_lora
 from engine.model import LlamaForCausalLM, ModelOps
 from engine.quant import Fp8Linear, fp8_compute, scaled_linear
@@ -55,6 +57,7 @@ class ModelRunner:
         tenant_quota_blocks: int | None = None,
         backend: KernelBackend | None = None,
         graph_sizes: tuple[int, ...] = (),
+        prompt_graph_tokens: int = 0,
         max_blocks_per_seq: int = 0,
         capture_graphs: bool | None = None,
         max_chain: int = 1,
@@ -62,7 +65,8 @@ class ModelRunner:
         decode_lora_overlap: bool = True,
     ):
         """`graph_sizes`: decode buckets run through engine.cuda_graphs (triton backend only), with block tables of
-        `max_blocks_per_seq`; `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).
+        `max_blocks_per_seq`; steps with prompt tokens of up to `prompt_graph_tokens` tokens and up to the largest bucket's
+        items replay graphs too (engine.mixed_graphs; only with `graph_sizes`); `capture_graphs` None captures on CUDA only (False: static buffers, eagerly; tests).
         `decode_lora_in_ops`: the projections whose decode delta their consumer op adds (engine.lora, "Decode");
         `decode_lora_overlap`: graphed decode steps run each shrink beside its projection's GEMM (engine.lora, "Decode")."""
         param = model.lm_head.weight
@@ -98,6 +102,13 @@ class ModelRunner:
                 block_table=self.blocks.block_table,
                 capture=self.device.type == "cuda" if capture_graphs is None else capture_graphs, max_chain=max_chain,
             )  # fmt: skip
+        self.mixed: MixedGraphs | None = None
+        if graph_sizes and prompt_graph_tokens:
+            self.mixed = MixedGraphs(
+                self.model, self.lora, self.kv, batch=graph_sizes[-1], max_tokens=prompt_graph_tokens,
+                max_blocks=max_blocks_per_seq, scratch_block=kv_num_blocks, block_table=self.blocks.block_table,
+                capture=self.graphs.capture, pool=self.graphs._pool,
+            )  # fmt: skip
         self._graph_lora_us: int | None = None  # the last step's calibrated LoRA share when it was a replay
 
     def begin_step(self) -> None:
@@ -115,23 +126,28 @@ class ModelRunner:
         """Work a step may need once, done before the engine times the step: the compute stream's wait for the copies of
         the step's adapters still on the side stream (their time is the loads', billed as cold starts; queued inside the
         step's timed section, the GPU's wait for a copy started at the request's admission was measured as the step's
-        time as well, and split over every request of the step), capturing a decode bucket's graphs, or measuring the
+        time as well, and split over every request of the step), capturing a graph bucket's graphs, or measuring the
         plain consumer ops at an eager LoRA step's row count (engine.lora, "Attribution")."""
         self.lora.wait_ready(it.lora_slot for it in items if it.lora_slot >= 0)
         if self.graphs is not None and self.graphs.fits(items):
             if not self.graphs.captured(items):
                 self._ensure_blocks(items)
                 self.graphs.prepare(items)
+        elif self.mixed is not None and self.mixed.fits(items):
+            if not self.mixed.captured(items):
+                self._ensure_blocks(items)
+                self.mixed.prepare(items)
         elif self.lora.calibration is not None and any(it.lora_slot >= 0 for it in items) and any(len(it.token_ids) > 1 for it in items):
             self.lora.calibration.prepare(sum(len(it.token_ids) for it in items))
 
     @torch.inference_mode()
     def capture_graphs(self, slots: list[int]) -> int:
-        """Every decode bucket's graphs not captured yet (engine.cuda_graphs `prepare_all`); 0 without graphs."""
+        """Every bucket's graphs not captured yet (`prepare_all` of engine.cuda_graphs and engine.mixed_graphs); 0
+        without graphs."""
         if self.graphs is None:
             return 0
         self.lora.wait_ready(slots)
-        return self.graphs.prepare_all(slots)
+        return self.graphs.prepare_all(slots) + (self.mixed.prepare_all(slots) if self.mixed is not None else 0)
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:
@@ -147,6 +163,10 @@ class ModelRunner:
         if self.graphs is not None and not all_logits and self.graphs.fits(items):
             out = self.graphs.run(items, _logit_rows(items, [1] * len(items)))
             self._graph_lora_us = self.graphs.last_lora_us
+            return out
+        if self.mixed is not None and not all_logits and self.mixed.fits(items):
+            out = self.mixed.run(items, _logit_rows(items, [len(it.token_ids) for it in items]))
+            self._graph_lora_us = self.mixed.last_lora_us
             return out
         return self._eager(items, all_logits)
 

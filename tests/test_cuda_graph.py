@@ -43,6 +43,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _config(demo, **kw) -> EngineConfig:
     base = dict(model_dir=str(demo["model"]), device=DEVICE.type, dtype="float32", max_prompt_tokens=24, max_new_tokens=8,
                 kv_block_size=4, max_batch_size=8, kernel_backend="triton", cuda_graph_max_batch=8,
+                cuda_graph_prompt_tokens=0,  # decode graphs alone: tests/test_mixed_graphs.py has the prompt steps'
                 # the CPU's sizes on a GPU too (engine.sizing would give each engine most of the device's memory)
                 kv_num_blocks=None, adapter_gpu_bytes=None, adapter_read_processes=0, adapter_read_threads=0)  # fmt: skip
     return EngineConfig(**{**base, **kw})

@@ -57,7 +57,7 @@ def _drain(engine: Engine) -> None:
 
 def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, ranks: tuple[int, ...] = (8, 16, 32, 64),
         targets: tuple[str, ...] = ("q_proj", "v_proj"), device: str | None = None, repeats: int = 3,
-        profile_dir: Path | None = None) -> list[dict]:  # fmt: skip
+        profile_dir: Path | None = None, prompt_graph_tokens: int = 2048) -> list[dict]:  # fmt: skip
     """One dict per (adapters or base, prompt rows k): the admitting step's device and wall µs (medians of `repeats`)
     and a whole-batch decode step's device µs."""
     assert all(0 < k <= batch for k in rows), rows
@@ -74,6 +74,7 @@ def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, rank
             max_lora_rank=max(ranks), enable_prefix_caching=False, adapter_loads_per_s=1e9, adapter_load_burst=10**6,
             warm_pool_slots=0, warm_pool_host_bytes=0, adapter_read_threads=0, adapter_read_processes=0,
             admission_hold_ms=0,  # every k joins at the step after it arrives
+            cuda_graph_prompt_tokens=prompt_graph_tokens,
         )  # fmt: skip
         engine = Engine.from_model(config, random_model(cfg, dev, dtype, seed=0), _word_tokenizer(cfg.vocab_size), fingerprint=f"mixed-{shape}")
         keys = []
@@ -144,10 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--device", default=None)
+    p.add_argument("--prompt-graph-tokens", type=int, default=2048, help="engine.cuda_graph_prompt_tokens (0: prompt steps eager)")
     p.add_argument("--profile", type=Path, default=None, metavar="OUT", help="profile each k's first step; chrome traces to OUT")
     a = p.parse_args(argv)
     rows = run(a.shape, [int(k) for k in a.prompt_rows.split(",")], batch=a.batch, prompt=a.prompt, device=a.device,
-               profile_dir=a.profile)
+               profile_dir=a.profile, prompt_graph_tokens=a.prompt_graph_tokens)
     print(json.dumps({"shape": a.shape, "batch": a.batch, "prompt": a.prompt, "rows": rows}))
 
 
