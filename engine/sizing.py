@@ -92,7 +92,8 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
     if not memory.weights_loaded:
         usable -= weight_bytes
     batch_cap = config.max_batch_size if "max_batch_size" in explicit else AUTO_MAX_BATCH
-    reserve = activation_reserve_bytes(model, config.max_num_batched_tokens, batch_cap, elem)
+    graph_tokens = min(config.cuda_graph_prompt_tokens, config.max_num_batched_tokens) if config.cuda_graph_max_batch else 0
+    reserve = activation_reserve_bytes(model, config.max_num_batched_tokens, batch_cap, elem, graph_tokens)
     left = usable - reserve
     where = (f"{config.gpu_memory_fraction:.2f} of {_gib(memory.total)} GiB, less {_gib(memory.total - memory.free)} GiB in use"
              + ("" if memory.weights_loaded else f" and {_gib(weight_bytes)} GiB of weights")
@@ -126,12 +127,14 @@ def derive(config: EngineConfig, model: ModelConfig, device: torch.device, dtype
     return sized, lines
 
 
-def activation_reserve_bytes(model: ModelConfig, tokens: int, rows: int, elem: int) -> int:
+def activation_reserve_bytes(model: ModelConfig, tokens: int, rows: int, elem: int, graph_tokens: int = 0) -> int:
     """Device memory a step needs beyond weights, KV and adapters, with room to spare: a prefill of `tokens` tokens
     (the hidden state, q/k/v, the MLP's gate and up, their LoRA deltas, twice over for the allocator's blocks) and the
-    fp32 logits of `rows` sampled rows (with their softmax), and GRAPH_RESERVE."""
+    fp32 logits of `rows` sampled rows (with their softmax), GRAPH_RESERVE, and the pool of the prompt steps' graphs
+    (engine.mixed_graphs): one forward of `graph_tokens` tokens, held apart from the eager steps' memory, and its logits."""
     per_token = model.hidden_size * 6 + model.num_heads * model.head_dim * 2 + model.intermediate_size * 4
-    return 2 * tokens * per_token * elem + 3 * rows * model.vocab_size * 4 + GRAPH_RESERVE
+    graphs = graph_tokens * per_token * elem + rows * model.vocab_size * 4 if graph_tokens else 0
+    return 2 * tokens * per_token * elem + 3 * rows * model.vocab_size * 4 + GRAPH_RESERVE + graphs
 
 
 def device_memory(device: torch.device, *, weights_loaded: bool) -> DeviceMemory | None:

@@ -35,10 +35,13 @@ def test_an_h200_gets_a_large_batch_a_kv_pool_of_its_memory_and_room_for_thousan
     memory = DeviceMemory(total=H200, free=H200 - weights - 600_000_000, weights_loaded=True)
     sized, lines = derive(EngineConfig(), model, CUDA, torch.bfloat16, memory, cpu_count=16)
     usable = int(H200 * 0.9) - (H200 - memory.free)
-    left = usable - activation_reserve_bytes(model, sized.max_num_batched_tokens, AUTO_MAX_BATCH, 2)
+    graph_tokens = min(sized.cuda_graph_prompt_tokens, sized.max_num_batched_tokens)  # the prompt steps' graphs' pool
+    left = usable - activation_reserve_bytes(model, sized.max_num_batched_tokens, AUTO_MAX_BATCH, 2, graph_tokens)
     assert sized.adapter_gpu_bytes == int(left * 0.10)
     block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * sized.kv_block_size * 2
     assert sized.kv_num_blocks == (left - sized.adapter_gpu_bytes) // block
+    eager, _ = derive(EngineConfig(cuda_graph_prompt_tokens=0), model, CUDA, torch.bfloat16, memory, cpu_count=16)
+    assert eager.kv_num_blocks > sized.kv_num_blocks, "without prompt graphs their pool's bytes go to the KV pool"
     assert sized.kv_num_blocks * block + sized.adapter_gpu_bytes <= usable  # never more than the fraction allows
     assert sized.max_batch_size == AUTO_MAX_BATCH  # the KV pool holds thousands of full-length sequences
     assert 1000 < sized.max_loras <= AUTO_MAX_LORAS
