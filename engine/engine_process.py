@@ -501,7 +501,7 @@ class _ChildHost(StepLoop):
         self._in, self._out = commands, results
         self._settled: list[tuple[int, GenerationResult]] = []
         self._gone = False  # the parent closed its end: nobody is left to answer
-        self._graphs_at = 0  # decode graphs captured when the collector last froze what lives
+        self._graphs_at = 0  # graphs captured (decode and prompt steps') when the collector last froze what lives
 
     def _next_command(self, block_s: float) -> Callable[[], Any] | None:
         if self._gone:
@@ -558,7 +558,7 @@ class _ChildHost(StepLoop):
             settled, self._settled = self._settled, []
             busy = (sum(r.total_us for r in steps), len(steps))
             self._send(("results", settled, busy, loads, datetime.now(UTC)))  # the clock after the steps popped
-        graphs = len(getattr(self.engine.runner, "graphs", None) or ())
+        graphs = sum(len(getattr(self.engine.runner, kind, None) or ()) for kind in ("graphs", "mixed"))
         if graphs != self._graphs_at:  # a capture made long-lived objects: out of the collector's way too
             self._graphs_at = graphs
             _freeze_gc()
