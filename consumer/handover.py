@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaError
 
 from consumer.delivery import STALL_S
 from consumer.feeder import Routed
-from consumer.kafka import membership_lost
+from consumer.kafka import commit_in_generation, membership_lost
 from consumer.scheduler import Pending
 
 if TYPE_CHECKING:
@@ -65,10 +65,15 @@ class Handover:
             # broker dead, 10 s each, past a 30 s grace period); what stays uncommitted is redelivered.
             return
         try:
-            await asyncio.wait_for(self.w.consumer.commit(offsets), COMMIT_TIMEOUT_S)
+            sent = await asyncio.wait_for(commit_in_generation(self.w.consumer, offsets), COMMIT_TIMEOUT_S)
         except (KafkaError, TimeoutError) as e:
             self._unanswered = isinstance(e, TimeoutError)
             self._commit_failed(offsets, str(e) if isinstance(e, KafkaError) else f"no answer in {COMMIT_TIMEOUT_S:.0f} s")
+            return
+        if not sent:
+            # The group dropped this worker (or a restarted broker forgot it): these marks are of a generation that is
+            # gone, and the revoke of its rejoin drops them (`on_revoked`, lost). Committed now, unfenced, they landed on
+            # a restarted memory-only broker's new log and skipped its first jobs (commit_in_generation says how).
             return
         self._unanswered = False
         if self._failing_since is not None:

@@ -75,10 +75,16 @@ def _jobs(tag: str, n: int) -> list[dict]:
 @pytest.mark.slow
 async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_read_whole(tmp_path, demo_set, caplog):
     """The broker (memory-only) is killed and started again on its port; nobody recreates the topics: the first producer
-    makes the jobs topic again with the broker's default partitions (more than the worker had). Every job on the
-    partitions the worker had not known of is answered once and billed once, the worker alive. Before, the jobs on the partitions the worker had not known of
-    waited for the Kafka client's metadata refresh (5 minutes), unread and unsaid. The line about the partitions the
-    restarted broker took back names the restart as a cause, not only a frozen worker."""
+    makes the jobs topic again with the broker's default partitions (more than the worker had). Every job on the new log
+    is answered and billed once, the worker alive: none is lost, on the partitions the worker had known (the old log's
+    offsets are no place in the new one) or not. Before, the jobs on the partitions the worker had not known of waited
+    for the Kafka client's metadata refresh (5 minutes), unread and unsaid; and one run in four lost one on an old
+    partition: a commit of the old log's marks went out unfenced (generation -1) after the new broker refused the old
+    member, and the rejoined group read past the new log's first jobs (tests/test_commit_generation.py holds that race).
+    A job fetched from the new log at the old position before the worker found the group gone is read again after the
+    rejoin: its result is published again with the same body (README: read results by request), never billed twice.
+    The line about the partitions the restarted broker took back names the restart as a cause, not only a frozen
+    worker."""
     caplog.set_level(logging.WARNING, logger="lorabatch.worker")
     from billing import db
     from consumer.broker import EmbeddedBroker, free_port
@@ -106,19 +112,15 @@ async def test_a_jobs_topic_made_again_with_more_partitions_by_a_producer_is_rea
             await asyncio.to_thread(second.start, [], 1)
             sent2 = await produce(s, [job_message(j) for j in _jobs("after", 8)])
             assert {m.partition for m in sent2} - set(range(s.kafka.partitions)), "the new topic has more partitions"
-            # The jobs on the partitions the worker had not known of are what this test is about. Those on the old ones
-            # are not asserted: the worker's commit of its old offsets, retried after the restart, can land on the new
-            # log and skip what lies below them there (seen once in several runs: 1:0 under a retried commit of 1; the
-            # reset is detected only where the new log ends below the old offset). Open: a memory-only broker's restart.
-            new = [m for m in sent2 if m.partition >= s.kafka.partitions]
             async with Collector(s) as col2:
-                await col2.until(lambda c: c.answered(new) or not lw.alive(), 15)
+                await col2.until(lambda c: c.answered(sent2) or not lw.alive(), 20)
                 await col2.settle(0.5)
-            acct = account(new, col2)
+            acct = account(sent2, col2)
             assert lw.alive(), lw.death()
-            assert not acct.lost and not acct.extra and not col2.dlq, (acct.lost, acct.extra, col2.dlq)
+            assert not acct.lost and not col2.dlq, (acct.lost, col2.dlq)
             assert all(r.status == "succeeded" for rs in acct.results.values() for r in rs)
-            rows = await wait_rows(svc.db, [m.identity for m in sent1 + new], 10)
+            assert all(len({r.text for r in rs}) == 1 for rs in acct.results.values()), "a result again has its body"
+            rows = await wait_rows(svc.db, [m.identity for m in sent1 + sent2], 10)
             assert all(len(v) == 1 for v in rows.values()), {k: len(v) for k, v in rows.items()}
             lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lost partitions")]
             assert all("broker restarted" in line for line in lost), lost

@@ -22,15 +22,21 @@ TP = TopicPartition("jobs", 0)
 
 
 class _SilentCoordinator:
-    """A consumer whose commit and stop wait forever (`answers` False), or fail as a fenced member's do."""
+    """A consumer whose commit and stop wait forever (`answers` False), or fail as a fenced member's do. It is its own
+    group coordinator, the part of aiokafka's that consumer.kafka.commit_in_generation commits through."""
 
     def __init__(self, answers: bool = False):
         self.answers = answers
         self.commits: list[dict] = []
         self.stops = 0
+        self._coordinator, self.generation, self._commit_lock = self, 0, asyncio.Lock()
+        self._subscription = SimpleNamespace(subscription=SimpleNamespace(assignment=SimpleNamespace(tps={TP})))
 
-    async def commit(self, offsets):
-        self.commits.append(dict(offsets))
+    async def ensure_coordinator_known(self):
+        pass
+
+    async def _do_commit_offsets(self, assignment, offsets):
+        self.commits.append({tp: o.offset for tp, o in offsets.items()})
         if self.answers:
             raise CommitFailedError("fenced")
         await asyncio.Event().wait()
