@@ -144,8 +144,8 @@ class Handover:
         owner redoes it). `forget` False (a stop: the partitions stay ours until the worker leaves) keeps their offsets
         and leaves their commit to the stop's last one, which covers what is delivered after. `lost`: the group dropped
         this worker (its session expired) and another member already runs these partitions from their committed offsets:
-        what runs is aborted at once and nothing is committed (the broker would refuse it). Returns how many jobs it left
-        (dropped or aborted)."""
+        what runs is aborted at once and nothing is committed (Handover.commit sends none until the rejoin: see
+        commit_in_generation). Returns how many jobs it left (dropped or aborted)."""
         deadline = time.monotonic() + (0.0 if lost else self.w.s.worker.revoke_deadline_s)
         self.revoked = set(revoked)
         # The queue first: a place in the engine freed while the running jobs finish must not take one of these.
