@@ -5,6 +5,7 @@ consumer, the worker's own Handover; the order of the race is held by the test, 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -15,7 +16,6 @@ from consumer.kafka import membership_lost
 from consumer.registry import RegistrySnapshot
 from consumer.worker import Worker
 from engine.config import EngineConfig
-from types import SimpleNamespace
 
 TP = TopicPartition("jobs", 1)
 
