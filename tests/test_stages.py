@@ -281,9 +281,9 @@ async def test_while_commits_fail_the_stage_records_stay_bounded_and_every_job_c
     refused commits are counted and said in one line, not one each."""
     import logging
 
-    from aiokafka import AIOKafkaConsumer
     from aiokafka.errors import CommitFailedError
 
+    import consumer.handover as handover_module
     from tests.service_fixtures import committed_vs_end, ledger_rows
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
@@ -293,14 +293,14 @@ async def test_while_commits_fail_the_stage_records_stay_bounded_and_every_job_c
     svc.registry.add_tenant("acme")
     svc.registry.add_adapter("acme", "support", demo_set["adapters"][sorted(demo_set["adapters"])[0]], default=True)
     refuse = {"on": True}
-    commit = AIOKafkaConsumer.commit
+    commit = handover_module.commit_in_generation
 
-    async def refused(self, offsets=None):
+    async def refused(consumer, offsets):
         if refuse["on"]:
             raise CommitFailedError("the group is rebalancing")
-        return await commit(self, offsets)
+        return await commit(consumer, offsets)
 
-    monkeypatch.setattr(AIOKafkaConsumer, "commit", refused)
+    monkeypatch.setattr(handover_module, "commit_in_generation", refused)
     jobs = [Job(request_id=f"c{i}", tenant_id="acme", input_ids=[1, 5, 9, 13 + i], max_new_tokens=2) for i in range(24)]
     with caplog.at_level(logging.WARNING, "lorabatch.worker"):
         async with running_worker(s, svc, cpu_engine) as rw:
