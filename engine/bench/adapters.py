@@ -330,11 +330,18 @@ def _one_count(cfg, shape, count, paths, warm_paths, prompts, ranks, batch, new,
         # A third with requests arriving in waves of odd sizes: cold passes admit requests as their adapters' reads land,
         # so steps mix prompts with any number of decode rows, shapes the first two never make (H200, session 10: the
         # cold passes compiled 1-5 Triton variants, about a second each, after two full-batch warm-ups).
-        _staggered(engine, prompts[: 4 * batch], [f"warm/{warm_paths[i].name}" for i in every[: 4 * batch]], new, f"s{count}")
+        # Eagerly, with the prompt steps' graphs set aside: its small prompt steps would replay graphs, and the eager
+        # variants they compiled (odd row counts) came up in the cold pass's large eager steps instead (H100, session 32:
+        # one compile, a 737 ms step). The graphs are all captured below.
+        mixed, engine.runner.mixed = engine.runner.mixed, None
+        try:
+            _staggered(engine, prompts[: 4 * batch], [f"warm/{warm_paths[i].name}" for i in every[: 4 * batch]], new, f"s{count}")
+        finally:
+            engine.runner.mixed = mixed
         # A fourth with the steps a held admission makes (engine.admission): most of a batch admitted beside a few
         # running requests, which the waves above (small ones, into a batch filling up) do not make.
         _partial_admissions(engine, prompts, [f"warm/{warm_paths[i].name}" for i in every], new, f"p{count}", batch)
-        # Then every decode bucket's graphs the passes above did not meet, calibrated on the warm-up adapters in the slots:
+        # Then every decode bucket's graphs (and prompt steps') the passes above did not meet, calibrated on the warm-up adapters in the slots:
         # the admission hold makes decode batches of sizes no warm-up made, and a bucket's first step captured and
         # calibrated its graphs inside the cold pass (H200, session 13: one decode step of 127-159 ms at 2000 adapters).
         captured = engine.capture_decode_graphs()
