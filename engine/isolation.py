@@ -49,7 +49,9 @@ def forward_isolated(forward: Callable[[list[BatchItem]], torch.Tensor], items: 
             probe(idx[: len(idx) // 2])
             probe(idx[len(idx) // 2 :])
             return
-        rows.update(zip([i for i in idx if items[i].logits], out))
+        # A copy: a graphed forward returns a view of its static logits buffer (engine.cuda_graphs, engine.mixed_graphs),
+        # which the next probe's forward overwrites.
+        rows.update(zip([i for i in idx if items[i].logits], out.clone()))
 
     if len(items) > 1:
         probe(list(range(len(items) // 2)))

@@ -152,7 +152,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], *, all_logits: bool = False) -> torch.Tensor:
         """Run one forward over every item's new tokens; logits [M, vocab] fp32 for the last token of each
-        item with `logits` set (or [N, vocab] for every token with `all_logits`).
+        item with `logits` set (or [N, vocab] for every token with `all_logits`). A graph replay's is a view of the
+        graphs' static logits buffer: read it (or copy it) before the next forward.
 
         Block tables must cover each item's context + new tokens; items of sequences the block manager
         does not know yet are opened uncached (tests drive the runner that way; the engine's scheduler

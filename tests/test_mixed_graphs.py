@@ -179,3 +179,36 @@ def test_capturing_every_bucket_up_front_writes_only_the_scratch_block(engine):
     for b, a in zip(before, runner.kv.k + runner.kv.v):
         assert torch.equal(a[:scratch], b[:scratch])
     mixed._graphs.update(kept)
+
+
+def test_isolated_forward_keeps_each_probes_logits(engine):
+    """A step whose forward raises runs again in halves (engine.isolation): each half's logits rows are the ones that half
+    computed, though the graphed forward returns a view of its static logits buffer, which the next half's forward
+    overwrites."""
+    from engine.isolation import forward_isolated
+
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(5)
+    items = [BatchItem(("iso", i), tuple(torch.randint(4, 500, (6 + i,), generator=gen).tolist()), 0) for i in range(4)]
+    culprit = items[3].seq_id
+
+    def forward(batch: list[BatchItem]) -> torch.Tensor:
+        if any(it.seq_id == culprit for it in batch):
+            raise RuntimeError("this request's forward fails")
+        assert runner.mixed.fits(batch), "the probes replay prompt graphs"
+        return runner.forward(batch)
+
+    try:
+        logits, failed = forward_isolated(forward, items)
+        keep, runner.mixed = runner.mixed, None
+        try:
+            eager = runner.forward(items[:3])
+        finally:
+            runner.mixed = keep
+    finally:
+        for it in items:
+            if it.seq_id in runner.blocks:
+                runner.free(it.seq_id)
+    assert set(failed) == {3} and logits.shape == eager.shape
+    err = ((logits - eager).abs().max() / eager.abs().max()).item()
+    assert err < TOL, f"isolated rows differ from the eager forward by {err:.2e}"
