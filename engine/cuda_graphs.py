@@ -64,6 +64,26 @@ from kernels.lora_segments import segments_per_row
 _CALIBRATION_WARMUP, _CALIBRATION_REPS = 3, 11
 
 
+class CopyFence:
+    """A pinned staging row's guard: its next fill waits on the host until the device copy out of it has been made. A
+    step's copy queues behind the replays before it, and a failing step's halves (engine.isolation) are staged one after
+    another with no sync between them: refilled meanwhile, the row would give the queued copy the next step's inputs."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self._event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def copied(self) -> None:
+        if self.on:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -95,6 +115,7 @@ class DecodeGraphs:
         # The last row stages single steps (run, and prepare's capture), which may come while a chain still runs.
         self._host = torch.zeros(2 * self.max_chain + 1, n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
+        self._single = CopyFence(device.type == "cuda")  # of the last row
         self._chain_set = 0  # which set of staging rows the next chain fills
         self._dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.ids, self.pos, self.slot_mapping, self.seq_lens, self.adapter_slot = self._dev[: 5 * mb].view(5, mb)
@@ -129,8 +150,7 @@ class DecodeGraphs:
         b, lora = self.bucket(len(items)), any(it.lora_slot >= 0 for it in items)
         if (b, lora) in self._graphs:
             return
-        self._fill(items, b, row=-1)
-        self._dev.copy_(self._host[-1], non_blocking=True)
+        self._stage_single(items, b)
         self._graphs[(b, lora)] = self._capture(b, lora)
         if lora and self.capture:
             if (b, False) not in self._graphs:
@@ -147,10 +167,7 @@ class DecodeGraphs:
             for lora in (False, True) if slots else (False,):
                 if (b, lora) in self._graphs:
                     continue
-                self._fill([], b, row=-1)
-                if lora:
-                    self._host_np[-1][4 * mb : 4 * mb + b] = [slots[i % len(slots)] for i in range(b)]
-                self._dev.copy_(self._host[-1], non_blocking=True)
+                self._stage_single([], b, slots if lora else ())
                 self._graphs[(b, lora)] = self._capture(b, lora)
                 made += 1
             if slots and self.capture and b not in self.lora_us:
@@ -164,8 +181,7 @@ class DecodeGraphs:
         batch = len(items)
         b = self.bucket(batch)
         lora = any(it.lora_slot >= 0 for it in items)
-        self._fill(items, b, row=-1)
-        self._dev.copy_(self._host[-1], non_blocking=True)
+        self._stage_single(items, b)
         graph, out = self._graphs[(b, lora)]
         if graph is None:
             out = self._forward(b, lora)  # CPU: the static-buffer forward, eagerly
@@ -226,6 +242,17 @@ class DecodeGraphs:
         # padding rows: token 0 at position 0 of a 1-token sequence in the scratch block, no adapter
         ids[batch:], pos[batch:], slots[batch:], lens[batch:], adapters[batch:] = 0, 0, self.scratch_block * bs, 1, -1
         tables[batch:b, 0] = self.scratch_block
+
+    def _stage_single(self, items: list, b: int, slots: Sequence[int] = ()) -> None:
+        """Stage a single step (its rows cycling over `slots` when given: prepare_all's padding rows) in the last row and
+        copy it to the device, once the last such copy is made (CopyFence)."""
+        self._single.wait()
+        self._fill(items, b, row=-1)
+        if slots:
+            mb = self.sizes[-1]
+            self._host_np[-1][4 * mb : 4 * mb + b] = [slots[i % len(slots)] for i in range(b)]
+        self._dev.copy_(self._host[-1], non_blocking=True)
+        self._single.copied()
 
     def _advance(self, src: int, dst: int, batch: int, ahead: int) -> None:
         """Stage in row `dst` the step `ahead` steps after row `src`'s: the same rows and block tables, positions and

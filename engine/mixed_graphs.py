@@ -26,7 +26,8 @@ Logits. Each graph copies its logits into one buffer [batch, vocab] outside the 
 memory is only what a forward holds at once, shared by all of them, not a logits tensor per graph.
 
 Timing, as for decode graphs (engine.cuda_graphs, "Timing"): the step is timed with events around the replay, and its
-LoRA share is the bucket's calibrated difference of the two graphs' medians, measured on the step that captured it.
+LoRA share is the bucket's calibrated difference of the two graphs' medians, measured on the step that captured it (or
+prepare_all's synthetic one), in proportion to the step's adapter tokens against that step's (`_lora_share`).
 
 Falls back to the eager forward for steps of more than `max_tokens` tokens or `batch` items, for items past the static
 block table, and for `all_logits`. Without CUDA, `capture=False` runs the same static-buffer forward eagerly.
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import capture, lora_share_us
+from engine.cuda_graphs import CopyFence, capture, lora_share_us
 from engine.kv_cache import KVCache
 from engine.lora import LoraState
 from engine.model import LlamaForCausalLM
@@ -97,6 +98,7 @@ class MixedGraphs:
         self._host64 = torch.zeros(2, self._n64, dtype=torch.int64, pin_memory=pinned)
         self._host32 = torch.zeros(2, self._n32, dtype=torch.int32, pin_memory=pinned)
         self._row = 0
+        self._fences = (CopyFence(pinned), CopyFence(pinned))
         self._dev64 = torch.zeros(self._n64, dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
         self.ids, self.pos, self.slot_mapping = self._dev64[: 3 * t].view(3, t)
@@ -107,6 +109,8 @@ class MixedGraphs:
         self.logits = torch.zeros(b, model.config.vocab_size, dtype=torch.float32, device=device)  # outside the pool
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | None] = {}
         self.lora_us: dict[tuple[int, int], int] = {}  # (T, Q) -> calibrated LoRA share of a step, µs
+        self._calibrated_tokens: dict[tuple[int, int], int] = {}  # (T, Q) -> adapter tokens of the step calibrated on
+        self._staged_lora_tokens = 0  # adapter tokens of the step staged last
         self._pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.last_lora_us: int | None = None  # of the last run: calibrated share (None when not captured: timer)
 
@@ -167,14 +171,22 @@ class MixedGraphs:
             self._forward(t, q, lora)  # CPU: the static-buffer forward, eagerly
         else:
             graph.replay()
-        self.last_lora_us = (self.lora_us[(t, q)] if lora else 0) if graph is not None else None
+        self.last_lora_us = self._lora_share(t, q) if lora and graph is not None else (0 if graph is not None else None)
         return self.logits[: len(logit_rows)]
 
     # ---- internals
 
+    def _lora_share(self, t: int, q: int) -> int:
+        """The staged step's LoRA µs: the bucket's calibrated share in proportion to its adapter tokens. The shrink and
+        expand programs a step runs go by its adapter rows, and a bucket holds steps of 1 to T of them: charged whole, a
+        step with one adapter row beside base prompts paid (to that one request) for a bucket calibrated on adapter rows
+        only (prepare_all). Still an estimate; the engine caps it at the step's measured total."""
+        return round(self.lora_us[(t, q)] * self._staged_lora_tokens / self._calibrated_tokens[(t, q)])
+
     def _stage(self, items: list, t: int, logit_rows: list[int] | None = None) -> None:
         """Fill the next staging row with a step of `items` in token bucket t and copy it to the device buffers."""
         b, bs, maxb = self.batch, self.kv.block_size, self.max_blocks
+        self._fences[self._row].wait()
         h64, h32 = self._host64[self._row].numpy(), self._host32[self._row].numpy()
         n = sum(len(it.token_ids) for it in items)
         tmax = self.tokens[-1]
@@ -209,7 +221,9 @@ class MixedGraphs:
         h32[b:] = cu
         self._dev64.copy_(self._host64[self._row], non_blocking=True)
         self._dev32.copy_(self._host32[self._row], non_blocking=True)
+        self._fences[self._row].copied()
         self._row ^= 1
+        self._staged_lora_tokens = sum(len(it.token_ids) for it in items if it.lora_slot >= 0)
 
     def _stage_synthetic(self, t: int, q: int, slots: Sequence[int]) -> None:
         """A step of bucket (t, q) on the scratch block: items of q tokens (the last shorter) up to t tokens or the
@@ -243,6 +257,7 @@ class MixedGraphs:
             with_lora, without = self._graphs[(t, q, True)], self._graphs[(t, q, False)]
             assert with_lora is not None and without is not None
             self.lora_us[(t, q)] = lora_share_us(with_lora, without)
+            self._calibrated_tokens[(t, q)] = max(1, self._staged_lora_tokens)
         return made
 
     def _forward(self, t: int, q: int, lora: bool) -> torch.Tensor:

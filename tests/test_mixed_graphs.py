@@ -212,3 +212,22 @@ def test_isolated_forward_keeps_each_probes_logits(engine):
     assert set(failed) == {3} and logits.shape == eager.shape
     err = ((logits - eager).abs().max() / eager.abs().max()).item()
     assert err < TOL, f"isolated rows differ from the eager forward by {err:.2e}"
+
+
+def test_a_steps_lora_share_goes_by_its_adapter_tokens(engine):
+    """A bucket's calibrated LoRA share is charged in proportion to a step's adapter tokens against the calibrated
+    step's: a step with one adapter row beside base prompts does not pay for a bucket calibrated on adapter rows only."""
+    mixed = engine.runner.mixed
+    slot = engine.adapters.acquire(ADAPTERS[0])[0]
+    try:
+        mixed.lora_us[(64, 16)], mixed._calibrated_tokens[(64, 16)] = 1_000, 40
+        items = [BatchItem("a", tuple(range(4, 14)), 0, slot), BatchItem("b", tuple(range(4, 14)), 0), BatchItem("c", (5,), 3, slot)]
+        for it in items:
+            engine.runner.blocks.ensure(it.seq_id, it.context_len + len(it.token_ids))
+        mixed._stage(items, 64)
+        assert mixed._lora_share(64, 16) == 275  # 11 adapter tokens of the calibrated 40
+    finally:
+        for it in items:
+            engine.runner.free(it.seq_id)
+        engine.adapters.release(engine.adapters.sha_of(ADAPTERS[0]))
+        mixed.lora_us.pop((64, 16)), mixed._calibrated_tokens.pop((64, 16))
