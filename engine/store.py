@@ -28,9 +28,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from safetensors import SafetensorError, safe_open
 
@@ -59,7 +61,7 @@ def read_file(path: Path, max_bytes: int) -> bytearray:
     no more than its size when opened: a file that grows meanwhile is read to that size (what is read is what is hashed
     and checked). A file over `max_bytes` when opened (swapped for a larger one after adapter_files checked its size) is
     refused before any of it is read, where its whole size was allocated."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise AdapterError(f"{path} takes {size} bytes, over the {max_bytes} left to it of engine.max_adapter_bytes "
@@ -70,6 +72,24 @@ def read_file(path: Path, max_bytes: int) -> bytearray:
     if got < len(buf):  # shrank meanwhile: what is left (read_safetensors refuses it as truncated)
         del buf[got:]
     return buf
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, refused (AdapterError, adapter_unsafe) unless what was opened is a regular file. A check
+    before the open (`is_file()`) is not enough: a FIFO swapped in after it blocked the reader's open for ever, waiting for a
+    writer, and a device such as /dev/zero never ends. So the open does not wait (O_NONBLOCK: a FIFO with no writer opens
+    at once) and the opened descriptor is what is checked; a regular file is then read as any other."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise AdapterError(f"{path} is not a regular file (a FIFO, device, socket or folder: reading it might never end); "
+                               "replace it with the adapter's file", code="adapter_unsafe")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def adapter_files(src_dir: Path, max_bytes: int) -> tuple[Path, Path]:
@@ -132,7 +152,7 @@ class AdapterStore:
     def put(self, src_dir: Path) -> str:
         """Validate and copy an adapter folder into the store; return its sha256 (idempotent)."""
         config_path, weights_path = adapter_files(src_dir, self.max_bytes)
-        _check_config_json(config_path.read_bytes(), config_path)
+        _check_config_json(read_file(config_path, self.max_bytes), config_path)
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
@@ -176,7 +196,7 @@ class AdapterStore:
             try:
                 if path.is_symlink() or path.stat().st_size != len(data) or read_file(path, len(data)) != data:
                     return False
-            except OSError:  # missing, or not a file
+            except (OSError, AdapterError):  # missing, or not a regular file (refused by read_file's open)
                 return False
         return True
 
@@ -286,7 +306,7 @@ def _frame(name: str, size: int) -> bytes:
 
 def _copy_hashing(src: Path, dst: Path | None, name: str, h: "hashlib._Hash") -> None:
     """Stream `src` into `dst` (if any) and the hash as file `name`, framed with the size it had when opened."""
-    with open(src, "rb") as f:
+    with open_regular(src) as f:
         size = os.fstat(f.fileno()).st_size
         h.update(_frame(name, size))
         out = open(dst, "wb") if dst is not None else None
