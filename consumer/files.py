@@ -19,7 +19,8 @@ class FileUnfit(ValueError):
     """The file is not a regular file, or is over its limit; the message says which, and the fix."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of this `st_mode` is, for an error: "FIFO (a named pipe)", "directory", ..."""
     if stat.S_ISFIFO(mode):
         return "FIFO (a named pipe)"
     if stat.S_ISCHR(mode):
@@ -50,7 +51,7 @@ def read_bounded(path: Path | str, *, what: str, limit: int, fix: str) -> bytes:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FileUnfit(f"{what} {path} is a {_kind(st.st_mode)}, not a regular file: it is read whole, and reading "
+            raise FileUnfit(f"{what} {path} is a {file_kind(st.st_mode)}, not a regular file: it is read whole, and reading "
                             f"it might never end; {fix}")
         data = f.read(limit + 1) if st.st_size <= limit else b""
         if st.st_size > limit or len(data) > limit:

@@ -7,7 +7,11 @@ that job's, never another line's.
 from __future__ import annotations
 
 import json
+import os
+import threading
+from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from consumer.cli import build_app
@@ -15,6 +19,16 @@ from tests.test_submit_results import _config_file, _settings
 
 app = build_app()
 runner = CliRunner()
+
+
+def _finished(call):
+    """call()'s value, from a thread: a command that hangs fails the test rather than hanging it."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(call()), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the command never ended"
+    return got[0]
 
 
 def _chat(custom_id: str, text: str) -> dict:
@@ -130,3 +144,30 @@ def test_an_id_that_submit_made_for_an_earlier_line_is_named_as_such(tmp_path):
     assert out.errors == ["line 3: request_id 'b1-1' is the id submit made for line 1, which gives no request_id; give this line "
                           "another request_id, or line 1 one of its own",
                           "line 4: request_id 'x' appears twice (first on line 2); request ids are unique per tenant"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link-to-fifo"])
+def test_results_refuses_an_output_that_is_no_regular_file_before_it_waits(tmp_path, monkeypatch, kind):
+    """-o naming a FIFO with no reader (or a link to one) or a device is refused up front (exit 2), naming -o, what is
+    there and the fix; the FIFO was opened for writing by the check made before the wait, which blocked for ever. Nothing
+    is asked of the broker, and the FIFO is left as it was."""
+    from consumer import submit
+    from consumer.broker import free_port
+
+    async def never(*args, **kwargs):
+        raise AssertionError("the broker was asked before -o was checked")
+
+    monkeypatch.setattr(submit, "read_manifest", never)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no reader ever opens it
+    target = {"fifo": fifo, "device": Path("/dev/null"), "link-to-fifo": tmp_path / "link"}[kind]
+    if kind == "link-to-fifo":
+        target.symlink_to(fifo)
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    args = ["results", "--tenant", "acme", "--batch-id", "b1", "-o", str(target), "--config", config]
+    out = _finished(lambda: runner.invoke(app, args))
+    said = " ".join(out.output.split())
+    what = "character device" if kind == "device" else "FIFO (a named pipe)"
+    assert out.exit_code == 2 and f"cannot write -o {target}: it is a {what}, not a regular file" in said, out.output
+    assert "give a file path, or leave -o out to write to stdout" in said, said
+    assert fifo.is_fifo()

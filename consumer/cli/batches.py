@@ -177,8 +177,8 @@ _UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is s
 @contextmanager
 def replacing(path: Path):
     """`path` (a link's target) opened to be written whole: written beside it and moved over it once complete, so a
-    write that fails (a full disk, an error) leaves the file there before as it was, never cut short. A device or a
-    FIFO (`-o /dev/stdout`) is written to directly."""
+    write that fails (a full disk, an error) leaves the file there before as it was, never cut short. `writable` refused
+    what is no regular file before the wait; one put there since is replaced as a file would be, never opened."""
     import os
     import stat
 
@@ -187,15 +187,11 @@ def replacing(path: Path):
         mode = real.stat().st_mode
     except FileNotFoundError:
         mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        with real.open("w", encoding="utf-8") as out:
-            yield out
-        return
     part = real.with_name(f".{real.name}.{os.getpid()}.part")
     try:
         with part.open("w", encoding="utf-8") as out:
             yield out
-        if mode is not None:
+        if mode is not None and stat.S_ISREG(mode):
             os.chmod(part, stat.S_IMODE(mode))
         os.replace(part, real)
     finally:
@@ -203,14 +199,38 @@ def replacing(path: Path):
 
 
 def writable(path: Path) -> None:
-    """End the command naming `path` when it cannot be written (a folder that does not exist, a folder itself, no
-    permission), before anything is waited for."""
-    existed = path.exists() or path.is_symlink()  # a link to a file yet to be written is the user's: kept
+    """End the command naming `path` when it cannot be written (a folder that does not exist, no permission) or is no
+    regular file (a folder, a FIFO, a device), before anything is waited for. What is there is looked at, not opened: a
+    FIFO with no reader blocked this check's open for ever. The probe that follows opens without waiting (O_NONBLOCK: a
+    FIFO swapped in meanwhile fails with ENXIO, or opens at once) and checks what it opened."""
+    import os
+    import stat
+
+    from consumer.files import file_kind
+
+    def refuse(mode: int) -> None:
+        fail(f"cannot write -o {path}: it is a {file_kind(mode)}, not a regular file (the results are written beside it "
+             "and moved over it); give a file path, or leave -o out to write to stdout")
+
     try:
-        with path.open("a"):
-            pass
+        mode = path.stat().st_mode  # a link's target
+    except FileNotFoundError:
+        mode = None
     except OSError as e:
         fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+    if mode is not None and not stat.S_ISREG(mode):
+        refuse(mode)
+    existed = mode is not None or path.is_symlink()  # a link to a file yet to be written is the user's: kept
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+    try:
+        mode = os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(mode):
+        refuse(mode)
     if not existed:
         path.unlink(missing_ok=True)
 
