@@ -70,6 +70,9 @@ class WorkerMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
         )
         self.route_cache_errors = Counter("lora_route_cache_errors_total", "Routing cache (Redis) failures", registry=r)
+        self.route_cache_poisoned = Counter("lora_route_cache_poisoned_total", "Routing cache (Redis) entries passed over "
+                                            "or rewritten: a value that is no adapter reference (not UTF-8, too long), or "
+                                            "a key of the cache's holding another type", registry=r)
         self.circuit_open = Gauge("lora_adapter_circuits_open", "Adapters whose circuit breaker is open", registry=r)
         # Faults: each wait below has a gauge that is 1 while it lasts and a log line saying what it waits for.
         self.waiting = Gauge("lorabatch_waiting", "1 while the worker waits on this dependency (broker, redis, ledger, spool)", ["on"], registry=r)

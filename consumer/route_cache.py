@@ -11,7 +11,7 @@ router goes on to its rules and defaults; the next lookup after the backoff trie
 What Redis holds is not trusted either (another client may write there): a value that is not UTF-8, or
 too long to be an adapter reference, is a miss; a key of ours holding another type (an index that is
 not a sorted set) is deleted and rewritten, not taken for Redis being down, which would turn the cache
-off for every tenant at each write.
+off for every tenant at each write. Each such entry counts in `lora_route_cache_poisoned_total`.
 
 Redis refusing writes while it answers reads (at its maxmemory under `noeviction`: OOM; a read-only replica: READONLY;
 a user whose ACL forbids writing: NOPERM) is neither: it counts as a cache error (said in the worker's log with the
@@ -133,7 +133,8 @@ class RedisRouteCache:
     name = "redis"
 
     def __init__(self, url: str, max_entries: int, ttl_s: float, *, prefix: str = "lorabatch:route",
-                 timeout_s: float = 0.05, backoff_s: float = 1.0, clock=time.monotonic):
+                 timeout_s: float = 0.05, backoff_s: float = 1.0, clock=time.monotonic, poisoned=None):
+        """`poisoned`: a Prometheus counter (lora_route_cache_poisoned_total) of the entries `bad_entries` counts."""
         # Bytes, decoded here: a value that is not UTF-8 is a miss, where the client's decoding raised for the batch
         self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                               decode_responses=False, retry_on_timeout=False)
@@ -147,6 +148,7 @@ class RedisRouteCache:
         self.last_error = ""  # `explain` of the latest error, for the worker's log
         self._writes_down_until = 0.0  # Redis refusing writes (OOM, READONLY, NOPERM) while it answers reads
         self.bad_entries = 0  # values that were no adapter reference, and keys of ours of the wrong type, since start
+        self._poisoned = poisoned
 
     @property
     def available(self) -> bool:
@@ -179,10 +181,15 @@ class RedisRouteCache:
             except UnicodeDecodeError:
                 text = None
             if text is None:
-                self.bad_entries += 1
+                self._bad(1)
                 continue
             found[k] = text
         return found
+
+    def _bad(self, n: int) -> None:
+        self.bad_entries += n
+        if self._poisoned is not None:
+            self._poisoned.inc(n)
 
     async def set_many(self, items: dict[CacheKey, str]) -> bool:
         if not items:
@@ -230,7 +237,7 @@ class RedisRouteCache:
                         pipe.zpopmin(index, n)
                     doomed = [member for evicted in await pipe.execute() for member, _score in evicted]
             if wrong:  # not our sorted set (another client wrote there): gone, so the next write makes it afresh
-                self.bad_entries += len(wrong)
+                self._bad(len(wrong))
                 doomed += sorted(wrong)
             if doomed:
                 await self.client.delete(*doomed)

@@ -69,11 +69,12 @@ ENGINE_CLOSE_TIMEOUT_S = 10.0
 GAUGES_S = 0.25  # how often the gauges are refreshed (a Prometheus scrape comes every 15 s or so)
 
 
-def make_route_cache(s: Settings) -> RouteCache:
+def make_route_cache(s: Settings, poisoned=None) -> RouteCache:
+    """`poisoned`: the counter of Redis entries that held no adapter reference (RedisRouteCache)."""
     r = s.routing
     if r.cache == "redis":
         return RedisRouteCache(r.redis_url, r.cache_entries, r.cache_ttl_s, prefix=r.redis_prefix,
-                               timeout_s=r.redis_timeout_ms / 1000, backoff_s=r.redis_backoff_s)
+                               timeout_s=r.redis_timeout_ms / 1000, backoff_s=r.redis_backoff_s, poisoned=poisoned)
     return LruRouteCache(r.cache_entries, r.cache_ttl_s)
 
 
@@ -129,7 +130,7 @@ class Worker:
                                    affinity_slack=w.affinity_slack_tokens, max_defer_ms=w.max_defer_ms,
                                    capacity=self.capacity, headroom=w.headroom_slots)
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
-        self.router = Router(route_cache or make_route_cache(settings), self.breakers)
+        self.router = Router(route_cache or make_route_cache(settings, self.metrics.route_cache_poisoned), self.breakers)
         self.offsets = OffsetTracker()
         self.stages = StageLog(self.metrics.stage, keep=keep_stages, dropped=self.metrics.stage_dropped)  # consumer.stages
         self.engine_clock = EngineClock()

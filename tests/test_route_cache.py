@@ -212,3 +212,44 @@ def test_a_database_number_past_the_servers_is_said_as_such_not_start_it() -> No
     assert "database number in routing.redis_url" in said and "start it" not in said, said
     assert "start it" not in explain(ResponseError("ERR unknown command 'ZPOPMIN'"))
     assert "start it" in explain(ConnectionError("Connection refused"))
+
+
+async def test_poisoned_entries_count_in_the_workers_metric(tmp_path):
+    """Invariant: every entry RedisRouteCache passes over or rewrites (bad_entries) counts in the worker's served
+    lora_route_cache_poisoned_total. They were counted on the cache object alone, which no metric showed. A worker built
+    for routing.cache = "redis" (the real server at 127.0.0.1:6379, database 12) reads a value that is not UTF-8 and one
+    too long to be a reference, then writes back over an index of another type: three."""
+    import uuid
+    from types import SimpleNamespace
+
+    import redis as sync_redis
+    from prometheus_client import generate_latest
+
+    from consumer.config import load_settings
+    from consumer.registry import RegistrySnapshot
+    from consumer.worker import Worker
+    from engine.config import EngineConfig
+
+    url, prefix = "redis://127.0.0.1:6379/12", f"poisoned-{uuid.uuid4().hex}"
+    s = load_settings(None, {"routing.cache": "redis", "routing.redis_url": url, "routing.redis_prefix": prefix,
+                             "worker.spool_path": str(tmp_path / "spool.sqlite")})
+    w = Worker(s, SimpleNamespace(config=EngineConfig(max_batch_size=32)),
+               SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=None), ledger=None)
+    r = sync_redis.Redis.from_url(url)
+    served = lambda: w.metrics.registry.get_sample_value("lora_route_cache_poisoned_total")  # noqa: E731
+    try:
+        assert served() == 0
+        r.set(f"{prefix}:l1:acme:u1", b"\xff\xfe")
+        r.set(f"{prefix}:l2:acme:s1", "x" * 1000)
+        r.set(f"{prefix}:index:l1:acme", "not a sorted set")
+        keys = [CacheKey("l1", "acme", "u1"), CacheKey("l2", "acme", "s1")]
+        assert await w.router.cache.get_many(keys) == {}
+        assert served() == 2
+        assert await w.router.cache.set_many({CacheKey("l1", "acme", "u2"): "a@1"}) is True
+        assert served() == 3 and "lora_route_cache_poisoned_total 3.0" in generate_latest(w.metrics.registry).decode()
+    finally:
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+        r.close()
+        await w.router.cache.close()
+        w.spool.close()
