@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 MIB = 1 << 20
 
@@ -41,18 +42,29 @@ def shown_size(n: int) -> str:
     return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n:,} bytes"
 
 
+def open_regular(path: Path | str, *, what: str, fix: str) -> BinaryIO:
+    """The regular file `path` opened for reading; FileUnfit (naming `what` and `fix`) for anything else, checked on the
+    descriptor opened, not the path: a FIFO swapped in after an `is_file()` blocked the open for ever. OSError for one
+    that cannot be opened."""
+    # O_NONBLOCK: opening a FIFO with no writer returns at once (to be refused below) instead of waiting for one.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    f = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        raise FileUnfit(f"{what} {path} is a {file_kind(mode)}, not a regular file: it is read whole, and reading "
+                        f"it might never end; {fix}")
+    os.set_blocking(fd, True)
+    return f
+
+
 def read_bounded(path: Path | str, *, what: str, limit: int, fix: str) -> bytes:
     """The bytes of the regular file `path`, at most `limit` of them. `what` names where the path came from (`--manifest`,
     `kafka.sasl_password_file`), `fix` what to do instead. FileUnfit for a file that is no regular one or is too large;
     OSError for one that cannot be opened or read."""
     assert limit > 0, limit
-    # O_NONBLOCK: opening a FIFO with no writer returns at once (to be refused below) instead of waiting for one.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FileUnfit(f"{what} {path} is a {file_kind(st.st_mode)}, not a regular file: it is read whole, and reading "
-                            f"it might never end; {fix}")
+    with open_regular(path, what=what, fix=fix) as f:
+        st = os.fstat(f.fileno())
         data = f.read(limit + 1) if st.st_size <= limit else b""
         if st.st_size > limit or len(data) > limit:
             size = f"{shown_size(st.st_size)}" if st.st_size > limit else f"over {shown_size(limit)}"

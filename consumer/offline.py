@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from consumer.files import open_regular
 from consumer.outcomes import engine_error_field, to_request
 from consumer.schemas import Job, describe
 from engine.config import EngineConfig
@@ -20,14 +21,17 @@ def _line(request_id: str, **fields) -> str:
 def run_offline(config: EngineConfig, adapters: dict[str, Path], jobs_path: Path) -> Iterator[str]:
     from engine.engine import Engine
 
-    if not jobs_path.is_file():
-        raise FileNotFoundError(f"--jobs {jobs_path}: no such file")
+    try:  # read before the engine is built: one open, checked on what it opened (a FIFO there blocked read_bytes)
+        with open_regular(jobs_path, what="--jobs", fix="give a JSONL file") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--jobs {jobs_path}: no such file") from None
     engine = Engine(config)
     for name, path in adapters.items():
         engine.load_adapter(name, path)
     slots: list[str | int] = []  # a finished line, or the index of the request that will fill it
     requests, jobs = [], []
-    for n, raw in enumerate(jobs_path.read_bytes().splitlines(), start=1):
+    for n, raw in enumerate(data.splitlines(), start=1):
         rid = f"line-{n}"
         try:
             text = raw.decode("utf-8").removeprefix("\ufeff")  # a line of other bytes is that line's failure, a BOM no content

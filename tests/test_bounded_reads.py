@@ -120,3 +120,18 @@ def test_submit_still_reads_a_pipe(tmp_path, fifo):
     lines = list(read_lines(fifo, "acme", "b1", max_message_bytes=1 << 20))
     writer.join()
     assert [line.job.request_id for line in lines] == ["r1"], lines
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_generate_refuses_jobs_that_are_no_regular_file(tmp_path, fifo, kind):
+    """generate --jobs: a FIFO or a device is refused by one FileUnfit naming --jobs, from a check made on the descriptor
+    it opened, before the engine is built. It checked is_file() and read the path after building the engine: a FIFO
+    swapped in meanwhile blocked read_bytes, and one there already was said to be "no such file"."""
+    from consumer.files import FileUnfit
+    from consumer.offline import run_offline
+    from engine.config import EngineConfig
+
+    path = fifo if kind == "fifo" else Path("/dev/zero")
+    e = _ends(lambda: next(run_offline(EngineConfig(model_dir=str(tmp_path / "no-model")), {}, path)))
+    assert isinstance(e, FileUnfit), repr(e)
+    assert f"--jobs {path} is a " in str(e) and "not a regular file" in str(e) and "give a JSONL file" in str(e), e

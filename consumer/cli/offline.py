@@ -25,6 +25,7 @@ def generate(jobs: Annotated[Path, typer.Option("--jobs", help="JSONL of jobs (p
              adapter: Annotated[Optional[list[str]], typer.Option("--adapter", help="NAME=DIR, repeatable")] = None,
              config: ConfigOpt = None) -> None:
     """Run a JSONL batch on the engine offline (no Kafka); one result line per job, in input order."""
+    from consumer.files import FileUnfit
     from consumer.offline import run_offline
 
     s = settings_from(config, **({"engine.model_dir": str(model)} if model else {}))
@@ -37,7 +38,7 @@ def generate(jobs: Annotated[Path, typer.Option("--jobs", help="JSONL of jobs (p
     try:
         for line in run_offline(s.engine, adapters, jobs):
             typer.echo(line)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, FileUnfit) as e:
         fail(str(e))
 
 
