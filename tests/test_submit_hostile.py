@@ -146,9 +146,9 @@ def test_an_id_that_submit_made_for_an_earlier_line_is_named_as_such(tmp_path):
                           "line 4: request_id 'x' appears twice (first on line 2); request ids are unique per tenant"]
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "link-to-fifo"])
-def test_results_refuses_an_output_that_is_no_regular_file_before_it_waits(tmp_path, monkeypatch, kind):
-    """-o naming a FIFO with no reader (or a link to one) or a device is refused up front (exit 2), naming -o, what is
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo", "directory"])
+def test_results_refuses_an_output_it_cannot_write_before_it_waits(tmp_path, monkeypatch, kind):
+    """-o naming a FIFO with no reader (or a link to one) or a folder is refused up front (exit 2), naming -o, what is
     there and the fix; the FIFO was opened for writing by the check made before the wait, which blocked for ever. Nothing
     is asked of the broker, and the FIFO is left as it was."""
     from consumer import submit
@@ -160,14 +160,48 @@ def test_results_refuses_an_output_that_is_no_regular_file_before_it_waits(tmp_p
     monkeypatch.setattr(submit, "read_manifest", never)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # no reader ever opens it
-    target = {"fifo": fifo, "device": Path("/dev/null"), "link-to-fifo": tmp_path / "link"}[kind]
+    target = {"fifo": fifo, "directory": tmp_path, "link-to-fifo": tmp_path / "link"}[kind]
     if kind == "link-to-fifo":
         target.symlink_to(fifo)
     config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
     args = ["results", "--tenant", "acme", "--batch-id", "b1", "-o", str(target), "--config", config]
     out = _finished(lambda: runner.invoke(app, args))
     said = " ".join(out.output.split())
-    what = "character device" if kind == "device" else "FIFO (a named pipe)"
-    assert out.exit_code == 2 and f"cannot write -o {target}: it is a {what}, not a regular file" in said, out.output
-    assert "give a file path, or leave -o out to write to stdout" in said, said
+    what = "directory" if kind == "directory" else "FIFO (a named pipe) with no reader (start its reader first)"
+    assert out.exit_code == 2 and f"cannot write -o {target}: it is a {what}" in said, out.output
+    assert "give a file path, a FIFO whose reader is running, or leave -o out to write to stdout" in said, said
     assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("kind", ["fifo-with-reader", "device"])
+def test_results_pass_the_check_to_a_stream_that_can_take_them(tmp_path, monkeypatch, kind):
+    """A FIFO whose reader runs (as `-o >(gzip > out.gz)` gives) and a character device (`-o /dev/stdout`) pass the
+    check, and the command goes on to the broker; the FIFO's reader sees no end of input from the check."""
+    from consumer import submit
+    from consumer.broker import free_port
+
+    class Asked(Exception):
+        pass
+
+    async def asked(*args, **kwargs):
+        raise Asked
+
+    monkeypatch.setattr(submit, "read_manifest", asked)
+    target = Path("/dev/null")
+    if kind == "fifo-with-reader":
+        target = tmp_path / "fifo"
+        os.mkfifo(target)
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)  # the reader, there before the command
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    args = ["results", "--tenant", "acme", "--batch-id", "b1", "-o", str(target), "--config", config]
+    out = _finished(lambda: runner.invoke(app, args))
+    assert isinstance(out.exception, Asked), out.output
+    if kind == "fifo-with-reader":
+        os.set_blocking(fd, False)
+        try:  # the command's descriptor is still open (it would write the results there): no end of input was sent
+            os.read(fd, 10)
+            raise AssertionError("the FIFO's reader saw an end of input")
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)

@@ -386,7 +386,7 @@ def test_cli_submit_interrupted_names_the_batch_to_submit_again(tmp_path, monkey
 
 @pytest.mark.parametrize(("args", "says"), [
     (["-o", "{tmp}/no/such/folder/out.jsonl"], "cannot write -o {tmp}/no/such/folder/out.jsonl: No such file or directory"),
-    (["-o", "{tmp}"], "cannot write -o {tmp}: it is a directory, not a regular file"),
+    (["-o", "{tmp}"], "cannot write -o {tmp}: it is a directory; give a file path"),
     (["--timeout", "nan"], "--timeout nan: give the seconds to wait for the batch, 0 or more"),
     (["--timeout", "-5"], "--timeout -5.0: give the seconds to wait for the batch, 0 or more"),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -119,8 +120,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
         fail(f"--format {fmt!r}: use native or openai")
     if not math.isfinite(timeout) or timeout < 0:
         fail(f"--timeout {timeout}: give the seconds to wait for the batch, 0 or more")
-    if output is not None:
-        writable(output)  # before the wait, not after it
+    stream = writable(output) if output is not None else None  # before the wait, not after it
     s = settings_from(config)
     try:
         # No manifest: the batch's jobs were produced by another client; the jobs topic says which they are.
@@ -148,7 +148,9 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
                  f"the results stay on {s.kafka.results_topic}: run the same command again to collect them", 130)
     created = created_of(manifest)
     written = 0
-    with (replacing(output) if output is not None else nullcontext(sys.stdout)) as out:
+    if stream is not None:
+        sink = open(stream, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
+    with (sink if stream is not None else replacing(output) if output is not None else nullcontext(sys.stdout)) as out:
         for rid in manifest.request_ids:
             asked = manifest.openai.get(rid)
             if rid in got:
@@ -177,8 +179,8 @@ _UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is s
 @contextmanager
 def replacing(path: Path):
     """`path` (a link's target) opened to be written whole: written beside it and moved over it once complete, so a
-    write that fails (a full disk, an error) leaves the file there before as it was, never cut short. `writable` refused
-    what is no regular file before the wait; one put there since is replaced as a file would be, never opened."""
+    write that fails (a full disk, an error) leaves the file there before as it was, never cut short. A stream (a device,
+    a FIFO) was opened by `writable`; one put there since is replaced as a file would be, never opened."""
     import os
     import stat
 
@@ -198,33 +200,51 @@ def replacing(path: Path):
         part.unlink(missing_ok=True)
 
 
-def writable(path: Path) -> None:
-    """End the command naming `path` when it cannot be written (a folder that does not exist, no permission) or is no
-    regular file (a folder, a FIFO, a device), before anything is waited for. What is there is looked at, not opened: a
-    FIFO with no reader blocked this check's open for ever. The probe that follows opens without waiting (O_NONBLOCK: a
-    FIFO swapped in meanwhile fails with ENXIO, or opens at once) and checks what it opened."""
+def writable(path: Path) -> int | None:
+    """End the command naming `path` when it cannot be written (a folder that does not exist, no permission, a folder,
+    a block device, a FIFO with no reader), before anything is waited for. Returns None for a file (written beside and
+    moved over it, `replacing`), or a descriptor open on a stream to write the results to (a character device such as
+    `/dev/stdout`, a FIFO with its reader, `>(gzip > out.gz)`), kept open: closed now, it would end a FIFO reader's input.
+
+    Nothing is opened in a way that waits: a FIFO is opened without waiting (O_NONBLOCK fails with ENXIO while it has no
+    reader; the check's plain open blocked for ever), and the probe of a file checks what it opened (a FIFO swapped in)."""
+    import fcntl
     import os
     import stat
 
     from consumer.files import file_kind
 
-    def refuse(mode: int) -> None:
-        fail(f"cannot write -o {path}: it is a {file_kind(mode)}, not a regular file (the results are written beside it "
-             "and moved over it); give a file path, or leave -o out to write to stdout")
+    def cannot(e: OSError) -> None:
+        fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+
+    def refuse(mode: int, why: str = "") -> None:
+        fail(f"cannot write -o {path}: it is a {file_kind(mode)}{why}; give a file path, a FIFO whose reader is running, "
+             "or leave -o out to write to stdout")
 
     try:
         mode = path.stat().st_mode  # a link's target
     except FileNotFoundError:
         mode = None
     except OSError as e:
-        fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+        cannot(e)
+    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                refuse(mode, " with no reader (start its reader first)")
+            cannot(e)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # the writes wait for the reader
+        return fd
     if mode is not None and not stat.S_ISREG(mode):
         refuse(mode)
     existed = mode is not None or path.is_symlink()  # a link to a file yet to be written is the user's: kept
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as e:
-        fail(f"cannot write -o {path}: {e.strerror or e}; give a file in a folder that exists and that you may write to")
+        if e.errno == errno.ENXIO:  # a FIFO with no reader, swapped in since the look above
+            refuse(stat.S_IFIFO, " with no reader (start its reader first)")
+        cannot(e)
     try:
         mode = os.fstat(fd).st_mode
     finally:
@@ -233,6 +253,7 @@ def writable(path: Path) -> None:
         refuse(mode)
     if not existed:
         path.unlink(missing_ok=True)
+    return None
 
 
 def register(app: typer.Typer) -> None:
