@@ -44,18 +44,14 @@ def shown_size(n: int) -> str:
 
 def open_regular(path: Path | str, *, what: str, fix: str) -> BinaryIO:
     """The regular file `path` opened for reading; FileUnfit (naming `what` and `fix`) for anything else, checked on the
-    descriptor opened, not the path: a FIFO swapped in after an `is_file()` blocked the open for ever. OSError for one
-    that cannot be opened."""
-    # O_NONBLOCK: opening a FIFO with no writer returns at once (to be refused below) instead of waiting for one.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    f = os.fdopen(fd, "rb")
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        f.close()
-        raise FileUnfit(f"{what} {path} is a {file_kind(mode)}, not a regular file: it is read whole, and reading "
-                        f"it might never end; {fix}")
-    os.set_blocking(fd, True)
-    return f
+    descriptor opened, not the path (engine.store `open_regular`). OSError for one that cannot be opened."""
+    from engine.store import open_regular as opened
+
+    def unfit(mode: int) -> FileUnfit:
+        return FileUnfit(f"{what} {path} is a {file_kind(mode)}, not a regular file: it is read whole, and reading it might "
+                         f"never end; {fix}")
+
+    return opened(path, unfit)
 
 
 def read_bounded(path: Path | str, *, what: str, limit: int, fix: str) -> bytes:

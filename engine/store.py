@@ -30,6 +30,7 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -74,15 +75,18 @@ def read_file(path: Path, max_bytes: int) -> bytearray:
     return buf
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading, refused (AdapterError, adapter_unsafe) unless what was opened is a regular file. A check
-    before the open (`is_file()`) is not enough: a FIFO swapped in after it blocked the reader's open for ever, waiting for a
-    writer, and a device such as /dev/zero never ends. So the open does not wait (O_NONBLOCK: a FIFO with no writer opens
-    at once) and the opened descriptor is what is checked; a regular file is then read as any other."""
+def open_regular(path: Path | str, unfit: Callable[[int], Exception] | None = None) -> BinaryIO:
+    """`path` opened for reading, refused unless what was opened is a regular file: `unfit(st_mode)` is raised, by default
+    AdapterError (adapter_unsafe). A check before the open (`is_file()`) is not enough: a FIFO swapped in after it blocked
+    the reader's open for ever, waiting for a writer, and a device such as /dev/zero never ends. So the open does not wait
+    (O_NONBLOCK: a FIFO with no writer opens at once) and the opened descriptor is what is checked; a regular file is then
+    read as any other. OSError for one that cannot be opened."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
+            if unfit is not None:
+                raise unfit(mode)
             raise AdapterError(f"{path} is not a regular file (a FIFO, device, socket or folder: reading it might never end); "
                                "replace it with the adapter's file", code="adapter_unsafe")
         os.set_blocking(fd, True)
