@@ -48,8 +48,8 @@ def open_regular(path: Path | str, *, what: str, fix: str) -> BinaryIO:
     from engine.store import open_regular as opened
 
     def unfit(mode: int) -> FileUnfit:
-        return FileUnfit(f"{what} {path} is a {file_kind(mode)}, not a regular file: it is read whole, and reading it might "
-                         f"never end; {fix}")
+        why = "" if stat.S_ISDIR(mode) else ": it is read whole, and reading it might never end"
+        return FileUnfit(f"{what} {path} is a {file_kind(mode)}, not a regular file{why}; {fix}")
 
     return opened(path, unfit)
 

@@ -319,7 +319,7 @@ def test_single_form_unchanged(config, registry, demo_set, tmp_path):
     (["--glob", "{tmp}/nothing-*"], "matches nothing"),
     (["--manifest", "{tmp}/nope.jsonl"], "cannot be read"),
     (["--manifest", "{tmp}/blank.jsonl"], "holds no lines"),
-    (["--manifest", "{tmp}/empty"], "cannot be read"),
+    (["--manifest", "{tmp}/empty"], "is a directory, not a regular file; give a regular JSON lines file"),
     (["--dir", "{tmp}/empty", "--default"], "--default marks one adapter"),
     (["--dir", "{tmp}/empty", "--canary", "0"], "from 1 to 99"),
     (["--dir", "{tmp}/empty", "--threads", "0"], "give 1 or more"),
