@@ -88,7 +88,9 @@ def run(shape: str, rows: list[int], *, batch: int = 64, prompt: int = 128, rank
                 engine.step()
                 reqs.add(engine, k, kk)
                 _drain(engine)
-        engine.capture_decode_graphs()
+        t0 = time.perf_counter()
+        made = engine.capture_decode_graphs()
+        print(f"captured {made} graphs (prompt and decode buckets not captured in the warm-up) in {time.perf_counter() - t0:.2f} s", flush=True)
         for label, kk in (("adapters", keys), ("base", None)):
             for k in rows:
                 device_us, wall_us, decode_us = [], [], []
