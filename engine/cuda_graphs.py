@@ -36,14 +36,18 @@ check the padding and the buffers with the Triton interpreter.
 
 Timing. The engine measures a step with CUDA events around it, replay included. Events inside a graph
 would be graph nodes, so the LoRA share of a graphed step is calibrated once per bucket instead: at
-capture, the two graphs of the bucket are replayed alternately on that step's inputs (11 times each,
-after 3 warm-ups) and the LoRA share is the difference of their median times (at least 0), capped at
-the step's measured total by the engine, so base + LoRA still sums to the measured step exactly.
-The calibration sees the adapter mix of the step that captured the bucket, or with `prepare_all` rows
-cycling over the adapters in the slots then (as many distinct ones as the bucket has rows, where that many
-are resident: the dearer end of the mixes a bucket meets). The LoRA kernels' time depends on the distinct
-adapters and their ranks, so later steps with other mixes are charged the calibrated figure, an estimate
-(eager steps measure theirs); it moves time between a step's base and LoRA shares, never the step's total.
+capture, the two graphs of the bucket are replayed alternately (11 times each, after 3 warm-ups) and the
+LoRA share is the difference of their median times (at least 0), capped at the step's measured total by
+the engine, so base + LoRA still sums to the measured step exactly. Each bucket is calibrated at both ends
+of the mixes it meets, on synthetic rows in the scratch block: every row with an adapter (cycling over the
+adapters of the capturing step, or with `prepare_all` over those in device slots then), and one adapter
+row beside b - 1 base rows. A step with k adapter rows is charged between the two in proportion to k
+(`lora_share`): the decode LoRA kernels run a program per adapter row and slice, so their time is a floor
+(a launch's latency per kernel, which a lone adapter row pays in full) plus a part that grows with the rows.
+Charged the all-adapter figure whatever its mix (as before this version), a step's one adapter row paid for
+the 63 others of a bucket of 64; charged by rows alone, it would pay less than its kernels' floor. Ranks are
+those of the calibration's adapters, so it is still an estimate (eager steps measure theirs); it moves time
+between a step's base and LoRA shares, never the step's total.
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ class DecodeGraphs:
         self.ids, self.pos, self.slot_mapping, self.seq_lens, self.adapter_slot = self._dev[: 5 * mb].view(5, mb)
         self.tables = self._dev[5 * mb :].view(mb, max_blocks)  # [mb, max_blocks]
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.lora_us: dict[int, int] = {}  # bucket -> calibrated LoRA share of a step, µs
+        self.lora_us: dict[int, int] = {}  # bucket -> calibrated LoRA share of a step with every row an adapter's, µs
+        self.lora_floor_us: dict[int, int] = {}  # bucket -> ... of a step with one adapter row, µs
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.last_lora_us: int | None = None  # of the last run: calibrated share (None when not captured: timer)
 
@@ -155,7 +160,7 @@ class DecodeGraphs:
         if lora and self.capture:
             if (b, False) not in self._graphs:
                 self._graphs[(b, False)] = self._capture(b, False)
-            self.lora_us[b] = self._calibrate(b)
+            self._calibrate(b, sorted({it.lora_slot for it in items if it.lora_slot >= 0}))
 
     def prepare_all(self, slots: Sequence[int] = ()) -> int:
         """Capture every bucket's graphs not captured yet, on padding rows; with `slots` (adapters in device slots now),
@@ -171,7 +176,7 @@ class DecodeGraphs:
                 self._graphs[(b, lora)] = self._capture(b, lora)
                 made += 1
             if slots and self.capture and b not in self.lora_us:
-                self.lora_us[b] = self._calibrate(b)
+                self._calibrate(b, slots)
         return made
 
     def run(self, items: list, logit_rows: list[int] | None) -> torch.Tensor:
@@ -187,7 +192,7 @@ class DecodeGraphs:
             out = self._forward(b, lora)  # CPU: the static-buffer forward, eagerly
         else:
             graph.replay()
-        self.last_lora_us = (self.lora_us[b] if lora else 0) if graph is not None else None
+        self.last_lora_us = self.lora_share(b, items) if graph is not None else None
         assert out is not None
         if logit_rows is None:
             return out[:batch]
@@ -223,8 +228,17 @@ class DecodeGraphs:
                     graph.replay()
                 assert out is not None
                 chosen.append(sample(out[:batch]))
-        self.last_lora_us = (self.lora_us[b] if lora else 0) if graph is not None else None
+        self.last_lora_us = self.lora_share(b, items) if graph is not None else None
         return chosen
+
+    def lora_share(self, b: int, items: list) -> int:
+        """The calibrated LoRA µs of a replay of bucket b with these items (module docstring, "Timing"): 0 without
+        adapter rows, the one-row floor with one, the all-row figure with b, in proportion to the rows between."""
+        k = sum(1 for it in items if it.lora_slot >= 0)
+        if k == 0:
+            return 0
+        full, floor = self.lora_us[b], self.lora_floor_us[b]
+        return full if k >= b else floor + (full - floor) * (k - 1) // (b - 1)
 
     # ---- internals
 
@@ -243,14 +257,15 @@ class DecodeGraphs:
         ids[batch:], pos[batch:], slots[batch:], lens[batch:], adapters[batch:] = 0, 0, self.scratch_block * bs, 1, -1
         tables[batch:b, 0] = self.scratch_block
 
-    def _stage_single(self, items: list, b: int, slots: Sequence[int] = ()) -> None:
-        """Stage a single step (its rows cycling over `slots` when given: prepare_all's padding rows) in the last row and
-        copy it to the device, once the last such copy is made (CopyFence)."""
+    def _stage_single(self, items: list, b: int, slots: Sequence[int] = (), adapter_rows: int | None = None) -> None:
+        """Stage a single step (with `slots`, padding rows cycling over them, the first `adapter_rows` of them, all by
+        default: the synthetic steps of prepare_all and of the calibration) in the last row and copy it to the device,
+        once the last such copy is made (CopyFence)."""
         self._single.wait()
         self._fill(items, b, row=-1)
         if slots:
-            mb = self.sizes[-1]
-            self._host_np[-1][4 * mb : 4 * mb + b] = [slots[i % len(slots)] for i in range(b)]
+            mb, k = self.sizes[-1], b if adapter_rows is None else adapter_rows
+            self._host_np[-1][4 * mb : 4 * mb + b] = [slots[i % len(slots)] if i < k else -1 for i in range(b)]
         self._dev.copy_(self._host[-1], non_blocking=True)
         self._single.copied()
 
@@ -286,11 +301,16 @@ class DecodeGraphs:
             return None, None
         return capture(lambda: self._forward(b, lora), self.lora, self._pool)
 
-    def _calibrate(self, b: int) -> int:
-        """µs the LoRA ops add to a replay of bucket b (module docstring, "Timing")."""
+    def _calibrate(self, b: int, slots: Sequence[int]) -> None:
+        """The µs the LoRA ops add to a replay of bucket b with every row an adapter's (cycling over `slots`) and with
+        one adapter row (module docstring, "Timing"), on synthetic rows: they write K/V only into the scratch block.
+        The caller stages its own step again after this."""
         with_lora, without = self._graphs[(b, True)][0], self._graphs[(b, False)][0]
-        assert with_lora is not None and without is not None
-        return lora_share_us(with_lora, without)
+        assert with_lora is not None and without is not None and slots
+        self._stage_single([], b, slots)
+        self.lora_us[b] = lora_share_us(with_lora, without)
+        self._stage_single([], b, slots, adapter_rows=1)
+        self.lora_floor_us[b] = min(self.lora_us[b], lora_share_us(with_lora, without))
 
 
 def capture(forward: Callable[[], torch.Tensor], lora: LoraState, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -543,7 +543,8 @@ def test_capturing_every_bucket_up_front_changes_no_token(short_engine):
     assert short_engine.adapters.resident_slots(), "the fixture's adapters are in slots"
     assert short_engine.capture_decode_graphs() == 2 * len(SIZES)
     assert set(graphs._graphs) == {(b, lora) for b in SIZES for lora in (False, True)}
-    assert set(graphs.lora_us) == (set(SIZES) if graphs.capture else set())
+    assert set(graphs.lora_us) == set(graphs.lora_floor_us) == (set(SIZES) if graphs.capture else set())
+    assert all(0 <= graphs.lora_floor_us[b] <= graphs.lora_us[b] for b in graphs.lora_us)
     assert short_engine.capture_decode_graphs() == 0
     upfront = short_engine.generate(reqs)
     assert all(r.ok for r in lazily + upfront)
@@ -572,3 +573,19 @@ def test_a_chained_cycle_is_timed_from_its_launch_less_the_wait_for_its_round(sh
     assert engine._launched_ns is None
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_graphed_steps_lora_share_goes_from_the_one_row_floor_to_the_full_bucket(short_engine, monkeypatch):
+    """A replay's LoRA µs (engine.cuda_graphs, "Timing"): none without adapter rows, the bucket's one-row calibration
+    with one, its all-row one with every row, and in proportion to the adapter rows between: a step's lone adapter
+    row no longer pays for a bucket calibrated on 8 of them. What the engine books is that share (capped at the step's
+    total), so the shares of a step still sum to its measured time."""
+    graphs = short_engine.runner.graphs
+    monkeypatch.setattr(graphs, "lora_us", {8: 800})
+    monkeypatch.setattr(graphs, "lora_floor_us", {8: 100})
+
+    def items(k: int, n: int = 8) -> list[BatchItem]:
+        return [BatchItem(f"s{i}", (5,), 3, lora_slot=0 if i < k else -1) for i in range(n)]
+
+    assert [graphs.lora_share(8, items(k)) for k in range(9)] == [0, 100, 200, 300, 400, 500, 600, 700, 800]
+    assert graphs.lora_share(8, items(5, n=5)) == 500  # 5 rows in bucket 8, all with adapters: by rows, not the batch
