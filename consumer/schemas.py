@@ -260,6 +260,7 @@ _WHAT_TO_SEND = {
     "request_id": _IDENT_RULE, "batch_id": _IDENT_RULE, "user_id": _IDENT_RULE, "session_id": _IDENT_RULE,
     "tenant_id": "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit",
     "adapter_ref": "`name` or `name@version` as a string (1 to 160 of A-Za-z0-9_.-/, then @N)",
+    "adapter": "`name` or `name@version` as a string (1 to 160 of A-Za-z0-9_.-/, then @N)",
     "prompt": "a non-empty string",
     "messages": 'a non-empty list of {"role": "system" | "user" | "assistant" | "tool", "content": "text"} objects',
     "input_ids": f"a non-empty list of token ids 0..{MAX_TOKEN_ID}",
@@ -268,6 +269,16 @@ _WHAT_TO_SEND = {
     "v": "the integer 1, or leave it out",
     "on_quota": '"wait" or "fail"',
 }
+
+
+_SHOWN_CHARS = 64  # of a field name the producer wrote, in an error: a key may be the megabyte its message allows
+
+
+def shown_name(name: str) -> str:
+    """A field name as an error shows it: a lone surrogate escaped (`\\ud800`: the result must be UTF-8), and past
+    _SHOWN_CHARS characters cut, with its length (the name echoed whole made a failed result too large to publish)."""
+    text = name.encode("utf-8", "backslashreplace").decode()
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(name)} characters)"
 
 
 def error_field(e: dict) -> str | None:
@@ -281,6 +292,7 @@ def describe(e: dict, total: int, field: str | None = None) -> ErrorInfo:
     `field` names the job field as its sender wrote it (an OpenAI Batch line's `body.max_tokens`), when not as the job
     does."""
     field = field or error_field(e)
+    field = shown_name(field) if field else None
     msg = e["msg"].removeprefix("Value error, ")
     allowed = _allowed(str(e["loc"][0])) if e["loc"] and e["type"] in _RANGE_ERRORS else None
     if e["loc"] and str(e["loc"][0]) == "input_ids" and e["type"] in _RANGE_ERRORS:
@@ -349,6 +361,22 @@ def _given_twice(data: dict, key: str, obj: dict) -> str:
                  for i, item in enumerate(value) if item is obj), key)
 
 
+def _name_not_text(data: dict) -> str | None:
+    """The first key of the job object or of a chat message that holds a lone surrogate, as its field path (pydantic
+    refuses such an object whole, naming no key: 'unable to parse raw data as a unicode string')."""
+    messages = data.get("messages")
+    objs = [("", data)] + ([(f"messages.{i}.", m) for i, m in enumerate(messages) if isinstance(m, dict)]
+                           if isinstance(messages, list) else [])
+    for prefix, obj in objs:
+        for key in obj:
+            if not key.isascii():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return prefix + shown_name(key)
+    return None
+
+
 def parse_job(raw: bytes | None) -> Job | Rejection:
     """Decode and validate one message value."""
     if raw is None:
@@ -372,12 +400,16 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
         # Strict as the types are: which of two values the producer meant is not guessed. A repeated identity cannot
         # be answered under either value (its job may be another tenant's).
         key, obj = repeated[0]
-        field = _given_twice(data, key, obj)
+        field = shown_name(_given_twice(data, key, obj))
         if obj is data and key in ids:
             ids[key] = None
         info = ErrorInfo(code="invalid_job", field=field, message=f"{field}: given twice in one object (JSON readers "
                          f"differ on which value counts); give each field once")
         return Rejection(info, not (obj is data and key in ("request_id", "tenant_id", "v")) and _usable(ids, data), **ids)
+    if (field := _name_not_text(data)) is not None:
+        info = ErrorInfo(code="invalid_job", field=field, message=f"{field}: this field name holds a lone UTF-16 surrogate, "
+                         f"which is not text; remove the field (the README's \"Job and result contract\" lists the known fields)")
+        return Rejection(info, _usable(ids, data), **ids)
     try:
         return Job.model_validate(data)
     except ValidationError as e:

@@ -213,6 +213,8 @@ def test_a_field_given_twice_is_refused_not_guessed(raw, field, addressable):
         ({"user_id": "has space"}, "user_id", "send 1 to 128 ASCII letters"),
         ({"prompt": None, "input_ids": [1, -1]}, "input_ids.1", "send a value in 0..2147483647 for each token id"),
         ({"logprobs": True}, "logprobs", "logprobs: Input should be a valid integer; send a value in 0..20"),
+        ({"adapter_ref": None, "adapter": 1}, "adapter", "send `name` or `name@version`"),  # the older name says it too
+        ({"adapter_ref": None, "adapter": "bad name!"}, "adapter", "send `name` or `name@version`"),
     ],
 )
 def test_every_rejection_says_what_to_send(fields, field, says):
@@ -223,3 +225,47 @@ def test_every_rejection_says_what_to_send(fields, field, says):
     assert isinstance(rej, Rejection) and rej.addressable
     assert rej.error.field == field and says in rej.error.message, rej.error
     assert "fix the value and send the job again" not in rej.error.message
+
+
+def _result_body(rej: Rejection) -> str:
+    """The failed result a worker publishes for an addressable rejection, as the broker gets it."""
+    from datetime import UTC, datetime
+
+    from consumer.outcomes import failed_before_engine
+
+    result, _ = failed_before_engine((rej.request_id, rej.tenant_id, rej.batch_id), rej.error, datetime.now(UTC), "w")
+    return result.model_dump_json()
+
+
+_ODD = b'{"request_id": "r1", "tenant_id": "acme", '
+
+
+@pytest.mark.parametrize(("raw", "field", "says"), [
+    (_ODD + b'"prompt": "x", "\\ud800": 1}', "\\ud800", "lone UTF-16 surrogate"),
+    (_ODD + b'"messages": [{"role": "user", "content": "x", "a\\udc00": 1}]}', "messages.0.a\\udc00", "lone UTF-16 surrogate"),
+    (_ODD + b'"prompt": "x", "\\ud800": 1, "\\ud800": 2}', "\\ud800", "given twice"),
+])
+def test_a_field_name_that_is_not_text_is_named_and_its_result_can_be_sent(raw, field, says):
+    """A key holding a lone surrogate escape: pydantic said 'Input should be a valid string, unable to parse raw data
+    as a unicode string' naming no field (or only `messages.0`), and a key given twice was echoed as it came, so the
+    failed result could not be encoded as UTF-8 and the job went to the DLQ as `undeliverable`, without its identity.
+    The error names the key, escaped, and says to remove it; the result is sendable."""
+    rej = parse_job(raw)
+    assert isinstance(rej, Rejection) and rej.addressable and rej.error.code == "invalid_job", rej
+    assert rej.error.field == field and rej.error.message.startswith(f"{field}: ") and says in rej.error.message, rej.error
+    assert "fix the value" not in rej.error.message
+    _result_body(rej).encode()
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_huge_field_name_is_echoed_short(twice):
+    """An unknown key of 300,000 characters was echoed whole as `error.field` and twice more in the message: the failed
+    result (900 KB; over kafka.max_message_bytes with a larger key) was replaced by `result_too_large` telling the
+    producer to ask for fewer max_new_tokens. The name is cut; the error still says what to do."""
+    name = "x" * 300_000
+    raw = _ODD + b'"prompt": "p", "' + name.encode() + b'": 1' + (b', "' + name.encode() + b'": 2' if twice else b"") + b"}"
+    rej = parse_job(raw)
+    assert isinstance(rej, Rejection) and rej.addressable and rej.error.code == "invalid_job", rej
+    assert rej.error.field.startswith("xxxx") and len(rej.error.field) <= 100, rej.error.field[:200]
+    assert ("given twice" if twice else "remove") in rej.error.message and "300000 characters" in rej.error.message
+    assert len(_result_body(rej)) < 2_000
