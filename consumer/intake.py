@@ -37,6 +37,7 @@ from consumer.schemas import ErrorInfo, Job, Rejection, Result, dlq_record, pars
 from consumer.spool import Spool
 from consumer.stages import Stamps
 from consumer.undecodable import undecodable
+from engine.config import EngineConfig
 
 log = logging.getLogger("lorabatch.worker")
 
@@ -165,7 +166,7 @@ class Intake:
                 continue
             self.metrics.route(route.reason)
             self.metrics.route_decision.observe(route.routing_us / 1e6)
-            tokens = estimate_tokens(job)
+            tokens = estimate_tokens(job, self.s.engine)
             if job.on_quota == "fail" and self.scheduler.over_quota(job.tenant_id, tokens):
                 t = self.snapshot.tenants[job.tenant_id]
                 # Not an answer to keep: nothing ran, so the same request_id may be sent again later.
@@ -215,13 +216,13 @@ class Intake:
     def _park(self, key: Key, copies: list[Copy]) -> None:
         self.running[key].extend(copies)
         self.parked += len(copies)
-        self.parked_tokens += sum(estimate_tokens(c.parsed) for c in copies if isinstance(c.parsed, Job))
+        self.parked_tokens += sum(estimate_tokens(c.parsed, self.s.engine) for c in copies if isinstance(c.parsed, Job))
 
     def _unpark(self, key: Key) -> list[Copy]:
         """The key's first message is answered or left: it leaves `running`, with the copies that waited for it."""
         copies = self.running.pop(key, [])
         self.parked -= len(copies)
-        self.parked_tokens -= sum(estimate_tokens(c.parsed) for c in copies if isinstance(c.parsed, Job))
+        self.parked_tokens -= sum(estimate_tokens(c.parsed, self.s.engine) for c in copies if isinstance(c.parsed, Job))
         return copies
 
     def answer(self, key: Key, outcome: Outcome, *, keep: bool = True) -> None:
@@ -301,15 +302,17 @@ class Intake:
         await self.admit([(first.tp, first.offset, first.epoch, first.parsed)], datetime.now(UTC))
 
 
-def estimate_tokens(job: Job) -> int:
-    """Tokens a job can occupy, for cutting batches and fair shares (the engine counts exactly)."""
+def estimate_tokens(job: Job, engine: EngineConfig) -> int:
+    """Tokens a job can occupy, for cutting batches, fair shares and token quotas (the engine counts exactly): at most
+    what the engine runs for one request. A job over its limits is refused there having run nothing; counted at its own
+    word, max_new_tokens=131072 took that much of its tenant's token quota (13 minutes of a 10,000-a-minute one)."""
     if job.input_ids is not None:
         prompt = len(job.input_ids)
     elif job.prompt is not None:
         prompt = len(job.prompt) // 3 + 1
     else:
         prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
-    return prompt + job.max_new_tokens
+    return min(prompt, engine.max_prompt_tokens) + min(job.max_new_tokens, engine.max_new_tokens)
 
 
 def stepped_over(e: Exception) -> tuple[TopicPartition, int, int] | None:

@@ -8,6 +8,7 @@ import json
 import logging
 import random
 import tracemalloc
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -114,7 +115,7 @@ def test_copies_of_a_waiting_request_are_counted_until_its_answer():
     value = _job("r1", "x" * 3_000)
     asyncio.run(intake.ingest([(TP, _message(i, value), 1) for i in range(1, 51)]))
     assert not emitted and len(intake.running[key]) == 50
-    assert (intake.parked, intake.parked_tokens) == (50, 50 * estimate_tokens(parse_job(value)))
+    assert (intake.parked, intake.parked_tokens) == (50, 50 * estimate_tokens(parse_job(value), Settings().engine))
     intake.answer(key, Outcome(TP, 0, result=Result(request_id="r1", tenant_id="acme", status="succeeded"), epoch=1), keep=False)
     assert len(emitted) == 51 and key not in intake.running
     assert (intake.parked, intake.parked_tokens) == (0, 0)
@@ -213,3 +214,46 @@ def test_the_answer_cache_holds_its_count_and_its_bytes(tokens, text, kept):
     assert len(emitted) == 3_000 and len(intake.answers) == kept
     assert list(intake.answers) == [("acme", f"r{i}") for i in range(3_000 - kept, 3_000)]  # the newest
     assert intake.answers_bytes == sum(answer_bytes(r) for r in intake.answers.values()) <= 1_000 * ANSWER_BYTES
+
+
+class _BaseRouter:
+    """Routes every job to the base model."""
+
+    async def route_batch(self, snapshot, classifier, jobs):
+        from consumer.routing import Route
+
+        return [Route(None, "base_model", 5) for _ in jobs]
+
+
+@pytest.mark.parametrize("big", [
+    {"max_new_tokens": 131_072},  # the contract's bound: the engine (engine.max_new_tokens=256) refuses it
+    {"prompt": "x" * 900_000},  # ~300,000 tokens by the estimate: over engine.max_prompt_tokens=1024
+])
+def test_a_job_over_the_engines_limits_does_not_spend_its_tenants_quota_for_minutes(big):
+    """A job the engine must refuse (it runs no token) was charged to its tenant's token bucket at its own word:
+    max_new_tokens=131072 took 131,073 tokens of a 10,000-per-minute bucket, and the tenant's next small job asking
+    on_quota="fail" failed with quota_exceeded for the next 12 minutes (a "wait" one waited as long). A job's tokens, for
+    quotas, batches and fair shares, count no more than the engine can run for one request."""
+    from consumer.tenants import TenantView
+
+    clock = Clock()
+    settings = Settings()
+    scheduler = Scheduler(8, 8192, 4, clock=clock)
+    from consumer.scheduler import TenantPolicy
+
+    scheduler.set_policy("acme", TenantPolicy(1, 0, 10_000))
+    tenant = TenantView("acme", "Acme", "standard", 1, 0, 10_000)
+    intake = Intake(settings, WorkerMetrics(), "w1", scheduler, _BaseRouter(), None, None, asyncio.Event(),
+                    SimpleNamespace(rules=[], tenants={"acme": tenant}))
+    emitted: list = []
+    intake.deliverer = SimpleNamespace(emit=emitted.append)
+    first = parse_job(json.dumps({"request_id": "big", "tenant_id": "acme", "prompt": "hi", **big}).encode())
+    asyncio.run(intake.admit([(TP, 0, 1, first)], datetime.now(UTC)))
+    (p,) = scheduler.pop_batch()
+    limits = settings.engine
+    assert p.tokens <= limits.max_prompt_tokens + limits.max_new_tokens, p.tokens
+    clock.t += 1.0
+    small = parse_job(_job("small", "hello").replace(b'"max_new_tokens": 4', b'"max_new_tokens": 4, "on_quota": "fail"'))
+    asyncio.run(intake.admit([(TP, 1, 1, small)], datetime.now(UTC)))
+    assert not emitted, emitted[0].result.error
+    assert [q.payload.job.request_id for q in scheduler.pop_batch()] == ["small"]
