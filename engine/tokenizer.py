@@ -93,6 +93,9 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
 
+_MAX_HELD = 8  # tokens IncrementalDetokenizer waits on for a character to complete
+
+
 class IncrementalDetokenizer:
     """Text of a growing list of generated ids, extended one token at a time.
 
@@ -115,7 +118,10 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         before = self.tokenizer.decode(self.ids[self._prefix : self._read])
         after = self.tokenizer.decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        # A character is at most 4 bytes and a token at least one: held longer than _MAX_HELD tokens, the trailing
+        # U+FFFD is bytes no character completes (a run of lone continuation bytes), and waiting on made each push
+        # decode the whole run again (8,192 such tokens: 2.6 s of the engine's thread).
+        if len(after) > len(before) and not after.endswith("\ufffd") or len(self.ids) - self._read > _MAX_HELD:
             new = after[len(before) :]
             self.text += new
             self._prefix, self._read = self._read, len(self.ids)

@@ -301,3 +301,26 @@ def test_check_sampling_refuses_non_finite_and_mistyped_params(field, value, ok)
         with pytest.raises(RequestError) as err:
             check_sampling(sp, EngineConfig(model_dir="unused"))
         assert err.value.code == "invalid_sampling_params" and field in str(err.value)
+
+
+def test_incremental_detokenizer_work_stays_linear_on_bytes_that_never_form_text(demo_set):
+    """Tokens whose text ends in U+FFFD for ever (a lone UTF-8 continuation byte, repeated: a job's input_ids can show
+    the model a run of them, and models repeat what they are shown) were held back whole as a character in the making,
+    each push decoding all of them again: 8,192 such tokens of a job with stop strings took 2.6 s of the engine's
+    thread, 32,768 about 40 s. A character is at most 4 bytes, so past a few tokens what is held is text, U+FFFD and all."""
+    tok = Tokenizer(demo_set["model"])
+    lone = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x80")
+    decoded = [0]
+    plain = tok.decode
+
+    def counting(ids, **kw):
+        decoded[0] += len(ids)
+        return plain(ids, **kw)
+
+    tok.decode = counting
+    detok = IncrementalDetokenizer(tok)
+    n = 2_000
+    for _ in range(n):
+        detok.push(lone)
+    assert decoded[0] <= 50 * n, decoded[0]  # held back whole: n * n tokens decoded
+    assert plain([lone] * n).startswith(detok.text) and len(detok.text) >= n - 9  # what is still held is a few tokens
