@@ -10,11 +10,12 @@ LedgerConfig.gpu_kind. A tier with no entry in effect has no token price: its to
 counted as unpriced, never priced at a guess.
 
 Setting an entry for a kind (or tier) and day that already has one replaces it. Closed invoices keep
-the prices they were closed with; only drafts follow a change. A GPU price that would reach a month closed for some
-tenants and not others is refused (its cold-start spread, frozen at its first close with each share's price, would
-leave the rest billing usage and cold start at two prices), and so is any price whose days reach a month closed for
-everyone: that month's late usage is billed on an open month's adjustment lines at the prices the month was closed
-with, and a price set afterwards would reprice those lines alone.
+the prices they were closed with; only drafts follow a change. A price that would reach a month closed for some
+tenants and not others is refused: a GPU price because its cold-start spread, frozen at its first close with each
+share's price, would leave the rest billing usage and cold start at two prices; a token price because a closed tenant's
+late usage of its days would be billed at the new price and its closed invoice billed them at the old. So is any price
+whose days reach a month closed for everyone: that month's late usage is billed on an open month's adjustment lines
+at the prices the month was closed with, and a price set afterwards would reprice those lines alone.
 
 Each entry is in the currency it was set in (revision 0012; the ledger.currency of the process that set it). An
 invoice is priced only with entries of its own currency: usage that the entry in effect would price in another one is
@@ -104,7 +105,8 @@ def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effect
             GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
         _refuse_a_closed_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until,
                                f"lorabatch prices set-gpu {entry.gpu_kind} PRICE --from DAY")
-        _refuse_a_split_month(session, entry, until)
+        _refuse_a_split_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until, _SPREAD_FROZEN,
+                              _late_load(entry, until))
         session.execute(statement)
     return entry
 
@@ -138,27 +140,43 @@ def _refuse_a_closed_month(session: Session, what: str, effective_from: datetime
             f"set the price from {period_start(next_period(closed[-1])).date()} or later (`{command}`)")
 
 
-def _refuse_a_split_month(session: Session, entry: GpuPriceEntry, until: datetime | None) -> None:
-    """Refuse a GPU price whose days would reach the cold-start spread of a month that is closed for some tenants and
-    not for others. That spread was frozen, with each share's price, at the month's first close: the other tenants'
-    drafts would bill their usage at the new price and their cold-start shares at the old one, and close so (measured:
-    after acme's close, 3.60 set for October left globex's draft with usage at 3.60 and its cold-start share at 7.20).
-    The days the entry prices run from its midnight to the kind's next entry; a frozen month is reached when they
-    overlap it, or when its spread holds a load of this kind (or of none recorded) made in them (a late load)."""
-    split = BillingPeriod.spread_frozen_at.is_not(None) & BillingPeriod.closed_at.is_(None)
-    in_days = _days_reach(entry.effective_from, until)
-    late_load = (select(AdapterLoad.id).where(
+_SPREAD_FROZEN = "its cold-start spread was frozen with its GPU prices at its first close"
+_TOKENS_CLOSED = "its closed invoices billed its days at the old prices, and their tenants' late usage would be billed at the new"
+
+
+def _late_load(entry: GpuPriceEntry, until: datetime | None) -> ColumnElement[bool]:
+    """SQL: the month (BillingPeriod) bills an adapter load of `entry`'s kind (or of none recorded) made in its days, to
+    `until`: a late load that the month's cold-start spread took, priced by this entry."""
+    return (select(AdapterLoad.id).where(
         AdapterLoad.invoice_period == BillingPeriod.period, AdapterLoad.created_at >= entry.effective_from,
         (AdapterLoad.gpu_kind == entry.gpu_kind) | AdapterLoad.gpu_kind.is_(None),
         *([AdapterLoad.created_at < until] if until is not None else [])).exists())
-    reached = session.scalars(select(BillingPeriod.period).where(split & (in_days | late_load)).order_by(BillingPeriod.period)).all()
+
+
+def _refuse_a_split_month(session: Session, what: str, effective_from: datetime, until: datetime | None, why: str,
+                          late_load: ColumnElement[bool] | None = None) -> None:
+    """Refuse a price (GPU or token) whose days would reach a month that is closed for some tenants and not for others.
+
+    A GPU price: the month's cold-start spread was frozen, with each share's price, at its first close; the other
+    tenants' drafts would bill their usage at the new price and their cold-start shares at the old one, and close so
+    (measured: after acme's close, 3.60 set for October left globex's draft with usage at 3.60 and its cold-start share
+    at 7.20). Such a month is reached also through `late_load` (_late_load), a load of the price's days that it bills.
+    A token price: a closed tenant's late usage of those days is billed on its next open month's adjustment line at the
+    new price, while its closed invoice billed the same days at the old one (measured: acme's October closed at 0.20,
+    0.50 set from October 1 billed its late October usage at 0.50 on November's "adjustment for 2026-10" line). Any tier:
+    whether a closed invoice billed the tier in that month is not asked (the way out, closing the rest, is cheap).
+    The days an entry prices run from its midnight to `until`, the next entry of its kind or tier (None: none)."""
+    split = BillingPeriod.spread_frozen_at.is_not(None) & BillingPeriod.closed_at.is_(None)
+    reach = _days_reach(effective_from, until)
+    if late_load is not None:
+        reach |= late_load
+    reached = session.scalars(select(BillingPeriod.period).where(split & reach).order_by(BillingPeriod.period)).all()
     if reached:
-        later = max(period_of(entry.effective_from), *reached)
+        later = max(period_of(effective_from), *reached)
         raise PriceError(
-            f"a {entry.gpu_kind} price from {entry.effective_from.date()} would change {', '.join(reached)}, whose invoices "
-            f"are closed for some tenants and not yet for others (its cold-start spread was frozen with its prices at its "
-            f"first close): close the rest of {', '.join(reached)} first (`lorabatch invoice --close-period`), or set the "
-            f"price from {period_start(next_period(later)).date()}")
+            f"{what} from {effective_from.date()} would change {', '.join(reached)}, whose invoices are closed for some "
+            f"tenants and not yet for others ({why}): close the rest of {', '.join(reached)} first "
+            f"(`lorabatch invoice --close-period`), or set the price from {period_start(next_period(later)).date()}")
 
 
 def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, output_per_million: Decimal, effective_from: date, *,
@@ -184,6 +202,7 @@ def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, outpu
             TokenPrice.tier == entry.tier, TokenPrice.effective_from > entry.effective_from).order_by(TokenPrice.effective_from).limit(1))
         _refuse_a_closed_month(session, f"a {entry.tier} token price", entry.effective_from, until,
                                f"lorabatch prices set-tokens {entry.tier} --input P --output P --from DAY")
+        _refuse_a_split_month(session, f"a {entry.tier} token price", entry.effective_from, until, _TOKENS_CLOSED)
         session.execute(statement)
     return entry
 

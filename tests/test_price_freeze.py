@@ -1,7 +1,9 @@
-"""A GPU price may not reach a month closed for some tenants and not for others (billing.prices._refuse_a_split_month).
+"""A price may not reach a month closed for some tenants and not for others (billing.prices._refuse_a_split_month).
 
-The month's cold-start spread is frozen, with each share's GPU price, at its first close; a price set afterwards for
+The month's cold-start spread is frozen, with each share's GPU price, at its first close; a GPU price set afterwards for
 its days made the other tenants' drafts bill their usage at the new price and their cold-start shares at the old one.
+A token price set afterwards billed a closed tenant's late usage of those days at the new price on the next month's
+adjustment line, while its closed invoice had billed the same days at the old one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from billing.closing import close_invoice, close_period
 from billing.errors import PriceError
 from billing.invoice import build_invoice
 from billing.ledger import Ledger
-from billing.prices import gpu_price_list, set_gpu_price
+from billing.prices import gpu_price_list, set_gpu_price, set_token_price, token_price_list
 from tests.test_closing import CONFIG, DEC_2, NOV_2, PRICE, S1, ledger, nov, oct_, october  # noqa: F401  (fixtures)
 from tests.test_ledger import load_record, usage_record
 
@@ -66,3 +68,24 @@ def test_a_late_load_frozen_in_a_split_month_keeps_its_price(ledger: Ledger, eng
             set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 10, day), currency="USD")
     with pytest.raises(PriceError, match="from 2026-11-01 would change 2026-11, .*or set the price from 2026-12-01"):
         set_gpu_price(engine, "default", Decimal("2.00"), date(2026, 11, 1), currency="USD")
+
+
+def test_a_token_price_into_a_month_closed_for_one_tenant_is_refused(ledger: Ledger, engine: Engine) -> None:
+    """The finance audit's case: acme's October closed at 0.20 per million input tokens; a 0.50 entry from October 1 was
+    taken, and acme's late October usage was billed at 0.50 on November's "adjustment for 2026-10" line while its closed
+    invoice billed the same days at 0.20. Now refused, whatever the tier (premium: no closed invoice billed any)."""
+    set_token_price(engine, "standard", Decimal("0.20"), Decimal("0.60"), date(2026, 1, 1), currency="USD")
+    ledger.record_usage([usage_record(f"r-{t}", tenant_id=t, created_at=oct_(5), tier="standard", input_tokens=1_000_000)
+                         for t in ("acme", "globex")])
+    close_invoice(engine, CONFIG, "acme", "2026-10", now=NOV_2)
+    for tier, day in (("standard", date(2026, 10, 1)), ("standard", date(2026, 9, 15)), ("premium", date(2026, 10, 20))):
+        with pytest.raises(PriceError, match=rf"a {tier} token price from {day} would change 2026-10, whose invoices are "
+                                             r"closed for some tenants .*--close-period.*or set the price from 2026-11-01"):
+            set_token_price(engine, tier, Decimal("0.50"), Decimal("0.60"), day, currency="USD")
+    with Session(engine) as session:
+        assert [(e.tier, e.effective_from.date()) for e in token_price_list(session)] == [("standard", date(2026, 1, 1))]
+    ledger.record_usage([usage_record("late", created_at=oct_(5), tier="standard", input_tokens=1_000_000)])
+    adjustment = [line for line in build_invoice(engine, "acme", "2026-11", CONFIG, now=DEC_2).lines if line.adjustment_for == "2026-10"]
+    assert [line.revenue for line in adjustment] == [Decimal("0.2")]  # the price acme's October closed with
+    assert build_invoice(engine, "globex", "2026-10", CONFIG, now=NOV_2).totals.revenue == Decimal("0.2")
+    set_token_price(engine, "standard", Decimal("0.50"), Decimal("0.60"), date(2026, 11, 1), currency="USD")  # the next month: taken

@@ -87,21 +87,22 @@ def test_finance_report_is_in_its_invoices_currency(october: Engine) -> None:
     Closed in USD, the month's report under a config saying EUR said "EUR" over the USD amounts; acme closed in USD
     beside globex's EUR draft were added up into one total. globex's draft under EUR is refused first now: its tokens
     would be priced with the USD entries (billing/prices.py); with EUR entries, the two currencies are (MixedCurrencyError).
+    No price may reach a month closed for some tenants (billing/prices.py), so November's EUR entry is set before its close.
     """
-    nov = datetime(2026, 11, 2, tzinfo=timezone.utc)
+    nov, dec = (datetime(2026, month, 2, tzinfo=timezone.utc) for month in (11, 12))
     eur = CONFIG.model_copy(update={"currency": "EUR"})
     close_invoice(october, CONFIG, "acme", "2026-10", now=nov)
     with pytest.raises(PriceCurrencyError, match=r"set in USD, and this invoice is in ledger.currency EUR"):
         finance_report(october, "2026-10", eur)
-    for tier in ("premium", "standard"):
-        set_token_price(october, tier, Decimal("1"), Decimal("0"), date(2026, 10, 1), currency="EUR")
-    with pytest.raises(MixedCurrencyError, match=r"2 currencies \(EUR: globex \(draft\); USD: acme \(closed\)\).*ledger.currency"):
-        finance_report(october, "2026-10", eur)
-    for tier, price in (("premium", "2.00"), ("standard", "0.50")):
-        set_token_price(october, tier, Decimal(price), Decimal("0"), date(2026, 10, 1), currency="USD")
     close_period(october, CONFIG, "2026-10", now=nov)
     report = finance_report(october, "2026-10", eur)
     assert report.currency == "USD" and report.cost == finance_report(october, "2026-10", CONFIG).cost
+    set_token_price(october, "standard", Decimal("1"), Decimal("0"), date(2026, 11, 1), currency="EUR")
+    Ledger(october, CONFIG.model_copy(update={"url": str(october.url)})).record_usage([
+        usage_record("n1", tenant_id="globex", created_at=nov + timedelta(days=1), input_tokens=10)])
+    close_invoice(october, CONFIG, "acme", "2026-11", now=dec)  # no usage: an empty invoice, closed in USD
+    with pytest.raises(MixedCurrencyError, match=r"2 currencies \(EUR: globex \(draft\); USD: acme \(closed\)\).*ledger.currency"):
+        finance_report(october, "2026-11", eur)
 
 
 def test_sre_report_by_hand(october: Engine) -> None:
