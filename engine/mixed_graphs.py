@@ -7,7 +7,7 @@ beside 60 decode rows, 11.5-14 ms on the device against 2.6 for a decode step (e
 from a graph the same step costs its kernels.
 
 Buckets. A step of n tokens whose longest item has q new tokens replays the graph of bucket (T, Q): T the smallest
-token bucket >= n (powers of two from 64 and their midpoints 96, 192, ... below `max_tokens`, then `max_tokens`), Q the smallest query bucket >= q
+token bucket >= n (powers of two from 64 below `max_tokens`, then `max_tokens`), Q the smallest query bucket >= q
 (16, 64, 256, ... by fours below T, then T). The grids of the attention and LoRA kernels are sized by Q and by the
 batch, and their programs past an item's own length return at once, so a bound is all a bucket needs; the coarse
 steps of Q keep the graphs few (18 pairs for 2,048 tokens). Each pair has a graph with the LoRA ops and one without.
@@ -51,12 +51,12 @@ _MIN_TOKENS, _MIN_QUERY = 64, 16
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 64 and the midpoints between them (96, 192, 384, ...) below `max_tokens`, then `max_tokens`
-    itself: a step pads at most a third of its bucket. The refills of a cold pass are steps of a few prompts (a few
-    hundred tokens): with powers of two alone, 4 prompts of 143 tokens ran 1,024 token rows through every GEMM."""
+    """Powers of two from 64 below `max_tokens`, then `max_tokens` itself. Midpoints (96, 192, 384, ...) were measured
+    and left out: 4 prompts beside 60 decode rows (572 tokens) took 4,348 µs in bucket 768 against 4,393 in 1,024 (H100,
+    llama-1b, engine/PERF.md session 33), for twice the graphs to capture."""
     sizes, t = [], _MIN_TOKENS
     while t < max_tokens:
-        sizes += [s for s in (t, t * 3 // 2) if s < max_tokens]
+        sizes.append(t)
         t *= 2
     return (*sizes, max_tokens)
 
