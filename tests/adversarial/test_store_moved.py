@@ -6,6 +6,7 @@ log, and that failure was kept as the request's answer. Now each fails with the 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -28,6 +29,12 @@ async def test_jobs_on_a_moved_store_fail_with_the_adapters_code(broker, tmp_pat
         store = s.store.adapter_dir
         try:
             async with live_worker(s, svc) as lw, Collector(s) as col:
+                # moved once the worker serves: a worker starting takes its id's lock in <store>/.workers and so makes the
+                # store's folder again (as it makes a store that is not there yet), which /readyz then finds in place
+                for _ in range(600):
+                    if lw.worker.metrics.health.phase == "serving" or not lw.alive():
+                        break
+                    await asyncio.sleep(0.05)
                 shutil.move(str(store), str(store) + ".bak")
                 jobs = [{"request_id": f"m-{i}", "tenant_id": ("acme", "globex")[i % 2], "prompt": "hi", "max_new_tokens": 2}
                         for i in range(4)]  # fmt: skip
