@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine.api import EngineError
@@ -25,13 +26,30 @@ from engine.quant import FP8, QUANT_METHOD, Fp8Linear, quantize_fp8
 from engine.rope import inv_frequencies
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the model folder's file `path`; EngineError (model_invalid) naming the file when it is not
+    one (a download cut short, an edit by hand), where a JSONDecodeError or an AttributeError ended the start."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineError(f"{path} is not valid JSON ({e}); download or re-save the model folder's file",
+                          code="model_invalid") from e
+    except OSError as e:
+        raise EngineError(f"{path} cannot be read ({e.strerror}); check its permissions", code="model_invalid") from e
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} holds a JSON {type(data).__name__}, not an object; download or re-save the model "
+                          f"folder's file", code="model_invalid")
+    return data
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise EngineError(f"{path} is missing; engine.model_dir must be a Hugging Face model folder", code="model_missing")
+    data = read_json_object(path)
     try:
-        return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        return ModelConfig.from_hf(data, source=str(path))
+    except (KeyError, TypeError, ValueError) as e:
         raise EngineError(f"{path} is not a usable model config ({type(e).__name__}: {e}); re-save it with transformers", code="model_invalid") from e
 
 
@@ -48,9 +66,14 @@ def read_eos_ids(model_dir: Path) -> tuple[int, ...]:
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+            eos = read_json_object(path).get("eos_token_id")
+            if eos is None:
+                continue
+            ids = eos if isinstance(eos, list) else [eos]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise EngineError(f"{path}: eos_token_id = {json.dumps(eos)} is not a token id or a list of them; "
+                                  f"re-save it with transformers", code="model_invalid")
+            return tuple(ids)
     return ()
 
 
@@ -74,7 +97,7 @@ def is_fp8_folder(model_dir: Path) -> bool:
     path = Path(model_dir) / "config.json"
     try:
         q = json.loads(path.read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, AttributeError):
         return False  # read_model_config says what is wrong with it
     if q is None:
         return False
@@ -206,7 +229,11 @@ def _make_fp8(model: LlamaForCausalLM, fused: dict[str, torch.Tensor], device: t
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise EngineError(f"{index} has no weight_map of tensor names to files; download or re-save the model "
+                              f"folder's file", code="model_invalid")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
@@ -217,5 +244,9 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
                 f"{path} is missing; the engine loads safetensors weights only (convert .bin checkpoints first)",
                 code="model_missing",
             )
-        state.update(load_file(str(path)))
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError) as e:  # a download cut short, a file overwritten
+            raise EngineError(f"{path} is not a readable safetensors file ({e}); download it again",
+                              code="model_invalid") from e
     return state

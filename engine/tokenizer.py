@@ -27,8 +27,13 @@ class Tokenizer:
         if not path.is_file():
             raise EngineError(f"{path} is missing; the engine needs a fast tokenizer (tokenizer.json) in engine.model_dir", code="model_missing")
         config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self._setup(HFTokenizer.from_file(str(path)), config)
+        config = _read_config(config_path) if config_path.is_file() else {}
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise EngineError(f"{path} is not a tokenizer the tokenizers library reads ({e}); download it again",
+                              code="model_invalid") from e
+        self._setup(tok, config)
 
     @classmethod
     def from_tokenizer(cls, tok: HFTokenizer, config: dict | None = None) -> Tokenizer:
@@ -127,6 +132,19 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self.ids)
             return new
         return ""
+
+
+def _read_config(path: Path) -> dict:
+    """tokenizer_config.json's fields; EngineError (model_invalid) naming the file when it holds no JSON object."""
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, OSError) as e:
+        raise EngineError(f"{path} is not readable JSON ({e}); download or re-save the model folder's file",
+                          code="model_invalid") from e
+    if not isinstance(config, dict):
+        raise EngineError(f"{path} holds a JSON {type(config).__name__}, not an object; download or re-save the model "
+                          f"folder's file", code="model_invalid")
+    return config
 
 
 def _token_text(value: object) -> str | None:
