@@ -70,3 +70,13 @@ def test_close_still_names_its_month(config):
     assert "--close freezes an invoice for good: name its month with --period YYYY-MM" in " ".join(out.output.split())
     out = _run(config, "invoice")
     assert out.exit_code == 2 and "pass --tenant T" in out.output
+
+
+@pytest.mark.parametrize("args", [["invoice", "--tenant", "acme"], ["invoice", "--tenant", "acme", "--close"],
+                                  ["report", "finance"], ["report", "sre"], ["report", "reconcile"]])
+def test_an_empty_period_is_refused_not_taken_as_this_month(config, args):
+    """`--period "$P"` with P unset names no month: it is refused as any malformed period is, not read (or closed) as
+    this month's."""
+    out = _run(config, *args, "--period", "")
+    assert out.exit_code == 2, out.output
+    assert "period='' is not a billing period" in " ".join(out.output.split()), out.output

@@ -43,7 +43,7 @@ def invoice(
              f"--tenant {tenant} --period {close_period} --close")  # fmt: skip
     if close and period is None:
         fail("--close freezes an invoice for good: name its month with --period YYYY-MM")
-    period = period or current_month()
+    period = current_month() if period is None else period  # `--period ""` is refused below, not this month
     started = datetime.now(timezone.utc)
     s = settings_from(config)
     svc = open_services(s)

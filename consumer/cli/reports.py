@@ -33,7 +33,7 @@ def run_report(kind: str, period: str | None, fmt: str, output: Path | None, con
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r}: use {', '.join(FORMATS)}")
-    period = period or current_month()
+    period = current_month() if period is None else period  # `--period ""` is refused below, not this month
     s = settings_from(config)
     factor = None
     if flag_factor is not None:
