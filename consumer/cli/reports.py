@@ -7,19 +7,27 @@ from typing import Annotated, Optional
 
 import typer
 
+from consumer.cli.batches import replacing, writable
 from consumer.cli.common import ConfigOpt, current_month, fail, open_services, parse_decimal, settings_from, working
 
 PeriodOpt = Annotated[Optional[str], typer.Option("--period", help="YYYY-MM (a UTC month; default: this month)")]
 OutOpt = Annotated[Optional[Path], typer.Option("-o", "--output", help="write here instead of stdout")]
 
 
-def write_out(text: str, output: Path | None) -> None:
-    """`text` on stdout, or into `output` with a note on stderr."""
+def write_out(text: str, output: Path | None, stream: int | None) -> None:
+    """`text` on stdout, or into `output` with a note on stderr: a file written beside and moved over it, so a write
+    that fails (a full disk) leaves the file there as it was; a stream (`writable`) written to directly."""
     if output is None:
         typer.echo(text, nl=False)
-    else:
-        output.write_text(text, encoding="utf-8")
-        typer.echo(f"wrote {output}", err=True)
+        return
+    try:
+        with open(stream, "w", encoding="utf-8") if stream is not None else replacing(output) as out:
+            out.write(text)
+    except OSError as e:
+        kept = "" if stream is not None else " (the file there is as it was)"
+        fail(f"cannot write -o {output}: {e.strerror or e}; the report was not written{kept}: free space there, or "
+             f"give another path")
+    typer.echo(f"wrote {output}", err=True)
 
 
 def run_report(kind: str, period: str | None, fmt: str, output: Path | None, config: Path | None, flag_factor: str | None = None) -> None:
@@ -35,6 +43,7 @@ def run_report(kind: str, period: str | None, fmt: str, output: Path | None, con
         fail(f"--format {fmt!r}: use {', '.join(FORMATS)}")
     period = current_month() if period is None else period  # `--period ""` is refused below, not this month
     s = settings_from(config)
+    stream = writable(output) if output is not None else None  # before the ledger is read, not after it
     factor = None
     if flag_factor is not None:
         factor = parse_decimal("--flag-factor", flag_factor)
@@ -53,7 +62,7 @@ def run_report(kind: str, period: str | None, fmt: str, output: Path | None, con
         fail(str(e))
     finally:
         svc.close()
-    write_out(render_report(report, fmt), output)
+    write_out(render_report(report, fmt), output, stream)
 
 
 def finance(period: PeriodOpt = None, fmt: Annotated[str, typer.Option("--format", help="table, json, csv or html")] = "table",
