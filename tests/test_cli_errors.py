@@ -533,3 +533,15 @@ def test_a_sqlite_ledger_fault_is_said_as_what_it_is_not_as_unreachable(tmp_path
     assert not any("cannot be reached" in x or "start it" in x for x in said), said
     assert "readonly database" in said[0] and "write access to the ledger file and its folder" in said[0]
     assert "no such table: usage" in said[1] and "run `lorabatch db upgrade`" in said[1]
+
+
+@pytest.mark.parametrize("content", [b"not a ledger\n" * 100, b"SQLite format 3\x00" + b"\x00" * 4080])
+def test_a_ledger_url_naming_a_file_that_is_no_sqlite_database(tmp_path, content):
+    """ledger.url at a file that is not a SQLite database (a typo naming another file, a damaged copy) is said as such;
+    it was told to run `lorabatch db upgrade`, which fails the same way."""
+    (tmp_path / "notes.txt").write_bytes(content)
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{tmp_path / "notes.txt"}"\n')
+    for args in (("tenants", "list"), ("db", "upgrade")):
+        line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg))
+        assert "db upgrade" not in line, line
+        assert "not a SQLite database" in line and "set ledger.url" in line, line

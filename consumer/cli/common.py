@@ -150,6 +150,9 @@ def _sqlite_fault(e: BaseException | None) -> str | None:
         fix = "free space on the ledger file's disk (or check the disk), then run the command again"
     elif "locked" in text or "busy" in text:
         fix = "another process held its write lock past the busy timeout (a `db upgrade`, a long close); run the command again once it ends"
+    elif "not a database" in text or "malformed" in text:  # `db upgrade` fails on it the same way
+        fix = ("the file ledger.url names is not a SQLite database, or a damaged one; set ledger.url to the ledger's "
+               "file, or restore the ledger from a backup")
     elif "unable to open" in text:
         fix = "check that ledger.url names a file in a folder this user can read and write"
     else:
