@@ -153,6 +153,31 @@ class Deliverer:
             await asyncio.sleep(0.01)
         return not self.outbox
 
+    async def bill_published(self) -> int:
+        """At a stop that gave up on the broker (`drain` returned False and the run task is ended): bill the outcomes
+        of the batch in flight whose messages the broker took before it went away, and mark them done; what the ledger
+        does not take is spooled. A batch is billed once all of it is published, so a broker that stopped answering
+        mid-batch (frozen: the sends wait for its acknowledgements) left the answers it had taken unbilled: results
+        the tenants had, and this worker counted as published, with no row. Their next owner runs them again (they
+        stay uncommitted while the broker is away) and writes no second row: the ledger keeps one a request.
+        Returns how many were billed."""
+        done = [o for o in self.outbox if o.published]
+        if not done:
+            return 0
+        billed = [o.usage for o in done if o.usage is not None]
+        try:
+            if billed:
+                await self.write(billed)
+        except SpoolUnavailable as e:
+            log.error("stopping: %d answers the broker took are not billed (%s); their jobs stay uncommitted", len(done), e)
+            return 0
+        for o in done:
+            self.offsets.finished(o.tp, o.offset, o.epoch)
+            if o.result is not None:
+                self._count(o.result)
+        self.outbox[:] = [o for o in self.outbox if not o.published]
+        return len(done)
+
     async def deliver(self, batch: list[Outcome]) -> None:
         for o in batch:
             self._fit(o)

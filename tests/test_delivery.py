@@ -68,10 +68,13 @@ class CountingProducer:
         self.producer = producer
         self.sent: list[tuple[str, bytes]] = []
         self.fail: list[Exception] = []  # raised by the next sends, one each
+        self.hang: set[str] = set()  # request ids whose results the broker never acknowledges
 
     async def send(self, topic, value, key=None):
         if self.fail:
             raise self.fail.pop(0)
+        if key is not None and key.decode() in self.hang:  # a broker that took the request and never answers it
+            return asyncio.get_running_loop().create_future()
         self.sent.append((topic, value))
         return await self.producer.send(topic, value, key=key)
 
@@ -363,3 +366,27 @@ async def test_two_workers_sharing_the_folder_flush_the_gone_ones_files_at_once_
     assert names == ["w-other.sqlite", "w-other.sqlite-shm", "w-other.sqlite-wal", "w-other.sqlite.lock"], names
     assert (tmp_path / "spool.sqlite").exists()
     other_spool.close()
+
+
+async def test_a_stop_that_gives_up_on_a_broker_frozen_mid_batch_bills_what_it_took(rig):
+    """The broker acknowledges r0's result and then stops answering (frozen) before r1's: the batch is never billed
+    whole. At the stop, once the drain gives up and the run task is ended, r0 (published, counted as published) is
+    billed and done; r1 stays unbilled and uncommitted for the next owner. Before, r0 had a result and no row."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    counting.hang = {"r1"}
+    run = asyncio.create_task(d.run())
+    d.emit(_outcome(0))
+    d.emit(_outcome(1))
+    for _ in range(500):
+        if d.published == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert d.published == 1 and svc.ledger.count_usage() == 0
+    assert not await d.drain(stall_s=0.2)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    assert await d.bill_published() == 1
+    assert svc.ledger.count_usage() == 1 and svc.ledger.usage_for("acme", "r0") is not None
+    assert offsets.committable() == {TopicPartition("jobs", 0): 1}
+    assert [o.request_id for o in [x.result for x in d.outbox]] == ["r1"]
+    assert await d.bill_published() == 0 and svc.ledger.count_usage() == 1
