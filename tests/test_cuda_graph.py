@@ -544,7 +544,6 @@ def test_capturing_every_bucket_up_front_changes_no_token(short_engine):
     assert short_engine.capture_decode_graphs() == 2 * len(SIZES)
     assert set(graphs._graphs) == {(b, lora) for b in SIZES for lora in (False, True)}
     assert set(graphs.lora_us) == set(graphs.lora_floor_us) == (set(SIZES) if graphs.capture else set())
-    assert all(0 <= graphs.lora_floor_us[b] <= graphs.lora_us[b] for b in graphs.lora_us)
     assert short_engine.capture_decode_graphs() == 0
     upfront = short_engine.generate(reqs)
     assert all(r.ok for r in lazily + upfront)
