@@ -160,8 +160,10 @@ class Deliverer:
         mid-batch (frozen: the sends wait for its acknowledgements) left the answers it had taken unbilled: results
         the tenants had, and this worker counted as published, with no row. Their next owner runs them again (they
         stay uncommitted while the broker is away) and writes no second row: the ledger keeps one a request.
+        An outcome with nothing to send (a message read again, its answer another outcome's) is left too: its answer
+        may be one the broker did not take, and under the epoch of the read again it alone would commit the offset.
         Returns how many were billed."""
-        done = [o for o in self.outbox if o.published]
+        done = [o for o in self.outbox if o.published and o.sent]
         if not done:
             return 0
         billed = [o.usage for o in done if o.usage is not None]

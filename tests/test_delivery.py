@@ -390,3 +390,25 @@ async def test_a_stop_that_gives_up_on_a_broker_frozen_mid_batch_bills_what_it_t
     assert offsets.committable() == {TopicPartition("jobs", 0): 1}
     assert [o.request_id for o in [x.result for x in d.outbox]] == ["r1"]
     assert await d.bill_published() == 0 and svc.ledger.count_usage() == 1
+
+
+async def test_a_stop_that_bills_what_the_frozen_broker_took_leaves_a_reread_of_an_unpublished_answer(rig):
+    """An outcome with nothing to send stands for an answer published elsewhere (a message read again after the
+    partition's position went back: the intake emits it with no result, under the new epoch, which alone can commit
+    the offset). The broker froze before it took that answer: the stop bills what the broker took and leaves the
+    re-read uncommitted too, or the commit would pass an answer that was neither published nor billed."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    tp = TopicPartition("jobs", 0)
+    counting.hang = {"r0"}
+    run = asyncio.create_task(d.run())
+    d.emit(_outcome(0))  # epoch 1; never acknowledged
+    epoch = offsets.fetched(tp, 0)  # read again from offset 0: a new epoch, in which offsets 0..9 are pending again
+    for i in range(1, 10):
+        offsets.fetched(tp, i, None)
+    d.emit(Outcome(tp, 0, epoch=epoch))  # the re-read of r0's message: answered already, so nothing to send
+    assert not await d.drain(stall_s=0.2)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    assert await d.bill_published() == 0
+    assert offsets.committable().get(tp, 0) == 0, "committed past r0, whose answer was neither published nor billed"
+    assert svc.ledger.count_usage() == 0 and len(d.outbox) == 2
