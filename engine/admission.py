@@ -7,7 +7,7 @@ small prompt steps, and a prompt step costs about as much with a quarter of a ba
 with prompt tokens, at a median of 41 ms, against 32 of them (32 ms) at 5 adapters; a decode step took 2.6 ms.
 
 The planner (engine.planner) holds back a step's admissions when all of these hold (`AdmissionHold.hold`):
-- the running batch has work in the step, or none runs yet (a burst's first admission, below);
+- the running batch has work in the step: otherwise the GPU would idle, and nothing is held back;
 - some waiting requests are ready (their adapters need no store read): with none, there is nothing to hold back;
 - fewer are ready than ADMIT_FRACTION of the places the waiting requests could fill, min(free places, waiting): the
   reads of the others are still landing;
@@ -40,13 +40,6 @@ one batch's worth waiting, as above. The bound still ends any hold: parts more t
 stay apart. The 2,000-adapter cold pass (engine/PERF.md, session 20) ran either 18-19 prompt steps or 33, the latter
 with every batch of 64 admitted in two prompt steps; how far apart its parts were was not measured, and this weighting
 has not yet run on the device.
-
-The first admission. With nothing running the GPU idles while the hold waits, and until session 33 nothing was held
-back then. But a request admitted alone ahead of the batch runs out of step with it for the whole pass: on an H100 the
-2,000-adapter cold pass (engine/PERF.md, session 33) admitted its one ready request at 11.7 ms, ran it alone for 25
-decode steps until the next 30 were ready, and then ran its batch as 1 + 63 to the end, half a generation apart (further
-than COALESCE_STEPS, so never joined again): each generation paid a prompt step for the lone row beside the 63-row one.
-Held like any other step, the first admission waits at most the bound for 3/4 of the places' reads.
 
 The bound runs from the first held step of a hold, not from a request's arrival: a batch job's requests arrive
 together, and timed from their arrival every hold after the first bound would end at once. A step that admits, or has
@@ -87,11 +80,6 @@ class AdmissionHold:
     def clock(self) -> float:
         return self._clock()
 
-    def _holds(self, running: bool, ready: int, want: int, soon: int) -> bool:
-        """The hold's conditions but its bound (module docstring): with nothing running, only for reads (the places
-        freeing come from running requests)."""
-        return self.bound_s > 0 and (running or not soon) and 0 < min(ready, want) < self.enough(want, soon)
-
     def worth_waiting(self, want: int, steps: int, batch: int, refills: int = 1) -> bool:
         """Whether holding `want` free places of `batch` idle for `steps` more steps, until places freeing then are
         free, keeps the hold under way's cost within what it saves: a prompt step at each of the `refills` times the
@@ -112,7 +100,7 @@ class AdmissionHold:
 
     def would_hold(self, running: bool, ready: int, want: int, soon: int = 0, *, now: float | None = None) -> bool:
         """What `hold` would answer at `now` (the clock's time by default), changing nothing."""
-        if self._holds(running, ready, want, soon):
+        if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             return self._since is None or (self._clock() if now is None else now) - self._since < self.bound_s
         return False
 
@@ -122,7 +110,7 @@ class AdmissionHold:
         fill now; `soon`, the places more they could fill within COALESCE_STEPS steps, when `worth_waiting` says so
         (the caller's reckoning; module docstring); `now`, the step's time (the clock's by default); `steps`, the decode
         steps it holds them back for (a held round's)."""
-        if self._holds(running, ready, want, soon):
+        if running and self.bound_s > 0 and 0 < min(ready, want) < self.enough(want, soon):
             now = self._clock() if now is None else now
             if self._since is None:
                 self._since = now

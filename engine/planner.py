@@ -212,7 +212,7 @@ class StepPlanner:
     def _held(self, plan: Plan, queue: list[Sequence], budget: int) -> bool:
         """Whether this step holds back its admissions (engine.admission): `queue`, the waiting requests in admission
         order."""
-        ready, want, soon = self._hold_counts([it.seq for it in plan.items if it.samples], queue, budget)
+        ready, want, soon = self._hold_counts([it.seq for it in plan.items if it.samples], queue, budget) if plan.items else (0, 0, 0)
         return self.hold.hold(bool(plan.items), ready, want, soon)
 
     def _hold_counts(self, samplers: list[Sequence], queue: list[Sequence], budget: int) -> tuple[int, int, int]:
