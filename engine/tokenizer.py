@@ -126,12 +126,38 @@ class IncrementalDetokenizer:
         # A character is at most 4 bytes and a token at least one: held longer than _MAX_HELD tokens, the trailing
         # U+FFFD is bytes no character completes (a run of lone continuation bytes), and waiting on made each push
         # decode the whole run again (8,192 such tokens: 2.6 s of the engine's thread).
-        if len(after) > len(before) and not after.endswith("\ufffd") or len(self.ids) - self._read > _MAX_HELD:
-            new = after[len(before) :]
-            self.text += new
-            self._prefix, self._read = self._read, len(self.ids)
-            return new
-        return ""
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            end = len(self.ids)
+        elif len(self.ids) - self._read > _MAX_HELD:
+            # The start of a character the last tokens may still finish stays held: given out as U+FFFD, the character
+            # that came next was never given (its text as long as the U+FFFD's), and a stop string holding it missed.
+            end = len(self.ids) - self._unfinished_tokens()
+            after = self.tokenizer.decode(self.ids[self._prefix : end])
+        else:
+            return ""
+        new = after[len(before) :]
+        self.text += new
+        self._prefix, self._read = self._read, end
+        return new
+
+    def _unfinished_tokens(self) -> int:
+        """How many of the last held tokens carry an unfinished UTF-8 character's bytes (a lead byte and fewer
+        continuation bytes than it announces): at most 3 bytes, so at most 3 tokens that have bytes, and never all."""
+        held = [self.tokenizer.token_bytes(i) for i in self.ids[self._read :]]
+        tail = b"".join(held[-4:])[-3:]
+        unfinished = 0
+        for n in range(1, len(tail) + 1):
+            lead = tail[-n]
+            if lead >= 0xC0:  # 110xxxxx, 1110xxxx, 11110xxx announce 2, 3, 4 bytes
+                unfinished = n if n < (2 if lead < 0xE0 else 3 if lead < 0xF0 else 4) else 0
+                break
+            if lead < 0x80:
+                break
+        tokens = 0
+        while unfinished > 0 and tokens < len(held) - 1:
+            tokens += 1
+            unfinished -= len(held[-tokens])
+        return tokens
 
 
 def _read_config(path: Path) -> dict:

@@ -324,3 +324,17 @@ def test_incremental_detokenizer_work_stays_linear_on_bytes_that_never_form_text
         detok.push(lone)
     assert decoded[0] <= 50 * n, decoded[0]  # held back whole: n * n tokens decoded
     assert plain([lone] * n).startswith(detok.text) and len(detok.text) >= n - 9  # what is still held is a few tokens
+
+
+@pytest.mark.parametrize("run", range(14))
+def test_incremental_detokenizer_gives_a_character_that_completes_after_the_hold_cap(demo_set, run):
+    """After `run` lone continuation bytes (text that never completes: held at most _MAX_HELD tokens), a 4-byte
+    character sent a byte a token and then "a": the incremental text is the text of all the tokens, wherever the cap
+    falls inside the character. Given out as U+FFFD when the cap fell on its first byte, the character itself was never
+    given (the window's text kept its length), so a stop string holding it never matched."""
+    tok = Tokenizer(demo_set["model"])
+    byte = {tok.token_bytes(i): i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1}
+    ids = [byte[b"\x80"]] * run + [byte[bytes([b])] for b in "😀a".encode()]
+    detok = IncrementalDetokenizer(tok)
+    given = "".join(detok.push(i) for i in ids)
+    assert given == detok.text == tok.decode(ids), (given, tok.decode(ids))
