@@ -153,7 +153,16 @@ class Deliverer:
             await asyncio.sleep(0.01)
         return not self.outbox
 
-    async def bill_published(self) -> int:
+    async def leave_to_the_next_owner(self) -> None:
+        """At a stop that gave up on the broker, with the run task ended: bill what of the batch in flight it took
+        (`bill_published`), and say what is left for the partitions' next owner."""
+        stalled = self.stalled_for()
+        taken = await self.bill_published()
+        log.warning("stopping: %d answers not published, none for %.0f s (is the broker up?); their jobs are not billed "
+                    "and stay uncommitted: they are redelivered to the partitions' next owner%s", len(self.outbox), stalled,
+                    f" ({taken} answers of the batch in flight that it took are billed)" if taken else "")
+
+    async def bill_published(self, within_s: float = STALL_S) -> int:
         """At a stop that gave up on the broker (`drain` returned False and the run task is ended): bill the outcomes
         of the batch in flight whose messages the broker took before it went away, and mark them done; what the ledger
         does not take is spooled. A batch is billed once all of it is published, so a broker that stopped answering
@@ -162,22 +171,24 @@ class Deliverer:
         stay uncommitted while the broker is away) and writes no second row: the ledger keeps one a request.
         An outcome with nothing to send (a message read again, its answer another outcome's) is left too: its answer
         may be one the broker did not take, and under the epoch of the read again it alone would commit the offset.
-        Returns how many were billed."""
+        Within `within_s`: a record the ledger refuses goes to the DLQ, through the broker that is away. Returns how
+        many were billed."""
         done = [o for o in self.outbox if o.published and o.sent]
         if not done:
             return 0
         billed = [o.usage for o in done if o.usage is not None]
         try:
-            if billed:
+            async with asyncio.timeout(within_s):
                 await self.write(billed)
-        except SpoolUnavailable as e:
-            log.error("stopping: %d answers the broker took are not billed (%s); their jobs stay uncommitted", len(done), e)
+        except (SpoolUnavailable, TimeoutError) as e:
+            why = e if isinstance(e, SpoolUnavailable) else f"not written within {within_s:g} s"
+            log.error("stopping: %d answers the broker took are not billed (%s); their jobs stay uncommitted", len(done), why)
             return 0
         for o in done:
             self.offsets.finished(o.tp, o.offset, o.epoch)
             if o.result is not None:
                 self._count(o.result)
-        self.outbox[:] = [o for o in self.outbox if not o.published]
+        self.outbox[:] = [o for o in self.outbox if all(o is not d for d in done)]
         return len(done)
 
     async def deliver(self, batch: list[Outcome]) -> None:

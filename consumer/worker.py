@@ -351,13 +351,8 @@ class Worker:
                 running -= done
             await self._record_gpu_time()
             if not await self.deliverer.drain(stall_s=STALL_S):  # the broker is away: left unpublished, for the next owner
-                stalled = self.deliverer.stalled_for()
-                await end_tasks([deliver])  # its batch in flight waits on the broker's acknowledgements
-                taken = await self.deliverer.bill_published()  # those of it the broker did take
-                log.warning("stopping: %d answers not published, none for %.0f s (is the broker up?); their jobs are not "
-                            "billed and stay uncommitted: they are redelivered to the partitions' next owner%s",
-                            len(self.deliverer.outbox), stalled,
-                            f" ({taken} answers of the batch in flight that it took are billed)" if taken else "")
+                await end_tasks([deliver])  # its batch in flight waits for the broker's acknowledgements
+                await self.deliverer.leave_to_the_next_owner()
             await self.deliverer.flush_once()  # what the ledger takes now; the rest stays spooled for the next start
         finally:
             await end_tasks(tasks + ([self._refreshing] if self._refreshing is not None else []))

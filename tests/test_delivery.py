@@ -412,3 +412,21 @@ async def test_a_stop_that_bills_what_the_frozen_broker_took_leaves_a_reread_of_
     assert await d.bill_published() == 0
     assert offsets.committable().get(tp, 0) == 0, "committed past r0, whose answer was neither published nor billed"
     assert svc.ledger.count_usage() == 0 and len(d.outbox) == 2
+
+
+async def test_billing_what_a_frozen_broker_took_is_bounded_in_time(rig, monkeypatch, caplog):
+    """bill_published writes within its bound: a record the ledger refuses is dead-lettered through the broker that is
+    away, which waits for ever. Past the bound nothing is marked done (the jobs stay for the next owner) and a line says
+    so; a write that ran on adds no second row when they are billed again (the ledger keeps one a request)."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    o = _outcome(0)
+    o.sent.add("result")
+    d.outbox.append(o)
+
+    async def never(records):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(d, "write", never)
+    assert await d.bill_published(within_s=0.1) == 0
+    assert offsets.committable() == {} and d.outbox == [o]
+    assert "not written within 0.1 s" in caplog.text
