@@ -4,6 +4,9 @@ Behaves as Hugging Face's PreTrainedTokenizerFast does for the same folder, whic
 `encode` runs the tokenizer.json post-processor (Llama's adds BOS), chat prompts are rendered with the
 folder's jinja2 `chat_template` and encoded without special tokens (the template writes its own BOS),
 and `decode` skips special tokens.
+
+`max_token_bytes` bounds a prompt's token count from below without encoding it (engine.validation): no token of a
+lossless BPE covers more than that many bytes of the text it encodes.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ class Tokenizer:
         self.eos_token_id = self._id_of(self.special_tokens["eos_token"])
         self.chat_template: str | None = config.get("chat_template")
         self._template: jinja2.Template | None = None
-        self._byte_decoder = _byte_level_decoder() if _decoder_type(self._tok) == "ByteLevel" else None
+        spec = json.loads(tok.to_str())
+        self._byte_decoder = _byte_level_decoder() if _decoder_type(spec) == "ByteLevel" else None
         self._added_ids = set(self._tok.get_added_tokens_decoder())  # special/added tokens are literal text
+        # The most bytes of input text one token can stand for; None when no such bound holds (module docstring)
+        self.max_token_bytes: int | None = max_token_bytes(spec)
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +80,7 @@ class Tokenizer:
             return piece.encode()
         if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
             return bytes(self._byte_decoder[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        if _is_byte_piece(piece):  # SentencePiece byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()  # SentencePiece marks spaces with U+2581
 
@@ -180,12 +186,83 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _decoder_type(tok: HFTokenizer) -> str | None:
-    decoder = json.loads(tok.to_str()).get("decoder") or {}
+def _decoder_type(spec: dict) -> str | None:
+    decoder = spec.get("decoder") or {}
     if decoder.get("type") == "Sequence":
         types = {d.get("type") for d in decoder.get("decoders", [])}
         return "ByteLevel" if "ByteLevel" in types else None
     return decoder.get("type")
+
+
+def max_token_bytes(spec: dict) -> int | None:
+    """The most UTF-8 bytes of input text one token of this tokenizer (tokenizer.json's fields) can cover, or None when
+    it cannot be bounded. A text of B bytes then encodes to at least ceil(B / max_token_bytes) tokens.
+
+    The bound holds only where every byte of the text ends up inside some token and no step shrinks the text:
+    - a BPE model (a WordLevel or WordPiece model maps a whole unknown word, of any length, to one unk token);
+    - byte-level (every byte has a token of the 256-character alphabet; a piece's chars stand for one byte each, so
+      "\u0120the" covers 4 bytes, not 5) or SentencePiece-style with byte_fallback (every byte has a <0xXX> token; a
+      piece counts as written, U+2581 as the 3 bytes of a literal one, which bounds the 1-byte space it also stands for);
+    - pre-tokenizers that only split (a WhitespaceSplit drops every space: a megabyte of them is no token at all);
+    - normalizers that only add or lengthen text (Prepend, a Replace of a string by one no shorter): NFC or Lowercase
+      can shorten text (a Hangul syllable's 3 jamo, 9 bytes, compose to 3), and the bound is not worth a guess;
+    - added tokens that swallow no whitespace beside them (lstrip/rstrip take any run of it), and no truncation."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or spec.get("truncation") is not None or not _lengthens(spec.get("normalizer")):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    vocab: dict[str, int] = model.get("vocab") or {}
+    pre = _flatten(spec.get("pre_tokenizer"))
+    if any(not _keeps_text(p) for p in pre):
+        return None
+    if any(p.get("type") == "ByteLevel" for p in pre):
+        alphabet = _byte_level_decoder()
+        if not all(c in vocab for c in alphabet):  # a byte without a token becomes <unk> or nothing
+            return None
+        pieces = (sum(1 if c in alphabet else len(c.encode()) for c in piece) for piece in vocab)
+    elif model.get("byte_fallback") and all(p.get("type") != "ByteLevel" for p in pre):
+        if not all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            return None
+        pieces = (1 if _is_byte_piece(piece) else len(piece.encode()) for piece in vocab)
+    else:
+        return None
+    return max([*pieces, *(len(a.get("content", "").encode()) for a in added)], default=None)
+
+
+def _flatten(part: dict | None) -> list[dict]:
+    if not part:
+        return []
+    if part.get("type") == "Sequence":
+        inner = part.get("pretokenizers", part.get("normalizers"))
+        return [q for p in inner or [] for q in _flatten(p)] if isinstance(inner, list) else [part]
+    return [part]
+
+
+def _keeps_text(pre: dict) -> bool:
+    """A pre-tokenizer that splits the text without dropping any of it (Split's `Removed` drops what it matches)."""
+    kind = pre.get("type")
+    if kind in ("Split", "Punctuation"):
+        return pre.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _lengthens(normalizer: dict | None) -> bool:
+    """Whether a normalizer never makes text shorter in UTF-8 bytes (so it cannot fit more input into a token)."""
+    for part in _flatten(normalizer):
+        kind = part.get("type")
+        if kind == "Replace":
+            pattern = part.get("pattern") or {}
+            if "String" not in pattern or len(str(part.get("content", "")).encode()) < len(str(pattern["String"]).encode()):
+                return False
+        elif kind != "Prepend":
+            return False
+    return True
+
+
+def _is_byte_piece(piece: str) -> bool:
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
 
 def _byte_level_decoder() -> dict[str, int]:

@@ -69,6 +69,7 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
             raise RequestError(f"prompt must be a string, got {type(req.prompt).__name__}", code="invalid_request")
         if not req.prompt:
             raise RequestError("prompt is empty; send some text", code="empty_prompt")
+        check_text_bound(req.prompt, "prompt is", tokenizer, config)
         ids = tokenizer.encode(req.prompt)
     elif req.messages is not None:
         if not req.messages:
@@ -76,7 +77,9 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
         for i, m in enumerate(req.messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError(f"messages[{i}] must be {{'role': str, 'content': str}}, got {m!r}", code="invalid_messages")
-        ids = tokenizer.encode_chat(req.messages)
+        text = tokenizer.apply_chat_template(req.messages)  # what encode_chat encodes: the template's text, not guessed
+        check_text_bound(text, "messages render to", tokenizer, config)
+        ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = list(req.input_ids)
         if not ids:
@@ -98,6 +101,27 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
             code="prompt_too_long",
         )
     return ids
+
+
+def check_text_bound(text: str, what: str, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    """Refuse a text that certainly encodes to more than engine.max_prompt_tokens tokens, without encoding it.
+
+    Encoding runs on the engine's thread (in its process), about 1 s a megabyte: a tenant's prompts of a few MB each,
+    encoded only to be refused, stalled every other tenant's requests. No token covers more than
+    `tokenizer.max_token_bytes` = L bytes of text, so B bytes are at least ceil(B / L) tokens (the post-processor's
+    BOS only adds): over the limit is refused here exactly as after encoding; a text that may fit is encoded and judged
+    by its real count. No bound (None): every text is encoded."""
+    per_token, limit = tokenizer.max_token_bytes, config.max_prompt_tokens
+    if per_token is None or len(text) * 4 <= limit * per_token:  # a character is 1..4 bytes: it fits the bound
+        return
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    at_least = -(-size // per_token)
+    if at_least > limit:
+        raise RequestError(
+            f"{what} at least {at_least} tokens ({size} bytes of text, at most {per_token} bytes a token with this model's "
+            f"tokenizer), over engine.max_prompt_tokens={limit}; shorten it",
+            code="prompt_too_long",
+        )
 
 
 def check_context(prompt_len: int, sp: SamplingParams, max_positions: int) -> None:
