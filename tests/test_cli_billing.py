@@ -79,6 +79,16 @@ def test_prices_are_set_in_ledger_currency_and_a_switch_is_refused_not_relabelle
     assert result.exit_code == 2 and "2025-10, which is closed" in result.output, result.output
 
 
+def test_prices_list_prints_days_as_yyyy_mm_dd_in_both_formats(cli: tuple[CliRunner, Path]) -> None:
+    """An entry from day 0001-01-01 lists as 0001-01-01 in the table and in JSON (the table's strftime printed 1-01-01)."""
+    run(cli, "prices", "set-gpu", "h100", "7.20", "--from", "0001-01-01")
+    run(cli, "prices", "set-tokens", "gold", "--input", "1.5", "--output", "2", "--from", "0001-01-01")
+    table = run(cli, "prices", "list")
+    assert [line.split()[2] for line in table.splitlines() if " from " in line] == ["0001-01-01", "0001-01-01"], table
+    listed = json.loads(run(cli, "prices", "list", "--format", "json"))
+    assert [e["from"] for e in listed["gpu"] + listed["tokens"]] == ["0001-01-01", "0001-01-01"]
+
+
 def test_closing_an_empty_month_as_csv_prints_the_columns(cli: tuple[CliRunner, Path]) -> None:
     """A month with no usage closes no invoice: --format csv still prints the header (it printed nothing), json `[]`."""
     out = run(cli, "invoice", "--close-period", "2025-09", "--format", "csv")

@@ -96,10 +96,10 @@ def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = 
                f"gpu_kind {s.ledger.gpu_kind!r} (and usage recorded before kinds were) at {price_text(s.ledger.gpu_price_per_hour)} "
                f"{s.ledger.currency} where no entry applies, any other kind not at all")
     for g in gpu:
-        typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from:%Y-%m-%d}  {price_text(g.price_per_hour):>14} {g.currency}")
+        typer.echo(f"  {g.gpu_kind:<20} from {g.effective_from.date().isoformat()}  {price_text(g.price_per_hour):>14} {g.currency}")
     typer.echo("Token prices per million: input / output")
     for t in tokens:
-        typer.echo(f"  {t.tier:<20} from {t.effective_from:%Y-%m-%d}  {price_text(t.input_per_million):>14} / "
+        typer.echo(f"  {t.tier:<20} from {t.effective_from.date().isoformat()}  {price_text(t.input_per_million):>14} / "
                    f"{price_text(t.output_per_million)} {t.currency}")
     if not tokens:
         typer.echo("  (none: invoices earn no revenue until a tier has one; `lorabatch prices set-tokens TIER --input P --output P --from DAY`)")
