@@ -329,3 +329,46 @@ def test_an_upgrade_refused_by_0012_changes_nothing_and_runs_again(db_url: str) 
     assert (_revision(db_url), _tables(db_url)) == ("0005", before)
     db.upgrade(db_url, script_location=SCRIPT_LOCATION, currency="EUR")
     assert _revision(db_url) == db.head_revision(SCRIPT_LOCATION)
+
+
+@pytest.mark.parametrize("start", ["base", "0005"])
+def test_ctrl_c_during_db_upgrade_says_the_schema_was_left_unchanged(db_url: str, start: str, tmp_path: Path) -> None:
+    """SIGINT while `lorabatch db upgrade` is three revisions in: exit 130 and one line saying it was interrupted and the
+    ledger left at the revision it started from (the whole run is one transaction on both backends); it exited 130
+    with nothing said. The revisions really are undone."""
+    import signal
+
+    if start != "base":
+        db.upgrade(db_url, start, script_location=SCRIPT_LOCATION)
+    before = _tables(db_url)
+    config = tmp_path / "lorabatch.toml"
+    config.write_text(f'[ledger]\nurl = "{db_url}"\n[store]\nadapter_dir = "{tmp_path / "store"}"\n')
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as at a terminal, whatever the test runner set
+        "import alembic.runtime.migration as m\n"
+        "done, record = [0], m.HeadMaintainer.update_to_step\n"
+        "def step(self, s):\n"
+        "    record(self, s)\n"
+        "    done[0] += 1\n"
+        "    if done[0] == 3:\n"
+        "        print('three revisions in', file=sys.stderr, flush=True)\n"
+        "        time.sleep(60)\n"
+        "m.HeadMaintainer.update_to_step = step\n"
+        "from consumer.cli import main\n"
+        f"sys.argv = ['lorabatch', 'db', 'upgrade', '--config', {str(config)!r}]\n"
+        "main()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stderr.readline() == "three revisions in\n"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    at = "base, no schema" if start == "base" else start
+    assert child.returncode == 130 and out == "", (out, err)
+    assert len(err.splitlines()) == 1 and "db upgrade interrupted" in err, err
+    assert f"was left unchanged, at {at} (the upgrade runs as one transaction, rolled back whole)" in " ".join(err.split()), err
+    assert (_revision(db_url), _tables(db_url)) == (None if start == "base" else start, before)

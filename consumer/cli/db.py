@@ -24,9 +24,9 @@ def upgrade(
     from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
-    _check_known(s.ledger.url)
+    before = _check_known(s.ledger.url)
     _check_revision(revision, SCRIPT_LOCATION)
-    _migrate(migrate_up, s.ledger.url, revision, SCRIPT_LOCATION, currency=s.ledger.currency)
+    _migrate(migrate_up, s.ledger.url, revision, SCRIPT_LOCATION, before, currency=s.ledger.currency)
     typer.echo(f"ledger at {shown_url(s.ledger.url)}: upgraded to {revision}")
 
 
@@ -38,17 +38,17 @@ def downgrade(revision: str, config: ConfigOpt = None) -> None:
     from migrations import SCRIPT_LOCATION
 
     s = settings_from(config)
-    _check_known(s.ledger.url)
+    before = _check_known(s.ledger.url)
     _check_revision(revision, SCRIPT_LOCATION)  # before the warning: a revision that does not exist drops nothing
     typer.echo(f"downgrading the ledger at {shown_url(s.ledger.url)} to {revision}: the columns and tables of the later "
                "revisions are dropped with their data (an upgrade adds them back empty)", err=True)
-    _migrate(migrate_down, s.ledger.url, revision, SCRIPT_LOCATION)
+    _migrate(migrate_down, s.ledger.url, revision, SCRIPT_LOCATION, before)
     typer.echo(f"ledger at {shown_url(s.ledger.url)}: downgraded to {revision}")
 
 
-def _check_known(url: str) -> None:
-    """End the command if the ledger is at a revision this code has no script of (a newer lorabatch migrated it):
-    Alembic cannot move it up or down from there, and said so only as a traceback."""
+def _check_known(url: str) -> str | None:
+    """The ledger's revision (None: no schema); the command ends if it is one this code has no script of (a newer
+    lorabatch migrated it): Alembic cannot move it up or down from there, and said so only as a traceback."""
     from billing.db import current_revision, known_revisions, make_engine
     from consumer.services import schema_mismatch, shown_url
     from migrations import SCRIPT_LOCATION
@@ -60,6 +60,7 @@ def _check_known(url: str) -> None:
         db.dispose()
     if found is not None and found not in known_revisions(SCRIPT_LOCATION):
         fail(schema_mismatch(shown_url(url), found))
+    return found
 
 
 def _revision_error(revision: str, e: Exception, script_location: str, at: str = "") -> NoReturn:
@@ -84,15 +85,18 @@ def _check_revision(revision: str, script_location: str) -> None:
         _revision_error(revision, e, script_location)
 
 
-def _migrate(migrate, url: str, revision: str, script_location: str, **options: str) -> None:
-    """`migrate` (billing.db's upgrade or downgrade) to `revision`; a revision Alembic cannot resolve or reach from
-    the ledger's (a step past either end, a downgrade "to" a later one) ends the command naming the valid ones."""
+def _migrate(migrate, url: str, revision: str, script_location: str, before: str | None, **options: str) -> None:
+    """`migrate` (billing.db's upgrade or downgrade) from the ledger's revision `before` to `revision`; a revision
+    Alembic cannot resolve or reach from the ledger's (a step past either end, a downgrade "to" a later one) ends the
+    command naming the valid ones, and Ctrl-C ends it saying where the schema was left (it exited 130 silently)."""
     from alembic.util import CommandError
 
     from billing.db import current_revision, make_engine
 
     try:
         migrate(url, revision, script_location=script_location, **options)
+    except KeyboardInterrupt:
+        _interrupted(migrate.__name__, url, before)
     except CommandError as e:
         db = make_engine(url)
         try:
@@ -100,6 +104,26 @@ def _migrate(migrate, url: str, revision: str, script_location: str, **options: 
         finally:
             db.dispose()
         _revision_error(revision, e, script_location, f" (the ledger is at {found or 'base, no schema'})")
+
+
+def _interrupted(command: str, url: str, before: str | None) -> NoReturn:
+    """End an interrupted `db upgrade` or `db downgrade` saying where the schema is. Either runs as one transaction
+    (migrations/env.py: an explicit BEGIN on SQLite; on PostgreSQL Alembic's one transaction for the whole run, not one
+    per revision), so an interrupted one is rolled back whole; the revision is read again to say so, since a Ctrl-C
+    that lands after the commit finds the ledger moved."""
+    from billing.db import current_revision, make_engine
+    from consumer.services import shown_url
+
+    db = make_engine(url)
+    try:
+        after = current_revision(db)
+    finally:
+        db.dispose()
+    at = after or "base, no schema"
+    if after != before:
+        fail(f"db {command} interrupted after it was committed: the ledger at {shown_url(url)} is at {at}", 130)
+    fail(f"db {command} interrupted: the ledger at {shown_url(url)} was left unchanged, at {at} (the {command} runs as "
+         f"one transaction, rolled back whole); run the command again", 130)
 
 
 def register(app: typer.Typer) -> None:
