@@ -105,7 +105,9 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
 
     SQLite: the file's folder is created, and every connection enforces foreign keys, uses WAL (readers
     never block the writer) and waits up to SQLITE_BUSY_TIMEOUT_S for a writer's lock. An in-memory
-    database is kept on one shared connection so that it outlives a single checkout.
+    database is kept on one shared connection so that it outlives a single checkout. A path that is there and is no
+    regular file (/dev/null, a folder, a FIFO) is LedgerConfigError: SQLite failed on /dev/null with "disk I/O
+    error", said as a full disk, or read it as an empty database with no schema.
     """
     parsed = _resolve_url(url)
     if parsed.get_backend_name() != "sqlite":
@@ -116,7 +118,13 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         kwargs.setdefault("poolclass", StaticPool)
         kwargs.setdefault("connect_args", {"check_same_thread": False})
     else:
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        path = Path(parsed.database).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file():
+            kind = ("folder" if path.is_dir() else "character device" if path.is_char_device()
+                    else "FIFO (a named pipe)" if path.is_fifo() else "special file")
+            raise LedgerConfigError(f"ledger.url names {path}, a {kind}, not a regular file: it is no SQLite database; set "
+                                    f"ledger.url to the ledger's file, sqlite:///PATH/ledger.db (`lorabatch db upgrade` creates it)")
     engine = create_engine(parsed, **kwargs)
     event.listen(engine, "connect", _sqlite_on_connect)
     return engine

@@ -545,3 +545,20 @@ def test_a_ledger_url_naming_a_file_that_is_no_sqlite_database(tmp_path, content
         line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg))
         assert "db upgrade" not in line, line
         assert "not a SQLite database" in line and "set ledger.url" in line, line
+
+
+@pytest.mark.parametrize("kind", ["character device", "folder", "FIFO (a named pipe)"])
+def test_a_ledger_url_naming_no_regular_file(tmp_path, kind):
+    """ledger.url at /dev/null (a folder, a FIFO) is named as no regular file, so no SQLite database, with the key and the
+    fix; /dev/null was said as "free space on the ledger file's disk" by `db upgrade` and as "no schema yet; run
+    `lorabatch db upgrade`" by the others."""
+    path = {"character device": Path("/dev/null"), "folder": tmp_path / "ledger.db", "FIFO (a named pipe)": tmp_path / "pipe"}[kind]
+    if kind == "folder":
+        path.mkdir()
+    elif kind.startswith("FIFO"):
+        os.mkfifo(path)
+    cfg = _config(tmp_path, f'[ledger]\nurl = "sqlite:///{path}"\n')
+    for args in (("tenants", "list"), ("db", "upgrade")):
+        line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg, timeout=60))
+        assert f"ledger.url names {path}, a {kind}, not a regular file: it is no SQLite database" in line, line
+        assert "set ledger.url to the ledger's file" in line and "free space" not in line, line
