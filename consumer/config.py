@@ -381,22 +381,27 @@ CREDENTIAL_MAX_BYTES = 64 << 10
 
 def load_settings(path: str | os.PathLike | None = None, overrides: dict | None = None) -> Settings:
     """Read, merge and validate the configuration once; raise ConfigError naming the bad key."""
-    if path is None:
-        path = os.environ.get(ENV_VAR) or (DEFAULT_FILE if DEFAULT_FILE.exists() else None)
+    # A path from the environment is said to be one, with its fix: "pass --config" left the operator looking for a
+    # flag they never gave.
+    came_from, fix = "", "pass --config with"
+    if path is None and os.environ.get(ENV_VAR):
+        path, came_from, fix = os.environ[ENV_VAR], f" (from ${ENV_VAR})", f"point ${ENV_VAR} at (or pass --config with)"
+    elif path is None:
+        path = DEFAULT_FILE if DEFAULT_FILE.exists() else None
     data: dict = {}
     source = "the defaults"
     if path is not None:
         p = Path(path)
         source = str(p)
         if p.is_dir():
-            raise ConfigError(f"config file {p} is a directory; pass --config with a TOML file (such as {p / 'lorabatch.toml'})")
+            raise ConfigError(f"config file {p}{came_from} is a directory; {fix} a TOML file (such as {p / 'lorabatch.toml'})")
         if not p.exists():
-            raise ConfigError(f"config file {p} does not exist; pass --config with an existing TOML file")
+            raise ConfigError(f"config file {p}{came_from} does not exist; {fix} an existing TOML file")
         try:
             # TOML is UTF-8 by definition; read as bytes and decoded here, so a file in another encoding is named as
             # such rather than ending the command in a UnicodeDecodeError.
             data = tomllib.loads(read_bounded(p, what="config file", limit=CONFIG_MAX_BYTES, fix=(
-                f"pass --config with a TOML file of at most {shown_size(CONFIG_MAX_BYTES)}")).decode("utf-8"))
+                f"{fix} a TOML file of at most {shown_size(CONFIG_MAX_BYTES)}")).decode("utf-8"))
         except FileUnfit as e:
             raise ConfigError(str(e)) from e
         except UnicodeDecodeError as e:

@@ -115,6 +115,16 @@ def test_a_config_path_that_is_a_directory_says_so(tmp_path):
         load_settings(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["nope.toml", "."])
+def test_a_config_path_from_lorabatch_config_names_the_variable(tmp_path, monkeypatch, name):
+    """$LORABATCH_CONFIG naming a missing file or a folder: the error says the path came from the variable and to point
+    it at a TOML file (it said "pass --config", an option the command was not given)."""
+    monkeypatch.setenv("LORABATCH_CONFIG", str(tmp_path / name))
+    with pytest.raises(ConfigError, match=r"\(from \$LORABATCH_CONFIG\) (does not exist|is a directory); "
+                                          r"point \$LORABATCH_CONFIG at \(or pass --config with\)"):
+        load_settings()
+
+
 @pytest.mark.parametrize("text", ["worker = 5\n", "worker = 'w'\n", "worker = [1]\n"])
 def test_an_option_over_a_section_that_is_not_a_table(tmp_path, text):
     """`worker = 5` and `--worker-id w1`: the section is refused as without the option (assigning the option's value
