@@ -70,7 +70,7 @@ def test_a_second_file_under_a_batch_id_cannot_take_the_first_files_answers(brok
 
 def test_results_that_fail_while_written_leave_the_file_there_before_as_it_was(tmp_path, monkeypatch):
     """-o names a file a first collection wrote; a second one that fails half way through writing (here: the disk full
-    at its second line) fails with the OSError and leaves that file as it was, with no part file beside it: the file was
+    at its second line) fails naming the file and leaves that file as it was, with no part file beside it: the file was
     opened with truncation before the first line, so it held one line of the two."""
     import errno
 
@@ -101,7 +101,7 @@ def test_results_that_fail_while_written_leave_the_file_there_before_as_it_was(t
     assert [json.loads(line)["custom_id"] for line in before.splitlines()] == ["r1", "r2"]
     monkeypatch.setattr(openai_batch, "to_openai_line", disk_full)
     out = runner.invoke(app, args)
-    assert out.exit_code != 0 and isinstance(out.exception, OSError)
+    assert out.exit_code == 2 and f"cannot write -o {target}: No space left on device" in " ".join(out.output.split())
     assert target.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["lorabatch.toml", "out.jsonl"]
 
 
@@ -205,3 +205,45 @@ def test_results_pass_the_check_to_a_stream_that_can_take_them(tmp_path, monkeyp
             pass
         finally:
             os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["file", "device"])
+def test_results_that_cannot_be_written_whole_name_the_file_and_keep_it(tmp_path, monkeypatch, kind):
+    """A write that fails (a file size limit of 200 bytes, set once the results are in, stops it as a full disk would;
+    /dev/full) ends with one line naming -o's path, the reason in words and the fix, and leaves the file there as it
+    was; it said "[Errno 28] ... ; check the path and its permissions" (EFBIG, ENOSPC) without naming the file."""
+    import resource
+
+    from consumer import submit
+    from consumer.broker import free_port
+    from consumer.schemas import BatchManifest, Result
+
+    ids = [f"r{i}" for i in range(50)]
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    async def manifest(*args, **kwargs):
+        return BatchManifest(batch_id="b1", tenant_id="acme", request_ids=ids)
+
+    async def collected(*args, **kwargs):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, limit[1]))  # Python ignores SIGXFSZ: a write past it is EFBIG
+        return {rid: Result(request_id=rid, tenant_id="acme", batch_id="b1", status="succeeded", text="x" * 100)
+                for rid in ids}, {}
+
+    monkeypatch.setattr(submit, "read_manifest", manifest)
+    monkeypatch.setattr(submit, "collect_results", collected)
+    target = tmp_path / "results.jsonl" if kind == "file" else Path("/dev/full")
+    if kind == "file":
+        target.write_text("the last run's results\n")
+    config = _config_file(tmp_path, {"kafka.bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    try:
+        out = runner.invoke(app, ["results", "--tenant", "acme", "--batch-id", "b1", "-o", str(target), "--config", config])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    said = " ".join(out.output.split())
+    reason = "File too large" if kind == "file" else "No space left on device"
+    assert out.exit_code == 2, out.output
+    assert f"cannot write -o {target}: {reason}" in said and "Errno" not in said, said
+    if kind == "file":
+        assert "the file there is as it was" in said, said
+        assert target.read_text() == "the last run's results\n"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".results")] == []

@@ -150,18 +150,25 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
     written = 0
     if stream is not None:
         sink = open(stream, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
-    with (sink if stream is not None else replacing(output) if output is not None else nullcontext(sys.stdout)) as out:
-        for rid in manifest.request_ids:
-            asked = manifest.openai.get(rid)
-            if rid in got:
-                line = to_openai_line(got[rid], asked, created) if fmt == "openai" else got[rid].model_dump(mode="json")
-            elif rid in dlq:
-                line = (to_openai_dlq_line(rid, asked, dlq[rid].error) if fmt == "openai"
-                        else {"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()})
-            else:
-                continue
-            out.write(json.dumps(line) + "\n")
-            written += 1
+    try:
+        with (sink if stream is not None else replacing(output) if output is not None else nullcontext(sys.stdout)) as out:
+            for rid in manifest.request_ids:
+                asked = manifest.openai.get(rid)
+                if rid in got:
+                    line = to_openai_line(got[rid], asked, created) if fmt == "openai" else got[rid].model_dump(mode="json")
+                elif rid in dlq:
+                    line = (to_openai_dlq_line(rid, asked, dlq[rid].error) if fmt == "openai"
+                            else {"request_id": rid, "status": "dlq", "error": dlq[rid].error.model_dump()})
+                else:
+                    continue
+                out.write(json.dumps(line) + "\n")
+                written += 1
+    except OSError as e:  # as `report -o` says it: it was "[Errno 28] ...; check the path and its permissions"
+        if output is None:
+            raise
+        kept = "" if stream is not None else " (the file there is as it was)"
+        fail(f"cannot write -o {output}: {e.strerror or e}; the results were not written whole{kept}: free space there, or "
+             f"give another path, and run the command again (the results stay on {s.kafka.results_topic})")
     missing = len(manifest.request_ids) - written
     unfinished = manifest.complete is False  # its last `submit` has not closed it
     if missing:
