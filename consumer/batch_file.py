@@ -158,8 +158,9 @@ def _raw_lines(f, limit: int | None, failed) -> Iterator[tuple[bytes | None, int
                 yield (None if skipped or (limit is not None and size > limit) else buf), size
             return
         if limit is not None and len(buf) > limit:
-            skipped += len(buf)
-            buf = b""
+            cr = buf.endswith(b"\r")  # the line's break, CR or the CR of a CRLF: kept for the next read to tell which
+            skipped += len(buf) - cr
+            buf = b"\r" if cr else b""
 
 
 def _read_line(n: int, raw: bytes, tenant_id: str, batch_id: str, first_line: dict[str, int], max_message_bytes: int | None,

@@ -87,3 +87,17 @@ def test_a_json_array_and_a_utf16_file_are_named_as_such(tmp_path):
         "a JSON array is not JSON Lines", "a JSON array is not JSON Lines", "b-3", "a JSON array is not JSON Lines"]
     p.write_bytes((json.dumps({"prompt": "a"}) + "\n").encode("utf-16"))
     assert "(it starts with a UTF-16 byte order mark); save the file as UTF-8" in _outcomes(p)[0][2]
+
+
+@pytest.mark.parametrize("block", [1 << 20, 1000, 9015, 9016])
+def test_a_cr_ending_a_line_read_past_at_the_end_of_a_read_is_its_break(tmp_path, monkeypatch, block):
+    """A line over the bound whose CR break is the last byte of a read (a pipe's writer wrote the line, CR and all): the
+    CR was dropped with the line's bytes, so the next line was read as the rest of it, lost, and every later line took
+    the number (and the made request id) of the one before it."""
+    p = tmp_path / "in.jsonl"
+    first = b'{"prompt": "' + b"x" * 9000 + b'"}\r'  # 9,015 bytes, over 8 x 1,024
+    p.write_bytes(first + b'{"prompt": "a"}\r{"prompt": "b"}\r')
+    monkeypatch.setattr(batch_file, "_BLOCK", block)
+    out = _outcomes(p, max_message_bytes=1024)
+    assert [(n, size) for n, size, _ in out] == [(1, len(first)), (2, 16), (3, 16)]
+    assert out[0][2].startswith("line 1: 9015 bytes long") and [o[2] for o in out[1:]] == ["b-2", "b-3"]
