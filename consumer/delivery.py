@@ -219,8 +219,11 @@ class Deliverer:
             error = ErrorInfo(code="undeliverable", message=f"the worker could not deliver this message's outcome "
                               f"({type(e).__name__}); it was logged")
         self.metrics.undeliverable.inc()
+        # Its identity, so that `lorabatch results` accounts for the job (without it, it waited out its --timeout).
+        of = o.result or o.dlq
+        ids = {k: getattr(of, k, None) for k in ("request_id", "tenant_id", "batch_id")}
         dead = Outcome(o.tp, o.offset, dlq=DlqRecord(error=error, source_topic=o.tp.topic, source_partition=o.tp.partition,
-                                                     source_offset=o.offset, raw="", raw_b64="", worker_id=self.worker_id),
+                                                     source_offset=o.offset, raw="", raw_b64="", worker_id=self.worker_id, **ids),
                        epoch=o.epoch)
         try:
             await self.deliver([dead])

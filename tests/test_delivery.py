@@ -430,3 +430,15 @@ async def test_billing_what_a_frozen_broker_took_is_bounded_in_time(rig, monkeyp
     assert await d.bill_published(within_s=0.1) == 0
     assert offsets.committable() == {} and d.outbox == [o]
     assert "not written within 0.1 s" in caplog.text
+
+
+async def test_an_outcome_that_cannot_be_delivered_is_dead_lettered_with_its_identity(rig):
+    """An outcome our code cannot deliver (here a result whose text holds a lone surrogate, which no JSON encoder
+    writes) is replaced by a DLQ record; that record named no request, tenant or batch, so `lorabatch results` could not
+    account for the job and waited out its --timeout, then asked whether a worker was running."""
+    s, svc, d, counting, ledger, offsets, spool = rig
+    bad = _outcome(0, text="x\ud800")
+    bad.result = bad.result.model_copy(update={"batch_id": "b1"})
+    await d._deliver_alone(bad)
+    dlq = await read_all(s, s.kafka.dlq_topic, DlqRecord, lambda got: len(got) >= 1)
+    assert [(r.error.code, r.tenant_id, r.batch_id, r.request_id) for r in dlq] == [("undeliverable", "acme", "b1", "r0")]
