@@ -136,7 +136,9 @@ def from_openai_line(line: dict, batch_id: str) -> OpenAILine:
     if isinstance(job.get("stop"), str):
         job["stop"] = [job["stop"]]
     user = job.get("user_id")
-    if isinstance(user, str) and user and not _PLAIN_ID.fullmatch(user):  # OpenAI's `user` is any string (an email)
+    if user == "":  # a client's unset default: it names no end user
+        del job["user_id"], names["user_id"]
+    elif isinstance(user, str) and not _PLAIN_ID.fullmatch(user):  # OpenAI's `user` is any string (an email)
         job["user_id"] = "uid-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     if url == CHAT:
         job["messages"] = _messages(body["messages"])

@@ -316,6 +316,13 @@ def test_any_user_is_a_stable_routing_key(tmp_path):
     assert users[0] == "u-1" and users[1] == users[2] != users[3] and all(IDENT.match(u) for u in users)
 
 
+def test_an_empty_user_names_no_user(tmp_path):
+    """`user: ""` (a client library's unset default) is a string OpenAI takes, and names no end user: the line was
+    refused (`body.user: String should have at least 1 character`); it is a job without a user_id."""
+    out = prepare(_write(tmp_path / "in.jsonl", [_chat("a", user=""), _comp("b", user="")]), "acme", "b")
+    assert out.errors == [] and [j.user_id for j in out.jobs] == [None, None]
+
+
 def test_custom_ids_map_to_distinct_request_ids(tmp_path):
     """Any custom_id gets a valid request id; different custom ids never share one (a plain id that looks like a
     hashed one is hashed too); Unicode forms are not folded; the same custom_id twice is refused by name."""
