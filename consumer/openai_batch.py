@@ -45,6 +45,7 @@ _NEUTRAL_HINT = {"n": "only 1 is supported; send n copies with their own custom_
                  "stream": "batch results are not streamed; remove it",
                  "echo": "the prompt is not echoed; remove it"}
 _IGNORED = frozenset({"metadata", "store", "service_tier"})  # they change nothing about the answer
+_ASSISTANT_ONLY = ("refusal", "tool_calls", "function_call", "audio")  # an assistant message's fields, taken when null
 _ENDPOINT_ONLY = {CHAT: frozenset({"messages", "logprobs", "top_logprobs", "response_format"}),
                   COMPLETIONS: frozenset({"prompt", "logprobs"})}
 
@@ -202,6 +203,11 @@ def _messages(messages: object) -> object:
             continue
         m = dict(m)
         m.pop("name", None)  # a participant's name changes nothing for a template without names
+        if m.get("role") == "assistant":
+            for key in _ASSISTANT_ONLY:  # null in an earlier answer's message as the openai package dumps it
+                if key in m and m.pop(key) is not None:
+                    raise ValueError(f"body.messages.{i}.{key}: not supported by lorabatch; send the conversation as text "
+                                     f"(the assistant's answer in content)")
         if m.get("role") == "developer":
             m["role"] = "system"
         content = m.get("content")

@@ -267,6 +267,9 @@ REFUSED = [
     (_chat("a", messages=[{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]),
      "body.messages.0.content: holds a lone UTF-16 surrogate"),
     ('{"prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}", "the JSON nests too deeply"),
+    (_chat("a", messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]),
+     "body.messages.0.tool_calls: not supported by lorabatch; send the conversation as text"),
+    (_chat("a", messages=[{"role": "assistant", "content": None, "refusal": "no"}]), "body.messages.0.refusal: not supported"),
     (_chat("a", top_logprobs=2), "body.top_logprobs: needs logprobs: true"),
     (_chat("a", logprobs=3), "body.logprobs: 3; use true or false"),
     (_comp("a", logprobs=True), "body.logprobs: true; use an integer 0..20"),
@@ -300,7 +303,12 @@ def test_unsupported_lines_are_refused_by_name(tmp_path, line, said):
                                   _chat("a", frequency_penalty=0), _chat("a", metadata={"x": "y"}, store=False, service_tier="auto"),
                                   _chat("a", response_format={"type": "text"}), _chat("a", stop=None, seed=None, temperature=None),
                                   _chat("a", messages=[{"role": "user", "content": "x", "name": "bob"}]),
-                                  _chat("a", user="jane.doe+batch@example.com"), _chat("a", user="名前 with spaces")])
+                                  _chat("a", user="jane.doe+batch@example.com"), _chat("a", user="名前 with spaces"),
+                                  # an earlier answer's message as the openai package dumps it (message.model_dump())
+                                  _chat("a", messages=[{"role": "user", "content": "q"},
+                                                       {"role": "assistant", "content": "a", "refusal": None, "tool_calls": None,
+                                                        "function_call": None, "audio": None},
+                                                       {"role": "user", "content": "again"}])])
 def test_neutral_fields_are_accepted(tmp_path, line):
     """Fields that ask for nothing the engine does not do anyway (n: 1, stream: false, a zero penalty, null) are taken."""
     out = prepare(_write(tmp_path / "in.jsonl", [line]), "acme", "b")
