@@ -29,9 +29,11 @@ from engine.store import AdapterStore, StoreEntry
 if TYPE_CHECKING:
     from engine.adapter_import import AdapterChecks
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+# \Z, not $: `$` also matches before a final newline, which let `acme\n` through as a tenant, adapter or rule's ADAPTER
+# (no job can name it: the job contract's ids end at their last character).
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}\Z")
 # A rule's ADAPTER: `name` or `name@N`. Routing reads N with int(); 9 digits keep it an INTEGER like adapters.version.
-ADAPTER_REF_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})(?:@(?P<version>[1-9][0-9]{0,8}))?$")
+ADAPTER_REF_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})(?:@(?P<version>[1-9][0-9]{0,8}))?\Z")
 POSITION_RANGE = (-(2**31), 2**31 - 1)  # route_rules.position is INTEGER (32-bit on PostgreSQL)
 WEIGHT_MAX = 2**31 - 1  # adapters.traffic_weight is INTEGER (32-bit on PostgreSQL)
 TIER_CHARS = 32  # tenants.tier and token_prices.tier are String(32)

@@ -372,3 +372,26 @@ def test_adding_an_adapter_again_repairs_its_store_entry(registry, demo_set):
     registry.store.verify(v1.sha256)
     files = [(folder / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")]
     assert registry.store.put_bytes(*files) == (v1.sha256, False), "an intact entry is not written again"
+
+
+@pytest.mark.parametrize("ending", ["\n", "@1\n"])
+def test_a_trailing_newline_is_no_part_of_a_rules_adapter(registry, demo_set, ending):
+    """`$` in Python's re also matches before a final newline, so `routes add ... $'support\\n'` was stored as
+    `support\\n`: a rule that routing (like the job contract) reads as no adapter reference and skipped at every job,
+    however often it matched. Refused as the other malformed ADAPTERs are, and nothing is added."""
+    registry.add_tenant("acme")
+    registry.add_adapter("acme", "support", next(iter(demo_set["adapters"].values())))
+    with pytest.raises(RegistryError, match="NAME@VERSION"):
+        registry.add_rule("acme", "keyword", "refund", "support" + ending)
+    assert registry.list_rules() == []
+
+
+def test_a_trailing_newline_is_no_part_of_a_tenant_or_adapter_name(registry, demo_set):
+    """`acme\\n` and `support\\n` were registered (the names' `$` matched before the newline), ids no job can name (the
+    job contract refuses them) that list like `acme` and `support`; a manifest line's JSON carries one easily."""
+    with pytest.raises(RegistryError, match="invalid"):
+        registry.add_tenant("acme\n")
+    registry.add_tenant("acme")
+    with pytest.raises(RegistryError, match="invalid"):
+        registry.add_adapter("acme", "support\n", next(iter(demo_set["adapters"].values())))
+    assert [t.id for t in registry.list_tenants()] == ["acme"] and registry.list_adapters() == []
