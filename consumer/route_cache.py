@@ -11,7 +11,8 @@ router goes on to its rules and defaults; the next lookup after the backoff trie
 What Redis holds is not trusted either (another client may write there): a value that is not UTF-8, or
 too long to be an adapter reference, is a miss; a key of ours holding another type (an index that is
 not a sorted set) is deleted and rewritten, not taken for Redis being down, which would turn the cache
-off for every tenant at each write. Each such entry counts in `lora_route_cache_poisoned_total`.
+off for every tenant at each write; an index member that is no route key of its tenant and level (the bound deletes the
+keys its index names) leaves the index, its key untouched. Each such entry counts in `lora_route_cache_poisoned_total`.
 
 Redis refusing writes while it answers reads (at its maxmemory under `noeviction`: OOM; a read-only replica: READONLY;
 a user whose ACL forbids writing: NOPERM) is neither: it counts as a cache error (said in the worker's log with the
@@ -199,14 +200,14 @@ class RedisRouteCache:
         now_ms = int(time.time() * 1000)
         try:
             async with self.client.pipeline(transaction=False) as pipe:
-                indexes: dict[str, None] = {}  # insertion-ordered set
+                indexes: dict[str, bytes] = {}  # index -> how its members (route keys) begin, in insertion order
                 for k, v in items.items():
                     rk = k.redis_key(self.prefix)
                     index = f"{self.prefix}:index:{k.level}:{k.tenant_id}"
                     pipe.set(rk, v, px=self.ttl_ms)  # 3 replies per item ...
                     pipe.zadd(index, {rk: now_ms})
                     pipe.pexpire(index, self.ttl_ms)
-                    indexes[index] = None
+                    indexes[index] = f"{self.prefix}:{k.level}:{k.tenant_id}:".encode()
                 for index in indexes:  # ... then 2 per index: drop expired members, count the rest
                     pipe.zremrangebyscore(index, "-inf", now_ms - self.ttl_ms)
                     pipe.zcard(index)
@@ -235,7 +236,13 @@ class RedisRouteCache:
                 async with self.client.pipeline(transaction=False) as pipe:
                     for index, n in over.items():
                         pipe.zpopmin(index, n)
-                    doomed = [member for evicted in await pipe.execute() for member, _score in evicted]
+                    popped = [(index, member) for index, evicted in zip(over, await pipe.execute()) for member, _score in evicted]
+                # Only the tenant's own route keys of that level are deleted: a member naming any other key (put there
+                # by another client: a worker's id lease, another tenant's entry, another program's key) leaves the
+                # index, its key stays
+                doomed = [member for index, member in popped if member.startswith(indexes[index])]
+                if len(doomed) < len(popped):
+                    self._bad(len(popped) - len(doomed))
             if wrong:  # not our sorted set (another client wrote there): gone, so the next write makes it afresh
                 self._bad(len(wrong))
                 doomed += sorted(wrong)

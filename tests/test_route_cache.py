@@ -4,6 +4,7 @@ routing when Redis is away."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from consumer.route_cache import CacheKey, RedisRouteCache
 
@@ -253,3 +254,27 @@ async def test_poisoned_entries_count_in_the_workers_metric(tmp_path):
         r.close()
         await w.router.cache.close()
         w.spool.close()
+
+
+async def test_trimming_deletes_only_the_tenants_own_route_keys(redis_server):
+    """The bound deletes the keys its index names; an index member that is no route key of that tenant and level (put
+    there by another client: a worker's id lease, another tenant's entry, another program's key) was deleted with them.
+    Now such a member leaves the index, counted as poisoned, and its key stays."""
+    import redis as sync_redis
+
+    cache = RedisRouteCache(redis_server.url, max_entries=2, ttl_s=60, prefix="tr")
+    r = sync_redis.Redis.from_url(redis_server.url)
+    foreign = ["tr:worker:lorabatch:w1", "tr:l1:globex:u1", "tr:l2:acme:s1", "other-app:config"]
+    try:
+        for key in foreign:
+            r.set(key, "keep")
+        r.zadd("tr:index:l1:acme", dict.fromkeys(foreign, int(time.time() * 1000) - 1000))  # unexpired, trimmed first
+        for i in range(6):
+            assert await cache.set_many({CacheKey("l1", "acme", f"u{i}"): f"a@{i}"})
+        assert [r.get(key) for key in foreign] == [b"keep"] * len(foreign)
+        assert cache.bad_entries == len(foreign) and cache.errors == 0
+        assert sorted(r.zrange("tr:index:l1:acme", 0, -1)) == [b"tr:l1:acme:u4", b"tr:l1:acme:u5"]
+        assert r.get("tr:l1:acme:u0") is None and r.get("tr:l1:acme:u5") == b"a@5"  # the tenant's own still trimmed
+    finally:
+        r.close()
+        await cache.close()
