@@ -6,7 +6,9 @@ expire entries after a TTL. Lookups for a whole fetched batch go in one round tr
 
 Redis being away must never stop routing: every Redis error marks the cache unavailable for a short
 backoff (so a dead server costs one timeout, not one per job), lookups answer "unavailable" and the
-router goes on to its rules and defaults; the next lookup after the backoff tries again.
+router goes on to its rules and defaults; the next lookup after the backoff tries again. So does a reply no Redis sends (a
+status or an integer for MGET, a negative length: another server or a proxy at routing.redis_url), which raised out of the
+lookup and failed every job of the batch.
 
 What Redis holds is not trusted either (another client may write there): a value that is not UTF-8, or
 too long to be an adapter reference, is a miss; a key of ours holding another type (an index that is
@@ -64,7 +66,14 @@ def explain(e: BaseException) -> str:
                 f"one (redis://host:port/0) or raise `databases`")
     if isinstance(e, ResponseError):  # Redis is up and answered: starting it is no fix
         return f"{brief}; Redis refused the call: fix routing.redis_url or the server's configuration"
+    if not isinstance(e, (RedisError, OSError)):  # a reply the client could not read, or one of a type no Redis sends
+        return (f"{brief}; the server at routing.redis_url answered what Redis does not: point routing.redis_url at a Redis "
+                f"server (not another program, nor a proxy that changes its replies)")
     return f"{brief}; start it, or fix routing.redis_url"
+
+
+class UnexpectedReply(Exception):
+    """A reply of a type no Redis sends for the command (another server, or a proxy, at routing.redis_url)."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,9 @@ class RedisRouteCache:
             return None
         try:
             values = await self.client.mget([k.redis_key(self.prefix) for k in keys])
-        except (RedisError, OSError) as e:
+            if not isinstance(values, list) or any(v is not None and not isinstance(v, bytes) for v in values):
+                raise UnexpectedReply(f"MGET answered {str(values)[:80]}, not a list of strings and nils")
+        except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply redis-py could not read: the cache's fault, never the batch's
             self._failed(e)
             return None
         found = {}
@@ -248,7 +259,7 @@ class RedisRouteCache:
                 doomed += sorted(wrong)
             if doomed:
                 await self.client.delete(*doomed)
-        except (RedisError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply of a type no Redis sends (TypeError reading it)
             self._failed(e)
             return False
         return True

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from consumer.route_cache import CacheKey, RedisRouteCache
 
 
@@ -278,3 +280,47 @@ async def test_trimming_deletes_only_the_tenants_own_route_keys(redis_server):
     finally:
         r.close()
         await cache.close()
+
+
+async def _answering(reply: bytes):
+    """A server that refuses the handshake (as a Redis before 6 does, so the client speaks RESP2) and answers every other
+    command with `reply`: a proxy or another program at routing.redis_url. Returns (server, url)."""
+    async def handle(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(b"-ERR unknown command\r\n" if b"HELLO" in data or b"CLIENT" in data else reply)
+                await writer.drain()
+        except ConnectionError:
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
+
+
+@pytest.mark.parametrize("reply", [b"+OK\r\n", b":5\r\n", b"*2\r\n:5\r\n:6\r\n", b"*2\r\n*1\r\n$1\r\nx\r\n$1\r\nx\r\n", b"$-5\r\n"])
+async def test_replies_no_redis_gives_are_the_cache_away_not_the_batch_failed(reply):
+    """MGET answered with a status, an integer, an array of integers or of arrays, or a negative length (no Redis answers
+    so; a proxy or another server at routing.redis_url may) raised TypeError, AttributeError or ValueError out of the
+    lookup, and the worker failed every job of the batch `routing_failed`, batch after batch, with no backoff. Now it is
+    a cache error as Redis away is: the lookup answers None, the write-back False, and routing goes on by the rules and
+    defaults, saying so."""
+    from consumer.routing import Route, Router
+    from consumer.rules import RuleClassifier
+    from tests.test_routing import job, snapshot
+
+    server, url = await _answering(reply)
+    now = [0.0]
+    cache = RedisRouteCache(url, max_entries=10, ttl_s=60, timeout_s=0.5, clock=lambda: now[0])
+    try:
+        keys = [CacheKey("l1", "acme", "u1"), CacheKey("l2", "acme", "s1")]
+        assert await cache.get_many(keys) is None and cache.errors == 1 and not cache.available
+        assert "routing.redis_url" in cache.last_error, cache.last_error
+        now[0] = 10.0
+        assert await cache.set_many({keys[0]: "support@2"}) is False and cache.errors == 2
+        now[0] = 20.0
+        snap = snapshot()
+        routes = await Router(cache).route_batch(snap, RuleClassifier(snap.rules), [job(user_id="u1", session_id="s1")])
+        assert [(r.reason, r.detail) for r in routes if isinstance(r, Route)] == [("tenant_default", "cache unavailable")], routes
+    finally:
+        await cache.close()
+        server.close()
