@@ -319,3 +319,28 @@ def test_a_stored_rule_that_does_not_compile_is_skipped(caplog):
     classifier = RuleClassifier((RouteRule(5, "acme", "regex", "([", "legal", 0), RouteRule(6, "acme", "keyword", "help", "billing", 1)))
     assert classifier.classify("acme", "help me").id == 6
     assert any("routing rule 5" in r.getMessage() for r in caplog.records)
+
+
+async def test_routing_a_job_reads_the_names_adapters_not_the_whole_registry():
+    """Finding another tenant's public adapter (or saying a name is another tenant's) scanned every adapter of every
+    tenant, three times for a cache hit: 6 ms a job over 100,000 registered adapters, on the worker's event loop and
+    billed as the job's routing_us. The snapshot's adapters are now read once, into an index by name."""
+    class Counting(dict):
+        scans = 0
+
+        def items(self):
+            Counting.scans += 1
+            return super().items()
+
+        def __iter__(self):
+            Counting.scans += 1
+            return super().__iter__()
+
+    snap = snapshot()
+    snap = RegistrySnapshot(snap.tenants, Counting(snap.adapters), snap.defaults, snap.rules)
+    jobs = [job(request_id=f"r{i}", tenant_id=t, adapter=ref, session_id=f"s{i % 3}") for i, (t, ref) in
+            enumerate([("acme", "shared"), ("hooli", "shared@1"), ("acme", "secret"), ("hooli", "chat"), ("hooli", "nothing")] * 20)]
+    routes = await Router(LruRouteCache(100, 60)).route_batch(snap, RuleClassifier(snap.rules), jobs)
+    assert [r.view.adapter_key if isinstance(r, Route) else r.info.code for r in routes[:5]] == [
+        "globex/shared@1", "globex/shared@1", "adapter_forbidden", "adapter_forbidden", "unknown_adapter"]
+    assert Counting.scans <= 1, Counting.scans
