@@ -44,7 +44,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 _FILES = (CONFIG_NAME, WEIGHTS_NAME)  # the hash's fixed order
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _HASH_DOMAIN = b"lorabatch-adapter-v1\n"
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA_RE = re.compile(r"[0-9a-f]{64}\Z")  # \Z: "$" would also match before a final newline
 _CHUNK = 1 << 20
 
 

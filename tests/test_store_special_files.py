@@ -74,3 +74,14 @@ def test_a_worker_read_refuses_a_fifo_swapped_in_after_the_check(demo_set, tmp_p
     monkeypatch.setattr(records, "adapter_files", _swapping(records, name))
     call = lambda: records.read_validated(src, None, read_model_config(model), 1 << 30, 64, base_fingerprint(model))  # noqa: E731
     _refused(_ends(call), (src / name).resolve())
+
+
+def test_a_sha_with_a_final_newline_is_no_adapter_name(tmp_path):
+    """Only 64 hex digits name a stored adapter: with `$`, one with a newline after them passed the check (a folder name
+    the store never makes, whose error then said 'not in the store, put it first' rather than what was wrong)."""
+    store = AdapterStore(tmp_path / "store", max_bytes=MB)
+    sha = "a" * 64
+    (tmp_path / "store" / f"{sha}\n").mkdir()
+    with pytest.raises(AdapterError, match="is not an adapter sha256"):
+        store.path(f"{sha}\n")
+    assert f"{sha}\n" not in store
