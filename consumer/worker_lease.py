@@ -219,13 +219,13 @@ class WorkerIdLease:
         """Take or renew the Redis lease; None when it is ours (or cannot be checked), else its holder."""
         if self._redis is None:
             return None
-        from redis.exceptions import RedisError
+        from consumer.route_cache import UnexpectedReply, explain
 
         try:
             now = await self._redis.eval(_TAKE, 1, self.key, self.value, int(self.ttl_s * 1000))
-        except (RedisError, OSError) as e:
-            from consumer.route_cache import explain
-
+            if not isinstance(now, bytes):  # the script returns a string: an integer, array or nil is no Redis's answer
+                raise UnexpectedReply(f"the lease's EVAL answered {str(now)[:80]}, not a string")
+        except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply redis-py could not read (ValueError): Redis unusable, as if away
             self.held = False
             if not self._unchecked:
                 self._unchecked = True
@@ -281,12 +281,10 @@ class WorkerIdLease:
         self.close_lock()
         if self._redis is None:
             return
-        from redis.exceptions import RedisError
-
         try:
             if self.held:
                 await self._redis.eval(_RELEASE, 1, self.key, self.value)
-        except (RedisError, OSError) as e:  # it lapses within the TTL anyway
+        except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply redis-py could not read: it lapses within the TTL anyway
             log.warning("worker id %s: its Redis lease could not be given back (%s); it lapses within %.0f s",
                         self.worker_id, e, self.ttl_s)
         finally:

@@ -149,6 +149,30 @@ async def test_redis_away_the_worker_starts_and_says_so_once(tmp_path, caplog):
     assert len(said) == 1 and "worker id gpu-0" in said[0], said
 
 
+@pytest.mark.parametrize("reply", [b":5\r\n", b"*2\r\n:5\r\n:6\r\n", b"$-5\r\n", b"$-1\r\n", b"*0\r\n"])
+async def test_a_reply_no_redis_gives_is_redis_away_not_a_crash_nor_a_holder(tmp_path, caplog, reply):
+    """The lease's EVAL answered with an integer, an array, a negative length or a nil (no Redis answers so: the script
+    returns a string; a proxy or another program at routing.redis_url may) raised TypeError or ValueError out of the
+    lease, ending the worker's start with a traceback or its refresh task, and so the worker; an array or a nil was
+    taken for another holder, and the start refused the id. Now it is Redis that cannot be used, as Redis away is: the
+    worker starts, its refreshes go on, and one line names routing.redis_url."""
+    from tests.test_route_cache import _answering
+
+    caplog.set_level(logging.INFO, logger="lorabatch.worker")
+    server, url = await _answering(reply)
+    lease = WorkerIdLease("gpu-0", "workers", tmp_path, redis_url=url, ttl_s=TTL_S, refresh_s=REFRESH_S)
+    try:
+        await lease.acquire()
+        assert not lease.held
+        for _ in range(3):
+            assert await lease.refresh()
+    finally:
+        await lease.release()
+        server.close()
+    said = [r.getMessage() for r in caplog.records if "could not be checked in Redis" in r.getMessage()]
+    assert len(said) == 1 and "routing.redis_url" in said[0], said
+
+
 async def test_redis_back_the_lease_is_taken(tmp_path, redis_server, caplog):
     """Redis that was away at start is checked at a later refresh, and the lease is taken there."""
     caplog.set_level(logging.INFO, logger="lorabatch.worker")
