@@ -54,6 +54,14 @@ def _decode(kind: str, body: str):
     return KINDS[kind](**{k: datetime.fromisoformat(v) if k in _TIMES and v is not None else v for k, v in d.items()})
 
 
+def _readable(kind: str, body: str):
+    """The record a row holds; None where this version cannot read it (a kind or field of another lorabatch's)."""
+    try:
+        return _decode(kind, body)
+    except (KeyError, TypeError, ValueError):  # ValueError: JSON or a time that is not one
+        return None
+
+
 class SpoolNoSpace(Exception):
     """The spool file cannot be opened because its disk is full: a worker waits for space at start (`lorabatch worker`)
     rather than exit, which an orchestrator turned into a crash loop for as long as the disk stayed full."""
@@ -114,6 +122,7 @@ class Spool:
         self.max_records = max_records
         self._lock = threading.Lock()
         self._carry: list[tuple] = []  # records of a file deleted while open, not yet written into its replacement
+        self._unreadable: set[int] = set()  # ids of rows another lorabatch wrote that this one cannot read (`oldest`)
         self._lock_fd = _held
         try:
             if self._lock_fd is None:  # shared: never deleted while open (module docstring), whoever else opens it
@@ -261,8 +270,10 @@ class Spool:
     def __len__(self) -> int:
         # Counted, not remembered: workers on one host may share the file (each flushes what it finds;
         # the ledger's keys make a record written by two of them land once).
+        # Rows this version cannot read are not counted: no flush empties them, and counted they would hold fetching.
         with self._lock:
-            return self._db.execute("SELECT count(*) FROM spool").fetchone()[0]
+            return self._db.execute("SELECT count(*) FROM spool WHERE id NOT IN (SELECT value FROM json_each(?))",
+                                    (json.dumps(sorted(self._unreadable)),)).fetchone()[0]
 
     @property
     def full(self) -> bool:
@@ -298,14 +309,33 @@ class Spool:
             self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('probe', datetime('now'))")
 
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
-        """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty."""
+        """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty.
+
+        Rows this version cannot read (a kind or a field it does not know: the spool of a newer lorabatch, flushed after
+        a rollback) raised out of here and ended the flusher, and so the worker, at every restart. They are passed over
+        and left in the file as they are, said when found: the lorabatch that wrote them flushes them."""
+        kind, ids, records, skipped = "", [], [], []
         with self._lock:
-            rows = self._db.execute("SELECT id, kind, body FROM spool ORDER BY id LIMIT ?", (limit,)).fetchall()
-        if not rows:
-            return "", [], []
-        kind = rows[0][1]
-        run = [r for r in rows[: next((i for i, r in enumerate(rows) if r[1] != kind), len(rows))]]
-        return kind, [r[0] for r in run], [_decode(kind, r[2]) for r in run]
+            rows = self._db.execute("SELECT id, kind, body FROM spool WHERE id NOT IN (SELECT value FROM json_each(?)) "
+                                    "ORDER BY id", (json.dumps(sorted(self._unreadable)),))
+            for i, k, body in rows:
+                record = _readable(k, body)
+                if record is None:
+                    skipped.append((i, k))
+                    continue
+                if ids and (k != kind or len(ids) >= limit):
+                    break
+                kind = k
+                ids.append(i)
+                records.append(record)
+            rows.close()
+            self._unreadable.update(i for i, _ in skipped)
+        if skipped:
+            log.error("the spool file %s holds %d ledger records this lorabatch cannot read (kinds %s; written by another "
+                      "version, a newer one's spool after a rollback?): they are left in the file, not written to the "
+                      "ledger; run the lorabatch that wrote them with worker.spool_path set to this file to flush them",
+                      self.path, len(skipped), ", ".join(sorted({k for _, k in skipped})))
+        return kind, ids, records
 
     def remove(self, ids: Iterable[int]) -> None:
         ids = list(ids)
@@ -332,7 +362,8 @@ class Spool:
                 for tenant, rid, body in self._db.execute(
                         f"SELECT tenant_id, request_id, body FROM spool WHERE kind = 'usage' AND ({where}) ORDER BY id",
                         params):
-                    out.setdefault((tenant, rid), _decode("usage", body))
+                    if (tenant, rid) not in out and (record := _readable("usage", body)) is not None:
+                        out[(tenant, rid)] = record
         return out
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
-from consumer.spool import Spool
+from consumer.spool import Spool, _encode
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -230,3 +230,38 @@ def test_a_spool_deleted_while_open_holds_its_lock_again(tmp_path):
     assert not Spool.remove_if_abandoned(path) and path.exists()
     s.close()
     assert Spool.remove_if_abandoned(path) and list(path.parent.iterdir()) == []
+
+
+def test_records_this_version_cannot_read_are_kept_aside_not_raised(tmp_path, caplog):
+    """A record written by another lorabatch (a field or a kind this one does not know: a newer one's spool, flushed
+    after a rollback) raised TypeError or KeyError out of `oldest`, which ended the flusher and so the worker, at every
+    restart. Now such records stay in the file, set aside and said (the file named, and the fix), and the others flow."""
+    import json
+    import sqlite3
+
+    path = tmp_path / "s.sqlite"
+    s = Spool(path, max_records=10)
+    s.put([_usage(0)])
+    newer = json.loads(_encode(_usage(1)))
+    newer["carbon_grams"] = 3
+    raw = sqlite3.connect(path)
+    raw.execute("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES ('usage', 'acme', 'r1', ?)",
+                (json.dumps(newer),))
+    raw.execute("INSERT INTO spool (kind, body) VALUES ('gpu_power', '{}')")
+    raw.commit()
+    raw.close()
+    s.put([_busy(2)])
+    assert s.usage([("acme", "r0"), ("acme", "r1")]) == {("acme", "r0"): _usage(0)}
+    runs = []
+    while len(s):
+        kind, ids, records = s.oldest(10)
+        runs.append((kind, records))
+        s.remove(ids)
+    assert runs == [("usage", [_usage(0)]), ("busy", [_busy(2)])]
+    s.close()
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT count(*) FROM spool").fetchone()[0] == 2  # kept, for the lorabatch that wrote them
+    raw.close()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert said and str(path) in said[0] and "lorabatch" in said[0], said
+    assert not Spool.remove_if_abandoned(path)  # never deleted as empty by a worker beside it
