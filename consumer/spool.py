@@ -84,6 +84,16 @@ def _no_space(e: BaseException, folder: Path) -> bool:
         return False
 
 
+def open_fix(e: BaseException, path: Path, key: str) -> str:
+    """What to do about a spool file at `path` that cannot be opened for `e`; `key`: the setting that names it. A damaged
+    file was said as a folder not writable, and the advice to point `key` elsewhere abandoned its records unsaid."""
+    text = str(e)
+    if isinstance(e, sqlite3.DatabaseError) and (not isinstance(e, sqlite3.OperationalError) or "no such " in text):
+        return (f"it is damaged, or another program's file (not a spool of this lorabatch): move it aside and start "
+                f"again; ledger records it holds are not in the ledger (`sqlite3 {path} .recover` salvages what it can)")
+    return f"set {key} to a file in a writable folder"
+
+
 def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 

@@ -50,7 +50,7 @@ from consumer.routing import Router
 from consumer.scheduler import Pending, Scheduler, TenantPolicy
 from consumer.schemas import ErrorInfo
 from consumer.services import shown_url
-from consumer.spool import Spool
+from consumer.spool import Spool, open_fix
 from consumer.stages import EngineClock, StageLog
 from consumer.undecodable import undecodable
 from consumer.waits import Stopped, connect, wait_for_redis
@@ -145,8 +145,7 @@ class Worker:
             # "File exists: ...; check the path", and sqlite's "unable to open database file" named nothing).
             key = "worker.spool_path" if w.spool_path else "worker.spool_path (unset: .lorabatch/spool/<worker.worker_id>.sqlite)"
             why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else str(e)
-            raise ConfigError(f"the spool file {spool_path} cannot be opened ({why}); set {key} to a file in a writable "
-                              f"folder") from e
+            raise ConfigError(f"the spool file {spool_path} cannot be opened ({why}); {open_fix(e, spool_path, key)}") from e
         # An id set by hand is held while the worker runs, so that a second worker under it refuses to start: on this
         # host beside the spool, across hosts in Redis where routing uses it (consumer.worker_lease). `lease`: one the
         # caller took already (the command, before building the engine); the worker releases it as it exits.
