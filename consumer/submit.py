@@ -31,7 +31,7 @@ from consumer.config import KafkaConfig
 from consumer.kafka import make_consumer, make_producer, record_size
 from consumer.batch_file import Line, SubmitError, job_message, partition_key
 from consumer.openai_batch import index_parts
-from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result
+from consumer.schemas import BatchManifest, DlqRecord, Job, OpenAIRequest, Result, parse_job
 from consumer.undecodable import undecodable
 
 log = logging.getLogger("lorabatch.submit")
@@ -334,17 +334,16 @@ async def manifest_from_jobs(cfg: KafkaConfig, tenant_id: str, batch_id: str, ti
     """The manifest of a batch that no `lorabatch submit` wrote one for (another client produced its jobs):
     the request ids of the jobs topic's records whose `tenant_id` and `batch_id` are the batch's, in the
     order read (partition by partition), each once. None when the jobs topic holds none of them (never
-    produced, or gone with the topic's retention). Records that are not JSON objects are not anyone's."""
+    produced, or gone with the topic's retention). A record is read as the workers read it (`parse_job`), so that
+    every id taken is one they answer under it, with a result or a DLQ record that names it: a record they cannot
+    read an identity from (not UTF-8 JSON, nested too deeply, its request_id given twice) is dead-lettered under no
+    request id, and waiting for one kept `results` to its timeout."""
     ids: dict[str, None] = {}
 
     def take(key, value):
-        try:
-            job = json.loads(value)
-        except (TypeError, UnicodeDecodeError, json.JSONDecodeError):
-            return  # dead-lettered by the workers: its batch cannot be told
-        if (isinstance(job, dict) and job.get("tenant_id") == tenant_id and job.get("batch_id") == batch_id
-                and isinstance(job.get("request_id"), str)):
-            ids[job["request_id"]] = None
+        job = parse_job(value)
+        if job.tenant_id == tenant_id and job.batch_id == batch_id and job.request_id is not None:
+            ids[job.request_id] = None
 
     await _read_topics(cfg, {cfg.jobs_topic: take}, True, lambda: False, timeout_s)
     if not ids:

@@ -1,0 +1,35 @@
+"""`lorabatch results` against topics that other programs also write: what it reads there that is not a lorabatch
+record of the batch is skipped, never shown as the batch's answer, and never ends the command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from consumer.schemas import BatchManifest
+from consumer.submit import collect_results, manifest_from_jobs
+from tests.test_submit_results import _produce, _result, _settings
+
+
+def _job(rid: str, tenant: str = "acme", batch: str = "b1") -> dict:
+    return {"tenant_id": tenant, "batch_id": batch, "request_id": rid, "prompt": "hi"}
+
+
+def test_a_batch_found_in_the_jobs_topic_has_only_the_jobs_the_workers_can_name(broker):
+    """With no manifest, the batch's jobs are the jobs topic's records that the workers read as the batch's (parse_job):
+    a record nested too deeply is skipped (json.loads raised RecursionError and `results` ended in a traceback), and a
+    record the workers cannot read an identity from (UTF-16 JSON, a request_id given twice) is not waited for (its
+    dead-letter record names no request, so `results` waited out its whole timeout for it and said no worker ran)."""
+    s, _ = _settings(broker)
+    values = [
+        json.dumps(_job("r1")).encode(),
+        b"[" * 100_000,
+        json.dumps(_job("r2")).encode("utf-16"),
+        b'{"tenant_id": "acme", "batch_id": "b1", "request_id": "r3", "request_id": "r4", "prompt": "hi"}',
+        json.dumps(_job("r5", tenant="globex")).encode(),
+        json.dumps(_job("r6", batch="b2")).encode(),
+        json.dumps({**_job("r7"), "max_new_tokens": -1}).encode(),  # answered: a failed result names it
+    ]
+    asyncio.run(_produce(s, s.kafka.jobs_topic, values, key=b"acme"))  # one partition: read in order
+    manifest = asyncio.run(manifest_from_jobs(s.kafka, "acme", "b1", timeout_s=10))
+    assert manifest is not None and manifest.request_ids == ["r1", "r7"]
