@@ -359,7 +359,9 @@ async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: 
     and the first one read is kept: a replayed result is the same answer again. A failure the result calls retriable
     (quota_exceeded under on_quota=fail, engine_error, ...) is not kept by the workers, so the request sent again runs
     again: a later result of it is the answer, and what the topics held at the start is read whole before such a
-    failure is taken as the last word. A DLQ record is of one message, so it must be of this batch.
+    failure is taken as the last word, or a DLQ record (a request can have both: a result too large to publish goes out
+    as a small failed result and a DLQ record; the result is its answer). A DLQ record is of one message, so it must be
+    of this batch.
     """
     tenant_id, wanted = manifest.tenant_id, set(manifest.request_ids)
     results: dict[str, Result] = {}
@@ -388,7 +390,10 @@ async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: 
                 progress(1)
 
     def complete() -> bool:
-        return len(wanted - results.keys() - dlq.keys()) == 0 and (read_whole[0] or not any(map(retried, results.values())))
+        # A DLQ record alone is not the last word either: a result too large for the broker goes out as a small failed
+        # result and a DLQ record, and whichever topic a fetch brought first decided what `results` wrote.
+        settled = read_whole[0] or not (any(map(retried, results.values())) or dlq.keys() - results.keys())
+        return len(wanted - results.keys() - dlq.keys()) == 0 and settled
 
     def caught_up() -> None:
         read_whole[0] = True

@@ -33,3 +33,24 @@ def test_a_batch_found_in_the_jobs_topic_has_only_the_jobs_the_workers_can_name(
     asyncio.run(_produce(s, s.kafka.jobs_topic, values, key=b"acme"))  # one partition: read in order
     manifest = asyncio.run(manifest_from_jobs(s.kafka, "acme", "b1", timeout_s=10))
     assert manifest is not None and manifest.request_ids == ["r1", "r7"]
+
+
+def test_a_request_with_a_result_and_a_dlq_record_is_answered_by_its_result_whatever_is_read_first(broker):
+    """A result too large for the broker goes out as a small failed result and a DLQ record of the same request; the
+    result is the answer `results` writes. What the topics held is read whole before a DLQ record alone is taken as the
+    last word: collecting stopped at the DLQ record when it was read before the result (here behind 3 MB of another
+    tenant's results), and the same batch came out as `dlq` or `failed` by which topic a fetch brought first."""
+    from consumer.schemas import DlqRecord, ErrorInfo, Result
+    from tests.test_submit_results import _dlq
+
+    s, _ = _settings(broker)
+    k = s.kafka
+    failed = Result(request_id="r1", tenant_id="acme", batch_id="b1", status="failed",
+                    error=ErrorInfo(code="result_too_large", message="over the limit"))
+    asyncio.run(_produce(s, k.results_topic, [_result("globex", "r1", "x" * 300_000)] * 60 + [failed.model_dump_json().encode()],
+                         key=b"r1"))
+    asyncio.run(_produce(s, k.dlq_topic, [_dlq("acme", "r1")]))
+    manifest = BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1"])
+    got, dlq = asyncio.run(collect_results(k, manifest, 20))
+    assert got["r1"].error.code == "result_too_large" and got["r1"].tenant_id == "acme"
+    assert isinstance(dlq.get("r1"), DlqRecord)
