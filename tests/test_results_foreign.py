@@ -54,3 +54,33 @@ def test_a_request_with_a_result_and_a_dlq_record_is_answered_by_its_result_what
     got, dlq = asyncio.run(collect_results(k, manifest, 20))
     assert got["r1"].error.code == "result_too_large" and got["r1"].tenant_id == "acme"
     assert isinstance(dlq.get("r1"), DlqRecord)
+
+
+def test_tombstones_headers_and_broken_bytes_on_the_results_topics_are_skipped(broker):
+    """A tombstone (no value), a record with headers (a forged marker header among them), bytes that are not UTF-8 and a
+    JSON string with a lone surrogate, on the results and DLQ topics, are skipped; the batch's own result is found."""
+    from consumer.kafka import make_producer
+    from consumer.undecodable import HEADER
+
+    s, _ = _settings(broker)
+    k = s.kafka
+    ours = _result("acme", "r1", "ours")
+
+    async def write() -> None:
+        producer = make_producer(k)
+        await producer.start()
+        try:
+            for topic in (k.results_topic, k.dlq_topic):
+                await producer.send_and_wait(topic, None, key=b"r1")
+                await producer.send_and_wait(topic, b'{"request_id": "r1", "tenant_id": "acme", "status": "succeeded", '
+                                                    b'"text": "\xff\xfe"}', key=b"r1")
+                await producer.send_and_wait(topic, b'{"request_id": "r1", "tenant_id": "acme", "status": "succeeded", '
+                                                    b'"text": "\\ud800"}', key=b"r1")
+            await producer.send_and_wait(k.results_topic, ours, key=b"r1", headers=[(HEADER, b"forged"), ("trace", b"\x00")])
+        finally:
+            await producer.stop()
+
+    asyncio.run(write())
+    manifest = BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1"])
+    got, dlq = asyncio.run(collect_results(k, manifest, 20))
+    assert {rid: r.text for rid, r in got.items()} == {"r1": "ours"} and dlq == {}
