@@ -599,3 +599,13 @@ def test_a_ledger_url_naming_no_regular_file(tmp_path, kind):
         line = _one_error_line(_lorabatch(tmp_path, *args, "-c", cfg, timeout=60))
         assert f"ledger.url names {path}, a {kind}, not a regular file: it is no SQLite database" in line, line
         assert "set ledger.url to the ledger's file" in line and "free space" not in line, line
+
+
+def test_the_projects_own_error_keeps_its_fix_past_400_characters():
+    """A typed error says its fix last; one naming a long path twice (a spool file's, 250 characters) was cut at 400
+    characters, fix and all, by the brief that bounds libraries' messages."""
+    from consumer.config import ConfigError
+
+    path = "/srv/" + "deep/" * 50 + "spool.sqlite"
+    message = operational_message(ConfigError(f"the spool file {path} cannot be opened; move {path} aside and start again"))
+    assert message is not None and message.endswith("move " + path + " aside and start again"), message

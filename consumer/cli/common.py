@@ -77,9 +77,9 @@ def set_debug(on: bool) -> None:
         command_logging(True)
 
 
-def _brief(e: BaseException) -> str:
+def _brief(e: BaseException, limit: int = 400) -> str:
     text = one_line(str(e)) or type(e).__name__
-    return text if len(text) <= 400 else text[:400] + "..."
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def operational_message(e: BaseException) -> str | None:
@@ -125,8 +125,8 @@ def operational_message(e: BaseException) -> str | None:
     if engine_api is not None and isinstance(e, engine_api.EngineError) and e.code.startswith("model_"):
         return (f"{_brief(e)}; set engine.model_dir (or --model) to a Hugging Face model folder, or write the demo "
                 f"one with `lorabatch make-demo-model DIR`")
-    if isinstance(getattr(type(e), "retriable", None), bool):  # the project's typed errors say their fix
-        return _brief(e)
+    if isinstance(getattr(type(e), "retriable", None), bool):  # the project's typed errors say their fix, last: cut
+        return _brief(e, 2000)  # at 400 characters, a long path named twice (a spool file's) cut off the fix
     if isinstance(e, ConnectionError):
         return f"a connection failed ({_brief(e)}); check that the service at the configured address is running"
     if isinstance(e, OSError):
