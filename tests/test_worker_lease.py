@@ -136,8 +136,13 @@ async def test_redis_away_the_worker_starts_and_says_so_once(tmp_path, caplog):
     from consumer.broker import free_port
 
     caplog.set_level(logging.INFO, logger="lorabatch.worker")
-    lease = WorkerIdLease("gpu-0", "workers", tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                          ttl_s=TTL_S, refresh_s=REFRESH_S)
+    said = await _unchecked_starts(tmp_path, caplog, f"redis://127.0.0.1:{free_port()}/0")
+    assert len(said) == 1 and "worker id gpu-0" in said[0], said
+
+
+async def _unchecked_starts(folder, caplog, url: str) -> list[str]:
+    """Take gpu-0 with Redis at `url` unusable and refresh it 3 times (each must hold): the lines saying so."""
+    lease = WorkerIdLease("gpu-0", "workers", folder, redis_url=url, ttl_s=TTL_S, refresh_s=REFRESH_S)
     try:
         await lease.acquire()
         assert not lease.held
@@ -145,8 +150,7 @@ async def test_redis_away_the_worker_starts_and_says_so_once(tmp_path, caplog):
             assert await lease.refresh()
     finally:
         await lease.release()
-    said = [r.getMessage() for r in caplog.records if "could not be checked in Redis" in r.getMessage()]
-    assert len(said) == 1 and "worker id gpu-0" in said[0], said
+    return [r.getMessage() for r in caplog.records if "could not be checked in Redis" in r.getMessage()]
 
 
 @pytest.mark.parametrize("reply", [b":5\r\n", b"*2\r\n:5\r\n:6\r\n", b"$-5\r\n", b"$-1\r\n", b"*0\r\n"])
@@ -160,16 +164,10 @@ async def test_a_reply_no_redis_gives_is_redis_away_not_a_crash_nor_a_holder(tmp
 
     caplog.set_level(logging.INFO, logger="lorabatch.worker")
     server, url = await _answering(reply)
-    lease = WorkerIdLease("gpu-0", "workers", tmp_path, redis_url=url, ttl_s=TTL_S, refresh_s=REFRESH_S)
     try:
-        await lease.acquire()
-        assert not lease.held
-        for _ in range(3):
-            assert await lease.refresh()
+        said = await _unchecked_starts(tmp_path, caplog, url)
     finally:
-        await lease.release()
         server.close()
-    said = [r.getMessage() for r in caplog.records if "could not be checked in Redis" in r.getMessage()]
     assert len(said) == 1 and "routing.redis_url" in said[0], said
 
 
