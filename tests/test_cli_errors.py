@@ -496,62 +496,6 @@ def test_submit_checks_its_ids_once_before_the_lines(tmp_path, option, value):
     assert out.stdout == ""
 
 
-def test_a_spool_path_under_a_file_names_the_key(tmp_path):
-    """worker.spool_path whose folder is a file: the error names the key (it said "File exists: ...; check the path")."""
-    from types import SimpleNamespace
-
-    from consumer.config import ConfigError, load_settings
-    from consumer.registry import RegistrySnapshot
-    from consumer.worker import Worker
-    from engine.config import EngineConfig
-
-    (tmp_path / "afile").write_text("")
-    s = load_settings(None, {"worker.spool_path": str(tmp_path / "afile" / "spool.sqlite")})
-    engine = SimpleNamespace(config=EngineConfig(max_batch_size=32))
-    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path / "store"))
-    with pytest.raises(ConfigError) as e:
-        Worker(s, engine, registry, ledger=None)
-    message = operational_message(e.value)
-    assert "afile/spool.sqlite cannot be opened" in message and "set worker.spool_path to a file in a writable folder" in message
-
-
-@pytest.mark.parametrize("content", ["random", "truncated", "other_schema"])
-def test_a_damaged_spool_file_is_said_as_damaged_not_as_an_unwritable_folder(tmp_path, content):
-    """A spool file that is not SQLite, truncated, or another program's database in its place: the start said "set
-    worker.spool_path to a file in a writable folder", which abandons the file and whatever records it holds without a
-    word. Now the error names the file, says what is wrong with it, and to move it aside (salvaging with .recover)."""
-    import sqlite3
-    from types import SimpleNamespace
-
-    from consumer.config import ConfigError, load_settings
-    from consumer.registry import RegistrySnapshot
-    from consumer.spool import Spool
-    from consumer.worker import Worker
-    from engine.config import EngineConfig
-    from tests.test_spool import _usage
-
-    path = tmp_path / "spool.sqlite"
-    if content == "random":
-        path.write_bytes(bytes(range(256)) * 32)
-    elif content == "truncated":
-        spool = Spool(path, 1000)
-        spool.put([_usage(i) for i in range(200)])
-        spool.close()
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    else:
-        db = sqlite3.connect(path)
-        db.execute("CREATE TABLE spool (id INTEGER PRIMARY KEY, payload BLOB)")
-        db.close()
-    s = load_settings(None, {"worker.spool_path": str(path)})
-    engine = SimpleNamespace(config=EngineConfig(max_batch_size=32))
-    registry = SimpleNamespace(snapshot=lambda: RegistrySnapshot({}, {}, {}), store=SimpleNamespace(root=tmp_path / "store"))
-    with pytest.raises(ConfigError) as e:
-        Worker(s, engine, registry, ledger=None)
-    message = operational_message(e.value)
-    assert f"spool file {path}" in message and "move it aside" in message and ".recover" in message, message
-    assert "writable folder" not in message, message
-
-
 def test_a_sqlite_ledger_fault_is_said_as_what_it_is_not_as_unreachable(tmp_path):
     """A SQLite ledger's file that this user cannot write, a table missing from it: sqlite3 raises OperationalError for
     both, and both were said as "the ledger database cannot be reached (...); start it, or set ledger.url to a running
