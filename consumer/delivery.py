@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.errors import ClusterAuthorizationFailedError, KafkaError, KafkaTimeoutError, TopicAuthorizationFailedError
 
 from billing.errors import LedgerError, LedgerRecordError, LedgerSchemaError
 from billing.records import AdapterLoadRecord, BusyRecord, UsageRecord
@@ -67,8 +67,16 @@ class Outcome:
         return (self.result is None or "result" in self.sent) and (self.dlq is None or "dlq" in self.sent)
 
 
+# Refusals of the worker itself, not of one message: a topic or cluster ACL without WRITE for its principal. Every
+# message would be refused alike until an operator grants it, so they are waited for as a broker that is away is;
+# taken as one message's refusal, each result was replaced by a failed one, that too refused and dropped, its job
+# billed as failed and its offset committed: a missing grant consumed the whole topic for nothing.
+_NOT_ALLOWED = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
+
+
 def _retriable(e: BaseException) -> bool:
-    return isinstance(e, (KafkaTimeoutError, OSError)) or isinstance(e, KafkaError) and bool(e.retriable)
+    return (isinstance(e, (KafkaTimeoutError, OSError, *_NOT_ALLOWED))
+            or isinstance(e, KafkaError) and bool(e.retriable))
 
 
 class SpoolUnavailable(Exception):
@@ -275,14 +283,15 @@ class Deliverer:
         started = time.monotonic()
         while todo := [o for o in batch if not o.published]:
             sent = await asyncio.gather(*(self._send(o) for o in todo), return_exceptions=True)
-            waiting = None
+            waiting: BaseException | None = None
             for o, err in zip(todo, sent):
                 if err is None:
                     continue
                 if isinstance(err, asyncio.CancelledError):
                     raise err
                 if _retriable(err):
-                    waiting = err
+                    if not isinstance(waiting, _NOT_ALLOWED):  # the line names a refusal first: it has a fix
+                        waiting = err
                 elif o.replaced or o.result is None or "result" in o.sent:
                     # Even the small form (or a bounded DLQ record) was refused: nothing smaller can be sent.
                     o.sent.update(("result", "dlq"))
@@ -295,9 +304,12 @@ class Deliverer:
             if waiting is not None:
                 self.metrics.waiting.labels("broker").set(1)
                 self.metrics.retries.labels("publish").inc()
-                log.warning("waiting for the broker to publish %d outcomes to %s for %.0fs (%s); retrying in %.1fs",
-                            len([o for o in batch if not o.published]), self._topics_of(todo), time.monotonic() - started,
-                            waiting, delay)
+                topics = self._topics_of(todo)
+                fix = (f": the broker does not let this worker write to {topics}; grant its principal WRITE on "
+                       f"{topics} (and DESCRIBE)" if isinstance(waiting, _NOT_ALLOWED) else "")
+                log.warning("waiting for the broker to publish %d outcomes to %s for %.0fs (%s%s); retrying in %.1fs",
+                            len([o for o in batch if not o.published]), topics, time.monotonic() - started,
+                            waiting, fix, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         self.metrics.waiting.labels("broker").set(0)
