@@ -49,8 +49,16 @@ ANSWER_BYTES = 16_384
 def message_bytes(m) -> int:
     """A record's size as `lorabatch submit` measures the message it sends: its key and value, and here its headers too
     (a producer that is not ours can send a megabyte of either beside a small value)."""
-    headers = sum(len(k or "") + len(v or b"") for k, v in (getattr(m, "headers", None) or ()))
+    headers = sum(_size(k) + _size(v) for k, v in (getattr(m, "headers", None) or ()))
     return len(m.value or b"") + len(m.key or b"") + headers
+
+
+def _size(part: str | bytes | None) -> int:
+    """A header key (str, decoded from UTF-8 by aiokafka) or value in bytes: a key of emoji counted a quarter of its
+    length in characters."""
+    if part is None:
+        return 0
+    return len(part.encode("utf-8", "surrogatepass")) if isinstance(part, str) else len(part)
 
 
 class Intake:
