@@ -12,9 +12,9 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import ClusterAuthorizationFailedError, TopicAuthorizationFailedError
 
+from consumer.delivery import Outcome
 from consumer.schemas import DlqRecord, ErrorInfo, dlq_record
 from tests.test_delivery import _outcome, _results, rig  # noqa: F401 - the rig fixture
-from consumer.delivery import Outcome
 
 
 @pytest.mark.parametrize("error", [TopicAuthorizationFailedError, ClusterAuthorizationFailedError])
