@@ -56,6 +56,19 @@ class Served:
     adapter_ok: bool  # False only when the adapter itself failed (engine.api.ADAPTER_ERROR_CODES, or a fallback)
 
 
+def quota_tokens(outcome: Outcome) -> int:
+    """The tokens a job the engine answered ran, to which its tenant's token quota is settled: its prompt and what it
+    generated (a stop string or EOS ends it before max_new_tokens), or 0 when it took no GPU time (refused by the
+    engine: a prompt or max_new_tokens over its limit, an adapter that cannot load)."""
+    u = outcome.usage
+    if u is not None:
+        return u.input_tokens + u.output_tokens if u.base_us + u.lora_us > 0 else 0
+    r = outcome.result  # an answer with no row (nobody bills it): as its result says
+    if r is None or r.usage is None or not (r.cost and r.cost.base_ms + r.cost.lora_ms > 0):
+        return 0
+    return r.usage.input_tokens + r.usage.output_tokens
+
+
 def engine_error_field(code: str, message: str, job: Job) -> str | None:
     """The job field an engine refusal is about (engine.validation's codes), so a result never says `field: null`
     for a fault of one field."""

@@ -7,7 +7,10 @@
   next. A tenant sending 10x another's volume therefore cannot push the other's jobs back: each new job
   of the small tenant starts at the current virtual time, ahead of the big tenant's backlog.
 - Per-tenant token buckets (requests and tokens per minute): over them a tenant's jobs wait (or were
-  failed with `quota_exceeded` when pushed, if they asked to).
+  failed with `quota_exceeded` when pushed, if they asked to). A job takes its estimate (prompt + max_new_tokens)
+  when dispatched and is settled to the tokens the engine ran when it leaves (`finished`): a job stopped early by a
+  stop string or EOS gives back what it did not generate, a job refused or failed before running gives back all of
+  it, and a prompt the estimate undercounted (CJK text) pays the rest.
 - Adapter affinity within a bounded slack: among heads whose start tags are within `affinity_slack`
   tokens of the smallest, prefer an adapter already in the batch, then one already on the GPU; a job
   is passed over this way for at most `max_defer_ms`, so nobody starves.
@@ -74,6 +77,12 @@ class TokenBucket:
         if self.per_minute:
             self._refill(now)
             self.level -= amount
+
+    def give(self, amount: float, now: float) -> None:
+        """Return `amount` taken before (negative: take more), never past a full bucket."""
+        if self.per_minute:
+            self._refill(now)
+            self.level = min(self.per_minute, self.level + amount)
 
 
 @dataclass
@@ -155,8 +164,16 @@ class Scheduler:
         self._queued += 1
         self._queued_tokens += item.tokens
 
-    def finished(self, item: Pending) -> None:
-        """A dispatched job left the engine: its tenant holds one slot fewer."""
+    def finished(self, item: Pending, used_tokens: int | None = None, request_back: bool = False) -> None:
+        """A dispatched job left the engine: its tenant holds one slot fewer. `used_tokens`: the tokens it ran (its
+        prompt and what it generated), to which its token quota is settled (None: it keeps its estimate, `item.tokens`);
+        `request_back`: it ran nothing and its answer is not kept (a resend runs again), so its request is returned too."""
+        reqs, toks = self._bucket(item.tenant_id)
+        now = self._clock()
+        if used_tokens is not None:
+            toks.give(item.tokens - used_tokens, now)
+        if request_back:
+            reqs.give(1, now)
         left = self._in_flight.get(item.tenant_id, 0) - 1
         if left > 0:
             self._in_flight[item.tenant_id] = left

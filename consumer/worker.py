@@ -42,7 +42,7 @@ from consumer.kafka import close_producer, group_members, make_consumer, make_pr
 from consumer.logs import Outage, Throttle
 from consumer.metrics import WorkerMetrics
 from consumer.offsets import OffsetTracker
-from consumer.outcomes import failed_before_engine, serving_error
+from consumer.outcomes import failed_before_engine, quota_tokens, serving_error
 from consumer.partitions import Partitions
 from consumer.registry import Registry, RegistrySnapshot
 from consumer.route_cache import LruRouteCache, RedisRouteCache, RouteCache
@@ -459,10 +459,12 @@ class Worker:
         key = (item.job.tenant_id, item.job.request_id)
         tier = self.intake.snapshot.tenants.get(item.job.tenant_id)
         slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
+        used, request_back = None, False  # its quota settles to what it ran (None: its estimate); ran nothing, kept nothing
         try:
             served = await self.feeder.serve(item, slo_tier)
         except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
             error, keep = serving_error(e, key)
+            used, request_back = 0, not keep
             at_fault = item.route.view if error.code in ADAPTER_ERROR_CODES else None  # its files: billed on its line
             if at_fault is not None:  # the adapter's own failure, as a failed load is: it counts against its circuit
                 self.breakers.record(at_fault.adapter_key, False)
@@ -478,11 +480,12 @@ class Worker:
             if served.adapter_key is not None:
                 self.breakers.record(served.adapter_key, served.adapter_ok)
             if served.outcome is not None:
+                used = quota_tokens(served.outcome)
                 self.intake.answer(key, served.outcome)
         finally:
             if self._in_engine.pop(id(p), None) is not None:
                 self.engine_clock.leave()
-            self.scheduler.finished(p)
+            self.scheduler.finished(p, used, request_back)
             if item.abandoned:
                 await self.intake.orphaned(key, self.handover.revoked)
             self._work_event.set()
