@@ -24,10 +24,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("lorabatch.worker")
 
 
 @dataclass
@@ -49,7 +52,7 @@ class TokenBucket:
     """Up to `per_minute` units, refilled continuously; 0 means unlimited."""
 
     def __init__(self, per_minute: int, now: float):
-        self.per_minute = per_minute
+        self.per_minute = max(0, per_minute)  # a negative limit (Scheduler.set_policy says so) is no limit, not a bucket
         self.level = float(per_minute)
         self.at = now
 
@@ -125,6 +128,14 @@ class Scheduler:
         old = self._policies.get(tenant_id)
         self._policies[tenant_id] = policy
         if old is None or (old.requests_per_minute, old.tokens_per_minute) != (policy.requests_per_minute, policy.tokens_per_minute):
+            # `tenants limits` refuses a negative limit, but a row written by hand can hold one: as a bucket it let one
+            # job through and then none, for good, with next_eligible_in saying "now" every 5 ms
+            for name, flag, value in (("requests_per_minute", "--rpm", policy.requests_per_minute),
+                                      ("tokens_per_minute", "--tpm", policy.tokens_per_minute)):
+                if value < 0:
+                    log.warning("tenant %r has %s=%d in the registry; limits are 0 (unlimited) or more, so it is served "
+                                "as unlimited; set it with `lorabatch tenants limits %s %s N`", tenant_id, name, value,
+                                tenant_id, flag)  # fmt: skip
             now = self._clock()
             self._buckets[tenant_id] = (TokenBucket(policy.requests_per_minute, now), TokenBucket(policy.tokens_per_minute, now))
 
