@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
 
@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 from billing.db import dialect_insert, session_factory
 from billing.errors import PriceCurrencyError, PriceError, UnpricedGpuKindError
 from billing.filing import lock_price_lists
-from billing.models import AdapterLoad, BillingPeriod, GpuPrice, TokenPrice
+from billing.models import AdapterLoad, BillingPeriod, GpuPrice, TokenPrice, Usage
 from billing.periods import next_period, period_of, period_start
 
 _MAX_PLACES = 9  # prices are stored as Numeric(18, 9)
@@ -49,6 +49,9 @@ class GpuPriceEntry:
     effective_from: datetime
     price_per_hour: Decimal
     currency: str
+    # Only on what set_gpu_price returns: where the entry stops, the first day of a later month already closed (for some
+    # tenants or all), at which the price in effect there before was set again so that month keeps it (_stop_before_frozen).
+    stops_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class TokenPriceEntry:
     input_per_million: Decimal
     output_per_million: Decimal
     currency: str
+    stops_at: datetime | None = None  # as GpuPriceEntry.stops_at, for set_token_price
 
 
 def _midnight(day: date) -> datetime:
@@ -87,9 +91,12 @@ def _check_name(what: str, value: str, limit: int) -> str:
     return value
 
 
-def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date, *, currency: str) -> GpuPriceEntry:
+def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effective_from: date, *, currency: str,
+                  fallback: tuple[str, Decimal] | None = None) -> GpuPriceEntry:
     """Make `price_per_hour`, in `currency` (the setter's ledger.currency), the price of one hour of `gpu_kind` from
-    midnight UTC of `effective_from` on."""
+    midnight UTC of `effective_from` on, up to the next entry of the kind or a later month already closed, whichever
+    comes first (_stop_before_frozen). `fallback`: (ledger.gpu_kind, ledger.gpu_price_per_hour), the price in effect for
+    that kind where it has no entry."""
     entry = GpuPriceEntry(_check_name("gpu_kind", gpu_kind, 64), _midnight(effective_from), check_price("price_per_hour", price_per_hour),
                           _check_currency(currency))
     statement = dialect_insert(engine.dialect.name)(GpuPrice).values(
@@ -103,12 +110,58 @@ def set_gpu_price(engine: Engine, gpu_kind: str, price_per_hour: Decimal, effect
         lock_price_lists(session, exclusive=True)  # no close commits between the checks and the write
         until = session.scalar(select(GpuPrice.effective_from).where(
             GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from > entry.effective_from).order_by(GpuPrice.effective_from).limit(1))
-        _refuse_a_closed_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until,
-                               f"lorabatch prices set-gpu {entry.gpu_kind} PRICE --from DAY")
-        _refuse_a_split_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until, _SPREAD_FROZEN,
-                              _late_load(entry, until))
+        restated: GpuPriceEntry | None = None
+        if (stop := _stop_before_frozen(session, entry.effective_from, until)) is not None:
+            prior = session.execute(select(GpuPrice.price_per_hour, GpuPrice.currency).where(
+                GpuPrice.gpu_kind == entry.gpu_kind, GpuPrice.effective_from <= entry.effective_from)
+                .order_by(GpuPrice.effective_from.desc()).limit(1)).first()
+            if prior is None and fallback is not None and fallback[0] == entry.gpu_kind:
+                prior = (fallback[1], entry.currency)  # the fallback is in ledger.currency, as the entry is
+            if prior is not None:
+                restated, until = GpuPriceEntry(entry.gpu_kind, stop, prior[0], prior[1]), stop
+        # A kind with no price in effect there at all has nothing to keep where no frozen month bills a row or load of it:
+        # such a row could not have been closed or frozen unpriced, and one that comes late is refused until priced.
+        first_price = stop is not None and restated is None and not _kind_billed(
+            session, entry.gpu_kind, entry.effective_from, until, fallback[0] if fallback else None)
+        if not first_price:
+            _refuse_a_closed_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until,
+                                   f"lorabatch prices set-gpu {entry.gpu_kind} PRICE --from DAY")
+            _refuse_a_split_month(session, f"a {entry.gpu_kind} GPU price", entry.effective_from, until, _SPREAD_FROZEN,
+                                  _late_load(entry, until))
         session.execute(statement)
+        if restated is not None:
+            session.execute(GpuPrice.__table__.insert().values(
+                gpu_kind=restated.gpu_kind, effective_from=restated.effective_from, price_per_hour=restated.price_per_hour, currency=restated.currency))
+            return replace(entry, stops_at=restated.effective_from)
     return entry
+
+
+def _kind_billed(session: Session, gpu_kind: str, effective_from: datetime, until: datetime | None, fallback_kind: str | None) -> bool:
+    """Whether a month of the days from `effective_from` to `until` whose spread is frozen bills a usage row or an
+    adapter load of `gpu_kind` (or of no recorded kind, priced as ledger.gpu_kind: unless `fallback_kind` says which
+    that is, it may be this one)."""
+    frozen = select(BillingPeriod.period).where(BillingPeriod.spread_frozen_at.is_not(None), _days_reach(effective_from, until))
+    unkind = fallback_kind in (None, gpu_kind)
+    of_kind = (Usage.gpu_kind == gpu_kind) | (Usage.gpu_kind.is_(None) if unkind else False)
+    loads_of_kind = (AdapterLoad.gpu_kind == gpu_kind) | (AdapterLoad.gpu_kind.is_(None) if unkind else False)
+    return bool(session.scalar(select(
+        select(Usage.id).where(Usage.invoice_period.in_(frozen), of_kind).exists()
+        | select(AdapterLoad.id).where(AdapterLoad.invoice_period.in_(frozen), loads_of_kind).exists())))
+
+
+def _stop_before_frozen(session: Session, effective_from: datetime, until: datetime | None) -> datetime | None:
+    """The first instant of the first month after `effective_from`'s own, among the entry's days (to `until`, the next
+    entry), that is closed for some tenants or for all (its cold-start spread frozen); None when there is none.
+
+    An entry stops there: the setter writes the price in effect there before again at that instant, so the closed month
+    keeps its prices and the entry prices only the open days before it. Without it, closing months out of order froze
+    the earlier one: after March's close, no February price could be set (a February entry ran into March and was
+    refused), so February usage on a GPU kind with no price could be neither drafted nor closed, ever.
+    """
+    first = session.scalar(select(BillingPeriod.period).where(
+        BillingPeriod.spread_frozen_at.is_not(None), BillingPeriod.period > period_of(effective_from), _days_reach(effective_from, until))
+        .order_by(BillingPeriod.period).limit(1))
+    return None if first is None else period_start(first)
 
 
 def _check_currency(currency: str) -> str:
@@ -200,10 +253,22 @@ def set_token_price(engine: Engine, tier: str, input_per_million: Decimal, outpu
         lock_price_lists(session, exclusive=True)  # no close commits between the checks and the write
         until = session.scalar(select(TokenPrice.effective_from).where(
             TokenPrice.tier == entry.tier, TokenPrice.effective_from > entry.effective_from).order_by(TokenPrice.effective_from).limit(1))
+        restated: TokenPriceEntry | None = None
+        if (stop := _stop_before_frozen(session, entry.effective_from, until)) is not None:
+            prior = session.execute(select(TokenPrice.input_per_million, TokenPrice.output_per_million, TokenPrice.currency).where(
+                TokenPrice.tier == entry.tier, TokenPrice.effective_from <= entry.effective_from)
+                .order_by(TokenPrice.effective_from.desc()).limit(1)).first()
+            if prior is not None:
+                restated, until = TokenPriceEntry(entry.tier, stop, *prior), stop
         _refuse_a_closed_month(session, f"a {entry.tier} token price", entry.effective_from, until,
                                f"lorabatch prices set-tokens {entry.tier} --input P --output P --from DAY")
         _refuse_a_split_month(session, f"a {entry.tier} token price", entry.effective_from, until, _TOKENS_CLOSED)
         session.execute(statement)
+        if restated is not None:
+            session.execute(TokenPrice.__table__.insert().values(
+                tier=restated.tier, effective_from=restated.effective_from, input_per_million=restated.input_per_million,
+                output_per_million=restated.output_per_million, currency=restated.currency))
+            return replace(entry, stops_at=restated.effective_from)
     return entry
 
 

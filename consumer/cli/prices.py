@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import date
+from datetime import date, datetime
 from typing import Annotated
 
 import typer
@@ -24,6 +24,13 @@ def parse_day(text: str) -> date:
         fail(f"--from {text!r} is not a day; write it as YYYY-MM-DD, e.g. 2026-10-01")
 
 
+def _stops(at: datetime | None) -> str:
+    if at is None:
+        return ""
+    return (f" to {at.date().isoformat()}, where {at:%Y-%m} is closed: the price in effect there before was set again from that day, "
+            f"so its prices stay final")
+
+
 def set_gpu(kind: Annotated[str, typer.Argument(help="GPU kind, as in ledger.gpu_kind")],
             price: Annotated[str, typer.Argument(help="price of one GPU hour")],
             effective_from: FromOpt, config: ConfigOpt = None) -> None:
@@ -35,12 +42,14 @@ def set_gpu(kind: Annotated[str, typer.Argument(help="GPU kind, as in ledger.gpu
     value, day = parse_decimal("PRICE", price), parse_day(effective_from)
     svc = open_services(s)
     try:
-        entry = set_gpu_price(svc.db, kind, value, day, currency=s.ledger.currency)
+        entry = set_gpu_price(svc.db, kind, value, day, currency=s.ledger.currency,
+                              fallback=(s.ledger.gpu_kind, s.ledger.gpu_price_per_hour))
     except LedgerError as e:
         fail(str(e))
     finally:
         svc.close()
-    typer.echo(f"gpu {entry.gpu_kind}: {entry.price_per_hour} {s.ledger.currency} per hour from {day.isoformat()} (UTC)")
+    typer.echo(f"gpu {entry.gpu_kind}: {entry.price_per_hour} {s.ledger.currency} per hour from {day.isoformat()} (UTC)"
+               f"{_stops(entry.stops_at)}")
 
 
 def set_tokens(tier: Annotated[str, typer.Argument(help="tenant tier, as in `lorabatch tenants add --tier`")],
@@ -61,7 +70,7 @@ def set_tokens(tier: Annotated[str, typer.Argument(help="tenant tier, as in `lor
     finally:
         svc.close()
     typer.echo(f"tier {entry.tier}: {entry.input_per_million} input / {entry.output_per_million} output {s.ledger.currency} "
-               f"per million tokens from {day.isoformat()} (UTC)")
+               f"per million tokens from {day.isoformat()} (UTC){_stops(entry.stops_at)}")
 
 
 def list_(fmt: Annotated[str, typer.Option("--format", help="table or json")] = "table", config: ConfigOpt = None) -> None:
