@@ -164,8 +164,11 @@ def build_invoice(db: Session | Engine, tenant_id: str, period: str, config: Led
         period_closed_at = session.scalar(select(BillingPeriod.closed_at).where(BillingPeriod.period == period))
         if period_closed_at is not None:
             # Closed with the period but never billed anything: an empty closed invoice, closed with the month.
+            # In the month's currency, fixed by its first close (billing/closing.py), not today's ledger.currency: it said EUR
+            # for a month closed in USD. A month closed with no invoice at all has none but today's.
             tier = tenant_tiers(session, {tenant_id})[tenant_id]
-            return replace(assemble(tenant_id, period, tier, config.currency, {}), status="closed", closed_at=period_closed_at)
+            currency = session.scalar(select(ClosedInvoice.currency).where(ClosedInvoice.period == period).limit(1)) or config.currency
+            return replace(assemble(tenant_id, period, tier, currency, {}), status="closed", closed_at=period_closed_at)
         return draft_invoices(session, period, config, tenant_id)[tenant_id]
     finally:
         if session is not db:

@@ -20,7 +20,7 @@ from billing.finance import finance_report
 from billing.invoice import build_invoice, period_invoices
 from billing.invoice_render import render_csv, render_json, render_table
 from billing.ledger import Ledger
-from billing.models import ClosedInvoice, ColdStartShare, Usage
+from billing.models import ClosedInvoice, ColdStartShare, Tenant, Usage
 from billing.prices import set_gpu_price, set_token_price
 from tests.test_ledger import load_record, usage_record
 
@@ -250,3 +250,15 @@ def test_a_month_is_closed_in_one_currency(october: Ledger, engine: Engine) -> N
     assert [(i.tenant, i.currency) for i in close_period(engine, CONFIG, "2026-10", now=NOV_2)] == [("acme", "USD"), ("globex", "USD")]
     assert [i.currency for i in close_period(engine, eur, "2026-10", now=NOV_2)] == ["USD", "USD"]  # closed: nothing to freeze
     assert finance_report(engine, "2026-10", eur).currency == "USD"
+
+
+def test_a_tenant_with_nothing_in_a_closed_month_has_the_months_currency(october: Ledger, engine: Engine) -> None:
+    """October closed in USD; a registered tenant that used nothing in it gets an empty closed invoice. Read under
+    ledger.currency = EUR it said EUR (today's currency) beside acme's and globex's USD, for the same closed month."""
+    with Session(engine) as session, session.begin():
+        session.add(Tenant(id="idle", display_name="Idle", tier="standard"))
+    close_period(engine, CONFIG, "2026-10", now=NOV_2)
+    eur = CONFIG.model_copy(update={"currency": "EUR"})
+    empty = build_invoice(engine, "idle", "2026-10", eur)
+    assert (empty.status, empty.totals.requests, empty.currency) == ("closed", 0, "USD")
+    assert close_invoice(engine, eur, "idle", "2026-10", now=NOV_2).currency == "USD"
