@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine, func, inspect, select, tuple_
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from billing.billable import FIRST_YEAR, LAST_YEAR
@@ -28,7 +28,7 @@ from billing.config import LedgerConfig
 from billing.cost import gpu_cost
 from billing.credit import kv_credit_us
 from billing.db import SCHEMA_REVISION, current_revision, dialect_insert, session_factory, shown_url
-from billing.errors import LedgerSchemaError, LedgerUnavailableError
+from billing.errors import LedgerRecordError, LedgerSchemaError, LedgerUnavailableError
 from billing.filing import file_loads, file_usage
 from billing.models import AdapterLoad, Base, Busy, Usage, UsageRedelivery
 from billing.periods import period_of
@@ -51,6 +51,11 @@ _CANCELLED = ("55P03", "57014")
 # SQLSTATE insufficient_privilege: a role that lost its grants (a permissions change, a role rotated to one without them)
 # was psycopg's ProgrammingError, unmapped: a traceback and "the ledger is unavailable" with nothing on what to grant.
 _NO_PRIVILEGE = "42501"
+# SQLSTATE classes data exception (22: a value too long for its column, a NUL in text) and integrity constraint violation
+# (23: a CHECK or NOT NULL an operator added): the database refuses the record itself, at every retry. Raised unmapped,
+# the worker took it for the ledger being down and spooled it, and the flush retried it for good, holding every record
+# behind it in the spool unbilled and lorabatch_ledger_up at 0 while the ledger was up.
+_REFUSED = ("22", "23")
 
 class Ledger:
     """Writes usage, busy and adapter-load records to the ledger database and reads rows back (one, or the answered keys of a batch)."""
@@ -315,6 +320,12 @@ class Ledger:
                     f"primary elsewhere) or has default_transaction_read_only on; point ledger.url at the writable "
                     f"primary, or make this one writable again (ALTER DATABASE ... SET default_transaction_read_only = "
                     f"off), then retry (ledger writes are idempotent, a retry adds no duplicate row)"
+                ) from exc
+            if isinstance(exc, (DataError, IntegrityError)) or str(getattr(exc.orig, "sqlstate", None))[:2] in _REFUSED:
+                raise LedgerRecordError(
+                    f"the ledger database at {url} refused the record ({type(exc.orig).__name__}: "
+                    f"{str(exc.orig).splitlines()[0]}): a value does not fit its column or a constraint of the table "
+                    f"refuses it; fix the record's writer, or the constraint if it was added by hand"
                 ) from exc
             if getattr(exc.orig, "sqlstate", None) == _NO_PRIVILEGE:
                 role = self._engine.url.username or "the role ledger.url connects as"
