@@ -10,7 +10,7 @@ Outcomes queue in an outbox that one task flushes in batches, in two stages:
 2. Bill. Usage rows go to the ledger in one statement. A record the ledger refuses (it is malformed)
    goes to the DLQ with the reason; when the ledger is down or behind its schema, the records go to the
    durable local spool (consumer/spool.py) and a flusher writes them when it is back. Either way the
-   outcomes are then done and their offsets may commit.
+   outcomes are then done and their offsets may commit. The spool's flusher is consumer.spool_flush.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,17 +33,16 @@ from consumer.metrics import UNREGISTERED, WorkerMetrics
 from consumer.offsets import OffsetTracker
 from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
 from consumer.spool import Spool
+from consumer.spool_flush import _BACKOFF_MAX_S, SpoolFlush, _writer
 from consumer.stages import StageLog, Stamps
 
 log = logging.getLogger("lorabatch.worker")
 
 _ENVELOPE_BYTES = 1024  # key, headers and record overhead kept free under kafka.max_message_bytes
-_BACKOFF_MAX_S = 5.0
 # Answers waiting this long with none published or delivered meanwhile: the broker does not take them (dead, frozen,
 # unreachable; or the spool's disk is full). aiokafka fails a send to a dead broker only at its request timeout (40 s),
 # so the outbox's own progress says it first.
 STALL_S = 5.0
-ADOPT_EVERY_S = 60.0  # how often the flusher looks for other workers' spool files beside its own (`flush_others`)
 
 
 @dataclass
@@ -84,7 +82,7 @@ class SpoolUnavailable(Exception):
     they belong to, which stay uncommitted (their jobs are redelivered to the partitions' next owner)."""
 
 
-class Deliverer:
+class Deliverer(SpoolFlush):
     def __init__(self, kafka: KafkaConfig, producer: AIOKafkaProducer, ledger, offsets: OffsetTracker,
                  metrics: WorkerMetrics, worker_id: str, known_tenant: Callable[[str], bool], spool: Spool,
                  flush_s: float = 1.0, stages: StageLog | None = None, ledger_calls: LedgerCalls | None = None,
@@ -117,6 +115,7 @@ class Deliverer:
         self.gave_up = False
         self.spool_down: str | None = None  # why the last write to the spool failed (its disk full); None when it took it
         self._spool_down_at = 0.0  # monotonic, when it first failed
+        self.flush_failing: str | None = None  # why the flusher cannot read or empty the spool now; None when it can
         self.metrics.spool_records.set(len(spool))
 
     def emit(self, outcome: Outcome) -> None:
@@ -343,7 +342,7 @@ class Deliverer:
         """Write records of one kind to the ledger, or spool them when it cannot take them now."""
         if not records:
             return
-        if self.ledger_down is not None and len(self.spool):  # keep their order behind what already waits
+        if self.ledger_down is not None and self._spool_len():  # keep their order behind what already waits
             await self._spool(records)
             return
         try:
@@ -406,7 +405,7 @@ class Deliverer:
             self._spool_ok()
             break
         self.metrics.waiting.labels("spool").set(0)
-        self.metrics.spool_records.set(len(self.spool))
+        self.metrics.spool_records.set(self._spool_len())
 
     async def _ledger_took(self, records: Sequence) -> bool:
         """Whether the ledger took records the spool could not (it came back while the spool's disk stayed full)."""
@@ -459,124 +458,6 @@ class Deliverer:
         self.metrics.ledger_up.set(1)
         self.metrics.ledger_schema_ok.set(1)
 
-    async def flush_spool(self) -> None:
-        """Write spooled records to the ledger, oldest first, while it takes them; forever, as a task. Every
-        ADOPT_EVERY_S, and at the first pass, the other spool files beside this one too (`flush_others`)."""
-        delay = self.flush_s
-        adopted_at = -math.inf
-        while True:
-            await asyncio.sleep(delay)
-            delay = await self.flush_once()
-            if self.ledger_down is None and time.monotonic() - adopted_at >= ADOPT_EVERY_S:
-                adopted_at = time.monotonic()
-                await self.flush_others()
-
-    async def flush_others(self, chunk: int = 500) -> int:
-        """Flush the spool files of other workers in this spool's folder (a worker killed while the ledger was down,
-        restarted under another --worker-id, would leave its records there unbilled for good), then delete them: each
-        record is written once whoever flushes it (the ledger's keys), and a file is flushed and deleted only while no
-        other process has it open (consumer.spool), so a worker that is alive keeps its file and flushes it itself.
-        Files that are not spools, or whose records are for another ledger (Spool.existing), are left alone. Returns
-        how many records went to the ledger."""
-        mine = self.spool.path.resolve()
-        moved = 0
-        for path in sorted(self.spool.path.parent.glob("*.sqlite")):
-            if path.resolve() == mine:
-                continue
-            try:
-                other = await asyncio.to_thread(Spool.existing, path, self.spool.max_records, self.spool.ledger)
-            except Exception:  # noqa: BLE001 - another worker's file (or its lock) cannot be opened: never this worker's failure
-                log.exception("opening the spool %s of another worker failed; the next pass retries", path)
-                continue
-            if other is None:
-                continue
-            written = 0
-            try:
-                written = await self._flush_into_ledger(other, chunk)
-                moved += written
-                if written:
-                    log.warning("flushed %d ledger records another worker left in its spool %s (%d left there)",
-                                written, path, await asyncio.to_thread(len, other))
-            except Exception:  # noqa: BLE001 - another worker's file: never this worker's failure
-                log.exception("flushing the spool %s of another worker failed; the next pass retries", path)
-            finally:
-                await asyncio.to_thread(other.close)
-            await self._remove_if_abandoned(path, written)
-        for lock in self.spool.path.parent.glob("*.sqlite.lock"):  # of files deleted by a worker killed meanwhile
-            if not lock.with_suffix("").exists() and lock.with_suffix("").resolve() != mine:
-                await self._remove_if_abandoned(lock.with_suffix(""), 0)
-        return moved
-
-    async def _remove_if_abandoned(self, path, written: int) -> None:
-        try:
-            if await asyncio.to_thread(Spool.remove_if_abandoned, path):
-                log.info("deleted the spool file %s of a worker that is gone: every record it held is in the ledger%s",
-                         path, f" ({written} of them written now)" if written else "")
-        except OSError as e:  # a folder this worker may read but not write: the file stays, flushed
-            log.warning("cannot delete the spool file %s of a worker that is gone (%s); its records are in the ledger, "
-                        "delete it by hand", path, e)
-
-    async def _flush_into_ledger(self, spool: Spool, chunk: int) -> int:
-        """Another spool's records to the ledger, oldest first, while it takes them (as `flush_once` does this
-        worker's own, without its ledger-state bookkeeping); returns how many were written. A ledger failure raises."""
-        written = 0
-        while True:
-            _, ids, records = await asyncio.to_thread(spool.oldest, chunk)
-            if not ids:
-                return written
-            written += await self._write_run(spool, ids, records)
-
-    async def _write_run(self, spool: Spool, ids: list[int], records: list) -> int:
-        """One run of spooled records of one kind to the ledger, then out of `spool`: in one write, or record by record
-        where the ledger refuses one (it goes to the DLQ, `_refused`); returns how many left the spool. A failure of
-        the ledger itself (down, behind its schema) raises, with what was written already gone from the spool."""
-        try:
-            await self.ledger_calls(_writer(self.ledger, records[0]), records)
-        except LedgerRecordError:
-            for i, r in zip(ids, records):
-                try:
-                    await self.ledger_calls(_writer(self.ledger, r), [r])
-                except LedgerRecordError as e:
-                    await self._refused(r, e)
-                await asyncio.to_thread(spool.remove, [i])
-            return len(ids)
-        await asyncio.to_thread(spool.remove, ids)
-        return len(ids)
-
-    async def flush_once(self, chunk: int = 500) -> float:
-        """One pass over the spool; return how long to wait before the next."""
-        while len(self.spool):
-            _, ids, records = await asyncio.to_thread(self.spool.oldest, chunk)
-            if not ids:
-                break
-            try:
-                await self._write_run(self.spool, ids, records)
-            except Exception as e:  # noqa: BLE001 - down, behind its schema, or unmapped: keep and retry
-                self._down(e)
-                self.metrics.retries.labels("ledger").inc()
-                return min(_BACKOFF_MAX_S, self.flush_s * 2)
-            self.metrics.spool_records.set(len(self.spool))
-        if self.ledger_down is not None and not len(self.spool):
-            # Nothing spooled proves nothing (the spool's disk full, or another worker flushed the shared file): said
-            # back only once the ledger answers. Set back here, `lorabatch_ledger_up` read 1 for 99 of 100 samples of a
-            # drill with the ledger down and the spool's disk full.
-            try:
-                await self.ledger_calls(self.ledger.ping)
-            except Exception as e:  # noqa: BLE001 - still down, behind its schema, or unmapped
-                self._down(e)
-                return min(_BACKOFF_MAX_S, self.flush_s * 2)
-            self._up()
-        if self.spool_down is not None and self.ledger_down is None:
-            # No write waits on the spool now (each waiting one retries the spool itself): does its disk have space yet?
-            try:
-                await asyncio.to_thread(self.spool.probe)
-            except Exception:  # noqa: BLE001 - still full: the next pass asks again
-                pass
-            else:
-                self._spool_ok()
-        self.metrics.spool_records.set(len(self.spool))
-        return self.flush_s
-
     def _count(self, r: Result) -> None:
         tenant = r.tenant_id if self.known_tenant(r.tenant_id) else UNREGISTERED
         adapter = r.adapter or ("base" if r.route.startswith("base_fallback") else "none")
@@ -585,12 +466,3 @@ class Deliverer:
             self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
             self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
             self.metrics.lora_cost.labels(tenant).inc(r.cost.lora_ms)
-
-
-def _writer(ledger, record) -> Callable[[Sequence], int]:
-    if isinstance(record, UsageRecord):
-        return ledger.record_usage
-    if isinstance(record, BusyRecord):
-        return ledger.record_busy
-    assert isinstance(record, AdapterLoadRecord), type(record)
-    return ledger.record_adapter_loads

@@ -31,6 +31,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -82,6 +83,16 @@ def _no_space(e: BaseException, folder: Path) -> bool:
         return code == sqlite3.SQLITE_IOERR and shutil.disk_usage(folder).free < 1 << 20
     except OSError:
         return False
+
+
+def _damaged(e: BaseException) -> bool:
+    """Whether a spool call failed because its file is damaged under the worker (truncated, overwritten, replaced by
+    something that is not SQLite): SQLITE_CORRUPT or SQLITE_NOTADB, or its table gone (a file truncated to nothing reads
+    as an empty database)."""
+    if not isinstance(e, sqlite3.DatabaseError):
+        return False
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "no such table: spool" in str(e)
 
 
 def open_fix(e: BaseException, path: Path, key: str) -> str:
@@ -160,6 +171,48 @@ class Spool:
         if self.ledger:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('ledger', ?)", (self.ledger,))
         return db, os.stat(self.path).st_ino
+
+    def _guarded(self, call):
+        """`call()` under the lock, on the open file; where the file was damaged while open, it is set aside
+        (`_set_aside`) and `call()` runs once more on a new one. A damaged file raised out of every call: the flusher's
+        pass, the fetch loop's look at the spool's size and the deliveries' writes, so the worker died, and at each
+        restart refused to open the file."""
+        with self._lock:
+            if self._db is None:  # set aside earlier, and the new file could not be made then
+                self._db, self._inode = self._open()
+            try:
+                return call()
+            except sqlite3.DatabaseError as e:
+                if not _damaged(e):
+                    raise
+                self._set_aside(e)
+                return call()
+
+    def _set_aside(self, e: sqlite3.DatabaseError) -> None:
+        """Move the damaged file at the path (with its WAL and shared-memory files) to `<file>.damaged-<time>-<pid>`, kept
+        for salvage, and make a new spool at the path; a file another worker of a shared spool set aside first (the
+        path holds another file now) is not moved again. Under the lock."""
+        aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        moved = False
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino == self._inode:
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
+                moved = True
+        # Closed before the new file is made: the last connection to a WAL file deletes `<path>-wal` by name as it
+        # closes, which would be the new file's.
+        old, self._db = self._db, None
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
+        log.error("the spool file %s is damaged (%s)%s; a new spool is made at its path and the worker goes on. The ledger "
+                  "records the damaged file held are not in the ledger: salvage them with `sqlite3 %s .recover`, load "
+                  "what it gives into a spool file and run a worker with worker.spool_path set to it", self.path, e,
+                  f": moved aside to {aside}" if moved else " (another worker set it aside already)", aside if moved else
+                  f"{self.path}.damaged-*")
+        self._relock()
+        self._db, self._inode = self._open()
+        self._unreadable = set()  # ids of the old file
 
     def _still_there(self) -> None:
         """Reopen the spool at its path if its file was deleted or replaced while open (an operator's `rm -rf` of the
@@ -281,13 +334,18 @@ class Spool:
         # Counted, not remembered: workers on one host may share the file (each flushes what it finds;
         # the ledger's keys make a record written by two of them land once).
         # Rows this version cannot read are not counted: no flush empties them, and counted they would hold fetching.
-        with self._lock:
-            return self._db.execute("SELECT count(*) FROM spool WHERE id NOT IN (SELECT value FROM json_each(?))",
-                                    (json.dumps(sorted(self._unreadable)),)).fetchone()[0]
+        return self._guarded(lambda: self._db.execute("SELECT count(*) FROM spool WHERE id NOT IN (SELECT value FROM "
+                                                      "json_each(?))", (json.dumps(sorted(self._unreadable)),)).fetchone()[0])
 
     @property
     def full(self) -> bool:
-        return len(self) >= self.max_records
+        """Whether fetching pauses for it; False while it cannot be counted (a lock another process holds past the busy
+        timeout, a disk error): the fetch loop asks at every turn, and the error it raised ended the worker."""
+        try:
+            return len(self) >= self.max_records
+        except sqlite3.Error as e:
+            log.warning("the spool at %s cannot be counted (%s); fetching goes on, and records still go to it", self.path, e)
+            return False
 
     def put(self, records: Sequence) -> None:
         """Append records (any of the three kinds) in one durable transaction."""
@@ -298,7 +356,8 @@ class Spool:
             rows.append((kind, *key, _encode(r)))
         if not rows:
             return
-        with self._lock:
+
+        def put() -> None:
             self._still_there()
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -311,12 +370,16 @@ class Spool:
                 raise
             self._carry = []
 
+        self._guarded(put)
+
     def probe(self) -> None:
         """A durable write of nothing the spool holds: raises as `put` would while the file cannot be written (its disk
         full), so that a spool found full is said writable again without records to prove it."""
-        with self._lock:
+        def probe() -> None:
             self._still_there()
             self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('probe', datetime('now'))")
+
+        self._guarded(probe)
 
     def oldest(self, limit: int) -> tuple[str, list[int], list]:
         """The oldest run of records of one kind: (kind, their ids, the records); ("", [], []) when empty.
@@ -324,8 +387,9 @@ class Spool:
         Rows this version cannot read (a kind or a field it does not know: the spool of a newer lorabatch, flushed after
         a rollback) raised out of here and ended the flusher, and so the worker, at every restart. They are passed over
         and left in the file as they are, said when found: the lorabatch that wrote them flushes them."""
-        kind, ids, records, skipped = "", [], [], []
-        with self._lock:
+
+        def oldest() -> tuple[str, list[int], list, list]:
+            kind, ids, records, skipped = "", [], [], []
             rows = self._db.execute("SELECT id, kind, body FROM spool WHERE id NOT IN (SELECT value FROM json_each(?)) "
                                     "ORDER BY id", (json.dumps(sorted(self._unreadable)),))
             for i, k, body in rows:
@@ -340,6 +404,9 @@ class Spool:
                 records.append(record)
             rows.close()
             self._unreadable.update(i for i, _ in skipped)
+            return kind, ids, records, skipped
+
+        kind, ids, records, skipped = self._guarded(oldest)
         if skipped:
             log.error("the spool file %s holds %d ledger records this lorabatch cannot read (kinds %s; written by another "
                       "version, a newer one's spool after a rollback?): they are left in the file, not written to the "
@@ -349,7 +416,8 @@ class Spool:
 
     def remove(self, ids: Iterable[int]) -> None:
         ids = list(ids)
-        with self._lock:
+
+        def remove() -> None:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for i in range(0, len(ids), 500):
@@ -360,11 +428,14 @@ class Spool:
                 _rollback(self._db)
                 raise
 
+        self._guarded(remove)
+
     def usage(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], UsageRecord]:
         """Spooled usage records of the given (tenant_id, request_id) keys (the first one of each)."""
-        out: dict[tuple[str, str], UsageRecord] = {}
         keys = list(set(keys))
-        with self._lock:
+
+        def usage() -> dict[tuple[str, str], UsageRecord]:
+            out: dict[tuple[str, str], UsageRecord] = {}
             for i in range(0, len(keys), 400):
                 chunk = keys[i: i + 400]
                 where = " OR ".join("(tenant_id = ? AND request_id = ?)" for _ in chunk)
@@ -374,14 +445,17 @@ class Spool:
                         params):
                     if (tenant, rid) not in out and (record := _readable("usage", body)) is not None:
                         out[(tenant, rid)] = record
-        return out
+            return out
+
+        return self._guarded(usage)
 
     def close(self) -> None:
         with self._lock:
             if self._carry:
                 log.error("the spool at %s closes with %d records of its deleted file that could not be written again "
                           "(%s); they are lost unless the ledger has them", self.path, len(self._carry), "disk full?")
-            self._db.close()
+            if self._db is not None:
+                self._db.close()
             if self._lock_fd is not None:  # after the file: its lock says the file is open
                 os.close(self._lock_fd)
                 self._lock_fd = None
