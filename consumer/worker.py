@@ -459,12 +459,12 @@ class Worker:
         key = (item.job.tenant_id, item.job.request_id)
         tier = self.intake.snapshot.tenants.get(item.job.tenant_id)
         slo_tier = tier.tier if tier is not None and tier.tier in SLO_TIERS else "standard"
-        used, request_back = None, False  # its quota settles to what it ran (None: its estimate); ran nothing, kept nothing
+        used, request_back = None, False  # quota: what it ran (None: estimate); request back if unkept or abandoned (rerun)
         try:
             served = await self.feeder.serve(item, slo_tier)
         except Exception as e:  # a bug on our side, or the engine process died under its registration: fail this job alone
             error, keep = serving_error(e, key)
-            used, request_back = 0, not keep
+            used, request_back = 0, not keep or item.abandoned
             at_fault = item.route.view if error.code in ADAPTER_ERROR_CODES else None  # its files: billed on its line
             if at_fault is not None:  # the adapter's own failure, as a failed load is: it counts against its circuit
                 self.breakers.record(at_fault.adapter_key, False)
@@ -480,8 +480,8 @@ class Worker:
             if served.adapter_key is not None:
                 self.breakers.record(served.adapter_key, served.adapter_ok)
             if served.outcome is not None:
-                used = quota_tokens(served.outcome)
                 self.intake.answer(key, served.outcome)
+            used, request_back = (quota_tokens(served.outcome), False) if served.outcome is not None else (0, True)
         finally:
             if self._in_engine.pop(id(p), None) is not None:
                 self.engine_clock.leave()

@@ -159,3 +159,46 @@ def test_quota_tokens_reads_the_row_or_the_result():
     assert quota_tokens(SimpleNamespace(result=result, usage=usage)) == 12
     assert quota_tokens(SimpleNamespace(result=result, usage=None)) == 12
     assert quota_tokens(SimpleNamespace(result=None, usage=None)) == 0
+
+
+class _Revoked:
+    """An engine that answers once the job's partition was revoked under it (the rebalance abandons it)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    async def serve(self, item, slo_tier):
+        item.abandoned = True
+        if self.fail:  # the engine process died under it, as a rebalance's abort can find it: a failure kept
+            raise EngineError("the engine process exited", code="engine_failed")
+        return Served(None, None, True)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_job_abandoned_on_a_revoke_gives_back_its_estimate_and_its_request(fail):
+    """A job running when its partition was revoked is abandoned: its result is not published nor billed, and the
+    partitions' next owner runs it again, under an eager rebalance most often this same worker. It kept its whole
+    estimate and its request charged, so the run again paid a second time for one job (208 tokens of a job that answers
+    in 11, and 2 requests for 1)."""
+    clock = Clock()
+    s = Scheduler(8, 100_000, 8, clock=clock)
+    s.set_policy("acme", TenantPolicy(1, 10, 1_000))
+    job = _job("revoked")
+    item = Routed(job, Route(None, "base_model", 5), TP, 0, datetime.now(UTC), 0)
+    s.push(Pending("acme", None, estimate_tokens(job, Settings().engine), 0.0, item, partition=TP))
+    (p,) = s.pop_batch()
+    orphaned: list = []
+
+    async def _orphaned(key, revoked):
+        orphaned.append(key)
+
+    worker = SimpleNamespace(
+        feeder=_Revoked(fail), worker_id="w1", _in_engine={id(p): (p, item)}, scheduler=s,
+        engine_clock=SimpleNamespace(leave=lambda: None), handover=SimpleNamespace(revoked={TP}),
+        _work_event=asyncio.Event(), breakers=SimpleNamespace(record=lambda *a: None, no_verdict=lambda *a: None),
+        intake=SimpleNamespace(snapshot=SimpleNamespace(tenants={}), answer=lambda *a, **k: None, orphaned=_orphaned))
+    asyncio.run(Worker._serve(worker, p))
+    assert orphaned == [("acme", "revoked")]
+    assert _levels(s) == (pytest.approx(10), pytest.approx(1_000))
+    _serve_one(s, _job("revoked", stop=["."]), lambda j: _result(j, 3))  # its run again, on the partition's return
+    assert _levels(s) == (pytest.approx(9), pytest.approx(1_000 - 11))
