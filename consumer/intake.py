@@ -180,7 +180,7 @@ class Intake:
                 # Not an answer to keep: nothing ran, so the same request_id may be sent again later.
                 self.fail(tp, offset, epoch, job, ErrorInfo(
                     code="quota_exceeded", retriable=True, message=f"tenant {job.tenant_id!r} is over its rate limit "
-                    f"({t.requests_per_minute or 'unlimited'} requests, {t.tokens_per_minute or 'unlimited'} tokens per "
+                    f"({_limit(t.requests_per_minute)} requests, {_limit(t.tokens_per_minute)} tokens per "
                     f"minute); retry later, or send on_quota=\"wait\" to queue instead"), now, route.label, keep=False)
                 continue
             item = Routed(job, route, tp, offset, now, mono_us, epoch=epoch,
@@ -321,6 +321,11 @@ def estimate_tokens(job: Job, engine: EngineConfig) -> int:
     else:
         prompt = sum(len(m.content) for m in job.messages) // 3 + 8 * len(job.messages)
     return min(prompt, engine.max_prompt_tokens) + min(job.max_new_tokens, engine.max_new_tokens)
+
+
+def _limit(per_minute: int) -> int | str:
+    """A rate limit as the scheduler serves it: 0, and a negative one a registry row holds, are unlimited."""
+    return per_minute if per_minute > 0 else "unlimited"
 
 
 def stepped_over(e: Exception) -> tuple[TopicPartition, int, int] | None:

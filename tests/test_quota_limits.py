@@ -109,3 +109,25 @@ def test_a_worker_restart_starts_every_bucket_full():
     again = Scheduler(8, 10_000, 8, clock=clock)
     again.set_policy("acme", TenantPolicy(1, 1, 0))
     assert not again.over_quota("acme", 10)
+
+
+def test_quota_exceeded_names_a_negative_limit_unlimited():
+    """A tenant with requests_per_minute=-1 written by hand (served as unlimited) and 150 tokens a minute: a job over the
+    tokens fails quota_exceeded with a message that calls the requests unlimited, as they are served; it said "-1
+    requests" per minute, a limit that reads as "none allowed" beside a refusal for tokens."""
+    settings = Settings()
+    scheduler = Scheduler(8, 8192, 4, clock=Clock())
+    scheduler.set_policy("acme", TenantPolicy(1, -1, 150))
+    intake = Intake(settings, WorkerMetrics(), "w1", scheduler, _BaseRouter(), None, None, asyncio.Event(),
+                    SimpleNamespace(rules=[], tenants={"acme": TenantView("acme", "Acme", "standard", 1, -1, 150)}))
+    intake.stored = lambda keys: _nothing()
+    emitted: list = []
+    intake.deliverer = SimpleNamespace(emit=emitted.append)
+    value = json.dumps({"request_id": "big", "tenant_id": "acme", "prompt": "hi", "max_new_tokens": 100,
+                        "on_quota": "fail"}).encode()
+    scheduler.push(Pending("acme", None, 150, 0.0, "ahead"))  # the minute's tokens, queued ahead of it
+    asyncio.run(intake.ingest([(TP, SimpleNamespace(topic=TP.topic, partition=TP.partition, offset=0, timestamp=1,
+                                                    value=value, key=None, headers=()), 1)]))
+    (o,) = emitted
+    assert o.result.error.code == "quota_exceeded", o.result.error
+    assert "unlimited requests, 150 tokens per minute" in o.result.error.message, o.result.error.message
