@@ -351,12 +351,15 @@ async def manifest_from_jobs(cfg: KafkaConfig, tenant_id: str, batch_id: str, ti
     return BatchManifest(batch_id=batch_id, tenant_id=tenant_id, request_ids=list(ids), source=f"topic {cfg.jobs_topic}")
 
 
-async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: float, progress=None) -> tuple[dict[str, Result], dict[str, DlqRecord]]:
+async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: float, progress=None,
+                          contested: set[str] | None = None) -> tuple[dict[str, Result], dict[str, DlqRecord]]:
     """The batch's results and DLQ records by request id, until every request has one or the time is up.
 
     Only the manifest's tenant's records count. A result is the answer to its (tenant, request id)
     whatever batch it was published for (a resubmitted request is answered with its first result),
-    and the first one read is kept: a replayed result is the same answer again. A failure the result calls retriable
+    and the first one read is kept: a replayed result is the same answer again. A copy that differs from the one kept
+    (two workers ran the request at once; the ledger billed one of them: consumer.billed) adds its request id to
+    `contested`, where given. A failure the result calls retriable
     (quota_exceeded under on_quota=fail, engine_error, ...) is not kept by the workers, so the request sent again runs
     again: a later result of it is the answer, and what the topics held at the start is read whole before such a
     failure is taken as the last word, or a DLQ record (a request can have both: a result too large to publish goes out
@@ -376,6 +379,8 @@ async def collect_results(cfg: KafkaConfig, manifest: BatchManifest, timeout_s: 
         if (held := results.get(r.request_id)) is not None:
             if retried(held):  # the request was sent again and answered again
                 results[r.request_id] = r
+            elif contested is not None and not retried(r) and r != held:
+                contested.add(r.request_id)
             return
         results[r.request_id] = r
         if progress is not None and r.request_id not in dlq:

@@ -109,6 +109,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
     from aiokafka.errors import KafkaError
 
     from consumer.batch_file import SubmitError, check_ids
+    from consumer.billed import LEDGER_WAIT_S, prefer_billed
     from consumer.openai_batch import created_of, to_openai_dlq_line, to_openai_line
     from consumer.submit import collect_results, manifest_from_jobs, read_manifest
 
@@ -132,6 +133,7 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
         fail(f"no batch {batch_id!r} of tenant {tenant!r} was submitted to {s.kafka.bootstrap_servers}: no manifest, "
              f"and no job in {s.kafka.jobs_topic} has that tenant_id and batch_id; check the id and the --tenant")
     collected = [0]
+    contested: set[str] = set()  # request ids whose results topic holds two different copies (two runs at once)
 
     def advance(n: int) -> None:
         collected[0] += n
@@ -140,12 +142,14 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
     with progress_bar() as bar:
         task = bar.add_task(f"batch {tenant}/{batch_id}", total=len(manifest.request_ids))
         try:
-            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=advance))
+            got, dlq = asyncio.run(collect_results(s.kafka, manifest, timeout, progress=advance, contested=contested))
         except KafkaError as e:
             fail(broker_failed(s, e))
         except KeyboardInterrupt:
             fail(f"interrupted with {collected[0]} of {len(manifest.request_ids)} results collected; nothing was written; "
                  f"the results stay on {s.kafka.results_topic}: run the same command again to collect them", 130)
+    # The copy the ledger billed, where it is another than the first published (consumer.billed).
+    billed = prefer_billed(s, tenant, got, contested, wait_s=min(LEDGER_WAIT_S, timeout))
     created = created_of(manifest)
     written = 0
     if stream is not None:
@@ -171,12 +175,23 @@ def results(batch_id: Annotated[str, typer.Option("--batch-id")],
              f"give another path, and run the command again (the results stay on {s.kafka.results_topic})")
     missing = len(manifest.request_ids) - written
     unfinished = manifest.complete is False  # its last `submit` has not closed it
+    if billed.replaced:
+        console.print(f"{len(billed.replaced)} results written as the ledger billed them (e.g. {billed.replaced[0]!r}): "
+                      f"each request ran on two workers at once, and the first copy on {s.kafka.results_topic} was "
+                      f"the run not billed", highlight=False, soft_wrap=True, markup=False)
+    unsettled = (f"; {len(billed.unsettled)} requests (e.g. {billed.unsettled[0]!r}) have two different results on "
+                 f"{s.kafka.results_topic} (they ran on two workers at once) and the ledger could not say which it billed "
+                 f"({billed.why}): the file holds the first published; make ledger.url reachable from here (or wait for "
+                 f"the workers' spooled rows) and run the command again" if billed.unsettled else "")
     if missing:
         fail(f"{missing} of {len(manifest.request_ids)} jobs have no result after {timeout:.0f}s; is a worker running? "
              f"(the file holds the {written} that have one; run the command again, with a longer --timeout, for the rest)"
-             + (f"; {_UNFINISHED.format(batch_id=batch_id)}" if unfinished else ""), 1)
+             + (f"; {_UNFINISHED.format(batch_id=batch_id)}" if unfinished else "") + unsettled, 1)
     if unfinished:
-        fail(f"the file holds the results of the {written} jobs produced so far, but {_UNFINISHED.format(batch_id=batch_id)}", 1)
+        fail(f"the file holds the results of the {written} jobs produced so far, but {_UNFINISHED.format(batch_id=batch_id)}"
+             + unsettled, 1)
+    if unsettled:
+        fail(f"the file holds the results of all {written} jobs{unsettled}", 1)
 
 
 _UNFINISHED = ("the batch's submission has not finished (`lorabatch submit` is still producing it, or was cut short): "
