@@ -267,12 +267,12 @@ class Deliverer(SpoolFlush):
         o.result = r.model_copy(update={"status": "failed", "text": "", "output_ids": [], "logprobs": None, "finish_reason": None,
                                         "error": error})  # fmt: skip
         o.replaced = True
-        o.body = None  # made again from the small result
+        o.body = o.result.model_dump_json().encode()  # the small result: what the broker is sent and the row keeps
         o.dlq = dlq_record(body, error, topic=self.k.results_topic, partition=o.tp.partition, offset=o.offset,
                            timestamp_ms=None, worker_id=self.worker_id, max_bytes=self.k.max_message_bytes,
                            request_id=r.request_id, tenant_id=r.tenant_id, batch_id=r.batch_id)
-        if o.usage is not None:  # the GPU time was spent: the row keeps it, with the status the tenant saw
-            o.usage = dataclasses.replace(o.usage, status="failed", error_code=code)
+        if o.usage is not None:  # the GPU time was spent: the row keeps it, with the status and body the tenant saw
+            o.usage = dataclasses.replace(o.usage, status="failed", error_code=code, result_json=o.body.decode())
         self.metrics.dead_letter(code)
         log.error("result of %s/%s is undeliverable (%s); a failed result and a DLQ record go out instead",
                   r.tenant_id, r.request_id, why)

@@ -46,3 +46,19 @@ async def test_a_dlq_topic_that_refuses_the_worker_is_waited_for(rig):
     assert [t for t, _ in counting.sent if t.endswith(".dlq")] == [s.kafka.dlq_topic]
     assert d.metrics.undeliverable._value.get() == 0
     assert isinstance(DlqRecord.model_validate_json(counting.sent[0][1]), DlqRecord)
+
+
+async def test_a_result_the_broker_refuses_is_billed_with_the_body_that_went_out(rig):
+    """A result the broker refuses outright at publish (MessageSizeTooLarge from a broker whose limit is below
+    kafka.max_message_bytes) goes out as a small failed result; the ledger row kept the refused body, status
+    `succeeded` inside a `failed` row: a resend replayed a result nobody was sent, and `lorabatch results`, which
+    writes the ledger's copy where two runs disagree, would have written it."""
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    s, svc, d, counting, ledger, offsets, spool = rig
+    counting.fail = [MessageSizeTooLargeError("over the broker's limit")]
+    await asyncio.wait_for(d.deliver([_outcome(0, text="long answer")]), 30)
+    [sent] = _results(counting)
+    row = svc.ledger.usage_for("acme", "r0")
+    assert row.status == "failed" and row.error_code == "result_undeliverable"
+    assert row.result_json == sent and '"long answer"' not in row.result_json
