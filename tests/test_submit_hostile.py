@@ -81,7 +81,7 @@ def test_results_that_fail_while_written_leave_the_file_there_before_as_it_was(t
     async def manifest(*args, **kwargs):
         return BatchManifest(batch_id="b1", tenant_id="acme", request_ids=["r1", "r2"])
 
-    async def collected(cfg, manifest, timeout_s, progress=None):
+    async def collected(cfg, manifest, timeout_s, progress=None, contested=None):
         return {rid: Result(request_id=rid, tenant_id="acme", batch_id="b1", status="succeeded", text=rid) for rid in ("r1", "r2")}, {}
 
     written = openai_batch.to_openai_line
