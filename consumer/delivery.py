@@ -116,7 +116,7 @@ class Deliverer(SpoolFlush):
         self.spool_down: str | None = None  # why the last write to the spool failed (its disk full); None when it took it
         self._spool_down_at = 0.0  # monotonic, when it first failed
         self.flush_failing: str | None = None  # why the flusher cannot read or empty the spool now; None when it can
-        self.metrics.spool_records.set(len(spool))
+        self.metrics.spool_records.set(spool.known)
 
     def emit(self, outcome: Outcome) -> None:
         if outcome.usage is not None and outcome.usage.gpu_kind is None:
@@ -342,7 +342,7 @@ class Deliverer(SpoolFlush):
         """Write records of one kind to the ledger, or spool them when it cannot take them now."""
         if not records:
             return
-        if self.ledger_down is not None and self._spool_len():  # keep their order behind what already waits
+        if self.ledger_down is not None and self.spool.known:  # keep their order behind what already waits
             await self._spool(records)
             return
         try:
@@ -405,7 +405,7 @@ class Deliverer(SpoolFlush):
             self._spool_ok()
             break
         self.metrics.waiting.labels("spool").set(0)
-        self.metrics.spool_records.set(self._spool_len())
+        self.metrics.spool_records.set(self.spool.known)
 
     async def _ledger_took(self, records: Sequence) -> bool:
         """Whether the ledger took records the spool could not (it came back while the spool's disk stayed full)."""
@@ -452,7 +452,7 @@ class Deliverer(SpoolFlush):
 
     def _up(self) -> None:
         if self.ledger_down is not None:
-            log.warning("the ledger takes writes again; %d spooled records to flush", len(self.spool))
+            log.warning("the ledger takes writes again; %d spooled records to flush", self.spool.known)
         self.ledger_down = None
         self.schema_behind = False
         self.metrics.ledger_up.set(1)

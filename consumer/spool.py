@@ -149,6 +149,7 @@ class Spool:
             if self._lock_fd is None:  # shared: never deleted while open (module docstring), whoever else opens it
                 self._lock_fd = _hold(self.path, fcntl.LOCK_SH)
             self._db, self._inode = self._open()  # its folder made first: on a full disk that may fail too (ENOSPC)
+            self._known = self._count()  # the last count (`known`)
         except (OSError, sqlite3.Error) as e:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -330,22 +331,34 @@ class Spool:
         finally:
             os.close(held)
 
+    def _count(self) -> int:
+        """The records in the file, counted now (under the lock, or before the spool is shared). Counted, not remembered:
+        workers on one host may share the file (each flushes what it finds; the ledger's keys make a record written by
+        two of them land once). Rows this version cannot read are not counted: no flush empties them, and counted they
+        would hold fetching."""
+        return self._db.execute("SELECT count(*) FROM spool WHERE id NOT IN (SELECT value FROM json_each(?))",
+                                (json.dumps(sorted(self._unreadable)),)).fetchone()[0]
+
     def __len__(self) -> int:
-        # Counted, not remembered: workers on one host may share the file (each flushes what it finds;
-        # the ledger's keys make a record written by two of them land once).
-        # Rows this version cannot read are not counted: no flush empties them, and counted they would hold fetching.
-        return self._guarded(lambda: self._db.execute("SELECT count(*) FROM spool WHERE id NOT IN (SELECT value FROM "
-                                                      "json_each(?))", (json.dumps(sorted(self._unreadable)),)).fetchone()[0])
+        """The records in the file, counted now: it may wait on the file's lock (SQLite's busy timeout, 30 s) and on a
+        write of another thread waiting on it; never on the event loop (`known` is for that)."""
+        n = self._guarded(self._count)
+        self._known = n
+        return n
+
+    @property
+    def known(self) -> int:
+        """The records at the last count: of this spool's every write and removal, and of each `len` (the flusher's
+        pass counts, off the loop, so what other workers of a shared file add is seen within `worker.ledger_flush_ms`).
+        Neither reads the file nor waits on a lock: counted on the event loop, a file another process held locked (a
+        `sqlite3 FILE 'BEGIN EXCLUSIVE;'` left open, another worker mid-transaction) stalled the loop for up to 30 s
+        (heartbeats, fetches, deliveries, SIGTERM) behind a write waiting on it in a thread."""
+        return self._known
 
     @property
     def full(self) -> bool:
-        """Whether fetching pauses for it; False while it cannot be counted (a lock another process holds past the busy
-        timeout, a disk error): the fetch loop asks at every turn, and the error it raised ended the worker."""
-        try:
-            return len(self) >= self.max_records
-        except sqlite3.Error as e:
-            log.warning("the spool at %s cannot be counted (%s); fetching goes on, and records still go to it", self.path, e)
-            return False
+        """Whether fetching pauses for it, by the last count (`known`): asked on the event loop at every turn."""
+        return self._known >= self.max_records
 
     def put(self, records: Sequence) -> None:
         """Append records (any of the three kinds) in one durable transaction."""
@@ -364,11 +377,13 @@ class Spool:
                 if self._carry:
                     self._insert_carry()
                 self._db.executemany("INSERT INTO spool (kind, tenant_id, request_id, body) VALUES (?, ?, ?, ?)", rows)
+                n = self._count()
                 self._db.execute("COMMIT")
             except BaseException:
                 _rollback(self._db)
                 raise
             self._carry = []
+            self._known = n
 
         self._guarded(put)
 
@@ -423,10 +438,12 @@ class Spool:
                 for i in range(0, len(ids), 500):
                     chunk = ids[i: i + 500]
                     self._db.execute(f"DELETE FROM spool WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+                n = self._count()
                 self._db.execute("COMMIT")
             except BaseException:
                 _rollback(self._db)
                 raise
+            self._known = n
 
         self._guarded(remove)
 

@@ -119,7 +119,14 @@ class SpoolFlush:
     async def flush_once(self, chunk: int = 500) -> float:
         """One pass over the spool; return how long to wait before the next. A spool that cannot be read or emptied (a
         file damaged past what consumer.spool sets aside, a disk error) is said and retried, never raised: raised, it
-        ended the flusher task, and the worker with it. Nor is it taken for the ledger being down."""
+        ended the flusher task, and the worker with it. Nor is it taken for the ledger being down. Each pass ends with a
+        count of the spool, off the loop: the fetch loop goes by it (`Spool.full`), with what other workers sharing
+        the file put there."""
+        delay = await self._flush_pass(chunk)
+        self.metrics.spool_records.set(await self._spool_len())
+        return delay
+
+    async def _flush_pass(self, chunk: int) -> float:
         while True:
             try:
                 _, ids, records = await asyncio.to_thread(self.spool.oldest, chunk)
@@ -134,11 +141,11 @@ class SpoolFlush:
                     self.metrics.retries.labels("ledger").inc()
                     return min(_BACKOFF_MAX_S, self.flush_s * 2)
                 return self._flush_failed(e)  # `oldest`
-            self.metrics.spool_records.set(self._spool_len())
+            self.metrics.spool_records.set(self.spool.known)
         if self.flush_failing is not None:
             log.warning("the spool at %s is read and emptied again", self.spool.path)
             self.flush_failing = None
-        if self.ledger_down is not None and not self._spool_len():
+        if self.ledger_down is not None and not await self._spool_len():
             # Nothing spooled proves nothing (the spool's disk full, or another worker flushed the shared file): said
             # back only once the ledger answers. Set back here, `lorabatch_ledger_up` read 1 for 99 of 100 samples of a
             # drill with the ledger down and the spool's disk full.
@@ -156,7 +163,6 @@ class SpoolFlush:
                 pass
             else:
                 self._spool_ok()
-        self.metrics.spool_records.set(self._spool_len())
         return self.flush_s
 
     def _flush_failed(self, e: BaseException) -> float:
@@ -167,12 +173,13 @@ class SpoolFlush:
         self.metrics.retries.labels("spool").inc()
         return min(_BACKOFF_MAX_S, self.flush_s * 2)
 
-    def _spool_len(self) -> int:
-        """The spool's records, or 0 where it cannot be counted (the failing call that finds out says why)."""
+    async def _spool_len(self) -> int:
+        """The spool's records, counted off the loop (what other workers of a shared file added is then seen by `full`);
+        the last count where it cannot be counted (the failing call that finds out says why)."""
         try:
-            return len(self.spool)
-        except Exception:  # noqa: BLE001 - a count must never end a delivery, a flush or the fetch loop
-            return 0
+            return await asyncio.to_thread(len, self.spool)
+        except Exception:  # noqa: BLE001 - a count must never end a flush
+            return self.spool.known
 
 
 async def _remove(spool: Spool, ids: list[int]) -> None:

@@ -291,7 +291,7 @@ class Worker:
         log.info("%s: %d jobs in flight at the stop, %d finished, %d abandoned (uncommitted: redelivered to the next "
                  "owner); %d results published since start; %d ledger records spooled, %d still in the spool for the "
                  "next start; offsets committed: %s", "drained on stop" if self._stopping.is_set() else "stopped on a failure",
-                 at_stop, max(0, at_stop - left), left, d.published, d.spooled, len(self.spool),
+                 at_stop, max(0, at_stop - left), left, d.published, d.spooled, self.spool.known,
                  ", ".join(f"{p}={o}" for p, o in sorted(committed.items()) if o is not None) or "none")
 
     async def _run_tasks(self) -> None:
@@ -395,7 +395,7 @@ class Worker:
         unsent = len(d.outbox) if d is not None else 0
         jobs, tokens = len(self.scheduler) + len(self._in_engine) + parked, self.scheduler.queued_tokens + self.intake.parked_tokens
         why = ("the ledger's schema is missing or behind" if d is not None and d.schema_behind else
-               f"the spool holds {len(self.spool)} records" if self.spool.full else
+               f"the spool holds {self.spool.known} records" if self.spool.full else
                f"{unsent} answers wait to be published and billed" if unsent >= w.max_queued_jobs else
                f"{jobs} jobs, {tokens} tokens queued" + (f" ({parked} of them copies of a request id already here, waiting "
                                                            "for its answer)" if parked else "")
