@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,8 +33,8 @@ from consumer.config import KafkaConfig
 from consumer.ledger_calls import LedgerCalls
 from consumer.metrics import UNREGISTERED, WorkerMetrics
 from consumer.offsets import OffsetTracker
-from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_record
-from consumer.spool import Spool
+from consumer.schemas import DlqRecord, ErrorInfo, Result, dlq_raw_limit, dlq_record
+from consumer.spool import Spool, encode_record
 from consumer.spool_flush import _BACKOFF_MAX_S, SpoolFlush, _writer
 from consumer.stages import StageLog, Stamps
 
@@ -371,7 +373,7 @@ class Deliverer(SpoolFlush):
                 await self._spool([r])
 
     async def _refused(self, r, e: Exception) -> None:
-        body = (getattr(r, "result_json", None) or repr(r)).encode()
+        body = _refused_body(r, dlq_raw_limit(self.k.max_message_bytes))
         record = dlq_record(body, ErrorInfo(code="ledger_rejected", message=str(e)), topic="ledger", partition=-1,
                             offset=-1, timestamp_ms=None, worker_id=self.worker_id, max_bytes=self.k.max_message_bytes,
                             request_id=getattr(r, "request_id", None), tenant_id=getattr(r, "tenant_id", None),
@@ -466,3 +468,20 @@ class Deliverer(SpoolFlush):
             self.metrics.duration.labels(tenant).observe(r.timings.total_ms / 1000)
             self.metrics.routing_cost.labels(tenant).inc(r.cost.routing_ms)
             self.metrics.lora_cost.labels(tenant).inc(r.cost.lora_ms)
+
+
+def _refused_body(r, limit: int) -> bytes:
+    """The DLQ body of a record the ledger refused: the whole record, `{"kind": ..., "record": {every field}}`, so that
+    finance can bill it again exactly (created_at, gpu_kind, tier, worker_id, the costs); the body held the answer
+    (`result_json`) alone. Where it is over what a DLQ record keeps (`limit` bytes), the answer, published already in
+    the results topic, is left out (`result_json_left_out`: its size and sha256), rather than the body's tail cut."""
+    kind, fields = encode_record(r)
+    out = {"kind": kind, "record": json.loads(fields)}
+    body = json.dumps(out).encode()
+    answer = out["record"].get("result_json")
+    if len(body) > limit and answer:
+        answer = answer.encode()
+        out["record"]["result_json"] = None
+        out["result_json_left_out"] = {"bytes": len(answer), "sha256": hashlib.sha256(answer).hexdigest()}
+        body = json.dumps(out).encode()
+    return body

@@ -424,13 +424,18 @@ def parse_job(raw: bytes | None) -> Job | Rejection:
     return Rejection(info, addressable, **ids)
 
 
+def dlq_raw_limit(max_bytes: int) -> int:
+    """How much of a value a DLQ record keeps in a message of `max_bytes` (`dlq_record`)."""
+    return min(DLQ_RAW_BYTES, max(0, max_bytes // 16))
+
+
 def dlq_record(raw: bytes | None, error: ErrorInfo, *, topic: str, partition: int, offset: int, timestamp_ms: int | None,
                worker_id: str, max_bytes: int, request_id: str | None = None, tenant_id: str | None = None,
                batch_id: str | None = None) -> DlqRecord:
     """A DLQ record for one message value that fits a message of `max_bytes`: the value is cut to a share of
     the limit (escaping can grow text six-fold, base64 by a third), its length and sha256 kept whole."""
     raw = raw or b""
-    keep = min(DLQ_RAW_BYTES, max(0, max_bytes // 16))
+    keep = dlq_raw_limit(max_bytes)
     head = raw[:keep]
     return DlqRecord(
         error=error.model_copy(update={"message": error.message[: max(200, min(2000, max_bytes // 16))]}), source_topic=topic, source_partition=partition,

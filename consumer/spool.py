@@ -50,6 +50,11 @@ def _encode(record) -> str:
     return json.dumps({k: v.isoformat() if isinstance(v, datetime) else v for k, v in d.items()})
 
 
+def encode_record(record) -> tuple[str, str]:
+    """A ledger record as the spool keeps it: its kind ("usage", "busy", "load") and its fields as JSON (times in ISO)."""
+    return _KIND_OF[type(record)], _encode(record)
+
+
 def _decode(kind: str, body: str):
     d = json.loads(body)
     return KINDS[kind](**{k: datetime.fromisoformat(v) if k in _TIMES and v is not None else v for k, v in d.items()})
