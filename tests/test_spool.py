@@ -1,6 +1,7 @@
 """The worker's local spool: ledger records survive in order across a restart of the process."""
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +266,42 @@ def test_records_this_version_cannot_read_are_kept_aside_not_raised(tmp_path, ca
     said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert said and str(path) in said[0] and "lorabatch" in said[0], said
     assert not Spool.remove_if_abandoned(path)  # never deleted as empty by a worker beside it
+
+
+_CRASH_AFTER_REOPEN = """
+import os, shutil, sys
+from pathlib import Path
+sys.path.insert(0, os.getcwd())
+from consumer.spool import Spool
+from tests.test_spool import _usage
+path, how = Path(sys.argv[1]), sys.argv[2]
+s = Spool(path, max_records=100)
+s.put([_usage(0), _usage(1)])
+if how == "folder":
+    shutil.rmtree(path.parent)
+elif how == "file":
+    path.unlink()
+else:  # replaced: another spool made at the path and closed
+    path.unlink()
+    Spool(path, max_records=100).close()
+s.put([_usage(2)])  # reopens at the path, then closes the old file's connection
+s.put([_usage(3)])
+os._exit(0)  # killed: nothing checkpointed, the new file's records are in its -wal alone
+"""
+
+
+@pytest.mark.parametrize("how", ["folder", "file", "replaced"])
+def test_the_old_connection_closing_keeps_the_new_files_wal(tmp_path, how):
+    """The reopen (`_still_there`) makes the new file before it closes the old file's connection, its last: SQLite
+    deletes `<path>-wal` by name as the last connection of a WAL file closes, which would be the new file's, and a kill
+    before a checkpoint would then lose what went into it. SQLite leaves the WAL of a file that was moved or deleted
+    under it alone (checked here with a killed process): the records are all at the path afterwards."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "spool" / "w.sqlite"
+    subprocess.run([sys.executable, "-c", _CRASH_AFTER_REOPEN, str(path), how], check=True, cwd=Path(__file__).parents[1])
+    reopened = Spool(path, max_records=100)
+    kept = [r.request_id for r in reopened.oldest(10)[2]]
+    reopened.close()
+    assert kept in ((["r2", "r3"], ["r0", "r1", "r2", "r3"]) if how == "replaced" else (["r0", "r1", "r2", "r3"],))
