@@ -327,7 +327,7 @@ def test_the_drain_summary_counts_partitions_revoked_during_the_stop(caplog):
     p0, p3 = TopicPartition("jobs", 0), TopicPartition("jobs", 3)
     w = Worker.__new__(Worker)  # the summary needs the offsets, the stop's marks and the deliverer's counts only
     w.offsets, w._stopping, w._in_flight_at_stop = OffsetTracker(), asyncio.Event(), None
-    w.deliverer, w.spool = SimpleNamespace(published=5, spooled=0, stopping=False), []
+    w.deliverer, w.spool = SimpleNamespace(published=5, spooled=0, stopping=False), SimpleNamespace(known=0)
     w._work_event, w.metrics = asyncio.Event(), WorkerMetrics()
     for tp in (p0, p3):
         for o in range(4):
