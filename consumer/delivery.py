@@ -306,8 +306,11 @@ class Deliverer(SpoolFlush):
                 self.metrics.waiting.labels("broker").set(1)
                 self.metrics.retries.labels("publish").inc()
                 topics = self._topics_of(todo)
-                fix = (f": the broker does not let this worker write to {topics}; grant its principal WRITE on "
-                       f"{topics} (and DESCRIBE)" if isinstance(waiting, _NOT_ALLOWED) else "")
+                fix = ("" if not isinstance(waiting, _NOT_ALLOWED) else
+                       f": the broker does not let this worker write to {topics}; grant its principal WRITE on {topics} (and "
+                       f"DESCRIBE)" if isinstance(waiting, TopicAuthorizationFailedError) else
+                       f": the broker refuses this worker's writes at the cluster; grant its principal IDEMPOTENT_WRITE on the "
+                       f"cluster (Kafka asks it of producers it takes as idempotent), and WRITE and DESCRIBE on {topics}")
                 log.warning("waiting for the broker to publish %d outcomes to %s for %.0fs (%s%s); retrying in %.1fs",
                             len([o for o in batch if not o.published]), topics, time.monotonic() - started,
                             waiting, fix, delay)

@@ -33,6 +33,8 @@ async def test_a_results_topic_that_refuses_the_worker_is_waited_for(rig, caplog
     assert not [t for t, _ in counting.sent if t.endswith(".dlq")]
     waits = [r.getMessage() for r in caplog.records if "waiting for the broker to publish" in r.getMessage()]
     assert waits and s.kafka.results_topic in waits[0] and "WRITE" in waits[0], waits
+    # A cluster-level refusal is a grant on the cluster (IDEMPOTENT_WRITE), not only one on the topic.
+    assert ("IDEMPOTENT_WRITE on the cluster" in waits[0]) == (error is ClusterAuthorizationFailedError), waits
 
 
 async def test_a_dlq_topic_that_refuses_the_worker_is_waited_for(rig):
