@@ -20,6 +20,23 @@ def decimal_text(value: Decimal) -> str:
     return format(value if value else abs(value), "f")
 
 
+# A spreadsheet opening a CSV runs a cell that starts with one of these as a formula ("=cmd|' /C calc'!A0", "@SUM(..)"):
+# a text cell that does is written behind a "'", which the spreadsheet shows as text. Numbers are never text cells here.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value: str) -> str:
+    """A text cell as a CSV carries it: a leading "'" where a spreadsheet would read the text as a formula (a tier set as
+    "=HYPERLINK(...)" opened as a live link in the finance report's CSV)."""
+    return "'" + value if value.startswith(_FORMULA_STARTS) else value
+
+
+def plain_text(value: str) -> str:
+    """Text for an aligned table: a control character (a newline in a tier's name broke its row in two) written as its
+    escape, "\\n"."""
+    return value if value.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+
+
 def price_text(value: Decimal) -> str:
     """A unit price with its trailing zeros cut down to two places: 7.200000000 -> "7.20", 0.0001 -> "0.0001"."""
     exponent = value.normalize().as_tuple().exponent
@@ -84,10 +101,10 @@ def render_csv(invoice: Invoice) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
-    head = (invoice.tenant, invoice.period, invoice.status, invoice.currency)
+    head = tuple(map(csv_text, (invoice.tenant, invoice.period, invoice.status, invoice.currency)))
     tail = (_closed_at(invoice) or "", json.dumps(list(invoice.tiers_billed)))
     for line in invoice.lines:
-        writer.writerow((*head, line.adapter, line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), "", *tail))
+        writer.writerow((*head, csv_text(line.adapter), line.adjustment_for or "", price_text(line.gpu_price_per_hour), *_amounts(line).values(), "", *tail))
     writer.writerow((*head, "TOTAL", "", "", *_amounts(invoice.totals).values(), invoice.unpriced_requests, *tail))
     return out.getvalue()
 
@@ -98,13 +115,13 @@ def _title(invoice: Invoice) -> str:
         status += " " + instant_text(invoice.closed_at)
     prices = sorted({line.gpu_price_per_hour for line in invoice.lines})
     at = f" at {', '.join(map(price_text, prices))} per GPU hour" if prices else ""
-    return f"Invoice {invoice.tenant} {invoice.period} ({status}), {invoice.currency}{at}"
+    return f"Invoice {plain_text(invoice.tenant)} {invoice.period} ({status}), {invoice.currency}{at}"
 
 
 def render_table(invoice: Invoice) -> str:
     """The invoice as an aligned text table: labels left-aligned, numbers right-aligned, totals last."""
     header = ("adapter", "gpu_price", *AMOUNT_KEYS)
-    body = [(line.label, price_text(line.gpu_price_per_hour), *map(str, _amounts(line).values())) for line in invoice.lines]
+    body = [(plain_text(line.label), price_text(line.gpu_price_per_hour), *map(str, _amounts(line).values())) for line in invoice.lines]
     total = ("total", "", *map(str, _amounts(invoice.totals).values()))
     widths = [max(len(row[i]) for row in (header, *body, total)) for i in range(len(header))]
 

@@ -19,7 +19,7 @@ from decimal import Decimal
 
 from billing.finance import FinanceReport
 from billing.cost import us_to_ms
-from billing.invoice_render import decimal_text
+from billing.invoice_render import csv_text, decimal_text, plain_text
 from billing.reconcile import ReconcileReport, reconcile_summary
 from billing.sre import PERCENTILES, SreReport
 
@@ -82,8 +82,15 @@ def _parts(report: Report) -> tuple[str, str, dict[str, object], list[Table]]:
 
 
 def _cell(value: object) -> str:
-    """A table cell: "-" where the other formats leave the value empty, so that every row has all its columns."""
-    return _text(value) or "-"
+    """A table cell: "-" where the other formats leave the value empty, so that every row has all its columns; a
+    control character in a text (a newline in a tier's name) as its escape, so that a row stays one line."""
+    return plain_text(_text(value)) or "-"
+
+
+def _csv_cell(value: object) -> str:
+    """A CSV cell: a text that a spreadsheet would run as a formula behind a "'" (billing/invoice_render.csv_text); a
+    number as it is (a negative margin is a number, not a formula)."""
+    return csv_text(value) if isinstance(value, str) else _text(value)
 
 
 def render_report_table(report: Report) -> str:
@@ -121,10 +128,10 @@ def render_report_csv(report: Report) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=["section", *columns])
     writer.writeheader()
-    writer.writerow({"section": "summary", **{key: _text(value) for key, value in summary.items()}})
+    writer.writerow({"section": "summary", **{key: _csv_cell(value) for key, value in summary.items()}})
     for table in tables:
         for row in table.rows:
-            writer.writerow({"section": table.name, **{key: _text(value) for key, value in zip(table.header, row)}})
+            writer.writerow({"section": table.name, **{key: _csv_cell(value) for key, value in zip(table.header, row)}})
     return out.getvalue()
 
 
