@@ -10,8 +10,9 @@ the attributed time (billing/conservation.py): `unattributed_s`, what is left on
 carried work that reconcile names is taken out too (busy time carried over a month's end to the requests that
 finished after it), should be zero.
 
-Percentiles are nearest-rank (the smallest value with at least p% of the values at or below it),
-computed in Python from the rows, so both backends give the same answer.
+Percentiles are nearest-rank (the smallest value with at least p% of the values at or below it; nearest_rank),
+ranked in the database by a window (row_number over each adapter's rows), so both backends give the same answer
+and only the rows at the ranks are read.
 """
 
 from __future__ import annotations
@@ -117,16 +118,28 @@ def _adapter_sums(session: Session, period: str) -> dict[str, dict[str, int]]:
 
 
 def _latencies(session: Session, period: str) -> dict[str, tuple[list[int], list[int]]]:
-    totals: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    statement = select(Usage.adapter, Usage.total_us, Usage.ttft_us).where(Usage.period == period, Usage.status == "succeeded")
-    for adapter, total_us, ttft_us in session.execute(statement.execution_options(yield_per=50_000)):
-        lists = totals[adapter or BASE_MODEL]
-        lists[0].append(total_us)
-        lists[1].append(ttft_us)
-    for total, ttft in totals.values():
-        total.sort()
-        ttft.sort()
-    return totals
+    """Per adapter, (total, ttft) microseconds at PERCENTILES of its succeeded requests of `period`, by nearest rank.
+
+    Ranked in the database (a window over each adapter's rows; both backends, exact integers): only the rows at the
+    ranks come back, so memory does not grow with the month, where every request's two latencies were fetched into
+    Python lists and sorted there (about 50 MB of a 500,000-request month's report)."""
+    out: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([0] * len(PERCENTILES), [0] * len(PERCENTILES)))
+    for which, column in enumerate((Usage.total_us, Usage.ttft_us)):
+        ranked = (
+            select(Usage.adapter.label("adapter"), column.label("value"),
+                   func.row_number().over(partition_by=Usage.adapter, order_by=column).label("rank"),
+                   func.count().over(partition_by=Usage.adapter).label("n"))
+            .where(Usage.period == period, Usage.status == "succeeded")
+            .subquery()
+        )
+        ranks = [(p * ranked.c.n + 99) // 100 for p in PERCENTILES]  # ceil(p * n / 100), in integers (nearest_rank)
+        statement = select(ranked.c.adapter, ranked.c.rank, ranked.c.n, ranked.c.value).where(ranked.c.rank.in_(ranks))
+        for adapter, rank, n, value in session.execute(statement):
+            values = out[adapter or BASE_MODEL][which]
+            for i, p in enumerate(PERCENTILES):
+                if max(-(-p * int(n) // 100), 1) == rank:
+                    values[i] = int(value)
+    return out
 
 
 def worker_times(session: Session, period: str) -> list[WorkerSre]:
@@ -170,15 +183,14 @@ def sre_report(db: Engine | Session, period: str, *, now: datetime | None = None
             s = sums[adapter]
             cold_starts, cold_us = loads.get(adapter, (0, 0))
             gpu_us = s["base_us"] + s["lora_us"] + s["routing_us"] - s["kv_saved_us"] + cold_us
-            total, ttft = latencies.get(adapter, ([], []))
+            total, ttft = latencies.get(adapter, ([0] * len(PERCENTILES), [0] * len(PERCENTILES)))
             adapters.append(AdapterSre(
                 adapter=adapter, requests=s["requests"], failed=s["failed"], base_s=us_to_s(s["base_us"]), lora_s=us_to_s(s["lora_us"]),
                 routing_s=us_to_s(s["routing_us"]), kv_saved_s=us_to_s(s["kv_saved_us"]),
                 kv_measured_s=us_to_s(s["kv_measured_us"]), cold_start_s=us_to_s(cold_us), gpu_s=us_to_s(gpu_us),
                 routing_overhead=share(s["routing_us"] + s["lora_us"], s["base_us"] + s["lora_us"] + s["routing_us"]),
                 cached_tokens=s["cached_tokens"], cold_starts=cold_starts,
-                total_ms=tuple(us_to_ms(nearest_rank(total, p)) for p in PERCENTILES),
-                ttft_ms=tuple(us_to_ms(nearest_rank(ttft, p)) for p in PERCENTILES),
+                total_ms=tuple(map(us_to_ms, total)), ttft_ms=tuple(map(us_to_ms, ttft)),
             ))
         workers = worker_times(session, period)
         busy_us, unbilled_us, carried_out_us = (int(v or 0) for v in session.execute(
