@@ -23,7 +23,7 @@ from engine.adapter_pool import AdapterPool
 from engine.api import EngineError, GenerationRequest, GenerationResult, RequestError, RequestTimings
 from engine.config import EngineConfig
 from engine.model import ModelConfig
-from engine.sampling import generator_seed, is_greedy
+from engine.sampling import is_greedy, seeded_generator
 from engine.planner import StepPlanner
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -127,7 +127,7 @@ class Requests:
         generator = None
         if not is_greedy(req.sampling):
             seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
-            generator = torch.Generator(device=self._device).manual_seed(generator_seed(seed))
+            generator = seeded_generator(seed, self._device)
         return Sequence(
             request=req,
             order=next(self._order),

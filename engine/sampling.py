@@ -12,7 +12,8 @@ likely token is always kept explicitly; a top_k at or past the vocabulary is no 
 are unusable (any NaN or +inf, or nothing finite: a model that produced garbage) is found by
 `usable_rows`; it is sanitised before any draw so that no NaN or inf ever reaches torch.multinomial, and
 the engine fails that row's request alone (code `sampling_failed`). Seeds are folded into the range
-torch.Generator.manual_seed takes (`generator_seed`).
+torch.Generator.manual_seed takes (`generator_seed`), and on the CPU into the 32 bits its generator keeps
+(`seeded_generator`).
 
 Reproducibility: every sampled request draws from its own torch.Generator, seeded by the request's
 seed, and takes exactly one draw per token. A request's tokens thus depend on its seed and its own
@@ -46,6 +47,25 @@ def is_greedy(p: SamplingParams) -> bool:
 def generator_seed(seed: int) -> int:
     """`seed` folded into manual_seed's range: the identity on the job contract's [0, 2**63 - 1]."""
     return seed % _SEED_RANGE
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator of its own for one request. The CPU's (mt19937) is seeded with 32 bits: given a 64-bit seed, torch
+    keeps its low half, so seeds 5 and 5 + 2**32 drew the same tokens. There the high half is mixed in (`_fold32`): a
+    seed below 2**32 seeds it as itself, as before. A GPU's Philox generator takes all 64 bits as they are."""
+    folded = generator_seed(seed)
+    if torch.device(device).type == "cpu":
+        folded = _fold32(folded)
+    return torch.Generator(device=device).manual_seed(folded)
+
+
+def _fold32(seed: int) -> int:
+    """A 64-bit seed in 32 bits: the low half plus a bijective mix (murmur3's fmix32, which maps 0 to 0) of the high.
+    Seeds of one high half never collide; seeds of different ones only as random 32-bit values do."""
+    h = seed >> 32
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return ((seed & 0xFFFFFFFF) + (h ^ (h >> 16))) & 0xFFFFFFFF
 
 
 def usable_rows(logits: torch.Tensor) -> torch.Tensor:  # [M] bool on the logits' device

@@ -69,6 +69,7 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
             raise RequestError(f"prompt must be a string, got {type(req.prompt).__name__}", code="invalid_request")
         if not req.prompt:
             raise RequestError("prompt is empty; send some text", code="empty_prompt")
+        check_whole_text(req.prompt, "prompt")
         check_text_bound(req.prompt, "prompt is", tokenizer, config)
         ids = tokenizer.encode(req.prompt)
     elif req.messages is not None:
@@ -77,6 +78,7 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
         for i, m in enumerate(req.messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError(f"messages[{i}] must be {{'role': str, 'content': str}}, got {m!r}", code="invalid_messages")
+            check_whole_text(m["content"], f"messages[{i}].content")
         text = tokenizer.apply_chat_template(req.messages)  # what encode_chat encodes: the template's text, not guessed
         check_text_bound(text, "messages render to", tokenizer, config)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -101,6 +103,18 @@ def prompt_ids(req: GenerationRequest, tokenizer: Tokenizer, config: EngineConfi
             code="prompt_too_long",
         )
     return ids
+
+
+def check_whole_text(text: str, what: str) -> None:
+    """Refuse text that UTF-8 cannot carry (a lone UTF-16 surrogate, '\\ud800'): the tokenizer raised TypeError on it,
+    and the request failed as admission_failed with a traceback logged instead of naming what to fix."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}, "
+                           "which is not text; send the whole character or leave it out", code="invalid_request") from None
 
 
 def check_text_bound(text: str, what: str, tokenizer: Tokenizer, config: EngineConfig) -> None:
