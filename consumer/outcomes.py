@@ -82,6 +82,8 @@ def engine_error_field(code: str, message: str, job: Job) -> str | None:
         return name if name in Job.model_fields else None
     if code.startswith("adapter_") or code == "unknown_adapter":
         return "adapter_ref"
+    if code == "duplicate_request_id":  # `lorabatch generate`: a file giving one request_id on two lines
+        return "request_id"
     return None
 
 

@@ -114,3 +114,19 @@ def test_a_lone_surrogate_in_a_chat_message_fails_that_request_alone(engine):
     got = engine.generate([bad, _req("m-ok", max_new_tokens=2)])
     assert got[0].error.code == "invalid_request" and "messages[1].content" in str(got[0].error), got[0].error
     assert got[1].ok
+
+
+def test_a_request_id_given_twice_in_one_offline_file_names_the_field(demo_set, tmp_path):
+    """`lorabatch generate` on a file repeating a request_id: the first line runs, the second fails naming request_id
+    (it said `field: null`), and the line after still runs."""
+    import json
+
+    from consumer.offline import run_offline
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"request_id": rid, "prompt": "hi", "max_new_tokens": 2}) + "\n" for rid in ("a", "a", "b")))
+    config = EngineConfig(model_dir=str(demo_set["model"]), device="cpu", max_prompt_tokens=64, max_new_tokens=32)
+    first, second, third = (json.loads(line) for line in run_offline(config, {}, jobs))
+    assert first["status"] == third["status"] == "succeeded"
+    assert second["status"] == "failed" and second["error"]["code"] == "duplicate_request_id"
+    assert second["error"]["field"] == "request_id", second
