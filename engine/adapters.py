@@ -226,6 +226,8 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
         header = json.loads(bytes(data[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise corrupt(f"the header is not valid JSON: {e}") from e
+    except RecursionError:  # the decoder nests a call per array or object: 200,000 '[' raised past every caller's except
+        raise corrupt("the header's JSON nests arrays or objects thousands deep") from None
     if not isinstance(header, dict):
         raise corrupt("the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -239,11 +241,16 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
     for name, info in header.items():
         try:
             dtype = _ST_DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+            shape, offsets = info["shape"], info["data_offsets"]
+        except (KeyError, TypeError) as e:
             raise corrupt(f"tensor {name}: a dtype this torch knows, a shape and two data_offsets are needed ({e!r})") from e
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
+        # whole numbers only, as the safetensors library reads them: int() took 8.7 as 8 and "04" as [0, 4], and raised
+        # OverflowError (past every caller's except) on 1e999, which json reads as an infinite float
+        if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
+            raise corrupt(f"tensor {name}: shape {shape!r} and data_offsets {offsets!r} must be lists of whole numbers "
+                          "(data_offsets two of them)")
+        begin, end = offsets
+        if not all(0 <= d < 1 << 63 for d in shape) or not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
             raise corrupt(f"tensor {name}: data_offsets {[begin, end]} do not hold {info['dtype']} {shape} within {size} bytes")
         entries.append((begin, end, name, dtype, shape))
     entries.sort()
@@ -261,6 +268,20 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
             view = view.clone()  # unaligned (other writers than safetensors'): a dtype view needs an aligned start
         tensors[name] = view.view(dtype).view(shape)
     return tensors, metadata
+
+
+def _finite_number(x: object) -> bool:
+    """An int or float finite as a float: math.isfinite(10**400) raises OverflowError, which went past every caller."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _int_list(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
 
 
 def _check_fingerprint(in_config: str | None, in_weights: str | None, base: str, source: Path) -> None:
@@ -287,6 +308,9 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
         cfg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path} is not valid JSON ({e}); re-save the adapter with peft", code="adapter_corrupt") from e
+    except RecursionError:  # arrays or objects nested thousands deep: it went past every caller's except
+        raise AdapterError(f"{path} nests JSON arrays or objects thousands deep; re-save the adapter with peft",
+                           code="adapter_corrupt") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{path} must hold a JSON object; re-save the adapter with peft", code="adapter_corrupt")
 
@@ -309,8 +333,8 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
             code="adapter_rank_too_large",
         )
     alpha = cfg.get("lora_alpha", 8)  # PEFT's default
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise refuse(f"lora_alpha={alpha!r}; it must be a number")
+    if not _finite_number(alpha):
+        raise refuse(f"lora_alpha={alpha!r}; it must be a finite number (PEFT's default is 8)")
     if cfg.get("fan_in_fan_out", False):
         raise refuse("fan_in_fan_out=true is for GPT-2 style Conv1D layers; Llama projections need false")
     if cfg.get("bias", "none") != "none":
@@ -337,7 +361,7 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
         raw = [raw]
     if not isinstance(raw, list) or not raw:
         raise refuse(f"target_modules={raw!r}; list the targeted modules, from {list(LORA_TARGETS)}")
-    unknown = [t for t in raw if t not in PROJECTION_PARENT]
+    unknown = [t for t in raw if not isinstance(t, str) or t not in PROJECTION_PARENT]  # str first: a list is unhashable
     if unknown:
         raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
     excluded = cfg.get("exclude_modules") or []  # PEFT 0.14+: modules of target_modules left unadapted

@@ -1,0 +1,106 @@
+"""Hostile adapter files met at registration: each is refused as an AdapterError naming the file and the field, and a
+bulk import reports it in its place while the other adapters are registered (an exception other than AdapterError or
+OSError aborted the whole `lorabatch adapters add --dir` call, and failed the worker's read as adapter_load_failed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.adapter_import import AdapterChecks, Imported, import_adapter, import_adapters
+from engine.api import AdapterError
+from engine.store import AdapterStore
+
+MB = 1 << 20
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def _safetensors(header: dict | bytes, body: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def _weights(data: bytes) -> Callable[[Path], None]:
+    return lambda d: (d / "adapter_model.safetensors").write_bytes(data)
+
+
+def _config_text(edit: Callable[[str], str]) -> Callable[[Path], None]:
+    def go(d: Path) -> None:
+        p = d / "adapter_config.json"
+        p.write_text(edit(p.read_text()))
+
+    return go
+
+
+def _config(**changes) -> Callable[[Path], None]:
+    return _config_text(lambda text: json.dumps({**json.loads(text), **changes}))
+
+
+# (case id, how to break the qkvo-r8 adapter, error code, substrings the message must hold)
+HOSTILE: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
+    ("header JSON nested 200,000 deep", _weights(struct.pack("<Q", 200_000) + b"[" * 200_000), "adapter_corrupt",
+     ["adapter_model.safetensors", "thousands deep"]),
+    ("config JSON nested 200,000 deep", _config_text(lambda _: "[" * 200_000), "adapter_corrupt",
+     ["adapter_config.json", "thousands deep"]),
+    ("shape 1e999 (an infinite float)", _weights(_safetensors({KEY: {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}},
+                                                              b"\0" * 4)), "adapter_corrupt", ["shape", "whole numbers"]),
+    ("data_offsets 1e999", _weights(_safetensors({KEY: {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e999]}}, b"\0" * 4)),
+     "adapter_corrupt", ["data_offsets", "whole numbers"]),
+    ("shape 8.7 x 128.2 read as 8 x 128", _weights(_safetensors({KEY: {"dtype": "F32", "shape": [8.7, 128.2],
+                                                                      "data_offsets": [0, 4096]}}, b"\0" * 4096)),
+     "adapter_corrupt", ["shape", "whole numbers"]),
+    ("data_offsets a string", _weights(_safetensors({KEY: {"dtype": "U8", "shape": [4], "data_offsets": "04"}}, b"\0" * 4)),
+     "adapter_corrupt", ["data_offsets", "whole numbers"]),
+    ("shape true", _weights(_safetensors({KEY: {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, b"\0")),
+     "adapter_corrupt", ["shape", "whole numbers"]),
+    ("a dimension past int64 beside a 0", _weights(_safetensors({KEY: {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}})),
+     "adapter_corrupt", [KEY, "do not hold"]),
+    ("lora_alpha 10**400", _config(lora_alpha=10**400), "adapter_invalid", ["lora_alpha=", "finite number"]),
+    ("target_modules holding a list", _config(target_modules=[["q_proj"]]), "adapter_invalid", ["unknown target module ['q_proj']"]),
+    ("target_modules holding an object", _config(target_modules=[{"q": 1}]), "adapter_invalid", ["unknown target module"]),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checks(demo_set) -> AdapterChecks:
+    return AdapterChecks.for_model_dir(demo_set["model"], 64)
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_file_is_refused_naming_it(demo_set, checks, tmp_path, case):
+    """Every hostile file is an AdapterError with its code and a message naming the file and what is wrong, and nothing
+    is stored."""
+    _, brk, code, needles = case
+    d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / "adapter"))
+    brk(d)
+    store = AdapterStore(tmp_path / "store", 64 * MB)
+    with pytest.raises(AdapterError) as ei:
+        import_adapter(d, store, checks)
+    assert ei.value.code == code, (ei.value.code, str(ei.value))
+    for needle in needles:
+        assert needle in str(ei.value), (needle, str(ei.value))
+    assert str(d) in str(ei.value)
+    assert store.entries() == []
+
+
+def test_bulk_import_reports_hostile_files_in_place(demo_set, checks, tmp_path):
+    """A bulk import of every hostile folder between two good ones: each hostile one is its AdapterError in its place,
+    the good ones are stored (one hostile file aborted the whole call before)."""
+    good = demo_set["adapters"]["qv-r4"]
+    paths: list[Path] = [good]
+    for i, (_, brk, _, _) in enumerate(HOSTILE):
+        d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / f"bad{i}"))
+        brk(d)
+        paths.append(d)
+    paths.append(demo_set["adapters"]["mlp-r4"])
+    store = AdapterStore(tmp_path / "store", 64 * MB)
+    out = import_adapters(paths, store, checks, threads=2)
+    assert isinstance(out[0], Imported) and isinstance(out[-1], Imported), (out[0], out[-1])
+    assert [type(o) for o in out[1:-1]] == [AdapterError] * len(HOSTILE), out
+    assert [e.code for e in out[1:-1]] == [c[2] for c in HOSTILE]
+    assert len(store.entries()) == 2
