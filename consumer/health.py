@@ -51,6 +51,7 @@ class Health:
         self._phase = "starting"  # starting -> connecting -> serving -> stopping -> stopped
         self.engine_alive: Callable[[], bool] = lambda: True
         self.store_root: Path | None = None  # the adapter store's folder (store.adapter_dir), once the worker has one
+        self.route_cache: object | None = None  # the worker's route cache: one with a `problem` (Redis) is named when it fails
         self._beat_at: float | None = None
 
     @property
@@ -109,12 +110,15 @@ class Health:
             why.append("the ledger's schema is missing or behind: run `lorabatch db upgrade`")
         if not ledger_up and not spool_up:
             why.append("neither the ledger nor the local spool takes records")
-        degraded = [what for what, bad in (("redis", waiting["redis"]), ("ledger", not ledger_up),
+        redis = getattr(self.route_cache, "problem", None)  # Redis gone while serving: waiting{on="redis"} is start's alone
+        degraded = [what for what, bad in (("redis", waiting["redis"] or redis is not None), ("ledger", not ledger_up),
                                            ("spool", not spool_up)) if bad]
         store = self._store_problem()
         if store is not None:
             degraded.append("adapter_store")
         body = {"ready": not why, "phase": self.phase, "engine": engine, "degraded": degraded}
+        if redis is not None:
+            body["redis"] = f"the route cache (Redis) fails, routing goes on by the tenants' rules and defaults: {redis}"
         if store is not None:
             body["adapter_store"] = store
         if why:

@@ -157,6 +157,10 @@ class RedisRouteCache:
         self.errors = 0
         self.last_error = ""  # `explain` of the latest error, for the worker's log
         self._writes_down_until = 0.0  # Redis refusing writes (OOM, READONLY, NOPERM) while it answers reads
+        # `explain` of the latest failure of Redis itself (cleared by any call that succeeds) and of its latest refusal of
+        # writes (cleared by a write that succeeds), for /readyz
+        self._read_error: str | None = None
+        self._write_error: str | None = None
         self.bad_entries = 0  # values that were no adapter reference, and keys of ours of the wrong type, since start
         self._poisoned = poisoned
 
@@ -164,9 +168,19 @@ class RedisRouteCache:
     def available(self) -> bool:
         return self._clock() >= self._down_until
 
+    @property
+    def problem(self) -> str | None:
+        """What fails in Redis as of the latest calls (it answered none, or refused a write, with no call since that
+        succeeded), or None: /readyz names it (consumer.health). With no traffic it stays as the latest call left it."""
+        return self._read_error or self._write_error
+
     def _failed(self, e: BaseException, *, writes_only: bool = False) -> None:
         self.errors += 1
         self.last_error = explain(e)
+        if writes_only:
+            self._write_error = self.last_error
+        else:
+            self._read_error = self.last_error
         if writes_only:
             self._writes_down_until = self._clock() + self.backoff_s
         else:
@@ -184,6 +198,7 @@ class RedisRouteCache:
         except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply redis-py could not read: the cache's fault, never the batch's
             self._failed(e)
             return None
+        self._read_error = None
         found = {}
         for k, v in zip(keys, values):
             if v is None:
@@ -262,6 +277,7 @@ class RedisRouteCache:
         except Exception as e:  # noqa: BLE001 - RedisError, OSError, or a reply of a type no Redis sends (TypeError reading it)
             self._failed(e)
             return False
+        self._read_error = self._write_error = None  # a write that went through: Redis answers and takes writes
         return True
 
     async def close(self) -> None:

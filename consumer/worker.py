@@ -131,6 +131,7 @@ class Worker:
                                    capacity=self.capacity, headroom=w.headroom_slots)
         self.breakers = BreakerBoard(r.breaker_failure_rate, r.breaker_min_requests, r.breaker_window_s, r.breaker_cooldown_s)
         self.router = Router(route_cache or make_route_cache(settings, self.metrics.route_cache_poisoned), self.breakers)
+        self.metrics.health.route_cache = self.router.cache  # /readyz names Redis while it fails
         self.offsets = OffsetTracker()
         self.stages = StageLog(self.metrics.stage, keep=keep_stages, dropped=self.metrics.stage_dropped)  # consumer.stages
         self.engine_clock = EngineClock()
@@ -161,8 +162,7 @@ class Worker:
                              self._work_event, snapshot, ledger_calls=self.ledger_calls)
         self._apply_snapshot(snapshot)
         self._in_engine: dict[int, tuple[Pending, Routed]] = {}
-        self._cache_errors_seen = 0
-        self._cache_errors_said = 0  # the count at the last log line about them
+        self._cache_errors_seen = self._cache_errors_said = 0  # _said: the count at the last log line about them
         self._cache_errors_throttle = Throttle(60.0)
         self.consumer = None
         # commits, revoked partitions' jobs, leaving the group (consumer.handover)
