@@ -224,7 +224,11 @@ class BlockManager:
             self._refs[block] -= 1
             assert self._refs[block] >= 0, block
             if self._refs[block] == 0:
-                self._tenant_used[seq.tenant_id] -= 1
+                left = self._tenant_used[seq.tenant_id] - 1
+                if left:
+                    self._tenant_used[seq.tenant_id] = left
+                else:  # an entry per tenant ever served, each at 0, grew with every distinct tenant id
+                    del self._tenant_used[seq.tenant_id]
                 self._owner[block] = None
                 if block in self._hash_of:
                     self._evictable[block] = None

@@ -49,3 +49,24 @@ def test_the_breaker_counts_the_same_over_slow_traffic():
     assert board.failures("k") == 1
     now[0] = 30.0
     assert board.failures("k") == 0
+
+
+def test_tenants_that_left_the_kv_cache_leave_no_count_behind():
+    """50,000 requests, each of a tenant of its own, run and freed (an engine driven with every job's tenant id, as
+    `lorabatch generate` does with a file's): the per-tenant block count kept an entry at 0 for each tenant ever seen; it
+    now holds the tenants holding blocks only, and a tenant's quota still counts its blocks while it holds them."""
+    from engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=64, block_size=16, tenant_quota=8)
+    for i in range(50_000):
+        blocks.ensure(("r", i), 40, tenant_id=f"t{i}")
+        assert blocks.tenant_blocks(f"t{i}") == 3
+        blocks.free(("r", i))
+    assert blocks._tenant_used == {} and blocks.tenants() == {}
+    blocks.ensure("a", 16 * 8, tenant_id="acme")
+    blocks.ensure("b", 16, tenant_id="globex")
+    assert blocks.tenants() == {"acme": 8, "globex": 1}
+    blocks.ensure("c", 0, tenant_id="acme")
+    assert blocks.can_grow("c", 16) == "quota"
+    blocks.free("a")
+    assert blocks.tenants() == {"globex": 1} and blocks.can_grow("c", 16) is None
