@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from consumer.breaker import BreakerBoard
+from tests.test_label_bounds import registry  # noqa: F401 - the fixture: acme, its adapter `support` and a rule
 
 
 def test_a_flood_of_outcomes_in_one_window_keeps_the_breaker_small_and_fast():
@@ -70,3 +71,56 @@ def test_tenants_that_left_the_kv_cache_leave_no_count_behind():
     assert blocks.can_grow("c", 16) == "quota"
     blocks.free("a")
     assert blocks.tenants() == {"globex": 1} and blocks.can_grow("c", 16) is None
+
+
+def test_fifty_thousand_hostile_jobs_leave_the_intake_within_its_bounds(registry):
+    """50,000 jobs through the worker's real intake (parse, a registry on SQLite, the router, the scheduler), each with
+    its own tenant id, request id, batch id, adapter name, user and session id: once answered, nothing is left waiting,
+    the scheduler holds queues of registered tenants only, the route cache is at its bound, and the memory of answers
+    and of messages read stays within worker.answered_cache."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from aiokafka import TopicPartition
+
+    from consumer.config import Settings
+    from consumer.intake import Intake
+    from consumer.metrics import WorkerMetrics
+    from consumer.route_cache import LruRouteCache
+    from consumer.routing import Router
+    from consumer.scheduler import Scheduler
+
+    tp = TopicPartition("jobs", 0)
+    settings = Settings.model_validate({"worker": {"answered_cache": 1_000}})
+    scheduler, cache, breakers = Scheduler(64, 100_000, 8), LruRouteCache(500, 60), BreakerBoard()
+    intake = Intake(settings, WorkerMetrics(), "w1", scheduler, Router(cache, breakers), None, None, asyncio.Event(),
+                    registry.snapshot())
+    emitted = []
+    intake.deliverer = SimpleNamespace(emit=emitted.append)
+
+    async def nothing_stored(keys):
+        return {}
+
+    intake.stored = nothing_stored
+    kinds = [
+        lambda i: {"tenant_id": f"t{i}"},  # unregistered
+        lambda i: {"tenant_id": "acme", "adapter_ref": f"ad{i}"},  # no such adapter
+        lambda i: {"tenant_id": "acme", "user_id": f"u{i}", "session_id": f"s{i}", "prompt": "refund",
+                   "priority": i % 201 - 100},  # queued, routed by the rule
+    ]
+    messages = [json.dumps({"request_id": f"r{i}", "batch_id": f"b{i}", "prompt": "x", **kinds[i % 3](i)}).encode()
+                for i in range(50_000)]
+    items = [(tp, SimpleNamespace(topic="jobs", partition=0, offset=k, timestamp=k, value=v, key=None, headers=[]), 1)
+             for k, v in enumerate(messages)]
+    for lo in range(0, len(items), 5_000):
+        asyncio.run(intake.ingest(items[lo:lo + 5_000]))
+    assert len(intake._seen) <= 2 * 1_000 and len(intake.answers) <= 1_000
+    assert len(cache) <= 500
+    assert set(scheduler.depth_by_tenant()) == {"acme"}
+    assert set(scheduler._policies) <= {"acme"} and set(scheduler._buckets) <= {"acme"}
+    assert len(scheduler._tiers) <= 201
+    assert all(set(t.last_finish) <= {"acme"} for t in scheduler._tiers.values())
+    assert breakers._circuits == {}
+    queued = len(scheduler)
+    assert len(intake.running) == queued and intake.parked == 0  # only the queued jobs' keys: the answered left
