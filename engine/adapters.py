@@ -31,8 +31,11 @@ from engine.api import AdapterError
 from engine.model import LORA_TARGETS, PROJECTION_PARENT, ModelConfig
 from engine.store import adapter_files, content_sha256, read_file
 
-# PEFT's saved key for one LoRA matrix of a Llama projection (the adapter name is stripped on save).
-_KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT's saved key for one LoRA matrix of a Llama projection (the adapter name is stripped on save). The layer is written
+# as PyTorch writes it, ASCII digits without a leading zero, at most 9 of them: `\d+` took "00" and "\u0660" (an
+# Arabic-Indic zero) as layer 0 too, so a second copy of a layer's tensors replaced the first unseen (PEFT leaves such a
+# key unloaded), and int() of 5,000 digits raised ValueError past every caller's except.
+_KEY_RE = re.compile(r"^base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _F32_MAX = torch.finfo(torch.float32).max
 # safetensors' dtype names, to torch's (those this torch has); a name not here makes the file unreadable
@@ -114,7 +117,8 @@ def parse_adapter(
             hint = (
                 f"'{module}' is not a LoRA-targetable projection (supported: {', '.join(LORA_TARGETS)})"
                 if module and module not in PROJECTION_PARENT
-                else "expected base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight"
+                else "expected base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight, N a layer number "
+                "in ASCII digits without a leading zero, as PyTorch writes it"
             )
             raise invalid(f"unexpected key {key}: {hint}")
         layer, module, which = int(m.group(1)), m.group(3), m.group(4)
@@ -224,8 +228,8 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
         raise corrupt(f"the header says {n} bytes, the file holds {len(data) - 8} after the length")
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"the header is not valid JSON: {e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and int()'s own for a number of over 4,300 digits
+        raise corrupt(f"the header is not valid JSON: {_json_error(e)}") from e
     except RecursionError:  # the decoder nests a call per array or object: 200,000 '[' raised past every caller's except
         raise corrupt("the header's JSON nests arrays or objects thousands deep") from None
     if not isinstance(header, dict):
@@ -270,6 +274,15 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
     return tensors, metadata
 
 
+def _json_error(e: ValueError) -> str:
+    """What json.loads found wrong. A number of more than 4,300 digits is refused by int() with a plain ValueError (Python
+    3.11's limit on int-string conversion), not a JSONDecodeError: it went past the excepts of every caller, aborting a
+    whole `lorabatch adapters add --dir` call."""
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+        return str(e)
+    return "a number of more than 4,300 digits, which no field takes"
+
+
 def _finite_number(x: object) -> bool:
     """An int or float finite as a float: math.isfinite(10**400) raises OverflowError, which went past every caller."""
     if not isinstance(x, (int, float)) or isinstance(x, bool):
@@ -306,8 +319,8 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
     None: every layer, exclude_modules) of a LoRA adapter_config.json this engine can run."""
     try:
         cfg = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{path} is not valid JSON ({e}); re-save the adapter with peft", code="adapter_corrupt") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and int()'s own for a number of over 4,300 digits
+        raise AdapterError(f"{path} is not valid JSON ({_json_error(e)}); re-save the adapter with peft", code="adapter_corrupt") from e
     except RecursionError:  # arrays or objects nested thousands deep: it went past every caller's except
         raise AdapterError(f"{path} nests JSON arrays or objects thousands deep; re-save the adapter with peft",
                            code="adapter_corrupt") from None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from engine.adapter_import import AdapterChecks, Imported, import_adapter, import_adapters
 from engine.api import AdapterError
@@ -41,6 +42,18 @@ def _config(**changes) -> Callable[[Path], None]:
     return _config_text(lambda text: json.dumps({**json.loads(text), **changes}))
 
 
+def _layer0_copied_as(layer: str, scale: float = 100.0) -> Callable[[Path], None]:
+    """Add a copy of layer 0's tensors (times `scale`) under the layer written as `layer`."""
+
+    def go(d: Path) -> None:
+        w = load_file(d / "adapter_model.safetensors")
+        for k in [k for k in w if ".layers.0." in k]:
+            w[k.replace(".layers.0.", f".layers.{layer}.")] = w[k] * scale
+        save_file(w, d / "adapter_model.safetensors")
+
+    return go
+
+
 # (case id, how to break the qkvo-r8 adapter, error code, substrings the message must hold)
 HOSTILE: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
     ("header JSON nested 200,000 deep", _weights(struct.pack("<Q", 200_000) + b"[" * 200_000), "adapter_corrupt",
@@ -62,6 +75,16 @@ HOSTILE: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
      "adapter_corrupt", [KEY, "do not hold"]),
     ("lora_alpha 10**400", _config(lora_alpha=10**400), "adapter_invalid", ["lora_alpha=", "finite number"]),
     ("target_modules holding a list", _config(target_modules=[["q_proj"]]), "adapter_invalid", ["unknown target module ['q_proj']"]),
+    ("r of 5,000 digits", _config_text(lambda t: t.replace('"r": ', '"r": ' + "1" * 5000 + ', "was_r": ')), "adapter_corrupt",
+     ["adapter_config.json", "more than 4,300 digits"]),
+    ("shape of 5,000 digits", _weights(_safetensors(b'{"%s":{"dtype":"F32","shape":[%s],"data_offsets":[0,4]}}'
+                                                           % (KEY.encode(), b"1" * 5000), b"\0" * 4)), "adapter_corrupt",
+     ["adapter_model.safetensors", "more than 4,300 digits"]),
+    ("a layer of 5,000 digits", _layer0_copied_as("9" * 5000), "adapter_invalid", ["unexpected key", "without a leading zero"]),
+    ("layer 0 again as 00", _layer0_copied_as("00"), "adapter_invalid", ["unexpected key base_model.model.model.layers.00.",
+                                                                         "without a leading zero"]),
+    ("layer 0 again as an Arabic-Indic zero", _layer0_copied_as("\u0660"), "adapter_invalid",
+     ["unexpected key base_model.model.model.layers.\u0660.", "ASCII digits"]),
     ("target_modules holding an object", _config(target_modules=[{"q": 1}]), "adapter_invalid", ["unknown target module"]),
 ]  # fmt: skip
 
