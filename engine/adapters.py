@@ -197,7 +197,9 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 def _one_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One flat view over `tensors` (one dtype) if they are views of one buffer lying back to back, else None."""
-    spans = sorted((t.storage_offset(), t.numel(), t) for t in tensors)
+    # by (offset, size) alone: unaligned tensors are copies of their own at offset 0, and a tie went on to compare two
+    # tensors (RuntimeError) for a file whose header is not padded to 8 bytes
+    spans = sorted(((t.storage_offset(), t.numel(), t) for t in tensors), key=lambda span: span[:2])
     first = spans[0][2]
     if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for _, _, t in spans):
         return None

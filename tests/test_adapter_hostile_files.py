@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from engine.adapter_import import AdapterChecks, Imported, import_adapter, import_adapters
@@ -127,3 +128,24 @@ def test_bulk_import_reports_hostile_files_in_place(demo_set, checks, tmp_path):
     assert [type(o) for o in out[1:-1]] == [AdapterError] * len(HOSTILE), out
     assert [e.code for e in out[1:-1]] == [c[2] for c in HOSTILE]
     assert len(store.entries()) == 2
+
+
+def test_an_adapter_whose_header_leaves_every_tensor_unaligned_loads(demo_set, checks, tmp_path):
+    """A writer that does not pad the safetensors header to 8 bytes (the format does not require it) leaves every f32
+    tensor unaligned: each is read by a copy, and the copies of tensors of one size tied in _one_view's sort, which then
+    compared two tensors and raised RuntimeError past every except (a whole `adapters add --dir` call aborted)."""
+    from engine.adapters import load_adapter_dir
+
+    d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / "adapter"))
+    data = (d / "adapter_model.safetensors").read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.dumps(json.loads(data[8 : 8 + n]), separators=(",", ":")).encode()
+    header += b" " * ((1 - len(header)) % 4)  # 8 + len(header) is 1 mod 4: no f32 is aligned
+    (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
+    got = import_adapter(d, AdapterStore(tmp_path / "store", 64 * MB), checks)
+    assert got.rank == 8
+    want = load_adapter_dir(demo_set["adapters"]["qkvo-r8"], checks.model, max_lora_rank=64, max_bytes=64 * MB)
+    have = load_adapter_dir(d, checks.model, max_lora_rank=64, max_bytes=64 * MB)
+    assert have.weights.keys() == want.weights.keys()
+    for k, (a, b) in want.weights.items():
+        assert torch.equal(have.weights[k][0], a) and torch.equal(have.weights[k][1], b), k
