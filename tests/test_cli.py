@@ -39,12 +39,15 @@ def config(tmp_path, ledger_url):
         (["\u00b2=5"], "write VERSION=WEIGHT"),
         (["1=\uff15\uff10"], "write VERSION=WEIGHT"),
         (["1=99999999999", "2=0"], "weight 99999999999 is too large; give weights from 0 to 2147483647"),
+        (["1=" + "9" * 5000, "2=0"], "weight 99999999999999999999... has 5000 digits; give weights from 0 to 2147483647"),
+        (["1" * 5000 + "=5"], "version 11111111111111111111... has 5000 digits; a version has at most 9"),
     ],
-    ids=["a version twice", "superscript digit", "fullwidth digits", "over the column"],
+    ids=["a version twice", "superscript digit", "fullwidth digits", "over the column", "a weight of 5,000 digits",
+         "a version of 5,000 digits"],
 )
 def test_traffic_refuses_what_it_cannot_apply_as_written(config, demo_set, pairs, says):
-    """`adapters traffic` answers a version given twice, digits that are not ASCII and a weight the column cannot hold
-    with one error line (status 2) and changes nothing, where it kept the last pair in silence, stopped with a ValueError
+    """`adapters traffic` answers a version given twice, digits that are not ASCII, a weight the column cannot hold and
+    a number of more than 4,300 digits (int() raised ValueError, a traceback) with one error line (status 2) and changes nothing, where it kept the last pair in silence, stopped with a ValueError
     traceback, or passed the database's "integer out of range" on."""
     adapters = demo_set["adapters"]
     run("tenants", "add", "acme", "--config", config)

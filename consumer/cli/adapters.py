@@ -111,13 +111,17 @@ TRAFFIC_PAIR_RE = re.compile(r"(?P<version>[0-9]+)=(?P<weight>[0-9]+)")
 def traffic(name: str, weights: Annotated[list[str], typer.Argument(help="VERSION=WEIGHT pairs, e.g. 1=90 2=10")],
             tenant: Annotated[str, typer.Option(help="owner tenant")], config: ConfigOpt = None) -> None:
     """Split an adapter name's traffic among its versions (canary, promote, roll back)."""
-    from consumer.registry import RegistryError
+    from consumer.registry import WEIGHT_MAX, RegistryError
 
     parsed: dict[int, int] = {}
     for w in weights:
         pair = TRAFFIC_PAIR_RE.fullmatch(w)  # ASCII digits: str.isdigit() passed '²', which int() refused with a traceback
         if pair is None:
             fail(f"{w!r}: write VERSION=WEIGHT, e.g. 2=10")
+        # before int(), which raised ValueError (a traceback) past 4,300 digits; 12 digits are past either limit
+        for part, limit in (("version", "a version has at most 9 digits"), ("weight", f"give weights from 0 to {WEIGHT_MAX}")):
+            if len(digits := pair[part].lstrip("0")) > 12:
+                fail(f"{part} {digits[:20]}... has {len(digits)} digits; {limit}")
         version, weight = int(pair["version"]), int(pair["weight"])
         if version in parsed:  # the last pair won in silence: 1=90 1=0 2=10 sent all the traffic to version 2
             fail(f"version {version} is given twice ({version}={parsed[version]} and {w}); give each version once")
