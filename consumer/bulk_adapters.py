@@ -154,6 +154,8 @@ def _manifest_line(line: str, where: str, base: Path, flags: Flags) -> Entry:
         obj = json.loads(line, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         return bad(f"not JSON ({e.msg} at column {e.colno})")
+    except ValueError:  # int()'s own, not a JSONDecodeError: it aborted the whole call with a traceback
+        return bad("a number of more than 4,300 digits, which no key takes")
     except _DuplicateKey as e:  # json keeps the last silently: which one was meant is not for us to guess
         return bad(f"key {e.key!r} is given twice; give each key once")
     except RecursionError:  # the decoder nests a call per array or object: thousands deep exhaust the stack

@@ -179,7 +179,8 @@ def test_manifest(config, registry, tmp_path, demo_set):
 
 
 def test_manifest_lines_nested_too_deep_or_with_a_key_twice_fail_alone(config, registry, tmp_path, demo_set):
-    """A line nested 100,000 deep (RecursionError in json) and a line with a key twice (json kept the last) each fail by
+    """A line nested 100,000 deep (RecursionError in json), a line with a key twice (json kept the last) and a number of
+    5,000 digits (int()'s ValueError, which aborted the whole call with a traceback) each fail by
     their number as malformed lines do; the other lines are registered and the call ends with status 1, no traceback."""
     a = _copy(demo_set, "qv-r4", tmp_path / "a")
     manifest = tmp_path / "m.jsonl"
@@ -191,17 +192,19 @@ def test_manifest_lines_nested_too_deep_or_with_a_key_twice_fail_alone(config, r
         '{"name": "x", "path": "a", "public": {"k": 1, "k": 2}}',
         '{"name": "x", "path": ' + "[" * 500 + "]" * 500 + "}",
         '{"name": "x", "path": "a", "canary": "10"}',
+        '{"name": "x", "path": "a", "canary": ' + "1" * 5000 + "}",
     ]
     manifest.write_text("\n".join(lines) + "\n")
     result = run("adapters", "add", "--tenant", "acme", "--manifest", str(manifest), "--config", config, code=1)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     by_line = {int(o.rsplit("line ", 1)[1].rstrip(")")): r for o, r in _failures(result).items()}
-    assert sorted(by_line) == [2, 3, 4, 5, 6]
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7]
     assert "nested too deeply to read" in by_line[2] and "write one JSON object a line" in by_line[2]
     assert "key 'name' is given twice" in by_line[3] and "key 'k' is given twice" in by_line[4]
     assert len(by_line[5]) < 400, "a deep value is shown cut"
     assert "'canary' must be a whole percentage from 1 to 99, found '10'" in by_line[6]
-    assert SUMMARY.format(6, 1, 0, 5) in result.stdout
+    assert "a number of more than 4,300 digits" in by_line[7] and len(by_line[7]) < 400, by_line[7][:400]
+    assert SUMMARY.format(7, 1, 0, 6) in result.stdout
     assert [v.name for v in registry.list_adapters()] == ["good"]
 
 
