@@ -45,6 +45,10 @@ _ST_DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
 ) if hasattr(torch, attr)}  # fmt: skip
 FINGERPRINT_KEY = "lorabatch_base_fingerprint"
+# The safetensors library's MAX_HEADER_SIZE: it refuses a longer header ("header too large"). Here one was parsed up to
+# engine.max_adapter_bytes (512 MiB): 60 MB of header took 0.8 GB and 7 s, and a valid adapter could carry such a
+# __metadata__ into every worker's read of it. A real adapter's header is under 1 MB (80 layers x 7 projections x 2).
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,9 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > len(data) - 8:
         raise corrupt(f"the header says {n} bytes, the file holds {len(data) - 8} after the length")
+    if n > MAX_HEADER_BYTES:
+        raise corrupt(f"a header of {n:,} bytes, over the {MAX_HEADER_BYTES:,} the safetensors library reads; keep "
+                      "__metadata__ small")
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and int()'s own for a number of over 4,300 digits

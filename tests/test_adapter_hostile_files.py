@@ -149,3 +149,25 @@ def test_an_adapter_whose_header_leaves_every_tensor_unaligned_loads(demo_set, c
     assert have.weights.keys() == want.weights.keys()
     for k, (a, b) in want.weights.items():
         assert torch.equal(have.weights[k][0], a) and torch.equal(have.weights[k][1], b), k
+
+
+def test_a_header_longer_than_the_safetensors_library_reads_is_refused(demo_set, checks, tmp_path):
+    """A header over 100,000,000 bytes (the library's MAX_HEADER_SIZE; here a valid adapter's with a huge __metadata__)
+    is refused before it is parsed: it was parsed up to engine.max_adapter_bytes, gigabytes of memory at every read."""
+    from engine.adapters import MAX_HEADER_BYTES
+
+    d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / "adapter"))
+    data = (d / "adapter_model.safetensors").read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["pad"] = ""
+    raw = json.dumps(header).encode()
+    raw = raw.replace(b'"pad": ""', b'"pad": "' + b"x" * (MAX_HEADER_BYTES + 8 - len(raw)) + b'"')
+    raw += b" " * ((-len(raw)) % 8)
+    assert MAX_HEADER_BYTES < len(raw) <= MAX_HEADER_BYTES + 16
+    (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    store = AdapterStore(tmp_path / "store", 512 * MB)
+    with pytest.raises(AdapterError) as ei:
+        import_adapter(d, store, checks)
+    assert ei.value.code == "adapter_corrupt" and "over the 100,000,000 the safetensors library reads" in str(ei.value), ei.value
+    assert store.entries() == []
