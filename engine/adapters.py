@@ -49,6 +49,9 @@ FINGERPRINT_KEY = "lorabatch_base_fingerprint"
 # engine.max_adapter_bytes (512 MiB): 60 MB of header took 0.8 GB and 7 s, and a valid adapter could carry such a
 # __metadata__ into every worker's read of it. A real adapter's header is under 1 MB (80 layers x 7 projections x 2).
 MAX_HEADER_BYTES = 100_000_000
+# adapter_config.json: PEFT writes about 1 KB. It was parsed up to engine.max_adapter_bytes: 48 MB of `[]`s took 1 GB and
+# 2.6 s, kept by registration (unknown keys are PEFT's to ignore) and parsed again at every worker's read.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,9 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
                   ) -> tuple[int, float, bool, tuple[str, ...], str | None, frozenset[int] | None, frozenset[str]]:
     """(rank, alpha, use_rslora, target_modules less exclude_modules, base fingerprint or None, layers_to_transform or
     None: every layer, exclude_modules) of a LoRA adapter_config.json this engine can run."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{path} holds {len(data):,} bytes, over the {MAX_CONFIG_BYTES:,} an adapter config may hold (PEFT "
+                           "writes about 1 KB); keep only PEFT's fields in it", code="adapter_invalid")  # fmt: skip
     try:
         cfg = json.loads(data)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and int()'s own for a number of over 4,300 digits

@@ -86,6 +86,8 @@ HOSTILE: list[tuple[str, Callable[[Path], None], str, list[str]]] = [
                                                                          "without a leading zero"]),
     ("layer 0 again as an Arabic-Indic zero", _layer0_copied_as("\u0660"), "adapter_invalid",
      ["unexpected key base_model.model.model.layers.\u0660.", "ASCII digits"]),
+    ("config over 1 MiB", _config_text(lambda t: t.replace('"r": ', '"pad": "' + "x" * (1 << 20) + '", "r": ')),
+     "adapter_invalid", ["adapter_config.json holds 1,049,", "over the 1,048,576", "keep only PEFT's fields"]),
     ("target_modules holding an object", _config(target_modules=[{"q": 1}]), "adapter_invalid", ["unknown target module"]),
 ]  # fmt: skip
 
