@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,10 @@ MAX_HEADER_BYTES = 100_000_000
 # adapter_config.json: PEFT writes about 1 KB. It was parsed up to engine.max_adapter_bytes: 48 MB of `[]`s took 1 GB and
 # 2.6 s, kept by registration (unknown keys are PEFT's to ignore) and parsed again at every worker's read.
 MAX_CONFIG_BYTES = 1 << 20
+# A file's names and values as errors show them, cut: a tensor name may be as long as the header (100 MB), and the
+# error is printed by `adapters add` and carried in results
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlist, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel = 8, 160, 160, 3
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def parse_adapter(
                 else "expected base_model.model.model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight, N a layer number "
                 "in ASCII digits without a leading zero, as PyTorch writes it"
             )
-            raise invalid(f"unexpected key {key}: {hint}")
+            raise invalid(f"unexpected key {_cut(key)}: {hint}")
         layer, module, which = int(m.group(1)), m.group(3), m.group(4)
         name = f"layers.{layer}.{m.group(2)}.{module}"
         if model is not None and layer >= model.num_layers:
@@ -259,21 +264,23 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
             dtype = _ST_DTYPES[info["dtype"]]
             shape, offsets = info["shape"], info["data_offsets"]
         except (KeyError, TypeError) as e:
-            raise corrupt(f"tensor {name}: a dtype this torch knows, a shape and two data_offsets are needed ({e!r})") from e
+            raise corrupt(f"tensor {_cut(name)}: a dtype this torch knows, a shape and two data_offsets are needed "
+                          f"({_SHOWN.repr(e)})") from e
         # whole numbers only, as the safetensors library reads them: int() took 8.7 as 8 and "04" as [0, 4], and raised
         # OverflowError (past every caller's except) on 1e999, which json reads as an infinite float
         if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
-            raise corrupt(f"tensor {name}: shape {shape!r} and data_offsets {offsets!r} must be lists of whole numbers "
-                          "(data_offsets two of them)")
+            raise corrupt(f"tensor {_cut(name)}: shape {_SHOWN.repr(shape)} and data_offsets {_SHOWN.repr(offsets)} must be lists of "
+                          "whole numbers (data_offsets two of them)")
         begin, end = offsets
         if not all(0 <= d < 1 << 63 for d in shape) or not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
-            raise corrupt(f"tensor {name}: data_offsets {[begin, end]} do not hold {info['dtype']} {shape} within {size} bytes")
+            raise corrupt(f"tensor {_cut(name)}: data_offsets {[begin, end]} do not hold {info['dtype']} {_SHOWN.repr(shape)} within "
+                          f"{size} bytes")
         entries.append((begin, end, name, dtype, shape))
     entries.sort()
     covered = 0
     for begin, end, name, _, _ in entries:
         if begin != covered:
-            raise corrupt(f"tensor {name} starts at {begin}, the bytes before it end at {covered}")
+            raise corrupt(f"tensor {_cut(name)} starts at {begin}, the bytes before it end at {covered}")
         covered = end
     if covered != size:
         raise corrupt(f"the tensors cover {covered} of the {size} data bytes")
@@ -284,6 +291,11 @@ def read_safetensors(data: bytes | bytearray, path: Path) -> tuple[dict[str, tor
             view = view.clone()  # unaligned (other writers than safetensors'): a dtype view needs an aligned start
         tensors[name] = view.view(dtype).view(shape)
     return tensors, metadata
+
+
+def _cut(name: str) -> str:
+    """A name from a file as an error shows it: whole up to 160 characters, else its start and its length."""
+    return name if len(name) <= 160 else f"{name[:160]}... ({len(name):,} characters)"
 
 
 def _json_error(e: ValueError) -> str:

@@ -173,3 +173,27 @@ def test_a_header_longer_than_the_safetensors_library_reads_is_refused(demo_set,
         import_adapter(d, store, checks)
     assert ei.value.code == "adapter_corrupt" and "over the 100,000,000 the safetensors library reads" in str(ei.value), ei.value
     assert store.entries() == []
+
+
+LONG = "x" * 1_000_000
+LONG_NAMES = {
+    "a key of a million characters": _safetensors({"base_model." + LONG: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                                                  b"\0" * 4),
+    "a dtype of a million characters": _safetensors({KEY: {"dtype": LONG, "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "a shape of 200,000 dimensions": _safetensors({KEY: {"dtype": "F32", "shape": [1] * 200_000, "data_offsets": [0, 8]}},
+                                                  b"\0" * 4),
+    "a name of a million characters out of place": _safetensors({LONG: {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+                                                                b"\0" * 8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("data", LONG_NAMES.values(), ids=LONG_NAMES.keys())
+def test_an_error_shows_a_long_name_or_value_cut(demo_set, checks, tmp_path, data):
+    """A tensor name, dtype or shape from the file is shown cut in the error: it was shown whole, a line of up to the
+    header's 100 MB on `adapters add`'s stderr."""
+    d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / "adapter"))
+    (d / "adapter_model.safetensors").write_bytes(data)
+    with pytest.raises(AdapterError) as ei:
+        import_adapter(d, AdapterStore(tmp_path / "store", 64 * MB), checks)
+    assert len(str(ei.value)) < 1000 + len(str(d)), str(ei.value)[:2000]
+    assert "adapter_model.safetensors" in str(ei.value) or "unexpected key" in str(ei.value), str(ei.value)[:300]
