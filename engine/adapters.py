@@ -56,7 +56,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # A file's names and values as errors show them, cut: a tensor name may be as long as the header (100 MB), and the
 # error is printed by `adapters add` and carried in results
 _SHOWN = reprlib.Repr()
-_SHOWN.maxlist, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel = 8, 160, 160, 3
+_SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlevel = 4, 4, 100, 100, 3
 
 
 @dataclass(frozen=True)
@@ -358,14 +358,14 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
         return AdapterError(f"{path}: {what}", code="adapter_invalid")
 
     if cfg.get("peft_type") != "LORA":
-        raise refuse(f"peft_type={cfg.get('peft_type')!r}; only LORA adapters are served")
+        raise refuse(f"peft_type={_SHOWN.repr(cfg.get('peft_type'))}; only LORA adapters are served")
     task = cfg.get("task_type")
     if task not in (None, "CAUSAL_LM"):  # before modules_to_save, which PEFT fills with such a task's head ("score", ...)
-        raise refuse(f"task_type={task!r}: the adapter was trained for another head than the base's LM head (a classifier, "
+        raise refuse(f"task_type={_SHOWN.repr(task)}: the adapter was trained for another head than the base's LM head (a classifier, "
                      "embeddings, ...); only CAUSAL_LM adapters generate text: train it with task_type CAUSAL_LM")
     rank = cfg.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise refuse(f"r={rank!r}; the rank must be a positive integer")
+        raise refuse(f"r={_SHOWN.repr(rank)}; the rank must be a positive integer")
     if rank > max_lora_rank:
         raise AdapterError(
             f"{path}: r={rank} is over engine.max_lora_rank={max_lora_rank}; "
@@ -374,21 +374,21 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
         )
     alpha = cfg.get("lora_alpha", 8)  # PEFT's default
     if not _finite_number(alpha):
-        raise refuse(f"lora_alpha={alpha!r}; it must be a finite number (PEFT's default is 8)")
+        raise refuse(f"lora_alpha={_SHOWN.repr(alpha)}; it must be a finite number (PEFT's default is 8)")
     if cfg.get("fan_in_fan_out", False):
         raise refuse("fan_in_fan_out=true is for GPT-2 style Conv1D layers; Llama projections need false")
     if cfg.get("bias", "none") != "none":
-        raise refuse(f"bias={cfg['bias']!r}; only 'none' is supported (trained biases would change the base model)")
+        raise refuse(f"bias={_SHOWN.repr(cfg['bias'])}; only 'none' is supported (trained biases would change the base model)")
     if cfg.get("use_dora", False):
         raise refuse("use_dora=true: DoRA adapters are not supported; merge or retrain as plain LoRA")
     for field in ("rank_pattern", "alpha_pattern"):
         if cfg.get(field):
             raise refuse(f"{field} is set; per-module ranks or alphas are not supported yet, use one r and lora_alpha")
     if cfg.get("modules_to_save"):
-        raise refuse(f"modules_to_save={cfg['modules_to_save']!r}: fully trained extra modules cannot share one base; drop them")
+        raise refuse(f"modules_to_save={_SHOWN.repr(cfg['modules_to_save'])}: fully trained extra modules cannot share one base; drop them")
     # PEFT options that change more than the targeted projections: served as plain LoRA, the output would differ from PEFT's
     if cfg.get("layer_replication"):
-        raise refuse(f"layer_replication={cfg['layer_replication']!r} stacks the base's layers into another model, which one "
+        raise refuse(f"layer_replication={_SHOWN.repr(cfg['layer_replication'])} stacks the base's layers into another model, which one "
                      "shared base cannot be; train the adapter without it")
     if cfg.get("lora_bias", False):
         raise refuse("lora_bias=true: a bias on lora_B is not supported; train the adapter with lora_bias=false")
@@ -397,31 +397,31 @@ def _parse_config(data: bytes, path: Path, max_lora_rank: int
     raw = cfg.get("target_modules")
     if isinstance(raw, str):
         if raw not in PROJECTION_PARENT:  # PEFT reads a string as a regex (or 'all-linear'); only plain names are accepted
-            raise refuse(f"target_modules={raw!r} is a pattern; list the module names instead, from {list(LORA_TARGETS)}")
+            raise refuse(f"target_modules={_SHOWN.repr(raw)} is a pattern; list the module names instead, from {list(LORA_TARGETS)}")
         raw = [raw]
     if not isinstance(raw, list) or not raw:
-        raise refuse(f"target_modules={raw!r}; list the targeted modules, from {list(LORA_TARGETS)}")
+        raise refuse(f"target_modules={_SHOWN.repr(raw)}; list the targeted modules, from {list(LORA_TARGETS)}")
     unknown = [t for t in raw if not isinstance(t, str) or t not in PROJECTION_PARENT]  # str first: a list is unhashable
     if unknown:
-        raise refuse(f"unknown target module {unknown[0]!r}; supported: {', '.join(LORA_TARGETS)}")
+        raise refuse(f"unknown target module {_SHOWN.repr(unknown[0])} in target_modules; supported: {', '.join(LORA_TARGETS)}")
     excluded = cfg.get("exclude_modules") or []  # PEFT 0.14+: modules of target_modules left unadapted
     names = excluded  # PEFT reads a string as a regex over the whole module path: refused with the patterns
     if not isinstance(names, list) or any(not isinstance(n, str) or n not in PROJECTION_PARENT for n in names):
-        raise refuse(f"exclude_modules={excluded!r}; only whole projection names ({', '.join(LORA_TARGETS)}) can be "
+        raise refuse(f"exclude_modules={_SHOWN.repr(excluded)}; only whole projection names ({', '.join(LORA_TARGETS)}) can be "
                      f"excluded here, not patterns or single layers' paths: drop them from target_modules instead")
     raw = [t for t in raw if t not in names]
     if not raw:
-        raise refuse(f"exclude_modules={excluded!r} excludes every module of target_modules: the adapter adapts nothing")
+        raise refuse(f"exclude_modules={_SHOWN.repr(excluded)} excludes every module of target_modules: the adapter adapts nothing")
     fingerprint = cfg.get(FINGERPRINT_KEY)
     if fingerprint is not None and not isinstance(fingerprint, str):
-        raise refuse(f"{FINGERPRINT_KEY}={fingerprint!r}; it must be the base fingerprint, a hex string")
+        raise refuse(f"{FINGERPRINT_KEY}={_SHOWN.repr(fingerprint)}; it must be the base fingerprint, a hex string")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):  # bool() of the string "false" is True: a wrong scaling, silently
-        raise refuse(f"use_rslora={rslora!r}; it must be true or false (a JSON boolean)")
+        raise refuse(f"use_rslora={_SHOWN.repr(rslora)}; it must be true or false (a JSON boolean)")
     layers = cfg.get("layers_to_transform")
     if layers is not None:
         listed = [layers] if isinstance(layers, int) else layers
         if not isinstance(listed, list) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in listed):
-            raise refuse(f"layers_to_transform={layers!r}; it must be a layer index or a list of them (or null: every layer)")
+            raise refuse(f"layers_to_transform={_SHOWN.repr(layers)}; it must be a layer index or a list of them (or null: every layer)")
         layers = frozenset(listed)
     return rank, float(alpha), rslora, tuple(raw), fingerprint, layers, frozenset(names)

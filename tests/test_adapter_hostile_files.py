@@ -197,3 +197,13 @@ def test_an_error_shows_a_long_name_or_value_cut(demo_set, checks, tmp_path, dat
         import_adapter(d, AdapterStore(tmp_path / "store", 64 * MB), checks)
     assert len(str(ei.value)) < 1000 + len(str(d)), str(ei.value)[:2000]
     assert "adapter_model.safetensors" in str(ei.value) or "unexpected key" in str(ei.value), str(ei.value)[:300]
+
+
+@pytest.mark.parametrize("field", ["modules_to_save", "layer_replication", "target_modules", "exclude_modules", "bias", "peft_type"])
+def test_a_config_error_shows_a_long_value_cut(demo_set, checks, tmp_path, field):
+    """A config value is shown cut in its error (it was shown whole: up to the config's 1 MiB on a line)."""
+    d = Path(shutil.copytree(demo_set["adapters"]["qkvo-r8"], tmp_path / "adapter"))
+    _config(**{field: ["y" * 1000] * 500})(d)
+    with pytest.raises(AdapterError) as ei:
+        import_adapter(d, AdapterStore(tmp_path / "store", 64 * MB), checks)
+    assert field in str(ei.value) and len(str(ei.value)) < 1000 + len(str(d)), str(ei.value)[:2000]
