@@ -122,7 +122,9 @@ async def test_a_delivery_to_a_locked_spool_does_not_stall_the_loop(tmp_path) ->
         assert await _longest_stall(deliveries) < 0.5
     finally:
         holder.wait()
-    assert [r.request_id for r in spool.oldest(10)[2]] == ["r0", "r1", "r2", "r3"]
+    ids = [r.request_id for r in spool.oldest(10)[2]]
+    # r2 and r3 are written at once (one gather): either may take the file first, behind r0 and r1.
+    assert ids[:2] == ["r0", "r1"] and sorted(ids[2:]) == ["r2", "r3"], ids
     assert spool.known == 4 and d.metrics.spool_records._value.get() == 4
     spool.close()
 
